@@ -1,0 +1,157 @@
+"""Process group and parallel layout of one worker; collectives that short-circuit at size 1.
+
+API.md §7 "Process group": use the default group if initialised; else initialise one when the
+torchrun variables say WORLD_SIZE > 1; else run as a single process with no group at all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import attrs
+import torch
+import torch.distributed as dist
+
+__all__ = ["ParallelContext", "DEFAULT_COLLECTIVE_TIMEOUT_S"]
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+@attrs.define(kw_only=True)
+class ParallelContext:
+    """Sizes, coordinates and process groups of this rank; size-1 axes need no group.
+
+    Rank layout is row-major over (dp, cp, tp): tp varies fastest.
+    """
+
+    world_size: int
+    rank: int
+    dp_size: int
+    cp_size: int
+    tp_size: int
+    device: torch.device
+    mesh: object | None = None  # torch DeviceMesh over ("dp", "cp", "tp") when world_size > 1
+    groups: dict[str, object] = attrs.field(factory=dict)  # axis name -> ProcessGroup
+    owns_process_group: bool = False
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.cp_size * self.tp_size)
+
+    @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp_size) % self.cp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @classmethod
+    def single(cls, device: torch.device) -> ParallelContext:
+        """A one-process context: every collective is the identity."""
+        return cls(world_size=1, rank=0, dp_size=1, cp_size=1, tp_size=1, device=device)
+
+    @classmethod
+    def from_environment(
+        cls,
+        *,
+        tp_size: int = 1,
+        cp_size: int = 1,
+        device: torch.device | None = None,
+        timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    ) -> ParallelContext:
+        """Join (or create, under torchrun) the default process group and build the mesh."""
+        owns = False
+        if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            owns = True
+        if device is None:
+            device = _default_device()
+        if not dist.is_initialized():
+            if tp_size * cp_size != 1:
+                msg = (
+                    f"tensor_parallel_size={tp_size} and context_parallel_size={cp_size} need "
+                    f"{tp_size * cp_size} processes but this is a single process; launch with "
+                    f"torchrun --nproc-per-node {tp_size * cp_size} or set both sizes to 1"
+                )
+                raise ValueError(msg)
+            return cls.single(device)
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        if world_size % (tp_size * cp_size) != 0:
+            msg = (
+                f"world size {world_size} is not divisible by tensor_parallel_size * "
+                f"context_parallel_size = {tp_size} * {cp_size}; choose sizes whose product "
+                f"divides the number of processes"
+            )
+            raise ValueError(msg)
+        dp_size = world_size // (tp_size * cp_size)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            device.type, (dp_size, cp_size, tp_size), mesh_dim_names=("dp", "cp", "tp")
+        )
+        groups = {axis: mesh.get_group(axis) for axis in ("dp", "cp", "tp")}
+        groups["dp_cp"] = mesh["dp", "cp"]._flatten("dp_cp").get_group()
+        groups["cp_tp"] = mesh["cp", "tp"]._flatten("cp_tp").get_group()
+        groups["world"] = dist.group.WORLD
+        return cls(
+            world_size=world_size,
+            rank=rank,
+            dp_size=dp_size,
+            cp_size=cp_size,
+            tp_size=tp_size,
+            device=device,
+            mesh=mesh,
+            groups=groups,
+            owns_process_group=owns,
+        )
+
+    def axis_size(self, axis: str) -> int:
+        sizes = {
+            "dp": self.dp_size,
+            "cp": self.cp_size,
+            "tp": self.tp_size,
+            "dp_cp": self.dp_size * self.cp_size,
+            "cp_tp": self.cp_size * self.tp_size,
+            "world": self.world_size,
+        }
+        return sizes[axis]
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", axis: str = "dp") -> torch.Tensor:
+        """Reduce `tensor` in place over `axis` and return it (identity when the axis has size 1)."""
+        if self.axis_size(axis) == 1:
+            return tensor
+        dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.groups[axis])
+        return tensor
+
+    def all_reduce_int(self, value: int, *, op: str = "sum", axis: str = "world") -> int:
+        """Reduce a Python int over `axis` (on CPU for gloo, else on this rank's device)."""
+        if self.axis_size(axis) == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=self._collective_device())
+        self.all_reduce(tensor, op=op, axis=axis)
+        return int(tensor.item())
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def shutdown(self) -> None:
+        """Destroy the process group only if this context created it."""
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_process_group = False
+
+    def _collective_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
