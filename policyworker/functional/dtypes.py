@@ -1,0 +1,99 @@
+"""Precision names and the refit dtype rule (API.md §5 and §7).
+
+All functions are pure: they look at names and dtypes only, never at devices or tensor values.
+"""
+
+from collections.abc import Iterable
+
+import torch
+
+__all__ = [
+    "PRECISION_NAMES",
+    "name_matches_pattern",
+    "precision_dtype",
+    "refit_tensor_dtype",
+]
+
+# Canonical names first; aliases map onto them. "torch.<name>" is accepted for every entry.
+_PRECISIONS: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float": torch.float32,
+    "half": torch.float16,
+}
+PRECISION_NAMES: tuple[str, ...] = tuple(_PRECISIONS)
+
+# DeepSeek-V3 / GLM-4-MoE routers keep this fp32 buffer even in a bf16 model (reference/engines.md).
+_ALWAYS_FP32_SUFFIX = "e_score_correction_bias"
+
+
+def precision_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The torch dtype of a precision name ("bfloat16", "bf16", "torch.bfloat16", ...).
+
+    Raises:
+        ValueError: the name is not one of float32 / bfloat16 / float16 or their aliases.
+    """
+    if isinstance(name, torch.dtype):
+        if name in _PRECISIONS.values():
+            return name
+        key = str(name)
+    else:
+        key = str(name).strip().lower().removeprefix("torch.")
+        if key in _PRECISIONS:
+            return _PRECISIONS[key]
+    msg = (
+        f"precision {name!r} is not supported; choose one of {', '.join(PRECISION_NAMES)} "
+        "(a 'torch.' prefix is also accepted)"
+    )
+    raise ValueError(msg)
+
+
+def name_matches_pattern(fqn: str, pattern: str) -> bool:
+    """True when ``pattern``'s dotted components appear contiguously among ``fqn``'s components.
+
+    That covers ``fqn == pattern``, ``fqn.endswith("." + pattern)`` and a module name in the
+    middle: "gate.weight" and "gate" match "model.layers.3.mlp.gate.weight", but neither matches
+    "model.layers.3.mlp.gate_proj.weight".
+    """
+    parts, wanted = fqn.split("."), pattern.split(".")
+    width = len(wanted)
+    return any(parts[i : i + width] == wanted for i in range(len(parts) - width + 1))
+
+
+def refit_tensor_dtype(
+    fqn: str,
+    tensor: torch.Tensor,
+    default_dtype: torch.dtype,
+    *,
+    keep_fp32: Iterable[str] = (),
+) -> torch.dtype:
+    """The dtype a tensor is sent in during a refit.
+
+    Rules, in order: a non-floating tensor (int, bool) keeps its dtype; an fp32 tensor whose name
+    ends in ``e_score_correction_bias`` or matches a ``keep_fp32`` pattern (see
+    ``name_matches_pattern``; the worker passes the model's ``_keep_in_fp32_modules`` and
+    ``_keep_in_fp32_modules_strict``) stays fp32; every other floating tensor gets
+    ``default_dtype``.
+
+    Raises:
+        ValueError: ``default_dtype`` is not a floating dtype.
+    """
+    if not default_dtype.is_floating_point:
+        msg = (
+            f"default_dtype {default_dtype} for refit of {fqn!r} must be a floating dtype "
+            "(e.g. torch.bfloat16); integer and bool tensors keep their own dtype automatically"
+        )
+        raise ValueError(msg)
+    patterns = (keep_fp32,) if isinstance(keep_fp32, str) else tuple(keep_fp32)
+    dtype = tensor.dtype
+    if not dtype.is_floating_point:
+        return dtype
+    if dtype == torch.float32 and (
+        fqn.endswith(_ALWAYS_FP32_SUFFIX) or any(name_matches_pattern(fqn, p) for p in patterns)
+    ):
+        return torch.float32
+    return default_dtype
