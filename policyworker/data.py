@@ -1,0 +1,428 @@
+"""The batch container: ``BatchedDataDict`` (API §3) and ``validate_batch``.
+
+A ``BatchedDataDict`` maps keys to tensors or lists that share dim 0 (the batch). Tensors are
+right-padded: for every tensor with ``ndim >= 2``, dim 1 is the sequence. Sharding for
+data-parallel ranks (plain, dynamic batching, sequence packing) follows reference §5.3; the
+planning math lives in ``policyworker.functional.batching`` and ``...packing``.
+"""
+
+import copy as _copy
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal, Self, get_args
+
+import torch
+
+from policyworker.errors import DataError
+from policyworker.functional.batching import inverse_permutation, round_up, token_budget_boundaries
+from policyworker.functional.packing import pack_into_bins
+
+__all__ = ["MICROBATCH_ORDERS", "BatchedDataDict", "MicrobatchOrder", "validate_batch"]
+
+MicrobatchOrder = Literal["packer", "largest_first"]
+MICROBATCH_ORDERS: tuple[str, ...] = get_args(MicrobatchOrder)
+_DYNAMIC_KEYS = ("max_tokens_per_microbatch", "sequence_length_round", "input_key", "input_lengths_key")
+_PACKING_KEYS = ("max_tokens_per_microbatch", "input_key", "input_lengths_key", "algorithm")
+
+Indices = Sequence[int] | torch.Tensor
+
+
+def _rows(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        if value.ndim == 0:
+            raise DataError("a 0-d tensor has no batch dim; store per-row values as a [B] tensor")
+        return value.shape[0]
+    return len(value)
+
+
+def _take(value: Any, indices: list[int]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[torch.tensor(indices, dtype=torch.long, device=value.device)]
+    if isinstance(value, list | tuple):
+        return [value[i] for i in indices]
+    raise DataError(f"values must be tensors or lists, got {type(value).__name__}")
+
+
+def _ints(values: Any) -> list[int]:
+    return [int(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values)]
+
+
+def _require_keys(args: Mapping[str, Any], keys: Sequence[str], what: str) -> None:
+    missing = [k for k in keys if k not in args]
+    if missing:
+        raise ValueError(f"{what} is missing {missing}; it needs {list(keys)}")
+
+
+class BatchedDataDict(dict[str, Any]):
+    """A dict of batch-aligned tensors/lists with slicing, sharding and microbatching helpers.
+
+    Shards made by :meth:`shard_by_batch_size` with dynamic batching or packing carry
+    ``micro_batch_indices`` (per global batch, ``[start, end)`` row ranges), ``micro_batch_lengths``
+    (per global batch, the width or packed load of each microbatch) and, for packing,
+    ``elem_counts_per_gb`` (rows per global batch).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.micro_batch_indices: list[list[list[int]]] | None = None
+        self.micro_batch_lengths: list[list[int]] | None = None
+        self.elem_counts_per_gb: list[int] | None = None
+
+    # -- basic access ---------------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """The batch size (0 for an empty dict); every key must agree."""
+        sizes = {k: _rows(v) for k, v in self.items()}
+        if len(set(sizes.values())) > 1:
+            raise DataError(
+                f"Batch sizes are not the same across the rollout batch: {sizes}; every value "
+                "needs the same dim 0")
+        return next(iter(sizes.values()), 0)
+
+    def to(self, device: str | torch.device) -> Self:
+        """Move every tensor to ``device`` in place; returns ``self``."""
+        for k, v in self.items():
+            if isinstance(v, torch.Tensor):
+                self[k] = v.to(device)
+        return self
+
+    def get_dict(self) -> dict[str, Any]:
+        """A plain ``dict`` with the same values."""
+        return dict(self)
+
+    def copy(self) -> Self:  # type: ignore[override]
+        """A shallow copy that keeps the microbatch attributes."""
+        out = type(self)(self)
+        out.micro_batch_indices = _copy.deepcopy(self.micro_batch_indices)
+        out.micro_batch_lengths = _copy.deepcopy(self.micro_batch_lengths)
+        out.elem_counts_per_gb = _copy.deepcopy(self.elem_counts_per_gb)
+        return out
+
+    def slice(self, start: int, end: int) -> Self:
+        """Rows ``[start, end)`` as a new dict (tensor values are views)."""
+        size = self.size
+        if not 0 <= start <= end <= size:
+            raise ValueError(f"slice [{start}, {end}) must satisfy 0 <= start <= end <= size {size}")
+        return type(self)({k: v[start:end] for k, v in self.items()})
+
+    def select_indices(self, indices: Indices) -> Self:
+        """The given rows, in the given order, as a new dict."""
+        rows = _ints(indices)
+        size = self.size
+        bad = [i for i in rows if not -size <= i < size]
+        if bad:
+            raise ValueError(f"indices {bad[:8]} are out of range for batch size {size}")
+        return type(self)({k: _take(v, rows) for k, v in self.items()})
+
+    def reorder_data(self, indices: Indices) -> Self:
+        """Undo a permutation: ``indices[i]`` is the original position of current row ``i``.
+
+        Returns a NEW dict whose row ``indices[i]`` is this dict's row ``i``.
+        """
+        if len(_ints(indices)) != self.size:
+            raise ValueError(f"indices has {len(_ints(indices))} entries, the batch has {self.size} rows")
+        return self.select_indices(inverse_permutation(indices))
+
+    def repeat_interleave(self, num_repeats: int) -> Self:
+        """Repeat every row ``num_repeats`` times in place order: ``[a, b] -> [a, a, b, b]``."""
+        if num_repeats < 1:
+            raise ValueError(f"num_repeats must be >= 1, got {num_repeats}")
+        out = type(self)()
+        for k, v in self.items():
+            if isinstance(v, torch.Tensor):
+                out[k] = v.repeat_interleave(num_repeats, dim=0)
+            else:
+                out[k] = [_copy.deepcopy(item) for item in v for _ in range(num_repeats)]
+        return out
+
+    def truncate_tensors(self, dim: int, truncated_len: int) -> Self:
+        """Cut every tensor with more than ``dim`` dims to at most ``truncated_len`` on ``dim``.
+
+        In place (as the reference); returns ``self``.
+        """
+        for k, v in self.items():
+            if isinstance(v, torch.Tensor) and v.ndim > dim:
+                self[k] = v.narrow(dim, 0, min(truncated_len, v.shape[dim]))
+        return self
+
+    @classmethod
+    def from_batches(cls, batches: Sequence[Mapping[str, Any]],
+                     pad_value_dict: Mapping[str, int | float] | None = None) -> Self:
+        """Concatenate batches along dim 0; tensors with ndim >= 2 are right-padded on dim 1.
+
+        Pad values come from ``pad_value_dict`` (default 0). Lists are concatenated.
+        """
+        if not batches:
+            raise ValueError("from_batches needs at least one batch, got an empty list")
+        keys = list(batches[0])
+        for i, batch in enumerate(batches):
+            if set(batch) != set(keys):
+                raise DataError(f"batch {i} has keys {sorted(batch)} but batch 0 has {sorted(keys)}; "
+                                "every batch needs the same keys")
+        pads = dict(pad_value_dict or {})
+        return cls({k: _concat_values(k, [b[k] for b in batches], pads.get(k, 0)) for k in keys})
+
+    # -- microbatching --------------------------------------------------------------------------
+
+    def make_microbatch_iterator(self, mbs: int) -> Iterator[Self]:
+        """Consecutive slices of ``mbs`` rows."""
+        size = self.size
+        if mbs < 1 or size % mbs:
+            raise ValueError(
+                f"Data dict size ({size}) is not a multiple of the microbatch size ({mbs}); pick "
+                "a microbatch size that divides the batch")
+        for start in range(0, size, mbs):
+            yield self.slice(start, start + mbs)
+
+    def _single_gb_plan(self) -> tuple[list[list[int]], list[int]]:
+        if self.micro_batch_indices is None or self.micro_batch_lengths is None:
+            raise ValueError("this dict has no microbatch plan; shard it with dynamic_batching_args "
+                             "or sequence_packing_args first")
+        if len(self.micro_batch_indices) != 1:
+            raise ValueError(f"this dict holds {len(self.micro_batch_indices)} global batches; "
+                             "call get_batch(i) first")
+        return self.micro_batch_indices[0], self.micro_batch_lengths[0]
+
+    def make_microbatch_iterator_with_dynamic_shapes(self, sequence_dim: int = 1) -> Iterator[Self]:
+        """The dynamic-batching microbatches of one global batch, each cut to its width."""
+        indices, lengths = self._single_gb_plan()
+        for (start, end), width in zip(indices, lengths, strict=True):
+            yield self.slice(start, end).truncate_tensors(sequence_dim, width)
+
+    def make_microbatch_iterator_for_packable_sequences(self) -> Iterator[Self]:
+        """The packing microbatches (bins) of one global batch."""
+        indices, _ = self._single_gb_plan()
+        for start, end in indices:
+            yield self.slice(start, end)
+
+    def get_batch(self, batch_idx: int, batch_size: int | None = None) -> Self:
+        """Global batch ``batch_idx`` of a shard, with its microbatch attributes.
+
+        Uses ``elem_counts_per_gb`` when present (packing), else rows
+        ``[batch_idx * batch_size, (batch_idx + 1) * batch_size)``.
+        """
+        if self.elem_counts_per_gb is not None:
+            counts = self.elem_counts_per_gb
+            if not 0 <= batch_idx < len(counts):
+                raise ValueError(f"batch_idx {batch_idx} out of range: this shard has {len(counts)} "
+                                 "global batches")
+            start = sum(counts[:batch_idx])
+            batch = self.slice(start, start + counts[batch_idx])
+            batch.elem_counts_per_gb = [counts[batch_idx]]
+        else:
+            if batch_size is None or batch_size < 1:
+                raise ValueError(f"batch_size must be >= 1 for a dict without elem_counts_per_gb, got "
+                                 f"{batch_size}")
+            batch = self.slice(batch_size * batch_idx, batch_size * (batch_idx + 1))
+        if self.micro_batch_indices is not None and self.micro_batch_lengths is not None:
+            batch.micro_batch_indices = [_copy.deepcopy(self.micro_batch_indices[batch_idx])]
+            batch.micro_batch_lengths = [list(self.micro_batch_lengths[batch_idx])]
+        return batch
+
+    # -- sharding -------------------------------------------------------------------------------
+
+    def shard_by_batch_size(
+        self,
+        shards: int,
+        batch_size: int | None = None,
+        allow_uneven_shards: bool = False,
+        dynamic_batching_args: Mapping[str, Any] | None = None,
+        sequence_packing_args: Mapping[str, Any] | None = None,
+    ) -> list[Self] | tuple[list[Self], list[int]]:
+        """Split into ``shards`` data-parallel shards, global batch by global batch (reference §5.3).
+
+        The data is cut into chunks of ``batch_size`` rows (one per global batch; default: all
+        rows). Plain: shard ``r`` gets rows ``[r*bs/shards, (r+1)*bs/shards)`` of every chunk.
+        Dynamic batching: each chunk is sorted by length and strided over the shards, and every
+        shard gets the same token-budget microbatch boundaries. Packing: each chunk is bin-packed
+        into a multiple of ``shards`` bins, dealt round-robin. The last two return
+        ``(shards, sorted_indices)`` where ``sorted_indices`` lists the original row of every row
+        of the concatenated shards, so ``from_batches(shards).reorder_data(sorted_indices)``
+        restores this dict.
+
+        Example: rows ``[0..7]``, ``batch_size=4``, ``shards=2`` -> ``[0, 1, 4, 5]``, ``[2, 3, 6, 7]``.
+        """
+        total, batch_size = self._check_shard_arguments(
+            shards, batch_size, allow_uneven_shards, dynamic_batching_args, sequence_packing_args)
+        if sequence_packing_args is not None:
+            return self._shard_packed(shards, batch_size, sequence_packing_args)
+        if dynamic_batching_args is not None:
+            return self._shard_dynamic(shards, batch_size, dynamic_batching_args)
+        shard_size = -(-batch_size // shards)
+        result = []
+        for r in range(shards):
+            rows = [i for start in range(0, total, batch_size)
+                    for i in range(start + r * shard_size, min(start + (r + 1) * shard_size, total))]
+            result.append(self.select_indices(rows))
+        return result
+
+    def _check_shard_arguments(self, shards: int, batch_size: int | None, allow_uneven_shards: bool,
+                               dynamic_args: Mapping[str, Any] | None,
+                               packing_args: Mapping[str, Any] | None) -> tuple[int, int]:
+        if dynamic_args is not None and packing_args is not None:
+            raise ValueError("dynamic_batching_args and sequence_packing_args cannot be passed "
+                             "together; pick one")
+        if shards < 1:
+            raise ValueError(f"shards must be >= 1, got {shards}")
+        if allow_uneven_shards and (batch_size is not None or dynamic_args is not None):
+            raise ValueError("allow_uneven_shards=True needs batch_size=None and no "
+                             "dynamic_batching_args (every dynamic shard must be equally long)")
+        total = self.size
+        batch_size = total if batch_size is None else batch_size
+        if batch_size < 1 or total % batch_size:
+            raise DataError(f"Total batch size ({total}) is not a multiple of batch_size "
+                            f"({batch_size}); pass a batch_size that divides it")
+        if not allow_uneven_shards and batch_size % shards:
+            raise DataError(f"Batch size ({batch_size}) is not a multiple of shards ({shards}); "
+                            "pass allow_uneven_shards=True or a divisible batch_size")
+        if dynamic_args is not None:
+            _require_keys(dynamic_args, _DYNAMIC_KEYS, "dynamic_batching_args")
+        if packing_args is not None:
+            _require_keys(packing_args, _PACKING_KEYS, "sequence_packing_args")
+            order = packing_args.get("microbatch_order", "packer")
+            if order not in MICROBATCH_ORDERS:
+                raise ValueError(f"sequence_packing_args['microbatch_order'] must be one of "
+                                 f"{list(MICROBATCH_ORDERS)}, got {order!r}")
+        for args in (dynamic_args, packing_args):
+            if args is not None:
+                for key in (args["input_key"], args["input_lengths_key"]):
+                    if key not in self:
+                        raise DataError(f"key {key!r} named in the sharding args is not in the "
+                                        f"batch (keys: {sorted(self)})")
+        return total, batch_size
+
+    def _shard_dynamic(self, shards: int, batch_size: int, args: Mapping[str, Any]
+                       ) -> tuple[list[Self], list[int]]:
+        lengths = _ints(self[args["input_lengths_key"]])
+        seq_len = self[args["input_key"]].shape[1]
+        max_tokens, rounding = int(args["max_tokens_per_microbatch"]), int(args["sequence_length_round"])
+        rows_per_shard: list[list[int]] = [[] for _ in range(shards)]
+        indices: list[list[list[int]]] = []
+        widths_per_gb: list[list[int]] = []
+        for start in range(0, len(lengths), batch_size):
+            ordered = sorted(range(start, start + batch_size), key=lambda i: lengths[i])
+            strided = [ordered[r::shards] for r in range(shards)]
+            widths = []
+            for position in range(batch_size // shards):
+                longest = max((strided[r][position] for r in range(shards)), key=lambda i: lengths[i])
+                width = min(round_up(max(lengths[longest], 1), rounding), seq_len)
+                if width > max_tokens:
+                    raise DataError(
+                        f"row {longest} has {args['input_lengths_key']!r} {lengths[longest]} (width "
+                        f"{width} after rounding to {rounding}) > max_tokens_per_microbatch "
+                        f"{max_tokens}; raise max_tokens_per_microbatch or truncate the row")
+                widths.append(width)
+            groups = token_budget_boundaries(widths, max_tokens=max_tokens)
+            indices.append([[s, e] for s, e, _ in groups])
+            widths_per_gb.append([w for _, _, w in groups])
+            for r in range(shards):
+                rows_per_shard[r].extend(strided[r])
+        result = [self.select_indices(rows) for rows in rows_per_shard]
+        for shard in result:
+            shard.micro_batch_indices = _copy.deepcopy(indices)
+            shard.micro_batch_lengths = _copy.deepcopy(widths_per_gb)
+        return result, [i for rows in rows_per_shard for i in rows]
+
+    def _shard_packed(self, shards: int, batch_size: int, args: Mapping[str, Any]
+                      ) -> tuple[list[Self], list[int]]:
+        lengths = _ints(self[args["input_lengths_key"]])
+        capacity, multiple = int(args["max_tokens_per_microbatch"]), int(args.get("sequence_length_pad_multiple", 1))
+        padded = [round_up(n, multiple) for n in lengths]
+        for row, (n, p) in enumerate(zip(lengths, padded, strict=True)):
+            if p > capacity:
+                raise DataError(
+                    f"row {row} has {args['input_lengths_key']!r} {n} (padded to {p} with "
+                    f"sequence_length_pad_multiple {multiple}) > max_tokens_per_microbatch {capacity}; "
+                    "raise max_tokens_per_microbatch to at least the longest padded sequence")
+        rows_per_shard: list[list[int]] = [[] for _ in range(shards)]
+        plans: list[tuple[list[list[int]], list[int], list[int]]] = [([], [], []) for _ in range(shards)]
+        for start in range(0, len(lengths), batch_size):
+            bins = pack_into_bins(padded[start:start + batch_size], capacity, algorithm=args["algorithm"],
+                                  min_bin_count=shards, bin_count_multiple=shards)
+            for r in range(shards):
+                mine = [[start + i for i in b] for b in bins[r::shards]]
+                if args.get("microbatch_order", "packer") == "largest_first":
+                    mine.sort(key=lambda b: -sum(padded[i] for i in b))  # stable
+                bounds = [sum(len(b) for b in mine[:k]) for k in range(len(mine) + 1)]
+                plans[r][0].append([[bounds[k], bounds[k + 1]] for k in range(len(mine))])
+                plans[r][1].append([sum(padded[i] for i in b) for b in mine])
+                plans[r][2].append(bounds[-1])
+                rows_per_shard[r].extend(i for b in mine for i in b)
+        result = []
+        for rows, (indices, loads, counts) in zip(rows_per_shard, plans, strict=True):
+            shard = self.select_indices(rows)
+            shard.micro_batch_indices, shard.micro_batch_lengths = indices, loads
+            shard.elem_counts_per_gb = counts
+            result.append(shard)
+        return result, [i for rows in rows_per_shard for i in rows]
+
+
+def _concat_values(key: str, values: list[Any], pad_value: int | float) -> Any:
+    if all(isinstance(v, list | tuple) for v in values):
+        return [item for v in values for item in v]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        raise DataError(f"key {key!r} mixes tensors and lists across batches "
+                        f"({[type(v).__name__ for v in values]}); use one type per key")
+    ndims = {v.ndim for v in values}
+    if len(ndims) != 1 or 0 in ndims:
+        raise DataError(f"key {key!r} has tensors of shapes {[tuple(v.shape) for v in values]}; every "
+                        "batch needs the same number of dims (>= 1)")
+    if ndims == {1}:
+        return torch.cat(values)
+    width = max(v.shape[1] for v in values)
+    padded = [torch.nn.functional.pad(v, (0, 0) * (v.ndim - 2) + (0, width - v.shape[1]), value=pad_value)
+              if v.shape[1] < width else v for v in values]
+    return torch.cat(padded)
+
+
+def validate_batch(data: Mapping[str, Any], *, required: Sequence[str] = ("input_ids", "input_lengths"),
+                   check_dim_skip_keys: Sequence[str] = ()) -> None:
+    """Check a batch before it reaches the model; raise ``DataError`` naming key, shapes and fix.
+
+    Checks: required keys present; ``input_ids`` a 2-D integer tensor; ``input_lengths`` a 1-D
+    integer tensor with values in ``[0, S]``; every value has the same batch size; every tensor
+    with ndim >= 2 (except ``check_dim_skip_keys``) has dim 1 == S.
+    """
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise DataError(f"batch is missing required key(s) {missing} (has {sorted(data)}); add them")
+    ids = data.get("input_ids")
+    if ids is not None:
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+            shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise DataError(f"'input_ids' must be a [B, S] tensor, got {shape}; pass right-padded ids")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise DataError(f"'input_ids' must hold integer token ids, got dtype {ids.dtype} with shape "
+                            f"{tuple(ids.shape)}; cast with .long()")
+    sizes = {k: (tuple(v.shape) if isinstance(v, torch.Tensor) else len(v)) for k, v in data.items()}
+    batch = {k: _rows(v) for k, v in data.items()}
+    if len(set(batch.values())) > 1:
+        raise DataError(f"batch sizes disagree across keys (dim 0): {sizes}; every value needs the "
+                        "same number of rows")
+    if ids is not None:
+        S = ids.shape[1]
+        bad = {k: s for k, s in sizes.items() if isinstance(data[k], torch.Tensor) and data[k].ndim >= 2
+               and k not in check_dim_skip_keys and data[k].shape[1] != S}
+        if bad:
+            raise DataError(f"sequence dim (dim 1) of {bad} disagrees with 'input_ids' {tuple(ids.shape)}; "
+                            "pad/truncate them to S or list them in check_dim_skip_keys")
+    _validate_lengths(data, ids)
+
+
+def _validate_lengths(data: Mapping[str, Any], ids: torch.Tensor | None) -> None:
+    lengths = data.get("input_lengths")
+    if lengths is None:
+        return
+    if not isinstance(lengths, torch.Tensor) or lengths.ndim != 1:
+        shape = tuple(lengths.shape) if isinstance(lengths, torch.Tensor) else type(lengths).__name__
+        raise DataError(f"'input_lengths' must be a [B] tensor, got {shape}; pass one length per row")
+    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise DataError(f"'input_lengths' must hold integers, got dtype {lengths.dtype}; cast with .long()")
+    if ids is None or lengths.numel() == 0:
+        return
+    S = ids.shape[1]
+    too_long = (lengths > S) | (lengths < 0)
+    if bool(too_long.any()):
+        row = int(too_long.nonzero()[0, 0])
+        raise DataError(f"'input_lengths'[{row}] = {int(lengths[row])} is outside [0, S={S}] of "
+                        f"'input_ids' {tuple(ids.shape)}; fix the lengths or pad input_ids wider")
