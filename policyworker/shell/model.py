@@ -1,0 +1,255 @@
+"""Load a Hugging Face model for the policy worker and run its forward.
+
+Master weights are fp32; compute runs in `precision` through autocast. The attention
+implementation is chosen here (API.md §7): `auto` is sdpa, and with sequence packing the
+document-safe kernel of the device (CUDA + bf16/fp16: our registered varlen kernel; otherwise
+sdpa's packed-`position_ids` block-diagonal path, which needs `use_cache=False`).
+A configuration that would attend across packed documents raises `ValueError` at load time,
+and a packed load is verified by a perturbation probe (`check_document_isolation`).
+
+Seams for other modules: a parallelize hook (FSDP2 / TP) would wrap the module returned by
+`load_policy_model`; LoRA injection happens on that module before the optimizer is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from policyworker.shell.attention import VARLEN_ATTN_NAME, ensure_varlen_registered
+
+__all__ = [
+    "ATTN_IMPLEMENTATIONS",
+    "autocast_context",
+    "check_document_isolation",
+    "forward_hidden",
+    "forward_logits",
+    "load_policy_model",
+    "load_tokenizer",
+    "resolve_attn_implementation",
+    "reward_model_type",
+    "section_enabled",
+]
+
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention", "varlen")
+# Kernels that isolate packed documents given restarted position_ids and attention_mask=None:
+# sdpa / eager / flex_attention build a block-diagonal mask from the position resets
+# (transformers' packed-sequence path); ours uses cu_seqlens.
+_DOCUMENT_SAFE = ("sdpa", "eager", "flex_attention", VARLEN_ATTN_NAME)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_REWARD_CLASSES = {
+    "bradley_terry": "AutoModelForSequenceClassification",
+    "regression": "AutoModelForTokenClassification",
+}
+
+
+def section_enabled(section: Any) -> bool:
+    """A config section is on when present and (if it has one) its `enabled` flag is true."""
+    if section is None:
+        return False
+    if isinstance(section, Mapping):
+        return bool(section.get("enabled", True))
+    return bool(getattr(section, "enabled", True))
+
+
+def _get(section: Any, key: str, default: Any = None) -> Any:
+    if section is None:
+        return default
+    if isinstance(section, Mapping):
+        return section.get(key, default)
+    return getattr(section, key, default)
+
+
+def reward_model_type(cfg: Any) -> str | None:
+    """'bradley_terry' | 'regression' when the reward head is enabled, else None."""
+    rm = _get(cfg, "reward_model_cfg")
+    if not section_enabled(rm):
+        return None
+    kind = _get(rm, "reward_model_type", "bradley_terry")
+    if kind not in _REWARD_CLASSES:
+        msg = (f"reward_model_cfg.reward_model_type={kind!r} is not supported; "
+               f"use one of {sorted(_REWARD_CLASSES)}")
+        raise ValueError(msg)
+    return kind
+
+
+def resolve_attn_implementation(
+    requested: str | None, *, packing: bool, device: torch.device, precision: torch.dtype
+) -> str:
+    """The transformers attention name to load with; ValueError for an unsafe or impossible choice."""
+    requested = requested or "auto"
+    if requested not in ATTN_IMPLEMENTATIONS:
+        msg = (f"dtensor_cfg.attn_implementation={requested!r} is not supported; "
+               f"use one of {list(ATTN_IMPLEMENTATIONS)}")
+        raise ValueError(msg)
+    if requested == "varlen":
+        if device.type != "cuda":
+            msg = (f"dtensor_cfg.attn_implementation='varlen' needs CUDA (device is {device}); "
+                   f"use 'auto' or 'sdpa' on CPU (packing then uses sdpa's position_ids path)")
+            raise ValueError(msg)
+        if precision not in (torch.float16, torch.bfloat16):
+            msg = (f"dtensor_cfg.attn_implementation='varlen' runs flash attention, which needs "
+                   f"precision bfloat16 or float16 (got {precision}); use 'auto' or 'sdpa'")
+            raise ValueError(msg)
+        return ensure_varlen_registered()
+    if requested == "auto":
+        if packing and device.type == "cuda" and precision in (torch.float16, torch.bfloat16):
+            return ensure_varlen_registered()
+        return "sdpa"
+    if packing and requested not in _DOCUMENT_SAFE:
+        msg = (f"dtensor_cfg.attn_implementation={requested!r} would attend across packed "
+               f"documents; use 'auto', 'sdpa' or 'varlen' with sequence_packing")
+        raise ValueError(msg)
+    return requested
+
+
+def load_tokenizer(name: str) -> Any | None:
+    """AutoTokenizer for `name`, or None when `name` is a local folder without tokenizer files."""
+    if os.path.isdir(name) and not any(os.path.exists(os.path.join(name, f)) for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _pad_token_id(config: Any, tokenizer: Any | None) -> int:
+    if tokenizer is not None and tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    eos = getattr(config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return int(eos) if eos is not None else 0
+
+
+def load_policy_model(
+    cfg: Any, *, device: torch.device, weights_from: str | None = None
+) -> tuple[torch.nn.Module, Any | None]:
+    """Build the HF model of `cfg` in fp32 on `device` (and its tokenizer, or None).
+
+    `weights_from` (an HF folder) replaces `model_name` as the weights source, keeping the
+    tokenizer of `tokenizer.name` / `model_name`.
+    """
+    import transformers
+
+    from policyworker.functional.dtypes import precision_dtype
+
+    precision = precision_dtype(cfg.precision)
+    packing = section_enabled(_get(cfg, "sequence_packing"))
+    attn = resolve_attn_implementation(
+        _get(cfg.dtensor_cfg, "attn_implementation", "auto"),
+        packing=packing, device=device, precision=precision)
+    source = weights_from or cfg.model_name
+    tokenizer_name = _get(_get(cfg, "tokenizer"), "name") or cfg.model_name
+    tokenizer = load_tokenizer(tokenizer_name)
+    overrides = dict(_get(cfg, "hf_config_overrides") or {})
+    config = transformers.AutoConfig.from_pretrained(source, **overrides)
+    config.use_cache = False  # packed position_ids are ignored when a cache exists
+    if getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = _pad_token_id(config, tokenizer)
+    kind = reward_model_type(cfg)
+    auto_cls = getattr(transformers, _REWARD_CLASSES[kind] if kind else "AutoModelForCausalLM")
+    if kind:
+        config.num_labels = 1
+    model = auto_cls.from_pretrained(source, config=config, dtype=torch.float32,
+                                     attn_implementation=attn)
+    model.config.use_cache = False
+    if getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+        model.tie_weights()
+    if _get(cfg.dtensor_cfg, "activation_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.to(device)
+    return model, tokenizer
+
+
+def autocast_context(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Autocast to `dtype` on `device`; a no-op context for fp32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _model_kwargs(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen):
+    kwargs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids,
+                              "attention_mask": attention_mask, "use_cache": False}
+    if cu_seqlens is not None:  # read by our varlen kernel; ignored (by name) by the others
+        kwargs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                      max_length_q=max_seqlen, max_length_k=max_seqlen)
+    return kwargs
+
+
+def forward_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    autocast_dtype: torch.dtype = torch.float32,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
+    """Logits [B, S, V] (or classification logits) of one microbatch under autocast."""
+    kwargs = _model_kwargs(input_ids, position_ids, attention_mask,
+                           cu_seqlens if _uses_varlen(model) else None, max_seqlen)
+    with autocast_context(input_ids.device, autocast_dtype):
+        out = model(**kwargs)
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def forward_hidden(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    position_ids: torch.Tensor,
+    autocast_dtype: torch.dtype = torch.float32,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
+    """Last hidden states [B, S, H] of the base model (no LM / classification head)."""
+    base = getattr(model, model.base_model_prefix)
+    kwargs = _model_kwargs(input_ids, position_ids, None,
+                           cu_seqlens if _uses_varlen(model) else None, max_seqlen)
+    with autocast_context(input_ids.device, autocast_dtype):
+        out = base(**kwargs)
+    return out.last_hidden_state
+
+
+def _uses_varlen(model: torch.nn.Module) -> bool:
+    return getattr(model.config, "_attn_implementation", None) == VARLEN_ATTN_NAME
+
+
+@torch.no_grad()
+def check_document_isolation(model: torch.nn.Module, *, autocast_dtype: torch.dtype) -> None:
+    """Raise ValueError if, in a packed row [A | B], B's logits depend on document A's tokens."""
+    device = next(model.parameters()).device
+    vocab = int(model.config.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    doc_a = torch.randint(0, vocab, (5,), generator=gen)
+    doc_b = torch.randint(0, vocab, (6,), generator=gen)
+    position_ids = torch.cat([torch.arange(5), torch.arange(6)])[None].to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        outs = []
+        for first in (doc_a, (doc_a + 1) % vocab):
+            ids = torch.cat([first, doc_b])[None].to(device)
+            outs.append(forward_logits(model, ids, position_ids=position_ids,
+                                       autocast_dtype=autocast_dtype,
+                                       cu_seqlens=torch.tensor([0, 5, 11], dtype=torch.int32,
+                                                               device=device),
+                                       max_seqlen=6)[0, 5:].float())
+    finally:
+        model.train(was_training)
+    diff = (outs[0] - outs[1]).abs().max().item()
+    if diff > 1e-3 * max(1.0, outs[0].abs().max().item()):
+        msg = (f"attention implementation {model.config._attn_implementation!r} lets packed "
+               f"documents attend to each other (logits of a document changed by {diff:.3g} "
+               f"when the previous document changed); disable sequence_packing or use "
+               f"attn_implementation 'auto'/'sdpa'")
+        raise ValueError(msg)

@@ -1,0 +1,706 @@
+"""PolicyWorker: the stateful facade that trains an HF model and serves logprobs, top-k and scores.
+
+Every method is collective (all ranks call it together) and is written for a data-parallel group
+(global normalizers all-reduced over dp, loss x dp*cp before backward, dummy microbatches so
+ranks stay in lockstep); on one process the collectives are identities.
+
+Microbatching (fixed / dynamic / packed) is planned by `policyworker.functional.batching` on what
+this rank receives; outputs come back in input row order. Padding positions (>= input_lengths)
+never count: the worker masks `token_mask` by the lengths before the loss sees it.
+
+Seams for other engineers: `_parallelize` (FSDP2 / TP wrap of `self.model`), `_grad_norm_sq_hook`
+(all-reduce of the squared norm of sharded grads), `_live_state` (local shards of DTensors),
+`weights_path` / `optimizer_path` (checkpoint loading), refit/LoRA via `self.model`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import math
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from policyworker.config import PolicyConfig, load_config, validate_for_world
+from policyworker.data import BatchedDataDict, validate_batch
+from policyworker.functional import batching
+from policyworker.functional.dtypes import precision_dtype
+from policyworker.functional.logprobs import (
+    count_and_zero_neg_inf,
+    default_chunk_size,
+    logprobs_with_leading_zero,
+    next_token_logprobs,
+)
+from policyworker.functional.loss import LossInputType, LossType
+from policyworker.functional.metrics import scale_microbatch_metrics
+from policyworker.functional.packing import pack, packed_position_ids, unpack
+from policyworker.functional.padding import mask_from_lengths
+from policyworker.shell import model as model_lib
+from policyworker.shell.distributed import ParallelContext
+from policyworker.shell.optim import build_optimizer, build_scheduler
+
+__all__ = ["AutomodelPolicyWorker", "PolicyWorker"]
+
+log = logging.getLogger(__name__)
+_FP8_E4M3_MAX = 448.0
+
+
+class _Microbatch:
+    """One microbatch on the device: model inputs plus the data the loss reads ([b, w] tensors)."""
+
+    def __init__(self, data: dict[str, Any], *, packed: bool, is_dummy: bool) -> None:
+        self.data = data
+        self.packed = packed
+        self.is_dummy = is_dummy
+        self.lengths = data["input_lengths"].to(torch.int64)
+        self.width = data["input_ids"].shape[1]
+        if packed:
+            ids_N, self.cu_seqlens = pack(data["input_ids"], self.lengths)
+            self.input_ids = ids_N[None]
+            self.position_ids = packed_position_ids(self.lengths)[None]
+            lengths = self.lengths
+            self.max_seqlen = int(lengths.max()) if lengths.numel() else 0
+        else:
+            self.input_ids = data["input_ids"]
+            self.position_ids = torch.arange(self.width, device=self.input_ids.device).expand(
+                self.input_ids.shape[0], -1)
+            self.cu_seqlens, self.max_seqlen = None, None
+
+    def unpack_rows(self, x_1N: torch.Tensor) -> torch.Tensor:
+        """Packed [1, N, ...] -> [b, w, ...] (identity for unpacked microbatches)."""
+        if not self.packed:
+            return x_1N
+        return unpack(x_1N[0], self.cu_seqlens, seq_len=self.width, pad_value=0)
+
+
+class PolicyWorker:
+    """Trains a Hugging Face model with a pluggable loss; logprobs, top-k, scores, offload."""
+
+    def __init__(
+        self,
+        config: PolicyConfig | Mapping[str, Any],
+        weights_path: str | None = None,
+        optimizer_path: str | None = None,
+        init_optimizer: bool = True,
+        init_reference_model: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        self.cfg = config if isinstance(config, PolicyConfig) else load_config(config)
+        dcfg = self.cfg.dtensor_cfg
+        self.parallel: ParallelContext = kwargs.pop("parallel", None) or ParallelContext.from_environment(
+            tp_size=dcfg.tensor_parallel_size, cp_size=dcfg.context_parallel_size)
+        if kwargs:
+            msg = f"unexpected PolicyWorker keyword arguments {sorted(kwargs)}; remove them"
+            raise ValueError(msg)
+        validate_for_world(self.cfg, dp_size=self.parallel.dp_size)
+        if dcfg.cpu_offload and self.parallel.world_size == 1:
+            msg = ("dtensor_cfg.cpu_offload=True needs FSDP2 over more than one process (world "
+                   "size is 1); set cpu_offload: false")
+            raise ValueError(msg)
+        self.device = self.parallel.device
+        self.dtype = precision_dtype(self.cfg.precision)
+        self.model, self.tokenizer = model_lib.load_policy_model(
+            self.cfg, device=self.device,
+            weights_from=None if weights_path is None else _hf_folder(weights_path))
+        self._parallelize()
+        if self.cfg.sequence_packing is not None:
+            model_lib.check_document_isolation(self.model, autocast_dtype=self.dtype)
+        self.optimizer = build_optimizer(self.model, self.cfg.optimizer) if (
+            init_optimizer and self.cfg.optimizer is not None) else None
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler) if self.optimizer else None
+        if optimizer_path is not None:
+            self._load_optimizer(optimizer_path)
+        gen = self.cfg.generation
+        self._sampling = (gen.temperature, gen.top_k, gen.top_p) if gen is not None else (1.0, None, 1.0)
+        self._reference_state = self._snapshot_state() if init_reference_model else None
+
+    # ------------------------------------------------------------------------------ seams
+
+    def _parallelize(self) -> None:
+        """Wrap `self.model` for the mesh (FSDP2 / TP). One process needs no wrapping."""
+        if self.parallel.world_size > 1:
+            msg = (f"PolicyWorker runs {self.parallel.world_size} processes but this build wraps "
+                   f"no FSDP2/TP model; run one process per worker")
+            raise ValueError(msg)
+
+    def _load_optimizer(self, optimizer_path: str) -> None:
+        from policyworker.shell import checkpoint
+
+        checkpoint.load_optimizer(self.optimizer, self.scheduler, optimizer_path)
+
+    def _live_state(self) -> dict[str, torch.Tensor]:
+        """Params + persistent buffers of the live model (local tensors), by state-dict name."""
+        return {k: v for k, v in self.model.state_dict(keep_vars=True).items()}
+
+    def _grad_norm_sq_hook(self, norm_sq: torch.Tensor) -> torch.Tensor:
+        """Combine per-rank squared grad norms of sharded params (identity when unsharded)."""
+        return norm_sq
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _snapshot_state(self) -> dict[str, torch.Tensor]:
+        pin = torch.cuda.is_available()
+        out = {}
+        for k, t in self._live_state().items():
+            cpu = t.detach().to("cpu", copy=True)
+            out[k] = cpu.pin_memory() if pin else cpu
+        return out
+
+    def _resolve_device(self, device: str | torch.device) -> torch.device:
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return self.device
+        return device
+
+    def _empty_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _validate(self, data: Mapping[str, Any], *, required=("input_ids", "input_lengths"),
+                  skip=()) -> None:
+        validate_batch(data, required=required, check_dim_skip_keys=tuple(skip or ()))
+        for key in ("token_mask", "sample_mask"):
+            if key in data and not isinstance(data[key], torch.Tensor):
+                msg = f"data[{key!r}] must be a tensor, got {type(data[key]).__name__}"
+                raise ValueError(msg)
+
+    def _plans(self, lengths: torch.Tensor, *, seq_len: int, mbs: int, purpose: str
+               ) -> list[batching.MicrobatchPlan]:
+        """Fixed / dynamic / packed plans for this rank, plus dummies up to the all-rank max."""
+        cfg = self.cfg
+        if cfg.dynamic_batching is not None:
+            dyn = cfg.dynamic_batching
+            budget = dyn.train_mb_tokens if purpose == "train" else (
+                dyn.logprob_mb_tokens or dyn.train_mb_tokens)
+            plans = batching.dynamic_microbatches(lengths, max_tokens=budget, seq_len=seq_len,
+                                                  sequence_length_round=dyn.sequence_length_round)
+        elif cfg.sequence_packing is not None:
+            sp = cfg.sequence_packing
+            budget = sp.train_mb_tokens if purpose == "train" else (
+                sp.logprob_mb_tokens or sp.train_mb_tokens)
+            plans = batching.packed_microbatches(
+                lengths, capacity=budget, algorithm=sp.algorithm,
+                pad_multiple=cfg.make_sequence_length_divisible_by)
+        else:
+            plans = batching.fixed_microbatches(int(lengths.shape[0]), mbs, seq_len=seq_len)
+        max_count = self.parallel.all_reduce_int(len(plans), op="max", axis="world")
+        return plans + batching.dummy_microbatches(
+            plans, batching.num_dummy_microbatches(len(plans), max_count))
+
+    def _microbatch(self, data: Mapping[str, Any], plan: batching.MicrobatchPlan, *,
+                    skip=()) -> _Microbatch:
+        rows = list(plan.rows)
+        lengths = data["input_lengths"][rows]
+        width = int(lengths.max()) if plan.packed and rows else plan.width
+        width = max(width, 1)
+        index = torch.tensor(rows, dtype=torch.int64)
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            if isinstance(value, torch.Tensor):
+                t = value.index_select(0, index.to(value.device))
+                if t.ndim >= 2 and key not in skip:
+                    t = t[:, :width]
+                out[key] = t.to(self.device, non_blocking=True)
+            else:
+                out[key] = [value[i] for i in rows]
+        return _Microbatch(out, packed=plan.packed, is_dummy=plan.is_dummy)
+
+    def _forward(self, mb: _Microbatch) -> torch.Tensor:
+        return model_lib.forward_logits(
+            self.model, mb.input_ids, position_ids=mb.position_ids, autocast_dtype=self.dtype,
+            cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen)
+
+    def _next_token_logprobs(self, mb: _Microbatch, logits: torch.Tensor, *, filtered: bool
+                             ) -> torch.Tensor:
+        """[b, w-1] next-token logprobs of microbatch `mb` (differentiable)."""
+        temperature, top_k, top_p = self._sampling
+        if not filtered:
+            top_k, top_p = None, 1.0
+        chunk = self.cfg.logprob_chunk_size or default_chunk_size(logits.shape[-1])
+        lp = next_token_logprobs(logits, mb.input_ids, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, chunk_size=chunk)
+        if not mb.packed:
+            return lp
+        full_1N = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+        return mb.unpack_rows(full_1N)[:, 1:]
+
+    def _filtering(self) -> bool:
+        _, top_k, top_p = self._sampling
+        return (top_k is not None and top_k > 0) or top_p < 1.0
+
+    @staticmethod
+    def _valid_mask(data: Mapping[str, Any], seq_len: int) -> torch.Tensor:
+        lengths = data["input_lengths"]
+        valid = mask_from_lengths(lengths.to(torch.int64), seq_len).to(lengths.device)
+        if "token_mask" in data:
+            valid = valid & (data["token_mask"].to(valid.device) != 0)
+        if "sample_mask" in data:
+            valid = valid & (data["sample_mask"].to(valid.device) != 0)[:, None]
+        return valid
+
+    # ------------------------------------------------------------------------------ train
+
+    def train(self, data: Mapping[str, Any], loss_fn: Any, eval_mode: bool = False,
+              gbs: int | None = None, mbs: int | None = None,
+              check_dim_skip_keys: Any = None) -> dict[str, Any]:
+        """Train on every whole global batch of `data` (one optimizer step per global batch)."""
+        skip = tuple(check_dim_skip_keys or ())
+        self._validate(data, required=("input_ids", "input_lengths", "sample_mask"), skip=skip)
+        if loss_fn.loss_type == LossType.TOKEN_LEVEL and "token_mask" not in data:
+            msg = (f"data has no 'token_mask' but {type(loss_fn).__name__} is a token-level loss; "
+                   f"add token_mask [B, S] (1 = token counts)")
+            raise ValueError(msg)
+        if not eval_mode and self.optimizer is None:
+            msg = "train() needs an optimizer but the worker was built with init_optimizer=False"
+            raise ValueError(msg)
+        if (not eval_mode and self.device.type == "cpu"
+                and self.model.config._attn_implementation == "flex_attention"):
+            msg = ("attn_implementation 'flex_attention' has no backward on CPU; use 'auto' or "
+                   "'sdpa' for training on CPU (flex_attention works for inference)")
+            raise ValueError(msg)
+        gbs = gbs or self.cfg.train_global_batch_size
+        mbs = mbs or self.cfg.train_micro_batch_size
+        dp, cp = self.parallel.dp_size, self.parallel.cp_size
+        if gbs % dp != 0:
+            msg = f"gbs={gbs} must be a multiple of the data-parallel size {dp}"
+            raise ValueError(msg)
+        local_gbs = gbs // dp
+        size = int(data["input_ids"].shape[0])
+        total = self.parallel.all_reduce_int(size, axis="dp")
+        num_gb = total // gbs
+        if num_gb == 0:
+            msg = (f"the batch has {total} rows over all data-parallel ranks, fewer than one "
+                   f"global batch (gbs={gbs}); pass at least gbs rows or a smaller gbs")
+            raise ValueError(msg)
+        self.model.train(not eval_mode)
+        grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
+        losses, all_mb_metrics = [], {}
+        grad_norm, skipped, stepped = None, 0, 0
+        with grad_ctx:
+            for g in range(num_gb):
+                rows = slice(g * local_gbs, (g + 1) * local_gbs)
+                batch = {k: v[rows] for k, v in data.items()}
+                out = self._train_global_batch(batch, loss_fn, eval_mode=eval_mode, mbs=mbs,
+                                               num_gb=num_gb, skip=skip, dp_cp=dp * cp)
+                mb_losses, mb_metrics, grad_norm, was_skipped = out
+                skipped += int(was_skipped)
+                stepped += int(not eval_mode and not was_skipped)
+                losses.append(math.fsum(mb_losses))
+                for m in mb_metrics:
+                    for k, v in m.items():
+                        all_mb_metrics.setdefault(k, []).append(v)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        if stepped and self.scheduler is not None:
+            self.scheduler.step()
+        self._empty_cache()
+        global_loss = self.parallel.all_reduce(
+            torch.tensor(losses, dtype=torch.float32, device=self.parallel._collective_device()),
+            axis="dp").cpu()
+        return {"global_loss": global_loss, "grad_norm": grad_norm,
+                "all_mb_metrics": all_mb_metrics, "rank": self.parallel.rank,
+                "model_dtype": self.dtype, "skipped_steps": skipped}
+
+    def _global_normalizers(self, batch: Mapping[str, Any], loss_fn: Any
+                            ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        seq_len = batch["input_ids"].shape[1]
+        lengths = batch["input_lengths"].to(torch.int64)
+        sample_mask = batch["sample_mask"].to(torch.float32)
+        batch = dict(batch)
+        if "token_mask" in batch:
+            token_mask = batch["token_mask"]
+            in_len = mask_from_lengths(lengths, seq_len).to(token_mask.device)
+            batch["token_mask"] = torch.where(in_len, token_mask, torch.zeros_like(token_mask))
+            toks = (batch["token_mask"][:, 1:].to(torch.float32) * sample_mask[:, None]).sum()
+        else:
+            toks = sample_mask.sum() * seq_len
+        dev = self.parallel._collective_device()
+        gvs = self.parallel.all_reduce(sample_mask.sum().reshape(()).to(dev), axis="dp")
+        gvt = self.parallel.all_reduce(toks.reshape(()).to(dev), axis="dp")
+        return gvs.to(self.device), gvt.to(self.device), batch
+
+    def _train_global_batch(self, batch, loss_fn, *, eval_mode, mbs, num_gb, skip, dp_cp):
+        gvs, gvt, batch = self._global_normalizers(batch, loss_fn)
+        plans = self._plans(batch["input_lengths"], seq_len=batch["input_ids"].shape[1], mbs=mbs,
+                            purpose="train")
+        if not eval_mode:
+            self.optimizer.zero_grad(set_to_none=True)
+        mb_losses, mb_metrics, finite = [], [], True
+        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else 0.0
+        for plan in plans:
+            mb = self._microbatch(batch, plan, skip=skip)
+            loss, metrics = self._loss(mb, loss_fn, gvs, gvt)
+            if mb.is_dummy:
+                loss = loss * 0
+            if not eval_mode:
+                (loss * dp_cp).backward()
+            if mb.is_dummy:
+                continue
+            finite = finite and bool(torch.isfinite(loss.detach()).item())
+            metrics = scale_microbatch_metrics(metrics, num_gb)
+            metrics.update(lr=lr, global_valid_seqs=float(gvs), global_valid_toks=float(gvt))
+            if metrics["num_valid_samples"] > 0:
+                mb_losses.append(float(loss.detach().item()))
+                mb_metrics.append(metrics)
+        if eval_mode:
+            return mb_losses, mb_metrics, None, False
+        grad_norm, skipped = self._optimizer_step(finite)
+        for i, m in enumerate(mb_metrics):
+            m["skipped_step"] = float(skipped and i == 0)
+        return mb_losses, mb_metrics, grad_norm, skipped
+
+    def _loss(self, mb: _Microbatch, loss_fn, gvs, gvt):
+        logits = self._forward(mb)
+        if loss_fn.input_type == LossInputType.LOGIT:
+            logits = mb.unpack_rows(logits)
+            if self._sampling[0] != 1.0:
+                logits = logits / self._sampling[0]
+            return loss_fn(mb.data, gvs, gvt, logits=logits)
+        data = dict(mb.data)
+        lp = self._next_token_logprobs(mb, logits, filtered=True)
+        if self._filtering():
+            valid = self._valid_mask(data, mb.width)[:, 1:]
+            lp, _ = count_and_zero_neg_inf(lp, valid)
+            if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
+                data["curr_logprobs_unfiltered"] = self._next_token_logprobs(
+                    mb, logits, filtered=False)
+        return loss_fn(data, gvs, gvt, next_token_logprobs=lp)
+
+    def _total_grad_norm(self) -> torch.Tensor:
+        """Pre-clip L2 norm of all grads (local shards summed, then `_grad_norm_sq_hook`)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in grads:
+            local = g.to_local() if hasattr(g, "to_local") else g
+            norm_sq = norm_sq + local.detach().float().pow(2).sum()
+        return self._grad_norm_sq_hook(norm_sq).sqrt()
+
+    def _optimizer_step(self, loss_finite: bool) -> tuple[float, bool]:
+        total_norm = self._total_grad_norm()
+        bad = int(not loss_finite or not bool(torch.isfinite(total_norm).item()))
+        bad = self.parallel.all_reduce_int(bad, op="max", axis="world")
+        grad_norm = float(total_norm.item())
+        if bad:
+            warnings.warn(f"non-finite loss or grad norm ({grad_norm}); the optimizer step was "
+                          f"skipped (weights and optimizer state unchanged)", stacklevel=3)
+            self.optimizer.zero_grad(set_to_none=True)
+            return grad_norm, True
+        if self.cfg.max_grad_norm is not None:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, total_norm)
+        self.optimizer.step()
+        if hasattr(self.model, "update_moe_gate_bias"):
+            self.model.update_moe_gate_bias()
+        return grad_norm, False
+
+    # ------------------------------------------------------------------------------ inference
+
+    def _inference_plans(self, data, micro_batch_size):
+        mbs = micro_batch_size or self.cfg.logprob_batch_size
+        return self._plans(data["input_lengths"], seq_len=data["input_ids"].shape[1], mbs=mbs,
+                           purpose="logprob")
+
+    def _run_inference(self, data, micro_batch_size, per_microbatch) -> Any:
+        """Run `per_microbatch(mb) -> [b, w, ...]` (or a tuple of such) over all plans.
+
+        Returns [B, S, ...] CPU tensors (a tuple when `per_microbatch` returns one), in input order.
+        """
+        seq_len = data["input_ids"].shape[1]
+        plans = self._inference_plans(data, micro_batch_size)
+        self.model.eval()
+        outputs: list[tuple[torch.Tensor, ...]] = []
+        with torch.no_grad():
+            for plan in plans:
+                mb = self._microbatch(data, plan)
+                out = per_microbatch(mb)
+                if mb.is_dummy:
+                    continue
+                outs = out if isinstance(out, tuple) else (out,)
+                outputs.append(tuple(_pad_seq(o, seq_len).cpu() for o in outs))
+        if not outputs:
+            raise ValueError("the batch has no rows; pass at least one row")
+        order = batching.rows_in_input_order(plans)
+        result = tuple(torch.cat(parts)[order] for parts in zip(*outputs, strict=True))
+        return result if len(result) > 1 else result[0]
+
+    def get_logprobs(self, data: Mapping[str, Any], micro_batch_size: int | None = None,
+                     require_router_replay: bool = True) -> BatchedDataDict:
+        """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths (API §4)."""
+        self._validate(data)
+        self._check_router_replay(data, require_router_replay)
+        counts = [0]
+
+        def per_mb(mb: _Microbatch) -> torch.Tensor:
+            lp = logprobs_with_leading_zero(
+                self._next_token_logprobs(mb, self._forward(mb), filtered=True), mb.lengths)
+            if self._filtering() and not mb.is_dummy:
+                lp, num_neg_inf = count_and_zero_neg_inf(lp, self._valid_mask(mb.data, mb.width))
+                counts[0] += num_neg_inf
+            return lp
+
+        logprobs = self._run_inference(data, micro_batch_size, per_mb)
+        if counts[0]:
+            warnings.warn(f"policy top-k/top-p mismatch: {counts[0]} valid token(s) had -inf "
+                          f"logprob under the sampling filters; they were set to 0", stacklevel=2)
+        return BatchedDataDict(logprobs=logprobs.float())
+
+    def _check_router_replay(self, data: Mapping[str, Any], require: bool) -> None:
+        if self.cfg.router_replay is None or not require:
+            return
+        if "routed_experts" not in data:
+            msg = ("router_replay is enabled and require_router_replay=True but data has no "
+                   "'routed_experts' [B, S, L, topk]; add it or pass require_router_replay=False")
+            raise ValueError(msg)
+        msg = (f"router replay is not supported for model_type "
+               f"{self.model.config.model_type!r} by this worker; disable router_replay or pass "
+               f"require_router_replay=False")
+        raise ValueError(msg)
+
+    def get_reference_policy_logprobs(self, data: Mapping[str, Any],
+                                      micro_batch_size: int | None = None) -> BatchedDataDict:
+        """Logprobs of the reference weights (filters off, temperature kept)."""
+        with self.use_reference_model():
+            out = self.get_logprobs(data, micro_batch_size, require_router_replay=False)
+        return BatchedDataDict(reference_logprobs=out["logprobs"])
+
+    @contextlib.contextmanager
+    def use_reference_model(self) -> Iterator[None]:
+        """Swap the reference weights in place; restore the policy weights even on error."""
+        if self._reference_state is None:
+            msg = ("use_reference_model() needs reference weights but the worker was built with "
+                   "init_reference_model=False")
+            raise ValueError(msg)
+        live = self._live_state()
+        saved = self._snapshot_state()
+        sampling = self._sampling
+        try:
+            with torch.no_grad():
+                for k, t in live.items():
+                    t.copy_(self._reference_state[k])
+            self._sampling = (sampling[0], None, 1.0)
+            with torch.no_grad():
+                yield
+        finally:
+            self._sampling = sampling
+            with torch.no_grad():
+                for k, t in live.items():
+                    t.copy_(saved[k])
+
+    def get_topk_logits(self, data: Mapping[str, Any], k: int, micro_batch_size: int | None = None
+                        ) -> BatchedDataDict:
+        """Top-k of temperature-scaled logits at every position (no shift), 0/0 at padding."""
+        self._validate(data)
+        if not isinstance(k, int) or k < 1:
+            msg = f"k={k!r} must be a positive int"
+            raise ValueError(msg)
+        temperature = self._sampling[0]
+
+        def per_mb(mb: _Microbatch) -> torch.Tensor:
+            logits = self._forward(mb)
+            k_eff = min(k, logits.shape[-1])
+            chunk = self.cfg.logprob_chunk_size or default_chunk_size(logits.shape[-1])
+            vals, idx = [], []
+            for s in range(0, logits.shape[1], chunk):
+                x = logits[:, s:s + chunk].float()
+                if temperature != 1.0:
+                    x = x / temperature
+                v, i = torch.topk(x, k_eff, dim=-1)
+                vals.append(v)
+                idx.append(i)
+            v, i = mb.unpack_rows(torch.cat(vals, 1)), mb.unpack_rows(torch.cat(idx, 1))
+            valid = mask_from_lengths(mb.lengths, mb.width)[..., None].to(v.device)
+            return (torch.where(valid, v, torch.zeros_like(v)),
+                    torch.where(valid, i, torch.zeros_like(i)))
+
+        values, indices = self._run_inference(data, micro_batch_size, per_mb)
+        return BatchedDataDict(topk_logits=values.float(), topk_indices=indices.to(torch.int64))
+
+    def score(self, data: Mapping[str, Any]) -> BatchedDataDict:
+        """Reward scores: [B] (bradley_terry, at the last token) or [B, S] (regression)."""
+        kind = model_lib.reward_model_type(self.cfg)
+        if kind is None:
+            msg = "score() needs a reward model; set reward_model_cfg in the config"
+            raise ValueError(msg)
+        self._validate(data)
+        mbs = self.cfg.batch_size or self.cfg.logprob_batch_size
+
+        def per_mb(mb: _Microbatch) -> torch.Tensor:
+            hidden = model_lib.forward_hidden(self.model, mb.input_ids, position_ids=mb.position_ids,
+                                              autocast_dtype=self.dtype)
+            with model_lib.autocast_context(self.device, self.dtype):
+                scores = self.model.score(hidden)[..., 0].float()
+            valid = mask_from_lengths(mb.lengths, mb.width).to(scores.device)
+            return torch.where(valid, scores, torch.zeros_like(scores))
+
+        scores = self._run_inference(data, mbs, per_mb)
+        if kind == "bradley_terry":
+            lengths = data["input_lengths"].to(torch.int64).cpu()
+            last = (lengths - 1).clamp(min=0)
+            scores = torch.where(lengths > 0, scores.gather(1, last[:, None])[:, 0],
+                                 torch.zeros(lengths.shape))
+        return BatchedDataDict(scores=scores.float())
+
+    def calibrate_qkv_fp8_scales(self, data: Mapping[str, Any], micro_batch_size: int | None = None,
+                                 percentile: float = 99.9, margin: float = 1.05,
+                                 include_q: bool = False) -> dict[str, Any]:
+        """Per-attention-layer FP8 (e4m3) scales: percentile(|k|, |v|[, |q|]) * margin / 448."""
+        self._validate(data)
+        if not 0.0 < percentile <= 100.0 or margin <= 0:
+            msg = f"percentile={percentile} must be in (0, 100] and margin={margin} > 0"
+            raise ValueError(msg)
+        projs = ("q_proj", "k_proj", "v_proj") if include_q else ("k_proj", "v_proj")
+        samples: dict[tuple[str, str], list[torch.Tensor]] = {}
+        current: dict[str, torch.Tensor] = {}
+        handles = []
+        for name, module in self.model.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in projs:
+                def hook(_m, _inp, out, key=(name.rsplit(".", 1)[0], leaf[0])):
+                    valid = current["valid"].reshape(-1)
+                    flat = out.detach().float().reshape(valid.shape[0], -1)[valid]
+                    samples.setdefault(key, []).append(flat.abs().reshape(-1).cpu())
+                handles.append(module.register_forward_hook(hook))
+        if not handles:
+            msg = (f"model_type {self.model.config.model_type!r} has no q_proj/k_proj/v_proj "
+                   f"modules to calibrate")
+            raise ValueError(msg)
+
+        def per_mb(mb: _Microbatch) -> torch.Tensor:
+            valid = mask_from_lengths(mb.lengths, mb.width).to(self.device)
+            current["valid"] = torch.ones_like(mb.input_ids, dtype=torch.bool) if mb.packed else valid
+            self._forward(mb)
+            return valid.float()
+
+        try:
+            self._run_inference(data, micro_batch_size, per_mb)
+        finally:
+            for h in handles:
+                h.remove()
+        layers: dict[str, dict[str, float]] = {}
+        for (layer, kind), parts in sorted(samples.items()):
+            values = torch.cat(parts)
+            rank = max(1, math.ceil(percentile / 100.0 * values.numel()))
+            amax = float(values.kthvalue(rank).values) if values.numel() else 0.0
+            layers.setdefault(layer, {})[f"{kind}_scale"] = max(amax, 1e-12) * margin / _FP8_E4M3_MAX
+        kv_scales = {f"{layer}.{key}": v for layer, d in layers.items() for key, v in d.items()}
+        return {"format": "fp8_e4m3", "percentile": percentile, "margin": margin,
+                "layers": layers, "kv_scales": kv_scales}
+
+    # ------------------------------------------------------------------------------ offload
+
+    def move_buffer_to_device(self, model: torch.nn.Module, device: str | torch.device
+                              ) -> torch.nn.Module:
+        device = self._resolve_device(device)
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.device != device:
+                    module._buffers[name] = buf.to(device)
+        return model
+
+    def move_to_device(self, model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
+        device = self._resolve_device(device)
+        self.move_buffer_to_device(model, device)
+        return model.to(device)
+
+    def move_to_cuda(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = self.move_to_device(model, self.device)
+        self._empty_cache()
+        return model
+
+    def move_to_cpu(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = self.move_to_device(model, "cpu")
+        gc.collect()
+        self._empty_cache()
+        return model
+
+    def move_optimizer_to_device(self, device: str | torch.device) -> None:
+        if self.optimizer is None:
+            return
+        device = self._resolve_device(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.device != device:
+                    state[key] = value.to(device)
+
+    def prepare_for_training(self) -> None:
+        self.move_to_cuda(self.model)
+        self.model.train()
+        self.move_optimizer_to_device(self.device)
+        self._empty_cache()
+
+    def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
+        self.move_to_cuda(self.model)
+        self.model.eval()
+        if not keep_train_buffers and self.optimizer is not None and (
+                self.cfg.offload_optimizer_for_logprob):
+            self.move_optimizer_to_device("cpu")
+        gc.collect()
+        self._empty_cache()
+
+    def finish_inference(self) -> None:
+        self.move_to_cpu(self.model)
+        self.model.eval()
+
+    def finish_training(self) -> None:
+        """Nothing to release (grads are freed at the end of every train() call)."""
+
+    def offload_before_refit(self) -> None:
+        if self.optimizer is not None:
+            self.move_optimizer_to_device("cpu")
+        gc.collect()
+        self._empty_cache()
+
+    def offload_after_refit(self) -> None:
+        self.move_to_cpu(self.model)
+        self.model.eval()
+        self.offload_before_refit()
+        if self.device.type == "cuda":
+            log.info("after offload_after_refit: %.3f GiB allocated, %.3f GiB reserved",
+                     torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30)
+
+    # ------------------------------------------------------------------------------ misc
+
+    def return_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def return_model_config(self) -> Any:
+        return self.model.config
+
+    def _add_noise_to_weights(self) -> None:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p) * 0.01)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def is_alive(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}[rank={self.parallel.rank}]"
+
+    def shutdown(self) -> bool:
+        self.parallel.shutdown()
+        return True
+
+
+def _pad_seq(x: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Right-pad dim 1 of `x` with zeros to `seq_len`."""
+    if x.ndim < 2 or x.shape[1] >= seq_len:
+        return x
+    return torch.nn.functional.pad(x, (0, 0) * (x.ndim - 2) + (0, seq_len - x.shape[1]))
+
+
+def _hf_folder(weights_path: str) -> str:
+    import os
+
+    nested = os.path.join(weights_path, "model")
+    return nested if os.path.isdir(nested) else weights_path
+
+
+AutomodelPolicyWorker = PolicyWorker

@@ -1,0 +1,124 @@
+"""Tiny real HF models (Llama / Qwen2 / Qwen3 + reward heads) saved once per session, loaded by path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+VOCAB = 128
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               use_cache=True, eos_token_id=1, bos_token_id=2)
+
+
+def _build(kind: str):
+    import transformers
+
+    torch.manual_seed({"llama": 0, "qwen2": 1, "qwen3": 2}[kind])
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**_COMMON)
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**_COMMON, tie_word_embeddings=True)
+    else:
+        cfg = transformers.Qwen3Config(**_COMMON, head_dim=8)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # larger-than-default init so logprobs are far from uniform
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_paths(tmp_path_factory) -> dict[str, str]:
+    """{'llama' | 'qwen2' | 'qwen3': folder} of tiny causal LMs without tokenizer files."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    paths = {}
+    for kind in ("llama", "qwen2", "qwen3"):
+        folder = root / kind
+        _build(kind).save_pretrained(folder)
+        paths[kind] = str(folder)
+    return paths
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_model_path(tmp_path_factory) -> str:
+    """A tiny Llama folder that also holds a word-level tokenizer (no pad token, eos 't1')."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny_with_tokenizer") / "llama"
+    _build("llama").save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", unk_token="t0").save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_paths(tmp_path_factory) -> dict[str, str]:
+    """{'bradley_terry' | 'regression': folder} of tiny Llama reward models (num_labels=1)."""
+    import transformers
+
+    root = tmp_path_factory.mktemp("tiny_rm")
+    cfg = transformers.LlamaConfig(**_COMMON, num_labels=1, pad_token_id=0)
+    paths = {}
+    for kind, cls in (("bradley_terry", transformers.LlamaForSequenceClassification),
+                      ("regression", transformers.LlamaForTokenClassification)):
+        torch.manual_seed(3)
+        folder = root / kind
+        cls(cfg).save_pretrained(folder)
+        paths[kind] = str(folder)
+    return paths
+
+
+def make_config(model_path: str, **overrides) -> dict:
+    """A float32 worker config mapping over `model_path` with small batches."""
+    cfg = {
+        "model_name": model_path,
+        "precision": "float32",
+        "train_global_batch_size": 4,
+        "train_micro_batch_size": 2,
+        "logprob_batch_size": 2,
+        "max_grad_norm": 1.0,
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2, "weight_decay": 0.0}},
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def make_batch(batch_size: int = 4, seq_len: int = 12, *, seed: int = 0, lengths=None) -> dict:
+    """Right-padded random ids (pad id 0) with rows of different lengths, masks and PG inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    if lengths is None:
+        lengths = torch.randint(2, seq_len + 1, (batch_size,), generator=gen)
+        lengths[0] = seq_len
+    lengths = torch.as_tensor(lengths, dtype=torch.int64)
+    ids = torch.randint(3, VOCAB, (batch_size, seq_len), generator=gen)
+    valid = torch.arange(seq_len)[None] < lengths[:, None]
+    ids = torch.where(valid, ids, torch.zeros_like(ids))
+    token_mask = valid.float() * (torch.rand(batch_size, seq_len, generator=gen) > 0.2).float()
+    token_mask[:, 0] = 0
+    return {
+        "input_ids": ids,
+        "input_lengths": lengths,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(batch_size),
+        "advantages": torch.randn(batch_size, seq_len, generator=gen),
+        "prev_logprobs": -torch.rand(batch_size, seq_len, generator=gen) * 3,
+        "generation_logprobs": -torch.rand(batch_size, seq_len, generator=gen) * 3,
+        "reference_policy_logprobs": -torch.rand(batch_size, seq_len, generator=gen) * 3,
+    }
+
+
+def hf_reference_logprobs(model_path: str, data: dict, *, temperature: float = 1.0) -> torch.Tensor:
+    """Plain HF fp32 forward + log_softmax with the zero conventions (column 0, >= len)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    ids = data["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits.float() / temperature
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+    valid = torch.arange(ids.shape[1])[None] < data["input_lengths"][:, None]
+    return torch.where(valid, lp, torch.zeros_like(lp))
