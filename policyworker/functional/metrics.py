@@ -1,0 +1,111 @@
+"""How per-microbatch loss metrics combine into per-step numbers (all functions are pure).
+
+A loss reports each microbatch's metrics already divided by the *global* valid-token or
+valid-sequence count, so most metrics **add up** across microbatches, packed sequences and
+data-parallel ranks. The exceptions are extremes (a key containing ``_min`` or ``_max``, e.g.
+``probs_ratio_min``, which use ±inf as "no valid token here") and per-step constants that the
+worker appends to every microbatch (``lr``, ``wd``, ``global_valid_seqs``,
+``global_valid_toks``), which are averaged.
+"""
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal, SupportsFloat
+
+__all__ = [
+    "MEAN_KEYS",
+    "aggregate_microbatch_metrics",
+    "combine_packed_sequence_metrics",
+    "metric_reduction",
+    "scale_microbatch_metrics",
+]
+
+MEAN_KEYS = frozenset({"lr", "wd", "global_valid_seqs", "global_valid_toks"})
+NO_FINITE_EXTREME = -1.0  # what an extreme aggregates to when no microbatch had a valid token
+
+Reduction = Literal["min", "max", "mean", "sum"]
+
+
+def metric_reduction(key: str) -> Reduction:
+    """The reduction of reference §7.4 for ``key``: min / max (extremes), mean, or sum."""
+    if "_min" in key:
+        return "min"
+    if "_max" in key:
+        return "max"
+    return "mean" if key in MEAN_KEYS else "sum"
+
+
+def scale_microbatch_metrics(
+    metrics: Mapping[str, SupportsFloat], num_global_batches: int
+) -> dict[str, float]:
+    """Divide every metric but the extremes by ``num_global_batches`` (returns a new dict).
+
+    Summing the scaled metrics of every microbatch of every global batch then gives the average
+    over global batches.
+
+    Raises:
+        ValueError: if ``num_global_batches`` is not a positive int.
+    """
+    if isinstance(num_global_batches, bool) or not isinstance(num_global_batches, int) or (
+        num_global_batches < 1
+    ):
+        msg = f"num_global_batches must be a positive int, got {num_global_batches!r}"
+        raise ValueError(msg)
+    return {
+        key: float(value) if metric_reduction(key) in ("min", "max")
+        else float(value) / num_global_batches
+        for key, value in metrics.items()
+    }
+
+
+def _finite(values: Iterable[SupportsFloat]) -> list[float]:
+    return [v for v in map(float, values) if math.isfinite(v)]
+
+
+def aggregate_microbatch_metrics(
+    all_mb_metrics: Mapping[str, Sequence[SupportsFloat]],
+) -> dict[str, float]:
+    """Reduce ``{key: [per-microbatch values]}`` to one number per key (reference §7.4).
+
+    Extremes: min / max over finite values, ``-1.0`` when none is finite; ``lr``, ``wd``,
+    ``global_valid_seqs``, ``global_valid_toks``: mean; everything else: sum. A key with an
+    empty list is left out of the result (there is nothing to report).
+    """
+    result: dict[str, float] = {}
+    for key, values in all_mb_metrics.items():
+        if len(values) == 0:
+            continue
+        reduction = metric_reduction(key)
+        if reduction in ("min", "max"):
+            finite = _finite(values)
+            pick = min if reduction == "min" else max
+            result[key] = pick(finite) if finite else NO_FINITE_EXTREME
+        elif reduction == "mean":
+            result[key] = math.fsum(map(float, values)) / len(values)
+        else:
+            result[key] = math.fsum(map(float, values))
+    return result
+
+
+def combine_packed_sequence_metrics(
+    metrics_per_sequence: Sequence[Mapping[str, SupportsFloat]],
+) -> dict[str, float]:
+    """Combine the metrics of the sequences of one packed microbatch into that microbatch's.
+
+    Sums every key except extremes, which take the min / max over finite values and stay at
+    their sentinel (+inf for ``_min``, −inf for ``_max``) when no sequence had a valid token.
+    Keys missing from some sequences combine over the sequences that have them.
+    """
+    combined: dict[str, float] = {}
+    for metrics in metrics_per_sequence:
+        for key, raw in metrics.items():
+            value, reduction = float(raw), metric_reduction(key)
+            if reduction == "min":
+                start = combined.get(key, math.inf)
+                combined[key] = min(start, value) if math.isfinite(value) else start
+            elif reduction == "max":
+                start = combined.get(key, -math.inf)
+                combined[key] = max(start, value) if math.isfinite(value) else start
+            else:
+                combined[key] = combined.get(key, 0.0) + value
+    return combined
