@@ -20,18 +20,23 @@ __all__ = ["MICROBATCH_ORDERS", "BatchedDataDict", "MicrobatchOrder", "validate_
 
 MicrobatchOrder = Literal["packer", "largest_first"]
 MICROBATCH_ORDERS: tuple[str, ...] = get_args(MicrobatchOrder)
-_DYNAMIC_KEYS = ("max_tokens_per_microbatch", "sequence_length_round", "input_key", "input_lengths_key")
+_DYNAMIC_KEYS = (
+    "max_tokens_per_microbatch", "sequence_length_round", "input_key", "input_lengths_key")
 _PACKING_KEYS = ("max_tokens_per_microbatch", "input_key", "input_lengths_key", "algorithm")
 
 Indices = Sequence[int] | torch.Tensor
 
 
-def _rows(value: Any) -> int:
+def _rows(value: Any, key: str) -> int:
     if isinstance(value, torch.Tensor):
         if value.ndim == 0:
-            raise DataError("a 0-d tensor has no batch dim; store per-row values as a [B] tensor")
+            raise DataError(f"key {key!r} holds a 0-d tensor, which has no batch dim; store "
+                            "per-row values as a [B] tensor")
         return value.shape[0]
-    return len(value)
+    if isinstance(value, list | tuple):
+        return len(value)
+    raise DataError(f"key {key!r} holds a {type(value).__name__}; values must be tensors or lists "
+                    "with one entry per row")
 
 
 def _take(value: Any, indices: list[int]) -> Any:
@@ -72,7 +77,7 @@ class BatchedDataDict(dict[str, Any]):
     @property
     def size(self) -> int:
         """The batch size (0 for an empty dict); every key must agree."""
-        sizes = {k: _rows(v) for k, v in self.items()}
+        sizes = {k: _rows(v, k) for k, v in self.items()}
         if len(set(sizes.values())) > 1:
             raise DataError(
                 f"Batch sizes are not the same across the rollout batch: {sizes}; every value "
@@ -102,7 +107,8 @@ class BatchedDataDict(dict[str, Any]):
         """Rows ``[start, end)`` as a new dict (tensor values are views)."""
         size = self.size
         if not 0 <= start <= end <= size:
-            raise ValueError(f"slice [{start}, {end}) must satisfy 0 <= start <= end <= size {size}")
+            raise ValueError(
+                f"slice [{start}, {end}) must satisfy 0 <= start <= end <= size {size}")
         return type(self)({k: v[start:end] for k, v in self.items()})
 
     def select_indices(self, indices: Indices) -> Self:
@@ -119,8 +125,10 @@ class BatchedDataDict(dict[str, Any]):
 
         Returns a NEW dict whose row ``indices[i]`` is this dict's row ``i``.
         """
-        if len(_ints(indices)) != self.size:
-            raise ValueError(f"indices has {len(_ints(indices))} entries, the batch has {self.size} rows")
+        count, size = len(_ints(indices)), self.size
+        if count != size:
+            raise ValueError(f"indices has {count} entries but the batch has {size} rows; pass one "
+                             "original position per row")
         return self.select_indices(inverse_permutation(indices))
 
     def repeat_interleave(self, num_repeats: int) -> Self:
@@ -157,8 +165,8 @@ class BatchedDataDict(dict[str, Any]):
         keys = list(batches[0])
         for i, batch in enumerate(batches):
             if set(batch) != set(keys):
-                raise DataError(f"batch {i} has keys {sorted(batch)} but batch 0 has {sorted(keys)}; "
-                                "every batch needs the same keys")
+                raise DataError(f"batch {i} has keys {sorted(batch)} but batch 0 has "
+                                f"{sorted(keys)}; every batch needs the same keys")
         pads = dict(pad_value_dict or {})
         return cls({k: _concat_values(k, [b[k] for b in batches], pads.get(k, 0)) for k in keys})
 
@@ -176,8 +184,8 @@ class BatchedDataDict(dict[str, Any]):
 
     def _single_gb_plan(self) -> tuple[list[list[int]], list[int]]:
         if self.micro_batch_indices is None or self.micro_batch_lengths is None:
-            raise ValueError("this dict has no microbatch plan; shard it with dynamic_batching_args "
-                             "or sequence_packing_args first")
+            raise ValueError("this dict has no microbatch plan; shard it with "
+                             "dynamic_batching_args or sequence_packing_args first")
         if len(self.micro_batch_indices) != 1:
             raise ValueError(f"this dict holds {len(self.micro_batch_indices)} global batches; "
                              "call get_batch(i) first")
@@ -204,15 +212,15 @@ class BatchedDataDict(dict[str, Any]):
         if self.elem_counts_per_gb is not None:
             counts = self.elem_counts_per_gb
             if not 0 <= batch_idx < len(counts):
-                raise ValueError(f"batch_idx {batch_idx} out of range: this shard has {len(counts)} "
-                                 "global batches")
+                raise ValueError(f"batch_idx {batch_idx} out of range: this shard has "
+                                 f"{len(counts)} global batches")
             start = sum(counts[:batch_idx])
             batch = self.slice(start, start + counts[batch_idx])
             batch.elem_counts_per_gb = [counts[batch_idx]]
         else:
             if batch_size is None or batch_size < 1:
-                raise ValueError(f"batch_size must be >= 1 for a dict without elem_counts_per_gb, got "
-                                 f"{batch_size}")
+                raise ValueError(f"batch_size must be >= 1 for a dict without "
+                                 f"elem_counts_per_gb, got {batch_size}")
             batch = self.slice(batch_size * batch_idx, batch_size * (batch_idx + 1))
         if self.micro_batch_indices is not None and self.micro_batch_lengths is not None:
             batch.micro_batch_indices = [_copy.deepcopy(self.micro_batch_indices[batch_idx])]
@@ -229,7 +237,7 @@ class BatchedDataDict(dict[str, Any]):
         dynamic_batching_args: Mapping[str, Any] | None = None,
         sequence_packing_args: Mapping[str, Any] | None = None,
     ) -> list[Self] | tuple[list[Self], list[int]]:
-        """Split into ``shards`` data-parallel shards, global batch by global batch (reference §5.3).
+        """Split into ``shards`` data-parallel shards, one global batch at a time (reference §5.3).
 
         The data is cut into chunks of ``batch_size`` rows (one per global batch; default: all
         rows). Plain: shard ``r`` gets rows ``[r*bs/shards, (r+1)*bs/shards)`` of every chunk.
@@ -240,7 +248,8 @@ class BatchedDataDict(dict[str, Any]):
         of the concatenated shards, so ``from_batches(shards).reorder_data(sorted_indices)``
         restores this dict.
 
-        Example: rows ``[0..7]``, ``batch_size=4``, ``shards=2`` -> ``[0, 1, 4, 5]``, ``[2, 3, 6, 7]``.
+        Example: rows ``[0..7]``, ``batch_size=4``, ``shards=2`` -> ``[0, 1, 4, 5]`` and
+        ``[2, 3, 6, 7]``.
         """
         total, batch_size = self._check_shard_arguments(
             shards, batch_size, allow_uneven_shards, dynamic_batching_args, sequence_packing_args)
@@ -252,7 +261,8 @@ class BatchedDataDict(dict[str, Any]):
         result = []
         for r in range(shards):
             rows = [i for start in range(0, total, batch_size)
-                    for i in range(start + r * shard_size, min(start + (r + 1) * shard_size, total))]
+                    for i in range(start + r * shard_size,
+                                   min(start + (r + 1) * shard_size, total))]
             result.append(self.select_indices(rows))
         return result
 
@@ -295,7 +305,8 @@ class BatchedDataDict(dict[str, Any]):
                        ) -> tuple[list[Self], list[int]]:
         lengths = _ints(self[args["input_lengths_key"]])
         seq_len = self[args["input_key"]].shape[1]
-        max_tokens, rounding = int(args["max_tokens_per_microbatch"]), int(args["sequence_length_round"])
+        max_tokens = int(args["max_tokens_per_microbatch"])
+        rounding = int(args["sequence_length_round"])
         rows_per_shard: list[list[int]] = [[] for _ in range(shards)]
         indices: list[list[list[int]]] = []
         widths_per_gb: list[list[int]] = []
@@ -304,12 +315,13 @@ class BatchedDataDict(dict[str, Any]):
             strided = [ordered[r::shards] for r in range(shards)]
             widths = []
             for position in range(batch_size // shards):
-                longest = max((strided[r][position] for r in range(shards)), key=lambda i: lengths[i])
+                longest = max((strided[r][position] for r in range(shards)),
+                              key=lambda i: lengths[i])
                 width = min(round_up(max(lengths[longest], 1), rounding), seq_len)
                 if width > max_tokens:
                     raise DataError(
-                        f"row {longest} has {args['input_lengths_key']!r} {lengths[longest]} (width "
-                        f"{width} after rounding to {rounding}) > max_tokens_per_microbatch "
+                        f"row {longest} has {args['input_lengths_key']!r} {lengths[longest]} "
+                        f"(width {width} after rounding to {rounding}) > max_tokens_per_microbatch "
                         f"{max_tokens}; raise max_tokens_per_microbatch or truncate the row")
                 widths.append(width)
             groups = token_budget_boundaries(widths, max_tokens=max_tokens)
@@ -326,19 +338,23 @@ class BatchedDataDict(dict[str, Any]):
     def _shard_packed(self, shards: int, batch_size: int, args: Mapping[str, Any]
                       ) -> tuple[list[Self], list[int]]:
         lengths = _ints(self[args["input_lengths_key"]])
-        capacity, multiple = int(args["max_tokens_per_microbatch"]), int(args.get("sequence_length_pad_multiple", 1))
+        capacity = int(args["max_tokens_per_microbatch"])
+        multiple = int(args.get("sequence_length_pad_multiple", 1))
         padded = [round_up(n, multiple) for n in lengths]
         for row, (n, p) in enumerate(zip(lengths, padded, strict=True)):
             if p > capacity:
                 raise DataError(
                     f"row {row} has {args['input_lengths_key']!r} {n} (padded to {p} with "
-                    f"sequence_length_pad_multiple {multiple}) > max_tokens_per_microbatch {capacity}; "
-                    "raise max_tokens_per_microbatch to at least the longest padded sequence")
+                    f"sequence_length_pad_multiple {multiple}) > max_tokens_per_microbatch "
+                    f"{capacity}; raise max_tokens_per_microbatch to at least the longest padded "
+                    "sequence")
         rows_per_shard: list[list[int]] = [[] for _ in range(shards)]
-        plans: list[tuple[list[list[int]], list[int], list[int]]] = [([], [], []) for _ in range(shards)]
+        plans: list[tuple[list[list[list[int]]], list[list[int]], list[int]]] = [
+            ([], [], []) for _ in range(shards)]
         for start in range(0, len(lengths), batch_size):
-            bins = pack_into_bins(padded[start:start + batch_size], capacity, algorithm=args["algorithm"],
-                                  min_bin_count=shards, bin_count_multiple=shards)
+            bins = pack_into_bins(padded[start:start + batch_size], capacity,
+                                  algorithm=args["algorithm"], min_bin_count=shards,
+                                  bin_count_multiple=shards)
             for r in range(shards):
                 mine = [[start + i for i in b] for b in bins[r::shards]]
                 if args.get("microbatch_order", "packer") == "largest_first":
@@ -365,18 +381,23 @@ def _concat_values(key: str, values: list[Any], pad_value: int | float) -> Any:
                         f"({[type(v).__name__ for v in values]}); use one type per key")
     ndims = {v.ndim for v in values}
     if len(ndims) != 1 or 0 in ndims:
-        raise DataError(f"key {key!r} has tensors of shapes {[tuple(v.shape) for v in values]}; every "
-                        "batch needs the same number of dims (>= 1)")
+        raise DataError(f"key {key!r} has tensors of shapes {[tuple(v.shape) for v in values]}; "
+                        "every batch needs the same number of dims (>= 1)")
     if ndims == {1}:
         return torch.cat(values)
     width = max(v.shape[1] for v in values)
-    padded = [torch.nn.functional.pad(v, (0, 0) * (v.ndim - 2) + (0, width - v.shape[1]), value=pad_value)
-              if v.shape[1] < width else v for v in values]
+    padded = [torch.nn.functional.pad(v, (0, 0) * (v.ndim - 2) + (0, width - v.shape[1]),
+                                      value=pad_value) if v.shape[1] < width else v
+              for v in values]
     return torch.cat(padded)
 
 
-def validate_batch(data: Mapping[str, Any], *, required: Sequence[str] = ("input_ids", "input_lengths"),
-                   check_dim_skip_keys: Sequence[str] = ()) -> None:
+def validate_batch(
+    data: Mapping[str, Any],
+    *,
+    required: Sequence[str] = ("input_ids", "input_lengths"),
+    check_dim_skip_keys: Sequence[str] = (),
+) -> None:
     """Check a batch before it reaches the model; raise ``DataError`` naming key, shapes and fix.
 
     Checks: required keys present; ``input_ids`` a 2-D integer tensor; ``input_lengths`` a 1-D
@@ -385,44 +406,54 @@ def validate_batch(data: Mapping[str, Any], *, required: Sequence[str] = ("input
     """
     missing = [k for k in required if k not in data]
     if missing:
-        raise DataError(f"batch is missing required key(s) {missing} (has {sorted(data)}); add them")
+        raise DataError(
+            f"batch is missing required key(s) {missing} (has {sorted(data)}); add them")
     ids = data.get("input_ids")
     if ids is not None:
         if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
             shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise DataError(f"'input_ids' must be a [B, S] tensor, got {shape}; pass right-padded ids")
+            raise DataError(
+                f"'input_ids' must be a [B, S] tensor, got {shape}; pass right-padded ids")
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise DataError(f"'input_ids' must hold integer token ids, got dtype {ids.dtype} with shape "
-                            f"{tuple(ids.shape)}; cast with .long()")
-    sizes = {k: (tuple(v.shape) if isinstance(v, torch.Tensor) else len(v)) for k, v in data.items()}
-    batch = {k: _rows(v) for k, v in data.items()}
+            raise DataError(f"'input_ids' must hold integer token ids, got dtype {ids.dtype} with "
+                            f"shape {tuple(ids.shape)}; cast with .long()")
+    lengths = data.get("input_lengths")
+    if lengths is not None:
+        _validate_lengths_type(lengths)
+    batch = {k: _rows(v, k) for k, v in data.items()}
+    sizes = {k: (tuple(v.shape) if isinstance(v, torch.Tensor) else len(v))
+             for k, v in data.items()}
     if len(set(batch.values())) > 1:
         raise DataError(f"batch sizes disagree across keys (dim 0): {sizes}; every value needs the "
                         "same number of rows")
     if ids is not None:
         S = ids.shape[1]
-        bad = {k: s for k, s in sizes.items() if isinstance(data[k], torch.Tensor) and data[k].ndim >= 2
+        bad = {k: s for k, s in sizes.items()
+               if isinstance(data[k], torch.Tensor) and data[k].ndim >= 2
                and k not in check_dim_skip_keys and data[k].shape[1] != S}
         if bad:
-            raise DataError(f"sequence dim (dim 1) of {bad} disagrees with 'input_ids' {tuple(ids.shape)}; "
-                            "pad/truncate them to S or list them in check_dim_skip_keys")
-    _validate_lengths(data, ids)
+            raise DataError(f"sequence dim (dim 1) of {bad} disagrees with 'input_ids' "
+                            f"{tuple(ids.shape)}; pad/truncate them to S or list them in "
+                            "check_dim_skip_keys")
+        if lengths is not None:
+            _validate_lengths_range(lengths, ids)
 
 
-def _validate_lengths(data: Mapping[str, Any], ids: torch.Tensor | None) -> None:
-    lengths = data.get("input_lengths")
-    if lengths is None:
-        return
+def _validate_lengths_type(lengths: Any) -> None:
     if not isinstance(lengths, torch.Tensor) or lengths.ndim != 1:
-        shape = tuple(lengths.shape) if isinstance(lengths, torch.Tensor) else type(lengths).__name__
-        raise DataError(f"'input_lengths' must be a [B] tensor, got {shape}; pass one length per row")
-    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-        raise DataError(f"'input_lengths' must hold integers, got dtype {lengths.dtype}; cast with .long()")
-    if ids is None or lengths.numel() == 0:
-        return
+        shape = (tuple(lengths.shape) if isinstance(lengths, torch.Tensor)
+                 else type(lengths).__name__)
+        raise DataError(
+            f"'input_lengths' must be a [B] tensor, got {shape}; pass one length per row")
+    if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+        raise DataError(
+            f"'input_lengths' must hold integers, got dtype {lengths.dtype}; cast with .long()")
+
+
+def _validate_lengths_range(lengths: torch.Tensor, ids: torch.Tensor) -> None:
     S = ids.shape[1]
-    too_long = (lengths > S) | (lengths < 0)
-    if bool(too_long.any()):
-        row = int(too_long.nonzero()[0, 0])
+    outside = (lengths > S) | (lengths < 0)
+    if bool(outside.any()):
+        row = int(outside.nonzero()[0, 0])
         raise DataError(f"'input_lengths'[{row}] = {int(lengths[row])} is outside [0, S={S}] of "
                         f"'input_ids' {tuple(ids.shape)}; fix the lengths or pad input_ids wider")

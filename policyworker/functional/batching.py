@@ -58,7 +58,8 @@ def _as_ints(values: Sequence[int] | torch.Tensor) -> list[int]:
     return [int(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values)]
 
 
-def fixed_microbatches(batch_size: int, micro_batch_size: int, *, seq_len: int) -> list[MicrobatchPlan]:
+def fixed_microbatches(batch_size: int, micro_batch_size: int, *, seq_len: int
+                       ) -> list[MicrobatchPlan]:
     """Consecutive rows ``micro_batch_size`` at a time, full width; the last plan may be shorter.
 
     Raises:
@@ -73,7 +74,8 @@ def fixed_microbatches(batch_size: int, micro_batch_size: int, *, seq_len: int) 
             for start in range(0, batch_size, micro_batch_size)]
 
 
-def token_budget_boundaries(widths: Sequence[int], *, max_tokens: int) -> list[tuple[int, int, int]]:
+def token_budget_boundaries(widths: Sequence[int], *, max_tokens: int
+                            ) -> list[tuple[int, int, int]]:
     """Greedy ``(start, end, width)`` groups of consecutive positions under a token budget.
 
     A group grows while ``(count + 1) * max(width so far, next width) <= max_tokens`` (reference
@@ -98,7 +100,11 @@ def token_budget_boundaries(widths: Sequence[int], *, max_tokens: int) -> list[t
 
 
 def dynamic_microbatches(
-    lengths: Sequence[int] | torch.Tensor, *, max_tokens: int, sequence_length_round: int, seq_len: int
+    lengths: Sequence[int] | torch.Tensor,
+    *,
+    max_tokens: int,
+    sequence_length_round: int,
+    seq_len: int,
 ) -> list[MicrobatchPlan]:
     """Token-budget microbatches over the rows sorted by length (stable, ascending).
 
@@ -147,7 +153,8 @@ def packed_microbatches(
         return []
     bins = pack_into_bins(padded, capacity, algorithm=algorithm, min_bin_count=min_bin_count,
                           bin_count_multiple=bin_count_multiple)
-    return [MicrobatchPlan(rows=tuple(b), width=sum(padded[i] for i in b), packed=True) for b in bins]
+    return [MicrobatchPlan(rows=tuple(b), width=sum(padded[i] for i in b), packed=True)
+            for b in bins]
 
 
 def num_dummy_microbatches(local_count: int, max_count: int) -> int:

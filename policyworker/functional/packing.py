@@ -72,16 +72,17 @@ def pack(x_BS: torch.Tensor, lengths_B: torch.Tensor) -> tuple[torch.Tensor, tor
         raise ValueError(f"x_BS must be at least 2-D [B, S, ...], got shape {tuple(x_BS.shape)}")
     if lengths_B.shape != (x_BS.shape[0],):
         raise ValueError(
-            f"lengths_B must have shape [{x_BS.shape[0]}] (one per row of x_BS {tuple(x_BS.shape)}), "
-            f"got {tuple(lengths_B.shape)}")
+            f"lengths_B must have shape [{x_BS.shape[0]}] (one per row of x_BS "
+            f"{tuple(x_BS.shape)}), got {tuple(lengths_B.shape)}")
     _check_lengths(lengths_B, x_BS.shape[1])
-    mask_BS = torch.arange(x_BS.shape[1], device=x_BS.device)[None, :] < lengths_B.to(x_BS.device)[:, None]
+    positions_S = torch.arange(x_BS.shape[1], device=x_BS.device)
+    mask_BS = positions_S[None, :] < lengths_B.to(x_BS.device)[:, None]
     return x_BS[mask_BS], cu_seqlens_from_lengths(lengths_B)
 
 
 def unpack(x_N: torch.Tensor, cu_seqlens: torch.Tensor, *, seq_len: int, pad_value: float | int = 0
            ) -> torch.Tensor:
-    """Inverse of :func:`pack`: ``[N, ...] -> [B, seq_len, ...]`` right-padded with ``pad_value``."""
+    """Inverse of :func:`pack`: ``[N, ...] -> [B, seq_len, ...]``, right-padded with pad_value."""
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1 or int(cu_seqlens[0]) != 0:
         raise ValueError(f"cu_seqlens must be 1-D and start at 0, got {cu_seqlens.tolist()}")
     lengths_B = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)

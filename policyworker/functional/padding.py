@@ -22,11 +22,13 @@ def _check_lengths(lengths_B: torch.Tensor, seq_len: int, *, what: str = "length
         raise ValueError(
             f"{what} must be 1-D [B], got shape {tuple(lengths_B.shape)}; pass one length per row")
     if lengths_B.dtype.is_floating_point or lengths_B.dtype == torch.bool:
-        raise ValueError(f"{what} must hold integers, got dtype {lengths_B.dtype}; cast with .long()")
+        raise ValueError(
+            f"{what} must hold integers, got dtype {lengths_B.dtype}; cast with .long()")
     if lengths_B.numel() and (int(lengths_B.min()) < 0 or int(lengths_B.max()) > seq_len):
         raise ValueError(
             f"{what} must lie in [0, {seq_len}] (the sequence width), got min "
-            f"{int(lengths_B.min())} and max {int(lengths_B.max())}; fix the lengths or widen the batch")
+            f"{int(lengths_B.min())} and max {int(lengths_B.max())}; fix the lengths or widen "
+            "the batch")
 
 
 def mask_from_lengths(lengths_B: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -56,14 +58,16 @@ def position_ids_from_lengths(
     non-packed convention: pads sit after the real tokens, so their positions never matter).
     """
     _check_lengths(lengths_B, seq_len)
-    positions_BS = torch.arange(seq_len, device=lengths_B.device).expand(lengths_B.shape[0], seq_len)
+    positions_S = torch.arange(seq_len, device=lengths_B.device)
+    positions_BS = positions_S.expand(lengths_B.shape[0], seq_len)
     if not zero_past_length:
         return positions_BS.clone()
-    return torch.where(positions_BS < lengths_B[:, None], positions_BS, torch.zeros_like(positions_BS))
+    inside_BS = positions_BS < lengths_B[:, None]
+    return torch.where(inside_BS, positions_BS, torch.zeros_like(positions_BS))
 
 
-def _shift_rows(x_BS: torch.Tensor, shift_B: torch.Tensor, keep_BS: torch.Tensor, pad_value: float | int
-                ) -> torch.Tensor:
+def _shift_rows(x_BS: torch.Tensor, shift_B: torch.Tensor, keep_BS: torch.Tensor,
+                pad_value: float | int) -> torch.Tensor:
     """Row b's element at s moves to ``(s + shift_B[b]) mod S``; entries not kept become pad."""
     S = x_BS.shape[1]
     source_BS = (torch.arange(S, device=x_BS.device)[None, :] - shift_B[:, None]) % S
@@ -79,7 +83,8 @@ def right_to_left_pad(x_BS: torch.Tensor, lengths_B: torch.Tensor, pad_value: fl
 
     Works on ``[B, S]`` and ``[B, S, ...]``; returns a new tensor.
 
-    Example (``S = 4``, pad ``-1``): ``[[5, 6, -1, -1]]`` with ``lengths [2]`` -> ``[[-1, -1, 5, 6]]``.
+    Example (``S = 4``, pad ``-1``): ``[[5, 6, -1, -1]]`` with ``lengths [2]`` ->
+    ``[[-1, -1, 5, 6]]``.
     """
     if x_BS.ndim < 2:
         raise ValueError(f"x_BS must be at least 2-D [B, S, ...], got shape {tuple(x_BS.shape)}")
