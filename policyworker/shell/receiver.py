@@ -1,0 +1,254 @@
+"""The inference side of every refit transport: validate a weight stream, then apply it.
+
+``HFWeightReceiver(target, *, address, refit_info, atomic=False, timeout_s=120.0)`` serves ZMQ
+refits (``receive()``) into ``target``: a Hugging Face ``nn.Module`` (tensors are copied by name
+into its live state; per-expert checkpoint tensors land in their slice of transformers-5 fused
+experts; a tied ``lm_head`` follows the embedding) or a bare ``load_weights(iterable)`` callable
+(vLLM style; the tensors it is given are only valid during the call, it must copy them).
+
+Other transports reuse the same validation and apply path through ``begin_refit`` /
+``apply_batch`` / ``commit_refit`` / ``abort_refit`` or the one-shot ``apply_named_tensors``.
+
+Every batch is checked (unexpected, duplicate, dtype/shape against the announced manifest, which
+was itself checked against ``refit_info``) before any of it is written. ``atomic=True`` stages a
+full version and writes it only on commit, so a failed refit leaves the previous version serving;
+otherwise a failed refit leaves ``stale`` set until the next complete one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from policyworker.errors import RefitError
+from policyworker.functional.buckets import TensorSpec
+from policyworker.functional.names import canonical_name, expert_slot
+from policyworker.shell.transports.wire import ProtocolError, check_manifest, dtype_name
+from policyworker.shell.transports.zmq_ipc import RefitServer, ZmqIpcReceiver, expected_from_refit_info
+
+__all__ = ["HFWeightReceiver", "RefitReport", "WeightApplier"]
+
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
+
+
+@attrs.frozen
+class RefitReport:
+    """One completed refit: the receiver's new version, what arrived, how long it took."""
+
+    version: int
+    names: tuple[str, ...]
+    num_tensors: int
+    num_bytes: int
+    num_buckets: int
+    seconds: float
+
+
+def _module_destinations(module: nn.Module, expected: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
+    """The live tensor (or fused-expert slice) each HF name is written into."""
+    state = {canonical_name(k): v for k, v in module.state_dict(keep_vars=True).items()}
+    dests: dict[str, torch.Tensor] = {}
+    problems: list[str] = []
+    for name, (shape, _) in expected.items():
+        slot = expert_slot(name)
+        if name in state:
+            dest = state[name]
+        elif slot is not None and slot.fused_name in state:
+            dest = slot.view_of(state[slot.fused_name])
+        else:
+            problems.append(f"{name!r}: no such parameter or buffer")
+            continue
+        if tuple(dest.shape) != tuple(shape):
+            problems.append(f"{name!r}: module has shape {list(dest.shape)}, refit_info says {list(shape)}")
+        dests[name] = dest.data if isinstance(dest, nn.Parameter) else dest
+    if problems:
+        msg = (
+            f"target module cannot receive {len(problems)} refit tensor(s): " + "; ".join(problems[:20])
+            + ". Build the receiver's model from the same config as the trainer's, or pass a "
+            "load_weights callable that knows these names."
+        )
+        raise ValueError(msg)
+    return dests
+
+
+@attrs.define
+class _Session:
+    manifest: dict[str, TensorSpec]
+    received: list[str] = attrs.field(factory=list)
+    staged: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    num_bytes: int = 0
+    started: float = attrs.field(factory=time.monotonic)
+
+
+class WeightApplier:
+    """Validate-then-write of refit batches into a module or a ``load_weights`` callable."""
+
+    def __init__(self, target: nn.Module | LoadWeights, refit_info: Mapping[str, Any], *, atomic: bool) -> None:
+        self.expected = expected_from_refit_info(refit_info)
+        if isinstance(target, nn.Module):
+            self._dests: dict[str, torch.Tensor] | None = _module_destinations(target, self.expected)
+            self._load: LoadWeights | None = None
+        elif callable(target):
+            self._dests, self._load = None, target
+        else:
+            msg = f"target must be an nn.Module or a load_weights(iterable) callable, got {type(target).__name__}"
+            raise ValueError(msg)
+        self.atomic = atomic
+        self.version = 0
+        self.stale = False
+        self._session: _Session | None = None
+
+    def begin(self, manifest: Sequence[TensorSpec]) -> None:
+        if self._session is not None:
+            self.abort("a new refit began before the previous one completed")
+        problems = check_manifest(manifest, self.expected)
+        if problems:
+            raise ProtocolError("manifest rejected before any write: " + " | ".join(problems))
+        self._session = _Session({s.name: s for s in manifest})
+
+    def apply_batch(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
+        session = self._require_session()
+        problems, seen = [], set(session.received)
+        for name, tensor in pairs:
+            want = session.manifest.get(name)
+            if want is None:
+                problems.append(f"unexpected name {name!r}")
+            elif name in seen:
+                problems.append(f"duplicate name {name!r}")
+            elif tuple(tensor.shape) != want.shape or tensor.dtype != want.dtype:
+                problems.append(f"{name!r} is {dtype_name(tensor.dtype)}{list(tensor.shape)}, manifest says "
+                                f"{dtype_name(want.dtype)}{list(want.shape)}")
+            seen.add(name)
+        if problems:
+            raise ProtocolError("batch rejected before any write: " + "; ".join(problems[:20]))
+        with torch.no_grad():
+            if self.atomic:
+                for name, tensor in pairs:
+                    like = self._dests[name] if self._dests is not None else tensor
+                    staged = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+                    session.staged[name] = staged.copy_(tensor)
+            else:
+                self.stale = True
+                self._write(pairs)
+        session.received.extend(name for name, _ in pairs)
+        session.num_bytes += sum(t.numel() * t.element_size() for _, t in pairs)
+
+    def _write(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
+        if self._dests is not None:
+            for name, tensor in pairs:
+                self._dests[name].copy_(tensor)
+        else:
+            assert self._load is not None
+            self._load(list(pairs))
+
+    def commit(self, *, num_buckets: int = 0) -> RefitReport:
+        session = self._require_session()
+        missing = [n for n in session.manifest if n not in set(session.received)]
+        if missing:
+            raise ProtocolError(f"refit incomplete: {len(missing)} tensors never arrived: {missing[:20]}")
+        if self.atomic:
+            with torch.no_grad():
+                self._write([(n, session.staged[n]) for n in session.received])
+        self._session = None
+        self.version += 1
+        self.stale = False
+        return RefitReport(self.version, tuple(session.received), len(session.received), session.num_bytes,
+                           num_buckets, time.monotonic() - session.started)
+
+    def abort(self, reason: str) -> None:
+        """Drop the refit in progress; in-place mode stays ``stale`` if anything was written."""
+        del reason  # the caller reports it; nothing here depends on why
+        self._session = None
+
+    def _require_session(self) -> _Session:
+        if self._session is None:
+            raise ProtocolError("no refit in progress: call begin (BEGIN) first")
+        return self._session
+
+
+def _specs_from(manifest: Mapping[str, Any] | Sequence[TensorSpec]) -> list[TensorSpec]:
+    if isinstance(manifest, Mapping):
+        return [TensorSpec(name, tuple(shape), dtype) for name, (shape, dtype) in manifest.items()]
+    return list(manifest)
+
+
+class HFWeightReceiver:
+    """Receives refits into a HF module or a ``load_weights`` callable (API.md §5, §7)."""
+
+    def __init__(
+        self,
+        target: nn.Module | LoadWeights,
+        *,
+        address: str | None,
+        refit_info: Mapping[str, Any],
+        atomic: bool = False,
+        timeout_s: float = 120.0,
+    ) -> None:
+        if not timeout_s > 0:
+            msg = f"timeout_s {timeout_s} must be > 0 seconds; every receiver wait is bounded"
+            raise ValueError(msg)
+        if not refit_info:
+            msg = "refit_info is empty; pass the trainer's prepare_refit_info() result"
+            raise ValueError(msg)
+        self.applier = WeightApplier(target, refit_info, atomic=atomic)
+        self.refit_info = self.applier.expected
+        self.address = address
+        self._server = RefitServer(self.applier)
+        self._socket = ZmqIpcReceiver(address, timeout_s=timeout_s) if address is not None else None
+
+    @property
+    def version(self) -> int:
+        """Number of complete refits applied so far."""
+        return self.applier.version
+
+    @property
+    def stale(self) -> bool:
+        """True after a failed in-place refit wrote some tensors; cleared by the next complete one."""
+        return self.applier.stale
+
+    def receive(self) -> RefitReport:
+        """Serve one complete ZMQ refit; raises ``RefitError`` (or ``RefitTimeoutError``) otherwise."""
+        if self._socket is None:
+            msg = "receive() needs a ZMQ address; this receiver was built with address=None"
+            raise ValueError(msg)
+        return self._socket.serve(self._server)
+
+    def begin_refit(self, manifest: Mapping[str, Any] | Sequence[TensorSpec]) -> None:
+        """Start a refit announced by another transport; checks the manifest against refit_info."""
+        self.applier.begin(_specs_from(manifest))
+
+    def apply_batch(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Validate a batch of named tensors, then write it (or stage it when atomic)."""
+        try:
+            self.applier.apply_batch(list(pairs))
+        except RefitError:
+            self.applier.abort("batch rejected")
+            raise
+
+    def commit_refit(self, *, num_buckets: int = 0) -> RefitReport:
+        """Finish the refit: every manifest name must have arrived."""
+        try:
+            return self.applier.commit(num_buckets=num_buckets)
+        except RefitError:
+            self.applier.abort("incomplete")
+            raise
+
+    def abort_refit(self, reason: str) -> None:
+        self.applier.abort(reason)
+
+    def apply_named_tensors(
+        self, pairs: Iterable[tuple[str, torch.Tensor]], *, manifest: Mapping[str, Any] | Sequence[TensorSpec]
+    ) -> RefitReport:
+        """One whole refit from an in-process iterable of ``(hf_name, tensor)``."""
+        self.begin_refit(manifest)
+        self.apply_batch(pairs)
+        return self.commit_refit(num_buckets=1)
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None

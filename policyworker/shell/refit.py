@@ -1,0 +1,113 @@
+"""The worker-side refit sender: metadata, the ZMQ address, and one colocated refit per call.
+
+``RefitSender`` is composed by the PolicyWorker, which delegates ``prepare_refit_info``,
+``get_zmq_address`` and ``stream_weights_via_ipc_zmq`` to it (API.md §4, §5, §7). It plans the
+buckets from the same walk as the metadata (``params.refit_specs``), then streams the uncast
+sources (``params.iter_refit_sources``), each cast straight into its staging slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from policyworker.functional.buckets import (
+    default_ipc_buffer_bytes,
+    plan_ipc_buckets,
+    split_ipc_budget,
+)
+from policyworker.shell.params import iter_refit_sources, refit_info, refit_specs
+from policyworker.shell.transports.zmq_ipc import CudaStaging, ShmStaging, ZmqIpcSender
+
+__all__ = ["CPU_DEFAULT_BUFFER_BYTES", "CUDA_DEFAULT_BUFFER_CAP_BYTES", "RefitSender"]
+
+CUDA_DEFAULT_BUFFER_CAP_BYTES = 1 << 30  # per buffer; enough to amortise each round trip
+CPU_DEFAULT_BUFFER_BYTES = 64 << 20
+
+
+class RefitSender:
+    """Streams the current model's weights to a colocated receiver over ZMQ + CUDA IPC / shm."""
+
+    def __init__(
+        self,
+        model_fn: Callable[[], nn.Module],
+        refit_dtype: torch.dtype,
+        *,
+        rank: int = 0,
+        device: torch.device | str = "cpu",
+        draft_model_fn: Callable[[], nn.Module | None] | None = None,
+    ) -> None:
+        self._model_fn = model_fn
+        self._draft_model_fn = draft_model_fn or (lambda: None)
+        self.refit_dtype = refit_dtype
+        self.rank = rank
+        self.device = torch.device(device)
+        self._sender: ZmqIpcSender | None = None
+
+    def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """``{hf_name: (shape, dtype)}`` in send order, equal to what every refit sends."""
+        return refit_info(self._model_fn(), self.refit_dtype, self._draft_model_fn())
+
+    def _zmq(self) -> ZmqIpcSender:
+        if self._sender is None:
+            self._sender = ZmqIpcSender(rank=self.rank)
+        return self._sender
+
+    def get_zmq_address(self) -> str:
+        """The ``ipc://`` address (in a private 0700 folder) a receiver connects to."""
+        return self._zmq().address
+
+    def stream_weights_via_ipc_zmq(
+        self, buffer_size_bytes: int = 0, kv_scales: Any = None, *, timeout_s: float = 120.0
+    ) -> dict[str, Any]:
+        """One colocated refit; returns the receiver's report (version, tensors, bytes, buckets).
+
+        ``buffer_size_bytes`` is the total for the two ping-pong buffers (each gets half); 0 picks
+        a default from free memory (CUDA: at most 1 GiB per buffer) or 64 MiB per buffer (CPU).
+
+        Raises:
+            ValueError: ``kv_scales`` is given, or a size/timeout is out of range.
+            RefitTimeoutError: a wait ran past ``timeout_s`` (the socket is rebuilt: retry later).
+            RefitError: the receiver rejected the stream (its reason is in the message).
+        """
+        if kv_scales is not None:
+            msg = (
+                "kv_scales: FP8 KV-cache scales are unsupported in this worker (no FP8 KV-cache "
+                "calibration path); pass kv_scales=None"
+            )
+            raise ValueError(msg)
+        if isinstance(buffer_size_bytes, bool) or not isinstance(buffer_size_bytes, int) or buffer_size_bytes < 0:
+            msg = f"buffer_size_bytes {buffer_size_bytes!r} must be an int >= 0 (0 = pick a default)"
+            raise ValueError(msg)
+        if not timeout_s > 0:
+            msg = f"timeout_s {timeout_s} must be > 0 seconds"
+            raise ValueError(msg)
+        model, draft = self._model_fn(), self._draft_model_fn()
+        specs = refit_specs(model, self.refit_dtype, draft)
+        cuda = self.device.type == "cuda"
+        if buffer_size_bytes:
+            per_buffer = split_ipc_budget(buffer_size_bytes)
+        elif cuda:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            per_buffer = default_ipc_buffer_bytes(specs, cap_bytes=CUDA_DEFAULT_BUFFER_CAP_BYTES, free_bytes=free)
+        else:
+            per_buffer = default_ipc_buffer_bytes(specs, cap_bytes=CPU_DEFAULT_BUFFER_BYTES)
+        plan = plan_ipc_buckets(specs, per_buffer)
+        device = self.device
+
+        def make_staging(nbytes: int) -> CudaStaging | ShmStaging:
+            return CudaStaging(nbytes, device) if cuda else ShmStaging(nbytes)
+
+        sources = iter_refit_sources(model, self.refit_dtype, draft)
+        return self._zmq().stream(
+            specs, plan, sources, make_staging=make_staging, buffer_bytes=per_buffer, timeout_s=timeout_s,
+            transport="cuda" if cuda else "shm",
+        )
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None

@@ -1,0 +1,363 @@
+"""The refit wire format: a JSON header frame plus raw binary frames, never pickle.
+
+Encoding and strict decoding of every message of the ZMQ refit protocol (docs/refit-protocol.md),
+and the manifest/bucket checks a receiver runs BEFORE it writes anything. Decoding never
+evaluates anything: JSON is parsed, every field is type- and range-checked, dtypes come from a
+fixed table, and anything else raises ``ProtocolError`` with a reason that is sent back to the
+peer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from policyworker.errors import RefitError
+from policyworker.functional.buckets import TensorSpec
+
+__all__ = [
+    "DTYPES_BY_NAME",
+    "MAX_HEADER_BYTES",
+    "PROTOCOL",
+    "PROTOCOL_VERSION",
+    "Abort",
+    "Begin",
+    "Bucket",
+    "Complete",
+    "CudaBuffer",
+    "ProtocolError",
+    "RefitRejected",
+    "Reply",
+    "ShmBuffer",
+    "WireTensor",
+    "check_bucket",
+    "check_manifest",
+    "decode_reply",
+    "decode_request",
+    "dtype_name",
+    "encode",
+]
+
+PROTOCOL = "policyworker-refit"
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 64 << 20
+MAX_NAME_CHARS = 1024
+MAX_NDIM = 16
+MAX_DIM = 1 << 48
+SHM_NAME_RE = re.compile(r"^pw-refit-[0-9a-f]{8,64}$")
+DTYPES_BY_NAME: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+        torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+        torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
+    )
+}
+
+
+class ProtocolError(RefitError):
+    """A message broke the wire format or the manifest; the text is the reason sent to the peer."""
+
+
+class RefitRejected(RefitError):
+    """The peer answered with a rejection; the message carries its reason."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a dtype ("bfloat16", "int64", ...)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES_BY_NAME:
+        msg = f"dtype {dtype} cannot travel in a refit; supported: {sorted(DTYPES_BY_NAME)}"
+        raise ValueError(msg)
+    return name
+
+
+@attrs.frozen
+class WireTensor:
+    """One tensor of a bucket: its spec and its byte range in the staging buffer."""
+
+    spec: TensorSpec
+    offset: int
+    nbytes: int
+
+
+@attrs.frozen
+class ShmBuffer:
+    """A CPU staging buffer: a file of ``size`` bytes named ``name`` in the shared-memory folder."""
+
+    name: str
+    size: int
+
+
+@attrs.frozen
+class CudaBuffer:
+    """A CUDA staging buffer: the fields of ``UntypedStorage._share_cuda_()`` (handles raw)."""
+
+    device_uuid: str
+    size: int
+    storage_offset_bytes: int
+    ref_counter_offset: int
+    event_sync_required: bool
+    handle: bytes
+    ref_counter_handle: bytes
+    event_handle: bytes
+
+
+@attrs.frozen
+class Begin:
+    rank: int
+    transport: str
+    alignment: int
+    manifest: tuple[TensorSpec, ...]
+
+
+@attrs.frozen
+class Bucket:
+    seq: int
+    buffer: ShmBuffer | CudaBuffer
+    tensors: tuple[WireTensor, ...]
+    used_bytes: int
+
+
+@attrs.frozen
+class Complete:
+    num_buckets: int
+
+
+@attrs.frozen
+class Abort:
+    reason: str
+
+
+@attrs.frozen
+class Reply:
+    """The receiver's answer: ``ok`` (an ACK) or a rejection with its ``reason``."""
+
+    ok: bool
+    reply_to: str
+    seq: int = -1
+    reason: str = ""
+    report: dict[str, Any] = attrs.field(factory=dict)
+
+
+Request = Begin | Bucket | Complete | Abort
+
+
+def _spec_json(spec: TensorSpec) -> list[Any]:
+    return [spec.name, dtype_name(spec.dtype), list(spec.shape)]
+
+
+def encode(message: Request | Reply) -> list[bytes]:
+    """Frames of a message: the JSON header, then raw frames (CUDA handles only)."""
+    header: dict[str, Any] = {"protocol": PROTOCOL, "version": PROTOCOL_VERSION}
+    raw: list[bytes] = []
+    if isinstance(message, Begin):
+        header.update(kind="begin", rank=message.rank, transport=message.transport, alignment=message.alignment,
+                      manifest=[_spec_json(s) for s in message.manifest])
+    elif isinstance(message, Bucket):
+        buf = message.buffer
+        if isinstance(buf, ShmBuffer):
+            buffer = {"kind": "shm", "name": buf.name, "size": buf.size}
+        else:
+            buffer = {"kind": "cuda", "device_uuid": buf.device_uuid, "size": buf.size,
+                      "storage_offset_bytes": buf.storage_offset_bytes, "ref_counter_offset": buf.ref_counter_offset,
+                      "event_sync_required": buf.event_sync_required}
+            raw = [buf.handle, buf.ref_counter_handle, buf.event_handle]
+        header.update(kind="bucket", seq=message.seq, buffer=buffer, used_bytes=message.used_bytes,
+                      tensors=[[*_spec_json(t.spec), t.offset, t.nbytes] for t in message.tensors])
+    elif isinstance(message, Complete):
+        header.update(kind="complete", num_buckets=message.num_buckets)
+    elif isinstance(message, Abort):
+        header.update(kind="abort", reason=message.reason)
+    else:
+        header.update(kind="reply", ok=message.ok, reply_to=message.reply_to, seq=message.seq,
+                      reason=message.reason, report=message.report)
+    return [json.dumps(header, separators=(",", ":")).encode(), *raw]
+
+
+def _fail(reason: str) -> ProtocolError:
+    return ProtocolError(reason)
+
+
+def _int(header: Mapping[str, Any], key: str, *, low: int = 0, high: int = 1 << 62) -> int:
+    value = header.get(key)
+    if type(value) is not int or not low <= value <= high:
+        raise _fail(f"header field {key!r} must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _str(header: Mapping[str, Any], key: str, *, max_chars: int = MAX_NAME_CHARS) -> str:
+    value = header.get(key)
+    if not isinstance(value, str) or len(value) > max_chars:
+        raise _fail(f"header field {key!r} must be a string of at most {max_chars} characters, got {value!r:.80}")
+    return value
+
+
+def _spec(item: Any, where: str) -> TensorSpec:
+    if not isinstance(item, list) or len(item) < 3:
+        raise _fail(f"{where} must be a list [name, dtype, shape, ...], got {item!r:.80}")
+    name, dtype, shape = item[0], item[1], item[2]
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+        raise _fail(f"{where}: tensor name must be a non-empty string, got {name!r:.80}")
+    if not isinstance(dtype, str) or dtype not in DTYPES_BY_NAME:
+        raise _fail(f"{where} ({name!r}): unknown dtype {dtype!r:.40}; expected one of {sorted(DTYPES_BY_NAME)}")
+    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+            or not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)):
+        raise _fail(f"{where} ({name!r}): shape must be a list of at most {MAX_NDIM} non-negative ints, got {shape!r:.80}")
+    return TensorSpec(name, tuple(shape), DTYPES_BY_NAME[dtype])
+
+
+def _header(frames: Sequence[bytes]) -> dict[str, Any]:
+    if not frames:
+        raise _fail("empty message: expected a JSON header frame")
+    first = bytes(frames[0])
+    if len(first) > MAX_HEADER_BYTES:
+        raise _fail(f"header frame of {len(first)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    try:
+        header = json.loads(first.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _fail(f"header frame is not UTF-8 JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise _fail(f"header must be a JSON object, got {type(header).__name__}")
+    if header.get("protocol") != PROTOCOL or header.get("version") != PROTOCOL_VERSION:
+        raise _fail(
+            f"protocol {header.get('protocol')!r:.40} version {header.get('version')!r:.20} is not supported; "
+            f"this peer speaks {PROTOCOL!r} version {PROTOCOL_VERSION}: upgrade both sides to the same policyworker"
+        )
+    return header
+
+
+def _buffer(header: Mapping[str, Any], raw: Sequence[bytes]) -> ShmBuffer | CudaBuffer:
+    buffer = header.get("buffer")
+    if not isinstance(buffer, dict):
+        raise _fail(f"bucket field 'buffer' must be an object, got {buffer!r:.80}")
+    kind = buffer.get("kind")
+    size = _int(buffer, "size")
+    if kind == "shm":
+        if raw:
+            raise _fail(f"a shm bucket carries no raw frames, got {len(raw)}")
+        name = _str(buffer, "name", max_chars=80)
+        if not SHM_NAME_RE.match(name):
+            raise _fail(f"shm buffer name {name!r} does not match {SHM_NAME_RE.pattern}")
+        return ShmBuffer(name, size)
+    if kind == "cuda":
+        if len(raw) != 3 or not all(len(r) <= 4096 for r in raw):
+            raise _fail(f"a cuda bucket carries 3 raw frames (handle, ref counter, event) of <= 4096 bytes, got {len(raw)}")
+        sync = buffer.get("event_sync_required")
+        if not isinstance(sync, bool):
+            raise _fail(f"buffer field 'event_sync_required' must be a bool, got {sync!r:.40}")
+        return CudaBuffer(_str(buffer, "device_uuid", max_chars=80), size, _int(buffer, "storage_offset_bytes"),
+                          _int(buffer, "ref_counter_offset"), sync, bytes(raw[0]), bytes(raw[1]), bytes(raw[2]))
+    raise _fail(f"buffer kind {kind!r:.40} is unknown; expected 'shm' or 'cuda'")
+
+
+def decode_request(frames: Sequence[bytes]) -> Request:
+    """Parse and type-check a sender message. Raises ``ProtocolError`` with the reason."""
+    header = _header(frames)
+    raw = [bytes(f) for f in frames[1:]]
+    kind = header.get("kind")
+    if kind != "bucket" and raw:
+        raise _fail(f"a {kind!r:.20} message carries no raw frames, got {len(raw)}")
+    if kind == "begin":
+        manifest = header.get("manifest")
+        if not isinstance(manifest, list):
+            raise _fail(f"begin field 'manifest' must be a list, got {type(manifest).__name__}")
+        specs = tuple(_spec(item, f"manifest[{i}]") for i, item in enumerate(manifest))
+        return Begin(_int(header, "rank"), _str(header, "transport", max_chars=16),
+                     _int(header, "alignment", low=1, high=1 << 20), specs)
+    if kind == "bucket":
+        tensors = header.get("tensors")
+        if not isinstance(tensors, list):
+            raise _fail(f"bucket field 'tensors' must be a list, got {type(tensors).__name__}")
+        items = []
+        for i, item in enumerate(tensors):
+            spec = _spec(item, f"tensors[{i}]")
+            if len(item) != 5 or not all(type(v) is int and v >= 0 for v in item[3:]):
+                raise _fail(f"tensors[{i}] ({spec.name!r}) must end with non-negative int offset and nbytes")
+            items.append(WireTensor(spec, item[3], item[4]))
+        return Bucket(_int(header, "seq"), _buffer(header, raw), tuple(items), _int(header, "used_bytes"))
+    if kind == "complete":
+        return Complete(_int(header, "num_buckets"))
+    if kind == "abort":
+        return Abort(_str(header, "reason", max_chars=1 << 16))
+    raise _fail(f"message kind {kind!r:.40} is unknown; expected begin, bucket, complete or abort")
+
+
+def decode_reply(frames: Sequence[bytes]) -> Reply:
+    """Parse a receiver reply. Raises ``ProtocolError`` with the reason."""
+    header = _header(frames)
+    if header.get("kind") != "reply" or not isinstance(header.get("ok"), bool):
+        raise _fail(f"expected a reply with a boolean 'ok', got kind {header.get('kind')!r:.40}")
+    report = header.get("report", {})
+    if not isinstance(report, dict):
+        raise _fail("reply field 'report' must be an object")
+    return Reply(header["ok"], _str(header, "reply_to", max_chars=16), _int(header, "seq", low=-1),
+                 _str(header, "reason", max_chars=1 << 20), report)
+
+
+def _first(names: Sequence[str], limit: int = 20) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def check_manifest(manifest: Sequence[TensorSpec], expected: Mapping[str, tuple[torch.Size, torch.dtype]]) -> list[str]:
+    """Problems of an announced manifest against the receiver's refit metadata (empty = fine)."""
+    problems: list[str] = []
+    seen: set[str] = set()
+    duplicates: list[str] = []
+    for spec in manifest:
+        if spec.name in seen:
+            duplicates.append(spec.name)
+        seen.add(spec.name)
+    if duplicates:
+        problems.append(f"duplicate names: {_first(duplicates)}")
+    unexpected = [s.name for s in manifest if s.name not in expected]
+    if unexpected:
+        problems.append(f"unexpected names (not in refit_info): {_first(unexpected)}")
+    missing = [n for n in expected if n not in seen]
+    if missing:
+        problems.append(f"missing names (in refit_info, not sent): {_first(missing)}")
+    mismatched = [
+        f"{s.name!r} sent {dtype_name(s.dtype)}{list(s.shape)} vs refit_info "
+        f"{dtype_name(expected[s.name][1])}{list(expected[s.name][0])}"
+        for s in manifest
+        if s.name in expected and (s.shape != tuple(expected[s.name][0]) or s.dtype != expected[s.name][1])
+    ]
+    if mismatched:
+        problems.append("dtype/shape mismatches: " + "; ".join(mismatched[:20]))
+    return problems
+
+
+def check_bucket(
+    bucket: Bucket, manifest: Mapping[str, TensorSpec], received: set[str], *, alignment: int, buffer_size: int
+) -> list[str]:
+    """Problems of one bucket against the announced manifest and its buffer (empty = fine)."""
+    problems: list[str] = []
+    if not bucket.used_bytes <= buffer_size:
+        problems.append(f"used_bytes {bucket.used_bytes} exceeds the buffer size {buffer_size}")
+    end = 0
+    names: set[str] = set()
+    for t in bucket.tensors:
+        name = t.spec.name
+        want = manifest.get(name)
+        if want is None:
+            problems.append(f"unexpected name {name!r} (not in the manifest)")
+        elif name in received or name in names:
+            problems.append(f"duplicate name {name!r} (already received)")
+        elif want != t.spec:
+            problems.append(f"{name!r} is {dtype_name(t.spec.dtype)}{list(t.spec.shape)}, manifest says "
+                            f"{dtype_name(want.dtype)}{list(want.shape)}")
+        names.add(name)
+        if t.nbytes != t.spec.nbytes:
+            problems.append(f"{name!r}: nbytes {t.nbytes} != numel*itemsize {t.spec.nbytes}")
+        if t.offset % alignment or t.offset < end:
+            problems.append(f"{name!r}: offset {t.offset} is not {alignment}-aligned after the previous tensor's end {end}")
+        end = t.offset + t.nbytes
+        if end > bucket.used_bytes:
+            problems.append(f"{name!r}: byte range [{t.offset}, {end}) exceeds used_bytes {bucket.used_bytes}")
+    return problems

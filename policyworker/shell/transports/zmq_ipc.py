@@ -1,0 +1,525 @@
+"""Colocated refit over ZMQ: ping-pong staging buffers shared by CUDA IPC or POSIX shared memory.
+
+Sender (``ZmqIpcSender``, a REQ socket bound in a private 0700 folder) and receiver
+(``ZmqIpcReceiver``, a REP socket, driving a ``RefitServer``) speak the protocol of
+docs/refit-protocol.md through ``wire.py``: BEGIN (manifest) → BUCKET* → COMPLETE, each answered
+by one reply; a rejection or an ABORT ends the refit on both sides at once. Buffers: CUDA tensors
+shared by their ``_share_cuda_()`` handle, or files in /dev/shm mapped with ``torch.from_file``
+on CPU — the same protocol code either way, so CPU tests cover it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import stat
+import tempfile
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+import torch
+import zmq
+
+from policyworker.errors import RefitError, RefitTimeoutError
+from policyworker.functional.buckets import DEFAULT_ALIGNMENT, IpcBucket, TensorSpec, unpack_tensors
+from policyworker.shell.params import RefitSource
+from policyworker.shell.transports.wire import (
+    Abort,
+    Begin,
+    Bucket,
+    Complete,
+    CudaBuffer,
+    ProtocolError,
+    RefitRejected,
+    Reply,
+    ShmBuffer,
+    WireTensor,
+    check_bucket,
+    decode_reply,
+    decode_request,
+    encode,
+)
+
+__all__ = [
+    "SHM_DIR",
+    "CudaStaging",
+    "ReceivedBuffers",
+    "RefitServer",
+    "ShmStaging",
+    "WeightSink",
+    "ZmqIpcReceiver",
+    "ZmqIpcSender",
+]
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+_ABORT_TIMEOUT_S = 2.0
+
+
+# ----------------------------------------------------------------------------- staging (sender)
+
+
+class ShmStaging:
+    """A uint8 staging buffer in a fresh 0600 file under /dev/shm, mapped shared."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.name = f"pw-refit-{secrets.token_hex(12)}"
+        self.path = os.path.join(SHM_DIR, self.name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        self.tensor: torch.Tensor | None = torch.from_file(self.path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+        self.size = nbytes
+
+    @property
+    def ref(self) -> ShmBuffer:
+        return ShmBuffer(self.name, self.size)
+
+    def ready(self) -> None:
+        """Writes through a shared mapping are visible to the peer at once: nothing to wait for."""
+
+    def close(self) -> None:
+        self.tensor = None
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+class CudaStaging:
+    """A uint8 CUDA staging buffer, shared by the handle of its whole storage (computed once)."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.device = device
+        self.tensor: torch.Tensor | None = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        self.size = nbytes
+        self._ref: CudaBuffer | None = None
+
+    @property
+    def ref(self) -> CudaBuffer:
+        if self._ref is None:
+            assert self.tensor is not None
+            (_, handle, size, offset, rc_handle, rc_offset, event_handle, event_sync) = (
+                self.tensor.untyped_storage()._share_cuda_()
+            )
+            uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+            self._ref = CudaBuffer(uuid, int(size), int(offset), int(rc_offset), bool(event_sync),
+                                   bytes(handle), bytes(rc_handle), bytes(event_handle or b""))
+        return self._ref
+
+    def ready(self) -> None:
+        """The casts into this buffer were queued on the current stream: finish them before sending."""
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def close(self) -> None:
+        self.tensor = None
+
+
+Staging = ShmStaging | CudaStaging
+
+
+def _fill(staging: Staging, bucket: IpcBucket, sources: Sequence[RefitSource]) -> list[WireTensor]:
+    """Cast each source straight into its typed slot of the staging bytes (one pass)."""
+    assert staging.tensor is not None
+    entries = []
+    for source, offset in zip(sources, bucket.offsets, strict=True):
+        spec = source.spec
+        slot = staging.tensor[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape)
+        slot.copy_(source.tensor, non_blocking=True)
+        entries.append(WireTensor(spec, offset, spec.nbytes))
+    return entries
+
+
+# ----------------------------------------------------------------------------- sender
+
+
+class ZmqIpcSender:
+    """The trainer side: a REQ socket in a private folder; streams one refit per ``stream`` call."""
+
+    def __init__(self, *, rank: int) -> None:
+        self.rank = rank
+        self._dir = tempfile.mkdtemp(prefix="pw-refit-")  # mode 0700: only this user can connect
+        self.address = f"ipc://{self._dir}/rank{rank}.sock"
+        self._context = zmq.Context()
+        self._socket: zmq.Socket[Any] | None = None
+        self._staging_refs: list[weakref.ref[torch.Tensor]] = []
+
+    @property
+    def live_staging_bytes(self) -> int:
+        """Bytes of staging tensors of the last stream still alive (0 once they are freed)."""
+        return sum(t.numel() for t in (r() for r in self._staging_refs) if t is not None)
+
+    def _sock(self) -> zmq.Socket[Any]:
+        if self._socket is None:
+            sock = self._context.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(self.address)
+            self._socket = sock
+        return self._socket
+
+    def _rebuild(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        self._sock()
+
+    def _timeout(self, phase: str, timeout_s: float) -> RefitTimeoutError:
+        self._rebuild()
+        msg = (
+            f"refit rank {self.rank}: no progress in phase {phase!r} within {timeout_s:g} s at {self.address}; "
+            "the receiver may be dead or unresponsive. The sender rebuilt its socket: start a receiver "
+            "on this address and call stream_weights_via_ipc_zmq again."
+        )
+        return RefitTimeoutError(msg)
+
+    def _send(self, message: Any, *, phase: str, timeout_s: float) -> None:
+        sock = self._sock()
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+        try:
+            sock.send_multipart(encode(message), copy=False)
+        except zmq.Again:
+            raise self._timeout(phase, timeout_s) from None
+
+    def _reply(self, *, phase: str, timeout_s: float) -> Reply:
+        sock = self._sock()
+        sock.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
+        try:
+            frames = sock.recv_multipart()
+        except zmq.Again:
+            raise self._timeout(phase, timeout_s) from None
+        reply = decode_reply(frames)
+        if not reply.ok:
+            msg = f"refit rank {self.rank}: the receiver rejected {phase}: {reply.reason}"
+            raise RefitRejected(msg)
+        return reply
+
+    def stream(
+        self,
+        specs: Sequence[TensorSpec],
+        plan: Sequence[IpcBucket],
+        sources: Iterator[RefitSource],
+        *,
+        make_staging: Callable[[int], Staging],
+        buffer_bytes: int,
+        timeout_s: float,
+        transport: str,
+    ) -> dict[str, Any]:
+        """One refit: BEGIN, the planned buckets through two ping-pong buffers, COMPLETE.
+
+        Returns the receiver's report. Staging buffers are freed before COMPLETE is sent, and in
+        any case before this returns or raises.
+        """
+        self._staging_refs = []
+        ping_pong: list[Staging | None] = [None, None]
+        pending: str | None = None  # phase of the request whose reply is still owed
+        begun = False
+
+        def new_staging(nbytes: int) -> Staging:
+            staging = make_staging(nbytes)
+            assert staging.tensor is not None
+            self._staging_refs.append(weakref.ref(staging.tensor))
+            return staging
+
+        def release() -> None:
+            for i, staging in enumerate(ping_pong):
+                if staging is not None:
+                    staging.close()
+                    ping_pong[i] = None
+
+        def request(message: Any, phase: str) -> None:
+            nonlocal pending
+            if pending is not None:
+                owed, pending = pending, None
+                self._reply(phase=owed, timeout_s=timeout_s)
+            self._send(message, phase=phase, timeout_s=timeout_s)
+            pending = phase
+
+        def settle() -> Reply | None:
+            nonlocal pending
+            if pending is None:
+                return None
+            owed, pending = pending, None
+            return self._reply(phase=owed, timeout_s=timeout_s)
+
+        try:
+            request(Begin(self.rank, transport, DEFAULT_ALIGNMENT, tuple(specs)), "begin")
+            begun = True
+            settle()
+            turn = 0
+            for seq, bucket in enumerate(plan):
+                items = [next(sources) for _ in bucket.indices]
+                for i, item in zip(bucket.indices, items, strict=True):
+                    if item.spec != specs[i]:
+                        msg = f"internal: the params stream sent {item.spec} where prepare_refit_info said {specs[i]}"
+                        raise RefitError(msg)
+                if bucket.oversized:
+                    settle()  # the ping-pong buffer in flight is free; now send this one alone
+                    alone = new_staging(bucket.used_bytes)
+                    try:
+                        entries = _fill(alone, bucket, items)
+                        alone.ready()
+                        request(Bucket(seq, alone.ref, tuple(entries), bucket.used_bytes), f"bucket {seq} (oversized)")
+                        settle()
+                    finally:
+                        alone.close()
+                    continue
+                slot = turn % 2
+                turn += 1
+                if ping_pong[slot] is None:
+                    ping_pong[slot] = new_staging(buffer_bytes)
+                staging = ping_pong[slot]
+                assert staging is not None
+                entries = _fill(staging, bucket, items)  # overlaps the receiver's load of the other buffer
+                if pending is not None:
+                    settle()
+                staging.ready()
+                request(Bucket(seq, staging.ref, tuple(entries), bucket.used_bytes), f"bucket {seq}")
+            settle()
+            release()
+            if transport == "cuda":
+                torch.cuda.empty_cache()
+            request(Complete(len(plan)), "complete")
+            reply = settle()
+            begun = False
+            assert reply is not None
+            return reply.report
+        except BaseException as exc:
+            release()
+            # A timeout rebuilt the socket and a rejection already ended the receiver's refit;
+            # any other failure (our own) is announced so the receiver stops waiting at once.
+            if begun and not isinstance(exc, (RefitTimeoutError, RefitRejected)):
+                self._abort(pending, f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if transport == "cuda":
+                torch.cuda.ipc_collect()
+
+    def _abort(self, pending: str | None, reason: str) -> None:
+        """Tell the receiver the refit is off (best effort, short timeout; rebuild on failure)."""
+        try:
+            if pending is not None:
+                self._sock().setsockopt(zmq.RCVTIMEO, int(_ABORT_TIMEOUT_S * 1000))
+                self._sock().recv_multipart()
+            self._sock().setsockopt(zmq.SNDTIMEO, int(_ABORT_TIMEOUT_S * 1000))
+            self._sock().send_multipart(encode(Abort(reason[:4096])))
+            self._sock().setsockopt(zmq.RCVTIMEO, int(_ABORT_TIMEOUT_S * 1000))
+            self._sock().recv_multipart()
+        except zmq.ZMQError:
+            self._rebuild()
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- receiver
+
+
+class WeightSink(Protocol):
+    """Where a refit lands (``receiver.WeightApplier``): validated first, written second."""
+
+    def begin(self, manifest: Sequence[TensorSpec]) -> None: ...
+    def apply_batch(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None: ...
+    def commit(self, *, num_buckets: int) -> Any: ...
+    def abort(self, reason: str) -> None: ...
+
+
+class ReceivedBuffers:
+    """Receiver-side mappings of the sender's staging buffers, kept for one refit."""
+
+    def __init__(self) -> None:
+        self._open: dict[Any, torch.Tensor] = {}
+
+    def open(self, ref: ShmBuffer | CudaBuffer) -> torch.Tensor:
+        key = (ref.name, ref.size) if isinstance(ref, ShmBuffer) else (ref.handle, ref.storage_offset_bytes)
+        if key not in self._open:
+            self._open[key] = _open_shm(ref) if isinstance(ref, ShmBuffer) else _open_cuda(ref)
+        return self._open[key]
+
+    def clear(self) -> None:
+        self._open.clear()
+
+
+def _open_shm(ref: ShmBuffer) -> torch.Tensor:
+    path = os.path.join(SHM_DIR, ref.name)  # the name was checked against a strict pattern
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise ProtocolError(f"shared-memory buffer {ref.name!r} does not exist in {SHM_DIR}") from None
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size < max(ref.size, 1):
+        msg = f"shared-memory buffer {ref.name!r} is not a regular file of this user with >= {ref.size} bytes"
+        raise ProtocolError(msg)
+    return torch.from_file(path, shared=True, size=max(ref.size, 1), dtype=torch.uint8)[: ref.size]
+
+
+def _open_cuda(ref: CudaBuffer) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+    if ref.device_uuid not in uuids:
+        msg = f"CUDA buffer on device {ref.device_uuid} is not visible here (visible: {uuids}); colocate the receiver"
+        raise ProtocolError(msg)
+    index = uuids.index(ref.device_uuid)
+    return rebuild_cuda_tensor(
+        torch.Tensor, (ref.size,), (1,), 0, torch.UntypedStorage, torch.uint8, index, ref.handle, ref.size,
+        ref.storage_offset_bytes, False, ref.ref_counter_handle, ref.ref_counter_offset, ref.event_handle or None,
+        ref.event_sync_required,
+    )
+
+
+@attrs.frozen
+class Outcome:
+    """What one handled message means for the serving loop."""
+
+    done: bool = False
+    report: Any = None
+    error: RefitError | None = None
+
+
+class RefitServer:
+    """The receiver's protocol state machine: frames in, reply frames + outcome out; never raises."""
+
+    def __init__(self, sink: WeightSink) -> None:
+        self.sink = sink
+        self._manifest: dict[str, TensorSpec] | None = None
+        self._alignment = DEFAULT_ALIGNMENT
+        self._received: set[str] = set()
+        self._buffers = ReceivedBuffers()
+        self._num_buckets = 0
+
+    @property
+    def in_refit(self) -> bool:
+        return self._manifest is not None
+
+    def handle(self, frames: Sequence[bytes]) -> tuple[list[bytes], Outcome]:
+        kind, seq = "unknown", -1
+        try:
+            message = decode_request(frames)
+            kind = type(message).__name__.lower()
+            if isinstance(message, Bucket):
+                seq = message.seq
+            return self._dispatch(message)
+        except Exception as exc:  # a bad message must be answered, never crash the receiver
+            reason = str(exc) if isinstance(exc, RefitError) else f"{type(exc).__name__}: {exc}"
+            self.fail(reason)
+            error = RefitError(f"refit rejected ({kind}): {reason}")
+            return encode(Reply(False, kind, seq, reason)), Outcome(done=True, error=error)
+
+    def fail(self, reason: str) -> None:
+        """Drop the refit in progress (the sink keeps the previous version or marks itself stale)."""
+        if self._manifest is not None:
+            self.sink.abort(reason)
+        self._manifest = None
+        self._received = set()
+        self._buffers.clear()
+
+    def _dispatch(self, message: Begin | Bucket | Complete | Abort) -> tuple[list[bytes], Outcome]:
+        if isinstance(message, Begin):
+            if self._manifest is not None:
+                raise ProtocolError("BEGIN while a refit is in progress; finish or abort it first")
+            self.sink.begin(message.manifest)
+            self._manifest = {s.name: s for s in message.manifest}
+            self._alignment, self._received, self._num_buckets = message.alignment, set(), 0
+            return encode(Reply(True, "begin")), Outcome()
+        if self._manifest is None:
+            raise ProtocolError(f"{type(message).__name__.upper()} before BEGIN")
+        if isinstance(message, Abort):
+            self.fail(f"sender aborted: {message.reason}")
+            error = RefitError(f"the sender aborted the refit: {message.reason}")
+            return encode(Reply(True, "abort")), Outcome(done=True, error=error)
+        if isinstance(message, Complete):
+            return self._complete(message)
+        return self._bucket(message)
+
+    def _bucket(self, bucket: Bucket) -> tuple[list[bytes], Outcome]:
+        assert self._manifest is not None
+        problems = check_bucket(bucket, self._manifest, self._received, alignment=self._alignment,
+                                buffer_size=bucket.buffer.size)
+        if problems:
+            raise ProtocolError(f"bucket {bucket.seq} rejected before any write: " + "; ".join(problems[:20]))
+        buffer = self._buffers.open(bucket.buffer)
+        specs = [t.spec for t in bucket.tensors]
+        views = unpack_tensors(buffer, specs, [t.offset for t in bucket.tensors])
+        self.sink.apply_batch([(s.name, v) for s, v in zip(specs, views, strict=True)])
+        if buffer.is_cuda:  # the sender may overwrite this buffer as soon as it reads the ACK
+            torch.cuda.current_stream(buffer.device).synchronize()
+        del views
+        self._received.update(s.name for s in specs)
+        self._num_buckets += 1
+        return encode(Reply(True, "bucket", bucket.seq)), Outcome()
+
+    def _complete(self, message: Complete) -> tuple[list[bytes], Outcome]:
+        assert self._manifest is not None
+        missing = [n for n in self._manifest if n not in self._received]
+        if missing:
+            raise ProtocolError(f"COMPLETE with {len(missing)} tensors never sent: {missing[:20]}")
+        self._buffers.clear()
+        report = self.sink.commit(num_buckets=self._num_buckets)
+        self._manifest = None
+        summary = attrs.asdict(report, filter=lambda a, _: a.name != "names") if attrs.has(type(report)) else {}
+        return encode(Reply(True, "complete", report=summary)), Outcome(done=True, report=report)
+
+
+class ZmqIpcReceiver:
+    """The inference side's REP socket: serves one refit per ``serve`` call, every wait bounded."""
+
+    def __init__(self, address: str, *, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._context = zmq.Context()
+        self._socket: zmq.Socket[Any] | None = None
+        self._connect()
+
+    def _connect(self) -> None:
+        sock = self._context.socket(zmq.REP)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        self._socket = sock
+
+    def serve(self, server: RefitServer) -> Any:
+        """Answer messages until the refit completes (its report) or fails (``RefitError``)."""
+        assert self._socket is not None
+        started = time.monotonic()
+        phase = "begin"
+        while True:
+            self._socket.setsockopt(zmq.RCVTIMEO, max(1, int(self.timeout_s * 1000)))
+            try:
+                frames = self._socket.recv_multipart(copy=True)
+            except zmq.Again:
+                server.fail(f"timed out waiting for {phase}")
+                self._socket.close(linger=0)
+                self._connect()
+                msg = (
+                    f"refit receiver: no message in phase {phase!r} within {self.timeout_s:g} s at {self.address} "
+                    f"({time.monotonic() - started:.1f} s into receive()); is the sender streaming?"
+                )
+                raise RefitTimeoutError(msg) from None
+            reply, outcome = server.handle(frames)
+            self._socket.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout_s * 1000)))
+            try:
+                self._socket.send_multipart(reply)
+            except zmq.Again:
+                server.fail("could not send a reply")
+                raise RefitTimeoutError(f"refit receiver: could not reply at {self.address} within {self.timeout_s:g} s") from None
+            if outcome.error is not None:
+                raise outcome.error
+            if outcome.done:
+                return outcome.report
+            phase = "bucket or complete"
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        self._context.term()
+
+
+def expected_from_refit_info(refit_info: Mapping[str, Any]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Normalise ``{name: (shape, dtype)}`` metadata (shapes as lists or Sizes)."""
+    return {name: (torch.Size(shape), dtype) for name, (shape, dtype) in refit_info.items()}
