@@ -1,0 +1,482 @@
+"""LoRA on any Hugging Face model: the `LinearLoRA` module, injection, TP plan, PEFT export/import.
+
+`LinearLoRA` IS an `nn.Linear`: the base keeps its `weight`/`bias` state-dict names (the refit
+generator merges `<module>.weight` with `<module>.lora_A.weight` / `<module>.lora_B.weight`
+through `policyworker.functional.lora.merge_lora_weight`). Order of use in the worker:
+`apply_lora(model, cfg)` (before TP and FSDP2) -> `parallelize_module(model, mesh,
+lora_tp_plan(plan))` -> `fully_shard` -> optimizer over `lora_parameters(model)`.
+
+PEFT layout written and read: `adapter_config.json` (peft's `LoraConfig` keys) and
+`adapter_model.safetensors` with keys `base_model.model.<module>.lora_{A,B}.weight`.
+"""
+
+import json
+import math
+import pathlib
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from attrs import frozen
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from policyworker.functional.lora import (
+    from_peft_key,
+    lora_scale,
+    lora_shard_dims,
+    matches_target,
+    to_peft_key,
+    unmatched_entries,
+    validate_target_entries,
+)
+
+__all__ = [
+    "ADAPTER_CONFIG_FILE",
+    "ADAPTER_WEIGHTS_FILE",
+    "LinearLoRA",
+    "LoRALinearParallel",
+    "LoRASettings",
+    "apply_lora",
+    "load_peft_adapter",
+    "lora_module_map",
+    "lora_modules",
+    "lora_parameters",
+    "lora_settings",
+    "lora_state_dict",
+    "lora_tp_plan",
+    "save_peft_adapter",
+]
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+_WRAPPER_FRAGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+_SETTING_KEYS = (
+    "enabled", "target_modules", "exclude_modules", "match_all_linear", "dim", "alpha", "dropout",
+    "dropout_position", "lora_A_init", "use_rslora", "use_triton",
+)  # fmt: skip
+
+
+@frozen(kw_only=True)
+class LoRASettings:
+    """The `lora_cfg` values this module reads (defaults equal `policyworker.config.LoRAConfig`'s)."""
+
+    enabled: bool = True
+    target_modules: tuple[str, ...] = ()
+    exclude_modules: tuple[str, ...] = ()
+    match_all_linear: bool = True
+    dim: int = 8
+    alpha: float = 32.0
+    dropout: float = 0.0
+    dropout_position: Literal["pre", "post"] = "post"
+    lora_A_init: Literal["xavier", "uniform"] = "xavier"  # noqa: N815 (NeMo-RL's key)
+    use_rslora: bool = False
+
+
+def lora_settings(lora_cfg: Any) -> LoRASettings:
+    """Read a `LoRAConfig` (attrs) or a plain mapping with the NeMo-RL `lora_cfg` keys.
+
+    Raises:
+        ValueError: unknown mapping keys, or a value outside its rule (named with the fix).
+    """
+    if isinstance(lora_cfg, Mapping):
+        unknown = sorted(set(lora_cfg) - set(_SETTING_KEYS))
+        if unknown:
+            msg = f"unknown lora_cfg key(s) {unknown}; allowed keys are {list(_SETTING_KEYS)}"
+            raise ValueError(msg)
+        values = {k: lora_cfg[k] for k in _SETTING_KEYS if k in lora_cfg and k != "use_triton"}
+    else:
+        values = {k: getattr(lora_cfg, k) for k in _SETTING_KEYS if hasattr(lora_cfg, k) and k != "use_triton"}
+    for key in ("target_modules", "exclude_modules"):
+        entries = values.get(key) or ()
+        if isinstance(entries, str):
+            entries = (entries,)
+        values[key] = tuple(entries)
+        validate_target_entries(values[key], what=f"lora_cfg.{key}")
+    settings = LoRASettings(**values)
+    lora_scale(settings.alpha, settings.dim)  # validates dim
+    if settings.dropout_position not in ("pre", "post"):
+        msg = f"lora_cfg.dropout_position {settings.dropout_position!r} must be 'pre' or 'post'"
+        raise ValueError(msg)
+    if settings.lora_A_init not in ("xavier", "uniform"):
+        msg = f"lora_cfg.lora_A_init {settings.lora_A_init!r} must be 'xavier' or 'uniform'"
+        raise ValueError(msg)
+    if not 0.0 <= settings.dropout < 1.0:
+        msg = f"lora_cfg.dropout {settings.dropout!r} must be in [0, 1)"
+        raise ValueError(msg)
+    return settings
+
+
+class LinearLoRA(nn.Linear):
+    """``y = x W^T + b + scale * B(A(dropout(x)))``: a frozen linear layer plus a low-rank adapter.
+
+    ``lora_A`` [dim, in] (xavier-normal or kaiming-uniform) and ``lora_B`` [out, dim] (zeros) are
+    fp32 ``nn.Linear`` submodules; the adapter path is computed in (at least) fp32 with autocast
+    off and added in the base output's dtype. Dropout applies to the input (``"pre"``) or to the
+    adapter output (``"post"``). Works on plain tensors and on DTensors (TP via `lora_tp_plan`).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        dim: int,
+        alpha: float,
+        use_rslora: bool = False,
+        dropout: float = 0.0,
+        dropout_position: Literal["pre", "post"] = "post",
+        lora_A_init: Literal["xavier", "uniform"] = "xavier",  # noqa: N803
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_adapters(dim=dim, alpha=alpha, use_rslora=use_rslora, dropout=dropout,
+                            dropout_position=dropout_position, lora_A_init=lora_A_init)
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        dim: int,
+        alpha: float,
+        use_rslora: bool = False,
+        dropout: float = 0.0,
+        dropout_position: Literal["pre", "post"] = "post",
+        lora_A_init: Literal["xavier", "uniform"] = "xavier",  # noqa: N803
+    ) -> "LinearLoRA":
+        """Wrap ``linear`` without copying: the new module holds the SAME weight/bias Parameters."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.in_features, module.out_features = linear.in_features, linear.out_features
+        module.weight = linear.weight
+        module.bias = linear.bias
+        module._init_adapters(dim=dim, alpha=alpha, use_rslora=use_rslora, dropout=dropout,
+                              dropout_position=dropout_position, lora_A_init=lora_A_init)
+        return module
+
+    def _init_adapters(
+        self,
+        *,
+        dim: int,
+        alpha: float,
+        use_rslora: bool,
+        dropout: float,
+        dropout_position: Literal["pre", "post"],
+        lora_A_init: Literal["xavier", "uniform"],  # noqa: N803
+    ) -> None:
+        self.scale = lora_scale(alpha, dim, use_rslora)
+        self.dim, self.alpha, self.use_rslora = dim, float(alpha), use_rslora
+        self.dropout_position, self.lora_A_init = dropout_position, lora_A_init
+        device = self.weight.device
+        self.lora_A = nn.Linear(self.in_features, dim, bias=False, device=device, dtype=torch.float32)
+        self.lora_B = nn.Linear(dim, self.out_features, bias=False, device=device, dtype=torch.float32)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.reset_lora_parameters()
+
+    def reset_lora_parameters(self) -> None:
+        """A: xavier-normal or kaiming-uniform (nn.Linear's default); B: zeros (so W is unchanged)."""
+        with torch.no_grad():
+            if self.lora_A_init == "xavier":
+                nn.init.xavier_normal_(self.lora_A.weight)
+            else:
+                nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+            nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = F.linear(x, self.weight, self.bias)
+        h = self.dropout(x) if self.dropout_position == "pre" else x
+        a, b = self.lora_A.weight, self.lora_B.weight
+        acc = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+        # fp32 adapters: a bf16 autocast would otherwise run both small matmuls in bf16.
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            delta = F.linear(F.linear(h.to(acc), a.to(acc)), b.to(acc))
+        if self.dropout_position == "post":
+            delta = self.dropout(delta)
+        return base + (self.scale * delta).to(base.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, dim={self.dim}, alpha={self.alpha}, scale={self.scale:g}, "
+                f"dropout_position={self.dropout_position}")
+
+
+def _canonical(name: str) -> str:
+    for fragment in _WRAPPER_FRAGMENTS:
+        name = name.replace(fragment, "")
+    return name.removeprefix("module.")
+
+
+def lora_modules(model: nn.Module) -> dict[str, LinearLoRA]:
+    """Every `LinearLoRA` of ``model`` by its canonical dotted name (wrapper fragments removed)."""
+    return {_canonical(name): m for name, m in model.named_modules() if isinstance(m, LinearLoRA)}
+
+
+lora_module_map = lora_modules  # the name docs/internals.md uses
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The adapter parameters (A then B of each module, in module order): the optimizer's params."""
+    return [p for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)]
+
+
+def _set_child(model: nn.Module, name: str, child: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, child)
+
+
+def _inject(model: nn.Module, names: Iterable[str], *, dims: Mapping[str, int], s: LoRASettings) -> None:
+    for name in names:
+        linear = model.get_submodule(name)
+        assert isinstance(linear, nn.Linear) and not isinstance(linear, LinearLoRA), name
+        _set_child(model, name, LinearLoRA.from_linear(
+            linear, dim=dims[name], alpha=s.alpha, use_rslora=s.use_rslora, dropout=s.dropout,
+            dropout_position=s.dropout_position, lora_A_init=s.lora_A_init))
+    adapters = {id(p) for p in lora_parameters(model)}
+    for param in model.parameters():
+        param.requires_grad_(id(param) in adapters)
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, LinearLoRA)]
+
+
+def apply_lora(model: nn.Module, lora_cfg: Any) -> list[str]:
+    """Replace the matching ``nn.Linear`` modules by `LinearLoRA` in place; freeze everything else.
+
+    ``lora_cfg`` is a `policyworker.config.LoRAConfig` or a mapping with its keys (a mapping
+    with ``enabled: false`` changes nothing and returns ``[]``). Call it before TP and FSDP2.
+
+    Returns:
+        The dotted names of the replaced modules, in module order.
+
+    Raises:
+        ValueError: nothing matches, a ``target_modules``/``exclude_modules`` entry matches no
+            linear module (a typo would otherwise silently train fewer layers), the model already
+            has LoRA modules, or a bad setting.
+    """
+    s = lora_settings(lora_cfg)
+    if not s.enabled:
+        return []
+    if lora_modules(model):
+        msg = "apply_lora: the model already has LinearLoRA modules; apply LoRA once per model"
+        raise ValueError(msg)
+    candidates = _linear_names(model)
+    unmatched = [] if s.match_all_linear else unmatched_entries(candidates, s.target_modules)
+    unmatched_excludes = unmatched_entries(candidates, s.exclude_modules)
+    chosen = [n for n in candidates if matches_target(
+        n, s.target_modules, s.exclude_modules, match_all_linear=s.match_all_linear)]
+    if unmatched or unmatched_excludes or not chosen:
+        sample = candidates[:8] + (["..."] if len(candidates) > 8 else [])
+        msg = (
+            f"lora_cfg selects no usable set of nn.Linear modules: target_modules="
+            f"{list(s.target_modules)}, exclude_modules={list(s.exclude_modules)}, match_all_linear="
+            f"{s.match_all_linear}; entries matching no linear module: "
+            f"{unmatched + unmatched_excludes}; selected: {len(chosen)}. Entries match a dotted "
+            f"module name or its '.'-suffix, or 're:<full-match regex>'; linear modules here: {sample}"
+        )
+        raise ValueError(msg)
+    _inject(model, chosen, dims=dict.fromkeys(chosen, s.dim), s=s)
+    return chosen
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(tensor, "full_tensor", None)  # DTensor: a collective on every rank
+    return full_tensor() if callable(full_tensor) else tensor
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``{<module>.lora_A.weight: [R, I], <module>.lora_B.weight: [O, R]}`` as full CPU tensors."""
+    out: dict[str, torch.Tensor] = {}
+    for name, m in lora_modules(model).items():
+        out[f"{name}.lora_A.weight"] = _full(m.lora_A.weight.detach()).cpu().contiguous()
+        out[f"{name}.lora_B.weight"] = _full(m.lora_B.weight.detach()).cpu().contiguous()
+    return out
+
+
+def _uniform(modules: Mapping[str, LinearLoRA], attr: str) -> Any:
+    values = {getattr(m, attr) for m in modules.values()}
+    if len(values) != 1:
+        msg = f"LoRA modules disagree on {attr} ({sorted(values)}); one adapter folder needs one value"
+        raise ValueError(msg)
+    return values.pop()
+
+
+def save_peft_adapter(
+    model: nn.Module,
+    folder: str | pathlib.Path,
+    *,
+    lora_cfg: Any = None,
+    base_model_name_or_path: str | None = None,
+    write: bool = True,
+) -> pathlib.Path:
+    """Write a PEFT LoRA adapter folder loadable by ``peft.PeftModel.from_pretrained(base, folder)``.
+
+    ``target_modules`` is written as the exact module names, so PEFT adapts exactly these layers.
+    With DTensor adapters every rank must call this (gathers); pass ``write=False`` on ranks > 0.
+    """
+    modules = lora_modules(model)
+    if not modules:
+        msg = "save_peft_adapter: the model has no LinearLoRA modules; call apply_lora first"
+        raise ValueError(msg)
+    dropout = lora_settings(lora_cfg).dropout if lora_cfg is not None else 0.0
+    tensors = {to_peft_key(k): v for k, v in lora_state_dict(model).items()}
+    config = {
+        "peft_type": "LORA", "task_type": None, "base_model_name_or_path": base_model_name_or_path,
+        "r": _uniform(modules, "dim"), "lora_alpha": _uniform(modules, "alpha"),
+        "use_rslora": _uniform(modules, "use_rslora"), "lora_dropout": dropout,
+        "target_modules": sorted(modules), "exclude_modules": None, "bias": "none",
+        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
+        "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False, "lora_bias": False,
+    }  # fmt: skip
+    path = pathlib.Path(folder)
+    if write:
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+        (path / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+_UNSUPPORTED_PEFT = {  # key -> value that we support
+    "use_dora": False, "bias": "none", "fan_in_fan_out": False, "lora_bias": False,
+    "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
+}  # fmt: skip
+
+
+def _read_adapter(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    config_file, weights_file = path / ADAPTER_CONFIG_FILE, path / ADAPTER_WEIGHTS_FILE
+    for file in (config_file, weights_file):
+        if not file.is_file():
+            msg = f"PEFT adapter folder {str(path)!r} has no {file.name}; expected peft's save_pretrained layout"
+            raise ValueError(msg)
+    config = json.loads(config_file.read_text())
+    if config.get("peft_type") != "LORA":
+        msg = f"{config_file}: peft_type {config.get('peft_type')!r} is not 'LORA'; only LoRA adapters load"
+        raise ValueError(msg)
+    bad = {k: config[k] for k, ok in _UNSUPPORTED_PEFT.items() if config.get(k, ok) not in (ok, None, {}, False)}
+    if bad:
+        msg = f"{config_file}: unsupported PEFT LoRA options {bad}; re-train without them ({_UNSUPPORTED_PEFT})"
+        raise ValueError(msg)
+    weights: dict[str, torch.Tensor] = {}
+    for key, tensor in load_file(str(weights_file)).items():
+        name = from_peft_key(key)
+        if not name.endswith((".lora_A.weight", ".lora_B.weight")):
+            msg = f"{weights_file}: key {key!r} is not a LoRA A/B weight; only plain LoRA adapters load"
+            raise ValueError(msg)
+        weights[name] = tensor
+    return config, weights
+
+
+def _check_against_model(modules: Mapping[str, LinearLoRA], weights: Mapping[str, torch.Tensor], where: str) -> None:
+    expected = {f"{n}.lora_{ab}.weight": (m.dim if ab == "A" else m.out_features, m.in_features if ab == "A" else m.dim)
+                for n, m in modules.items() for ab in ("A", "B")}  # fmt: skip
+    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    wrong = sorted(f"{k}: file {tuple(weights[k].shape)} vs model {expected[k]}"
+                   for k in set(expected) & set(weights) if tuple(weights[k].shape) != expected[k])
+    if missing or unexpected or wrong:
+        msg = (f"adapter {where!r} does not fit the model's LoRA modules: missing keys {missing}, "
+               f"unexpected keys {unexpected}, shape mismatches {wrong}; load an adapter trained for "
+               "this model and lora_cfg (same target modules and dim)")
+        raise ValueError(msg)
+
+
+def load_peft_adapter(model: nn.Module, folder: str | pathlib.Path) -> list[str]:
+    """Load a PEFT LoRA adapter folder (ours or peft's ``save_pretrained``) into ``model``.
+
+    A model without LoRA modules gets `LinearLoRA` at exactly the adapter's module names (rank
+    from the tensors, alpha/rslora/dropout from the config); a model with LoRA modules must have
+    exactly the adapter's modules and shapes. Values are copied into the existing Parameters (so
+    an optimizer holding them stays valid) and every module's scale is set from the config.
+
+    Returns:
+        The adapted module names, sorted.
+    """
+    path = pathlib.Path(folder)
+    config, weights = _read_adapter(path)
+    names = sorted({k.rsplit(".", 2)[0] for k in weights})
+    modules = lora_modules(model)
+    if not modules:
+        linears = set(_linear_names(model))
+        absent = [n for n in names if n not in linears]
+        if absent:
+            msg = f"adapter {str(path)!r} adapts modules that are not nn.Linear modules of the model: {absent}"
+            raise ValueError(msg)
+        s = LoRASettings(alpha=float(config.get("lora_alpha", 8)), use_rslora=bool(config.get("use_rslora", False)),
+                         dropout=float(config.get("lora_dropout") or 0.0))
+        dims = {n: int(weights[f"{n}.lora_A.weight"].shape[0]) for n in names if f"{n}.lora_A.weight" in weights}
+        _inject(model, [n for n in names if n in dims], dims=dims, s=s)
+        modules = lora_modules(model)
+    _check_against_model(modules, weights, str(path))
+    alpha, use_rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
+    with torch.no_grad():
+        for name, m in modules.items():
+            for ab, param in (("A", m.lora_A.weight), ("B", m.lora_B.weight)):
+                _copy_full_into(param, weights[f"{name}.lora_{ab}.weight"])
+            m.alpha, m.scale = alpha, lora_scale(alpha, m.dim, use_rslora)
+            m.use_rslora = use_rslora
+    return sorted(modules)
+
+
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is not None:  # DTensor: every rank holds the full tensor; keep only the local shard
+        full = distribute_tensor(full.to(param.device, param.dtype), mesh, param.placements)
+    param.copy_(full)
+
+
+class LoRALinearParallel(ParallelStyle):
+    """A TP style for a (possibly LoRA) linear: the base style, plus adapters that follow it.
+
+    On a `LinearLoRA`, the base style shards ``weight``/``bias`` and installs its input/output
+    hooks; then the adapters are distributed by `lora_shard_dims` of the base weight's shard dim:
+    colwise base (W Shard(0)) -> ``lora_A`` Replicate, ``lora_B`` Shard(0); rowwise base
+    (W Shard(1)) -> ``lora_A`` Shard(1), ``lora_B`` Replicate. The adapter path then produces
+    exactly the base's output placement (Shard(-1) resp. Partial, reduced with the base output),
+    so LoRA adds no collective of its own. Any other module is handed to the base style.
+    """
+
+    def __init__(self, base_style: ParallelStyle) -> None:
+        self.base_style = base_style
+        self.src_data_rank = base_style.src_data_rank
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, LinearLoRA):
+            return self.base_style._apply(module, device_mesh)
+        adapters = {k: module._modules.pop(k) for k in ("lora_A", "lora_B", "dropout")}
+        try:
+            self.base_style._apply(module, device_mesh)
+        finally:
+            module._modules.update(adapters)
+        placements = getattr(module.weight, "placements", (Replicate(),))
+        shard_dims = [p.dim for p in placements if isinstance(p, Shard)]
+        a_dim, b_dim = lora_shard_dims(shard_dims[0] if shard_dims else None)
+        for sub, dim in ((module.lora_A, a_dim), (module.lora_B, b_dim)):
+            placement = Shard(dim) if dim is not None else Replicate()
+            weight = sub.weight
+            sub.weight = nn.Parameter(distribute_tensor(weight.detach(), device_mesh, [placement]),
+                                      requires_grad=weight.requires_grad)
+        return module
+
+
+def lora_tp_plan(base_plan: Mapping[str, Any]) -> dict[str, Any]:
+    """Wrap every style of a TP plan (fqn pattern -> ParallelStyle) so LoRA adapters follow it.
+
+    Use the result with ``torch.distributed.tensor.parallel.parallelize_module`` after
+    `apply_lora`. Entries on non-LoRA modules behave exactly as the base style.
+    """
+    out: dict[str, Any] = {}
+    for key, style in base_plan.items():
+        if not isinstance(style, ParallelStyle):
+            msg = f"TP plan entry {key!r} is {type(style).__name__}, not a ParallelStyle; fix the plan"
+            raise ValueError(msg)
+        out[key] = style if isinstance(style, LoRALinearParallel) else LoRALinearParallel(style)
+    return out

@@ -1,0 +1,331 @@
+import copy
+import json
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from policyworker.errors import LoRAMergeError
+from policyworker.functional.lora import assert_lora_modules_reachable, merge_lora_weight
+from policyworker.shell.lora import (
+    LinearLoRA,
+    apply_lora,
+    load_peft_adapter,
+    lora_modules,
+    lora_parameters,
+    lora_tp_plan,
+    save_peft_adapter,
+)
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _tiny_config(arch):
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    return cls(**TINY, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model_dir(request, tmp_path_factory):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny_config(request.param))
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _load(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _tokens(seed=0, batch=2, seq=9):
+    return torch.randint(0, TINY["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(model, tokens):
+    with torch.no_grad():
+        return model(input_ids=tokens).logits
+
+
+def _randomize_b(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.weight.copy_(0.1 * torch.randn(m.lora_B.weight.shape, generator=g))
+
+
+CFG = {"target_modules": ATTN_MLP, "match_all_linear": False, "dim": 4, "alpha": 8}
+
+
+def test_linear_lora_forward_matches_float64_reference():
+    torch.manual_seed(0)
+    base = nn.Linear(6, 5)
+    lora = LinearLoRA.from_linear(base, dim=3, alpha=6.0)
+    assert lora.weight is base.weight and lora.bias is base.bias  # no copy of the base weight
+    assert lora.lora_A.weight.shape == (3, 6) and lora.lora_B.weight.shape == (5, 3)
+    assert torch.equal(lora.lora_B.weight, torch.zeros(5, 3)) and lora.scale == 2.0
+    with torch.no_grad():
+        lora.lora_B.weight.normal_()
+    x = torch.randn(4, 6)
+    W, b = base.weight.double(), base.bias.double()
+    A, B = lora.lora_A.weight.double(), lora.lora_B.weight.double()
+    expected = x.double() @ W.T + b + 2.0 * (x.double() @ A.T) @ B.T
+    torch.testing.assert_close(lora(x), expected.float())
+    assert not lora.weight.requires_grad and lora.lora_A.weight.requires_grad
+
+
+@pytest.mark.parametrize("init", ["xavier", "uniform"])
+def test_adapters_are_fp32_with_the_configured_init_even_on_a_bf16_base(init):
+    torch.manual_seed(0)
+    base = nn.Linear(64, 16, dtype=torch.bfloat16)
+    lora = LinearLoRA.from_linear(base, dim=8, alpha=16, lora_A_init=init, use_rslora=True)
+    assert lora.lora_A.weight.dtype == lora.lora_B.weight.dtype == torch.float32
+    assert lora.scale == pytest.approx(16 / math.sqrt(8))
+    a = lora.lora_A.weight
+    if init == "uniform":  # kaiming-uniform(a=sqrt(5)) bound is 1/sqrt(fan_in)
+        assert a.abs().max() <= 1 / math.sqrt(64) and a.abs().max() > 0.5 / math.sqrt(64)
+    else:  # xavier-normal std = sqrt(2 / (fan_in + fan_out))
+        assert abs(a.std().item() - math.sqrt(2 / 72)) < 0.3 * math.sqrt(2 / 72)
+
+
+def test_adapter_path_runs_in_fp32_under_bf16_autocast():
+    torch.manual_seed(0)
+    lora = LinearLoRA.from_linear(nn.Linear(16, 8), dim=4, alpha=4.0)
+    with torch.no_grad():
+        lora.lora_B.weight.normal_()
+    x = torch.randn(3, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lora(x)
+        base = F.linear(x, lora.weight, lora.bias)
+    delta = F.linear(F.linear(x, lora.lora_A.weight), lora.lora_B.weight)  # fp32
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, base + delta.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("position", ["pre", "post"])
+def test_dropout_position(position):
+    torch.manual_seed(0)
+    lora = LinearLoRA.from_linear(nn.Linear(16, 8), dim=4, alpha=4.0, dropout=0.5, dropout_position=position)
+    with torch.no_grad():
+        lora.lora_B.weight.normal_()
+    x = torch.randn(3, 16)
+    A, B = lora.lora_A.weight, lora.lora_B.weight
+    torch.manual_seed(7)
+    y = lora(x)
+    torch.manual_seed(7)
+    if position == "pre":
+        expected = F.linear(x, lora.weight, lora.bias) + F.linear(F.linear(F.dropout(x, 0.5), A), B)
+    else:
+        expected = F.linear(x, lora.weight, lora.bias) + F.dropout(F.linear(F.linear(x, A), B), 0.5)
+    torch.testing.assert_close(y, expected)
+    lora.eval()
+    torch.testing.assert_close(lora(x), F.linear(x, lora.weight, lora.bias) + F.linear(F.linear(x, A), B))
+
+
+def test_zero_b_model_is_bit_identical_to_base(model_dir):
+    model, tokens = _load(model_dir), _tokens()
+    before = _logits(model, tokens)
+    names = apply_lora(model, CFG)
+    assert len(names) == 2 * len(ATTN_MLP)
+    assert torch.equal(_logits(model, tokens), before)
+
+
+def test_only_adapters_change_during_training(model_dir):
+    model = _load(model_dir)
+    apply_lora(model, CFG)
+    model.train()
+    frozen = {k: v.clone() for k, v in model.state_dict().items() if ".lora_" not in k}
+    params = lora_parameters(model)
+    assert {id(p) for p in model.parameters() if p.requires_grad} == {id(p) for p in params}
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    tokens = _tokens(seed=3)
+    for _ in range(3):
+        loss = F.cross_entropy(model(input_ids=tokens).logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in frozen.items())
+    assert all(m.lora_B.weight.abs().sum() > 0 for m in lora_modules(model).values())
+
+
+def _merged_copy(model_dir, lora_model):
+    merged = _load(model_dir)
+    state = lora_model.state_dict()
+    modules = lora_modules(lora_model)
+    assert_lora_modules_reachable(modules, state)
+    with torch.no_grad():
+        for name, m in modules.items():
+            w = merge_lora_weight(state[f"{name}.weight"], m.lora_A.weight, m.lora_B.weight, m.scale)
+            merged.get_submodule(name).weight.copy_(w)
+    return merged
+
+
+def test_merged_base_model_gives_the_lora_logits(model_dir):
+    model, tokens = _load(model_dir), _tokens()
+    apply_lora(model, {**CFG, "use_rslora": True})
+    _randomize_b(model)
+    lora_logits = _logits(model, tokens)
+    assert not torch.allclose(lora_logits, _logits(_load(model_dir), tokens), atol=1e-3)
+    torch.testing.assert_close(_logits(_merged_copy(model_dir, model), tokens), lora_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_peft_loads_our_adapter_folder_with_the_same_logits(model_dir, tmp_path):
+    from peft import PeftModel
+
+    model, tokens = _load(model_dir), _tokens()
+    apply_lora(model, {"match_all_linear": True, "exclude_modules": ["re:.*layers\\.1\\.mlp\\..*"], "dim": 4,
+                       "alpha": 16, "dropout": 0.1})
+    _randomize_b(model)
+    model.eval()
+    folder = save_peft_adapter(model, tmp_path / "adapter", lora_cfg=CFG, base_model_name_or_path=model_dir)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 16 and "lm_head" not in config["target_modules"]
+    peft_model = PeftModel.from_pretrained(_load(model_dir), str(folder)).eval()
+    torch.testing.assert_close(_logits(peft_model, tokens), _logits(model, tokens), atol=1e-5, rtol=1e-5)
+    # and our own loader reads it back into a fresh model
+    fresh = _load(model_dir)
+    assert load_peft_adapter(fresh, folder) == sorted(lora_modules(model))
+    assert torch.equal(_logits(fresh, tokens), _logits(model, tokens))
+
+
+def test_our_loader_reads_a_folder_written_by_peft(model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(5)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True,
+                        init_lora_weights=False)
+    peft_model = get_peft_model(_load(model_dir), config).eval()
+    peft_model.save_pretrained(tmp_path / "peft")
+    tokens = _tokens()
+    ours = _load(model_dir)
+    names = load_peft_adapter(ours, tmp_path / "peft")
+    assert len(names) == 6 and all(n.endswith(("q_proj", "v_proj", "down_proj")) for n in names)
+    assert all(m.scale == pytest.approx(8 / 2) for m in lora_modules(ours).values())
+    torch.testing.assert_close(_logits(ours.eval(), tokens), _logits(peft_model, tokens), atol=1e-5, rtol=1e-5)
+    # loading into a model that already has the same LoRA modules copies in place
+    again = _load(model_dir)
+    apply_lora(again, {"target_modules": ["q_proj", "v_proj", "down_proj"], "match_all_linear": False, "dim": 4})
+    before = lora_parameters(again)
+    load_peft_adapter(again, tmp_path / "peft")
+    assert [id(p) for p in lora_parameters(again)] == [id(p) for p in before]
+    torch.testing.assert_close(_logits(again.eval(), tokens), _logits(ours, tokens), atol=0, rtol=0)
+
+
+def test_loading_a_mismatched_adapter_names_the_keys(model_dir, tmp_path):
+    model = _load(model_dir)
+    apply_lora(model, {"target_modules": ["q_proj"], "match_all_linear": False, "dim": 4})
+    save_peft_adapter(model, tmp_path / "a", base_model_name_or_path=model_dir)
+    other_dim = _load(model_dir)
+    apply_lora(other_dim, {"target_modules": ["q_proj"], "match_all_linear": False, "dim": 2})
+    with pytest.raises(ValueError, match=r"shape mismatches \['model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight"):
+        load_peft_adapter(other_dim, tmp_path / "a")
+    more = _load(model_dir)
+    apply_lora(more, {"target_modules": ["q_proj", "k_proj"], "match_all_linear": False, "dim": 4})
+    with pytest.raises(ValueError, match=r"missing keys \['model\.layers\.0\.self_attn\.k_proj\.lora_A\.weight"):
+        load_peft_adapter(more, tmp_path / "a")
+    with pytest.raises(ValueError, match="has no adapter_config.json"):
+        load_peft_adapter(_load(model_dir), tmp_path)
+
+
+def test_renamed_module_raises_lora_merge_error_naming_it(model_dir):
+    model = _load(model_dir)
+    apply_lora(model, CFG)
+    keys = [k.replace("layers.1.self_attn.o_proj", "layers.1.self_attn.out_proj") for k in model.state_dict()]
+    with pytest.raises(LoRAMergeError, match=r"(?s)1 LoRA module.*'model\.layers\.1\.self_attn\.o_proj': no key"):
+        assert_lora_modules_reachable(lora_modules(model), keys)
+
+
+def test_matching_rules_with_regex_and_exclude(model_dir):
+    model = _load(model_dir)
+    names = apply_lora(model, {"target_modules": [r"re:.*\.layers\.0\.self_attn\.[qk]_proj", "down_proj"],
+                               "exclude_modules": ["layers.1.mlp.down_proj"], "match_all_linear": False})
+    assert names == ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                     "model.layers.0.mlp.down_proj"]
+    assert set(lora_modules(model)) == set(names)
+    everything = apply_lora(_load(model_dir), {"match_all_linear": True})
+    assert len(everything) == 14 and "lm_head" not in everything
+
+
+def test_apply_lora_accepts_the_config_object(model_dir):
+    from policyworker.config import LoRAConfig
+
+    model = _load(model_dir)
+    names = apply_lora(model, LoRAConfig(target_modules=("v_proj",), match_all_linear=False, dim=2, alpha=4.0))
+    assert names == ["model.layers.0.self_attn.v_proj", "model.layers.1.self_attn.v_proj"]
+    assert all(m.dim == 2 and m.scale == 2.0 for m in lora_modules(model).values())
+
+
+def test_apply_lora_errors_name_the_config(model_dir):
+    with pytest.raises(ValueError, match=r"matching no linear module: \['qproj'\]"):
+        apply_lora(_load(model_dir), {"target_modules": ["qproj"], "match_all_linear": False})
+    with pytest.raises(ValueError, match=r"target_modules=\['q_proj'\], exclude_modules=\['q_proj'\].*selected: 0"):
+        apply_lora(_load(model_dir), {"target_modules": ["q_proj"], "exclude_modules": ["q_proj"],
+                                      "match_all_linear": False})
+    with pytest.raises(ValueError, match=r"unknown lora_cfg key\(s\) \['rank'\]"):
+        apply_lora(_load(model_dir), {"rank": 8})
+    model = _load(model_dir)
+    assert apply_lora(model, {"enabled": False, "target_modules": ["q_proj"]}) == []
+    assert not lora_modules(model)
+    apply_lora(model, CFG)
+    with pytest.raises(ValueError, match="already has LinearLoRA"):
+        apply_lora(model, CFG)
+
+
+# ---- tensor parallel on gloo: tp=2 with LoRA == tp=1 ---------------------------------------------
+
+def _tp_rank(rank, world_size, init_file):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        reference = LlamaForCausalLM(_tiny_config("llama"))
+        apply_lora(reference, {"match_all_linear": True, "dim": 4, "alpha": 8})
+        _randomize_b(reference)
+        model = copy.deepcopy(reference)
+        plan = {f"model.layers.*.self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
+        plan |= {f"model.layers.*.mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")}
+        plan |= {"model.layers.*.self_attn.o_proj": RowwiseParallel(), "model.layers.*.mlp.down_proj": RowwiseParallel()}
+        mesh = init_device_mesh("cpu", (world_size,))
+        parallelize_module(model, mesh, lora_tp_plan(plan))
+        q = model.model.layers[0].self_attn.q_proj
+        assert [p.dim for p in q.weight.placements] == [0] and q.lora_B.weight.placements[0].dim == 0
+        assert q.lora_A.weight.placements[0].is_replicate()
+        o = model.model.layers[0].self_attn.o_proj
+        assert o.lora_A.weight.placements[0].dim == 1 and o.lora_B.weight.placements[0].is_replicate()
+        tokens = _tokens(seed=2)
+        losses = []
+        for m in (reference, model):
+            logits = m(input_ids=tokens).logits
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            losses.append((logits.detach(), loss.detach()))
+        torch.testing.assert_close(losses[1][0], losses[0][0], atol=1e-5, rtol=1e-5)
+        for (name, ref), got in zip(lora_modules(reference).items(), lora_modules(model).values(), strict=True):
+            for ref_p, got_p in ((ref.lora_A.weight, got.lora_A.weight), (ref.lora_B.weight, got.lora_B.weight)):
+                torch.testing.assert_close(got_p.grad.full_tensor(), ref_p.grad, atol=1e-5, rtol=1e-5, msg=name)
+            merged = merge_lora_weight(got.weight.full_tensor(), got.lora_A.weight.full_tensor(),
+                                       got.lora_B.weight.full_tensor(), got.scale)
+            torch.testing.assert_close(merged, merge_lora_weight(ref.weight, ref.lora_A.weight,
+                                                                 ref.lora_B.weight, ref.scale))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_tp2_lora_matches_single_process():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_tp_rank, args=(2, os.path.join(tmp, "rdzv")), nprocs=2, join=True)
