@@ -64,7 +64,8 @@ def test_token_budget_groups_are_maximal(lengths, budget):
 @given(LENGTHS, ALGORITHMS, st.sampled_from([1, 4, 16]))
 def test_packed_plans_cover_rows_once_and_fit_the_capacity(lengths, algorithm, pad_multiple):
     capacity = 64 * 2
-    plans = packed_microbatches(lengths, capacity=capacity, algorithm=algorithm, pad_multiple=pad_multiple)
+    plans = packed_microbatches(lengths, capacity=capacity, algorithm=algorithm,
+                                pad_multiple=pad_multiple)
     assert covered_once(plans, len(lengths)) and all(p.packed for p in plans)
     for plan in plans:
         padded = sum(-(-lengths[r] // pad_multiple) * pad_multiple for r in plan.rows)
@@ -78,7 +79,8 @@ def test_dummy_microbatches_cycle_the_real_plans(sizes, extra):
     dummies = dummy_microbatches(plans, num_dummy_microbatches(local, peak))
     assert len(plans) + len(dummies) == peak
     assert all(d.is_dummy for d in dummies)
-    assert [attrs.evolve(d, is_dummy=False) for d in dummies] == [plans[i % local] for i in range(extra)]
+    undummied = [attrs.evolve(d, is_dummy=False) for d in dummies]
+    assert undummied == [plans[i % local] for i in range(extra)]
     assert rows_in_input_order(plans + dummies) == rows_in_input_order(plans)
 
 

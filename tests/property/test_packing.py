@@ -41,7 +41,8 @@ def test_pack_unpack_round_trip(batch):
     tokens_N, cu_seqlens = pack(tokens_BS, lengths_B)
     assert tokens_N.numel() == int(lengths_B.sum())
     assert (tokens_N != PAD).all()
-    assert torch.equal(unpack(tokens_N, cu_seqlens, seq_len=tokens_BS.shape[1], pad_value=PAD), tokens_BS)
+    restored = unpack(tokens_N, cu_seqlens, seq_len=tokens_BS.shape[1], pad_value=PAD)
+    assert torch.equal(restored, tokens_BS)
     assert torch.equal(tokens_BS, before)
 
 
@@ -113,7 +114,8 @@ def test_concatenative_keeps_input_order_and_opens_a_bin_only_when_full(problem)
         assert loads([prev], lengths)[0] + lengths[nxt[0]] > capacity
 
 
-@given(bin_problems(), SEEDS, st.sampled_from(["first_fit_decreasing", "modified_first_fit_decreasing"]))
+@given(bin_problems(), SEEDS,
+       st.sampled_from(["first_fit_decreasing", "modified_first_fit_decreasing"]))
 def test_decreasing_packers_are_invariant_to_input_order(problem, seed, algorithm):
     """The multiset of bin loads does not depend on the order the sequences arrive in."""
     lengths, capacity = problem
@@ -155,12 +157,15 @@ def test_mffd_matches_or_beats_ffd_on_random_lengths():
 
 
 def test_sequence_longer_than_capacity_names_index_length_capacity_and_fix():
-    with pytest.raises(ValueError, match=r"sequence 1 has length 120, outside \[0, capacity=100\].*raise"):
+    with pytest.raises(ValueError,
+                       match=r"sequence 1 has length 120, outside \[0, capacity=100\].*raise"):
         pack_into_bins([10, 120], 100, algorithm="first_fit_decreasing")
 
 
 def test_unreachable_bin_count_names_the_values():
-    with pytest.raises(ValueError, match=r"cannot make 4 bins \(min_bin_count=3, bin_count_multiple=2.*from 3 seq"):
+    with pytest.raises(ValueError,
+                       match=r"cannot make 4 bins \(min_bin_count=3, bin_count_multiple=2"
+                             r".*from 3 sequences"):
         pack_into_bins([1, 2, 3], 100, algorithm="first_fit_decreasing", min_bin_count=3,
                        bin_count_multiple=2)
     with pytest.raises(ValueError, match="algorithm must be one of"):
