@@ -132,7 +132,7 @@ class BatchedDataDict(dict[str, Any]):
         return self.select_indices(inverse_permutation(indices))
 
     def repeat_interleave(self, num_repeats: int) -> Self:
-        """Repeat every row ``num_repeats`` times in place order: ``[a, b] -> [a, a, b, b]``."""
+        """Repeat every row ``num_repeats`` times, keeping row order: ``[a, b] -> [a, a, b, b]``."""
         if num_repeats < 1:
             raise ValueError(f"num_repeats must be >= 1, got {num_repeats}")
         out = type(self)()

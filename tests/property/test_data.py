@@ -1,5 +1,7 @@
 """BatchedDataDict: sharding (plain, dynamic, packed) as reference §5.3, reorder, validation."""
 
+import pickle
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -257,6 +259,10 @@ def test_container_methods():
     cut = batch.copy().truncate_tensors(1, 2)
     assert cut["input_ids"].shape == (4, 2) and batch["input_ids"].shape == (4, 4)
     assert type(batch.get_dict()) is dict and batch.to("cpu") is batch
+    shard = batch.shard_by_batch_size(2, sequence_packing_args=packing_args(8))[0][0]
+    sent = pickle.loads(pickle.dumps(shard))  # shards travel to other processes whole
+    assert type(sent) is BatchedDataDict and sent.elem_counts_per_gb == shard.elem_counts_per_gb
+    assert sent.micro_batch_indices == shard.micro_batch_indices
 
 
 # -- validation ----------------------------------------------------------------------------------
