@@ -34,7 +34,10 @@ def _check_rank(cp_rank: int, cp_size: int) -> None:
         msg = f"cp_size {cp_size} must be >= 1; use 1 to disable context parallelism"
         raise ValueError(msg)
     if not 0 <= cp_rank < cp_size:
-        msg = f"cp_rank {cp_rank} must be in [0, cp_size) = [0, {cp_size}); pass this rank's CP coordinate"
+        msg = (
+            f"cp_rank {cp_rank} must be in [0, cp_size) = [0, {cp_size}); "
+            "pass this rank's CP coordinate"
+        )
         raise ValueError(msg)
 
 
@@ -56,13 +59,13 @@ def check_cp_seq_len(seq_len: int, cp_size: int) -> None:
 
 
 def cp_chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
-    """The two chunk indices (out of ``2 * cp_size``) owned by ``cp_rank``: ``(r, 2*cp_size-1-r)``."""
+    """The two chunks (of ``2 * cp_size``) owned by ``cp_rank``: ``(r, 2*cp_size-1-r)``."""
     _check_rank(cp_rank, cp_size)
     return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
 def shard_for_rank(x: torch.Tensor, *, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
-    """This rank's load-balanced shard of ``x`` along ``dim``: chunks r and 2*cp_size-1-r, concatenated.
+    """This rank's load-balanced shard of ``x`` along ``dim``: chunks r and 2*cp_size-1-r.
 
     Raises:
         ValueError: bad rank/size, or ``x.shape[dim]`` not divisible by ``2 * cp_size``.
@@ -71,7 +74,8 @@ def shard_for_rank(x: torch.Tensor, *, cp_rank: int, cp_size: int, dim: int = 1)
     seq_len = x.shape[dim]
     check_cp_seq_len(seq_len, cp_size)
     chunk = seq_len // (2 * cp_size)
-    return torch.cat([x.narrow(dim, first * chunk, chunk), x.narrow(dim, second * chunk, chunk)], dim=dim)
+    head, tail = x.narrow(dim, first * chunk, chunk), x.narrow(dim, second * chunk, chunk)
+    return torch.cat([head, tail], dim=dim)
 
 
 def gather_shards(shards: Sequence[torch.Tensor], *, cp_size: int, dim: int = 1) -> torch.Tensor:
@@ -81,7 +85,10 @@ def gather_shards(shards: Sequence[torch.Tensor], *, cp_size: int, dim: int = 1)
         ValueError: the number of shards is not ``cp_size`` or their lengths differ or are odd.
     """
     if len(shards) != cp_size:
-        msg = f"gather_shards got {len(shards)} shards but cp_size is {cp_size}; pass one shard per CP rank"
+        msg = (
+            f"gather_shards got {len(shards)} shards but cp_size is {cp_size}; "
+            "pass one shard per CP rank"
+        )
         raise ValueError(msg)
     lengths = {s.shape[dim] for s in shards}
     if len(lengths) != 1 or next(iter(lengths)) % 2 != 0:
@@ -110,5 +117,6 @@ def load_balanced_to_contiguous(
 
 
 def cp_position_ids(seq_len: int, *, cp_rank: int, cp_size: int) -> torch.Tensor:
-    """int64 ``[S/cp]`` global positions of this rank's shard (e.g. cp 2, S 8, rank 0: [0 1 6 7])."""
-    return shard_for_rank(torch.arange(seq_len, dtype=torch.int64), cp_rank=cp_rank, cp_size=cp_size, dim=0)
+    """int64 ``[S/cp]`` global positions of this rank's shard (cp 2, S 8, rank 0: [0 1 6 7])."""
+    positions = torch.arange(seq_len, dtype=torch.int64)
+    return shard_for_rank(positions, cp_rank=cp_rank, cp_size=cp_size, dim=0)

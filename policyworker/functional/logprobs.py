@@ -1,4 +1,4 @@
-"""Next-token logprobs: chunked fp32 log-softmax, vLLM-style sampling filters, vocab-parallel partials.
+"""Next-token logprobs: chunked fp32 log-softmax, vLLM-style filters, vocab-parallel partials.
 
 Convention (API.md §4): ``logprobs[b, t] = log p(x_t | x_<t)`` for ``1 <= t < len_b``, column 0 is
 0 and positions ``>= len_b`` are 0. Internally ``next_token_logprobs`` scores logits at positions
@@ -106,9 +106,11 @@ def sampling_keep_mask(
     """Bool mask (same shape) of the entries vLLM's sampler keeps, or None when nothing is filtered.
 
     top-k keeps every logit ``>=`` the k-th largest (ties with it are kept). top-p then works on
-    the survivors: sort ascending (stable, so among equal logits the lower vocab id goes first),
-    softmax, cumulative sum, remove entries whose cumsum ``<= 1 - top_p``, and always keep the
-    largest. The mask is computed in fp32 and carries no gradient.
+    the survivors: sort ascending, softmax, cumulative sum, remove entries whose cumsum
+    ``<= 1 - top_p``, and always keep the largest. vLLM leaves the order of equal logits in that
+    sort unspecified; here it is deterministic: among equal logits the higher vocab id is removed
+    first, so the lowest-id maximum is always kept (the rule ``topk`` uses too). The mask is
+    computed in fp32 and carries no gradient.
     """
     _check_top_p(top_p)
     vocab_size = logits_NV.shape[-1]
@@ -122,7 +124,11 @@ def sampling_keep_mask(
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
         keep = x >= kth
     if top_p < 1.0:
-        sorted_x, order = torch.sort(x.masked_fill(~keep, float("-inf")), dim=-1, stable=True)
+        # Ascending sort with ties in *descending* id order (stable sort of the flipped row), so
+        # equal logits are removed highest id first and the lowest-id maximum always survives.
+        flipped = x.masked_fill(~keep, float("-inf")).flip(-1)
+        sorted_x, flipped_order = torch.sort(flipped, dim=-1, stable=True)
+        order = vocab_size - 1 - flipped_order
         cumulative = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
         removed_sorted = cumulative <= 1.0 - top_p
         removed_sorted[..., -1] = False  # always keep the largest
@@ -158,7 +164,7 @@ def _chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
 
 
 class _ChunkedNextTokenLogprobs(torch.autograd.Function):
-    """logits_BSV (any float dtype) -> fp32 [B, S-1]; saves only the inputs, recomputes per chunk."""
+    """logits_BSV (any float dtype) -> fp32 [B, S-1]; saves only inputs, recomputes per chunk."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -185,7 +191,9 @@ class _ChunkedNextTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_BT: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_BT: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
         logits_BSV, targets_BT = ctx.saved_tensors
         temperature, top_k, top_p, chunk_size = ctx.settings
         if not ctx.needs_input_grad[0]:
@@ -226,7 +234,7 @@ def next_token_logprobs(
     top_p: float = 1.0,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """fp32 ``[B, S-1]``: ``log softmax(filter(logits[:, t] / T))[token_ids[:, t+1]]``, differentiable.
+    """fp32 ``[B, S-1]``: ``log_softmax(filter(logits[:, t] / T))[token_ids[:, t+1]]``.
 
     Equal to ``torch.log_softmax(apply_sampling_filters(logits.float() / T), -1).gather(...)`` but
     computed ``chunk_size`` sequence positions at a time (default ``default_chunk_size(V)``), in
@@ -237,7 +245,8 @@ def next_token_logprobs(
     Raises:
         ValueError: shapes disagree, or temperature/top_k/top_p/chunk_size is out of range.
     """
-    if logits_BSV.dim() != 3 or token_ids_BS.dim() != 2 or logits_BSV.shape[:2] != token_ids_BS.shape:
+    shapes_ok = logits_BSV.dim() == 3 and token_ids_BS.dim() == 2
+    if not shapes_ok or logits_BSV.shape[:2] != token_ids_BS.shape:
         msg = (
             f"logits {tuple(logits_BSV.shape)} must be [B, S, V] and token_ids "
             f"{tuple(token_ids_BS.shape)} must be [B, S] with the same B and S"
@@ -252,8 +261,11 @@ def next_token_logprobs(
     _top_k_active(top_k, vocab_size)
     _check_chunk_size(chunk_size)
     chunk = default_chunk_size(vocab_size) if chunk_size is None else chunk_size
-    targets_BT = token_ids_BS[:, 1:].to(device=logits_BSV.device, dtype=torch.int64).clamp(0, vocab_size - 1)
-    result = _ChunkedNextTokenLogprobs.apply(logits_BSV, targets_BT, temperature, top_k, top_p, chunk)
+    targets_BT = token_ids_BS[:, 1:].to(device=logits_BSV.device, dtype=torch.int64)
+    targets_BT = targets_BT.clamp(0, vocab_size - 1)  # pad ids: callers mask these positions
+    result = _ChunkedNextTokenLogprobs.apply(
+        logits_BSV, targets_BT, temperature, top_k, top_p, chunk
+    )
     assert isinstance(result, torch.Tensor)
     return result
 
@@ -280,8 +292,10 @@ def logprobs_with_leading_zero(next_BS1: torch.Tensor, lengths_B: torch.Tensor) 
     return torch.where(valid_BS, full_BS, torch.zeros_like(full_BS))
 
 
-def count_and_zero_neg_inf(logprobs: torch.Tensor, valid_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``(clean, num_neg_inf)``: ``-inf`` at valid positions are counted; they and invalid positions become 0.
+def count_and_zero_neg_inf(
+    logprobs: torch.Tensor, valid_mask: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """``(clean, num_neg_inf)``: count ``-inf`` at valid positions; those and invalid ones become 0.
 
     A ``-inf`` at a valid position means the sampled token lies outside the trainer's top-k/top-p
     set (a policy/sampler mismatch the caller should warn about).
@@ -334,13 +348,17 @@ def local_sum_exp(logits_BSV: torch.Tensor, global_max_BS: torch.Tensor) -> torc
     return torch.exp(_accumulate(logits_BSV) - global_max_BS[..., None]).sum(dim=-1)
 
 
-def _local_index(targets_BS: torch.Tensor, vocab_start: int, local_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _local_index(
+    targets_BS: torch.Tensor, vocab_start: int, local_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     local_ids = targets_BS.to(torch.int64) - vocab_start
     owned = (local_ids >= 0) & (local_ids < local_size)
     return local_ids.clamp(0, max(local_size - 1, 0)), owned
 
 
-def local_target_logit(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, *, vocab_start: int) -> torch.Tensor:
+def local_target_logit(
+    logits_BSV: torch.Tensor, targets_BS: torch.Tensor, *, vocab_start: int
+) -> torch.Tensor:
     """Logit of the target if this shard owns it, else 0 (so an all-reduce SUM selects it)."""
     x = _accumulate(logits_BSV)
     local_size = x.shape[-1]
@@ -406,7 +424,7 @@ def rows_for_rank(num_rows: int, rank: int, size: int) -> tuple[int, int]:
 
 
 def split_rows(x_NV: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """The all-to-all send list of the vocab->row redistribution: piece ``r`` = rows of rank ``r``."""
+    """Send list of the vocab->row all-to-all: piece ``r`` holds the rows of rank ``r``."""
     bounds = [rows_for_rank(x_NV.shape[0], r, size) for r in range(size)]
     return [x_NV[start:stop].contiguous() for start, stop in bounds]
 

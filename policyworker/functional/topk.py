@@ -1,4 +1,4 @@
-"""Top-k logits: local top-k with global vocab ids, an exact merge of per-shard top-k, chunked top-k.
+"""Top-k logits: local top-k with global vocab ids, exact merge of per-shard top-k, chunked top-k.
 
 Tie-breaking rule (everywhere in this module): results are ordered by value, largest first, and
 among equal values the **lower global vocab id comes first**. Under that total order the global
@@ -29,10 +29,11 @@ def _check_k(k: int) -> None:
 
 
 def _topk_lowest_id_on_ties(x_NV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of the last dim, ties broken towards the lower index, in O(V) plus a sort of k items."""
+    """Top-k of the last dim, ties broken towards the lower index; O(V) plus a sort of k items."""
     lead = x_NV.shape[:-1]
     if k == 0:
-        return x_NV.new_empty((*lead, 0)), torch.empty((*lead, 0), dtype=torch.int64, device=x_NV.device)
+        empty_ids = torch.empty((*lead, 0), dtype=torch.int64, device=x_NV.device)
+        return x_NV.new_empty((*lead, 0)), empty_ids
     kth = torch.topk(x_NV, k, dim=-1).values[..., -1:]  # the k-th largest value is tie-independent
     greater = x_NV > kth
     equal = x_NV == kth
@@ -44,7 +45,9 @@ def _topk_lowest_id_on_ties(x_NV: torch.Tensor, k: int) -> tuple[torch.Tensor, t
     return values.gather(-1, order), index.gather(-1, order)
 
 
-def local_topk(logits_V: torch.Tensor, k: int, *, vocab_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def local_topk(
+    logits_V: torch.Tensor, k: int, *, vocab_start: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values fp32, global ids int64)`` of the ``min(k, V_local)`` largest logits of this shard.
 
     ``vocab_start`` is the global id of the shard's first column (``vocab_range(rank, ...)[0]``).
@@ -75,11 +78,15 @@ def merge_topk(
     values = torch.cat(list(values_list), dim=-1)
     indices = torch.cat(list(indices_list), dim=-1)
     if values.shape[-1] < k:
-        msg = f"k {k} exceeds the {values.shape[-1]} candidates from all shards (the vocab size); use k <= vocab size"
+        msg = (
+            f"k {k} exceeds the {values.shape[-1]} candidates from all shards (the vocab size); "
+            "use k <= vocab size"
+        )
         raise ValueError(msg)
     by_id = torch.sort(indices, dim=-1, stable=True).indices  # ascending ids first ...
     values, indices = values.gather(-1, by_id), indices.gather(-1, by_id)
-    order = torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]  # ... then by value
+    # ... then a stable sort by value keeps ascending ids among equal values
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
     return values.gather(-1, order), indices.gather(-1, order)
 
 
@@ -117,5 +124,6 @@ def topk_logits(
         x = logits_BSV[:, start : start + chunk].detach().float()
         if temperature != 1.0:
             x = x / temperature
-        values[:, start : start + chunk], indices[:, start : start + chunk] = _topk_lowest_id_on_ties(x, k)
+        stop = start + chunk
+        values[:, start:stop], indices[:, start:stop] = _topk_lowest_id_on_ties(x, k)
     return values, indices

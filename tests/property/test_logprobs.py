@@ -8,7 +8,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from policyworker.functional import logprobs as lp
-from tests.property.strategies import SEEDS, right_padded_batches, seeded_randint, seeded_randn
+from policyworker.functional.context_parallel import gather_shards, shard_for_rank
+from tests.property.strategies import SEEDS, cp_layouts, right_padded_batches, seeded_randint, seeded_randn
 
 TOP_KS = st.one_of(st.none(), st.integers(1, 12))
 TOP_PS = st.one_of(st.just(1.0), st.floats(0.05, 1.0))
@@ -230,6 +231,7 @@ def test_top_k_keeps_everything_at_or_above_the_kth_and_nothing_below(x, k):
 
 
 @given(x=filter_rows(), top_k=TOP_KS, top_p=TOP_PS)
+@example(x=torch.zeros(1, 2), top_k=None, top_p=0.3)
 def test_kept_set_contains_the_max_and_renormalizes(x, top_k, top_p):
     out = lp.apply_sampling_filters(x, top_k=top_k, top_p=top_p)
     argmax = x.argmax(-1, keepdim=True)
@@ -273,9 +275,12 @@ def test_filters_on_a_hand_example():
     x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 0.0]])
     assert torch.isfinite(lp.apply_sampling_filters(x, top_k=1)).tolist() == [[False, True, True, False, False]]
     assert torch.isfinite(lp.apply_sampling_filters(x, top_k=3)).tolist() == [[False, True, True, True, False]]
-    # probs ~ [.04, .31, .31, .12, .02] (+ more): top-p 0.5 keeps the two 3.0s (stable order: id 2 last).
+    # probs ~ [.053, .392, .392, .144, .020]: top-p 0.5 keeps the two 3.0s.
     kept = torch.isfinite(lp.apply_sampling_filters(x, top_p=0.5)).tolist()
     assert kept == [[False, True, True, False, False]]
+    # top-p 0.3: one of the tied maxima suffices; the lower id is the one kept.
+    assert torch.isfinite(lp.apply_sampling_filters(x, top_p=0.3)).tolist() == [[False, True, False, False, False]]
+    assert torch.isfinite(lp.apply_sampling_filters(torch.zeros(1, 2), top_p=0.3)).tolist() == [[True, False]]
 
 
 # ----------------------------------------------------------------------------- vocab parallel
@@ -375,3 +380,29 @@ def test_large_logits_stay_finite():
     simulated, _ = simulated_logprobs(logits[:, :-1], ids[:, 1:], 2)
     torch.testing.assert_close(got, simulated, rtol=1e-5, atol=1e-4)
     assert math.isfinite(float(got.sum()))
+
+
+@given(B=st.integers(1, 3), cp_and_len=cp_layouts(max_cp=4, max_chunk=3), V=st.integers(2, 30),
+       tp_size=st.integers(1, 4), seed=SEEDS)
+def test_cp_and_vocab_parallel_composition_equals_next_token_logprobs(B, cp_and_len, V, tp_size, seed):
+    """CP shards of (logits, shifted_targets) scored by vocab-parallel partials, gathered, last column dropped."""
+    cp_size, S = cp_and_len
+    logits = 3 * seeded_randn(seed, (B, S, V))
+    ids = seeded_randint(seed + 1, V, (B, S))
+    targets = lp.shifted_targets(ids, pad_id=-1)
+    per_rank = []
+    for cp_rank in range(cp_size):
+        local_logits = shard_for_rank(logits, cp_rank=cp_rank, cp_size=cp_size)
+        local_targets = shard_for_rank(targets, cp_rank=cp_rank, cp_size=cp_size)
+        scored, _ = simulated_logprobs(local_logits, local_targets, tp_size)
+        per_rank.append(scored)
+    full = gather_shards(per_rank, cp_size=cp_size)
+    torch.testing.assert_close(full[:, :-1], lp.next_token_logprobs(logits, ids))
+
+
+@given(batch=right_padded_batches(min_len=1), pad_id=st.integers(-100, -1))
+def test_shifted_targets_are_next_tokens_then_pad(batch, pad_id):
+    tokens_BS, _ = batch
+    shifted = lp.shifted_targets(tokens_BS, pad_id=pad_id)
+    assert torch.equal(shifted[:, :-1], tokens_BS[:, 1:])
+    assert bool((shifted[:, -1] == pad_id).all())
