@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+# Tiny models on a shared 2-core box: extra intra-op threads only add OpenMP contention.
+torch.set_num_threads(1)
+
 VOCAB = 128
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
