@@ -130,7 +130,14 @@ class ClippedPGLossFn:
         loss       = actor loss + kl (+ μ · NLL on rows with reward > 0)
 
     Token level divides by ``global_valid_toks``; sequence level takes each row's token mean and
-    divides by ``global_valid_seqs``.
+    divides by ``global_valid_seqs``. ``is_oob_ratio`` is reported when a truncation type is set.
+
+    Deliberate differences from NeMo-RL, each so that microbatch losses and metrics sum to the
+    global-batch value: the VAPO positive-example NLL is divided by ``global_valid_toks`` (NeMo-RL
+    divides by the microbatch's own count of correct tokens); with sequence-level importance
+    ratios, ``sampling_importance_ratio`` is the sample-masked mean of the per-row weights
+    (NeMo-RL broadcasts [B, 1] against [B]). Positions where ``token_mask · sample_mask`` is 0
+    are zeroed before any arithmetic, so garbage there (even ±inf) cannot reach loss or gradient.
     """
 
     input_type = LossInputType.LOGPROB
@@ -217,7 +224,8 @@ class ClippedPGLossFn:
         if cfg.truncated_importance_sampling_type is None:
             return weights, {}
         assert cfg.truncated_importance_sampling_ratio is not None
-        seq_mean_B = rowwise_masked_mean(torch.nan_to_num(log_is_BT, 0.0, 0.0, 0.0), x.token_mask_BT)
+        finite_log_is_BT = torch.nan_to_num(log_is_BT, nan=0.0, posinf=0.0, neginf=0.0)
+        seq_mean_B = rowwise_masked_mean(finite_log_is_BT, x.token_mask_BT)
         return truncate_importance_weights(
             weights, kind=cfg.truncated_importance_sampling_type,
             ratio_max=cfg.truncated_importance_sampling_ratio,
@@ -247,11 +255,14 @@ class ClippedPGLossFn:
         )
         return self._reduce(x, kl_BT, gvs, gvt)
 
-    def _positive_nll(self, x: "_PGInputs", data: Mapping[str, Any], gvt: Tensor | float) -> Tensor:
+    def _positive_nll(
+        self, x: "_PGInputs", data: Mapping[str, Any], gvt: Tensor | float
+    ) -> Tensor:
         """VAPO term: NLL on rows whose reward is > 0, divided by ``global_valid_toks``."""
         if self.cfg.positive_example_nll_weight == 0:
             return torch.zeros((), dtype=x.curr_BT.dtype, device=x.curr_BT.device)
-        rewards_B = require_tensor(data, "rewards", "ClippedPGLossFn (positive_example_nll_weight > 0)")
+        owner = "ClippedPGLossFn (positive_example_nll_weight > 0)"
+        rewards_B = require_tensor(data, "rewards", owner)
         correct_BT = x.mask_BT * (rewards_B.reshape(-1) > 0).to(x.mask_BT.dtype)[:, None]
         return masked_mean(-x.curr_BT, correct_BT, gvt)
 
@@ -277,7 +288,9 @@ class _PGInputs:
     curr_unfiltered_BT: Tensor | None
 
     @classmethod
-    def read(cls, loss_fn: ClippedPGLossFn, data: Mapping[str, Any], curr_BT: Tensor) -> "_PGInputs":
+    def read(
+        cls, loss_fn: ClippedPGLossFn, data: Mapping[str, Any], curr_BT: Tensor
+    ) -> "_PGInputs":
         owner = "ClippedPGLossFn"
         token_mask_BT, sample_mask_B, mask_BT = masks_from_data(data, curr_BT, owner)
         keep_BT = mask_BT != 0

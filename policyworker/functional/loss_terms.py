@@ -126,7 +126,7 @@ def truncate_importance_weights(
     sample_mask_B: Tensor,
     global_valid_toks: Tensor | float,
     global_valid_seqs: Tensor | float,
-) -> tuple[Tensor, Mapping[str, float]]:
+) -> tuple[Tensor, dict[str, float]]:
     """Apply truncated importance sampling; return the new weights and ``is_oob_ratio``.
 
     ``tis`` clamps to [ratio_min or 0, ratio_max]; ``icepop`` zeroes weights outside
@@ -286,7 +286,8 @@ def _read_mapping(
         if key in ignored:
             continue
         if key not in fields:
-            problems.append(f"unknown key {key!r} (accepted keys: {sorted(fields)}) @ {section}.{key}")
+            problems.append(
+                f"unknown key {key!r} (accepted keys: {sorted(fields)}) @ {section}.{key}")
             continue
         kind = fields[key].metadata["kind"]
         if not _has_kind(value, kind):
@@ -319,11 +320,13 @@ def _check(problems: list[str], ok: bool, message: str) -> None:
 
 @attrs.frozen(kw_only=True)
 class ClippedPGConfig:
-    """NeMo-RL's ``loss_fn`` keys for ClippedPGLossFn, with NeMo-RL's ``ClippedPGLossConfig`` defaults.
+    """NeMo-RL's ``loss_fn`` keys for ClippedPGLossFn, with ``ClippedPGLossConfig``'s defaults.
 
+    ``reference_policy_kl_penalty`` defaults to 0.01 as in NeMo-RL's ``ClippedPGLossConfig``.
     Deliberate differences: ``truncated_importance_sampling_ratio`` set with no type means
     ``"tis"`` (what older NeMo-RL configs, which had no type key, meant); bad values raise
-    ``ConfigError`` at construction instead of asserting at the first call.
+    ``ConfigError`` at construction instead of asserting at the first call; unknown keys are
+    errors (NeMo-RL's pydantic model allows extras).
     """
 
     disable_ppo_ratio: bool = _kind("a bool", False)
@@ -392,7 +395,8 @@ class ClippedPGConfig:
                f"truncated_importance_sampling_ratio_min ({lo}) must be <= "
                f"truncated_importance_sampling_ratio ({hi}) {at}ratio_min")
         _check(p, kind == "tis" or lo is not None,
-               f"truncation type {kind!r} needs truncated_importance_sampling_ratio_min {at}ratio_min")
+               f"truncation type {kind!r} needs truncated_importance_sampling_ratio_min "
+               f"{at}ratio_min")
         _check(p, not (kind == "seq-mask-tis" and self.sequence_level_importance_ratios),
                f"seq-mask-tis uses token-level weights; it cannot be combined with "
                f"sequence_level_importance_ratios: true {at}type")
@@ -408,8 +412,10 @@ class ClippedPGConfig:
             "ratio_clip_c": self.ratio_clip_c is not None,
             "token_level_loss: false": not self.token_level_loss,
         }
-        return [f"use_cispo cannot be combined with {name}; turn one of them off @ loss_fn.use_cispo"
-                for name, active in conflicts.items() if active]
+        return [
+            f"use_cispo cannot be combined with {name}; turn one of them off @ loss_fn.use_cispo"
+            for name, active in conflicts.items() if active
+        ]
 
 
 @attrs.frozen(kw_only=True)

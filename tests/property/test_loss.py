@@ -53,7 +53,8 @@ def pg_batches(draw, *, max_batch=6, max_len=8, even_rows=False):
         "advantages": _randn(g, B, S),
         "prev_logprobs": torch.cat([_randn(g, B, 1), prev], dim=1),
         "generation_logprobs": torch.cat([_randn(g, B, 1), prev + 0.3 * _randn(g, B, S - 1)], 1),
-        "reference_policy_logprobs": torch.cat([_randn(g, B, 1), lp + 0.3 * _randn(g, B, S - 1)], 1),
+        "reference_policy_logprobs": torch.cat([_randn(g, B, 1), lp + 0.3 * _randn(g, B, S - 1)],
+                                               1),
         "rewards": _randn(g, B),
     }
     if draw(st.booleans()):
@@ -266,11 +267,14 @@ def test_kl_estimators_match_closed_forms_with_clamps(seed, kl_type, clamps):
     g = torch.Generator().manual_seed(seed)
     curr, ref = 2 * _randn(g, 3, 5), 2 * _randn(g, 3, 5)
     input_clamp, output_clamp = clamps
-    clamped_ref = ref if input_clamp is None else curr + (ref - curr).clamp(-input_clamp, input_clamp)
+    clamped_ref = ref
+    if input_clamp is not None:
+        clamped_ref = curr + (ref - curr).clamp(-input_clamp, input_clamp)
     expected = _kl_closed_form(kl_type, curr, clamped_ref)
     if output_clamp is not None:
         expected = expected.clamp(-output_clamp, output_clamp)
-    got = kl_estimate(curr, ref, kl_type=kl_type, input_clamp=input_clamp, output_clamp=output_clamp)
+    got = kl_estimate(curr, ref, kl_type=kl_type, input_clamp=input_clamp,
+                      output_clamp=output_clamp)
     torch.testing.assert_close(got, expected)
     if kl_type != "k1":
         assert bool((got >= 0).all())
@@ -282,7 +286,8 @@ def _kl_only_batch(seed, B=3, S=6):
     data = {"token_mask": _bits(g, 0.7, B, S), "sample_mask": torch.ones(B, dtype=F64),
             "advantages": torch.zeros(B, S, dtype=F64), "prev_logprobs": _randn(g, B, S),
             "generation_logprobs": torch.cat([_randn(g, B, 1), lp + 0.2 * _randn(g, B, S - 1)], 1),
-            "reference_policy_logprobs": torch.cat([_randn(g, B, 1), lp + 0.5 * _randn(g, B, S - 1)], 1)}
+            "reference_policy_logprobs": torch.cat([_randn(g, B, 1),
+                                                    lp + 0.5 * _randn(g, B, S - 1)], 1)}
     return data, lp
 
 
@@ -297,10 +302,12 @@ def test_kl_loss_and_its_score_function_gradient_match_closed_forms(seed, kl_typ
     gvs, gvt = global_counts(data)
     loss, _ = call(ClippedPGLossFn(cfg), data, lp, gvs, gvt)
     loss.backward()
-    curr, ref, mask = lp.detach(), data["reference_policy_logprobs"][:, 1:], data["token_mask"][:, 1:]
+    curr, ref = lp.detach(), data["reference_policy_logprobs"][:, 1:]
+    mask = data["token_mask"][:, 1:]
     w = torch.exp(curr - data["generation_logprobs"][:, 1:]) if on_policy else torch.ones_like(curr)
     k = _kl_closed_form(kl_type, curr, ref)
-    dk = {"k1": torch.ones_like(curr), "k2": -(ref - curr), "k3": 1 - torch.exp(ref - curr)}[kl_type]
+    dk = {"k1": torch.ones_like(curr), "k2": -(ref - curr),
+          "k3": 1 - torch.exp(ref - curr)}[kl_type]
     torch.testing.assert_close(loss.detach(), beta * (w * k * mask).sum() / (gvt + 1e-8))
     torch.testing.assert_close(lp.grad, beta * w * (k + dk) * mask / (gvt + 1e-8))
 
@@ -318,7 +325,8 @@ def test_ppo_gradient_is_zero_exactly_where_the_clip_is_active(seed, eps):
     gvs, gvt = global_counts(data)
     loss, _ = call(ClippedPGLossFn(cfg), data, lp, gvs, gvt)
     loss.backward()
-    ratio, adv, mask = torch.exp(lp.detach() - prev), data["advantages"][:, 1:], data["token_mask"][:, 1:]
+    ratio, adv = torch.exp(lp.detach() - prev), data["advantages"][:, 1:]
+    mask = data["token_mask"][:, 1:]
     clipped = ((adv > 0) & (ratio > 1 + eps[1])) | ((adv < 0) & (ratio < 1 - eps[0]))
     expected = torch.where(clipped, 0.0, -adv * ratio) * mask / (gvt + 1e-8)
     torch.testing.assert_close(lp.grad, expected)
@@ -332,7 +340,8 @@ def test_dual_clip_bounds_the_loss_of_negative_advantages_by_c():
             "advantages": torch.tensor([[0.0, -1.0]]), "prev_logprobs": torch.zeros(1, 2),
             "generation_logprobs": torch.zeros(1, 2)}
     one = torch.tensor(1.0)
-    plain, _ = call(ClippedPGLossFn({"reference_policy_kl_penalty": 0.0}), data, lp.detach(), one, one)
+    plain, _ = call(ClippedPGLossFn({"reference_policy_kl_penalty": 0.0}), data, lp.detach(),
+                    one, one)
     dual, _ = call(ClippedPGLossFn({"reference_policy_kl_penalty": 0.0, "ratio_clip_c": 3.0}),
                    data, lp, one, one)
     dual.backward()
@@ -346,7 +355,8 @@ def test_gspo_uses_one_ratio_per_sequence_equal_to_the_geometric_mean(seed):
     g = torch.Generator().manual_seed(seed)
     lp = -_randn(g, 1, 5).abs()
     prev = lp + 0.2 * _randn(g, 1, 5)
-    data = {"token_mask": torch.tensor([[0, 1, 1, 0, 1, 1]], dtype=F64), "sample_mask": torch.ones(1),
+    data = {"token_mask": torch.tensor([[0, 1, 1, 0, 1, 1]], dtype=F64),
+            "sample_mask": torch.ones(1),
             "advantages": torch.ones(1, 6), "generation_logprobs": torch.zeros(1, 6),
             "prev_logprobs": torch.cat([torch.zeros(1, 1, dtype=F64), prev], 1)}
     cfg = {"reference_policy_kl_penalty": 0.0, "token_level_loss": False,
@@ -436,10 +446,10 @@ def test_masked_mean_is_the_masked_sum_over_factor_plus_eps(seed, n):
     g = torch.Generator().manual_seed(seed)
     values, mask = _randn(g, n), _bits(g, 0.6, n)
     values = torch.where(mask.bool(), values, torch.full_like(values, math.nan))
-    expected = sum(float(v) for v, m in zip(values, mask, strict=True) if m) / (float(mask.sum()) + 1e-8)
-    assert masked_mean(values, mask).item() == pytest.approx(expected)
-    assert masked_mean(values, mask, 7.0).item() == pytest.approx(expected * (float(mask.sum()) + 1e-8)
-                                                                  / (7.0 + 1e-8))
+    masked_sum = sum(float(v) for v, m in zip(values, mask, strict=True) if m)
+    count = float(mask.sum())
+    assert masked_mean(values, mask).item() == pytest.approx(masked_sum / (count + 1e-8))
+    assert masked_mean(values, mask, 7.0).item() == pytest.approx(masked_sum / (7.0 + 1e-8))
 
 
 # ------------------------------------------------------------------------ protocol and errors
@@ -470,7 +480,8 @@ def test_missing_keys_take_nemo_rl_defaults_and_kl_in_reward_zeroes_beta():
 
 @pytest.mark.parametrize(("cfg", "match"), [
     ({"ratio_clip_mni": 0.2}, r"unknown key 'ratio_clip_mni' \(accepted keys: .*ratio_clip_min"),
-    ({"ratio_clip_min": "0.2"}, r"ratio_clip_min must be a number, got '0.2' @ loss_fn.ratio_clip_min"),
+    ({"ratio_clip_min": "0.2"},
+     r"ratio_clip_min must be a number, got '0.2' @ loss_fn.ratio_clip_min"),
     ({"token_level_loss": 1}, r"token_level_loss must be a bool"),
     ({"reference_policy_kl_type": "k4"}, r"'k1', 'k2' or 'k3', got 'k4'"),
     ({"ratio_clip_c": 1.0}, r"ratio_clip_c \(dual clip\) must be > 1"),
@@ -478,7 +489,8 @@ def test_missing_keys_take_nemo_rl_defaults_and_kl_in_reward_zeroes_beta():
     ({"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
      r"needs use_importance_sampling_correction: true"),
     ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "icepop",
-      "truncated_importance_sampling_ratio": 2.0}, r"needs truncated_importance_sampling_ratio_min"),
+      "truncated_importance_sampling_ratio": 2.0},
+     r"needs truncated_importance_sampling_ratio_min"),
     ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis"},
      r"truncated_importance_sampling_ratio must be a positive number"),
     ({"use_cispo": True, "ratio_clip_c": 3.0}, r"use_cispo cannot be combined with ratio_clip_c"),
@@ -502,10 +514,25 @@ def test_bad_data_raises_value_errors_naming_key_and_shape():
     one = torch.tensor(1.0)
     with pytest.raises(ValueError, match=r"data\['prev_logprobs'\], which is missing"):
         call(ClippedPGLossFn({}), data, lp, one, one)
-    with pytest.raises(ValueError, match=r"data\['token_mask'\] has shape \(2, 3\).*must be \(2, 4\)"):
+    with pytest.raises(ValueError,
+                       match=r"data\['token_mask'\] has shape \(2, 3\).*must be \(2, 4\)"):
         call(NLLLoss(), data | {"token_mask": torch.ones(2, 3)}, lp, one, one)
     with pytest.raises(ValueError, match=r"exactly the keyword input next_token_logprobs"):
         NLLLoss()(data=data, global_valid_seqs=one, global_valid_toks=one, logits=lp)
     with pytest.raises(ValueError, match=r"even number of rows"):
         call(DPOLossFn({}), data | {"sample_mask": torch.ones(3), "token_mask": torch.ones(3, 4)},
              torch.zeros(3, 3), one, one)
+
+
+@given(seed=SEEDS)
+def test_kl_uses_unfiltered_logprobs_when_present(seed):
+    """KL is taken on curr_logprobs_unfiltered (here equal to ref, so KL = 0 and no gradient)."""
+    data, lp = _kl_only_batch(seed)
+    unfiltered = data["reference_policy_logprobs"][:, 1:].clone().requires_grad_(True)
+    lp = lp.clone().requires_grad_(True)
+    cfg = {"reference_policy_kl_penalty": 0.5, "reference_policy_kl_type": "k2"}
+    loss, metrics = call(ClippedPGLossFn(cfg), data | {"curr_logprobs_unfiltered": unfiltered},
+                         lp, *global_counts(data))
+    loss.backward()
+    assert loss.item() == 0.0 and metrics["kl_penalty"] == 0.0
+    assert bool((lp.grad == 0).all()) and unfiltered.grad is not None

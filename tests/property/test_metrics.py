@@ -108,7 +108,8 @@ def test_scaled_sums_over_global_batches_are_the_mean_of_per_batch_sums(per_batc
     for batch in per_batch:
         n = len(next(iter(batch.values())))
         for i in range(n):
-            for key, value in scale_microbatch_metrics({k: v[i] for k, v in batch.items()}, G).items():
+            scaled = scale_microbatch_metrics({k: v[i] for k, v in batch.items()}, G)
+            for key, value in scaled.items():
                 everything[key].append(value)
     got = aggregate_microbatch_metrics(everything)
     for key in everything:
@@ -162,7 +163,8 @@ def test_aggregated_microbatch_metrics_equal_the_whole_batch_metrics(seed, num_m
             "reference_policy_logprobs": torch.cat([torch.zeros(B, 1), lp - 0.2], 1)}
     gvs, gvt = torch.tensor(float(B)), torch.tensor(float(B * (S - 1)))
     loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.1})
-    _, whole = loss_fn(data=data, global_valid_seqs=gvs, global_valid_toks=gvt, next_token_logprobs=lp)
+    _, whole = loss_fn(data=data, global_valid_seqs=gvs, global_valid_toks=gvt,
+                       next_token_logprobs=lp)
     all_mb = {key: [] for key in whole}
     for part in torch.arange(B).chunk(num_microbatches):
         _, mb = loss_fn(data={k: v[part] for k, v in data.items()}, global_valid_seqs=gvs,
