@@ -42,6 +42,7 @@ __all__ = [
     "shifted_targets",
     "split_rows",
     "split_vocab",
+    "target_logprobs",
     "vocab_range",
 ]
 
@@ -245,24 +246,64 @@ def next_token_logprobs(
     Raises:
         ValueError: shapes disagree, or temperature/top_k/top_p/chunk_size is out of range.
     """
-    shapes_ok = logits_BSV.dim() == 3 and token_ids_BS.dim() == 2
-    if not shapes_ok or logits_BSV.shape[:2] != token_ids_BS.shape:
+    _check_scoring_args(logits_BSV, token_ids_BS, "token_ids")
+    return _chunked_logprobs(logits_BSV, token_ids_BS[:, 1:], temperature, top_k, top_p, chunk_size)
+
+
+def target_logprobs(
+    logits_BSV: torch.Tensor,
+    targets_BS: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """fp32 ``[B, S]``: ``log_softmax(filter(logits[:, t] / T))[targets[:, t]]``, no shift.
+
+    The same chunked autograd Function as ``next_token_logprobs``, for targets that are already
+    aligned with the logits: a CP shard scored against ``shard_for_rank(shifted_targets(ids))``,
+    or the row blocks of the tensor-parallel top-k/top-p path.
+
+    Raises:
+        ValueError: shapes disagree, or temperature/top_k/top_p/chunk_size is out of range.
+    """
+    _check_scoring_args(logits_BSV, targets_BS, "targets")
+    return _chunked_logprobs(logits_BSV, targets_BS, temperature, top_k, top_p, chunk_size)
+
+
+def _check_scoring_args(logits_BSV: torch.Tensor, ids_BS: torch.Tensor, ids_name: str) -> None:
+    shapes_ok = logits_BSV.dim() == 3 and ids_BS.dim() == 2
+    if not shapes_ok or logits_BSV.shape[:2] != ids_BS.shape:
         msg = (
-            f"logits {tuple(logits_BSV.shape)} must be [B, S, V] and token_ids "
-            f"{tuple(token_ids_BS.shape)} must be [B, S] with the same B and S"
+            f"logits {tuple(logits_BSV.shape)} must be [B, S, V] and {ids_name} "
+            f"{tuple(ids_BS.shape)} must be [B, S] with the same B and S"
         )
         raise ValueError(msg)
     if not logits_BSV.is_floating_point():
         msg = f"logits dtype {logits_BSV.dtype} must be floating point"
         raise ValueError(msg)
+
+
+def _chunked_logprobs(
+    logits_BSV: torch.Tensor,
+    targets_BT: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float,
+    chunk_size: int | None,
+) -> torch.Tensor:
+    """Score logits at positions ``0..T-1`` against ``targets_BT`` (``T <= S``) chunk by chunk."""
     _check_temperature(temperature)
     _check_top_p(top_p)
     vocab_size = logits_BSV.shape[-1]
     _top_k_active(top_k, vocab_size)
     _check_chunk_size(chunk_size)
     chunk = default_chunk_size(vocab_size) if chunk_size is None else chunk_size
-    targets_BT = token_ids_BS[:, 1:].to(device=logits_BSV.device, dtype=torch.int64)
+    targets_BT = targets_BT.to(device=logits_BSV.device, dtype=torch.int64)
     targets_BT = targets_BT.clamp(0, vocab_size - 1)  # pad ids: callers mask these positions
+    # The full logits go in (not a [:, :-1] view): backward then writes one [B, S, V] gradient
+    # instead of autograd zero-padding a sliced one.
     result = _ChunkedNextTokenLogprobs.apply(
         logits_BSV, targets_BT, temperature, top_k, top_p, chunk
     )

@@ -406,3 +406,20 @@ def test_shifted_targets_are_next_tokens_then_pad(batch, pad_id):
     shifted = lp.shifted_targets(tokens_BS, pad_id=pad_id)
     assert torch.equal(shifted[:, :-1], tokens_BS[:, 1:])
     assert bool((shifted[:, -1] == pad_id).all())
+
+
+@settings(max_examples=40)
+@given(case=logits_cases(), top_k=TOP_KS, top_p=TOP_PS, chunk_size=st.integers(1, 10), seed=SEEDS)
+def test_target_logprobs_on_shifted_targets_equal_next_token_logprobs(case, top_k, top_p, chunk_size, seed):
+    """Unshifted scoring against shifted_targets == next_token_logprobs, values and gradients."""
+    logits, ids = case
+    weights = seeded_randn(seed, (ids.shape[0], ids.shape[1] - 1))
+    x_target, x_next = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    kwargs = {"top_k": top_k, "top_p": top_p, "chunk_size": chunk_size}
+    got = lp.target_logprobs(x_target, lp.shifted_targets(ids), **kwargs)
+    expected = lp.next_token_logprobs(x_next, ids, **kwargs)
+    assert got.shape == ids.shape
+    torch.testing.assert_close(got[:, :-1], expected)
+    finite_weighted_sum(got[:, :-1], weights).backward()
+    finite_weighted_sum(expected, weights).backward()
+    torch.testing.assert_close(x_target.grad, x_next.grad)
