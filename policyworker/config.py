@@ -17,7 +17,7 @@ error) but their values are not read. `PolicyConfig` has `*_enabled` properties 
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from types import NoneType, UnionType
+from types import MappingProxyType, NoneType, UnionType
 from typing import Any, Final, Literal, TypeVar, Union, get_args, get_origin
 
 import attrs
@@ -77,7 +77,7 @@ LoraAInit = Literal["xavier", "uniform"]
 # NeMo-RL `policy.*` keys this worker accepts and does not read (dotted paths below `policy`).
 # A key listed here is dropped before structuring (with its whole subtree) and named in one
 # ConfigWarning; every other unknown key is an error. The value says why it is not read.
-IGNORED_NEMO_RL_KEYS: Final[Mapping[str, str]] = {
+IGNORED_NEMO_RL_KEYS: Final[Mapping[str, str]] = MappingProxyType({
     "megatron_cfg": "Megatron-Core backend settings (this is the DTensor/Automodel worker)",
     "generation_batch_size": "static-batched HF generation in the controller",
     "dequantize_base_checkpoint": "Automodel checkpoint-loader option",
@@ -104,7 +104,7 @@ IGNORED_NEMO_RL_KEYS: Final[Mapping[str, str]] = {
     "generation.sglang_cfg": "SGLang engine settings",
     "generation.mcore_generation_config": "Megatron inference settings",
     "generation.colocated.resources": "cluster placement (controller side)",
-}
+})
 
 
 class ConfigWarning(UserWarning):
@@ -496,7 +496,7 @@ def validate_for_world(cfg: PolicyConfig, *, dp_size: int) -> None:
 converter: Final[cattrs.Converter] = cattrs.Converter(forbid_extra_keys=True)
 
 _T = TypeVar("_T")
-_SECTIONS: Final[tuple[type, ...]] = (
+_SECTIONS: Final[tuple[type[Any], ...]] = (
     LoRAConfig,
     SequencePackingConfig,
     DynamicBatchingConfig,
@@ -588,12 +588,12 @@ def _structure_tuple(value: Any, type_: Any) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _section_class(type_: Any) -> type | None:
+def _section_class(type_: Any) -> type[Any] | None:
     if get_origin(type_) not in (Union, UnionType):
         return None
     args = get_args(type_)
     if len(args) == 2 and args[1] is NoneType and args[0] in _SECTIONS:
-        section: type = args[0]
+        section: type[Any] = args[0]
         return section
     return None
 
@@ -689,15 +689,20 @@ def _with_validator(
     return structure
 
 
+# Fields whose YAML form is not their type's form: NeMo-RL's `hf_config_overrides: null` means
+# {}, and `scheduler` is a mapping or a list with a milestones item (see SchedulerConfig).
+_FIELD_HOOKS: Final[dict[tuple[type[Any], str], Callable[[Any, Any], Any]]] = {
+    (PolicyConfig, "hf_config_overrides"): _structure_dict_or_none_as_empty,
+    (PolicyConfig, "scheduler"): _structure_scheduler,
+}
+
+
 def _structure_attrs_factory(cls: Any) -> Callable[[Any, Any], Any]:
     overrides: dict[str, Any] = {}
     for attribute in attrs.fields(cls):
-        if attribute.name == "hf_config_overrides":
-            hook: Callable[[Any, Any], Any] = _structure_dict_or_none_as_empty
-        elif attribute.name == "scheduler" and cls is PolicyConfig:
-            hook = _structure_scheduler
-        else:
-            hook = converter.get_structure_hook(attribute.type)
+        hook = _FIELD_HOOKS.get((cls, attribute.name)) or converter.get_structure_hook(
+            attribute.type
+        )
         overrides[attribute.name] = override(struct_hook=_with_validator(hook, attribute))
     generated = make_dict_structure_fn(cls, converter, _cattrs_forbid_extra_keys=True, **overrides)
 
@@ -739,8 +744,11 @@ def _split(node: Mapping[str, Any], prefix: str) -> tuple[dict[str, Any], tuple[
         path = f"{prefix}{key}"
         if path in IGNORED_NEMO_RL_KEYS:
             found.append(path)
-        elif isinstance(value, Mapping) and any(k.startswith(f"{path}.") for k in IGNORED_NEMO_RL_KEYS):
-            kept[key], below = _split(value, f"{path}.")  # pyright: ignore[reportUnknownArgumentType]
+        elif isinstance(value, Mapping) and any(
+            k.startswith(f"{path}.") for k in IGNORED_NEMO_RL_KEYS
+        ):
+            child: Mapping[str, Any] = value  # pyright: ignore[reportUnknownVariableType]
+            kept[key], below = _split(child, f"{path}.")
             found.extend(below)
         else:
             kept[key] = value

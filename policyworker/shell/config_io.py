@@ -119,7 +119,9 @@ def apply_overrides(mapping: Mapping[str, Any], overrides: Iterable[str]) -> dic
     return result
 
 
-def _set_path(node: Mapping[str, Any], parts: Sequence[str], value: Any, *, text: str) -> dict[str, Any]:
+def _set_path(
+    node: Mapping[str, Any], parts: Sequence[str], value: Any, *, text: str
+) -> dict[str, Any]:
     copy = dict(node)
     head, rest = parts[0], parts[1:]
     if not rest:
