@@ -1,4 +1,6 @@
-"""The per-token terms the policy losses are built from (all functions are pure).
+"""The pieces ``loss.py`` is built from: per-token terms (KL estimators, importance-weight
+truncation, masked means), input reading/validation, ClippedPG metrics, and the loss configs
+(``ClippedPGConfig``, ``DPOConfig``: NeMo-RL keys and defaults). All functions are pure.
 
 Shape legend: ``B`` batch rows, ``T`` next-token positions (``S - 1``). Every ``*_BT`` tensor is
 aligned with ``next_token_logprobs``: index ``t`` refers to token ``t + 1`` of the sequence.
