@@ -8,7 +8,8 @@ that into the [B, S] convention.
 Memory ([better], API.md §4): ``next_token_logprobs`` is a custom autograd Function that saves
 only the caller's (possibly bf16) logits and the targets. Forward and backward both work on one
 chunk of sequence positions at a time (cast to fp32, divide by temperature, filter,
-log-softmax, gather), so no fp32 ``[B, S, V]`` tensor is ever alive.
+log-softmax, gather), so no fp32 ``[B, S, V]`` tensor is ever alive besides the caller's own
+logits and their gradient (which have the logits' dtype: bf16 logits get a bf16 gradient).
 
 Vocab parallel (STYLE.md §2.6): a rank holding the vocab slice ``vocab_range(rank, size, V)``
 computes partials (``local_max``, ``local_sum_exp``, ``local_target_logit``,
@@ -165,7 +166,10 @@ def _chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
 
 
 class _ChunkedNextTokenLogprobs(torch.autograd.Function):
-    """logits_BSV (any float dtype) -> fp32 [B, S-1]; saves only inputs, recomputes per chunk."""
+    """(logits_BSV any float dtype, targets_BT with T <= S) -> fp32 [B, T], chunk by chunk.
+
+    Saves only its two inputs; backward recomputes each chunk's filtered softmax.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
