@@ -5,7 +5,7 @@ import copy
 import json
 import re
 import warnings
-from typing import Any
+from typing import Any, get_args
 
 import attrs
 import pytest
@@ -14,16 +14,23 @@ from hypothesis import strategies as st
 
 from policyworker.config import (
     IGNORED_NEMO_RL_KEYS,
+    AttnImplementation,
     ColocatedConfig,
     ConfigWarning,
     DraftConfig,
+    DropoutPosition,
     DTensorConfig,
     DynamicBatchingConfig,
     GenerationConfig,
+    LoraAInit,
     LoRAConfig,
+    MicrobatchOrder,
     OptimizerConfig,
+    PackingAlgorithm,
     PolicyConfig,
+    Precision,
     RewardModelConfig,
+    RewardModelType,
     RouterReplayConfig,
     SchedulerConfig,
     SchedulerEntry,
@@ -40,20 +47,23 @@ from policyworker.errors import ConfigError
 Path = tuple[str | int, ...]
 FREE_DICTS = {"kwargs", "hf_config_overrides", "chat_template_kwargs"}  # any keys allowed inside
 
-NAMES = st.sampled_from(["lr", "betas", "eps", "factor", "total_iters", "rope_theta", "x_1", "torch", "optim"])
+NAMES = st.sampled_from(["lr", "betas", "eps", "factor", "total_iters", "rope_theta", "x_1"])
 DOTTED = st.lists(NAMES, min_size=2, max_size=3).map(".".join)
 TEXT = st.text(alphabet="abQ/-_.0", min_size=1, max_size=6)
 SCALARS = st.none() | st.booleans() | st.integers(-10**6, 10**6) | TEXT | st.floats(-1e9, 1e9)
 KWARGS = st.dictionaries(NAMES, SCALARS | st.lists(SCALARS, max_size=2), max_size=3)
-MODULE_PATTERNS = st.lists(
-    st.sampled_from(["q_proj", "v_proj", "mlp.down_proj", "re:.*\\.o_proj", "re:layers\\.[0-9]+\\.k_proj"]),
-    max_size=4, unique=True,
-).map(tuple)
+PATTERNS = ["q_proj", "v_proj", "mlp.down_proj", "re:.*\\.o_proj", "re:layers\\.[0-9]+\\.k_proj"]
+MODULE_PATTERNS = st.lists(st.sampled_from(PATTERNS), max_size=4, unique=True).map(tuple)
 POSITIVE_FLOATS = st.floats(1e-6, 1e6)
+SIZES = st.integers(1, 10**6)
 
 
 def optional(strategy: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     return st.none() | strategy
+
+
+def one_of_literal(literal: Any) -> st.SearchStrategy[str]:
+    return st.sampled_from(get_args(literal))
 
 
 @st.composite
@@ -63,66 +73,78 @@ def lora_configs(draw) -> LoRAConfig:
     return LoRAConfig(
         target_modules=targets, exclude_modules=draw(MODULE_PATTERNS), match_all_linear=match_all,
         dim=draw(st.integers(1, 256)), alpha=draw(POSITIVE_FLOATS),
-        dropout=draw(st.floats(0.0, 0.99)), dropout_position=draw(st.sampled_from(["pre", "post"])),
-        lora_A_init=draw(st.sampled_from(["xavier", "uniform"])),
+        dropout=draw(st.floats(0.0, 0.99)), dropout_position=draw(one_of_literal(DropoutPosition)),
+        lora_A_init=draw(one_of_literal(LoraAInit)),
         use_rslora=draw(st.booleans()), use_triton=draw(st.booleans()),
     )
 
 
 @st.composite
 def scheduler_configs(draw) -> SchedulerConfig:
-    entries = draw(st.lists(st.builds(SchedulerEntry, name=DOTTED, kwargs=KWARGS), min_size=1, max_size=3))
-    steps = draw(st.lists(st.integers(1, 1000), min_size=len(entries) - 1, max_size=len(entries) - 1))
-    milestones = tuple(sum(steps[: i + 1]) for i in range(len(steps)))  # strictly increasing, built
+    entry = st.builds(SchedulerEntry, name=DOTTED, kwargs=KWARGS)
+    entries = draw(st.lists(entry, min_size=1, max_size=3))
+    gaps = st.integers(1, 1000)
+    steps = draw(st.lists(gaps, min_size=len(entries) - 1, max_size=len(entries) - 1))
+    milestones = tuple(sum(steps[: i + 1]) for i in range(len(steps)))  # increasing, by construction
     return SchedulerConfig(entries=tuple(entries), milestones=milestones)
+
+
+@st.composite
+def batching_sections(draw, *, cp: int, reward: bool):
+    """(mode, sequence_packing, dynamic_batching): packing only where cp == 1 and no reward model."""
+    mode = draw(st.sampled_from(["fixed", "dynamic"] + (["packing"] if cp == 1 and not reward else [])))
+    if mode == "packing":
+        packing = SequencePackingConfig(
+            train_mb_tokens=draw(SIZES), logprob_mb_tokens=draw(optional(SIZES)),
+            algorithm=draw(one_of_literal(PackingAlgorithm)),
+            microbatch_order=draw(one_of_literal(MicrobatchOrder)))
+        return mode, packing, None
+    if mode == "dynamic":
+        dynamic = DynamicBatchingConfig(
+            train_mb_tokens=draw(SIZES), logprob_mb_tokens=draw(optional(SIZES)),
+            sequence_length_round=draw(st.integers(1, 256)))
+        return mode, None, dynamic
+    return mode, None, None
 
 
 @st.composite
 def policy_configs(draw) -> PolicyConfig:
     """Valid configs, built constructively so every cross-field rule holds."""
-    tp, cp = draw(st.integers(1, 8)), draw(st.integers(1, 4))
-    reward = draw(st.booleans())
-    modes = ["fixed", "dynamic"] + (["packing"] if cp == 1 and not reward else [])
-    mode = draw(st.sampled_from(modes))
+    tp, cp, reward = draw(st.integers(1, 8)), draw(st.integers(1, 4)), draw(st.booleans())
+    mode, packing, dynamic = draw(batching_sections(cp=cp, reward=reward))
     mbs = draw(st.integers(1, 16))
     gbs = mbs * draw(st.integers(1, 16)) if mode == "fixed" else draw(st.integers(1, 512))
-    max_len = draw(optional(st.integers(1, 256).map(lambda k: 2 * cp * k) if cp > 1 else st.integers(1, 10**6)))
-    tokens = st.integers(1, 10**6)
-    packing = dynamic = None
-    if mode == "packing":
-        packing = SequencePackingConfig(
-            train_mb_tokens=draw(tokens), logprob_mb_tokens=draw(optional(tokens)),
-            algorithm=draw(st.sampled_from(["modified_first_fit_decreasing", "first_fit_decreasing",
-                                            "first_fit_shuffle", "concatenative"])),
-            microbatch_order=draw(st.sampled_from(["packer", "largest_first"])))
-    elif mode == "dynamic":
-        dynamic = DynamicBatchingConfig(train_mb_tokens=draw(tokens), logprob_mb_tokens=draw(optional(tokens)),
-                                        sequence_length_round=draw(st.integers(1, 256)))
-    generation = draw(optional(st.builds(
+    cp_lengths = st.integers(1, 256).map(lambda k: 2 * cp * k)
+    max_len = draw(optional(cp_lengths if cp > 1 else SIZES))
+    generation = st.builds(
         GenerationConfig, temperature=POSITIVE_FLOATS, top_k=optional(st.integers(1, 1000)),
-        top_p=st.floats(1e-3, 1.0), colocated=st.builds(ColocatedConfig, enabled=st.booleans()))))
+        top_p=st.floats(1e-3, 1.0), colocated=st.builds(ColocatedConfig, enabled=st.booleans()))
+    tokenizer = st.builds(
+        TokenizerConfig, name=optional(TEXT),
+        chat_template=optional(st.sampled_from(["default", "t.jinja", "{{x}}"])),
+        chat_template_kwargs=optional(KWARGS), use_processor=st.booleans())
+    dtensor = DTensorConfig(
+        tensor_parallel_size=tp, context_parallel_size=cp,
+        sequence_parallel=tp > 1 and draw(st.booleans()),
+        activation_checkpointing=draw(st.booleans()), cpu_offload=draw(st.booleans()),
+        lora_cfg=draw(optional(lora_configs())),
+        attn_implementation=draw(one_of_literal(AttnImplementation)))
+    reward_cfg = RewardModelConfig(reward_model_type=draw(one_of_literal(RewardModelType)))
     return PolicyConfig(
-        model_name=draw(TEXT),
-        tokenizer=TokenizerConfig(name=draw(optional(TEXT)),
-                                  chat_template=draw(optional(st.sampled_from(["default", "t.jinja", "{{x}}"]))),
-                                  chat_template_kwargs=draw(optional(KWARGS)), use_processor=draw(st.booleans())),
-        precision=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
+        model_name=draw(TEXT), tokenizer=draw(tokenizer), precision=draw(one_of_literal(Precision)),
         train_global_batch_size=gbs, train_micro_batch_size=mbs,
-        logprob_batch_size=draw(st.integers(1, 64)), logprob_chunk_size=draw(optional(st.integers(1, 4096))),
-        max_grad_norm=draw(optional(POSITIVE_FLOATS)), offload_optimizer_for_logprob=draw(st.booleans()),
-        make_sequence_length_divisible_by=draw(st.integers(1, 128)), max_total_sequence_length=max_len,
-        hf_config_overrides=draw(KWARGS), refit_buffer_size_gb=draw(optional(POSITIVE_FLOATS)),
-        batch_size=draw(optional(st.integers(1, 64))),
-        dtensor_cfg=DTensorConfig(
-            tensor_parallel_size=tp, context_parallel_size=cp, sequence_parallel=tp > 1 and draw(st.booleans()),
-            activation_checkpointing=draw(st.booleans()), cpu_offload=draw(st.booleans()),
-            lora_cfg=draw(optional(lora_configs())),
-            attn_implementation=draw(st.sampled_from(["auto", "sdpa", "eager", "flex_attention", "varlen"]))),
+        logprob_batch_size=draw(st.integers(1, 64)),
+        logprob_chunk_size=draw(optional(st.integers(1, 4096))),
+        max_grad_norm=draw(optional(POSITIVE_FLOATS)),
+        offload_optimizer_for_logprob=draw(st.booleans()),
+        make_sequence_length_divisible_by=draw(st.integers(1, 128)),
+        max_total_sequence_length=max_len, hf_config_overrides=draw(KWARGS),
+        refit_buffer_size_gb=draw(optional(POSITIVE_FLOATS)),
+        batch_size=draw(optional(st.integers(1, 64))), dtensor_cfg=dtensor,
         sequence_packing=packing, dynamic_batching=dynamic,
         optimizer=draw(optional(st.builds(OptimizerConfig, name=DOTTED, kwargs=KWARGS))),
-        scheduler=draw(optional(scheduler_configs())), generation=generation,
-        reward_model_cfg=RewardModelConfig(reward_model_type=draw(st.sampled_from(["bradley_terry", "regression"])))
-        if reward else None,
+        scheduler=draw(optional(scheduler_configs())), generation=draw(optional(generation)),
+        reward_model_cfg=reward_cfg if reward else None,
         router_replay=draw(optional(st.just(RouterReplayConfig()))),
         draft=draw(optional(st.builds(DraftConfig, model_name=TEXT))),
     )
