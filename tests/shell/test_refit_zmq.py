@@ -1,0 +1,401 @@
+"""ZMQ refit over shared memory: a real sender here, a real receiver in another process.
+
+One receiver process (HF model, commands over stdin) serves every two-process check of this
+module; protocol details that need no second process (ACK order, oversized tensors, buffers freed
+before COMPLETE, atomic mode) run the receiver in a thread.
+"""
+
+import copy
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen2Config
+
+from policyworker.errors import RefitError, RefitTimeoutError
+from policyworker.shell.receiver import HFWeightReceiver
+from policyworker.shell.refit import RefitSender
+from policyworker.shell.transports import zmq_ipc
+from policyworker.shell.transports.wire import decode_request
+
+CHILD = r"""
+import json, os, sys
+import torch
+torch.set_num_threads(1)
+from safetensors.torch import save_file, load_file
+from policyworker.shell.receiver import HFWeightReceiver
+from policyworker.shell.transports.wire import DTYPES_BY_NAME
+
+def say(obj):
+    print("@@" + json.dumps(obj), flush=True)
+
+receiver = model = None
+for line in sys.stdin:
+    cmd = json.loads(line)
+    try:
+        if cmd["op"] == "setup_discard":  # no model: a light process for fault injection
+            info = {n: (s, DTYPES_BY_NAME[d]) for n, (s, d) in json.load(open(cmd["refit_info"])).items()}
+            receiver = HFWeightReceiver(lambda pairs: None, address=cmd["address"], refit_info=info, timeout_s=60.0)
+            say({"ok": True})
+        elif cmd["op"] == "setup":
+            from transformers import AutoConfig, AutoModelForCausalLM
+            if receiver is not None:
+                receiver.close()
+            config = AutoConfig.from_pretrained(cmd["config_dir"])
+            config._attn_implementation = "eager"
+            torch.manual_seed(1234)  # different weights from the trainer's
+            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES_BY_NAME[cmd["dtype"]]).eval()
+            info = {n: (s, DTYPES_BY_NAME[d]) for n, (s, d) in json.load(open(cmd["refit_info"])).items()}
+            receiver = HFWeightReceiver(model, address=cmd["address"], refit_info=info,
+                                        atomic=cmd.get("atomic", False), timeout_s=cmd.get("timeout_s", 60.0))
+            say({"ok": True})
+        elif cmd["op"] == "receive":
+            if cmd.get("die_after_buckets") is not None:
+                server, handle, seen = receiver._server, receiver._server.handle, [0]
+                def dying(frames):
+                    if b'"kind":"bucket"' in bytes(frames[0]):
+                        seen[0] += 1
+                        if seen[0] > cmd["die_after_buckets"]:
+                            os._exit(3)
+                    return handle(frames)
+                server.handle = dying
+            report = receiver.receive()
+            with torch.no_grad():
+                ids = load_file(cmd["batch"])["input_ids"]
+                logprobs = torch.log_softmax(model(ids).logits.float(), -1)
+            state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"
+                     or not model.config.tie_word_embeddings}
+            save_file({"logprobs": logprobs, **state}, cmd["out"])
+            say({"ok": True, "version": report.version, "num_buckets": report.num_buckets,
+                 "stale": receiver.stale})
+        elif cmd["op"] == "exit":
+            break
+    except Exception as exc:
+        say({"ok": False, "error": f"{type(exc).__name__}: {exc}", "stale": receiver.stale if receiver else None})
+"""
+
+
+class _Child:
+    """A receiver process driven by JSON commands; replies come back as '@@'-prefixed lines."""
+
+    def __init__(self):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env)
+        self.lines = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                self.lines.put(json.loads(line[2:]))
+        self.lines.put({"ok": False, "error": "exited", "returncode": self.proc.wait()})
+
+    def send(self, **cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self, timeout=120):
+        return self.lines.get(timeout=timeout)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.send(op="exit")
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def child():
+    proc = _Child()
+    yield proc
+    proc.close()
+
+
+def _qwen2_config(tmp, tie=True):
+    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, tie_word_embeddings=tie)
+    cfg.save_pretrained(tmp)
+    return cfg
+
+
+def _model(cfg, seed):
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _write_info(info, path):
+    json.dump({n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()}, open(path, "w"))
+
+
+def _logprobs(model, ids):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the receiver runs single-threaded: same kernels, same bits
+    try:
+        with torch.no_grad():
+            return torch.log_softmax(model(ids).logits.float(), -1)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _refit(child, sender, tmp_path, *, dtype, config_dir, ids, timeout_s=60.0, **setup):
+    info_path, out, batch = tmp_path / "info.json", tmp_path / "out.safetensors", tmp_path / "batch.safetensors"
+    _write_info(sender.prepare_refit_info(), info_path)
+    save_file({"input_ids": ids}, batch)
+    child.send(op="setup", config_dir=str(config_dir), dtype=dtype, refit_info=str(info_path),
+               address=sender.get_zmq_address(), **setup)
+    assert child.reply()["ok"]
+    child.send(op="receive", batch=str(batch), out=str(out))
+    report = sender.stream_weights_via_ipc_zmq(timeout_s=timeout_s)
+    answer = child.reply()
+    assert answer["ok"], answer
+    return report, load_file(out)
+
+
+IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+def test_fp32_refit_gives_bitwise_identical_logprobs_and_can_repeat(child, tmp_path):
+    cfg = _qwen2_config(tmp_path)
+    model = _model(cfg, 0)
+    sender = RefitSender(lambda: model, torch.float32)
+    try:
+        report, got = _refit(child, sender, tmp_path, dtype="float32", config_dir=tmp_path, ids=IDS)
+        assert report["version"] == 1 and report["num_tensors"] == len(sender.prepare_refit_info())
+        assert torch.equal(got["logprobs"], _logprobs(model, IDS))
+        with torch.no_grad():
+            model.model.layers[0].mlp.up_proj.weight.add_(0.5)
+        child.send(op="receive", batch=str(tmp_path / "batch.safetensors"), out=str(tmp_path / "out.safetensors"))
+        assert sender.stream_weights_via_ipc_zmq(timeout_s=60)["version"] == 2
+        assert child.reply()["ok"]
+        assert torch.equal(load_file(tmp_path / "out.safetensors")["logprobs"], _logprobs(model, IDS))
+    finally:
+        sender.close()
+
+
+def test_bf16_refit_of_fp32_master_equals_the_trainers_bf16_cast(child, tmp_path):
+    cfg = _qwen2_config(tmp_path, tie=False)
+    model = _model(cfg, 1)
+    sender = RefitSender(lambda: model, torch.bfloat16)
+    try:
+        _, got = _refit(child, sender, tmp_path, dtype="bfloat16", config_dir=tmp_path, ids=IDS)
+        assert torch.equal(got["logprobs"], _logprobs(copy.deepcopy(model).to(torch.bfloat16), IDS))
+    finally:
+        sender.close()
+
+
+def test_deepseek_router_bias_arrives_in_fp32_and_metadata_matches_bytes(child, tmp_path):
+    cfg = DeepseekV3Config(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                           first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                           n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16,
+                           q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, vocab_size=128)
+    cfg.save_pretrained(tmp_path)
+    model = _model(cfg, 2)
+    bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+    with torch.no_grad():
+        bias.copy_(1.0 + 1e-3 * torch.arange(4, dtype=torch.float32))  # steps a bf16 cast would erase
+    sender = RefitSender(lambda: model, torch.bfloat16)
+    try:
+        _, got = _refit(child, sender, tmp_path, dtype="bfloat16", config_dir=tmp_path, ids=IDS)
+        name = "model.layers.1.mlp.gate.e_score_correction_bias"
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], bias)
+        assert got["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+        fused = got["model.layers.1.mlp.experts.gate_up_proj"]
+        assert fused.dtype == torch.bfloat16
+        assert torch.equal(fused, model.model.layers[1].mlp.experts.gate_up_proj.to(torch.bfloat16))
+    finally:
+        sender.close()
+
+
+def test_receiver_killed_mid_stream_times_out_then_the_sender_refits_again(child, tmp_path):
+    cfg = _qwen2_config(tmp_path)
+    model = _model(cfg, 3)
+    sender = RefitSender(lambda: model, torch.float32)
+    try:
+        dying = _Child()
+        info_path, batch = tmp_path / "info.json", tmp_path / "batch.safetensors"
+        _write_info(sender.prepare_refit_info(), info_path)
+        save_file({"input_ids": IDS}, batch)
+        dying.send(op="setup_discard", refit_info=str(info_path), address=sender.get_zmq_address())
+        assert dying.reply()["ok"]
+        dying.send(op="receive", batch=str(batch), out=str(tmp_path / "x.safetensors"), die_after_buckets=1)
+        start = time.monotonic()
+        with pytest.raises(RefitTimeoutError, match=r"rank 0.*phase 'bucket \d+'.*ipc://"):
+            sender.stream_weights_via_ipc_zmq(buffer_size_bytes=16384, timeout_s=3.0)
+        assert time.monotonic() - start < 3.0 + 5.0
+        assert dying.reply()["returncode"] == 3
+        _, got = _refit(child, sender, tmp_path, dtype="float32", config_dir=tmp_path, ids=IDS)
+        assert torch.equal(got["logprobs"], _logprobs(model, IDS))
+    finally:
+        sender.close()
+
+
+def test_manifest_violation_is_rejected_with_names_and_without_a_timeout_wait(child, tmp_path):
+    cfg = _qwen2_config(tmp_path)
+    model = _model(cfg, 4)
+    sender = RefitSender(lambda: model, torch.float32)
+    try:
+        info = sender.prepare_refit_info()
+        info.pop("model.norm.weight")
+        info["model.ghost.weight"] = (torch.Size([2]), torch.float32)
+        _write_info(info, tmp_path / "info.json")
+        child.send(op="setup", config_dir=str(tmp_path), dtype="float32", refit_info=str(tmp_path / "info.json"),
+                   address=sender.get_zmq_address())
+        answer = child.reply()
+        assert not answer["ok"] and "'model.ghost.weight': no such parameter" in answer["error"]
+        good = sender.prepare_refit_info()
+        bad = dict(good)
+        bad["model.norm.weight"] = (torch.Size([5]), torch.float32)  # the receiver expects another shape
+        received = []
+        receiver = HFWeightReceiver(received.extend, address=sender.get_zmq_address(), refit_info=bad, timeout_s=30)
+        thread, box = _serve_in_thread(receiver)
+        start = time.monotonic()
+        with pytest.raises(RefitError, match=r"rejected begin: manifest rejected.*'model.norm.weight' sent float32\[32\]"):
+            sender.stream_weights_via_ipc_zmq(timeout_s=30)
+        assert time.monotonic() - start < 5
+        thread.join(10)
+        assert isinstance(box["error"], RefitError) and "'model.norm.weight'" in str(box["error"])
+        assert received == [] and receiver.version == 0
+        receiver.close()
+    finally:
+        sender.close()
+
+
+# --------------------------------------------------------------------------- one-process protocol checks
+
+
+class _Buffers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.small = nn.Parameter(torch.randn(128))  # 512 bytes
+        self.big = nn.Parameter(torch.randn(768))  # 3072 bytes: oversized for 2048-byte buffers
+        self.steps = nn.Buffer(torch.arange(100, 228, dtype=torch.int64))  # 1024 bytes
+        self.flags = nn.Buffer(torch.tensor([True, False, True]))
+        self.grid = nn.Parameter(torch.randn(8, 4).t())  # non-contiguous source
+
+
+def _serve_in_thread(receiver):
+    box = {}
+
+    def run():
+        try:
+            box["report"] = receiver.receive()
+        except Exception as exc:  # surfaced by the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, box
+
+
+def test_protocol_order_oversized_tensor_and_buffers_freed_before_complete(monkeypatch):
+    model = _Buffers()
+    sender = RefitSender(lambda: model, torch.float32)
+    info = sender.prepare_refit_info()
+    zmq = sender._zmq()
+    log = []
+    seen_files = set()
+    original = zmq_ipc.RefitServer.handle
+
+    def recording(self, frames):
+        message = decode_request(frames)
+        kind = type(message).__name__
+        if kind == "Bucket":
+            seen_files.add(message.buffer.name)
+            log.append((kind, tuple(t.spec.name for t in message.tensors), message.used_bytes))
+        else:
+            log.append((kind, zmq.live_staging_bytes, sorted(f for f in seen_files
+                                                              if os.path.exists(os.path.join(zmq_ipc.SHM_DIR, f)))))
+        return original(self, frames)
+
+    monkeypatch.setattr(zmq_ipc.RefitServer, "handle", recording)
+    got = {}
+    receiver = HFWeightReceiver(lambda pairs: got.update({n: t.clone() for n, t in pairs}),
+                                address=sender.get_zmq_address(), refit_info=info, timeout_s=30)
+    thread, box = _serve_in_thread(receiver)
+    try:
+        sender.stream_weights_via_ipc_zmq(buffer_size_bytes=4096, timeout_s=30)
+        thread.join(30)
+        assert "error" not in box, box
+        assert log[0][0] == "Begin" and log[-1] == ("Complete", 0, [])  # staging freed and unlinked first
+        buckets = [entry[1:] for entry in log if entry[0] == "Bucket"]
+        assert buckets == [(("small",), 512), (("big",), 3072), (("grid", "steps", "flags"), 2048)]
+        for name, (shape, dtype) in info.items():  # metadata dtypes equal the bytes that arrived
+            assert got[name].dtype == dtype and got[name].shape == shape
+            assert torch.equal(got[name], model.state_dict()[name]), name
+        assert got["steps"].dtype == torch.int64 and got["flags"].dtype == torch.bool
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_atomic_receiver_keeps_the_previous_version_when_a_refit_aborts():
+    model, target = _Buffers(), _Buffers()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    sender = RefitSender(lambda: model, torch.float32)
+    receiver = HFWeightReceiver(target, address=sender.get_zmq_address(), refit_info=sender.prepare_refit_info(),
+                                atomic=True, timeout_s=30)
+    original = sender._zmq().stream
+
+    def failing_stream(specs, plan, sources, **kwargs):
+        def sources_then_fail():
+            yield from (next(sources) for _ in range(3))
+            raise OSError("disk on fire")
+        return original(specs, plan, sources_then_fail(), **kwargs)
+
+    sender._zmq().stream = failing_stream
+    thread, box = _serve_in_thread(receiver)
+    try:
+        with pytest.raises(OSError, match="disk on fire"):
+            sender.stream_weights_via_ipc_zmq(buffer_size_bytes=4096, timeout_s=30)
+        thread.join(10)
+        assert isinstance(box.get("error"), RefitError) and "sender aborted" in str(box["error"])
+        assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+        assert not receiver.stale and receiver.version == 0
+        sender._zmq().stream = original
+        thread, box = _serve_in_thread(receiver)
+        sender.stream_weights_via_ipc_zmq(timeout_s=30)
+        thread.join(10)
+        assert box["report"].version == 1
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in target.state_dict().items())
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_in_place_receiver_is_stale_after_a_partial_refit():
+    model, target = _Buffers(), _Buffers()
+    sender = RefitSender(lambda: model, torch.float32)
+    receiver = HFWeightReceiver(target, address=sender.get_zmq_address(), refit_info=sender.prepare_refit_info(),
+                                timeout_s=30)
+    receiver.begin_refit(sender.prepare_refit_info())
+    receiver.apply_batch([("small", model.small.detach())])
+    with pytest.raises(RefitError, match="never arrived"):
+        receiver.commit_refit()
+    assert receiver.stale and torch.equal(target.small, model.small)
+    report = receiver.apply_named_tensors(
+        [(n, t.to(d)) for n, t, (_, d) in zip(model.state_dict(), model.state_dict().values(),
+                                              sender.prepare_refit_info().values())],
+        manifest=sender.prepare_refit_info())
+    assert report.version == 1 and not receiver.stale
+    receiver.close()
+    sender.close()
+
+
+def test_bad_arguments_fail_before_any_message():
+    sender = RefitSender(lambda: nn.Linear(2, 2), torch.bfloat16)
+    with pytest.raises(ValueError, match="FP8 KV-cache scales are unsupported"):
+        sender.stream_weights_via_ipc_zmq(kv_scales={"k": 1.0})
+    with pytest.raises(ValueError, match="buffer_size_bytes -1"):
+        sender.stream_weights_via_ipc_zmq(buffer_size_bytes=-1)
+    address = sender.get_zmq_address()
+    assert address.startswith("ipc://") and oct(os.stat(os.path.dirname(address[6:])).st_mode & 0o777) == "0o700"
+    sender.close()
