@@ -163,7 +163,11 @@ def load_policy_model(
     if getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
         model.tie_weights()
     if _get(cfg.dtensor_cfg, "activation_checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:  # transformers >= 5.2x name
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(device)
     return model, tokenizer
 

@@ -160,6 +160,12 @@ class PolicyWorker:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def _release_memory(self) -> None:
+        """Collect garbage and return cached accelerator blocks (nothing to return on CPU)."""
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+
     def _validate(self, data: Mapping[str, Any], *, required=("input_ids", "input_lengths"),
                   skip=()) -> None:
         validate_batch(data, required=required, check_dim_skip_keys=tuple(skip or ()))
@@ -613,8 +619,7 @@ class PolicyWorker:
 
     def move_to_cpu(self, model: torch.nn.Module) -> torch.nn.Module:
         model = self.move_to_device(model, "cpu")
-        gc.collect()
-        self._empty_cache()
+        self._release_memory()
         return model
 
     def move_optimizer_to_device(self, device: str | torch.device) -> None:
@@ -638,8 +643,7 @@ class PolicyWorker:
         if not keep_train_buffers and self.optimizer is not None and (
                 self.cfg.offload_optimizer_for_logprob):
             self.move_optimizer_to_device("cpu")
-        gc.collect()
-        self._empty_cache()
+        self._release_memory()
 
     def finish_inference(self) -> None:
         self.move_to_cpu(self.model)
@@ -651,8 +655,7 @@ class PolicyWorker:
     def offload_before_refit(self) -> None:
         if self.optimizer is not None:
             self.move_optimizer_to_device("cpu")
-        gc.collect()
-        self._empty_cache()
+        self._release_memory()
 
     def offload_after_refit(self) -> None:
         self.move_to_cpu(self.model)
