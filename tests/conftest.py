@@ -6,6 +6,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Verbosity, settings
 
+# Tiny models gain nothing from intra-op threads on 2 cores, and OpenMP contention between the
+# test process and the processes it spawns halves throughput (measured on the CI machine kind).
+torch.set_num_threads(1)
+
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.register_profile(
     "ci",
