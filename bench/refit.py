@@ -1,0 +1,210 @@
+"""Colocated refit benchmark: fp32 master → bf16 into a receiver in another process.
+
+Measured in one run, median of 3 after a warm-up, on Qwen2.5-1.5B- and 7B-shaped random models
+(only state-dict shapes matter, so the parameters are built directly, no HF weights):
+
+- ``ours``: ``RefitSender.stream_weights_via_ipc_zmq`` at the default buffer size;
+- ``per-tensor``: one IPC handle and one round trip per tensor (as several peers do), over the
+  same protocol code;
+- ``ceiling``: cast fp32→bf16 into a staging tensor, then staging → destination, back to back in
+  one process with no protocol.
+
+Usage: ``python bench/refit.py`` (CUDA) or ``python bench/refit.py --small`` (CPU, seconds).
+Prints a table and writes ``bench/results/refit.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from policyworker.functional.buckets import IpcBucket, align_up  # noqa: E402
+from policyworker.shell.params import iter_refit_sources, refit_specs  # noqa: E402
+from policyworker.shell.refit import RefitSender  # noqa: E402
+from policyworker.shell.transports.zmq_ipc import CudaStaging, ShmStaging  # noqa: E402
+
+SHAPES = {
+    # hidden, intermediate, layers, heads, kv_heads, vocab, tied
+    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936, True),
+    "qwen2.5-7b": (3584, 18944, 28, 28, 4, 152064, False),
+    "tiny": (64, 176, 4, 4, 2, 1024, False),
+}
+REPEATS = 3
+
+
+def state_shapes(name: str) -> dict[str, tuple[int, ...]]:
+    """HF state-dict shapes of a Qwen2-architecture model."""
+    hidden, inter, layers, heads, kv_heads, vocab, tied = SHAPES[name]
+    kv = hidden // heads * kv_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.q_proj.bias": (hidden,),
+            p + "self_attn.k_proj.weight": (kv, hidden), p + "self_attn.k_proj.bias": (kv,),
+            p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.v_proj.bias": (kv,),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+        })
+    shapes["model.norm.weight"] = (hidden,)
+    if not tied:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def build_module(shapes: dict[str, tuple[int, ...]], *, dtype: torch.dtype, device: str, random: bool) -> nn.Module:
+    """A bare module whose state_dict has exactly these names and shapes."""
+    root = nn.Module()
+    for name, shape in shapes.items():
+        *path, leaf = name.split(".")
+        node = root
+        for part in path:
+            if not hasattr(node, part):
+                node.add_module(part, nn.Module())
+            node = getattr(node, part)
+        data = torch.empty(shape, dtype=dtype, device=device)
+        if random:
+            data.normal_()
+        node.register_parameter(leaf, nn.Parameter(data, requires_grad=False))
+    return root
+
+
+def run_receiver(args: argparse.Namespace) -> None:
+    from policyworker.shell.receiver import HFWeightReceiver
+    from policyworker.shell.transports.wire import DTYPES_BY_NAME
+
+    torch.set_num_threads(1)
+    spec = json.loads(Path(args.spec).read_text())
+    device = spec["device"]
+    target = build_module({n: tuple(s) for n, s in spec["shapes"].items()}, dtype=torch.bfloat16, device=device,
+                          random=False)
+    info = {n: (s, DTYPES_BY_NAME[d]) for n, (s, d) in spec["refit_info"].items()}
+    receiver = HFWeightReceiver(target, address=spec["address"], refit_info=info, timeout_s=300)
+    print("READY", flush=True)
+    for _ in range(spec["num_refits"]):
+        receiver.receive()
+    receiver.close()
+
+
+def per_tensor_stream(sender: RefitSender, model: nn.Module, cuda: bool, timeout_s: float) -> None:
+    """One buffer, one IPC handle and one round trip per tensor, over the same protocol code."""
+    specs = refit_specs(model, torch.bfloat16)
+    plan = [IpcBucket((i,), (s.name,), (0,), align_up(s.nbytes), True) for i, s in enumerate(specs)]
+    device = sender.device
+
+    def make_staging(nbytes: int) -> CudaStaging | ShmStaging:
+        return CudaStaging(nbytes, device) if cuda else ShmStaging(nbytes)
+
+    sender._zmq().stream(specs, plan, iter_refit_sources(model, torch.bfloat16), make_staging=make_staging,
+                         buffer_bytes=max(p.used_bytes for p in plan), timeout_s=timeout_s,
+                         transport="cuda" if cuda else "shm")
+
+
+def copy_ceiling(model: nn.Module, dest: dict[str, torch.Tensor], cuda: bool) -> None:
+    """Cast into a staging tensor, then staging → destination; no protocol, no second process."""
+    largest = max(t.numel() for t in dest.values())
+    staging = torch.empty(largest, dtype=torch.bfloat16, device=next(iter(dest.values())).device)
+    for name, source in model.state_dict().items():
+        slot = staging[: source.numel()].view(source.shape)
+        slot.copy_(source)
+        dest[name].copy_(slot)
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def timed(fn, cuda: bool) -> list[float]:
+    fn()  # warm-up
+    out = []
+    for _ in range(REPEATS):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def bench_shape(name: str, device: str) -> list[dict]:
+    cuda = device.startswith("cuda")
+    shapes = state_shapes(name)
+    model = build_module(shapes, dtype=torch.float32, device=device, random=True)
+    sender = RefitSender(lambda: model, torch.bfloat16, device=device)
+    info = sender.prepare_refit_info()
+    model_bytes = sum(torch.Size(s).numel() * d.itemsize for s, d in info.values())
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps({
+            "device": device, "shapes": shapes, "address": sender.get_zmq_address(),
+            "refit_info": {n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()},
+            "num_refits": 2 * (REPEATS + 1),
+        }))
+        child = subprocess.Popen([sys.executable, __file__, "--role", "receiver", "--spec", str(spec_path)],
+                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "READY"
+            ours = timed(lambda: sender.stream_weights_via_ipc_zmq(timeout_s=300), cuda)
+            per_tensor = timed(lambda: per_tensor_stream(sender, model, cuda, 300), cuda)
+            child.wait(timeout=300)
+        finally:
+            if child.poll() is None:
+                child.kill()
+            sender.close()
+    dest = {n: torch.empty(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
+    ceiling = timed(lambda: copy_ceiling(model, dest, cuda), cuda)
+    rows = []
+    ceiling_s = statistics.median(ceiling)
+    for method, times in (("ceiling", ceiling), ("ours", ours), ("per-tensor", per_tensor)):
+        median = statistics.median(times)
+        rows.append({"shape": name, "method": method, "device": device, "model_bytes": model_bytes,
+                     "median_ms": 1e3 * median, "gb_per_s": model_bytes / median / 1e9,
+                     "fraction_of_ceiling": ceiling_s / median, "times_ms": [1e3 * t for t in times]})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny shape on CPU (a smoke test in seconds)")
+    parser.add_argument("--role", default="sender", choices=["sender", "receiver"])
+    parser.add_argument("--spec")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "refit.json"))
+    args = parser.parse_args()
+    if args.role == "receiver":
+        run_receiver(args)
+        return
+    if args.small:
+        device, names = "cpu", ["tiny"]
+    else:
+        if not torch.cuda.is_available():
+            parser.error("CUDA is needed for the full benchmark; use --small on CPU")
+        device, names = "cuda", ["qwen2.5-1.5b", "qwen2.5-7b"]
+    rows = [row for name in names for row in bench_shape(name, device)]
+    print(f"{'shape':<14}{'method':<12}{'GB (bf16)':>10}{'median ms':>11}{'GB/s':>9}{'% ceiling':>11}")
+    for r in rows:
+        print(f"{r['shape']:<14}{r['method']:<12}{r['model_bytes'] / 1e9:>10.3f}{r['median_ms']:>11.2f}"
+              f"{r['gb_per_s']:>9.1f}{100 * r['fraction_of_ceiling']:>10.0f}%")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                               "repeats": REPEATS, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

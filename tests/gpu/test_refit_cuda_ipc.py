@@ -1,0 +1,76 @@
+"""CUDA IPC refit between two processes on one GPU: bitwise parity with the trainer's weights."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from policyworker.shell.refit import RefitSender
+
+pytestmark = pytest.mark.gpu
+
+CHILD = r"""
+import json, sys
+import torch
+torch.set_num_threads(1)
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+from policyworker.shell.receiver import HFWeightReceiver
+from policyworker.shell.transports.wire import DTYPES_BY_NAME
+cmd = json.loads(sys.argv[1])
+config = AutoConfig.from_pretrained(cmd["config_dir"])
+config._attn_implementation = "eager"
+torch.manual_seed(99)
+model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+info = {n: (s, DTYPES_BY_NAME[d]) for n, (s, d) in json.load(open(cmd["refit_info"])).items()}
+receiver = HFWeightReceiver(model, address=cmd["address"], refit_info=info, timeout_s=120)
+print("READY", flush=True)
+versions = [receiver.receive().version for _ in range(cmd["num_refits"])]
+with torch.no_grad():
+    ids = load_file(cmd["batch"])["input_ids"].cuda()
+    logprobs = torch.log_softmax(model(ids).logits.float(), -1).cpu()
+save_file({"logprobs": logprobs, "versions": torch.tensor(versions)}, cmd["out"])
+receiver.close()
+"""
+
+
+def test_cuda_ipc_refit_gives_bitwise_identical_logprobs(tmp_path):
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)
+    cfg.save_pretrained(tmp_path)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).cuda().eval()  # fp32 master
+    sender = RefitSender(lambda: model, torch.bfloat16, device="cuda")
+    info = sender.prepare_refit_info()
+    json.dump({n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()},
+              open(tmp_path / "info.json", "w"))
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, tmp_path / "batch.safetensors")
+    cmd = {"config_dir": str(tmp_path), "refit_info": str(tmp_path / "info.json"), "address": sender.get_zmq_address(),
+           "batch": str(tmp_path / "batch.safetensors"), "out": str(tmp_path / "out.safetensors"), "num_refits": 3}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(cmd)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert child.stdout.readline().strip() == "READY"
+        sender.stream_weights_via_ipc_zmq(timeout_s=120)  # default buffers
+        sender.stream_weights_via_ipc_zmq(buffer_size_bytes=48 << 10, timeout_s=120)  # many buckets; embeddings oversized
+        with torch.no_grad():
+            model.lm_head.weight.mul_(1.5)
+        report = sender.stream_weights_via_ipc_zmq(buffer_size_bytes=1 << 20, timeout_s=120)
+        assert report["version"] == 3
+        assert child.wait(timeout=120) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+        sender.close()
+    got = load_file(tmp_path / "out.safetensors")
+    with torch.no_grad():
+        expected = torch.log_softmax(model.to(torch.bfloat16)(ids.cuda()).logits.float(), -1).cpu()
+    assert got["versions"].tolist() == [1, 2, 3]
+    assert torch.equal(got["logprobs"], expected)
