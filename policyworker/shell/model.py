@@ -33,6 +33,7 @@ __all__ = [
     "resolve_attn_implementation",
     "reward_model_type",
     "section_enabled",
+    "supports_chunked_lm_head",
 ]
 
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention", "varlen")
@@ -222,6 +223,16 @@ def forward_hidden(
     with autocast_context(input_ids.device, autocast_dtype):
         out = base(**kwargs)
     return out.last_hidden_state
+
+
+def supports_chunked_lm_head(model: torch.nn.Module) -> bool:
+    """True when logits are exactly `lm_head(last_hidden_state)` (a plain causal LM head)."""
+    config = model.config
+    return (type(model).__name__.endswith("ForCausalLM")
+            and model.get_output_embeddings() is not None
+            and hasattr(model, model.base_model_prefix)
+            and getattr(config, "final_logit_softcapping", None) is None
+            and getattr(config, "logits_scaling", None) in (None, 1, 1.0))
 
 
 def _uses_varlen(model: torch.nn.Module) -> bool:

@@ -222,17 +222,57 @@ class PolicyWorker:
 
     def _next_token_logprobs(self, mb: _Microbatch, logits: torch.Tensor, *, filtered: bool
                              ) -> torch.Tensor:
-        """[b, w-1] next-token logprobs of microbatch `mb` (differentiable)."""
-        temperature, top_k, top_p = self._sampling
-        if not filtered:
-            top_k, top_p = None, 1.0
+        """[b, w-1] next-token logprobs of microbatch `mb` from its logits (differentiable)."""
+        temperature, top_k, top_p = self._sampling_for(filtered)
         chunk = self.cfg.logprob_chunk_size or default_chunk_size(logits.shape[-1])
         lp = next_token_logprobs(logits, mb.input_ids, temperature=temperature, top_k=top_k,
                                  top_p=top_p, chunk_size=chunk)
+        return self._rows_of_next(mb, lp)
+
+    def _sampling_for(self, filtered: bool) -> tuple[float, int | None, float]:
+        temperature, top_k, top_p = self._sampling
+        return (temperature, top_k, top_p) if filtered else (temperature, None, 1.0)
+
+    @staticmethod
+    def _rows_of_next(mb: _Microbatch, lp: torch.Tensor) -> torch.Tensor:
+        """Model-row next-token values [b or 1, T-1] -> [b, w-1] per sequence."""
         if not mb.packed:
             return lp
         full_1N = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
         return mb.unpack_rows(full_1N)[:, 1:]
+
+    def _logit_chunks(self, mb: _Microbatch):
+        """(logits_at(start, stop), num_positions, vocab) for no-grad inference.
+
+        For plain causal LMs only the hidden states are kept and the LM head runs one chunk of
+        positions at a time, so no [T, V] logits tensor exists; other heads use full logits.
+        """
+        if model_lib.supports_chunked_lm_head(self.model):
+            hidden = model_lib.forward_hidden(
+                self.model, mb.input_ids, position_ids=mb.position_ids, autocast_dtype=self.dtype,
+                cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen)
+            head = self.model.get_output_embeddings()
+
+            def logits_at(start: int, stop: int) -> torch.Tensor:
+                with model_lib.autocast_context(self.device, self.dtype):
+                    return head(hidden[:, start:stop])
+
+            return logits_at, hidden.shape[1], int(head.weight.shape[0])
+        logits = self._forward(mb)
+        return (lambda start, stop: logits[:, start:stop]), logits.shape[1], logits.shape[-1]
+
+    def _inference_next_token_logprobs(self, mb: _Microbatch) -> torch.Tensor:
+        """[b, w-1] filtered next-token logprobs, chunk by chunk over positions (no grad)."""
+        logits_at, num_positions, vocab = self._logit_chunks(mb)
+        temperature, top_k, top_p = self._sampling_for(True)
+        chunk = self.cfg.logprob_chunk_size or default_chunk_size(vocab)
+        parts = [torch.zeros(mb.input_ids.shape[0], 0, device=self.device)]
+        for start in range(0, num_positions - 1, chunk):
+            stop = min(start + chunk, num_positions - 1)
+            parts.append(next_token_logprobs(
+                logits_at(start, stop + 1), mb.input_ids[:, start:stop + 1],
+                temperature=temperature, top_k=top_k, top_p=top_p, chunk_size=chunk))
+        return self._rows_of_next(mb, torch.cat(parts, dim=1))
 
     def _filtering(self) -> bool:
         _, top_k, top_p = self._sampling
@@ -442,7 +482,7 @@ class PolicyWorker:
 
         def per_mb(mb: _Microbatch) -> torch.Tensor:
             lp = logprobs_with_leading_zero(
-                self._next_token_logprobs(mb, self._forward(mb), filtered=True), mb.lengths)
+                self._inference_next_token_logprobs(mb), mb.lengths)
             if self._filtering() and not mb.is_dummy:
                 lp, num_neg_inf = count_and_zero_neg_inf(lp, self._valid_mask(mb.data, mb.width))
                 counts[0] += num_neg_inf
@@ -506,12 +546,12 @@ class PolicyWorker:
         temperature = self._sampling[0]
 
         def per_mb(mb: _Microbatch) -> torch.Tensor:
-            logits = self._forward(mb)
-            k_eff = min(k, logits.shape[-1])
-            chunk = self.cfg.logprob_chunk_size or default_chunk_size(logits.shape[-1])
+            logits_at, num_positions, vocab = self._logit_chunks(mb)
+            k_eff = min(k, vocab)
+            chunk = self.cfg.logprob_chunk_size or default_chunk_size(vocab)
             vals, idx = [], []
-            for s in range(0, logits.shape[1], chunk):
-                x = logits[:, s:s + chunk].float()
+            for s in range(0, num_positions, chunk):
+                x = logits_at(s, s + chunk).float()
                 if temperature != 1.0:
                     x = x / temperature
                 v, i = torch.topk(x, k_eff, dim=-1)
