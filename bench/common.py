@@ -1,0 +1,163 @@
+"""Shared pieces of the worker benchmarks: model shapes, RL length mixes, timing, tables, JSON.
+
+A random Qwen2.5-1.5B-shaped model (vocab 151936) is built directly on the device in bf16 and
+saved once into a temporary folder, so the worker loads it by path like any HF checkpoint.
+`--small` swaps in a tiny Qwen2 shape and short sequences so every benchmark runs on a CPU in
+seconds (a smoke test of the code path, not a measurement).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+BF16_PEAK_FLOPS = 790e12  # measured bf16 matmul ceiling of one H200 here (KINDS.md)
+
+QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                  max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512,
+            tie_word_embeddings=True)
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def save_random_model(folder: Path, *, small: bool, seed: int = 0) -> int:
+    """Save a random Qwen2 model (bf16 on disk) into `folder`; return its parameter count."""
+    import transformers
+
+    cfg = transformers.Qwen2Config(**(TINY if small else QWEN25_15B))
+    torch.manual_seed(seed)
+    with torch.device(device()):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    num_params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(folder)
+    del model
+    release()
+    return num_params
+
+
+def rl_lengths(num_rows: int, *, low: int, high: int, seed: int) -> list[int]:
+    """Sequence lengths uniform in [low, high] (an RL rollout length mix)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high + 1, (num_rows,), generator=gen).tolist()
+
+
+def make_batch(lengths: Sequence[int], *, vocab: int, seed: int, seq_len: int | None = None
+               ) -> dict[str, torch.Tensor]:
+    """Right-padded random ids with token/sample masks for `lengths` (CPU tensors)."""
+    seq_len = seq_len or max(lengths)
+    gen = torch.Generator().manual_seed(seed)
+    lengths_t = torch.tensor(lengths, dtype=torch.int64)
+    valid = torch.arange(seq_len)[None] < lengths_t[:, None]
+    ids = torch.randint(0, vocab, (len(lengths), seq_len), generator=gen) * valid
+    token_mask = valid.float()
+    token_mask[:, 0] = 0
+    return {"input_ids": ids, "input_lengths": lengths_t, "token_mask": token_mask,
+            "sample_mask": torch.ones(len(lengths))}
+
+
+def release() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], *, repeats: int, warmup: int = 1) -> tuple[float, Any]:
+    """Median seconds of `repeats` calls after `warmup` calls, and the last result."""
+    result = None
+    for _ in range(warmup):
+        result = fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def peak_extra_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """Bytes allocated at the peak of `fn()` beyond what was allocated before it (CUDA; 0 on CPU)."""
+    if not torch.cuda.is_available():
+        return 0, fn()
+    sync()
+    release()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    sync()
+    return torch.cuda.max_memory_allocated() - before, result
+
+
+def peak_bytes() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def mfu(num_params: int, tokens: int, seconds: float) -> float:
+    """Model FLOPs utilization: 6 * N * tokens / seconds over the bf16 ceiling."""
+    return 6.0 * num_params * tokens / seconds / BF16_PEAK_FLOPS
+
+
+def gib(num_bytes: float) -> float:
+    return num_bytes / 2**30
+
+
+def print_table(title: str, rows: list[dict[str, Any]]) -> None:
+    """Rows of {metric, ours, baseline, limit, ratio} as an aligned text table."""
+    cols = ("metric", "ours", "baseline", "limit", "ratio")
+
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print(f"\n{title}")
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+
+
+def ratio(ours: float | None, baseline: float | None) -> float | None:
+    if ours is None or baseline in (None, 0):
+        return None
+    return ours / baseline
+
+
+def write_results(name: str, payload: dict[str, Any], out: str | None = None) -> Path:
+    """Write `payload` as JSON to bench/results/<name>.json (or `out`)."""
+    path = Path(out) if out else REPO / "bench" / "results" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    print(f"\nwrote {path}")
+    return path

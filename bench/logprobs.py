@@ -1,0 +1,107 @@
+"""get_logprobs benchmark: PolicyWorker vs a plain forward + full fp32 log_softmax, in one run.
+
+Model: random Qwen2.5-1.5B shape (vocab 151936), fp32 master weights, bf16 compute, sdpa.
+For each token count in `--tokens` (rows of `--row-len` tokens): throughput (tokens/s, median
+of `--repeats`) and the extra peak memory of the call beyond the resident weights.
+
+- ours: `PolicyWorker.get_logprobs` with one microbatch of all rows: the LM head runs chunk by
+  chunk over the hidden states, so no [T, V] logits tensor is ever materialized.
+- baseline: the same weights, `model(ids).logits.float()` -> `log_softmax` -> gather.
+
+Targets (issue 3): at 16k tokens ours' extra peak <= 25 % of the baseline's, throughput >= it.
+Usage: `python bench/logprobs.py` (CUDA) or `python bench/logprobs.py --small` (CPU smoke).
+Prints a table (ours / baseline / limit / ratio) and writes bench/results/logprobs.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+from common import (  # noqa: I001  (bench/ is run as a script folder)
+    device, gib, is_oom, make_batch, peak_extra_bytes, print_table, ratio, release,
+    save_random_model, timed, write_results,
+)
+from policyworker.shell.model import autocast_context
+from policyworker.shell.worker import PolicyWorker
+
+MEMORY_LIMIT = 0.25
+
+
+def plain_logprobs(model, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    with torch.no_grad():
+        with autocast_context(ids.device, dtype):
+            logits = model(input_ids=ids, use_cache=False).logits
+        lp = torch.log_softmax(logits.float()[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    return lp.cpu()
+
+
+def measure(fn, repeats: int) -> dict:
+    try:
+        extra, _ = peak_extra_bytes(fn)
+        seconds, _ = timed(fn, repeats=repeats, warmup=0)
+    except RuntimeError as exc:
+        if not is_oom(exc):
+            raise
+        release()
+        return {"oom": True}
+    return {"oom": False, "seconds": seconds, "extra_peak_gib": gib(extra)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="tiny model, short rows, CPU-friendly")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--row-len", type=int, default=4096)
+    parser.add_argument("--chunk", type=int, default=None, help="logprob_chunk_size (default: by vocab)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--precision", default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.small:
+        torch.set_num_threads(1)
+        args.tokens, args.row_len, args.repeats = [128, 256], 64, 1
+    args.precision = args.precision or ("bfloat16" if device().type == "cuda" else "float32")
+    results, rows = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = str(Path(tmp) / "model")
+        num_params = save_random_model(Path(model_path), small=args.small)
+        worker = PolicyWorker({"model_name": model_path, "precision": args.precision,
+                               "logprob_chunk_size": args.chunk, "logprob_batch_size": 1024},
+                              init_optimizer=False, init_reference_model=False)
+        vocab = worker.model.config.vocab_size
+        for tokens in args.tokens:
+            num_rows = max(1, tokens // args.row_len)
+            data = make_batch([args.row_len] * num_rows, vocab=vocab, seed=tokens)
+            ids = data["input_ids"].to(worker.device)
+            ours = measure(lambda data=data: worker.get_logprobs(data), args.repeats)
+            base = measure(lambda ids=ids: plain_logprobs(worker.model, ids, worker.dtype), args.repeats)
+            real = num_rows * args.row_len
+            for r in (ours, base):
+                if not r["oom"]:
+                    r["tokens_per_s"] = real / r["seconds"]
+            if not ours["oom"] and not base["oom"]:
+                got = worker.get_logprobs(data)["logprobs"][:, 1:]
+                want = plain_logprobs(worker.model, ids, worker.dtype)
+                ours["max_abs_diff_vs_plain"] = float((got - want).abs().max())
+            results.append({"tokens": real, "ours": ours, "baseline": base})
+            rows.append({"metric": f"{real} tok: tokens/s", "ours": ours.get("tokens_per_s"),
+                         "baseline": base.get("tokens_per_s"), "limit": ">= baseline",
+                         "ratio": ratio(ours.get("tokens_per_s"), base.get("tokens_per_s"))})
+            rows.append({"metric": f"{real} tok: extra peak GiB", "ours": ours.get("extra_peak_gib"),
+                         "baseline": "OOM" if base["oom"] else base.get("extra_peak_gib"),
+                         "limit": f"<= {MEMORY_LIMIT:.0%} of baseline",
+                         "ratio": ratio(ours.get("extra_peak_gib"), base.get("extra_peak_gib"))})
+    print_table(f"get_logprobs, {num_params / 1e9:.2f}B params, rows of {args.row_len}, "
+                f"{args.precision}", rows)
+    write_results("logprobs", {"num_params": num_params, "args": vars(args), "results": results,
+                               "memory_limit_fraction": MEMORY_LIMIT, "rows": rows,
+                               "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+                               else "cpu"}, args.out)
+
+
+if __name__ == "__main__":
+    main()

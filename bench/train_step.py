@@ -1,0 +1,174 @@
+"""Train-step benchmark: PolicyWorker packed vs padded vs a plain HF + torch loop, in one run.
+
+Model: random Qwen2.5-1.5B shape (vocab 151936), fp32 master weights, bf16 compute. Batch:
+`--batch` rows with lengths uniform in [--min-len, --max-len] (an RL mix). Reported per mode:
+real (unpadded) tokens/s, MFU = 6 * N * real tokens / s / 790 TFLOP/s, and peak memory.
+
+- ours (packed): `PolicyWorker.train` with sequence packing (varlen attention on CUDA) and the
+  chunked logprob loss; one optimizer step per call.
+- ours (padded): the same worker with fixed microbatches of `--padded-mbs` padded rows.
+- baseline: plain HF forward under bf16 autocast (sdpa, padded rows of width max-len), full fp32
+  logits + log_softmax, NLL, backward, AdamW step; at `--baseline-batch` rows and at `--batch`
+  rows (an out-of-memory there is reported, not raised).
+
+Usage: `python bench/train_step.py` (CUDA) or `python bench/train_step.py --small` (CPU smoke).
+Prints a table (ours / baseline / limit / ratio) and writes bench/results/train_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+from common import (  # noqa: I001  (bench/ is run as a script folder)
+    device, gib, is_oom, make_batch, mfu, peak_bytes, print_table, ratio, release, rl_lengths,
+    save_random_model, timed, write_results,
+)
+from policyworker.functional.loss import NLLLoss
+from policyworker.shell.worker import PolicyWorker
+
+MFU_TARGET = 0.40
+
+
+def worker_config(model_path: str, args: argparse.Namespace, *, packed: bool) -> dict:
+    cfg = {
+        "model_name": model_path,
+        "precision": args.precision,
+        "train_global_batch_size": args.batch,
+        "train_micro_batch_size": args.padded_mbs,
+        "max_grad_norm": 1.0,
+        "logprob_chunk_size": args.chunk,
+        "optimizer": {"name": "torch.optim.AdamW",
+                      "kwargs": {"lr": 1e-6, "weight_decay": 0.01, "fused": device().type == "cuda"}},
+        "dtensor_cfg": {"activation_checkpointing": args.activation_checkpointing},
+    }
+    if packed:
+        cfg["sequence_packing"] = {"train_mb_tokens": args.mb_tokens}
+    return cfg
+
+
+def bench_worker(model_path: str, args, data, num_params: int, *, packed: bool) -> dict:
+    release()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    worker = PolicyWorker(worker_config(model_path, args, packed=packed), init_reference_model=False)
+    tokens = int(data["input_lengths"].sum())
+    try:
+        seconds, result = timed(lambda: worker.train(data, NLLLoss()), repeats=args.steps)
+    finally:
+        peak = peak_bytes()
+        worker.offload_after_refit()
+        del worker
+        release()
+    return {"tokens_per_s": tokens / seconds, "mfu": mfu(num_params, tokens, seconds),
+            "step_s": seconds, "peak_gib": gib(peak), "loss": float(result["global_loss"][0]),
+            "attn": "varlen" if packed and device().type == "cuda" else "sdpa"}
+
+
+def bench_plain_hf(model_path: str, args, lengths: list[int], num_params: int) -> dict:
+    """The plain loop; {'oom': True} when it does not fit."""
+    import transformers
+
+    release()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    dev = device()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32, attn_implementation="sdpa").to(dev)
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01,
+                            fused=dev.type == "cuda")
+    data = make_batch(lengths, vocab=model.config.vocab_size, seed=1, seq_len=args.max_len)
+    ids, mask = data["input_ids"].to(dev), data["token_mask"].to(dev)
+    dtype = torch.bfloat16 if args.precision == "bfloat16" else torch.float32
+
+    def step() -> float:
+        with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(input_ids=ids, use_cache=False).logits
+        lp = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+        loss = -(lp * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    tokens = sum(lengths)
+    try:
+        seconds, loss = timed(step, repeats=args.steps)
+        out = {"tokens_per_s": tokens / seconds, "mfu": mfu(num_params, tokens, seconds),
+               "step_s": seconds, "peak_gib": gib(peak_bytes()), "loss": loss, "oom": False}
+    except RuntimeError as exc:
+        if not is_oom(exc):
+            raise
+        out = {"oom": True, "peak_gib": gib(peak_bytes())}
+    del model, opt, ids, mask
+    release()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="tiny model, short rows, CPU-friendly")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--baseline-batch", type=int, default=4)
+    parser.add_argument("--min-len", type=int, default=256)
+    parser.add_argument("--max-len", type=int, default=4096)
+    parser.add_argument("--mb-tokens", type=int, default=16384, help="packing capacity per microbatch")
+    parser.add_argument("--padded-mbs", type=int, default=2, help="rows per padded microbatch")
+    parser.add_argument("--chunk", type=int, default=None, help="logprob_chunk_size (default: by vocab)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
+    parser.add_argument("--precision", default=None)
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--skip-baseline-full-batch", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.small:
+        torch.set_num_threads(1)
+        args.min_len, args.max_len, args.mb_tokens, args.steps = 8, 64, 256, 1
+    args.precision = args.precision or ("bfloat16" if device().type == "cuda" else "float32")
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = str(Path(tmp) / "model")
+        num_params = save_random_model(Path(model_path), small=args.small)
+        vocab = 1024 if args.small else 151936
+        lengths = rl_lengths(args.batch, low=args.min_len, high=args.max_len, seed=0)
+        data = make_batch(lengths, vocab=vocab, seed=1, seq_len=args.max_len)
+        packed = bench_worker(model_path, args, data, num_params, packed=True)
+        padded = bench_worker(model_path, args, data, num_params, packed=False)
+        base_small = bench_plain_hf(model_path, args, lengths[:args.baseline_batch], num_params)
+        base_full = None if args.skip_baseline_full_batch else bench_plain_hf(
+            model_path, args, lengths, num_params)
+    rows = [
+        {"metric": f"packed tok/s (b{args.batch}) vs HF (b{args.baseline_batch})",
+         "ours": packed["tokens_per_s"], "baseline": base_small.get("tokens_per_s"),
+         "ratio": ratio(packed["tokens_per_s"], base_small.get("tokens_per_s"))},
+        {"metric": "packed MFU", "ours": packed["mfu"], "baseline": base_small.get("mfu"),
+         "limit": f">= {MFU_TARGET}", "ratio": ratio(packed["mfu"], MFU_TARGET)},
+        {"metric": "padded tok/s", "ours": padded["tokens_per_s"],
+         "baseline": base_small.get("tokens_per_s"),
+         "ratio": ratio(padded["tokens_per_s"], base_small.get("tokens_per_s"))},
+        {"metric": "padded MFU", "ours": padded["mfu"], "baseline": base_small.get("mfu")},
+        {"metric": "peak GiB (packed / HF small batch)", "ours": packed["peak_gib"],
+         "baseline": base_small.get("peak_gib"), "limit": "fits comfortably (< 139)",
+         "ratio": ratio(packed["peak_gib"], base_small.get("peak_gib"))},
+    ]
+    if base_full is not None:
+        rows.append({"metric": f"HF at b{args.batch}", "ours": packed["peak_gib"],
+                     "baseline": "OOM" if base_full["oom"] else base_full["peak_gib"],
+                     "limit": "peak GiB"})
+    print_table(f"train step, {num_params / 1e9:.2f}B params, {args.batch} rows of "
+                f"{args.min_len}..{args.max_len} tokens ({sum(lengths)} real), {args.precision}", rows)
+    write_results("train_step", {
+        "num_params": num_params, "lengths": lengths, "args": vars(args),
+        "ours_packed": packed, "ours_padded": padded, "baseline_small_batch": base_small,
+        "baseline_full_batch": base_full, "mfu_target": MFU_TARGET, "rows": rows,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }, args.out)
+
+
+if __name__ == "__main__":
+    main()

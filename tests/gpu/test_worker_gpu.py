@@ -1,0 +1,92 @@
+"""PolicyWorker on one CUDA device: bf16 numerics, varlen packing, offload memory."""
+
+import gc
+
+import pytest
+import torch
+
+from policyworker.functional.loss import NLLLoss
+from policyworker.shell.attention import VARLEN_ATTN_NAME, varlen_kernel_available
+from policyworker.shell.worker import PolicyWorker
+from tests.shell.conftest import (  # noqa: F401  (session fixture)
+    hf_reference_logprobs,
+    make_batch,
+    make_config,
+    tiny_model_paths,
+)
+
+pytestmark = pytest.mark.gpu
+
+PACKED = {"sequence_packing": {"train_mb_tokens": 48, "logprob_mb_tokens": 48}}
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_low_precision_train_and_logprobs_are_finite_with_fp32_outputs(tiny_model_paths, precision):
+    worker = PolicyWorker(make_config(tiny_model_paths["qwen2"], precision=precision))
+    assert worker.device.type == "cuda"
+    assert all(p.dtype == torch.float32 for p in worker.model.parameters())
+    data = make_batch(8, 16, seed=31)
+    losses = [worker.train(data, NLLLoss())["global_loss"] for _ in range(3)]
+    assert all(x.dtype == torch.float32 and torch.isfinite(x).all() for x in losses)
+    lp = worker.get_logprobs(data)["logprobs"]
+    assert lp.dtype == torch.float32 and lp.shape == (8, 16) and torch.isfinite(lp).all()
+
+
+def test_varlen_packing_matches_unpacked_logprobs_in_bf16(tiny_model_paths):
+    path = tiny_model_paths["llama"]
+    packed = PolicyWorker(make_config(path, precision="bfloat16", **PACKED),
+                          init_optimizer=False, init_reference_model=False)
+    assert varlen_kernel_available(packed.device)
+    assert packed.model.config._attn_implementation == VARLEN_ATTN_NAME
+    plain = PolicyWorker(make_config(path, precision="bfloat16"), init_optimizer=False,
+                         init_reference_model=False)
+    data = make_batch(6, 16, seed=32, lengths=[16, 3, 11, 7, 1, 14])
+    got, want = packed.get_logprobs(data)["logprobs"], plain.get_logprobs(data)["logprobs"]
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)  # bf16 compute noise
+    torch.testing.assert_close(want, hf_reference_logprobs(path, data), atol=0.1, rtol=0.05)
+
+
+def test_varlen_packed_training_matches_unpacked_loss(tiny_model_paths):
+    path = tiny_model_paths["qwen3"]
+    data = make_batch(8, 16, seed=33)
+    losses = []
+    for extra in (PACKED, {}):
+        worker = PolicyWorker(make_config(path, precision="bfloat16", **extra),
+                              init_reference_model=False)
+        losses.append(worker.train(data, NLLLoss())["global_loss"])
+    torch.testing.assert_close(losses[0], losses[1], atol=0.02, rtol=0.02)
+
+
+def _allocated() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def _warm_up_cuda_libraries() -> None:
+    """cuBLAS workspaces live in the caching allocator for the process: create them first."""
+    x = torch.randn(64, 64, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        (x @ x).float().sum().backward()
+    (x @ x).sum().backward()
+
+
+def test_offload_after_refit_frees_model_and_optimizer_memory(tiny_model_paths):
+    _warm_up_cuda_libraries()
+    baseline = _allocated()
+    worker = PolicyWorker(make_config(tiny_model_paths["llama"], precision="bfloat16"),
+                          init_reference_model=False)
+    data = make_batch(4, 16, seed=34)
+    worker.train(data, NLLLoss())
+    param_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    opt_bytes = sum(v.numel() * v.element_size() for s in worker.optimizer.state.values()
+                    for v in s.values() if isinstance(v, torch.Tensor) and v.is_cuda)
+    resident = _allocated() - baseline
+    assert resident >= param_bytes + opt_bytes
+    worker.offload_before_refit()
+    worker.offload_after_refit()
+    assert _allocated() - baseline == 0
+    assert all(p.device.type == "cpu" for p in worker.model.parameters())
+    worker.prepare_for_training()
+    assert _allocated() - baseline >= param_bytes + opt_bytes
+    assert worker.train(data, NLLLoss())["skipped_steps"] == 0
