@@ -2,6 +2,14 @@
 
 API.md §7 "Process group": use the default group if initialised; else initialise one when the
 torchrun variables say WORLD_SIZE > 1; else run as a single process with no group at all.
+
+Every group this module creates (the mesh axes, the flattened dp_cp / cp_tp axes and a private
+world group) carries `timeout_s`, so every collective the worker issues through them (its own
+all-reduces, and the DTensor / FSDP2 collectives that run on the mesh) fails after that long
+instead of hanging when a peer died.
+
+Context parallelism needs torch's context-parallel attention, which has no CPU kernel
+(reference/cpu_env_probe.md §3), so `from_environment` rejects cp_size > 1 on CPU.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import os
 import attrs
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 __all__ = ["ParallelContext", "DEFAULT_COLLECTIVE_TIMEOUT_S"]
 
@@ -32,9 +41,10 @@ class ParallelContext:
     cp_size: int
     tp_size: int
     device: torch.device
-    mesh: object | None = None  # torch DeviceMesh over ("dp", "cp", "tp") when world_size > 1
+    mesh: object | None = None  # torch DeviceMesh over ("dp", "cp", "tp") when a group exists
     groups: dict[str, object] = attrs.field(factory=dict)  # axis name -> ProcessGroup
     owns_process_group: bool = False
+    timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 
     @property
     def dp_rank(self) -> int:
@@ -63,13 +73,20 @@ class ParallelContext:
         timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     ) -> ParallelContext:
         """Join (or create, under torchrun) the default process group and build the mesh."""
+        if device is None:
+            device = _default_device()
+        if cp_size > 1 and device.type != "cuda":
+            msg = (
+                f"context_parallel_size={cp_size} needs CUDA: torch has no CPU kernel for "
+                f"context-parallel attention (device is {device.type!r}); set "
+                f"context_parallel_size to 1 on CPU"
+            )
+            raise ValueError(msg)
         owns = False
         if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
             owns = True
-        if device is None:
-            device = _default_device()
         if not dist.is_initialized():
             if tp_size * cp_size != 1:
                 msg = (
@@ -96,7 +113,11 @@ class ParallelContext:
         groups = {axis: mesh.get_group(axis) for axis in ("dp", "cp", "tp")}
         groups["dp_cp"] = mesh["dp", "cp"]._flatten("dp_cp").get_group()
         groups["cp_tp"] = mesh["cp", "tp"]._flatten("cp_tp").get_group()
-        groups["world"] = dist.group.WORLD
+        timeout = datetime.timedelta(seconds=timeout_s)
+        groups["world"] = dist.new_group(timeout=timeout)
+        for group in {id(g): g for g in groups.values()}.values():
+            if group is not dist.group.WORLD or owns:
+                _set_pg_timeout(timeout, group)
         return cls(
             world_size=world_size,
             rank=rank,
@@ -107,6 +128,7 @@ class ParallelContext:
             mesh=mesh,
             groups=groups,
             owns_process_group=owns,
+            timeout_s=timeout_s,
         )
 
     def axis_size(self, axis: str) -> int:
@@ -120,8 +142,10 @@ class ParallelContext:
         }
         return sizes[axis]
 
-    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", axis: str = "dp") -> torch.Tensor:
-        """Reduce `tensor` in place over `axis` and return it (identity when the axis has size 1)."""
+    def all_reduce(
+        self, tensor: torch.Tensor, *, op: str = "sum", axis: str = "dp"
+    ) -> torch.Tensor:
+        """Reduce `tensor` in place over `axis` and return it (identity for a size-1 axis)."""
         if self.axis_size(axis) == 1:
             return tensor
         dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.groups[axis])
@@ -136,8 +160,27 @@ class ParallelContext:
         return int(tensor.item())
 
     def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
+        if self.mesh is not None:
+            dist.barrier(group=self.groups["world"])
+
+    def replica_group(self) -> object | None:
+        """The (cp, tp) group: the ranks that hold the same data shard (None when alone)."""
+        return self.groups.get("cp_tp")
+
+    def local_coords(self) -> dict[str, int]:
+        """This rank's coordinates: data_parallel, context_parallel, tensor_parallel."""
+        return {
+            "data_parallel": self.dp_rank,
+            "context_parallel": self.cp_rank,
+            "tensor_parallel": self.tp_rank,
+        }
+
+    def fsdp_mesh(self) -> object:
+        """The mesh FSDP2 shards parameters over: dp, or dp x cp flattened when cp > 1."""
+        if self.mesh is None:
+            msg = "fsdp_mesh() needs a process group; this ParallelContext is a single process"
+            raise ValueError(msg)
+        return self.mesh["dp_cp"] if self.cp_size > 1 else self.mesh["dp"]
 
     def shutdown(self) -> None:
         """Destroy the process group only if this context created it."""

@@ -1,0 +1,665 @@
+"""Distributed logprobs, top-k, CP gather and grad norm: core partials + collectives (STYLE §2.6).
+
+The math lives in `policyworker.functional.logprobs` / `.topk` / `.context_parallel`; this module
+only issues the all-reduces / all-gathers / all-to-alls between the core calls. Every group used
+here comes from `ParallelContext` (or a DTensor's mesh built by it), whose timeout bounds each
+collective.
+
+Shape legend: B batch, S sequence (S_local a CP shard), V vocab, V_local a TP vocab shard,
+N rows (B*S flattened), K top-k.
+
+Gradient convention: outputs that are replicated over a group (vocab-parallel logprobs, rows
+gathered after top-k/top-p filtering) receive the same upstream gradient on every rank, and each
+rank returns the gradient of its own shard without a reduction; this is what makes a loss
+computed identically on every TP rank give the single-process gradient. `all_gather_cp` follows
+reference §6.6 instead (all-reduce SUM over CP, then this rank's chunks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from policyworker.functional import context_parallel as cp_core
+from policyworker.functional import logprobs as lp_core
+from policyworker.functional import topk as topk_core
+from policyworker.shell.distributed import ParallelContext
+
+__all__ = [
+    "all_gather_cp",
+    "clip_grads_",
+    "context_parallel_forward",
+    "cp_next_token_logprobs",
+    "distributed_topk",
+    "next_token_logprobs_any",
+    "target_logprobs_any",
+    "topk_any",
+    "total_grad_norm",
+    "vocab_parallel_next_token_logprobs",
+    "vocab_parallel_target_logprobs",
+]
+
+
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: Any) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def _group_size(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+# --------------------------------------------------------------------- vocab-parallel logprobs
+
+
+class _VocabParallelTargetLogprobs(torch.autograd.Function):
+    """logits [B,S,V_local] (vocab shard) + targets [B,S] -> fp32 [B,S] log p(target)."""
+
+    @staticmethod
+    def forward(ctx, logits_BSV, targets_BS, group, vocab_start, temperature, chunk_size):
+        num_positions = targets_BS.shape[1]
+        out_BS = torch.empty(targets_BS.shape, dtype=torch.float32, device=logits_BSV.device)
+        max_BS, sum_exp_BS = torch.empty_like(out_BS), torch.empty_like(out_BS)
+        for start in range(0, num_positions, chunk_size):
+            stop = min(start + chunk_size, num_positions)
+            x = _scaled(logits_BSV[:, start:stop], temperature)
+            global_max = _all_reduce(lp_core.local_max(x).contiguous(), dist.ReduceOp.MAX, group)
+            sums = torch.stack(
+                [
+                    lp_core.local_sum_exp(x, global_max),
+                    lp_core.local_target_logit(
+                        x, targets_BS[:, start:stop], vocab_start=vocab_start
+                    ),
+                ]
+            )
+            _all_reduce(sums, dist.ReduceOp.SUM, group)
+            out_BS[:, start:stop] = lp_core.logprobs_from_partials(sums[1], global_max, sums[0])
+            max_BS[:, start:stop], sum_exp_BS[:, start:stop] = global_max, sums[0]
+        ctx.save_for_backward(logits_BSV, targets_BS, max_BS, sum_exp_BS)
+        ctx.settings = (vocab_start, temperature, chunk_size)
+        return out_BS
+
+    @staticmethod
+    def backward(ctx, grad_BS):
+        logits_BSV, targets_BS, max_BS, sum_exp_BS = ctx.saved_tensors
+        vocab_start, temperature, chunk_size = ctx.settings
+        grad_BSV = torch.zeros_like(logits_BSV)
+        for start in range(0, targets_BS.shape[1], chunk_size):
+            stop = min(start + chunk_size, targets_BS.shape[1])
+            grad = lp_core.local_logprob_grad(
+                _scaled(logits_BSV[:, start:stop], temperature),
+                targets_BS[:, start:stop],
+                vocab_start,
+                max_BS[:, start:stop],
+                sum_exp_BS[:, start:stop],
+                grad_BS[:, start:stop],
+            )
+            if temperature != 1.0:
+                grad = grad / temperature
+            grad_BSV[:, start:stop] = grad.to(grad_BSV.dtype)
+        return grad_BSV, None, None, None, None, None
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return x if temperature == 1.0 else x / temperature
+
+
+def _check_logits_targets(logits_BSV: torch.Tensor, token_ids_BS: torch.Tensor) -> None:
+    if (
+        logits_BSV.dim() != 3
+        or token_ids_BS.dim() != 2
+        or logits_BSV.shape[:2] != token_ids_BS.shape
+    ):
+        msg = (
+            f"logits {tuple(logits_BSV.shape)} must be [B, S, V] and token_ids "
+            f"{tuple(token_ids_BS.shape)} must be [B, S] with the same B and S"
+        )
+        raise ValueError(msg)
+
+
+def vocab_parallel_target_logprobs(
+    logits_local_BSV: torch.Tensor,
+    targets_BS: torch.Tensor,
+    *,
+    tp_group: Any,
+    vocab_start: int,
+    vocab_size: int,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """fp32 [B,S] `log softmax(logits[b,s] / T)[targets[b,s]]` from a vocab shard; differentiable.
+
+    Two all-reduces per chunk of `chunk_size` positions (MAX of the local max; SUM of the local
+    sum-exp and target logit), so fp32 memory is one [B, chunk, V_local] block. `tp_group=None`
+    means the shard is the whole vocab. Targets outside [0, V) score a meaningless finite value.
+    """
+    _check_logits_targets(logits_local_BSV, targets_BS)
+    chunk = chunk_size or lp_core.default_chunk_size(vocab_size)
+    return _VocabParallelTargetLogprobs.apply(
+        logits_local_BSV, targets_BS.to(torch.int64), tp_group, vocab_start, temperature, chunk
+    )
+
+
+def vocab_parallel_next_token_logprobs(
+    logits_local_BSV: torch.Tensor,
+    token_ids_BS: torch.Tensor,
+    *,
+    tp_group: Any,
+    tp_rank: int,
+    tp_size: int,
+    vocab_size: int,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """fp32 [B, S-1] next-token logprobs from this rank's vocab shard (layout `vocab_range`).
+
+    Raises:
+        ValueError: shapes disagree, or the shard width is not `vocab_range(tp_rank, ...)`'s.
+    """
+    _check_logits_targets(logits_local_BSV, token_ids_BS)
+    start, stop = lp_core.vocab_range(tp_rank, tp_size, vocab_size)
+    if logits_local_BSV.shape[-1] != stop - start:
+        msg = (
+            f"logits shard has {logits_local_BSV.shape[-1]} vocab entries but tp rank {tp_rank} "
+            f"of {tp_size} owns [{start}, {stop}) of vocab_size {vocab_size}; shard the vocab as "
+            f"torch.chunk does (DTensor Shard(-1))"
+        )
+        raise ValueError(msg)
+    return vocab_parallel_target_logprobs(
+        logits_local_BSV[:, :-1],
+        token_ids_BS[:, 1:],
+        tp_group=tp_group if tp_size > 1 else None,
+        vocab_start=start,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        chunk_size=chunk_size,
+    )
+
+
+# --------------------------------------------------------------- top-k / top-p under TP (rows)
+
+
+class _VocabShardsToRows(torch.autograd.Function):
+    """[N, V_local] vocab shard -> [N/tp, V] full rows of this rank (all-to-all); and back."""
+
+    @staticmethod
+    def forward(ctx, x_NV, group, tp_rank, tp_size, vocab_size):
+        ctx.settings = (group, tp_rank, tp_size, vocab_size)
+        width = -(-vocab_size // tp_size)
+        send = [_pad_last(p, width) for p in lp_core.split_rows(x_NV, tp_size)]
+        recv = [torch.empty_like(send[0]) for _ in range(tp_size)]
+        dist.all_to_all(recv, send, group=group)
+        widths = [
+            b - a for a, b in (lp_core.vocab_range(r, tp_size, vocab_size) for r in range(tp_size))
+        ]
+        return lp_core.concat_vocab_pieces([p[:, :w] for p, w in zip(recv, widths, strict=True)])
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        group, tp_rank, tp_size, vocab_size = ctx.settings
+        width = -(-vocab_size // tp_size)
+        send = [_pad_last(p, width) for p in lp_core.split_vocab(grad_rows.contiguous(), tp_size)]
+        recv = [torch.empty_like(send[0]) for _ in range(tp_size)]
+        dist.all_to_all(recv, send, group=group)
+        start, stop = lp_core.vocab_range(tp_rank, tp_size, vocab_size)
+        return torch.cat(recv, dim=0)[:, : stop - start], None, None, None, None
+
+
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    # gloo's all_to_all needs equal-sized pieces; the last vocab shard may be narrower.
+    if x.shape[-1] == width:
+        return x.contiguous()
+    return torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
+
+
+class _GatherRows(torch.autograd.Function):
+    """[N/tp] rows of this rank -> [N] all rows (all-gather); backward keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, rows_N, group, tp_rank, tp_size):
+        ctx.settings = (tp_rank, rows_N.shape[0])
+        parts = [torch.empty_like(rows_N) for _ in range(tp_size)]
+        dist.all_gather(parts, rows_N.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        tp_rank, num_rows = ctx.settings
+        return grad_N[tp_rank * num_rows : (tp_rank + 1) * num_rows], None, None, None
+
+
+def _filtered_row_logprobs(rows_NV, targets_N, *, temperature, top_k, top_p, chunk_size):
+    out = []
+    for start in range(0, rows_NV.shape[0], chunk_size):
+        x = _scaled(rows_NV[start : start + chunk_size], temperature)
+        x = lp_core.apply_sampling_filters(x, top_k=top_k, top_p=top_p)
+        index = targets_N[start : start + chunk_size, None].clamp(0, x.shape[-1] - 1)
+        out.append(torch.log_softmax(x, dim=-1).gather(-1, index)[:, 0].float())
+    return torch.cat(out) if out else rows_NV.new_zeros(0, dtype=torch.float32)
+
+
+def _tp_filtered_target_logprobs(
+    logits_local_BSV,
+    targets_BS,
+    *,
+    group,
+    tp_rank,
+    tp_size,
+    vocab_size,
+    temperature,
+    top_k,
+    top_p,
+    chunk_size,
+):
+    batch, seq, _ = logits_local_BSV.shape
+    row_start, row_stop = lp_core.rows_for_rank(batch * seq, tp_rank, tp_size)
+    rows = _VocabShardsToRows.apply(
+        logits_local_BSV.reshape(batch * seq, -1), group, tp_rank, tp_size, vocab_size
+    )
+    targets = targets_BS.reshape(-1)[row_start:row_stop].to(torch.int64)
+    chunk = chunk_size or lp_core.default_chunk_size(vocab_size)
+    mine = _filtered_row_logprobs(
+        rows, targets, temperature=temperature, top_k=top_k, top_p=top_p, chunk_size=chunk
+    )
+    return _GatherRows.apply(mine, group, tp_rank, tp_size).reshape(batch, seq)
+
+
+def _filtering(top_k: int | None, top_p: float) -> bool:
+    return (top_k is not None and top_k > 0) or top_p < 1.0
+
+
+def _vocab_shard_of(logits: DTensor) -> tuple[torch.Tensor, Any, int, int]:
+    """(local tensor, tp group, tp rank, tp size) of logits sharded on the vocab dim."""
+    mesh, placements = logits.device_mesh, logits.placements
+    vocab_dim = logits.ndim - 1
+    if mesh.ndim != 1 or not (
+        isinstance(placements[0], Shard) and placements[0].dim in (-1, vocab_dim)
+    ):
+        msg = (
+            f"DTensor logits must be sharded on the vocab dim over a 1-D tp mesh, got placements "
+            f"{placements} on a {mesh.ndim}-D mesh; use the vocab-parallel lm_head plan"
+        )
+        raise ValueError(msg)
+    return logits.to_local(), mesh.get_group(), mesh.get_local_rank(), mesh.size()
+
+
+def target_logprobs_any(
+    logits: torch.Tensor,
+    targets_BS: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """fp32 [B,S] `log softmax(filter(logits / T))[targets]` per position; plain or TP logits.
+
+    A plain tensor holds the whole vocab; a DTensor sharded on the vocab dim (TP lm_head) is
+    scored with vocab-parallel partials, or, with top-k/top-p, redistributed to full rows
+    (`B*S % tp == 0` required), filtered there and gathered back. Differentiable.
+    """
+    _check_logits_targets(logits, targets_BS)
+    vocab_size = logits.shape[-1]
+    if not isinstance(logits, DTensor):
+        if _filtering(top_k, top_p):
+            rows = _filtered_row_logprobs(
+                logits.reshape(-1, vocab_size),
+                targets_BS.reshape(-1).to(torch.int64),
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                chunk_size=chunk_size or lp_core.default_chunk_size(vocab_size),
+            )
+            return rows.reshape(targets_BS.shape)
+        return vocab_parallel_target_logprobs(
+            logits,
+            targets_BS,
+            tp_group=None,
+            vocab_start=0,
+            vocab_size=vocab_size,
+            temperature=temperature,
+            chunk_size=chunk_size,
+        )
+    local, group, tp_rank, tp_size = _vocab_shard_of(logits)
+    if _filtering(top_k, top_p):
+        return _tp_filtered_target_logprobs(
+            local,
+            targets_BS,
+            group=group,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            vocab_size=vocab_size,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            chunk_size=chunk_size,
+        )
+    start, _ = lp_core.vocab_range(tp_rank, tp_size, vocab_size)
+    return vocab_parallel_target_logprobs(
+        local,
+        targets_BS,
+        tp_group=group,
+        vocab_start=start,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        chunk_size=chunk_size,
+    )
+
+
+def next_token_logprobs_any(
+    logits: torch.Tensor,
+    token_ids_BS: torch.Tensor,
+    ctx: ParallelContext | None = None,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """fp32 [B, S-1] next-token logprobs of plain logits (core) or TP vocab-sharded DTensor logits.
+
+    Raises:
+        ValueError: shapes disagree; under TP with top-k/top-p, `B*S` not divisible by tp
+            (fix: `make_sequence_length_divisible_by`); DTensor logits not on `ctx`'s tp mesh.
+    """
+    _check_logits_targets(logits, token_ids_BS)
+    if not isinstance(logits, DTensor):
+        return lp_core.next_token_logprobs(
+            logits,
+            token_ids_BS,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            chunk_size=chunk_size,
+        )
+    if ctx is not None and logits.device_mesh.size() != ctx.tp_size:
+        msg = (
+            f"DTensor logits live on a mesh of size {logits.device_mesh.size()} but "
+            f"tensor_parallel_size is {ctx.tp_size}; pass the ParallelContext the model was "
+            f"built with"
+        )
+        raise ValueError(msg)
+    if _filtering(top_k, top_p):
+        # Rows are whole positions, so score all S positions (B*S % tp rule) and drop the last.
+        targets = lp_core.shifted_targets(token_ids_BS, pad_id=0)
+        full = target_logprobs_any(
+            logits,
+            targets,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            chunk_size=chunk_size,
+        )
+        return full[:, :-1]
+    local, group, tp_rank, tp_size = _vocab_shard_of(logits)
+    return vocab_parallel_next_token_logprobs(
+        local,
+        token_ids_BS,
+        tp_group=group,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        vocab_size=logits.shape[-1],
+        temperature=temperature,
+        chunk_size=chunk_size,
+    )
+
+
+# ----------------------------------------------------------------------------------- top-k
+
+_PAD_ID = 2**62  # id of padding candidates: sorts after every real id among equal (-inf) values
+
+
+def distributed_topk(
+    logits_local: torch.Tensor,
+    k: int,
+    *,
+    tp_group: Any,
+    vocab_start: int,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k over vocab shards: (values fp32 [..., K], global ids int64 [..., K]).
+
+    Per chunk of `chunk_size` positions (dim -2): local top-min(k, V_local) of `logits / T` in
+    fp32, all-gather candidates over `tp_group`, merge. Equal to single-process fp32 top-k
+    (ties broken towards the lower id). No gradient.
+
+    Raises:
+        ValueError: k < 1, or k exceeds the vocab size (after the gather, on every rank alike).
+    """
+    if k < 1:
+        msg = f"k {k} must be >= 1 (the number of top logits to return per position)"
+        raise ValueError(msg)
+    size = _group_size(tp_group)
+    positions = logits_local.shape[-2]
+    chunk = chunk_size or max(positions, 1)
+    values_out, ids_out = [], []
+    with torch.no_grad():
+        for start in range(0, positions, chunk):
+            x = _scaled(logits_local[..., start : start + chunk, :], temperature)
+            values, ids = topk_core.local_topk(x, k, vocab_start=vocab_start)
+            missing = k - values.shape[-1]
+            if missing:  # a narrow shard: pad so every rank sends k candidates
+                values = torch.nn.functional.pad(values, (0, missing), value=float("-inf"))
+                ids = torch.nn.functional.pad(ids, (0, missing), value=_PAD_ID)
+            all_values = [torch.empty_like(values) for _ in range(size)]
+            all_ids = [torch.empty_like(ids) for _ in range(size)]
+            if size > 1:
+                dist.all_gather(all_values, values.contiguous(), group=tp_group)
+                dist.all_gather(all_ids, ids.contiguous(), group=tp_group)
+            else:
+                all_values, all_ids = [values], [ids]
+            merged_values, merged_ids = topk_core.merge_topk(all_values, all_ids, k)
+            values_out.append(merged_values)
+            ids_out.append(merged_ids)
+    values, ids = torch.cat(values_out, dim=-2), torch.cat(ids_out, dim=-2)
+    if bool((ids == _PAD_ID).any()):
+        msg = f"k {k} exceeds the vocab size of these sharded logits; use k <= vocab size"
+        raise ValueError(msg)
+    return values, ids
+
+
+def topk_any(
+    logits: torch.Tensor, k: int, *, temperature: float = 1.0, chunk_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of plain logits (core `topk_logits`) or of vocab-sharded DTensor logits (TP)."""
+    if not isinstance(logits, DTensor):
+        return topk_core.topk_logits(logits, k, temperature=temperature, chunk_size=chunk_size)
+    local, group, tp_rank, tp_size = _vocab_shard_of(logits)
+    vocab_size = logits.shape[-1]
+    if k > vocab_size:
+        msg = f"k {k} exceeds the vocab size {vocab_size}; use k <= {vocab_size}"
+        raise ValueError(msg)
+    start, _ = lp_core.vocab_range(tp_rank, tp_size, vocab_size)
+    return distributed_topk(
+        local, k, tp_group=group, vocab_start=start, temperature=temperature, chunk_size=chunk_size
+    )
+
+
+# ------------------------------------------------------------------------------- CP gather
+
+
+class _AllGatherCP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, group, cp_rank, cp_size, dim):
+        ctx.settings = (group, cp_rank, cp_size, dim)
+        parts = [torch.empty_like(shard) for _ in range(cp_size)]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return cp_core.gather_shards(parts, cp_size=cp_size, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        group, cp_rank, cp_size, dim = ctx.settings
+        grad = grad_full.contiguous()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+        return (
+            cp_core.shard_for_rank(grad, cp_rank=cp_rank, cp_size=cp_size, dim=dim),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def all_gather_cp(
+    shard: torch.Tensor, *, cp_group: Any, cp_size: int, dim: int = 1
+) -> torch.Tensor:
+    """Head-tail CP shards [.., S/cp, ..] -> the full sequence in original order (differentiable).
+
+    Backward (reference §6.6): all-reduce the gradient over CP (SUM), keep this rank's chunks.
+    """
+    if cp_size == 1:
+        return shard
+    cp_rank = dist.get_rank(cp_group)
+    return _AllGatherCP.apply(shard, cp_group, cp_rank, cp_size, dim)
+
+
+def _no_attention_mask(config: Any) -> dict[str, None]:
+    # A per-layer-type mask mapping of None stops HF from building a mask: torch's CP attention
+    # needs sdpa with is_causal=True and no mask (a mask would need a DTensor redistribution).
+    layer_types = getattr(config, "layer_types", None) or ("full_attention",)
+    return dict.fromkeys(set(layer_types) | {"full_attention"}, None)
+
+
+def context_parallel_forward(
+    model: torch.nn.Module,
+    ctx: ParallelContext,
+    input_ids_BS: torch.Tensor,
+    position_ids_BS: torch.Tensor,
+) -> torch.Tensor:
+    """Forward under torch's context-parallel attention; logits of this CP rank's head-tail shard.
+
+    Returns [B, S/cp, V] (or a vocab-sharded DTensor under TP) in `shard_for_rank` order.
+
+    Raises:
+        ValueError: not on CUDA (torch has no CPU kernel for context-parallel attention), or S
+            not divisible by 2 * cp_size.
+    """
+    if input_ids_BS.device.type != "cuda":
+        msg = (
+            f"context parallelism needs CUDA: torch has no CPU kernel for context-parallel "
+            f"attention (input_ids are on {input_ids_BS.device.type!r}); set "
+            f"context_parallel_size to 1"
+        )
+        raise ValueError(msg)
+    cp_core.check_cp_seq_len(input_ids_BS.shape[1], ctx.cp_size)
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    ids, positions = input_ids_BS.clone(), position_ids_BS.clone()
+    with (
+        context_parallel(
+            ctx.mesh["cp"],
+            buffers=[ids, positions],
+            buffer_seq_dims=[1, 1],
+            no_restore_buffers={ids, positions},
+        ),
+        sdpa_kernel(
+            [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+        ),
+    ):
+        out = model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=_no_attention_mask(model.config),
+            use_cache=False,
+        )
+    return out.logits
+
+
+def cp_next_token_logprobs(
+    logits_local: torch.Tensor,
+    token_ids_BS: torch.Tensor,
+    ctx: ParallelContext,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """fp32 [B, S-1] on every CP rank from this rank's head-tail logits shard (full token_ids)."""
+    targets = cp_core.shard_for_rank(
+        lp_core.shifted_targets(token_ids_BS, pad_id=0), cp_rank=ctx.cp_rank, cp_size=ctx.cp_size
+    )
+    local = target_logprobs_any(
+        logits_local,
+        targets,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        chunk_size=chunk_size,
+    )
+    return all_gather_cp(local, cp_group=ctx.groups.get("cp"), cp_size=ctx.cp_size)[:, :-1]
+
+
+# ------------------------------------------------------------------------------- grad norm
+
+
+def _reduce_groups(grad: torch.Tensor) -> tuple[tuple[Any, ...], torch.Tensor]:
+    """(groups to SUM the squared norm over, local shard) of one gradient."""
+    if not isinstance(grad, DTensor):
+        return (), grad
+    placements = grad.placements
+    if any(isinstance(p, Partial) for p in placements):
+        placements = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+        grad = grad.redistribute(placements=placements)
+    mesh = grad.device_mesh
+    # FSDP2 over TP shards dp with _StridedShard, which is neither a Shard nor is_shard().
+    sharded = (Shard, _StridedShard)
+    groups = tuple(mesh.get_group(d) for d, p in enumerate(placements) if isinstance(p, sharded))
+    return groups, grad.to_local()
+
+
+def total_grad_norm(parameters: Iterable[torch.nn.Parameter], ctx: ParallelContext) -> torch.Tensor:
+    """Global L2 norm of all gradients (fp32, 0-d, on the grads' device), sharding-aware.
+
+    Squares are summed over each gradient's local shard, then all-reduced over every mesh dim on
+    which it is sharded (Replicate dims are not double counted; Partial grads are reduced first).
+    Every rank must pass the same parameters in the same order.
+    """
+    sums: dict[tuple[int, ...], list[Any]] = {}
+    device = ctx.device
+    for param in parameters:
+        if param.grad is None:
+            continue
+        groups, local = _reduce_groups(param.grad)
+        key = tuple(id(g) for g in groups)
+        entry = sums.setdefault(
+            key, [groups, torch.zeros((), dtype=torch.float64, device=local.device)]
+        )
+        entry[1] = entry[1] + local.detach().double().pow(2).sum()
+        device = local.device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for groups, square_sum in sums.values():
+        for group in groups:
+            dist.all_reduce(square_sum, op=dist.ReduceOp.SUM, group=group)
+        total = total + square_sum.to(device)
+    return total.sqrt().float()
+
+
+def clip_grads_(
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, total_norm: torch.Tensor
+) -> torch.Tensor:
+    """Scale every gradient by `min(1, max_norm / (total_norm + 1e-6))` in place.
+
+    A non-finite `total_norm` leaves the gradients untouched (the caller skips the step).
+    Returns `total_norm` (the pre-clip norm).
+    """
+    norm = float(total_norm)
+    if not math.isfinite(norm):
+        return total_norm
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    if coef < 1.0:
+        for param in parameters:
+            if param.grad is not None:
+                grad = param.grad
+                (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coef)
+    return total_norm
