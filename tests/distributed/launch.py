@@ -27,7 +27,7 @@ import transformers
 from torch.multiprocessing.spawn import ProcessException
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM  # noqa: F401
 
-__all__ = ["run_on_gloo", "RankFailedError", "PROCESS_GROUP_TIMEOUT_S"]
+__all__ = ["run_on_gloo", "run_on_nccl", "RankFailedError", "PROCESS_GROUP_TIMEOUT_S"]
 
 PROCESS_GROUP_TIMEOUT_S = 60.0
 assert transformers  # the lazy module must be resolved in the parent for fork to pay off
@@ -77,3 +77,31 @@ def run_on_gloo(fn, world_size: int, *args, timeout_s: float = PROCESS_GROUP_TIM
                     with open(path, "rb") as fh:
                         traces.append(f"-- rank {rank}:\n{pickle.load(fh)}")
             raise RankFailedError("\n".join(traces) or str(err)) from err
+
+
+def _nccl_entry(rank: int, fn, world_size: int, init_file: str, timeout_s: float, args) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=torch.device("cuda", rank),
+    )
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_nccl(fn, world_size: int, *args, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> None:
+    """Run `fn(rank, world_size, *args)` on `world_size` GPUs (spawned: CUDA does not fork)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _nccl_entry,
+            args=(fn, world_size, os.path.join(tmp, "rdzv"), timeout_s, args),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )

@@ -366,3 +366,39 @@ def one_rank_raises(rank, size):
         raise RuntimeError("rank 1 failed on purpose")
     ctx.all_reduce(torch.ones(1), axis="world")
     init_device_mesh("cpu", (size,))  # never reached on time: rank 1 is gone
+
+
+# ------------------------------------------------------------------------------ GPU (NCCL)
+
+
+def gpu_tp_and_cp_parity(rank, size, path):
+    """TP=size and CP=size on CUDA: logits / logprobs == one GPU (fp32, TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    device = torch.device("cuda", rank)
+    ids, mask = _batch(128, batch=2, seq=8 * size)
+    ids = ids.to(device)
+    reference = _load(path).to(device)
+    with torch.no_grad():
+        ref_logits = reference(input_ids=ids).logits
+    ref_lp = _reference_logprobs(ref_logits, ids).float()
+
+    tp_ctx = ParallelContext.from_environment(tp_size=size, device=device, timeout_s=60)
+    model = parallelize_model(_load(path).to(device), tp_ctx, precision=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        _close(_full(logits), ref_logits, "tp logits on cuda", atol=1e-4, rtol=1e-4)
+        lp = collectives.next_token_logprobs_any(logits, ids, tp_ctx)
+        _close(lp, ref_lp, "tp logprobs on cuda", atol=1e-4, rtol=1e-4)
+        values, indices = collectives.topk_any(logits, 5)
+        torch.testing.assert_close(
+            values, torch.topk(ref_logits.float(), 5).values, atol=1e-4, rtol=1e-4
+        )
+
+    cp_ctx = ParallelContext.from_environment(cp_size=size, device=device, timeout_s=60)
+    model = parallelize_model(_load(path).to(device), cp_ctx, precision=torch.float32)
+    positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
+    with torch.no_grad():
+        local = collectives.context_parallel_forward(model, cp_ctx, ids, positions)
+        lp = collectives.cp_next_token_logprobs(local, ids, cp_ctx)
+    _close(lp, ref_lp, "cp logprobs on cuda", atol=1e-4, rtol=1e-4)
