@@ -1006,8 +1006,11 @@ def save_checkpoint(worker: Any, weights_path: str | os.PathLike[str],
     if lora:
         from policyworker.shell.lora import save_peft_adapter
 
-        save_peft_adapter(worker.model, model_tmp, lora_cfg=worker.cfg.dtensor_cfg.lora_cfg,
-                          base_model_name_or_path=worker.cfg.model_name, write=parallel.rank == 0)
+        cfg = getattr(worker, "cfg", None)
+        save_peft_adapter(worker.model, model_tmp,
+                          lora_cfg=getattr(getattr(cfg, "dtensor_cfg", None), "lora_cfg", None),
+                          base_model_name_or_path=getattr(cfg, "model_name", None),
+                          write=parallel.rank == 0)
         if parallel.rank == 0:
             _write_json(model_tmp / MANIFEST_FILE, {**meta, "kind": "peft"})
     else:

@@ -1,0 +1,72 @@
+"""Child body for the SIGKILL crash test: save checkpoint after checkpoint until killed.
+
+Imports only torch and the checkpoint module (no transformers): the parent forks it, so the
+child starts in milliseconds. Save number `i` holds weights filled by `fill_value(i)` and an
+optimizer whose state was built by `i + 1` steps, so the parent can tell which save it loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import torch
+from torch import nn
+
+from policyworker.shell import checkpoint
+from policyworker.shell.distributed import ParallelContext
+
+
+class SimpleWorker:
+    """The attributes `policyworker.shell.checkpoint` reads from a worker, around a plain module."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
+        self.tokenizer = None
+        self.cfg = None
+        self.parallel = ParallelContext.single(torch.device("cpu"))
+        self._reference_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def build_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*(nn.Linear(256, 256) for _ in range(4)))  # 1 MiB of fp32 weights
+
+
+def fill_value(i: int) -> float:
+    return float(i + 1)
+
+
+def set_weights(model: nn.Module, i: int) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(fill_value(i))
+
+
+def run(root: str, marker: str) -> None:
+    """Save to root/weights + root/optimizer forever; touch `marker` after the first save."""
+    torch.set_num_threads(1)
+    worker = SimpleWorker(build_model())
+    root_path = pathlib.Path(root)
+    i = 0
+    while True:
+        set_weights(worker.model, i)
+        worker.model(torch.ones(1, 256)).sum().backward()
+        worker.optimizer.step()
+        worker.optimizer.zero_grad()
+        worker.scheduler.step()
+        set_weights(worker.model, i)
+        checkpoint.save_checkpoint(worker, root_path / "weights", root_path / "optimizer",
+                                   is_final_checkpoint=i % 2 == 0)
+        checkpoint.finalize_async_save(worker)
+        if i == 0:
+            pathlib.Path(marker).touch()
+        i += 1
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], sys.argv[2])
+    os._exit(0)
