@@ -161,6 +161,12 @@ def varlen_attention_forward(
             position_ids = torch.arange(num_tokens, device=query.device).expand(batch, -1)
         cu, max_len = cu_seqlens_from_position_ids(position_ids.to(query.device))
     flat = batch * num_tokens
+    if query.is_cuda and query.dtype not in _FLASH_DTYPES and torch.is_autocast_enabled("cuda"):
+        # rotary embeddings promote q/k to fp32 under autocast; sdpa is cast back by autocast,
+        # so do the same before the flash kernel
+        compute = torch.get_autocast_dtype("cuda")
+        if compute in _FLASH_DTYPES:
+            query, key, value = query.to(compute), key.to(compute), value.to(compute)
     if varlen_kernel_available(query.device) and query.dtype in _FLASH_DTYPES:
         q = query.transpose(1, 2).reshape(flat, num_q_heads, head_dim)
         k = key.transpose(1, 2).reshape(flat, key.shape[1], head_dim)

@@ -47,6 +47,7 @@ __all__ = ["AutomodelPolicyWorker", "PolicyWorker"]
 
 log = logging.getLogger(__name__)
 _FP8_E4M3_MAX = 448.0
+_INFERENCE_CHUNK_TOKENS = 2048
 
 
 class _Microbatch:
@@ -261,11 +262,18 @@ class PolicyWorker:
         logits = self._forward(mb)
         return (lambda start, stop: logits[:, start:stop]), logits.shape[1], logits.shape[-1]
 
+    def _inference_chunk(self, vocab: int, *, rows: int) -> int:
+        """Positions per LM-head chunk: `logprob_chunk_size`, else about 2048 tokens per chunk
+        (big enough for an efficient head GEMM, at most ~14 bytes * 2048 * V of scratch)."""
+        if self.cfg.logprob_chunk_size:
+            return self.cfg.logprob_chunk_size
+        return max(default_chunk_size(vocab), -(-_INFERENCE_CHUNK_TOKENS // max(rows, 1)))
+
     def _inference_next_token_logprobs(self, mb: _Microbatch) -> torch.Tensor:
         """[b, w-1] filtered next-token logprobs, chunk by chunk over positions (no grad)."""
         logits_at, num_positions, vocab = self._logit_chunks(mb)
         temperature, top_k, top_p = self._sampling_for(True)
-        chunk = self.cfg.logprob_chunk_size or default_chunk_size(vocab)
+        chunk = self._inference_chunk(vocab, rows=mb.input_ids.shape[0])
         parts = [torch.zeros(mb.input_ids.shape[0], 0, device=self.device)]
         for start in range(0, num_positions - 1, chunk):
             stop = min(start + chunk, num_positions - 1)
@@ -548,7 +556,7 @@ class PolicyWorker:
         def per_mb(mb: _Microbatch) -> torch.Tensor:
             logits_at, num_positions, vocab = self._logit_chunks(mb)
             k_eff = min(k, vocab)
-            chunk = self.cfg.logprob_chunk_size or default_chunk_size(vocab)
+            chunk = self._inference_chunk(vocab, rows=mb.input_ids.shape[0])
             vals, idx = [], []
             for s in range(0, num_positions, chunk):
                 x = logits_at(s, s + chunk).float()

@@ -32,7 +32,13 @@ def test_low_precision_train_and_logprobs_are_finite_with_fp32_outputs(tiny_mode
     assert lp.dtype == torch.float32 and lp.shape == (8, 16) and torch.isfinite(lp).all()
 
 
-def test_varlen_packing_matches_unpacked_logprobs_in_bf16(tiny_model_paths):
+def test_varlen_packing_matches_unpacked_logprobs_in_bf16(tiny_model_paths, monkeypatch):
+    from policyworker.shell import attention
+
+    calls = []
+    flash = attention._flash_varlen
+    monkeypatch.setattr(attention, "_flash_varlen",
+                        lambda *a, **kw: calls.append(a[0].dtype) or flash(*a, **kw))
     path = tiny_model_paths["llama"]
     packed = PolicyWorker(make_config(path, precision="bfloat16", **PACKED),
                           init_optimizer=False, init_reference_model=False)
@@ -42,6 +48,7 @@ def test_varlen_packing_matches_unpacked_logprobs_in_bf16(tiny_model_paths):
                          init_reference_model=False)
     data = make_batch(6, 16, seed=32, lengths=[16, 3, 11, 7, 1, 14])
     got, want = packed.get_logprobs(data)["logprobs"], plain.get_logprobs(data)["logprobs"]
+    assert calls and set(calls) == {torch.bfloat16}  # the flash varlen kernel ran, in bf16
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)  # bf16 compute noise
     torch.testing.assert_close(want, hf_reference_logprobs(path, data), atol=0.1, rtol=0.05)
 
