@@ -52,22 +52,31 @@ def state_shapes(name: str) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.q_proj.bias": (hidden,),
-            p + "self_attn.k_proj.weight": (kv, hidden), p + "self_attn.k_proj.bias": (kv,),
-            p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.v_proj.bias": (kv,),
-            p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (hidden, hidden),
+                p + "self_attn.q_proj.bias": (hidden,),
+                p + "self_attn.k_proj.weight": (kv, hidden),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.weight": (kv, hidden),
+                p + "self_attn.v_proj.bias": (kv,),
+                p + "self_attn.o_proj.weight": (hidden, hidden),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+            }
+        )
     shapes["model.norm.weight"] = (hidden,)
     if not tied:
         shapes["lm_head.weight"] = (vocab, hidden)
     return shapes
 
 
-def build_module(shapes: dict[str, tuple[int, ...]], *, dtype: torch.dtype, device: str, random: bool) -> nn.Module:
+def build_module(
+    shapes: dict[str, tuple[int, ...]], *, dtype: torch.dtype, device: str, random: bool
+) -> nn.Module:
     """A bare module whose state_dict has exactly these names and shapes."""
     root = nn.Module()
     for name, shape in shapes.items():
@@ -91,8 +100,12 @@ def run_receiver(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     spec = json.loads(Path(args.spec).read_text())
     device = spec["device"]
-    target = build_module({n: tuple(s) for n, s in spec["shapes"].items()}, dtype=torch.bfloat16, device=device,
-                          random=False)
+    target = build_module(
+        {n: tuple(s) for n, s in spec["shapes"].items()},
+        dtype=torch.bfloat16,
+        device=device,
+        random=False,
+    )
     info = {n: (s, DTYPES_BY_NAME[d]) for n, (s, d) in spec["refit_info"].items()}
     receiver = HFWeightReceiver(target, address=spec["address"], refit_info=info, timeout_s=300)
     print("READY", flush=True)
@@ -110,9 +123,15 @@ def per_tensor_stream(sender: RefitSender, model: nn.Module, cuda: bool, timeout
     def make_staging(nbytes: int) -> CudaStaging | ShmStaging:
         return CudaStaging(nbytes, device) if cuda else ShmStaging(nbytes)
 
-    sender._zmq().stream(specs, plan, iter_refit_sources(model, torch.bfloat16), make_staging=make_staging,
-                         buffer_bytes=max(p.used_bytes for p in plan), timeout_s=timeout_s,
-                         transport="cuda" if cuda else "shm")
+    sender._zmq().stream(
+        specs,
+        plan,
+        iter_refit_sources(model, torch.bfloat16),
+        make_staging=make_staging,
+        buffer_bytes=max(p.used_bytes for p in plan),
+        timeout_s=timeout_s,
+        transport="cuda" if cuda else "shm",
+    )
 
 
 def copy_ceiling(model: nn.Module, dest: dict[str, torch.Tensor], cuda: bool) -> None:
@@ -150,13 +169,25 @@ def bench_shape(name: str, device: str) -> list[dict]:
     model_bytes = sum(torch.Size(s).numel() * d.itemsize for s, d in info.values())
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps({
-            "device": device, "shapes": shapes, "address": sender.get_zmq_address(),
-            "refit_info": {n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()},
-            "num_refits": 2 * (REPEATS + 1),
-        }))
-        child = subprocess.Popen([sys.executable, __file__, "--role", "receiver", "--spec", str(spec_path)],
-                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        spec_path.write_text(
+            json.dumps(
+                {
+                    "device": device,
+                    "shapes": shapes,
+                    "address": sender.get_zmq_address(),
+                    "refit_info": {
+                        n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()
+                    },
+                    "num_refits": 2 * (REPEATS + 1),
+                }
+            )
+        )
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--role", "receiver", "--spec", str(spec_path)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         try:
             assert child.stdout is not None and child.stdout.readline().strip() == "READY"
             ours = timed(lambda: sender.stream_weights_via_ipc_zmq(timeout_s=300), cuda)
@@ -172,15 +203,26 @@ def bench_shape(name: str, device: str) -> list[dict]:
     ceiling_s = statistics.median(ceiling)
     for method, times in (("ceiling", ceiling), ("ours", ours), ("per-tensor", per_tensor)):
         median = statistics.median(times)
-        rows.append({"shape": name, "method": method, "device": device, "model_bytes": model_bytes,
-                     "median_ms": 1e3 * median, "gb_per_s": model_bytes / median / 1e9,
-                     "fraction_of_ceiling": ceiling_s / median, "times_ms": [1e3 * t for t in times]})
+        rows.append(
+            {
+                "shape": name,
+                "method": method,
+                "device": device,
+                "model_bytes": model_bytes,
+                "median_ms": 1e3 * median,
+                "gb_per_s": model_bytes / median / 1e9,
+                "fraction_of_ceiling": ceiling_s / median,
+                "times_ms": [1e3 * t for t in times],
+            }
+        )
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="tiny shape on CPU (a smoke test in seconds)")
+    parser.add_argument(
+        "--small", action="store_true", help="tiny shape on CPU (a smoke test in seconds)"
+    )
     parser.add_argument("--role", default="sender", choices=["sender", "receiver"])
     parser.add_argument("--spec")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "refit.json"))
@@ -195,14 +237,26 @@ def main() -> None:
             parser.error("CUDA is needed for the full benchmark; use --small on CPU")
         device, names = "cuda", ["qwen2.5-1.5b", "qwen2.5-7b"]
     rows = [row for name in names for row in bench_shape(name, device)]
-    print(f"{'shape':<14}{'method':<12}{'GB (bf16)':>10}{'median ms':>11}{'GB/s':>9}{'% ceiling':>11}")
+    print(
+        f"{'shape':<14}{'method':<12}{'GB (bf16)':>10}{'median ms':>11}{'GB/s':>9}{'% ceiling':>11}"
+    )
     for r in rows:
-        print(f"{r['shape']:<14}{r['method']:<12}{r['model_bytes'] / 1e9:>10.3f}{r['median_ms']:>11.2f}"
-              f"{r['gb_per_s']:>9.1f}{100 * r['fraction_of_ceiling']:>10.0f}%")
+        print(
+            f"{r['shape']:<14}{r['method']:<12}{r['model_bytes'] / 1e9:>10.3f}{r['median_ms']:>11.2f}"
+            f"{r['gb_per_s']:>9.1f}{100 * r['fraction_of_ceiling']:>10.0f}%"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                               "repeats": REPEATS, "rows": rows}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                "repeats": REPEATS,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

@@ -89,7 +89,9 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def split_ipc_budget(total_bytes: int, *, num_buffers: int = 2, alignment: int = DEFAULT_ALIGNMENT) -> int:
+def split_ipc_budget(
+    total_bytes: int, *, num_buffers: int = 2, alignment: int = DEFAULT_ALIGNMENT
+) -> int:
     """Per-buffer bytes of a total staging budget: an equal share rounded up to the alignment.
 
     Raises:
@@ -113,12 +115,16 @@ def default_ipc_buffer_bytes(
 
     ``min(cap_bytes, free_fraction * free_bytes)``, raised to the largest aligned tensor when two
     such buffers still fit in half the free memory (so the largest tensor, usually the embedding,
-    is not "oversized" and no exact-size buffer is allocated mid-refit). ``free_bytes=None``
+    is not "oversized" and no exact-size buffer is allocated mid-refit), and never above the whole
+    stream's aligned size (a small model is one bucket). ``free_bytes=None``
     (CPU shared memory) means no free-memory limit.
     """
     largest = max((align_up(s.nbytes, alignment) for s in specs), default=alignment)
+    total = sum(align_up(s.nbytes, alignment) for s in specs)
     target = cap_bytes if free_bytes is None else min(cap_bytes, int(free_bytes * free_fraction))
-    target = max(align_up(max(target, 1), alignment), alignment)
+    target = max(
+        align_up(max(min(target, total), 1), alignment), alignment
+    )  # a small model: one bucket
     if largest > target and (free_bytes is None or 4 * largest <= free_bytes):
         return largest
     return target
@@ -150,7 +156,13 @@ def plan_ipc_buckets(
         if current:
             idx = tuple(i for i, _ in current)
             buckets.append(
-                IpcBucket(idx, tuple(specs[i].name for i in idx), tuple(o for _, o in current), used, False)
+                IpcBucket(
+                    idx,
+                    tuple(specs[i].name for i in idx),
+                    tuple(o for _, o in current),
+                    used,
+                    False,
+                )
             )
         current, used = [], 0
 
@@ -196,7 +208,9 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-def pack_tensors(tensors: Sequence[torch.Tensor], offsets: Sequence[int], buffer_uint8: torch.Tensor) -> None:
+def pack_tensors(
+    tensors: Sequence[torch.Tensor], offsets: Sequence[int], buffer_uint8: torch.Tensor
+) -> None:
     """Copy each tensor's raw bytes into ``buffer_uint8[offset : offset + nbytes]`` (no cast).
 
     ``buffer_uint8`` is the output argument: a 1-D uint8 tensor large enough for every range.

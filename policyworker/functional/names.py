@@ -33,7 +33,9 @@ __all__ = [
 _WRAPPER_FRAGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 _LORA_RE = re.compile(r"^(?P<module>.+)\.lora_[AB](\.|$)")
 _FUSED_RE = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<kind>gate_up_proj|down_proj)$")
-_PER_EXPERT_RE = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT_RE = re.compile(
+    r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$"
+)
 _PART_OF_FUSED = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 
 
@@ -102,7 +104,9 @@ def expert_slot(hf_name: str) -> ExpertSlot | None:
     return ExpertSlot(fused, int(match["expert"]), match["part"])
 
 
-def to_hf_tensors(name: str, tensor: torch.Tensor, *, split_fused_experts: bool = True) -> list[tuple[str, torch.Tensor]]:
+def to_hf_tensors(
+    name: str, tensor: torch.Tensor, *, split_fused_experts: bool = True
+) -> list[tuple[str, torch.Tensor]]:
     """Checkpoint-named tensors (views, no copy) for one in-memory tensor.
 
     Fused 3-D experts are split per expert (gate = first half of dim 1); anything else is
@@ -128,7 +132,9 @@ def to_hf_tensors(name: str, tensor: torch.Tensor, *, split_fused_experts: bool 
     return out
 
 
-def fuse_expert_tensors(pairs: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+def fuse_expert_tensors(
+    pairs: Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
     """Inverse of ``to_hf_tensors``: per-expert tensors stacked back into fused ones.
 
     A fused tensor takes the position of its first per-expert member; other names keep theirs.
@@ -152,7 +158,10 @@ def fuse_expert_tensors(pairs: Iterable[tuple[str, torch.Tensor]]) -> list[tuple
             msg = f"per-expert tensor {name!r} appears twice; each expert tensor must be given once"
             raise ValueError(msg)
         members[(slot.expert, slot.part)] = tensor
-    return [(key, plain[key]) if key in plain else (key, _stack_experts(key, groups[key])) for key in order]
+    return [
+        (key, plain[key]) if key in plain else (key, _stack_experts(key, groups[key]))
+        for key in order
+    ]
 
 
 def _stack_experts(fused_name: str, members: dict[tuple[int, str], torch.Tensor]) -> torch.Tensor:

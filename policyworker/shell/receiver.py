@@ -139,8 +139,10 @@ class WeightApplier:
 
     def _write(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
         if self._dests is not None:
-            for name, tensor in pairs:
-                self._dests[name].copy_(tensor)
+            # one call for the whole batch: the per-tensor launch overhead dominates small tensors
+            torch._foreach_copy_(
+                [self._dests[name] for name, _ in pairs], [tensor for _, tensor in pairs]
+            )
         else:
             assert self._load is not None
             self._load(list(pairs))

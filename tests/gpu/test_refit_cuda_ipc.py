@@ -40,26 +40,50 @@ receiver.close()
 
 
 def test_cuda_ipc_refit_gives_bitwise_identical_logprobs(tmp_path):
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=False,
+    )
     cfg.save_pretrained(tmp_path)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).cuda().eval()  # fp32 master
     sender = RefitSender(lambda: model, torch.bfloat16, device="cuda")
     info = sender.prepare_refit_info()
-    json.dump({n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()},
-              open(tmp_path / "info.json", "w"))
+    json.dump(
+        {n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()},
+        open(tmp_path / "info.json", "w"),
+    )
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0))
     save_file({"input_ids": ids}, tmp_path / "batch.safetensors")
-    cmd = {"config_dir": str(tmp_path), "refit_info": str(tmp_path / "info.json"), "address": sender.get_zmq_address(),
-           "batch": str(tmp_path / "batch.safetensors"), "out": str(tmp_path / "out.safetensors"), "num_refits": 3}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(cmd)], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    cmd = {
+        "config_dir": str(tmp_path),
+        "refit_info": str(tmp_path / "info.json"),
+        "address": sender.get_zmq_address(),
+        "batch": str(tmp_path / "batch.safetensors"),
+        "out": str(tmp_path / "out.safetensors"),
+        "num_refits": 3,
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, json.dumps(cmd)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+        },
+    )
     try:
         assert child.stdout.readline().strip() == "READY"
         sender.stream_weights_via_ipc_zmq(timeout_s=120)  # default buffers
-        sender.stream_weights_via_ipc_zmq(buffer_size_bytes=48 << 10, timeout_s=120)  # many buckets; embeddings oversized
+        sender.stream_weights_via_ipc_zmq(
+            buffer_size_bytes=48 << 10, timeout_s=120
+        )  # many buckets; embeddings oversized
         with torch.no_grad():
             model.lm_head.weight.mul_(1.5)
         report = sender.stream_weights_via_ipc_zmq(buffer_size_bytes=1 << 20, timeout_s=120)

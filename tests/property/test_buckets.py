@@ -18,8 +18,18 @@ from policyworker.functional.buckets import (
 )
 from tests.property.strategies import SEEDS
 
-WIRE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-               torch.int8, torch.uint8, torch.bool, torch.int16]
+WIRE_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.int16,
+]
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
 specs_lists = st.lists(
     st.tuples(shapes, st.sampled_from(WIRE_DTYPES)), min_size=0, max_size=12
@@ -38,7 +48,9 @@ def _random_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
     if spec.dtype.is_floating_point:
         return torch.randn(spec.shape, generator=g, dtype=torch.float64).to(spec.dtype)
     info = torch.iinfo(spec.dtype)
-    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), spec.shape, generator=g).to(spec.dtype)
+    return torch.randint(
+        max(info.min, -(2**31)), min(info.max, 2**31 - 1), spec.shape, generator=g
+    ).to(spec.dtype)
 
 
 @given(n=st.integers(0, 10**7), alignment=st.sampled_from([1, 2, 64, 512, 4096]))
@@ -81,13 +93,19 @@ def test_ipc_plan_reference_cases_of_a_4096_byte_budget():
         IpcBucket((1,), ("p1",), (0,), 3072, True),
         IpcBucket((2,), ("p2",), (0,), 512, False),
     ]
-    assert plan_ipc_buckets(_specs_of_sizes([2048]), per_buffer) == [IpcBucket((0,), ("p0",), (0,), 2048, False)]
-    assert plan_ipc_buckets(_specs_of_sizes([2049]), per_buffer) == [IpcBucket((0,), ("p0",), (0,), 2560, True)]
+    assert plan_ipc_buckets(_specs_of_sizes([2048]), per_buffer) == [
+        IpcBucket((0,), ("p0",), (0,), 2048, False)
+    ]
+    assert plan_ipc_buckets(_specs_of_sizes([2049]), per_buffer) == [
+        IpcBucket((0,), ("p0",), (0,), 2560, True)
+    ]
     two_big = plan_ipc_buckets(_specs_of_sizes([3000, 3000]), per_buffer)
     assert [b.oversized for b in two_big] == [True, True]
     eight = plan_ipc_buckets(_specs_of_sizes([512] * 8), per_buffer)
     assert 1 < len(eight) < 8 and [n for b in eight for n in b.names] == [f"p{i}" for i in range(8)]
-    mixed = plan_ipc_buckets([TensorSpec("weight", (4,), torch.float32), TensorSpec("bias", (3,), torch.float16)], 2048)
+    mixed = plan_ipc_buckets(
+        [TensorSpec("weight", (4,), torch.float32), TensorSpec("bias", (3,), torch.float16)], 2048
+    )
     assert mixed == [IpcBucket((0, 1), ("weight", "bias"), (0, 512), 1024, False)]
 
 
@@ -109,7 +127,9 @@ def test_broadcast_plan_closes_right_after_the_tensor_that_crosses_the_target(si
         assert prefix <= target  # never closed late
         if k < len(plan) - 1:
             assert total > target  # never closed early
-    assert sum(s.nbytes for s in specs) == sum(specs[i].nbytes for b in plan for i in b)  # no padding
+    assert sum(s.nbytes for s in specs) == sum(
+        specs[i].nbytes for b in plan for i in b
+    )  # no padding
 
 
 def test_broadcast_plan_reference_cases():
@@ -124,7 +144,9 @@ def test_pack_then_unpack_round_trips_raw_bytes_of_any_dtype_and_layout(specs, s
     tensors = [_random_tensor(s, seed + i) for i, s in enumerate(specs)]
     if transpose:  # non-contiguous sources
         tensors = [t.t().contiguous().t() if t.dim() == 2 else t for t in tensors]
-        tensors = [t.transpose(0, 1).contiguous().transpose(0, 1) if t.dim() >= 2 else t for t in tensors]
+        tensors = [
+            t.transpose(0, 1).contiguous().transpose(0, 1) if t.dim() >= 2 else t for t in tensors
+        ]
     offsets, pos = [], 0
     for t in tensors:  # unaligned on purpose: misaligned slices must still come back exact
         offsets.append(pos)
@@ -139,7 +161,12 @@ def test_pack_then_unpack_round_trips_raw_bytes_of_any_dtype_and_layout(specs, s
 
 def test_pack_handles_zero_dim_and_strided_views():
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    tensors = [torch.tensor(3.5, dtype=torch.bfloat16), base.t(), base[:, ::2], base.permute(1, 0)[1:4]]
+    tensors = [
+        torch.tensor(3.5, dtype=torch.bfloat16),
+        base.t(),
+        base[:, ::2],
+        base.permute(1, 0)[1:4],
+    ]
     specs = [TensorSpec.of(f"x{i}", t) for i, t in enumerate(tensors)]
     plan = plan_ipc_buckets(specs, 2048)
     assert len(plan) == 1
@@ -156,11 +183,16 @@ def test_pack_rejects_ranges_outside_the_buffer():
         pack_tensors([torch.zeros(4)], [0], torch.empty(16))
 
 
-@given(sizes=byte_sizes, cap=st.integers(1, 10**6), free=st.one_of(st.none(), st.integers(0, 10**8)))
-def test_default_buffer_is_aligned_positive_and_fits_the_largest_tensor_when_memory_allows(sizes, cap, free):
+@given(
+    sizes=byte_sizes, cap=st.integers(1, 10**6), free=st.one_of(st.none(), st.integers(0, 10**8))
+)
+def test_default_buffer_is_aligned_positive_and_fits_the_largest_tensor_when_memory_allows(
+    sizes, cap, free
+):
     specs = _specs_of_sizes(sizes)
     per_buffer = default_ipc_buffer_bytes(specs, cap_bytes=cap, free_bytes=free)
     assert per_buffer > 0 and per_buffer % 512 == 0
     largest = max((align_up(n) for n in sizes), default=0)
     if free is None or 4 * largest <= free:
         assert per_buffer >= largest  # never "every big tensor oversized"
+    assert per_buffer <= max(512, sum(align_up(n) for n in sizes), largest)

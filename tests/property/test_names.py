@@ -17,13 +17,17 @@ from policyworker.functional.names import (
 )
 from tests.property.strategies import SEEDS, seeded_randn
 
-segments = st.sampled_from(["model", "layers", "0", "3", "self_attn", "q_proj", "mlp", "embed_tokens", "norm"])
+segments = st.sampled_from(
+    ["model", "layers", "0", "3", "self_attn", "q_proj", "mlp", "embed_tokens", "norm"]
+)
 dotted = st.lists(segments, min_size=1, max_size=5).map(".".join)
 wrappers = st.sampled_from(["_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."])
 
 
-@given(parts=st.lists(st.tuples(segments, st.lists(wrappers, max_size=2)), min_size=1, max_size=5),
-       leading_module=st.booleans())
+@given(
+    parts=st.lists(st.tuples(segments, st.lists(wrappers, max_size=2)), min_size=1, max_size=5),
+    leading_module=st.booleans(),
+)
 def test_canonical_name_removes_every_wrapper_fragment_and_nothing_else(parts, leading_module):
     clean = ".".join(seg for seg, _ in parts)
     wrapped = ".".join("".join(ws) + seg for seg, ws in parts)
@@ -47,14 +51,23 @@ def test_lora_module_name_rejects_plain_names():
         lora_module_name("model.layers.0.q_proj.weight")
 
 
-@given(E=st.integers(1, 4), I=st.integers(1, 5), H=st.integers(1, 5), layer=st.integers(0, 30), seed=SEEDS)
+@given(
+    E=st.integers(1, 4),
+    I=st.integers(1, 5),
+    H=st.integers(1, 5),
+    layer=st.integers(0, 30),
+    seed=SEEDS,
+)
 def test_split_then_fuse_experts_is_identity(E, I, H, layer, seed):
     prefix = f"model.layers.{layer}.mlp.experts"
     gate_up = seeded_randn(seed, (E, 2 * I, H))
     down = seeded_randn(seed + 1, (E, H, I))
     bias = seeded_randn(seed + 2, (E,))
-    source = [(f"{prefix}.gate_up_proj", gate_up), (f"model.layers.{layer}.mlp.gate.e_score_correction_bias", bias),
-              (f"{prefix}.down_proj", down)]
+    source = [
+        (f"{prefix}.gate_up_proj", gate_up),
+        (f"model.layers.{layer}.mlp.gate.e_score_correction_bias", bias),
+        (f"{prefix}.down_proj", down),
+    ]
     split = [pair for name, t in source for pair in to_hf_tensors(name, t)]
     assert len(split) == 3 * E + 1
     for name, t in split:  # each split tensor is the slot's view of the fused tensor
@@ -77,17 +90,24 @@ def test_gate_is_the_first_half_of_dim_one(E, I, H, seed):
 
 def test_non_expert_names_pass_through():
     t = torch.zeros(2, 3)
-    for name in ["model.layers.0.mlp.shared_experts.gate_proj.weight", "model.embed_tokens.weight",
-                 "model.layers.0.mlp.gate.weight"]:
+    for name in [
+        "model.layers.0.mlp.shared_experts.gate_proj.weight",
+        "model.embed_tokens.weight",
+        "model.layers.0.mlp.gate.weight",
+    ]:
         assert to_hf_tensors(name, t) == [(name, t)]
         assert expert_slot(name) is None
-    assert to_hf_tensors("m.experts.gate_up_proj", torch.zeros(2, 4, 3), split_fused_experts=False)[0][0] == (
-        "m.experts.gate_up_proj")
+    assert to_hf_tensors("m.experts.gate_up_proj", torch.zeros(2, 4, 3), split_fused_experts=False)[
+        0
+    ][0] == ("m.experts.gate_up_proj")
 
 
 def test_fuse_rejects_incomplete_experts():
-    pairs = [("m.experts.0.gate_proj.weight", torch.zeros(1, 2)), ("m.experts.1.gate_proj.weight", torch.zeros(1, 2)),
-             ("m.experts.1.up_proj.weight", torch.zeros(1, 2))]
+    pairs = [
+        ("m.experts.0.gate_proj.weight", torch.zeros(1, 2)),
+        ("m.experts.1.gate_proj.weight", torch.zeros(1, 2)),
+        ("m.experts.1.up_proj.weight", torch.zeros(1, 2)),
+    ]
     with pytest.raises(ValueError, match=r"missing per-expert tensors \['0.up_proj'\]"):
         fuse_expert_tensors(pairs)
     with pytest.raises(ValueError, match="appears twice"):

@@ -41,11 +41,18 @@ def test_begin_round_trips(manifest, rank):
     assert decode_request(encode(message)) == message
 
 
-@given(tensors=st.lists(st.tuples(specs, st.integers(0, 10**6)), max_size=5), seq=st.integers(0, 99),
-       size=st.integers(0, 10**9))
+@given(
+    tensors=st.lists(st.tuples(specs, st.integers(0, 10**6)), max_size=5),
+    seq=st.integers(0, 99),
+    size=st.integers(0, 10**9),
+)
 def test_bucket_complete_abort_and_reply_round_trip(tensors, seq, size):
-    bucket = Bucket(seq, ShmBuffer("pw-refit-0123abcd", size),
-                    tuple(WireTensor(s, off, s.nbytes) for s, off in tensors), size)
+    bucket = Bucket(
+        seq,
+        ShmBuffer("pw-refit-0123abcd", size),
+        tuple(WireTensor(s, off, s.nbytes) for s, off in tensors),
+        size,
+    )
     assert decode_request(encode(bucket)) == bucket
     assert decode_request(encode(Complete(seq))) == Complete(seq)
     assert decode_request(encode(Abort("why"))) == Abort("why")
@@ -62,8 +69,14 @@ def test_arbitrary_bytes_decode_to_a_protocol_error_or_a_message(frames):
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=10),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=10),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=20,
 )
 
@@ -74,8 +87,12 @@ def _spec_list(n):
 
 def test_check_manifest_names_missing_unexpected_duplicate_and_mismatched():
     expected = {s.name: (torch.Size(s.shape), s.dtype) for s in _spec_list(4)}
-    sent = [*_spec_list(2), TensorSpec("w1", (3, 4), torch.float32), TensorSpec("w3", (4, 3), torch.float32),
-            TensorSpec("extra", (1,), torch.int64)]
+    sent = [
+        *_spec_list(2),
+        TensorSpec("w1", (3, 4), torch.float32),
+        TensorSpec("w3", (4, 3), torch.float32),
+        TensorSpec("extra", (1,), torch.int64),
+    ]
     problems = " | ".join(check_manifest(sent, expected))
     assert "duplicate names: 'w1'" in problems
     assert "unexpected names (not in refit_info): 'extra'" in problems
@@ -98,24 +115,49 @@ def fuzz_setup():
     specs_ = [TensorSpec(k, tuple(s), d) for k, (s, d) in info.items()]
     plan = plan_ipc_buckets(specs_, 4096)
     staging = ShmStaging(4096)
-    pack_tensors([torch.ones(s.shape, dtype=s.dtype) for s in specs_], plan[0].offsets, staging.tensor)
-    bucket = Bucket(0, staging.ref, tuple(WireTensor(s, o, s.nbytes) for s, o in zip(specs_, plan[0].offsets)),
-                    plan[0].used_bytes)
+    pack_tensors(
+        [torch.ones(s.shape, dtype=s.dtype) for s in specs_], plan[0].offsets, staging.tensor
+    )
+    bucket = Bucket(
+        0,
+        staging.ref,
+        tuple(WireTensor(s, o, s.nbytes) for s, o in zip(specs_, plan[0].offsets)),
+        plan[0].used_bytes,
+    )
     yield model, info, specs_, bucket
     staging.close()
 
 
 def _mutations():
     """Ways to break a valid header: (path of keys/indices, invalid value)."""
-    return st.sampled_from([
-        (("protocol",), "other"), (("version",), 2), (("version",), "1"), (("kind",), "bucket!"),
-        (("seq",), -1), (("seq",), 1.5), (("used_bytes",), 10**9), (("used_bytes",), 1),
-        (("buffer", "kind"), "tcp"), (("buffer", "name"), "../etc/passwd"), (("buffer", "name"), "pw-refit-ffffffffffff"),
-        (("buffer", "size"), 10**12), (("buffer", "size"), 16), (("tensors", 0, 0), "not_a_param"),
-        (("tensors", 0, 1), "float16"), (("tensors", 0, 1), "object"), (("tensors", 0, 2), [4, 3]),
-        (("tensors", 0, 2), [-1]), (("tensors", 0, 3), 3), (("tensors", 1, 3), 0), (("tensors", 0, 4), 999),
-        (("tensors", 1), None), (("tensors",), {}), (("tensors", 2, 0), "a.weight"),
-    ])
+    return st.sampled_from(
+        [
+            (("protocol",), "other"),
+            (("version",), 2),
+            (("version",), "1"),
+            (("kind",), "bucket!"),
+            (("seq",), -1),
+            (("seq",), 1.5),
+            (("used_bytes",), 10**9),
+            (("used_bytes",), 1),
+            (("buffer", "kind"), "tcp"),
+            (("buffer", "name"), "../etc/passwd"),
+            (("buffer", "name"), "pw-refit-ffffffffffff"),
+            (("buffer", "size"), 10**12),
+            (("buffer", "size"), 16),
+            (("tensors", 0, 0), "not_a_param"),
+            (("tensors", 0, 1), "float16"),
+            (("tensors", 0, 1), "object"),
+            (("tensors", 0, 2), [4, 3]),
+            (("tensors", 0, 2), [-1]),
+            (("tensors", 0, 3), 3),
+            (("tensors", 1, 3), 0),
+            (("tensors", 0, 4), 999),
+            (("tensors", 1), None),
+            (("tensors",), {}),
+            (("tensors", 2, 0), "a.weight"),
+        ]
+    )
 
 
 def _set(header, path, value):
@@ -125,10 +167,15 @@ def _set(header, path, value):
     node[path[-1]] = value
 
 
-@given(mutation=_mutations(), extra_frames=st.lists(st.binary(max_size=8), max_size=2),
-       junk=st.one_of(st.none(), st.binary(max_size=64), json_values))
+@given(
+    mutation=_mutations(),
+    extra_frames=st.lists(st.binary(max_size=8), max_size=2),
+    junk=st.one_of(st.none(), st.binary(max_size=64), json_values),
+)
 @settings(max_examples=60)
-def test_fuzzed_bucket_is_answered_with_a_rejection_and_never_writes(fuzz_setup, mutation, extra_frames, junk):
+def test_fuzzed_bucket_is_answered_with_a_rejection_and_never_writes(
+    fuzz_setup, mutation, extra_frames, junk
+):
     model, info, specs_, bucket = fuzz_setup
     before = {k: v.clone() for k, v in model.state_dict().items()}
     server = RefitServer(WeightApplier(model, info, atomic=False))
@@ -141,8 +188,16 @@ def test_fuzzed_bucket_is_answered_with_a_rejection_and_never_writes(fuzz_setup,
     elif isinstance(junk, bytes):
         frames = [junk, *extra_frames]
     else:
-        frames = [json.dumps({"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "kind": "bucket", **(
-            junk if isinstance(junk, dict) else {"tensors": junk})}).encode()]
+        frames = [
+            json.dumps(
+                {
+                    "protocol": PROTOCOL,
+                    "version": PROTOCOL_VERSION,
+                    "kind": "bucket",
+                    **(junk if isinstance(junk, dict) else {"tensors": junk}),
+                }
+            ).encode()
+        ]
     reply, outcome = server.handle(frames)
     decoded = decode_reply(reply)
     assert not decoded.ok and decoded.reason and outcome.error is not None
@@ -158,14 +213,23 @@ def test_valid_stream_through_the_handler_writes_and_reports(fuzz_setup):
         reply, outcome = server.handle(encode(message))
         assert decode_reply(reply).ok, decode_reply(reply).reason
     reply, outcome = server.handle(encode(Complete(1)))
-    assert outcome.done and outcome.report.version == 1 and decode_reply(reply).report["num_tensors"] == 3
-    assert torch.equal(model.a.weight, torch.ones(3, 4)) and torch.equal(model.steps, torch.ones(5, dtype=torch.int64))
+    assert (
+        outcome.done
+        and outcome.report.version == 1
+        and decode_reply(reply).report["num_tensors"] == 3
+    )
+    assert torch.equal(model.a.weight, torch.ones(3, 4)) and torch.equal(
+        model.steps, torch.ones(5, dtype=torch.int64)
+    )
 
 
 def test_messages_out_of_order_are_rejected(fuzz_setup):
     model, info, specs_, bucket = fuzz_setup
     server = RefitServer(WeightApplier(model, info, atomic=False))
-    for message, reason in [(bucket, "BUCKET before BEGIN"), (Complete(0), "COMPLETE before BEGIN")]:
+    for message, reason in [
+        (bucket, "BUCKET before BEGIN"),
+        (Complete(0), "COMPLETE before BEGIN"),
+    ]:
         reply, outcome = server.handle(encode(message))
         assert reason in decode_reply(reply).reason and outcome.error is not None
     server.handle(encode(Begin(0, "shm", 512, tuple(specs_))))

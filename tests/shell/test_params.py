@@ -4,8 +4,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig
-from transformers import Qwen3MoeForCausalLM
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from policyworker.errors import LoRAMergeError
 from policyworker.shell.params import params_generator, refit_info
@@ -14,22 +20,51 @@ torch.manual_seed(0)
 
 
 def _qwen3_moe():
-    cfg = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128, num_experts=4,
-                         num_experts_per_tok=2, decoder_sparse_step=1, tie_word_embeddings=False)
+    cfg = Qwen3MoeConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        tie_word_embeddings=False,
+    )
     return Qwen3MoeForCausalLM(cfg)
 
 
 def _deepseek_v3():
-    cfg = DeepseekV3Config(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-                           first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                           n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16,
-                           q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, vocab_size=128)
+    cfg = DeepseekV3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        vocab_size=128,
+    )
     model = DeepseekV3ForCausalLM(cfg)
     with torch.no_grad():  # a non-trivial router bias so a lost fp32 digit would show
         for module in model.modules():
             if hasattr(module, "e_score_correction_bias"):
-                module.e_score_correction_bias.copy_(torch.randn_like(module.e_score_correction_bias) * 1e-3 + 1.0)
+                module.e_score_correction_bias.copy_(
+                    torch.randn_like(module.e_score_correction_bias) * 1e-3 + 1.0
+                )
     return model
 
 
@@ -54,7 +89,9 @@ def test_deepseek_router_state_stays_fp32_and_the_rest_is_cast():
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert streamed[bias].dtype == torch.float32
     assert torch.equal(streamed[bias], model.model.layers[1].mlp.gate.e_score_correction_bias)
-    assert streamed["model.layers.1.mlp.gate.weight"].dtype == torch.float32  # _keep_in_fp32_modules_strict
+    assert (
+        streamed["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    )  # _keep_in_fp32_modules_strict
     assert streamed["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == torch.bfloat16
     info = refit_info(model, torch.bfloat16)
     assert list(info) == list(streamed)
@@ -62,8 +99,15 @@ def test_deepseek_router_state_stays_fp32_and_the_rest_is_cast():
 
 
 def test_tied_lm_head_is_omitted_and_metadata_matches_the_stream():
-    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        tie_word_embeddings=True,
+    )
     model = Qwen2ForCausalLM(cfg)
     streamed = list(params_generator(model, torch.bfloat16))
     assert "lm_head.weight" not in dict(streamed) and streamed[0][0] == "model.embed_tokens.weight"
@@ -76,7 +120,12 @@ def test_plain_linear_int_buffers_and_draft_prefix():
     draft = nn.Linear(2, 2, bias=False)
     streamed = list(params_generator(base, torch.bfloat16, draft))
     assert [n for n, _ in streamed] == ["weight", "bias", "token_map", "draft.weight"]
-    assert [t.dtype for _, t in streamed] == [torch.bfloat16, torch.bfloat16, torch.int64, torch.bfloat16]
+    assert [t.dtype for _, t in streamed] == [
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.int64,
+        torch.bfloat16,
+    ]
     assert torch.equal(streamed[2][1], torch.arange(6))
     streamed32 = list(params_generator(base, torch.float32))
     assert all(t.is_contiguous() for _, t in streamed32) and streamed32[0][1].dtype == torch.float32

@@ -87,9 +87,18 @@ class _Child:
     """A receiver process driven by JSON commands; replies come back as '@@'-prefixed lines."""
 
     def __init__(self):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=env)
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         self.lines = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -120,8 +129,15 @@ def child():
 
 
 def _qwen2_config(tmp, tie=True):
-    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, tie_word_embeddings=tie)
+    cfg = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        tie_word_embeddings=tie,
+    )
     cfg.save_pretrained(tmp)
     return cfg
 
@@ -133,7 +149,9 @@ def _model(cfg, seed):
 
 
 def _write_info(info, path):
-    json.dump({n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()}, open(path, "w"))
+    json.dump(
+        {n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()}, open(path, "w")
+    )
 
 
 def _logprobs(model, ids):
@@ -147,11 +165,21 @@ def _logprobs(model, ids):
 
 
 def _refit(child, sender, tmp_path, *, dtype, config_dir, ids, timeout_s=60.0, **setup):
-    info_path, out, batch = tmp_path / "info.json", tmp_path / "out.safetensors", tmp_path / "batch.safetensors"
+    info_path, out, batch = (
+        tmp_path / "info.json",
+        tmp_path / "out.safetensors",
+        tmp_path / "batch.safetensors",
+    )
     _write_info(sender.prepare_refit_info(), info_path)
     save_file({"input_ids": ids}, batch)
-    child.send(op="setup", config_dir=str(config_dir), dtype=dtype, refit_info=str(info_path),
-               address=sender.get_zmq_address(), **setup)
+    child.send(
+        op="setup",
+        config_dir=str(config_dir),
+        dtype=dtype,
+        refit_info=str(info_path),
+        address=sender.get_zmq_address(),
+        **setup,
+    )
     assert child.reply()["ok"]
     child.send(op="receive", batch=str(batch), out=str(out))
     report = sender.stream_weights_via_ipc_zmq(timeout_s=timeout_s)
@@ -173,10 +201,16 @@ def test_fp32_refit_gives_bitwise_identical_logprobs_and_can_repeat(child, tmp_p
         assert torch.equal(got["logprobs"], _logprobs(model, IDS))
         with torch.no_grad():
             model.model.layers[0].mlp.up_proj.weight.add_(0.5)
-        child.send(op="receive", batch=str(tmp_path / "batch.safetensors"), out=str(tmp_path / "out.safetensors"))
+        child.send(
+            op="receive",
+            batch=str(tmp_path / "batch.safetensors"),
+            out=str(tmp_path / "out.safetensors"),
+        )
         assert sender.stream_weights_via_ipc_zmq(timeout_s=60)["version"] == 2
         assert child.reply()["ok"]
-        assert torch.equal(load_file(tmp_path / "out.safetensors")["logprobs"], _logprobs(model, IDS))
+        assert torch.equal(
+            load_file(tmp_path / "out.safetensors")["logprobs"], _logprobs(model, IDS)
+        )
     finally:
         sender.close()
 
@@ -193,15 +227,33 @@ def test_bf16_refit_of_fp32_master_equals_the_trainers_bf16_cast(child, tmp_path
 
 
 def test_deepseek_router_bias_arrives_in_fp32_and_metadata_matches_bytes(child, tmp_path):
-    cfg = DeepseekV3Config(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-                           first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                           n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16,
-                           q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, vocab_size=128)
+    cfg = DeepseekV3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        vocab_size=128,
+    )
     cfg.save_pretrained(tmp_path)
     model = _model(cfg, 2)
     bias = model.model.layers[1].mlp.gate.e_score_correction_bias
     with torch.no_grad():
-        bias.copy_(1.0 + 1e-3 * torch.arange(4, dtype=torch.float32))  # steps a bf16 cast would erase
+        bias.copy_(
+            1.0 + 1e-3 * torch.arange(4, dtype=torch.float32)
+        )  # steps a bf16 cast would erase
     sender = RefitSender(lambda: model, torch.bfloat16)
     try:
         _, got = _refit(child, sender, tmp_path, dtype="bfloat16", config_dir=tmp_path, ids=IDS)
@@ -226,7 +278,9 @@ def test_receiver_killed_mid_stream_times_out_then_the_sender_refits_again(child
         save_file({"input_ids": IDS}, batch)
         dying.send(op="setup_discard", refit_info=str(info_path), address=sender.get_zmq_address())
         assert dying.reply()["ok"]
-        dying.send(op="receive", batch=str(batch), out=str(tmp_path / "x.safetensors"), die_after_buckets=1)
+        dying.send(
+            op="receive", batch=str(batch), out=str(tmp_path / "x.safetensors"), die_after_buckets=1
+        )
         start = time.monotonic()
         with pytest.raises(RefitTimeoutError, match=r"rank 0.*phase 'bucket \d+'.*ipc://"):
             sender.stream_weights_via_ipc_zmq(buffer_size_bytes=16384, timeout_s=3.0)
@@ -247,18 +301,31 @@ def test_manifest_violation_is_rejected_with_names_and_without_a_timeout_wait(ch
         info.pop("model.norm.weight")
         info["model.ghost.weight"] = (torch.Size([2]), torch.float32)
         _write_info(info, tmp_path / "info.json")
-        child.send(op="setup", config_dir=str(tmp_path), dtype="float32", refit_info=str(tmp_path / "info.json"),
-                   address=sender.get_zmq_address())
+        child.send(
+            op="setup",
+            config_dir=str(tmp_path),
+            dtype="float32",
+            refit_info=str(tmp_path / "info.json"),
+            address=sender.get_zmq_address(),
+        )
         answer = child.reply()
         assert not answer["ok"] and "'model.ghost.weight': no such parameter" in answer["error"]
         good = sender.prepare_refit_info()
         bad = dict(good)
-        bad["model.norm.weight"] = (torch.Size([5]), torch.float32)  # the receiver expects another shape
+        bad["model.norm.weight"] = (
+            torch.Size([5]),
+            torch.float32,
+        )  # the receiver expects another shape
         received = []
-        receiver = HFWeightReceiver(received.extend, address=sender.get_zmq_address(), refit_info=bad, timeout_s=30)
+        receiver = HFWeightReceiver(
+            received.extend, address=sender.get_zmq_address(), refit_info=bad, timeout_s=30
+        )
         thread, box = _serve_in_thread(receiver)
         start = time.monotonic()
-        with pytest.raises(RefitError, match=r"rejected begin: manifest rejected.*'model.norm.weight' sent float32\[32\]"):
+        with pytest.raises(
+            RefitError,
+            match=r"rejected begin: manifest rejected.*'model.norm.weight' sent float32\[32\]",
+        ):
             sender.stream_weights_via_ipc_zmq(timeout_s=30)
         assert time.monotonic() - start < 5
         thread.join(10)
@@ -312,20 +379,35 @@ def test_protocol_order_oversized_tensor_and_buffers_freed_before_complete(monke
             seen_files.add(message.buffer.name)
             log.append((kind, tuple(t.spec.name for t in message.tensors), message.used_bytes))
         else:
-            log.append((kind, zmq.live_staging_bytes, sorted(f for f in seen_files
-                                                              if os.path.exists(os.path.join(zmq_ipc.SHM_DIR, f)))))
+            log.append(
+                (
+                    kind,
+                    zmq.live_staging_bytes,
+                    sorted(
+                        f for f in seen_files if os.path.exists(os.path.join(zmq_ipc.SHM_DIR, f))
+                    ),
+                )
+            )
         return original(self, frames)
 
     monkeypatch.setattr(zmq_ipc.RefitServer, "handle", recording)
     got = {}
-    receiver = HFWeightReceiver(lambda pairs: got.update({n: t.clone() for n, t in pairs}),
-                                address=sender.get_zmq_address(), refit_info=info, timeout_s=30)
+    receiver = HFWeightReceiver(
+        lambda pairs: got.update({n: t.clone() for n, t in pairs}),
+        address=sender.get_zmq_address(),
+        refit_info=info,
+        timeout_s=30,
+    )
     thread, box = _serve_in_thread(receiver)
     try:
         sender.stream_weights_via_ipc_zmq(buffer_size_bytes=4096, timeout_s=30)
         thread.join(30)
         assert "error" not in box, box
-        assert log[0][0] == "Begin" and log[-1] == ("Complete", 0, [])  # staging freed and unlinked first
+        assert log[0][0] == "Begin" and log[-1] == (
+            "Complete",
+            0,
+            [],
+        )  # staging freed and unlinked first
         buckets = [entry[1:] for entry in log if entry[0] == "Bucket"]
         assert buckets == [(("small",), 512), (("big",), 3072), (("grid", "steps", "flags"), 2048)]
         for name, (shape, dtype) in info.items():  # metadata dtypes equal the bytes that arrived
@@ -341,14 +423,20 @@ def test_atomic_receiver_keeps_the_previous_version_when_a_refit_aborts():
     model, target = _Buffers(), _Buffers()
     before = {k: v.clone() for k, v in target.state_dict().items()}
     sender = RefitSender(lambda: model, torch.float32)
-    receiver = HFWeightReceiver(target, address=sender.get_zmq_address(), refit_info=sender.prepare_refit_info(),
-                                atomic=True, timeout_s=30)
+    receiver = HFWeightReceiver(
+        target,
+        address=sender.get_zmq_address(),
+        refit_info=sender.prepare_refit_info(),
+        atomic=True,
+        timeout_s=30,
+    )
     original = sender._zmq().stream
 
     def failing_stream(specs, plan, sources, **kwargs):
         def sources_then_fail():
             yield from (next(sources) for _ in range(3))
             raise OSError("disk on fire")
+
         return original(specs, plan, sources_then_fail(), **kwargs)
 
     sender._zmq().stream = failing_stream
@@ -374,17 +462,28 @@ def test_atomic_receiver_keeps_the_previous_version_when_a_refit_aborts():
 def test_in_place_receiver_is_stale_after_a_partial_refit():
     model, target = _Buffers(), _Buffers()
     sender = RefitSender(lambda: model, torch.float32)
-    receiver = HFWeightReceiver(target, address=sender.get_zmq_address(), refit_info=sender.prepare_refit_info(),
-                                timeout_s=30)
+    receiver = HFWeightReceiver(
+        target,
+        address=sender.get_zmq_address(),
+        refit_info=sender.prepare_refit_info(),
+        timeout_s=30,
+    )
     receiver.begin_refit(sender.prepare_refit_info())
     receiver.apply_batch([("small", model.small.detach())])
     with pytest.raises(RefitError, match="never arrived"):
         receiver.commit_refit()
     assert receiver.stale and torch.equal(target.small, model.small)
     report = receiver.apply_named_tensors(
-        [(n, t.to(d)) for n, t, (_, d) in zip(model.state_dict(), model.state_dict().values(),
-                                              sender.prepare_refit_info().values())],
-        manifest=sender.prepare_refit_info())
+        [
+            (n, t.to(d))
+            for n, t, (_, d) in zip(
+                model.state_dict(),
+                model.state_dict().values(),
+                sender.prepare_refit_info().values(),
+            )
+        ],
+        manifest=sender.prepare_refit_info(),
+    )
     assert report.version == 1 and not receiver.stale
     receiver.close()
     sender.close()
@@ -397,5 +496,8 @@ def test_bad_arguments_fail_before_any_message():
     with pytest.raises(ValueError, match="buffer_size_bytes -1"):
         sender.stream_weights_via_ipc_zmq(buffer_size_bytes=-1)
     address = sender.get_zmq_address()
-    assert address.startswith("ipc://") and oct(os.stat(os.path.dirname(address[6:])).st_mode & 0o777) == "0o700"
+    assert (
+        address.startswith("ipc://")
+        and oct(os.stat(os.path.dirname(address[6:])).st_mode & 0o777) == "0o700"
+    )
     sender.close()

@@ -124,12 +124,15 @@ Staging = ShmStaging | CudaStaging
 def _fill(staging: Staging, bucket: IpcBucket, sources: Sequence[RefitSource]) -> list[WireTensor]:
     """Cast each source straight into its typed slot of the staging bytes (one pass)."""
     assert staging.tensor is not None
-    entries = []
+    entries, slots = [], []
     for source, offset in zip(sources, bucket.offsets, strict=True):
         spec = source.spec
-        slot = staging.tensor[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape)
-        slot.copy_(source.tensor, non_blocking=True)
+        slots.append(
+            staging.tensor[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape)
+        )
         entries.append(WireTensor(spec, offset, spec.nbytes))
+    if slots:  # copy_ casts; one call launches the whole bucket
+        torch._foreach_copy_(slots, [s.tensor for s in sources], non_blocking=True)
     return entries
 
 
