@@ -50,8 +50,9 @@ def load_fp32(path: str) -> torch.nn.Module:
     return model.to(device())
 
 
-def make_step(model, ctx, ids, *, autocast: bool):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+def make_step(model, ctx, ids, *, autocast: bool, fused: bool):
+    kind = {"fused": True} if fused else {"foreach": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **kind)
     amp = (
         torch.autocast(device().type, dtype=torch.bfloat16)
         if autocast
@@ -72,10 +73,10 @@ def make_step(model, ctx, ids, *, autocast: bool):
     return step
 
 
-def measure(name, model, ctx, ids, *, autocast, repeats) -> dict:
+def measure(name, model, ctx, ids, *, autocast, repeats, fused) -> dict:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    step = make_step(model, ctx, ids, autocast=autocast)
+    step = make_step(model, ctx, ids, autocast=autocast, fused=fused)
     seconds, loss = timed(step, repeats=repeats, warmup=2)
     tokens = ids.numel()
     result = {
@@ -97,6 +98,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--fused", action="store_true", help="fused AdamW (default foreach)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/)")
     args = parser.parse_args()
     batch = args.batch or (2 if args.small else 4)
@@ -176,7 +178,8 @@ def main() -> None:
         "rows": rows,
         "torch": torch.__version__,
     }
-    write_results("fsdp_overhead_small" if args.small else "fsdp_overhead", payload, args.out)
+    name = "fsdp_overhead_small" if args.small else "fsdp_overhead"
+    write_results(name + ("_fused" if args.fused else ""), payload, args.out)
 
 
 if __name__ == "__main__":

@@ -614,7 +614,11 @@ def _reduce_groups(grad: torch.Tensor) -> tuple[tuple[Any, ...], torch.Tensor]:
     mesh = grad.device_mesh
     # FSDP2 over TP shards dp with _StridedShard, which is neither a Shard nor is_shard().
     sharded = (Shard, _StridedShard)
-    groups = tuple(mesh.get_group(d) for d, p in enumerate(placements) if isinstance(p, sharded))
+    groups = tuple(
+        mesh.get_group(d)
+        for d, p in enumerate(placements)
+        if isinstance(p, sharded) and mesh.size(d) > 1
+    )
     return groups, grad.to_local()
 
 

@@ -252,7 +252,8 @@ def parallelize_model(
         if precision == torch.float32
         else MixedPrecisionPolicy(param_dtype=precision, reduce_dtype=torch.float32)
     )
-    fsdp_kwargs: dict[str, object] = {"mesh": ctx.fsdp_mesh(), "mp_policy": mp_policy}
+    fsdp_mesh = ctx.fsdp_mesh()
+    fsdp_kwargs: dict[str, object] = {"mesh": fsdp_mesh, "mp_policy": mp_policy}
     if cpu_offload:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for layer in layers:
