@@ -243,19 +243,27 @@ def _dtensor_box(t: Any) -> tuple[Box, bool] | None:
     coord = t.device_mesh.get_coordinate()
     if coord is None:
         return None
-    box = [list(b) for b in _full_box(t.shape)]
-    owner = True
+    mesh = t.device_mesh
+    owner, shards, strided = True, [], []
     for axis, placement in enumerate(t.placements):
-        n, c = t.device_mesh.size(axis), coord[axis]
         if type(placement) is Replicate:
-            owner = owner and c == 0
+            owner = owner and coord[axis] == 0
         elif type(placement) is Shard:
-            lo, hi = box[placement.dim]
-            chunk = -(-(hi - lo) // n)
-            s = min(lo + c * chunk, hi)
-            box[placement.dim] = [s, min(s + chunk, hi)]
+            shards.append((axis, placement.dim))
+        elif type(placement).__name__ == "_StridedShard":  # FSDP2 over TP: split after later axes
+            strided.append((axis, placement.dim))
+            later = math.prod(mesh.size(a) for a, p in enumerate(t.placements)
+                              if a > axis and type(p) is Shard and p.dim == placement.dim)
+            if placement.split_factor != later:
+                return None
         else:
             return None
+    box = [list(b) for b in _full_box(t.shape)]
+    for axis, dim in shards + strided:
+        lo, hi = box[dim]
+        chunk = -(-(hi - lo) // mesh.size(axis))
+        s = min(lo + coord[axis] * chunk, hi)
+        box[dim] = [s, min(s + chunk, hi)]
     result = tuple((a, b) for a, b in box)
     if tuple(b - a for a, b in result) != tuple(t.to_local().shape):
         return None
@@ -740,10 +748,16 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str], *, paralle
 def _copy_into(dest: torch.Tensor, value: torch.Tensor, local: _Local) -> None:
     dest = dest.detach()
     if hasattr(dest, "device_mesh"):
-        if local.gathered:
-            from torch.distributed.tensor import distribute_tensor
+        if local.gathered:  # full value on every rank: keep this rank's part of the placement
+            from torch.distributed.tensor import DTensor, Replicate
 
-            value = distribute_tensor(value.to(dest.device), dest.device_mesh, dest.placements).to_local()
+            full = DTensor.from_local(
+                value.to(dest.device),
+                dest.device_mesh,
+                [Replicate()] * dest.device_mesh.ndim,
+                run_check=False,
+            )
+            value = full.redistribute(dest.device_mesh, dest.placements).to_local()
         dest = dest.to_local()
     dest.copy_(value)
 
