@@ -1,24 +1,194 @@
-"""Command line: `policyworker demo | bench | info`."""
+"""Command line: `policyworker demo | info | bench` (also `python -m policyworker ...`).
+
+- `demo`: GRPO on a toy task with a separate inference process refit over ZMQ (see
+  `policyworker.demo.loop`); exit 0 only if reward rose and trainer/inference logprobs agree.
+- `info`: versions, devices, attention kernels and weight transports usable here.
+- `bench`: run `bench/*.py` and print one table (see `policyworker.bench_runner`).
+"""
+
+from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
+import os
+import platform
 import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["build_parser", "collect_info", "format_info", "main"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="policyworker")
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        msg = f"{value} must be >= 1"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        msg = f"{value} must be >= 0"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        msg = f"{value} must be > 0"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from policyworker import bench_runner
+
+    parser = argparse.ArgumentParser(prog="policyworker", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="GRPO loop on a toy task with a separate inference process")
+    demo = sub.add_parser("demo", help="GRPO loop on a toy task with a separate inference process",
+                          description="GRPO on a toy task: a PolicyWorker trains, a separate "
+                          "inference process samples and receives every update over the ZMQ refit.")
+    demo.add_argument("--steps", type=_positive_int, default=20, help="RL steps (default 20)")
+    demo.add_argument("--seed", type=_non_negative_int, default=0,
+                      help="model/prompt/sampling seed")
+    demo.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                      help="trainer and inference device; on CUDA the refit uses CUDA IPC")
+    demo.add_argument("--tp", type=_positive_int, default=1,
+                      help="tensor-parallel size (launch with torchrun --nproc-per-node >= tp)")
+    demo.add_argument("--lora", action="store_true", help="train through dtensor_cfg.lora_cfg")
+    demo.add_argument("--precision", choices=("float32", "bfloat16", "float16"),
+                      default="float32", help="policy.precision (parity is exact in float32)")
+    demo.add_argument("--lr", type=_positive_float, default=1e-2, help="AdamW learning rate")
+    demo.add_argument("--plot", metavar="PATH", default=None,
+                      help="write the reward curve as a PNG (needs matplotlib)")
+    demo.add_argument("--no-require-rise", dest="require_rise", action="store_false",
+                      help="exit 0 even if reward did not rise (parity is still checked)")
+    demo.add_argument("--timeout", type=_positive_float, default=120.0,
+                      help="seconds any wait on the inference process may take")
     sub.add_parser("info", help="versions, devices, attention kernels and transports")
+    bench = sub.add_parser("bench", help="run bench/*.py and print one table")
+    bench_runner.add_arguments(bench)
+    return parser
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from policyworker.demo.loop import DemoOptions, run_demo
+
+    opts = DemoOptions(steps=args.steps, seed=args.seed, device=args.device, tp=args.tp,
+                       lora=args.lora, precision=args.precision, lr=args.lr,
+                       require_rise=args.require_rise, plot=args.plot, timeout_s=args.timeout)
+    try:
+        result = run_demo(opts)
+    except ValueError as exc:  # caller errors (config, world size, device): say what to change
+        print(f"policyworker demo: error: {exc}", file=sys.stderr)
+        return 2
+    return result.exit_code
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _can_import(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _shared_memory_ok() -> bool:
+    import torch
+
+    try:
+        torch.zeros(8).share_memory_()
+    except (RuntimeError, OSError):
+        return False
+    return True
+
+
+def collect_info() -> dict[str, Any]:
+    """Everything `policyworker info` prints, as a JSON-able dict."""
+    import torch
+    import torch.distributed as dist
+
+    import policyworker
+
+    cuda = torch.cuda.is_available()
+    count = torch.cuda.device_count() if cuda else 0
+    devices = [torch.cuda.get_device_name(i) for i in range(count)]
+    varlen_imports = _can_import("torch.nn.attention.varlen")
+    zmq_version = libzmq = None
+    if _can_import("zmq"):
+        import zmq
+
+        zmq_version, libzmq = zmq.pyzmq_version(), zmq.zmq_version()
+    return {
+        "versions": {"policyworker": policyworker.__version__, "python": platform.python_version(),
+                     "torch": torch.__version__, "transformers": _version("transformers"),
+                     "attrs": _version("attrs"), "cattrs": _version("cattrs"),
+                     "pyzmq": zmq_version, "safetensors": _version("safetensors")},
+        "devices": {"cuda_count": len(devices), "cuda_names": devices,
+                    "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()},
+        "attention": {"sdpa": hasattr(torch.nn.functional, "scaled_dot_product_attention"),
+                      "varlen": varlen_imports and cuda, "varlen_module": varlen_imports,
+                      "flex_attention": _can_import("torch.nn.attention.flex_attention"),
+                      "flash_attn_package": _can_import("flash_attn")},
+        "transports": {"zmq": zmq_version is not None, "libzmq": libzmq,
+                       "shared_memory": _shared_memory_ok(), "cuda_ipc": cuda,
+                       "gloo": dist.is_available() and dist.is_gloo_available(),
+                       "nccl": dist.is_available() and dist.is_nccl_available() and cuda},
+    }
+
+
+def _yes(flag: bool, note: str = "") -> str:
+    return ("yes" if flag else "no") + (f" ({note})" if note else "")
+
+
+def format_info(info: dict[str, Any]) -> str:
+    v, d, a, t = info["versions"], info["devices"], info["attention"], info["transports"]
+    gpus = (f"CUDA x{d['cuda_count']}: {', '.join(d['cuda_names'])}" if d["cuda_count"]
+            else "no CUDA device")
+    varlen_note = "needs CUDA" if a["varlen_module"] else "torch.nn.attention.varlen missing"
+    flex_note = "" if d["cuda_count"] else "forward only on CPU"
+    zmq_note = f"pyzmq {v['pyzmq']}, libzmq {t['libzmq']}" if t["zmq"] else "pip install pyzmq"
+    lines = [
+        f"policyworker {v['policyworker']}",
+        f"  python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
+        f"attrs {v['attrs']}, cattrs {v['cattrs']}, safetensors {v['safetensors']}",
+        f"devices: {gpus}; CPU {d['cpu_count']} cores, torch threads {d['cpu_threads']}",
+        "attention kernels:",
+        f"  sdpa            {_yes(a['sdpa'])}",
+        f"  varlen          {_yes(a['varlen'], '' if a['varlen'] else varlen_note)}",
+        f"  flex_attention  {_yes(a['flex_attention'], flex_note)}",
+        f"  flash-attn pkg  {_yes(a['flash_attn_package'])}",
+        "weight transports:",
+        f"  zmq             {_yes(t['zmq'], zmq_note)}",
+        f"  shared memory   {_yes(t['shared_memory'], 'CPU refit buffers')}",
+        f"  CUDA IPC        {_yes(t['cuda_ipc'], '' if t['cuda_ipc'] else 'no CUDA device')}",
+        f"  gloo            {_yes(t['gloo'])}",
+        f"  NCCL            {_yes(t['nccl'])}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        return _run_demo(args)
     if args.command == "info":
-        import torch
-
-        import policyworker
-
-        print(f"policyworker {policyworker.__version__}, torch {torch.__version__}")
+        print(format_info(collect_info()))
         return 0
-    print("policyworker demo: the GRPO demo is being built (issue 8).")
-    return 0
+    from policyworker import bench_runner
+
+    return bench_runner.run_from_args(args, parser)
 
 
 if __name__ == "__main__":

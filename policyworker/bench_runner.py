@@ -1,0 +1,244 @@
+"""`policyworker bench`: run the scripts in `bench/`, gather their JSON, print one table.
+
+Each `bench/<name>.py` is run as `python bench/<name>.py [--small] --json bench/results/<name>.json`
+(`--json` only when the script's source declares it; otherwise the script must write that file
+itself). The agreed result schema is::
+
+    {"rows": [{"metric": str, "ours": float, "baseline": float | null, "limit": float | null,
+               "ratio": float | null, "unit": str}, ...], ...anything else...}
+
+`ratio` defaults to ours / baseline. Results written before this schema existed are normalized
+by a small per-benchmark adapter (`ADAPTERS`), or else every numeric leaf becomes a row of its
+own. The runner writes `bench/results/summary.json` (date, host, torch, every row, exit codes)
+and exits non-zero if any script failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from attrs import asdict, frozen
+
+__all__ = ["ADAPTERS", "BenchRow", "default_bench_dir", "discover", "format_table", "main",
+           "normalize_rows", "run_benchmarks"]
+
+
+@frozen(kw_only=True)
+class BenchRow:
+    """One line of the table: our figure, the baseline's, the limit, ours / baseline."""
+
+    bench: str
+    metric: str
+    ours: float | None
+    baseline: float | None = None
+    limit: float | None = None
+    ratio: float | None = None
+    unit: str = ""
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _ratio(ours: float | None, baseline: float | None) -> float | None:
+    if ours is None or baseline is None or baseline == 0:
+        return None
+    return ours / baseline
+
+
+def _row(bench: str, raw: Mapping[str, Any]) -> BenchRow:
+    ours, baseline = _num(raw.get("ours")), _num(raw.get("baseline"))
+    ratio = _num(raw.get("ratio"))
+    return BenchRow(bench=bench, metric=str(raw.get("metric", "?")), ours=ours, baseline=baseline,
+                    limit=_num(raw.get("limit")),
+                    ratio=ratio if ratio is not None else _ratio(ours, baseline),
+                    unit=str(raw.get("unit", "")))
+
+
+def _lora_rows(bench: str, r: Mapping[str, Any]) -> list[BenchRow]:
+    """bench/lora.py's own layout: LoRA vs full fine-tuning tokens/s, merge cost at refit."""
+    lora_tps, full_tps = r["lora"]["tokens_per_s"], r["full_ft"]["tokens_per_s"]
+    merged, cast = r["lora_refit_s"] * 1e3, r["lora_refit_no_merge_s"] * 1e3
+    return [
+        BenchRow(bench=bench, metric="train tokens/s, LoRA vs full fine-tuning", ours=lora_tps,
+                 baseline=full_tps, ratio=_ratio(lora_tps, full_tps), unit="tok/s"),
+        BenchRow(bench=bench, metric="refit tensors, LoRA merge+cast vs cast only", ours=merged,
+                 baseline=cast, ratio=_ratio(merged, cast), unit="ms"),
+    ]
+
+
+ADAPTERS: dict[str, Callable[[str, Mapping[str, Any]], list[BenchRow]]] = {"lora": _lora_rows}
+
+
+def _leaves(prefix: str, value: Any) -> list[tuple[str, float]]:
+    if isinstance(value, Mapping):
+        out: list[tuple[str, float]] = []
+        for key, sub in value.items():
+            out += _leaves(f"{prefix}.{key}" if prefix else str(key), sub)
+        return out
+    number = _num(value)
+    return [(prefix, number)] if number is not None and math.isfinite(number) else []
+
+
+def normalize_rows(bench: str, result: Any) -> list[BenchRow]:
+    """Rows of one benchmark's JSON: the agreed schema, an adapter, or every numeric leaf."""
+    if isinstance(result, Mapping) and isinstance(result.get("rows"), list):
+        return [_row(bench, raw) for raw in result["rows"]]
+    if isinstance(result, list) and all(isinstance(r, Mapping) for r in result):
+        return [_row(bench, raw) for raw in result]
+    if bench in ADAPTERS and isinstance(result, Mapping):
+        try:
+            return ADAPTERS[bench](bench, result)
+        except (KeyError, TypeError):
+            pass  # an older/newer layout: fall back to the generic rows below
+    return [BenchRow(bench=bench, metric=name, ours=value) for name, value in _leaves("", result)]
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value == 0 or 1e-3 <= abs(value) < 1e6:
+        return f"{value:,.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return f"{value:.3e}"
+
+
+def format_table(rows: Sequence[BenchRow]) -> str:
+    """A fixed-width table: bench, metric, ours, baseline, limit, ratio, unit."""
+    header = ("bench", "metric", "ours", "baseline", "limit", "ratio", "unit")
+    body = [(r.bench, r.metric, _fmt(r.ours), _fmt(r.baseline), _fmt(r.limit),
+             "-" if r.ratio is None else f"{r.ratio:.2f}x", r.unit) for r in rows]
+    widths = [max(len(str(line[i])) for line in (header, *body)) for i in range(len(header))]
+    lines = []
+    for j, line in enumerate((header, *body)):
+        cells = [str(c).ljust(w) if i < 2 or i == 6 else str(c).rjust(w)
+                 for i, (c, w) in enumerate(zip(line, widths, strict=True))]
+        lines.append("  ".join(cells).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def default_bench_dir() -> Path:
+    """`bench/` beside the installed package (the repository checkout), or `./bench`."""
+    beside = Path(__file__).resolve().parents[1] / "bench"
+    return beside if beside.is_dir() else Path.cwd() / "bench"
+
+
+def discover(bench_dir: Path, only: Sequence[str] = ()) -> list[Path]:
+    """The benchmark scripts (`*.py`, not `_*.py`), sorted; `only` picks names (no `.py`).
+
+    Raises:
+        ValueError: a name in `only` has no script.
+    """
+    scripts = sorted(p for p in bench_dir.glob("*.py") if not p.name.startswith("_"))
+    if not only:
+        return scripts
+    by_name = {p.stem: p for p in scripts}
+    missing = [n for n in only if n not in by_name]
+    if missing:
+        msg = (f"--only {', '.join(missing)}: no such benchmark in {bench_dir}; available: "
+               f"{', '.join(by_name) or 'none'}")
+        raise ValueError(msg)
+    return [by_name[n] for n in only]
+
+
+def _hardware() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        return f"{len(names)}x {names[0]}"
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def run_benchmarks(bench_dir: Path, *, small: bool, only: Sequence[str] = (),
+                   timeout_s: float = 3600.0, out=None) -> tuple[list[BenchRow], dict[str, Any]]:
+    """Run each script, read its JSON; return (all rows, the summary written to summary.json)."""
+    out = out or sys.stdout
+    results_dir = bench_dir / "results"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    root = bench_dir.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
+    rows: list[BenchRow] = []
+    runs: dict[str, Any] = {}
+    for script in discover(bench_dir, only):
+        name, json_path = script.stem, results_dir / f"{script.stem}.json"
+        cmd = [sys.executable, str(script)] + (["--small"] if small else [])
+        if "--json" in script.read_text():
+            cmd += ["--json", str(json_path)]
+        out.write(f"== {name}: {' '.join(cmd[1:])}\n")
+        out.flush()
+        json_path.unlink(missing_ok=True)
+        start = time.perf_counter()
+        try:
+            rc = subprocess.run(cmd, cwd=root, env=env, timeout=timeout_s, check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+            out.write(f"{name}: timed out after {timeout_s:.0f} s\n")
+        seconds = time.perf_counter() - start
+        bench_rows: list[BenchRow] = []
+        if rc == 0 and json_path.is_file():
+            bench_rows = normalize_rows(name, json.loads(json_path.read_text()))
+        elif rc == 0:
+            rc = 1
+            out.write(f"{name}: exited 0 but wrote no {json_path}\n")
+        rows += bench_rows
+        runs[name] = {"returncode": rc, "seconds": round(seconds, 2),
+                      "rows": [asdict(r) for r in bench_rows]}
+    summary = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "hardware": _hardware(), "python": platform.python_version(), "small": small,
+        "torch": __import__("torch").__version__, "benchmarks": runs,
+    }
+    (results_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return rows, summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="policyworker bench",
+                                     description="run bench/*.py and print one table")
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv), parser)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--small", action="store_true", help="tiny shapes on CPU (smoke run)")
+    parser.add_argument("--only", action="append", default=[], metavar="NAME",
+                        help="run only bench/NAME.py (repeatable)")
+    parser.add_argument("--bench-dir", type=Path, default=None,
+                        help="folder of the benchmark scripts (default: the checkout's bench/)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per script")
+
+
+def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    bench_dir = args.bench_dir or default_bench_dir()
+    if not bench_dir.is_dir():
+        parser.error(f"--bench-dir {bench_dir}: not a folder; run from the repository checkout")
+    try:
+        rows, summary = run_benchmarks(bench_dir, small=args.small, only=args.only,
+                                       timeout_s=args.timeout)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(f"\n{summary['date']}, {summary['hardware']}, torch {summary['torch']}"
+          f"{' (--small)' if args.small else ''}")
+    print(format_table(rows) if rows else "(no rows)")
+    print(f"wrote {bench_dir / 'results' / 'summary.json'}")
+    failed = [n for n, r in summary["benchmarks"].items() if r["returncode"] != 0]
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,201 @@
+"""The demo's inference process: its own copy of the model, refit over ZMQ, sampling, scoring.
+
+`InferenceProcess` (trainer side) spawns `serve` in a fresh interpreter (multiprocessing
+"spawn"), which loads the model from the same folder as the trainer, one intra-op thread.
+Requests and results travel over a `multiprocessing.Pipe` as plain lists and strings (token ids,
+fp32 logprobs as Python floats, which round-trip exactly); model weights never do: every update
+arrives through `HFWeightReceiver` from the trainer's ZMQ refit stream.
+
+Requests (op, payload) -> replies ("ok", payload) or ("error", message):
+- `connect` {address, refit_info: {name: [shape, dtype name]}, timeout_s}: build the receiver.
+- `refit` {}: serve one refit; reply {version, num_bytes, num_tensors}.
+- `generate` {prompts, response_len, seed, score_micro_batch_size}: sample `response_len`
+  tokens per prompt row at temperature 1 (no KV cache), then score the whole rows with a plain
+  HF forward + fp32 log_softmax; reply {responses, generation_logprobs, logprobs}.
+- `close` {}: exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+from typing import Any
+
+import torch
+
+__all__ = ["InferenceError", "InferenceProcess", "encode_refit_info", "serve"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "uint8": torch.uint8}
+
+
+class InferenceError(RuntimeError):
+    """The inference process failed or did not answer in time."""
+
+
+def encode_refit_info(info: dict[str, tuple[torch.Size, torch.dtype]]) -> dict[str, list[Any]]:
+    """`prepare_refit_info()` as plain lists/strings (no pickled torch objects on the pipe)."""
+    return {name: [list(shape), str(dtype).removeprefix("torch.")]
+            for name, (shape, dtype) in info.items()}
+
+
+def _decode_refit_info(info: dict[str, list[Any]]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    return {name: (torch.Size(shape), _DTYPES[dtype]) for name, (shape, dtype) in info.items()}
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _load_model(model_dir: str, device: str, dtype_name: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype_name],
+                                                 attn_implementation="sdpa")
+    model.config.use_cache = False
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def _logprobs_of_rows(model: torch.nn.Module, ids_NS: torch.Tensor, micro_batch_size: int
+                      ) -> torch.Tensor:
+    """[N, S] fp32: column 0 is 0, column t is log p(x_t | x_<t) (plain forward + log_softmax)."""
+    out = torch.zeros(ids_NS.shape, dtype=torch.float32)
+    for start in range(0, ids_NS.shape[0], micro_batch_size):
+        ids = ids_NS[start:start + micro_batch_size]
+        logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
+        picked = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+        out[start:start + ids.shape[0], 1:] = picked.cpu()
+    return out
+
+
+@torch.no_grad()
+def _generate(model: torch.nn.Module, prompts_NL: torch.Tensor, response_len: int, seed: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample `response_len` tokens per row; returns ([N, Lr] tokens, [N, S] sampler logprobs)."""
+    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    ids = prompts_NL.to(device)
+    n, lp = prompts_NL.shape
+    gen_lp = torch.zeros(n, lp + response_len, dtype=torch.float32)
+    for t in range(response_len):
+        logits = model(input_ids=ids, use_cache=False).logits[:, -1].float().cpu()
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = torch.multinomial(logp.exp(), 1, generator=g)
+        gen_lp[:, lp + t] = logp.gather(-1, tok)[:, 0]
+        ids = torch.cat([ids, tok.to(device)], dim=1)
+    return ids[:, lp:].cpu(), gen_lp
+
+
+def serve(conn: multiprocessing.connection.Connection, model_dir: str, device: str, dtype_name: str,
+          idle_timeout_s: float) -> None:
+    """Body of the inference process: answer requests until `close` or the trainer goes quiet."""
+    torch.set_num_threads(1)
+    _quiet_transformers()
+    from policyworker.shell.receiver import HFWeightReceiver
+
+    try:
+        model = _load_model(model_dir, device, dtype_name)
+    except Exception as exc:  # reported to the trainer, which raises InferenceError
+        conn.send(("error", f"loading {model_dir}: {type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ok", {"device": str(next(model.parameters()).device)}))
+    receiver = None
+    try:
+        while conn.poll(idle_timeout_s):
+            op, payload = conn.recv()
+            if op == "close":
+                break
+            try:
+                if op == "connect":
+                    receiver = HFWeightReceiver(
+                        model, address=payload["address"],
+                        refit_info=_decode_refit_info(payload["refit_info"]),
+                        timeout_s=payload["timeout_s"])
+                    reply: dict[str, Any] = {}
+                elif op == "refit":
+                    if receiver is None:
+                        raise InferenceError("refit before connect; send connect first")
+                    report = receiver.receive()
+                    reply = {"version": report.version, "num_bytes": report.num_bytes,
+                             "num_tensors": report.num_tensors}
+                elif op == "generate":
+                    prompts = torch.tensor(payload["prompts"], dtype=torch.int64)
+                    responses, gen_lp = _generate(model, prompts, payload["response_len"],
+                                                  payload["seed"])
+                    ids = torch.cat([prompts, responses], dim=1).to(next(model.parameters()).device)
+                    scored = _logprobs_of_rows(model, ids, payload["score_micro_batch_size"])
+                    reply = {"responses": responses.tolist(),
+                             "generation_logprobs": gen_lp.tolist(),
+                             "logprobs": scored.tolist()}
+                else:
+                    raise InferenceError(f"unknown op {op!r}")
+                conn.send(("ok", reply))
+            except Exception as exc:  # every request gets an answer; the trainer raises it
+                conn.send(("error", f"{op}: {type(exc).__name__}: {exc}"))
+    finally:
+        if receiver is not None:
+            receiver.close()
+        conn.close()
+
+
+class InferenceProcess:
+    """Trainer-side handle of the inference process; every wait is bounded by `timeout_s`."""
+
+    def __init__(self, model_dir: str, *, device: str = "cpu", dtype_name: str = "float32",
+                 timeout_s: float = 120.0) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.timeout_s = timeout_s
+        self._proc = ctx.Process(target=serve,
+                                 args=(child, model_dir, device, dtype_name, timeout_s),
+                                 name="policyworker-demo-inference", daemon=True)
+        self._proc.start()
+        child.close()
+        self._ready = False
+
+    def _reply(self, what: str) -> dict[str, Any]:
+        if not self._conn.poll(self.timeout_s):
+            msg = (f"inference process gave no answer to {what!r} within {self.timeout_s:.0f} s "
+                   f"(alive: {self._proc.is_alive()}, exit code: {self._proc.exitcode})")
+            raise InferenceError(msg)
+        try:
+            status, payload = self._conn.recv()
+        except EOFError:
+            msg = f"inference process exited (code {self._proc.exitcode}) while answering {what!r}"
+            raise InferenceError(msg) from None
+        if status != "ok":
+            raise InferenceError(f"inference process: {payload}")
+        return payload
+
+    def wait_ready(self) -> dict[str, Any]:
+        if not self._ready:
+            self._ready_info = self._reply("startup")
+            self._ready = True
+        return self._ready_info
+
+    def request(self, op: str, **payload: Any) -> None:
+        """Send a request without waiting (e.g. `refit`, answered by `result`)."""
+        self.wait_ready()
+        self._conn.send((op, payload))
+
+    def result(self, what: str) -> dict[str, Any]:
+        return self._reply(what)
+
+    def call(self, op: str, **payload: Any) -> dict[str, Any]:
+        self.request(op, **payload)
+        return self._reply(op)
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            with contextlib.suppress(BrokenPipeError, OSError):
+                self._conn.send(("close", {}))
+            self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout=10)
+        self._conn.close()

@@ -1,0 +1,354 @@
+"""The demo's GRPO loop: a PolicyWorker trains, a separate inference process samples.
+
+Each step runs the calls of a colocated RL loop in their real order::
+
+    offload_before_refit -> refit (ZMQ stream -> HFWeightReceiver) -> offload_after_refit
+    -> generate (inference process) -> prepare_for_lp_inference -> get_logprobs
+    -> get_reference_policy_logprobs -> prepare_for_training -> train (ClippedPGLossFn + KL)
+
+Step 1 starts with a refit of the initial weights, so every rollout is sampled by weights that
+arrived over the refit. After each refit the trainer's `get_logprobs` of the new rollouts is
+compared with the inference process's own plain-HF logprobs of the same rows (`max_dlogp`).
+
+Under torchrun every rank builds the same tiny model (same seed) in its own folder and calls
+every worker method; rank 0 alone owns the inference process, draws the rollouts and
+broadcasts them; each data-parallel rank trains on its slice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any, Literal, TextIO
+
+import torch
+from attrs import field, frozen
+from attrs.validators import ge, gt, in_
+
+from policyworker.demo.inference import InferenceProcess, encode_refit_info
+from policyworker.demo.report import (
+    ProgressBar,
+    final_line,
+    format_dlogp,
+    save_plot,
+    sparkline,
+    step_line,
+)
+from policyworker.demo.task import (
+    TargetTokenTask,
+    build_train_batch,
+    group_advantages,
+    smoothed_ends,
+)
+
+__all__ = ["DemoOptions", "DemoResult", "PARITY_TOLERANCE", "build_tiny_model", "demo_config",
+           "run_demo"]
+
+# Largest |trainer logprob - inference logprob| accepted per precision. fp32 must be exact (same
+# weights, kernels, shapes, one thread on each side). In bf16/fp16 the trainer runs its fp32
+# master weights under autocast while the inference copy holds the cast weights, so the two
+# differ at the dtype's rounding noise.
+PARITY_TOLERANCE = {"float32": 0.0, "bfloat16": 0.25, "float16": 0.05}
+DEMO_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  tie_word_embeddings=False)
+LORA_CFG = {"match_all_linear": True, "dim": 8, "alpha": 16}
+
+
+@frozen(kw_only=True)
+class DemoOptions:
+    """Everything one demo run reads (the CLI flags)."""
+
+    steps: int = field(default=20, validator=ge(1))
+    seed: int = field(default=0, validator=ge(0))
+    device: Literal["cpu", "cuda", "auto"] = field(
+        default="cpu", validator=in_(("cpu", "cuda", "auto")))
+    tp: int = field(default=1, validator=ge(1))
+    lora: bool = False
+    precision: Literal["float32", "bfloat16", "float16"] = field(
+        default="float32", validator=in_(tuple(PARITY_TOLERANCE)))
+    lr: float = field(default=1e-2, validator=gt(0))
+    kl_penalty: float = field(default=0.01, validator=ge(0))
+    require_rise: bool = True
+    window: int = field(default=3, validator=ge(1))
+    plot: str | None = None
+    timeout_s: float = field(default=120.0, validator=gt(0))
+    task: TargetTokenTask = TargetTokenTask()
+
+
+@frozen(kw_only=True)
+class DemoResult:
+    """The curves of one run and its verdict (`exit_code` 0 only if both checks passed)."""
+
+    rewards: tuple[float, ...]
+    kls: tuple[float, ...]
+    refit_ms: tuple[float, ...]
+    max_dlogp: tuple[float, ...]
+    first: float
+    last: float
+    rose: bool
+    parity_ok: bool
+    require_rise: bool
+    wall_s: float
+
+    @property
+    def exit_code(self) -> int:
+        if not self.parity_ok:
+            return 3
+        if self.require_rise and not self.rose:
+            return 1
+        return 0
+
+
+def build_tiny_model(folder: str, *, vocab_size: int, seed: int) -> str:
+    """Save a randomly initialised tiny Llama (built from a config, nothing downloaded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=0,
+                         **DEMO_MODEL)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def demo_config(model_dir: str, opts: DemoOptions, *, dp_size: int) -> dict[str, Any]:
+    """The worker's config mapping (NeMo-RL `policy:` keys): one optimizer step per RL step."""
+    n = opts.task.num_rollouts
+    if n % dp_size != 0:
+        msg = (f"{n} rollouts per step do not split over {dp_size} data-parallel ranks; run a "
+               f"world size whose dp size divides {n}")
+        raise ValueError(msg)
+    dtensor: dict[str, Any] = {"tensor_parallel_size": opts.tp}
+    if opts.lora:
+        dtensor["lora_cfg"] = dict(LORA_CFG)
+    return {
+        "model_name": model_dir,
+        "precision": opts.precision,
+        "train_global_batch_size": n,
+        "train_micro_batch_size": n // dp_size,
+        "logprob_batch_size": n // dp_size,
+        "max_grad_norm": 1.0,
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": opts.lr, "weight_decay": 0.0}},
+        "dtensor_cfg": dtensor,
+        "generation": {"temperature": 1.0, "top_p": 1.0},
+    }
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            msg = "--device cuda: no CUDA device is visible; use --device cpu"
+            raise ValueError(msg)
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+class _Refit:
+    """The refit path: the worker's own methods, or a RefitSender wired the way the worker does."""
+
+    def __init__(self, worker: Any, *, is_sender: bool) -> None:
+        from policyworker.functional.dtypes import precision_dtype
+        from policyworker.shell.refit import RefitSender
+
+        self.worker = worker
+        self.is_sender = is_sender
+        self.dtype = precision_dtype(worker.cfg.precision)
+        self.native = hasattr(worker, "stream_weights_via_ipc_zmq")
+        self.sender = None if self.native else RefitSender(
+            lambda: worker.model, self.dtype, rank=worker.parallel.rank, device=worker.device)
+
+    def info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        return (self.worker if self.native else self.sender).prepare_refit_info()
+
+    def address(self) -> str:
+        return (self.worker if self.native else self.sender).get_zmq_address()
+
+    def stream(self, timeout_s: float) -> None:
+        if self.native:
+            self.worker.stream_weights_via_ipc_zmq(timeout_s=timeout_s)
+        elif self.is_sender:
+            self.sender.stream_weights_via_ipc_zmq(timeout_s=timeout_s)
+        else:  # join the gathers of sharded parameters; only rank 0 sends
+            from policyworker.shell.params import params_generator
+
+            for _ in params_generator(self.worker.model, self.dtype):
+                pass
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+
+def _broadcast(obj: Any, parallel: Any) -> Any:
+    if parallel.world_size == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _reduce(value: float, parallel: Any, *, op: str, axis: str) -> float:
+    if parallel.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=parallel._collective_device())
+    return float(parallel.all_reduce(t, op=op, axis=axis).item())
+
+
+@contextlib.contextmanager
+def _model_folder(seed: int, vocab_size: int) -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="policyworker-demo-") as tmp:
+        yield build_tiny_model(os.path.join(tmp, "model"), vocab_size=vocab_size, seed=seed)
+
+
+def run_demo(opts: DemoOptions, *, out: TextIO | None = None, err: TextIO | None = None
+             ) -> DemoResult:
+    """Run the demo; print the step lines (rank 0) and return the curves and the verdict."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    start = time.perf_counter()
+    torch.set_num_threads(1)  # the inference process runs one thread: same kernels, same bits
+    import transformers
+
+    from policyworker.shell.distributed import ParallelContext
+    from policyworker.shell.worker import PolicyWorker
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    device = _resolve_device(opts.device)
+    parallel = ParallelContext.from_environment(tp_size=opts.tp, device=device)
+    rank0 = parallel.rank == 0
+    task = opts.task
+    infer = None
+    with _model_folder(opts.seed, task.vocab_size) as model_dir:
+        try:
+            if rank0:  # start it first: its imports overlap the worker's construction
+                infer = InferenceProcess(model_dir, device=str(device), timeout_s=opts.timeout_s,
+                                         dtype_name=opts.precision)
+            cfg = demo_config(model_dir, opts, dp_size=parallel.dp_size)
+            worker = PolicyWorker(cfg, parallel=parallel)
+            result = _train(worker, infer, opts, out=out, err=err, start=start)
+        finally:
+            if infer is not None:
+                infer.close()
+    return result
+
+
+def _train(worker: Any, infer: InferenceProcess | None, opts: DemoOptions, *, out: TextIO,
+           err: TextIO, start: float) -> DemoResult:
+    from policyworker.functional.loss import ClippedPGLossFn
+    from policyworker.functional.metrics import aggregate_microbatch_metrics
+
+    parallel, task = worker.parallel, opts.task
+    rank0 = parallel.rank == 0
+    if opts.lora and rank0 and not any("lora_" in n for n, _ in worker.model.named_parameters()):
+        err.write("note: --lora set dtensor_cfg.lora_cfg, but this PolicyWorker build injected no "
+                  "LoRA adapters; training full weights\n")
+    loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": opts.kl_penalty,
+                               "reference_policy_kl_type": "k3",
+                               "ratio_clip_min": 0.2, "ratio_clip_max": 0.2})
+    refit = _Refit(worker, is_sender=rank0)
+    rows = task.num_rollouts // parallel.dp_size
+    local = slice(parallel.dp_rank * rows, (parallel.dp_rank + 1) * rows)
+    if rank0:
+        infer.wait_ready()
+        infer.call("connect", address=refit.address(), refit_info=encode_refit_info(refit.info()),
+                   timeout_s=opts.timeout_s)
+    else:
+        refit.info()
+    tolerance = PARITY_TOLERANCE[opts.precision]
+    bar = ProgressBar(opts.steps, stream=err) if rank0 else None
+    rewards: list[float] = []
+    kls: list[float] = []
+    refit_ms: list[float] = []
+    dlogp: list[float] = []
+    try:
+        for step in range(1, opts.steps + 1):
+            worker.offload_before_refit()
+            t0 = time.perf_counter()
+            if rank0:
+                infer.request("refit")
+            refit.stream(opts.timeout_s)
+            if rank0:
+                infer.result("refit")
+            refit_ms.append((time.perf_counter() - t0) * 1e3)
+            worker.offload_after_refit()
+
+            rollout = None
+            if rank0:
+                prompts = task.grouped(task.prompts(seed=opts.seed, step=step))
+                rollout = infer.call("generate", prompts=prompts.tolist(),
+                                     response_len=task.response_len,
+                                     seed=opts.seed * 100_003 + step, score_micro_batch_size=rows)
+                rollout["prompts"] = prompts.tolist()
+            rollout = _broadcast(rollout, parallel)
+            prompts = torch.tensor(rollout["prompts"], dtype=torch.int64)
+            responses = torch.tensor(rollout["responses"], dtype=torch.int64)
+            rewards_N = task.rewards(prompts, responses)
+            advantages = group_advantages(rewards_N, task.group_size)
+            full = build_train_batch(task, prompts, responses, advantages,
+                                     torch.tensor(rollout["generation_logprobs"]))
+            data = {k: v[local] for k, v in full.items()}
+            inference_lp = torch.tensor(rollout["logprobs"], dtype=torch.float32)[local]
+
+            worker.prepare_for_lp_inference()
+            prev = worker.get_logprobs(data)["logprobs"]
+            ref = worker.get_reference_policy_logprobs(data)["reference_logprobs"]
+            worker.prepare_for_training()
+            diff = (prev[:, 1:] - inference_lp[:, 1:]).abs().max().item()
+            dlogp.append(_reduce(diff, parallel, op="max", axis="world"))
+            metrics = worker.train({**data, "prev_logprobs": prev,
+                                    "reference_policy_logprobs": ref}, loss_fn)
+            agg = aggregate_microbatch_metrics(metrics["all_mb_metrics"])
+            kls.append(_reduce(agg.get("kl_penalty", 0.0), parallel, op="sum", axis="dp"))
+            rewards.append(float(rewards_N.mean()))
+            if rank0:
+                bar.clear()
+                out.write(step_line(step, reward=rewards[-1], kl=kls[-1], refit_ms=refit_ms[-1],
+                                    max_dlogp=dlogp[-1]) + "\n")
+                out.flush()
+                bar.update(step, f"reward {rewards[-1]:.2f}")
+    finally:
+        refit.close()
+        if bar is not None:
+            bar.clear()
+    first, last = smoothed_ends(rewards, opts.window)
+    result = DemoResult(
+        rewards=tuple(rewards), kls=tuple(kls), refit_ms=tuple(refit_ms), max_dlogp=tuple(dlogp),
+        first=first, last=last, rose=first <= 0.2 and last >= 0.8,
+        parity_ok=all(d <= tolerance for d in dlogp), require_rise=opts.require_rise,
+        wall_s=time.perf_counter() - start)
+    if rank0:
+        _summary(result, opts, out=out, err=err)
+    return result
+
+
+def _summary(result: DemoResult, opts: DemoOptions, *, out: TextIO, err: TextIO) -> None:
+    out.write(final_line(result.first, result.last) + "\n")
+    out.write(f"curve: {sparkline(result.rewards)}  (reward per step, 0..1)\n")
+    if opts.plot is not None:
+        if save_plot(opts.plot, result.rewards, result.kls):
+            out.write(f"plot: {opts.plot}\n")
+        else:
+            err.write("note: matplotlib is not installed; no PNG written "
+                      "(pip install matplotlib)\n")
+    tolerance = PARITY_TOLERANCE[opts.precision]
+    worst = max(result.max_dlogp)
+    if not result.parity_ok:
+        out.write(f"FAIL: trainer/inference logprobs differ by {worst:.3g} > {tolerance} "
+                  f"({opts.precision})\n")
+    elif opts.require_rise and not result.rose:
+        out.write(f"FAIL: reward did not rise (smoothed over {opts.window} steps: first "
+                  f"{result.first:.3f} must be <= 0.2, last {result.last:.3f} >= 0.8)\n")
+    else:
+        out.write(f"ok: {len(result.rewards)} steps in {result.wall_s:.1f} s, max_dlogp "
+                  f"{format_dlogp(worst)} (tolerance {tolerance} in {opts.precision})\n")
+    out.flush()
+

@@ -1,0 +1,101 @@
+"""What the demo prints: the per-step line, a progress bar, the reward sparkline, an optional PNG.
+
+`step_line`, `final_line` and `sparkline` are pure; `ProgressBar` draws on a terminal only
+(nothing when its stream is not a tty, so logs hold only the step lines); `save_plot` needs
+matplotlib and says so when it is missing.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+__all__ = ["ProgressBar", "final_line", "format_dlogp", "save_plot", "sparkline", "step_line"]
+
+_BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def format_dlogp(value: float) -> str:
+    """`0.0` for exact parity, else 3 significant digits (`1.19e-07`)."""
+    return "0.0" if value == 0.0 else f"{value:.3g}"
+
+
+def step_line(step: int, *, reward: float, kl: float, refit_ms: float, max_dlogp: float) -> str:
+    """`step=<n> reward=<float> kl=<float> refit_ms=<float> max_dlogp=<float>` (API.md §7)."""
+    return (f"step={step} reward={reward:.4f} kl={kl:.5f} refit_ms={refit_ms:.1f} "
+            f"max_dlogp={format_dlogp(max_dlogp)}")
+
+
+def final_line(first: float, last: float) -> str:
+    """`reward: <first> -> <last>` (smoothed ends of the reward curve)."""
+    return f"reward: {first:.4f} -> {last:.4f}"
+
+
+def sparkline(values: Sequence[float], *, lo: float = 0.0, hi: float = 1.0) -> str:
+    """One block character per value, scaled from `lo` (lowest block) to `hi` (full block).
+
+    Raises:
+        ValueError: `hi <= lo`.
+    """
+    if not hi > lo:
+        msg = f"sparkline range hi={hi} must be > lo={lo}"
+        raise ValueError(msg)
+    chars = []
+    for v in values:
+        if math.isnan(v):
+            chars.append(" ")
+            continue
+        frac = min(max((v - lo) / (hi - lo), 0.0), 1.0)
+        chars.append(_BLOCKS[min(int(frac * len(_BLOCKS)), len(_BLOCKS) - 1)])
+    return "".join(chars)
+
+
+class ProgressBar:
+    """`[#####.....] 5/10 reward 0.41` redrawn in place on a tty; silent otherwise."""
+
+    def __init__(self, total: int, *, stream: TextIO | None = None, width: int = 30) -> None:
+        self.total = max(total, 1)
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def update(self, done: int, note: str = "") -> None:
+        if not self.enabled:
+            return
+        filled = int(self.width * min(done, self.total) / self.total)
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(f"\r[{bar}] {done}/{self.total} {note}\x1b[K")
+        self.stream.flush()
+
+    def clear(self) -> None:
+        """Erase the bar so the next stdout line starts clean."""
+        if self.enabled:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+
+def save_plot(path: str, rewards: Sequence[float], kls: Sequence[float]) -> bool:
+    """Write a PNG of the reward (and KL) curves; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    steps = list(range(1, len(rewards) + 1))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, rewards, marker="o", label="reward")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax2 = ax.twinx()
+    ax2.plot(steps, kls, color="tab:red", alpha=0.6, label="kl")
+    ax2.set_ylabel("kl")
+    ax.set_title("policyworker demo: GRPO on the target-token task")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
