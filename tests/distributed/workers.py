@@ -402,3 +402,60 @@ def gpu_tp_and_cp_parity(rank, size, path):
         local = collectives.context_parallel_forward(model, cp_ctx, ids, positions)
         lp = collectives.cp_next_token_logprobs(local, ids, cp_ctx)
     _close(lp, ref_lp, "cp logprobs on cuda", atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------- PolicyWorker, parallel
+
+
+def _worker_config(path, *, tp_size):
+    from tests.shell.conftest import make_config
+
+    return make_config(
+        path,
+        train_global_batch_size=4,
+        train_micro_batch_size=1,
+        max_grad_norm=MAX_GRAD_NORM,
+        optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": LR, "weight_decay": 0.0}},
+        dtensor_cfg={"tensor_parallel_size": tp_size},
+    )
+
+
+def _worker_params(worker):
+    from policyworker.shell.parallel import reshard as _reshard
+
+    _reshard(worker.model)
+    return {n: _full(p).detach().clone() for n, p in worker.model.named_parameters()}
+
+
+def worker_parity(rank, size, path, tp_sizes):
+    """PolicyWorker under each tp size (dp = world / tp): logprobs, top-k, train == one process."""
+    from policyworker.functional.loss import NLLLoss
+    from policyworker.shell.worker import PolicyWorker
+    from tests.shell.conftest import make_batch
+
+    data = make_batch(4, 12, seed=5)
+    single = PolicyWorker(
+        _worker_config(path, tp_size=1), parallel=ParallelContext.single(torch.device("cpu"))
+    )
+    ref_lp = single.get_logprobs(data)["logprobs"]
+    ref_topk = single.get_topk_logits(data, 5)
+    ref_losses = [single.train(data, NLLLoss())["global_loss"] for _ in range(2)]
+    ref_params = _worker_params(single)
+    for tp_size in tp_sizes:
+        worker = PolicyWorker(_worker_config(path, tp_size=tp_size))
+        ctx = worker.parallel
+        per_dp = 4 // ctx.dp_size
+        rows = slice(ctx.dp_rank * per_dp, (ctx.dp_rank + 1) * per_dp)
+        shard = {k: v[rows] for k, v in data.items()}
+        label = f"PolicyWorker dp{ctx.dp_size}xtp{ctx.tp_size}"
+        _close(worker.get_logprobs(shard)["logprobs"], ref_lp[rows], f"{label}: logprobs")
+        topk = worker.get_topk_logits(shard, 5)
+        _close(topk["topk_logits"], ref_topk["topk_logits"][rows], f"{label}: top-k values")
+        assert torch.equal(topk["topk_indices"], ref_topk["topk_indices"][rows]), label
+        for step, want in enumerate(ref_losses):
+            got = worker.train(shard, NLLLoss())["global_loss"]
+            _close(got, want, f"{label}: global loss of train call {step}")
+        params = _worker_params(worker)
+        for name, want in ref_params.items():
+            _close(params[name], want, f"{label}: {name} after train")
+        worker.shutdown()
