@@ -1,0 +1,164 @@
+"""Checkpoint benchmark: save/load GB/s (weights + AdamW state), time the training loop is blocked.
+
+Model: a randomly initialised Qwen2 with the 1.5B shape (hidden 1536, 28 layers, vocab 151936,
+tied embeddings), fp32 master weights on the device, AdamW state initialised by one step. One
+process (`policyworker.shell.checkpoint` on a worker-shaped object; no reference weights).
+
+Reported, all against the same folder on the same disk in the same run:
+- raw disk write: the same byte count written with `os.write` in 64 MiB blocks, then fsync;
+- sync save (`is_final_checkpoint=True`): seconds blocked and GB/s;
+- async save: seconds until `save_checkpoint` returns (staging: the loop is blocked this long)
+  and seconds until `finalize_async_save` returns (files fsynced and renamed into place);
+- load: `load_checkpoint` into a fresh model and optimizer after the files were evicted from the
+  page cache (`posix_fadvise(DONTNEED)`), GB/s; the loaded weights are checked bit-exact.
+
+    python bench/checkpoint.py            # on a GPU: prints a table, writes bench_checkpoint.json
+    python bench/checkpoint.py --small    # CPU smoke run on a tiny shape (seconds)
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from policyworker.shell import checkpoint as ck  # noqa: E402
+from policyworker.shell.distributed import ParallelContext  # noqa: E402
+
+SHAPE_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
+                  tie_word_embeddings=True)
+SHAPE_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, tie_word_embeddings=True)
+BLOCK = 64 * 2**20
+
+
+class _Worker:
+    """The attributes the checkpoint functions read."""
+
+    def __init__(self, shape: dict, device: torch.device, seed: int) -> None:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(seed)
+        with torch.device(device):
+            self.model = Qwen2ForCausalLM(Qwen2Config(**shape)).float()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
+        for p in self.model.parameters():
+            p.grad = torch.full_like(p, 1e-3)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.tokenizer, self.cfg, self._reference_state = None, None, None
+        self.parallel = ParallelContext.single(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _files(*roots: pathlib.Path) -> list[pathlib.Path]:
+    return [p for r in roots for p in r.rglob("*") if p.is_file()]
+
+
+def _evict(files: list[pathlib.Path]) -> None:
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _raw_write(path: pathlib.Path, nbytes: int) -> float:
+    block = os.urandom(BLOCK)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, memoryview(block)[:min(left, BLOCK)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - t0
+    _evict([path])
+    path.unlink()
+    return seconds
+
+
+def run(shape: dict, device: torch.device, root: pathlib.Path) -> dict:
+    worker = _Worker(shape, device, seed=0)
+    _sync(device)
+    weights, optim = root / "weights", root / "optimizer"
+    t0 = time.perf_counter()
+    ck.save_checkpoint(worker, weights, optim, is_final_checkpoint=True)
+    sync_s = time.perf_counter() - t0
+    files = _files(weights, optim)
+    nbytes = sum(f.stat().st_size for f in files)
+    raw_s = _raw_write(root / "raw.bin", nbytes)
+    _evict(files)
+    fresh = _Worker(shape, device, seed=1)
+    _sync(device)
+    t0 = time.perf_counter()
+    ck.load_checkpoint(fresh, weights, optim)
+    _sync(device)
+    load_s = time.perf_counter() - t0
+    exact = all(torch.equal(a, b) for a, b in zip(worker.model.state_dict().values(),
+                                                 fresh.model.state_dict().values(), strict=True))
+    del fresh
+    shutil.rmtree(weights)
+    shutil.rmtree(optim)
+    t0 = time.perf_counter()
+    ck.save_checkpoint(worker, weights, optim)
+    async_blocked_s = time.perf_counter() - t0
+    ck.finalize_async_save(worker)
+    async_total_s = time.perf_counter() - t0
+    gb = nbytes / 1e9
+    return {"device": str(device), "bytes": nbytes, "num_files": len(files),
+            "raw_write_s": raw_s, "raw_write_GBps": gb / raw_s,
+            "sync_save_s": sync_s, "sync_save_GBps": gb / sync_s,
+            "async_blocked_s": async_blocked_s, "async_total_s": async_total_s,
+            "async_save_GBps": gb / async_total_s,
+            "load_s": load_s, "load_GBps": gb / load_s, "load_exact": exact,
+            "torch": torch.__version__}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny shape on CPU (smoke run)")
+    parser.add_argument("--dir", default=None, help="folder to write checkpoints in (default: a temp dir)")
+    parser.add_argument("--json", default="bench_checkpoint.json", help="where to write the results")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
+    root = pathlib.Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
+    try:
+        results = run(SHAPE_SMALL if args.small else SHAPE_1P5B, device, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    results["shape"] = "small" if args.small else "qwen2-1.5b"
+    print(f"checkpoint ({results['shape']}, {results['bytes'] / 1e9:.2f} GB weights + AdamW, "
+          f"{results['num_files']} files, {results['device']})")
+    rows = [("raw disk write + fsync", results["raw_write_s"], results["raw_write_GBps"]),
+            ("sync save (blocked)", results["sync_save_s"], results["sync_save_GBps"]),
+            ("async save: blocked (staging)", results["async_blocked_s"], float("nan")),
+            ("async save: until finalized", results["async_total_s"], results["async_save_GBps"]),
+            ("load (cold page cache)", results["load_s"], results["load_GBps"])]
+    print(f"{'':32s} {'seconds':>9s} {'GB/s':>7s}")
+    for name, seconds, gbps in rows:
+        print(f"{name:32s} {seconds:9.3f} {gbps:7.2f}")
+    print(f"load bit-exact: {results['load_exact']}")
+    pathlib.Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    return 0 if results["load_exact"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
