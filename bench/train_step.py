@@ -58,6 +58,8 @@ def bench_worker(model_path: str, args, data, num_params: int, *, packed: bool) 
     tokens = int(data["input_lengths"].sum())
     try:
         seconds, result = timed(lambda: worker.train(data, NLLLoss()), repeats=args.steps)
+        if args.profile and packed:
+            profile_step(worker, data)
     finally:
         peak = peak_bytes()
         worker.offload_after_refit()
@@ -66,6 +68,17 @@ def bench_worker(model_path: str, args, data, num_params: int, *, packed: bool) 
     return {"tokens_per_s": tokens / seconds, "mfu": mfu(num_params, tokens, seconds),
             "step_s": seconds, "peak_gib": gib(peak), "loss": float(result["global_loss"][0]),
             "attn": "varlen" if packed and device().type == "cuda" else "sdpa"}
+
+
+def profile_step(worker: PolicyWorker, data: dict) -> None:
+    """Print the kernels that take the most device time in one more train() call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        worker.train(data, NLLLoss())
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
 
 
 def bench_plain_hf(model_path: str, args, lengths: list[int], num_params: int) -> dict:
@@ -124,6 +137,8 @@ def main() -> None:
     parser.add_argument("--precision", default=None)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--skip-baseline-full-batch", action="store_true")
+    parser.add_argument("--skip-baseline", action="store_true", help="measure ours only")
+    parser.add_argument("--profile", action="store_true", help="print top kernels of a packed step")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.small:
@@ -139,8 +154,9 @@ def main() -> None:
         data = make_batch(lengths, vocab=vocab, seed=1, seq_len=args.max_len)
         packed = bench_worker(model_path, args, data, num_params, packed=True)
         padded = bench_worker(model_path, args, data, num_params, packed=False)
-        base_small = bench_plain_hf(model_path, args, lengths[:args.baseline_batch], num_params)
-        base_full = None if args.skip_baseline_full_batch else bench_plain_hf(
+        base_small = {} if args.skip_baseline else bench_plain_hf(
+            model_path, args, lengths[:args.baseline_batch], num_params)
+        base_full = None if args.skip_baseline_full_batch or args.skip_baseline else bench_plain_hf(
             model_path, args, lengths, num_params)
     rows = [
         {"metric": f"packed tok/s (b{args.batch}) vs HF (b{args.baseline_batch})",
