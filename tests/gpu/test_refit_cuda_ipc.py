@@ -31,10 +31,16 @@ info = {n: (s, DTYPES_BY_NAME[d]) for n, (s, d) in json.load(open(cmd["refit_inf
 receiver = HFWeightReceiver(model, address=cmd["address"], refit_info=info, timeout_s=120)
 print("READY", flush=True)
 versions = [receiver.receive().version for _ in range(cmd["num_refits"])]
+# The same forward over the trainer's bf16 cast loaded by plain load_state_dict, in this process:
+# same kernels, so refit parity means bitwise-equal logprobs.
+reference = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+reference.load_state_dict({k: v.cuda() for k, v in load_file(cmd["expected"]).items()})
 with torch.no_grad():
     ids = load_file(cmd["batch"])["input_ids"].cuda()
     logprobs = torch.log_softmax(model(ids).logits.float(), -1).cpu()
-save_file({"logprobs": logprobs, "versions": torch.tensor(versions)}, cmd["out"])
+    expected = torch.log_softmax(reference(ids).logits.float(), -1).cpu()
+state = {k: v.cpu().contiguous() for k, v in model.state_dict().items()}
+save_file({"logprobs": logprobs, "expected": expected, "versions": torch.tensor(versions), **state}, cmd["out"])
 receiver.close()
 """
 
@@ -68,6 +74,7 @@ def test_cuda_ipc_refit_gives_bitwise_identical_logprobs(tmp_path):
         "batch": str(tmp_path / "batch.safetensors"),
         "out": str(tmp_path / "out.safetensors"),
         "num_refits": 3,
+        "expected": str(tmp_path / "expected.safetensors"),
     }
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, json.dumps(cmd)],
@@ -86,6 +93,8 @@ def test_cuda_ipc_refit_gives_bitwise_identical_logprobs(tmp_path):
         )  # many buckets; embeddings oversized
         with torch.no_grad():
             model.lm_head.weight.mul_(1.5)
+        cast = {k: v.to(torch.bfloat16).cpu().contiguous() for k, v in model.state_dict().items()}
+        save_file(cast, tmp_path / "expected.safetensors")
         report = sender.stream_weights_via_ipc_zmq(buffer_size_bytes=1 << 20, timeout_s=120)
         assert report["version"] == 3
         assert child.wait(timeout=120) == 0
@@ -94,7 +103,7 @@ def test_cuda_ipc_refit_gives_bitwise_identical_logprobs(tmp_path):
             child.kill()
         sender.close()
     got = load_file(tmp_path / "out.safetensors")
-    with torch.no_grad():
-        expected = torch.log_softmax(model.to(torch.bfloat16)(ids.cuda()).logits.float(), -1).cpu()
     assert got["versions"].tolist() == [1, 2, 3]
-    assert torch.equal(got["logprobs"], expected)
+    for name, tensor in cast.items():  # the refit delivered the trainer's bf16 cast bit for bit
+        assert torch.equal(got[name], tensor), name
+    assert torch.equal(got["logprobs"], got["expected"])
