@@ -32,11 +32,26 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from policyworker.shell import checkpoint as ck  # noqa: E402
 from policyworker.shell.distributed import ParallelContext  # noqa: E402
 
-SHAPE_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
-                  tie_word_embeddings=True)
-SHAPE_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, tie_word_embeddings=True)
+SHAPE_1P5B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+SHAPE_SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
 BLOCK = 64 * 2**20
 
 
@@ -84,7 +99,7 @@ def _raw_write(path: pathlib.Path, nbytes: int) -> float:
     try:
         left = nbytes
         while left > 0:
-            left -= os.write(fd, memoryview(block)[:min(left, BLOCK)])
+            left -= os.write(fd, memoryview(block)[: min(left, BLOCK)])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -111,8 +126,12 @@ def run(shape: dict, device: torch.device, root: pathlib.Path) -> dict:
     ck.load_checkpoint(fresh, weights, optim)
     _sync(device)
     load_s = time.perf_counter() - t0
-    exact = all(torch.equal(a, b) for a, b in zip(worker.model.state_dict().values(),
-                                                 fresh.model.state_dict().values(), strict=True))
+    exact = all(
+        torch.equal(a, b)
+        for a, b in zip(
+            worker.model.state_dict().values(), fresh.model.state_dict().values(), strict=True
+        )
+    )
     del fresh
     shutil.rmtree(weights)
     shutil.rmtree(optim)
@@ -122,20 +141,33 @@ def run(shape: dict, device: torch.device, root: pathlib.Path) -> dict:
     ck.finalize_async_save(worker)
     async_total_s = time.perf_counter() - t0
     gb = nbytes / 1e9
-    return {"device": str(device), "bytes": nbytes, "num_files": len(files),
-            "raw_write_s": raw_s, "raw_write_GBps": gb / raw_s,
-            "sync_save_s": sync_s, "sync_save_GBps": gb / sync_s,
-            "async_blocked_s": async_blocked_s, "async_total_s": async_total_s,
-            "async_save_GBps": gb / async_total_s,
-            "load_s": load_s, "load_GBps": gb / load_s, "load_exact": exact,
-            "torch": torch.__version__}
+    return {
+        "device": str(device),
+        "bytes": nbytes,
+        "num_files": len(files),
+        "raw_write_s": raw_s,
+        "raw_write_GBps": gb / raw_s,
+        "sync_save_s": sync_s,
+        "sync_save_GBps": gb / sync_s,
+        "async_blocked_s": async_blocked_s,
+        "async_total_s": async_total_s,
+        "async_save_GBps": gb / async_total_s,
+        "load_s": load_s,
+        "load_GBps": gb / load_s,
+        "load_exact": exact,
+        "torch": torch.__version__,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shape on CPU (smoke run)")
-    parser.add_argument("--dir", default=None, help="folder to write checkpoints in (default: a temp dir)")
-    parser.add_argument("--json", default="bench_checkpoint.json", help="where to write the results")
+    parser.add_argument(
+        "--dir", default=None, help="folder to write checkpoints in (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--json", default="bench_checkpoint.json", help="where to write the results"
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     root = pathlib.Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
@@ -144,13 +176,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results["shape"] = "small" if args.small else "qwen2-1.5b"
-    print(f"checkpoint ({results['shape']}, {results['bytes'] / 1e9:.2f} GB weights + AdamW, "
-          f"{results['num_files']} files, {results['device']})")
-    rows = [("raw disk write + fsync", results["raw_write_s"], results["raw_write_GBps"]),
-            ("sync save (blocked)", results["sync_save_s"], results["sync_save_GBps"]),
-            ("async save: blocked (staging)", results["async_blocked_s"], float("nan")),
-            ("async save: until finalized", results["async_total_s"], results["async_save_GBps"]),
-            ("load (cold page cache)", results["load_s"], results["load_GBps"])]
+    print(
+        f"checkpoint ({results['shape']}, {results['bytes'] / 1e9:.2f} GB weights + AdamW, "
+        f"{results['num_files']} files, {results['device']})"
+    )
+    rows = [
+        ("raw disk write + fsync", results["raw_write_s"], results["raw_write_GBps"]),
+        ("sync save (blocked)", results["sync_save_s"], results["sync_save_GBps"]),
+        ("async save: blocked (staging)", results["async_blocked_s"], float("nan")),
+        ("async save: until finalized", results["async_total_s"], results["async_save_GBps"]),
+        ("load (cold page cache)", results["load_s"], results["load_GBps"]),
+    ]
     print(f"{'':32s} {'seconds':>9s} {'GB/s':>7s}")
     for name, seconds, gbps in rows:
         print(f"{name:32s} {seconds:9.3f} {gbps:7.2f}")

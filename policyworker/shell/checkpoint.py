@@ -122,7 +122,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def _box_of_view(view: torch.Tensor, base_shape: Sequence[int]) -> Box:
     """The region of a contiguous `base_shape` tensor that `view` (a slice of it) covers."""
-    strides = [math.prod(base_shape[d + 1:]) for d in range(len(base_shape))]
+    strides = [math.prod(base_shape[d + 1 :]) for d in range(len(base_shape))]
     rest, start = view.storage_offset(), []
     for s in strides:
         start.append(rest // s if s else 0)
@@ -131,8 +131,9 @@ def _box_of_view(view: torch.Tensor, base_shape: Sequence[int]) -> Box:
     return tuple((a, a + n) for a, n in zip(start, sizes, strict=True))
 
 
-def hf_layout(specs: Mapping[str, tuple[Sequence[int], torch.dtype]], *,
-              tie_word_embeddings: bool) -> list[HFTensor]:
+def hf_layout(
+    specs: Mapping[str, tuple[Sequence[int], torch.dtype]], *, tie_word_embeddings: bool
+) -> list[HFTensor]:
     """The HF checkpoint tensors of a model state `{key: (shape, dtype)}`, in state order.
 
     Wrapper prefixes are stripped, LoRA adapter tensors skipped, a tied `lm_head.weight`
@@ -146,8 +147,9 @@ def hf_layout(specs: Mapping[str, tuple[Sequence[int], torch.dtype]], *,
             continue
         base = torch.empty(tuple(shape), dtype=dtype, device="meta")
         for hf_name, view in to_hf_tensors(name, base):
-            out.append(HFTensor(hf_name, key, _box_of_view(view, tuple(shape)),
-                                tuple(view.shape), dtype))
+            out.append(
+                HFTensor(hf_name, key, _box_of_view(view, tuple(shape)), tuple(view.shape), dtype)
+            )
     return out
 
 
@@ -161,8 +163,9 @@ class FilePlan:
     size: int
 
 
-def plan_safetensors_files(tensors: Sequence[HFTensor], *,
-                           max_file_bytes: int = MAX_FILE_BYTES) -> list[FilePlan]:
+def plan_safetensors_files(
+    tensors: Sequence[HFTensor], *, max_file_bytes: int = MAX_FILE_BYTES
+) -> list[FilePlan]:
     """Split `tensors` (in order) into `model-0000i-of-0000n.safetensors` files and lay them out.
 
     A file closes before the tensor that would take it past `max_file_bytes` (a larger tensor
@@ -181,15 +184,21 @@ def plan_safetensors_files(tensors: Sequence[HFTensor], *,
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         begin = 0
         for t in group:
-            header[t.name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
-                              "data_offsets": [begin, begin + t.nbytes]}
+            header[t.name] = {
+                "dtype": _ST_DTYPES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [begin, begin + t.nbytes],
+            }
             begin += t.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         head = struct.pack("<Q", len(raw)) + raw
         offsets = {t.name: len(head) + header[t.name]["data_offsets"][0] for t in group}
-        plans.append(FilePlan(f"model-{i:05d}-of-{len(groups):05d}.safetensors", head, offsets,
-                              len(head) + begin))
+        plans.append(
+            FilePlan(
+                f"model-{i:05d}-of-{len(groups):05d}.safetensors", head, offsets, len(head) + begin
+            )
+        )
     return plans
 
 
@@ -210,7 +219,7 @@ def _contiguous_runs(sub: Box, full: Box) -> Iterator[tuple[int, tuple[int, ...]
     while k > 0 and sub_shape[k - 1] == shape[k - 1]:
         k -= 1
     k = max(k - 1, 0)  # dims >= k+1 are full: a run covers dims k.. of the sub block
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     length = math.prod(sub_shape[k:])
     for idx in itertools.product(*(range(n) for n in sub_shape[:k])):
         offset = sum((start[d] + i) * strides[d] for d, i in enumerate(idx))
@@ -252,8 +261,11 @@ def _dtensor_box(t: Any) -> tuple[Box, bool] | None:
             shards.append((axis, placement.dim))
         elif type(placement).__name__ == "_StridedShard":  # FSDP2 over TP: split after later axes
             strided.append((axis, placement.dim))
-            later = math.prod(mesh.size(a) for a, p in enumerate(t.placements)
-                              if a > axis and type(p) is Shard and p.dim == placement.dim)
+            later = math.prod(
+                mesh.size(a)
+                for a, p in enumerate(t.placements)
+                if a > axis and type(p) is Shard and p.dim == placement.dim
+            )
             if placement.split_factor != later:
                 return None
         else:
@@ -278,8 +290,14 @@ def _locals(state: Mapping[str, torch.Tensor], *, rank: int, world_size: int) ->
         if hasattr(t, "device_mesh"):
             found = _dtensor_box(t)
             if found is None:  # unusual placement: gather this one tensor
-                out[key] = _Local(t.full_tensor(), _full_box(t.shape), rank == 0, t.placements,
-                                  t.device_mesh, gathered=True)
+                out[key] = _Local(
+                    t.full_tensor(),
+                    _full_box(t.shape),
+                    rank == 0,
+                    t.placements,
+                    t.device_mesh,
+                    gathered=True,
+                )
             else:
                 out[key] = _Local(t.to_local(), found[0], found[1], t.placements, t.device_mesh)
         else:
@@ -340,7 +358,7 @@ def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
 
 
 def _commit_folder(tmp: pathlib.Path, final: pathlib.Path) -> None:
-    """fsync `tmp`, then make it `final` atomically (an existing `final` is replaced and deleted)."""
+    """fsync `tmp`, then make it `final` atomically (an existing `final` is replaced, deleted)."""
     _fsync_tree(tmp)
     if final.exists():
         if _exchange(tmp, final):
@@ -373,8 +391,9 @@ class _Piece:
     runs: list[tuple[int, tuple[int, ...], int]]  # (byte offset in file, leading idx, elements)
 
 
-def _stage_hf(locals_: Mapping[str, _Local], layout: Sequence[HFTensor],
-              plans: Sequence[FilePlan]) -> list[_Piece]:
+def _stage_hf(
+    locals_: Mapping[str, _Local], layout: Sequence[HFTensor], plans: Sequence[FilePlan]
+) -> list[_Piece]:
     """CPU copies of the parts of each HF tensor this rank owns, with their file offsets."""
     where = {name: (p.file, off) for p in plans for name, off in p.offsets.items()}
     pieces = []
@@ -385,7 +404,9 @@ def _stage_hf(locals_: Mapping[str, _Local], layout: Sequence[HFTensor],
         sub = _intersect(t.box, local.box)
         if sub is None:
             continue
-        view = local.tensor[tuple(slice(a - lb, b - lb) for (a, b), (lb, _) in zip(sub, local.box, strict=True))]
+        view = local.tensor[
+            tuple(slice(a - lb, b - lb) for (a, b), (lb, _) in zip(sub, local.box, strict=True))
+        ]
         cpu = view.to("cpu", copy=True).contiguous()
         file, base = where[t.name]
         size = _itemsize(t.dtype)
@@ -394,8 +415,13 @@ def _stage_hf(locals_: Mapping[str, _Local], layout: Sequence[HFTensor],
     return pieces
 
 
-def _write_hf_files(folder: pathlib.Path, plans: Sequence[FilePlan], pieces: Sequence[_Piece], *,
-                    write_headers: bool) -> None:
+def _write_hf_files(
+    folder: pathlib.Path,
+    plans: Sequence[FilePlan],
+    pieces: Sequence[_Piece],
+    *,
+    write_headers: bool,
+) -> None:
     """pwrite this rank's staged pieces (and, on one rank, the headers) into the planned files."""
     fds: dict[str, int] = {}
     try:
@@ -434,7 +460,10 @@ def _write_json(path: pathlib.Path, obj: Any) -> None:
 def _read_header(path: pathlib.Path) -> dict[str, Any]:
     """The safetensors header of `path`; CheckpointError when missing or truncated."""
     if not path.is_file():
-        msg = f"checkpoint file {str(path)!r} does not exist; the save that wrote it did not finish -- load another checkpoint"
+        msg = (
+            f"checkpoint file {str(path)!r} does not exist;"
+            " the save that wrote it did not finish -- load another checkpoint"
+        )
         raise CheckpointError(msg)
     size = path.stat().st_size
     with path.open("rb") as f:
@@ -446,17 +475,24 @@ def _read_header(path: pathlib.Path) -> dict[str, Any]:
     except ValueError:
         header = None
     if not isinstance(header, dict):
-        msg = f"checkpoint file {str(path)!r} ({size} bytes) has no readable safetensors header; it is truncated or not a safetensors file"
+        msg = (
+            f"checkpoint file {str(path)!r} ({size} bytes) has no readable safetensors "
+            "header; it is truncated or not a safetensors file"
+        )
         raise CheckpointError(msg)
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if size != 8 + n + end:
-        msg = (f"checkpoint file {str(path)!r} is {size} bytes but its header needs {8 + n + end}; "
-               f"it is truncated (an interrupted save or copy) -- load another checkpoint")
+        msg = (
+            f"checkpoint file {str(path)!r} is {size} bytes but its header needs {8 + n + end}; "
+            f"it is truncated (an interrupted save or copy) -- load another checkpoint"
+        )
         raise CheckpointError(msg)
     return header
 
 
-def validate_hf_folder(folder: str | os.PathLike[str]) -> dict[str, tuple[pathlib.Path, dict[str, Any]]]:
+def validate_hf_folder(
+    folder: str | os.PathLike[str],
+) -> dict[str, tuple[pathlib.Path, dict[str, Any]]]:
     """`{name: (file, header entry)}` of an HF safetensors folder, every file checked complete.
 
     Raises:
@@ -472,7 +508,10 @@ def validate_hf_folder(folder: str | os.PathLike[str]) -> dict[str, tuple[pathli
         files = sorted(p.name for p in folder.glob("*.safetensors"))
         weight_map = None
     if not files:
-        msg = f"{str(folder)!r} holds no *.safetensors files and no {INDEX_FILE}; pass an HF model folder"
+        msg = (
+            f"{str(folder)!r} holds no *.safetensors files and no {INDEX_FILE};"
+            " pass an HF model folder"
+        )
         raise CheckpointError(msg)
     out: dict[str, tuple[pathlib.Path, dict[str, Any]]] = {}
     for file in files:
@@ -480,12 +519,17 @@ def validate_hf_folder(folder: str | os.PathLike[str]) -> dict[str, tuple[pathli
         out.update({k: (folder / file, v) for k, v in header.items() if k != "__metadata__"})
     for name, file in (weight_map or {}).items():
         if name not in out or out[name][0].name != file:
-            msg = f"{str(folder / file)!r} lacks tensor {name!r} that {INDEX_FILE} places there; the folder is inconsistent"
+            msg = (
+                f"{str(folder / file)!r} lacks tensor {name!r} that {INDEX_FILE} places "
+                "there; the folder is inconsistent"
+            )
             raise CheckpointError(msg)
     return out
 
 
-def detect_weights_format(weights_path: str | os.PathLike[str]) -> Literal["safetensors", "dcp", "peft"]:
+def detect_weights_format(
+    weights_path: str | os.PathLike[str],
+) -> Literal["safetensors", "dcp", "peft"]:
     """Format of a weights folder (`weights_path/model` or `weights_path` itself).
 
     Raises:
@@ -499,17 +543,24 @@ def detect_weights_format(weights_path: str | os.PathLike[str]) -> Literal["safe
         return "dcp"
     if INDEX_FILE in names or any(n.endswith(".safetensors") for n in names):
         return "safetensors"
-    msg = (f"no checkpoint at {str(weights_path)!r}: neither it nor its '{MODEL_DIR}' subfolder "
-           f"holds safetensors, DCP (.distcp) or a PEFT adapter"
-           + _interrupted_hint(folder))
+    msg = (
+        f"no checkpoint at {str(weights_path)!r}: neither it nor its '{MODEL_DIR}' subfolder "
+        f"holds safetensors, DCP (.distcp) or a PEFT adapter" + _interrupted_hint(folder)
+    )
     raise CheckpointError(msg)
 
 
 def _interrupted_hint(folder: pathlib.Path) -> str:
     if not folder.parent.is_dir():
         return ""
-    left = sorted(p.name for p in folder.parent.iterdir() if p.name.startswith(f"{folder.name}.old-"))
-    return f"; an interrupted replacement left {left}: rename it back to {folder.name!r}" if left else ""
+    left = sorted(
+        p.name for p in folder.parent.iterdir() if p.name.startswith(f"{folder.name}.old-")
+    )
+    return (
+        f"; an interrupted replacement left {left}: rename it back to {folder.name!r}"
+        if left
+        else ""
+    )
 
 
 def _model_folder(weights_path: str | os.PathLike[str]) -> pathlib.Path:
@@ -534,8 +585,13 @@ class AsyncSaver:
     def pending(self) -> bool:
         return bool(self._commits)
 
-    def start(self, jobs: Sequence[Callable[[], None]], commits: Sequence[tuple[pathlib.Path, pathlib.Path]],
-              *, background: bool) -> None:
+    def start(
+        self,
+        jobs: Sequence[Callable[[], None]],
+        commits: Sequence[tuple[pathlib.Path, pathlib.Path]],
+        *,
+        background: bool,
+    ) -> None:
         self._commits = list(commits)
         self._error = None
 
@@ -547,7 +603,9 @@ class AsyncSaver:
                 self._error = exc
 
         if background:
-            self._thread = threading.Thread(target=run, name="policyworker-checkpoint", daemon=False)
+            self._thread = threading.Thread(
+                target=run, name="policyworker-checkpoint", daemon=False
+            )
             self._thread.start()
         else:
             run()
@@ -559,7 +617,10 @@ class AsyncSaver:
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
-                msg = f"checkpoint writes did not finish within {timeout_s} s; the disk is stalled or too slow"
+                msg = (
+                    f"checkpoint writes did not finish within {timeout_s} s;"
+                    " the disk is stalled or too slow"
+                )
                 raise TimeoutError(msg)
         self._thread = None
         error, commits, self._commits = self._error, self._commits, []
@@ -633,10 +694,16 @@ def _hf_class_name(model: nn.Module) -> str:
     return type(model).__name__
 
 
-def save_hf_weights(model: nn.Module, folder: pathlib.Path, *, parallel: Any,
-                    state: Mapping[str, torch.Tensor] | None = None,
-                    max_file_bytes: int = MAX_FILE_BYTES, write_config: bool = True,
-                    manifest: Mapping[str, Any] | None = None) -> Callable[[], None]:
+def save_hf_weights(
+    model: nn.Module,
+    folder: pathlib.Path,
+    *,
+    parallel: Any,
+    state: Mapping[str, torch.Tensor] | None = None,
+    max_file_bytes: int = MAX_FILE_BYTES,
+    write_config: bool = True,
+    manifest: Mapping[str, Any] | None = None,
+) -> Callable[[], None]:
     """Stage this rank's share of an HF safetensors folder; returns the job that writes it.
 
     `state` (default: the live model state) supplies the values; shapes and placements come from
@@ -648,13 +715,17 @@ def save_hf_weights(model: nn.Module, folder: pathlib.Path, *, parallel: Any,
     plans = plan_safetensors_files(layout, max_file_bytes=max_file_bytes)
     locals_ = _locals(live, rank=parallel.rank, world_size=parallel.world_size)
     if state is not None:
-        locals_ = {k: attrs.evolve(locals_[k], tensor=_as_local(values[k], locals_[k])) for k in values}
+        locals_ = {
+            k: attrs.evolve(locals_[k], tensor=_as_local(values[k], locals_[k])) for k in values
+        }
     pieces = _stage_hf(locals_, layout, plans)
     folder.mkdir(parents=True, exist_ok=True)
     if parallel.rank == 0:
         weight_map = {name: p.file for p in plans for name in p.offsets}
         total = sum(t.nbytes for t in layout)
-        _write_json(folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _write_json(
+            folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map}
+        )
         if write_config and getattr(model, "config", None) is not None:
             config = copy.deepcopy(model.config)
             config.architectures = [_hf_class_name(model)]
@@ -676,25 +747,43 @@ def _as_local(value: torch.Tensor, like: _Local) -> torch.Tensor:
     if like.gathered and tuple(value.shape) != tuple(like.tensor.shape):  # a local shard
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(value.to(like.tensor.device), like.mesh, like.placements,
-                                  run_check=False, shape=like.tensor.shape).full_tensor()
+        return DTensor.from_local(
+            value.to(like.tensor.device),
+            like.mesh,
+            like.placements,
+            run_check=False,
+            shape=like.tensor.shape,
+        ).full_tensor()
     return value
 
 
-def _check_names(model_layout: Sequence[HFTensor], found: Mapping[str, tuple[pathlib.Path, dict[str, Any]]],
-                 folder: pathlib.Path) -> None:
+def _check_names(
+    model_layout: Sequence[HFTensor],
+    found: Mapping[str, tuple[pathlib.Path, dict[str, Any]]],
+    folder: pathlib.Path,
+) -> None:
     missing = [t.name for t in model_layout if t.name not in found]
-    wrong = [f"{t.name}: file {found[t.name][1]['shape']} vs model {list(t.shape)}"
-             for t in model_layout if t.name in found and list(found[t.name][1]["shape"]) != list(t.shape)]
+    wrong = [
+        f"{t.name}: file {found[t.name][1]['shape']} vs model {list(t.shape)}"
+        for t in model_layout
+        if t.name in found and list(found[t.name][1]["shape"]) != list(t.shape)
+    ]
     if missing or wrong:
-        msg = (f"checkpoint {str(folder)!r} does not fit the model: missing tensors {missing[:8]}"
-               f"{' ...' if len(missing) > 8 else ''}, shape mismatches {wrong[:8]}; load a "
-               f"checkpoint saved from this model architecture and size")
+        msg = (
+            f"checkpoint {str(folder)!r} does not fit the model: missing tensors {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}, shape mismatches {wrong[:8]}; load a "
+            f"checkpoint saved from this model architecture and size"
+        )
         raise CheckpointError(msg)
 
 
-def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str], *, parallel: Any,
-                    state: Mapping[str, torch.Tensor] | None = None) -> Callable[[], None]:
+def load_hf_weights(
+    model: nn.Module,
+    folder: str | os.PathLike[str],
+    *,
+    parallel: Any,
+    state: Mapping[str, torch.Tensor] | None = None,
+) -> Callable[[], None]:
     """Read an HF safetensors folder into staging for this rank's shards; returns the commit.
 
     Everything is validated and read before the returned callable copies into `state` (default:
@@ -710,8 +799,11 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str], *, paralle
     _check_names(layout, found, folder)
     locals_ = _locals(live, rank=parallel.rank, world_size=parallel.world_size)
     in_layout = {t.key for t in layout}
-    staging = {k: torch.empty(tuple(b - a for a, b in loc.box), dtype=loc.tensor.dtype)
-               for k, loc in locals_.items() if k in in_layout}
+    staging = {
+        k: torch.empty(tuple(b - a for a, b in loc.box), dtype=loc.tensor.dtype)
+        for k, loc in locals_.items()
+        if k in in_layout
+    }
     handles: dict[pathlib.Path, Any] = {}
     try:
         for t in layout:
@@ -722,8 +814,13 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str], *, paralle
             if file not in handles:
                 handles[file] = safe_open(str(file), framework="pt")
             squeeze = len(t.box) - len(t.shape)
-            src = tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in zip(sub[squeeze:], t.box[squeeze:], strict=True))
-            block = handles[file].get_slice(t.name)[src] if src else handles[file].get_tensor(t.name)
+            src = tuple(
+                slice(a - b0, b - b0)
+                for (a, b), (b0, _) in zip(sub[squeeze:], t.box[squeeze:], strict=True)
+            )
+            block = (
+                handles[file].get_slice(t.name)[src] if src else handles[file].get_tensor(t.name)
+            )
             dst = tuple(slice(a - lb, b - lb) for (a, b), (lb, _) in zip(sub, loc.box, strict=True))
             staging[t.key][dst] = block.reshape(staging[t.key][dst].shape)
     finally:
@@ -731,8 +828,11 @@ def load_hf_weights(model: nn.Module, folder: str | os.PathLike[str], *, paralle
     target = live if state is None else state
 
     # Keys outside the layout (a tied lm_head) alias a loaded tensor: fill them from it.
-    aliases = {k: next(o for o in staging if live[o] is live[k]) for k in target
-               if k in live and k not in staging and any(live[o] is live[k] for o in staging)}
+    aliases = {
+        k: next(o for o in staging if live[o] is live[k])
+        for k in target
+        if k in live and k not in staging and any(live[o] is live[k] for o in staging)
+    }
 
     def commit() -> None:
         with torch.no_grad():
@@ -772,11 +872,18 @@ def _load_dcp_weights(model: nn.Module, folder: pathlib.Path, *, group: Any) -> 
     for key, t in live.items():
         name = canonical_name(key)
         if name not in keys:
-            msg = f"DCP checkpoint {str(folder)!r} has no tensor {name!r}; load a checkpoint of this model"
+            msg = (
+                f"DCP checkpoint {str(folder)!r} has no tensor {name!r};"
+                " load a checkpoint of this model"
+            )
             raise CheckpointError(msg)
         staging[name] = _clone_to(t.detach(), device=None)
-    dcp.load(staging, storage_reader=dcp.FileSystemReader(str(folder)), process_group=group,
-             no_dist=group is None)
+    dcp.load(
+        staging,
+        storage_reader=dcp.FileSystemReader(str(folder)),
+        process_group=group,
+        no_dist=group is None,
+    )
 
     def commit() -> None:
         with torch.no_grad():
@@ -791,12 +898,18 @@ def _dcp_keys(folder: pathlib.Path) -> set[str]:
     import torch.distributed.checkpoint as dcp
 
     if not (folder / ".metadata").is_file():
-        msg = f"DCP checkpoint file {str(folder / '.metadata')!r} does not exist; the save did not finish -- load another checkpoint"
+        msg = (
+            f"DCP checkpoint file {str(folder / '.metadata')!r} does not exist;"
+            " the save did not finish -- load another checkpoint"
+        )
         raise CheckpointError(msg)
     try:
         metadata = dcp.FileSystemReader(str(folder)).read_metadata()
     except Exception as exc:
-        msg = f"DCP checkpoint file {str(folder / '.metadata')!r} cannot be read ({exc}); it is truncated or corrupt"
+        msg = (
+            f"DCP checkpoint file {str(folder / '.metadata')!r} cannot be read ({exc});"
+            " it is truncated or corrupt"
+        )
         raise CheckpointError(msg) from exc
     need: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -805,8 +918,13 @@ def _dcp_keys(folder: pathlib.Path) -> set[str]:
         path = folder / rel
         have = path.stat().st_size if path.is_file() else -1
         if have < size:
-            state = "does not exist" if have < 0 else f"is {have} bytes but the metadata needs {size}"
-            msg = f"DCP checkpoint file {str(path)!r} {state}; it is truncated -- load another checkpoint"
+            state = (
+                "does not exist" if have < 0 else f"is {have} bytes but the metadata needs {size}"
+            )
+            msg = (
+                f"DCP checkpoint file {str(path)!r} {state};"
+                " it is truncated -- load another checkpoint"
+            )
             raise CheckpointError(msg)
     return set(metadata.state_dict_metadata)
 
@@ -821,8 +939,9 @@ def _clone_to(t: Any, *, device: str | None = "cpu") -> Any:
 
         local = t.to_local().detach()
         local = local.to(device, copy=True) if device else local.clone()
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
-                                  shape=t.shape, stride=t.stride())
+        return DTensor.from_local(
+            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
     return t.detach().to(device, copy=True) if device else t.detach().clone()
 
 
@@ -866,9 +985,16 @@ def _tuples(obj: Any) -> Any:
     return tuple(_tuples(x) for x in obj) if isinstance(obj, (list, tuple)) else obj
 
 
-def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                   folder: pathlib.Path, *, parallel: Any, group: Any,
-                   meta: Mapping[str, Any]) -> Callable[[], None]:
+def save_optimizer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    folder: pathlib.Path,
+    *,
+    parallel: Any,
+    group: Any,
+    meta: Mapping[str, Any],
+) -> Callable[[], None]:
     """Stage optimizer + scheduler + this rank's RNG as a DCP state dict; returns the writer job."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -876,24 +1002,40 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler
     state: dict[str, Any] = {}
     if optimizer.state:  # get_optimizer_state_dict would run a zero step on an empty optimizer
         state["optim"] = _tree_map(get_optimizer_state_dict(model, optimizer), _clone_to)
-    extra = {"meta": dict(meta), "scheduler": scheduler.state_dict() if scheduler is not None else None,
-             "fresh_optimizer": None if optimizer.state else optimizer.state_dict()}
+    extra = {
+        "meta": dict(meta),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "fresh_optimizer": None if optimizer.state else optimizer.state_dict(),
+    }
     state["extra"] = _to_bytes(extra)
     state[f"rng_rank{parallel.rank}"] = _to_bytes(_rng_state())
     folder.mkdir(parents=True, exist_ok=True)
 
     def job() -> None:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "assuming single process" without a group
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), process_group=group,
-                     no_dist=group is None)
+            warnings.simplefilter(
+                "ignore", UserWarning
+            )  # "assuming single process" without a group
+            dcp.save(
+                state,
+                storage_writer=dcp.FileSystemWriter(str(folder)),
+                process_group=group,
+                no_dist=group is None,
+            )
 
     return job
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any,
-                   optimizer_path: str | os.PathLike[str], *, model: nn.Module | None = None,
-                   parallel: Any = None, group: Any = None, restore_rng: bool = True) -> Callable[[], None]:
+def load_optimizer(
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    optimizer_path: str | os.PathLike[str],
+    *,
+    model: nn.Module | None = None,
+    parallel: Any = None,
+    group: Any = None,
+    restore_rng: bool = True,
+) -> Callable[[], None]:
     """Read `optimizer_path/optim` (any layout) into staging; returns the commit.
 
     The commit loads optimizer and scheduler state and, when this rank's RNG state was saved,
@@ -904,10 +1046,16 @@ def load_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any,
         CheckpointError: the folder is missing or incomplete.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     if model is None:
-        msg = "load_optimizer needs model=<the nn.Module the optimizer trains> to map state to parameter names"
+        msg = (
+            "load_optimizer needs model=<the nn.Module the optimizer trains> to map state to "
+            "parameter names"
+        )
         raise ValueError(msg)
     folder = _optim_folder(optimizer_path)
     keys = _dcp_keys(folder)
@@ -917,11 +1065,17 @@ def load_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any,
         request[f"rng_rank{rank}"] = io.BytesIO()
     has_optim = any(k.startswith("optim.") for k in keys)
     if has_optim:
-        request["optim"] = _tree_map(get_optimizer_state_dict(model, optimizer), lambda t: _clone_to(t, device=None))
+        request["optim"] = _tree_map(
+            get_optimizer_state_dict(model, optimizer), lambda t: _clone_to(t, device=None)
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming single process" without a group
-        dcp.load(request, storage_reader=dcp.FileSystemReader(str(folder)), process_group=group,
-                 no_dist=group is None)
+        dcp.load(
+            request,
+            storage_reader=dcp.FileSystemReader(str(folder)),
+            process_group=group,
+            no_dist=group is None,
+        )
     extra = _from_bytes(request["extra"])
     rng = _from_bytes(request[f"rng_rank{rank}"]) if f"rng_rank{rank}" in request else None
 
@@ -946,7 +1100,10 @@ def _optim_folder(optimizer_path: str | os.PathLike[str]) -> pathlib.Path:
         return path / OPTIM_DIR
     if path.name == OPTIM_DIR or (path / ".metadata").is_file():
         return path
-    msg = f"no optimizer checkpoint at {str(path)!r}: expected '{OPTIM_DIR}/.metadata' under it" + _interrupted_hint(path / OPTIM_DIR)
+    msg = (
+        f"no optimizer checkpoint at {str(path)!r}: expected '{OPTIM_DIR}/.metadata' under it"
+        + _interrupted_hint(path / OPTIM_DIR)
+    )
     raise CheckpointError(msg)
 
 
@@ -976,10 +1133,14 @@ def _link_reference(src: pathlib.Path, dst: pathlib.Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def save_checkpoint(worker: Any, weights_path: str | os.PathLike[str],
-                    optimizer_path: str | os.PathLike[str] | None = None,
-                    tokenizer_path: str | os.PathLike[str] | None = None, *,
-                    is_final_checkpoint: bool = False) -> None:
+def save_checkpoint(
+    worker: Any,
+    weights_path: str | os.PathLike[str],
+    optimizer_path: str | os.PathLike[str] | None = None,
+    tokenizer_path: str | os.PathLike[str] | None = None,
+    *,
+    is_final_checkpoint: bool = False,
+) -> None:
     """Save weights (HF / PEFT), reference, optimizer and tokenizer; async unless final.
 
     Collective. Finalizes the previous save first. Returns once this rank's state is staged;
@@ -989,17 +1150,28 @@ def save_checkpoint(worker: Any, weights_path: str | os.PathLike[str],
         ValueError: optimizer_path without an optimizer, or tokenizer_path without a tokenizer.
     """
     if optimizer_path is not None and worker.optimizer is None:
-        msg = "save_checkpoint(optimizer_path=...) but the worker has no optimizer (init_optimizer=False); pass optimizer_path=None"
+        msg = (
+            "save_checkpoint(optimizer_path=...) but the worker has no optimizer "
+            "(init_optimizer=False); pass optimizer_path=None"
+        )
         raise ValueError(msg)
     if tokenizer_path is not None and worker.tokenizer is None:
-        msg = "save_checkpoint(tokenizer_path=...) but the worker has no tokenizer (model folder without tokenizer files); pass tokenizer_path=None"
+        msg = (
+            "save_checkpoint(tokenizer_path=...) but the worker has no tokenizer (model "
+            "folder without tokenizer files); pass tokenizer_path=None"
+        )
         raise ValueError(msg)
     saver, parallel = _saver(worker), worker.parallel
     saver.finalize(parallel)
     token = _shared_token(parallel)
     group = _checkpoint_group(worker, saver)
-    meta = {"format_version": FORMAT_VERSION, "checkpoint_id": token, "world_size": parallel.world_size,
-            "dp_size": parallel.dp_size, "tp_size": parallel.tp_size}
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "checkpoint_id": token,
+        "world_size": parallel.world_size,
+        "dp_size": parallel.dp_size,
+        "tp_size": parallel.tp_size,
+    }
     finals = [pathlib.Path(weights_path) / MODEL_DIR]
     if optimizer_path is not None:
         finals.append(pathlib.Path(optimizer_path) / OPTIM_DIR)
@@ -1021,22 +1193,41 @@ def save_checkpoint(worker: Any, weights_path: str | os.PathLike[str],
         from policyworker.shell.lora import save_peft_adapter
 
         cfg = getattr(worker, "cfg", None)
-        save_peft_adapter(worker.model, model_tmp,
-                          lora_cfg=getattr(getattr(cfg, "dtensor_cfg", None), "lora_cfg", None),
-                          base_model_name_or_path=getattr(cfg, "model_name", None),
-                          write=parallel.rank == 0)
+        save_peft_adapter(
+            worker.model,
+            model_tmp,
+            lora_cfg=getattr(getattr(cfg, "dtensor_cfg", None), "lora_cfg", None),
+            base_model_name_or_path=getattr(cfg, "model_name", None),
+            write=parallel.rank == 0,
+        )
         if parallel.rank == 0:
             _write_json(model_tmp / MANIFEST_FILE, {**meta, "kind": "peft"})
     else:
-        jobs.append(save_hf_weights(worker.model, model_tmp, parallel=parallel,
-                                    manifest={**meta, "kind": "hf"}))
+        jobs.append(
+            save_hf_weights(
+                worker.model, model_tmp, parallel=parallel, manifest={**meta, "kind": "hf"}
+            )
+        )
     if ref is not None and not lora:
-        jobs += _save_reference(worker, saver, ref, pathlib.Path(weights_path) / REFERENCE_DIR,
-                                tmp[pathlib.Path(weights_path) / REFERENCE_DIR])
+        jobs += _save_reference(
+            worker,
+            saver,
+            ref,
+            pathlib.Path(weights_path) / REFERENCE_DIR,
+            tmp[pathlib.Path(weights_path) / REFERENCE_DIR],
+        )
     if optimizer_path is not None:
-        jobs.append(save_optimizer(worker.model, worker.optimizer, worker.scheduler,
-                                   tmp[pathlib.Path(optimizer_path) / OPTIM_DIR], parallel=parallel,
-                                   group=group, meta=meta))
+        jobs.append(
+            save_optimizer(
+                worker.model,
+                worker.optimizer,
+                worker.scheduler,
+                tmp[pathlib.Path(optimizer_path) / OPTIM_DIR],
+                parallel=parallel,
+                group=group,
+                meta=meta,
+            )
+        )
     if tokenizer_path is not None and parallel.rank == 0:
         worker.tokenizer.save_pretrained(tmp[pathlib.Path(tokenizer_path)])
     saver.start(jobs, commits, background=not is_final_checkpoint)
@@ -1044,9 +1235,14 @@ def save_checkpoint(worker: Any, weights_path: str | os.PathLike[str],
         saver.finalize(parallel)
 
 
-def _save_reference(worker: Any, saver: AsyncSaver, ref: Mapping[str, torch.Tensor],
-                    final: pathlib.Path, tmp: pathlib.Path) -> list[Callable[[], None]]:
-    """Hard-link the previous save's reference folder while the reference is unchanged, else write it."""
+def _save_reference(
+    worker: Any,
+    saver: AsyncSaver,
+    ref: Mapping[str, torch.Tensor],
+    final: pathlib.Path,
+    tmp: pathlib.Path,
+) -> list[Callable[[], None]]:
+    """Hard-link the last save's reference files while the reference is unchanged, else write."""
     parallel = worker.parallel
     fp = _fingerprint(ref)
     last = saver.last_reference
@@ -1094,24 +1290,38 @@ def _load(worker: Any, weights_path: Any, optimizer_path: Any, *, load_weights: 
             saver.last_reference = None
     if optimizer_path is not None:
         if worker.optimizer is None:
-            msg = "load_checkpoint(optimizer_path=...) but the worker has no optimizer (init_optimizer=False); pass optimizer_path=None"
+            msg = (
+                "load_checkpoint(optimizer_path=...) but the worker has no optimizer "
+                "(init_optimizer=False); pass optimizer_path=None"
+            )
             raise ValueError(msg)
-        commit = load_optimizer(worker.optimizer, worker.scheduler, optimizer_path, model=worker.model,
-                                parallel=parallel, group=group)
+        commit = load_optimizer(
+            worker.optimizer,
+            worker.scheduler,
+            optimizer_path,
+            model=worker.model,
+            parallel=parallel,
+            group=group,
+        )
         saved_id = getattr(commit, "checkpoint_id", None)
         if weights_id is not None and saved_id is not None and saved_id != weights_id:
-            msg = (f"weights {str(weights_path)!r} (checkpoint id {weights_id}) and optimizer "
-                   f"{str(optimizer_path)!r} (id {saved_id}) come from different saves; pass the "
-                   f"optimizer_path saved together with these weights")
+            msg = (
+                f"weights {str(weights_path)!r} (checkpoint id {weights_id}) and optimizer "
+                f"{str(optimizer_path)!r} (id {saved_id}) come from different saves; pass the "
+                f"optimizer_path saved together with these weights"
+            )
             raise CheckpointError(msg)
         commits.append(commit)
     for commit in commits:
         commit()
 
 
-def load_checkpoint(worker: Any, weights_path: str | os.PathLike[str],
-                    optimizer_path: str | os.PathLike[str] | None = None) -> None:
-    """Load weights (safetensors / DCP / PEFT, any layout), the saved reference, and optimizer state.
+def load_checkpoint(
+    worker: Any,
+    weights_path: str | os.PathLike[str],
+    optimizer_path: str | os.PathLike[str] | None = None,
+) -> None:
+    """Load weights (safetensors / DCP / PEFT, any layout), the saved reference, optimizer state.
 
     Collective. Validates and reads everything before changing the worker: a missing or
     truncated file raises `CheckpointError` naming it and leaves the worker as it was.
@@ -1119,9 +1329,13 @@ def load_checkpoint(worker: Any, weights_path: str | os.PathLike[str],
     _load(worker, weights_path, optimizer_path, load_weights=True)
 
 
-def load_checkpoint_at_init(worker: Any, weights_path: str | os.PathLike[str] | None = None,
-                            optimizer_path: str | os.PathLike[str] | None = None, *,
-                            weights_loaded: bool = False) -> None:
+def load_checkpoint_at_init(
+    worker: Any,
+    weights_path: str | os.PathLike[str] | None = None,
+    optimizer_path: str | os.PathLike[str] | None = None,
+    *,
+    weights_loaded: bool = False,
+) -> None:
     """The constructor's loader: call after the optimizer and the reference snapshot exist.
 
     `weights_loaded=True` when the constructor already built the model from `weights_path`

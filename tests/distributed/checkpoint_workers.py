@@ -1,4 +1,4 @@
-"""Rank bodies for tests/distributed/test_checkpoint_gloo.py (module level, so fork/spawn can run them)."""
+"""Rank bodies for tests/distributed/test_checkpoint_gloo.py (module level: fork/spawn run them)."""
 
 from __future__ import annotations
 
@@ -55,21 +55,34 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def full_training_state(worker) -> dict:
     """Full weights, full optimizer state (by FQN), scheduler and full reference (collective)."""
     weights = {k: _full(v).clone() for k, v in worker.model.state_dict().items()}
-    optim = get_optimizer_state_dict(worker.model, worker.optimizer,
-                                     options=StateDictOptions(full_state_dict=True))
+    optim = get_optimizer_state_dict(
+        worker.model, worker.optimizer, options=StateDictOptions(full_state_dict=True)
+    )
     ref = {}
     live = worker.model.state_dict()
     for k, v in worker._reference_state.items():
         if hasattr(live[k], "device_mesh"):
             from torch.distributed.tensor import DTensor
 
-            v = DTensor.from_local(v, live[k].device_mesh, live[k].placements, run_check=False,
-                                   shape=live[k].shape, stride=live[k].stride()).full_tensor()
+            v = DTensor.from_local(
+                v,
+                live[k].device_mesh,
+                live[k].placements,
+                run_check=False,
+                shape=live[k].shape,
+                stride=live[k].stride(),
+            ).full_tensor()
         ref[k] = v.clone()
-    optim_state = {fqn: {k: _full(v).clone() for k, v in state.items()}
-                   for fqn, state in optim["state"].items()}
-    return {"weights": weights, "optim": optim_state, "scheduler": copy.deepcopy(worker.scheduler.state_dict()),
-            "reference": ref}
+    optim_state = {
+        fqn: {k: _full(v).clone() for k, v in state.items()}
+        for fqn, state in optim["state"].items()
+    }
+    return {
+        "weights": weights,
+        "optim": optim_state,
+        "scheduler": copy.deepcopy(worker.scheduler.state_dict()),
+        "reference": ref,
+    }
 
 
 def assert_same_state(got: dict, want: dict) -> None:
@@ -104,8 +117,12 @@ def load_save_across_layouts(rank: int, world_size: int, model_path: str, root: 
     ck.load_checkpoint(tp2, root_path / "dp2" / "weights", root_path / "dp2" / "optimizer")
     assert_same_state(full_training_state(tp2), saved)
     tp2.train_step()
-    ck.save_checkpoint(tp2, root_path / "tp2" / "weights", root_path / "tp2" / "optimizer",
-                       is_final_checkpoint=True)
+    ck.save_checkpoint(
+        tp2,
+        root_path / "tp2" / "weights",
+        root_path / "tp2" / "optimizer",
+        is_final_checkpoint=True,
+    )
     saved_tp = full_training_state(tp2)
     if rank == 0:
         torch.save(saved_tp, root_path / "tp2_full.pt")

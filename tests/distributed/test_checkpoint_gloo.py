@@ -17,17 +17,28 @@ pytestmark = pytest.mark.distributed
 
 
 def _single_state(worker) -> dict:
-    return {"weights": {k: v.detach().clone() for k, v in worker.model.state_dict().items()},
-            "optim": {fqn: {k: v.clone() for k, v in state.items()} for fqn, state in
-                      get_optimizer_state_dict(worker.model, worker.optimizer)["state"].items()},
-            "scheduler": worker.scheduler.state_dict(),
-            "reference": dict(worker._reference_state)}
+    return {
+        "weights": {k: v.detach().clone() for k, v in worker.model.state_dict().items()},
+        "optim": {
+            fqn: {k: v.clone() for k, v in state.items()}
+            for fqn, state in get_optimizer_state_dict(worker.model, worker.optimizer)[
+                "state"
+            ].items()
+        },
+        "scheduler": worker.scheduler.state_dict(),
+        "reference": dict(worker._reference_state),
+    }
 
 
 def _config(path):
-    return make_config(path, optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
-                       scheduler={"name": "torch.optim.lr_scheduler.StepLR",
-                                  "kwargs": {"step_size": 1, "gamma": 0.7}})
+    return make_config(
+        path,
+        optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
+        scheduler={
+            "name": "torch.optim.lr_scheduler.StepLR",
+            "kwargs": {"step_size": 1, "gamma": 0.7},
+        },
+    )
 
 
 def test_checkpoints_round_trip_exactly_between_dp1_dp2_and_tp2(tmp_path):
@@ -36,8 +47,12 @@ def test_checkpoints_round_trip_exactly_between_dp1_dp2_and_tp2(tmp_path):
     path = str(tmp_path / "llama")
     single = PolicyWorker(_config(path))
     single.train(make_batch(4, 10, seed=1), NLLLoss())
-    ck.save_checkpoint(single, tmp_path / "dp1" / "weights", tmp_path / "dp1" / "optimizer",
-                       is_final_checkpoint=True)
+    ck.save_checkpoint(
+        single,
+        tmp_path / "dp1" / "weights",
+        tmp_path / "dp1" / "optimizer",
+        is_final_checkpoint=True,
+    )
     torch.save(_single_state(single), tmp_path / "dp1_full.pt")
 
     run_on_gloo(workers.load_save_across_layouts, 2, path, str(tmp_path))
@@ -45,5 +60,6 @@ def test_checkpoints_round_trip_exactly_between_dp1_dp2_and_tp2(tmp_path):
     for layout in ("dp2", "tp2"):
         fresh = PolicyWorker(_config(path))
         ck.load_checkpoint(fresh, tmp_path / layout / "weights", tmp_path / layout / "optimizer")
-        workers.assert_same_state(_single_state(fresh), torch.load(tmp_path / f"{layout}_full.pt",
-                                                                   weights_only=False))
+        workers.assert_same_state(
+            _single_state(fresh), torch.load(tmp_path / f"{layout}_full.pt", weights_only=False)
+        )

@@ -59,8 +59,9 @@ def run(root: str, marker: str) -> None:
         worker.optimizer.zero_grad()
         worker.scheduler.step()
         set_weights(worker.model, i)
-        checkpoint.save_checkpoint(worker, root_path / "weights", root_path / "optimizer",
-                                   is_final_checkpoint=i % 2 == 0)
+        checkpoint.save_checkpoint(
+            worker, root_path / "weights", root_path / "optimizer", is_final_checkpoint=i % 2 == 0
+        )
         checkpoint.finalize_async_save(worker)
         if i == 0:
             pathlib.Path(marker).touch()

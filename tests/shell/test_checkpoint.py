@@ -1,4 +1,4 @@
-"""Checkpoints: exact resume, HF loadability, async completion, atomic replace, crash safety, errors."""
+"""Checkpoints: exact resume, HF loading, async completion, atomic replace, crash safety, errors."""
 
 from __future__ import annotations
 
@@ -74,12 +74,18 @@ def test_constructor_resume_keeps_the_original_reference(tiny_model_paths, tmp_p
     _train(first, range(2))
     ck.save_checkpoint(first, tmp_path / "w", tmp_path / "o", is_final_checkpoint=True)
     resumed = PolicyWorker(_cfg(path), weights_path=str(tmp_path / "w"))
-    assert not torch.equal(resumed._reference_state["model.norm.weight"], base_ref["model.norm.weight"])
+    assert not torch.equal(
+        resumed._reference_state["model.norm.weight"], base_ref["model.norm.weight"]
+    )
     ck.load_checkpoint_at_init(resumed, tmp_path / "w", tmp_path / "o", weights_loaded=True)
     assert all(torch.equal(resumed._reference_state[k], base_ref[k]) for k in base_ref)
     data = make_batch(4, 10, seed=5)
-    torch.testing.assert_close(resumed.get_reference_policy_logprobs(data)["reference_logprobs"],
-                               PolicyWorker(_cfg(path)).get_logprobs(data)["logprobs"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        resumed.get_reference_policy_logprobs(data)["reference_logprobs"],
+        PolicyWorker(_cfg(path)).get_logprobs(data)["logprobs"],
+        rtol=0,
+        atol=0,
+    )
     _train(first, range(2, 3))
     _train(resumed, range(2, 3))
     _assert_same_training_state(resumed, first)
@@ -113,7 +119,10 @@ def test_saved_tokenizer_loads(tiny_tokenizer_model_path, tmp_path):
     tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
     assert tok.get_vocab() == worker.tokenizer.get_vocab()
     assert tok("t5")["input_ids"] == worker.tokenizer("t5")["input_ids"] == [5]
-    assert (tok.eos_token, tok.pad_token) == (worker.tokenizer.eos_token, worker.tokenizer.pad_token)
+    assert (tok.eos_token, tok.pad_token) == (
+        worker.tokenizer.eos_token,
+        worker.tokenizer.pad_token,
+    )
 
 
 def _tensor_hashes(folder):
@@ -121,19 +130,25 @@ def _tensor_hashes(folder):
 
     out = {}
     for f in sorted(pathlib.Path(folder).glob("*.safetensors")):
-        out.update({k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in load_file(f).items()})
+        out.update(
+            {k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in load_file(f).items()}
+        )
     return out
 
 
-def test_async_save_returns_after_staging_and_finalize_after_files_are_complete(tiny_model_paths, tmp_path):
+def test_async_save_returns_after_staging_and_finalize_after_files_are_complete(
+    tiny_model_paths, tmp_path
+):
     worker = PolicyWorker(_cfg(tiny_model_paths["llama"]))
     _train(worker, range(1))
-    staged = {k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in _weights(worker).items()}
+    staged = {
+        k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in _weights(worker).items()
+    }
     ck.save_checkpoint(worker, tmp_path / "w", tmp_path / "o")
     _train(worker, range(1, 2))  # training mutates the weights while the writer runs
     ck.finalize_async_save(worker)
     folder = tmp_path / "w" / "model"
-    for name, (file, entry) in ck.validate_hf_folder(folder).items():  # sizes match every header
+    for file, entry in ck.validate_hf_folder(folder).values():  # sizes match every header
         assert file.stat().st_size >= entry["data_offsets"][1]
     assert _tensor_hashes(folder) == staged
     assert sorted(os.listdir(tmp_path)) == ["o", "w"]
@@ -141,7 +156,9 @@ def test_async_save_returns_after_staging_and_finalize_after_files_are_complete(
     assert (tmp_path / "o" / "optim" / ".metadata").is_file()
 
 
-def test_save_before_finalize_leaves_no_final_folder_and_next_save_finalizes(tiny_model_paths, tmp_path):
+def test_save_before_finalize_leaves_no_final_folder_and_next_save_finalizes(
+    tiny_model_paths, tmp_path
+):
     worker = PolicyWorker(_cfg(tiny_model_paths["llama"]))
     ck.save_checkpoint(worker, tmp_path / "a")
     ck._saver(worker)._thread.join()
@@ -153,17 +170,21 @@ def test_save_before_finalize_leaves_no_final_folder_and_next_save_finalizes(tin
     assert sorted(os.listdir(tmp_path / "a")) == ["model", "reference"]
 
 
-def test_replacing_a_checkpoint_swaps_it_and_unchanged_reference_is_hard_linked(tiny_model_paths, tmp_path):
+def test_replacing_a_checkpoint_swaps_it_and_unchanged_reference_is_hard_linked(
+    tiny_model_paths, tmp_path
+):
     worker = PolicyWorker(_cfg(tiny_model_paths["llama"]))
     ck.save_checkpoint(worker, tmp_path / "s1", is_final_checkpoint=True)
     ck.save_checkpoint(worker, tmp_path / "s", is_final_checkpoint=True)
     _train(worker, range(1))
     ck.save_checkpoint(worker, tmp_path / "s", is_final_checkpoint=True)
     assert _tensor_hashes(tmp_path / "s" / "model") == {
-        k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in _weights(worker).items()}
+        k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in _weights(worker).items()
+    }
     ref_files = sorted((tmp_path / "s1" / "reference").glob("*.safetensors"))
     assert ref_files and all(
-        f.stat().st_ino == (tmp_path / "s" / "reference" / f.name).stat().st_ino for f in ref_files)
+        f.stat().st_ino == (tmp_path / "s" / "reference" / f.name).stat().st_ino for f in ref_files
+    )
     assert sorted(os.listdir(tmp_path / "s")) == ["model", "reference"]
 
 
@@ -191,18 +212,25 @@ def _truncate(path, keep=0.5):
 def test_missing_weights_file_is_named_and_model_unchanged(tiny_model_paths, tmp_path):
     def corrupt(root):
         (root / "w" / "model" / "model-00001-of-00001.safetensors").unlink()
-    _corrupt_then_expect(tiny_model_paths, tmp_path, corrupt, r"model-00001-of-00001\.safetensors' does not exist")
+
+    _corrupt_then_expect(
+        tiny_model_paths, tmp_path, corrupt, r"model-00001-of-00001\.safetensors' does not exist"
+    )
 
 
 def test_truncated_weights_file_is_named_and_model_unchanged(tiny_model_paths, tmp_path):
     def corrupt(root):
         _truncate(root / "w" / "model" / "model-00001-of-00001.safetensors")
-    _corrupt_then_expect(tiny_model_paths, tmp_path, corrupt, r"model-00001-of-00001\.safetensors.*truncated")
+
+    _corrupt_then_expect(
+        tiny_model_paths, tmp_path, corrupt, r"model-00001-of-00001\.safetensors.*truncated"
+    )
 
 
 def test_truncated_optimizer_shard_is_named_and_state_unchanged(tiny_model_paths, tmp_path):
     def corrupt(root):
         _truncate(root / "o" / "optim" / "__0_0.distcp")
+
     _corrupt_then_expect(tiny_model_paths, tmp_path, corrupt, r"__0_0\.distcp.*truncated")
 
 
@@ -211,7 +239,9 @@ def test_weights_and_optimizer_of_different_saves_are_rejected(tiny_model_paths,
     ck.save_checkpoint(worker, tmp_path / "w1", tmp_path / "o1", is_final_checkpoint=True)
     ck.save_checkpoint(worker, tmp_path / "w2", tmp_path / "o2", is_final_checkpoint=True)
     with pytest.raises(ck.CheckpointError, match="different saves"):
-        ck.load_checkpoint(PolicyWorker(_cfg(tiny_model_paths["llama"])), tmp_path / "w1", tmp_path / "o2")
+        ck.load_checkpoint(
+            PolicyWorker(_cfg(tiny_model_paths["llama"])), tmp_path / "w1", tmp_path / "o2"
+        )
 
 
 def test_missing_checkpoint_folder_error_names_it(tiny_model_paths, tmp_path):
@@ -229,14 +259,25 @@ def test_format_detection_and_dcp_weights_load(tiny_model_paths, tmp_path):
 
     worker = PolicyWorker(_cfg(tiny_model_paths["llama"]))
     _train(worker, range(1))
-    dcp.save(_weights(worker), storage_writer=dcp.FileSystemWriter(str(tmp_path / "d" / "model")), no_dist=True)
+    dcp.save(
+        _weights(worker),
+        storage_writer=dcp.FileSystemWriter(str(tmp_path / "d" / "model")),
+        no_dist=True,
+    )
     assert ck.detect_weights_format(tmp_path / "d") == "dcp"
     ck.save_checkpoint(worker, tmp_path / "h", is_final_checkpoint=True)
-    assert ck.detect_weights_format(tmp_path / "h") == ck.detect_weights_format(tmp_path / "h" / "model") == "safetensors"
+    assert (
+        ck.detect_weights_format(tmp_path / "h")
+        == ck.detect_weights_format(tmp_path / "h" / "model")
+        == "safetensors"
+    )
     assert ck.detect_weights_format(tiny_model_paths["llama"]) == "safetensors"
     fresh = PolicyWorker(_cfg(tiny_model_paths["llama"]))
     ck.load_checkpoint(fresh, tmp_path / "d")
-    assert all(torch.equal(a, b) for a, b in zip(_weights(fresh).values(), _weights(worker).values(), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(_weights(fresh).values(), _weights(worker).values(), strict=True)
+    )
 
 
 def test_lora_run_saves_and_loads_a_peft_adapter(tiny_model_paths, tmp_path):
@@ -246,7 +287,9 @@ def test_lora_run_saves_and_loads_a_peft_adapter(tiny_model_paths, tmp_path):
         model = child.build_model()
         worker = child.SimpleWorker(model)
         apply_lora(model, {"target_modules": ["0", "2"], "dim": 4, "alpha": 8})
-        worker.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        worker.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=1e-2
+        )
         worker.scheduler = None
         return worker
 
@@ -287,8 +330,13 @@ def test_sigkill_during_save_leaves_previous_checkpoint_complete(tmp_path):
         ck.load_checkpoint(worker, root / "weights", root / "optimizer")
         value = float(next(worker.model.parameters()).detach().flatten()[0])
         i = round(value) - 1
-        assert all(torch.equal(p, torch.full_like(p, child.fill_value(i))) for p in worker.model.parameters())
-        assert worker.scheduler.state_dict()["last_epoch"] == i + 1  # the optimizer of the same save
+        assert all(
+            torch.equal(p, torch.full_like(p, child.fill_value(i)))
+            for p in worker.model.parameters()
+        )
+        assert (
+            worker.scheduler.state_dict()["last_epoch"] == i + 1
+        )  # the optimizer of the same save
         ref = child.build_model()
         assert all(torch.equal(worker._reference_state[k], v) for k, v in ref.state_dict().items())
     assert True in seen_phases  # at least one kill landed inside a save
@@ -299,37 +347,49 @@ def test_sigkill_during_save_leaves_previous_checkpoint_complete(tmp_path):
 def test_contiguous_runs_of_a_block_tiling_rebuild_the_tensor(data):
     """Writing every block of any tiling run by run reproduces the row-major bytes."""
     shape = data.draw(st.lists(st.integers(1, 5), min_size=0, max_size=4), label="shape")
-    cuts = [sorted(set(data.draw(st.lists(st.integers(1, max(n - 1, 1)), max_size=2)))) if n > 1 else []
-            for n in shape]
+    cuts = [
+        sorted(set(data.draw(st.lists(st.integers(1, max(n - 1, 1)), max_size=2)))) if n > 1 else []
+        for n in shape
+    ]
     full = torch.arange(max(1, torch.Size(shape).numel()), dtype=torch.float32).reshape(shape)
     edges = [[0, *c, n] for c, n in zip(cuts, shape, strict=True)]
     out = torch.full((full.numel(),), -1.0)
     full_box = tuple((0, n) for n in shape)
     import itertools
 
-    for block in itertools.product(*(list(zip(e[:-1], e[1:])) for e in edges)):
+    for block in itertools.product(*(list(zip(e[:-1], e[1:], strict=True)) for e in edges)):
         block = tuple(block)
         piece = full[tuple(slice(a, b) for a, b in block)].contiguous()
         for offset, idx, n in ck._contiguous_runs(block, full_box):
             src = piece[idx] if idx else piece
-            out[offset:offset + n] = src.reshape(-1)[:n]
+            out[offset : offset + n] = src.reshape(-1)[:n]
     assert torch.equal(out, full.reshape(-1))
 
 
 def test_safetensors_plan_is_readable_by_safetensors_and_splits_files():
     from safetensors.torch import load
 
-    specs = {"a": ((3, 4), torch.float32), "b": ((5,), torch.bfloat16), "c": ((), torch.int64),
-             "layers.experts.gate_up_proj": ((2, 4, 3), torch.float32)}
+    specs = {
+        "a": ((3, 4), torch.float32),
+        "b": ((5,), torch.bfloat16),
+        "c": ((), torch.int64),
+        "layers.experts.gate_up_proj": ((2, 4, 3), torch.float32),
+    }
     layout = ck.hf_layout(specs, tie_word_embeddings=False)
-    assert [t.name for t in layout][3:] == ["layers.experts.0.gate_proj.weight", "layers.experts.0.up_proj.weight",
-                                            "layers.experts.1.gate_proj.weight", "layers.experts.1.up_proj.weight"]
+    assert [t.name for t in layout][3:] == [
+        "layers.experts.0.gate_proj.weight",
+        "layers.experts.0.up_proj.weight",
+        "layers.experts.1.gate_proj.weight",
+        "layers.experts.1.up_proj.weight",
+    ]
     plans = ck.plan_safetensors_files(layout, max_file_bytes=60)
-    assert len(plans) > 1 and all(p.file.endswith(f"-of-{len(plans):05d}.safetensors") for p in plans)
+    assert len(plans) > 1 and all(
+        p.file.endswith(f"-of-{len(plans):05d}.safetensors") for p in plans
+    )
     names = [n for p in plans for n in p.offsets]
     assert names == [t.name for t in layout]
     for plan in plans:
         buf = bytearray(plan.size)
-        buf[:len(plan.header)] = plan.header
+        buf[: len(plan.header)] = plan.header
         tensors = load(bytes(buf))
         assert set(tensors) == set(plan.offsets)
