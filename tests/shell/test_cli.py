@@ -1,0 +1,142 @@
+"""`policyworker info`, argument errors, the bench runner and the generated config reference."""
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from policyworker import bench_runner, cli, docs_gen
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_info_reports_versions_devices_kernels_and_transports(capsys):
+    info = cli.collect_info()
+    assert info["versions"]["policyworker"] == __import__("policyworker").__version__
+    assert info["versions"]["torch"] and info["versions"]["transformers"]
+    assert info["attention"]["sdpa"] is True
+    assert info["transports"]["zmq"] is True and info["transports"]["gloo"] is True
+    if info["devices"]["cuda_count"] == 0:
+        assert not info["transports"]["cuda_ipc"] and not info["attention"]["varlen"]
+    json.dumps(info)  # plain data
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    for word in ("policyworker", "torch", "transformers", "sdpa", "varlen", "flex_attention",
+                 "flash-attn", "zmq", "shared memory", "CUDA IPC", "gloo", "NCCL"):
+        assert word in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--steps", "0"], "--steps: 0 must be >= 1"),
+    (["demo", "--seed", "-1"], "--seed: -1 must be >= 0"),
+    (["demo", "--precision", "fp8"], "invalid choice: 'fp8'"),
+    (["demo", "--device", "tpu"], "invalid choice: 'tpu'"),
+    (["demo", "--lr", "0"], "--lr: 0.0 must be > 0"),
+    (["launch"], "invalid choice: 'launch'"),
+    ([], "the following arguments are required: command"),
+])
+def test_bad_arguments_exit_2_naming_the_argument(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tp_larger_than_the_world_is_a_clear_error_not_a_hang(capsys):
+    assert cli.main(["demo", "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "policyworker demo: error:" in err and "torchrun --nproc-per-node 2" in err
+
+
+def test_cuda_device_without_cuda_is_a_clear_error(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the error path is for CPU-only machines")
+    assert cli.main(["demo", "--device", "cuda"]) == 2
+    assert "--device cuda: no CUDA device is visible; use --device cpu" in capsys.readouterr().err
+
+
+def test_committed_config_reference_equals_the_generated_text():
+    committed = (ROOT / "docs" / "config-reference.md").read_text()
+    assert committed == docs_gen.render(), "run: python -m policyworker.docs_gen"
+
+
+def test_config_reference_lists_every_field_of_every_section():
+    import attrs
+
+    from policyworker import config
+
+    text = docs_gen.render()
+    for cls in (config.PolicyConfig, config.DTensorConfig, config.LoRAConfig,
+                config.SequencePackingConfig, config.GenerationConfig, config.SchedulerEntry):
+        assert f"## {cls.__name__}" in text
+        for field in attrs.fields(cls):
+            assert f"| `{field.name}` |" in text, (cls.__name__, field.name)
+    assert "| `model_name` | str | **required** |" in text
+    assert "`policy.megatron_cfg`" in text
+
+
+def test_rows_in_the_agreed_schema_get_a_ratio_when_missing():
+    rows = bench_runner.normalize_rows("refit", {"rows": [
+        {"metric": "refit 1.5B", "ours": 2.0, "baseline": 4.0, "limit": 1.0, "unit": "s"},
+        {"metric": "given", "ours": 3.0, "baseline": 1.0, "ratio": 2.5, "unit": "x"}]})
+    assert [r.ratio for r in rows] == [0.5, 2.5]
+    assert rows[0].limit == 1.0 and rows[0].unit == "s" and rows[0].bench == "refit"
+    assert bench_runner.normalize_rows("x", [{"metric": "m", "ours": 1}])[0].ours == 1.0
+
+
+def test_lora_results_are_normalized_by_their_adapter_and_unknown_layouts_by_leaves():
+    lora = {"lora": {"tokens_per_s": 300.0}, "full_ft": {"tokens_per_s": 100.0},
+            "lora_refit_s": 0.003, "lora_refit_no_merge_s": 0.002, "shape": {"hidden": 64}}
+    rows = bench_runner.normalize_rows("lora", lora)
+    assert [round(r.ratio, 6) for r in rows] == [3.0, 1.5] and rows[1].unit == "ms"
+    generic = bench_runner.normalize_rows("other", {"a": {"b": 1.5}, "c": "text", "d": True})
+    assert [(r.metric, r.ours) for r in generic] == [("a.b", 1.5)]
+
+
+def test_table_has_one_line_per_row_under_a_header():
+    rows = [bench_runner.BenchRow(bench="b", metric="m", ours=1234.5, baseline=None, unit="ms"),
+            bench_runner.BenchRow(bench="b", metric="n", ours=2e-5, baseline=1e-5, ratio=2.0)]
+    lines = bench_runner.format_table(rows).splitlines()
+    assert lines[0].split() == ["bench", "metric", "ours", "baseline", "limit", "ratio", "unit"]
+    assert len(lines) == 4 and "1,234" in lines[2] and "2.00x" in lines[3]
+
+
+def test_runner_runs_each_script_writes_summary_and_reports_failures(tmp_path, capsys):
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "good.py").write_text(textwrap.dedent("""
+        import argparse, json
+        p = argparse.ArgumentParser(); p.add_argument("--small", action="store_true")
+        p.add_argument("--json")
+        a = p.parse_args()
+        json.dump({"rows": [{"metric": "m", "ours": 2.0, "baseline": 1.0, "unit": "s",
+                             "small": a.small}]}, open(a.json, "w"))
+    """))
+    (bench / "bad.py").write_text("raise SystemExit(3)\n")
+    (bench / "_helper.py").write_text("raise SystemExit('helpers are not benchmarks')\n")
+    rows, summary = bench_runner.run_benchmarks(bench, small=True, timeout_s=60)
+    assert [(r.bench, r.ratio) for r in rows] == [("good", 2.0)]
+    assert summary["benchmarks"]["bad"]["returncode"] == 3
+    assert summary["benchmarks"]["good"]["returncode"] == 0 and summary["small"] is True
+    on_disk = json.loads((bench / "results" / "summary.json").read_text())
+    assert on_disk["benchmarks"]["good"]["rows"][0]["ours"] == 2.0
+    assert bench_runner.main(["--bench-dir", str(bench), "--only", "good"]) == 0
+    assert bench_runner.main(["--bench-dir", str(bench), "--only", "bad"]) == 1
+    out = capsys.readouterr().out
+    assert "good" in out and "2.00x" in out
+    with pytest.raises(SystemExit):
+        bench_runner.main(["--bench-dir", str(bench), "--only", "nope"])
+    assert "--only nope: no such benchmark" in capsys.readouterr().err
+
+
+def test_python_dash_m_entry_point_exists(monkeypatch):
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["policyworker", "--help"])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_module("policyworker", run_name="__main__")
+    assert exc.value.code == 0
