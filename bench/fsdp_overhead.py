@@ -118,6 +118,7 @@ def main() -> None:
             ids,
             autocast=device().type == "cuda",
             repeats=repeats,
+            fused=args.fused,
         )
         release()
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -133,7 +134,13 @@ def main() -> None:
             precision = torch.bfloat16 if device().type == "cuda" else torch.float32
             model = parallelize_model(load_fp32(tmp), ctx, precision=precision)
             fsdp = measure(
-                "FSDP2 (world 1, bf16 params)", model, ctx, ids, autocast=False, repeats=repeats
+                "FSDP2 (world 1, bf16 params)",
+                model,
+                ctx,
+                ids,
+                autocast=False,
+                repeats=repeats,
+                fused=args.fused,
             )
         finally:
             dist.destroy_process_group()
