@@ -183,6 +183,8 @@ def test_payload_metadata_reads_by_attribute_like_sglang():
 @given(sizes=st.lists(st.integers(0, 300), max_size=20), limit=st.integers(1, 600))
 def test_chunks_keep_order_and_close_before_reaching_the_limit(sizes, limit):
     chunks = S.plan_sglang_chunks(sizes, limit)
+    streamed = S._iter_chunks([(str(i), torch.empty(n, dtype=torch.uint8)) for i, n in enumerate(sizes)], limit)
+    assert [[int(name) for name, _ in chunk] for chunk in streamed] == chunks  # the lazy sender's chunks
     assert [i for c in chunks for i in c] == list(range(len(sizes)))
     for chunk in chunks:
         assert len(chunk) == 1 or sum(sizes[i] for i in chunk) < limit

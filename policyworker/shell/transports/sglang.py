@@ -28,7 +28,7 @@ import io
 import math
 import pickle
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -262,39 +262,51 @@ def update_weights_to_sglang_colocated(
     engine_index = rank // num_gpus_per_engine
     is_src = rank % num_gpus_per_engine == 0
     engine = rollout_engines[engine_index]
-    tensors = list(named_tensors)
-    chunks = plan_sglang_chunks(
-        [t.numel() * t.element_size() for _, t in tensors], buffer_size_bytes
-    )
-    calls = [
-        [tensors[i] for i in chunk if tensors[i][1].dtype == dtype]
-        for chunk in chunks
-        for dtype in dict.fromkeys(tensors[i][1].dtype for i in chunk)
-    ]
-    for call, group in enumerate(calls):
+    num_chunks = num_calls = num_bytes = 0
+    held: list[tuple[str, torch.Tensor]] | None = None  # one call held back: the last one flushes
+
+    def call(group: list[tuple[str, torch.Tensor]], *, last: bool) -> None:
+        nonlocal num_calls
         payload = flatten_bucket(group)  # fresh per call: SGLang may still read it after replying
         data = serialize_payload(payload)
         per_rank = gather(data) if gather is not None and num_gpus_per_engine > 1 else [data]
         if is_src:
             assert per_rank is not None
-            reply = _resolve(
-                engine.update_weights_from_tensor(
-                    serialized_named_tensors=per_rank,
-                    load_format=LOAD_FORMAT,
-                    flush_cache=call == len(calls) - 1,
-                    weight_version=str(weight_version),
-                )
-            )
-            _check_reply(reply, engine=engine_index, call=call)
+            reply = _resolve(engine.update_weights_from_tensor(
+                serialized_named_tensors=per_rank, load_format=LOAD_FORMAT, flush_cache=last,
+                weight_version=str(weight_version)))
+            _check_reply(reply, engine=engine_index, call=num_calls)
+            num_calls += 1
         del payload, data, per_rank
-        if torch.cuda.is_available() and group and group[0][1].is_cuda:
+        if group[0][1].is_cuda:
             torch.cuda.ipc_collect()
-    return {
-        "weight_version": weight_version,
-        "num_chunks": len(chunks),
-        "num_calls": len(calls) if is_src else 0,
-        "num_bytes": sum(t.numel() * t.element_size() for _, t in tensors),
-    }
+
+    for chunk in _iter_chunks(named_tensors, buffer_size_bytes):  # lazy: one chunk of tensors alive
+        num_chunks += 1
+        num_bytes += sum(t.numel() * t.element_size() for _, t in chunk)
+        for dtype in dict.fromkeys(t.dtype for _, t in chunk):
+            if held is not None:
+                call(held, last=False)
+            held = [(n, t) for n, t in chunk if t.dtype == dtype]
+    if held is not None:
+        call(held, last=True)
+    return {"weight_version": weight_version, "num_chunks": num_chunks, "num_calls": num_calls,
+            "num_bytes": num_bytes}
+
+
+def _iter_chunks(named_tensors: NamedTensors, buffer_size_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Streaming ``plan_sglang_chunks``: yields each chunk as soon as it is closed."""
+    current: list[tuple[str, torch.Tensor]] = []
+    used = 0
+    for name, tensor in named_tensors:
+        size = tensor.numel() * tensor.element_size()
+        if current and used + size >= buffer_size_bytes:
+            yield current
+            current, used = [], 0
+        current.append((name, tensor))
+        used += size
+    if current:
+        yield current
 
 
 def _check_layout(
