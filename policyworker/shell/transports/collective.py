@@ -320,8 +320,10 @@ class CollectiveRefit:
         return self.rank < self.train_world_size
 
     def _peers(self) -> str:
-        return (f"{self.world_size - 1} peers ({self.train_world_size} trainer rank(s), "
-                f"{self.world_size - self.train_world_size} inference rank(s))")
+        return (
+            f"{self.world_size - 1} peers (trainer ranks 0..{self.train_world_size - 1}, "
+            f"inference ranks {self.train_world_size}..{self.world_size - 1})"
+        )
 
     def _abort_pg(self) -> None:
         abort = getattr(self.pg, "abort", None) or getattr(self.pg, "_abort", None)
