@@ -223,11 +223,13 @@ def run_demo(opts: DemoOptions, *, out: TextIO | None = None, err: TextIO | None
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     device = _resolve_device(opts.device)
-    parallel = ParallelContext.from_environment(tp_size=opts.tp, device=device)
-    rank0 = parallel.rank == 0
     task = opts.task
     infer = None
+    # Before joining the process group: transformers' save_pretrained writes only on rank 0 of
+    # an initialised group, and every rank saves (and later loads) its own identical copy.
     with _model_folder(opts.seed, task.vocab_size) as model_dir:
+        parallel = ParallelContext.from_environment(tp_size=opts.tp, device=device)
+        rank0 = parallel.rank == 0
         try:
             if rank0:  # start it first: its imports overlap the worker's construction
                 infer = InferenceProcess(model_dir, device=str(device), timeout_s=opts.timeout_s,
