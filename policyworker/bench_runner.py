@@ -1,8 +1,9 @@
 """`policyworker bench`: run the scripts in `bench/`, gather their JSON, print one table.
 
 Each `bench/<name>.py` is run as `python bench/<name>.py [--small] --json bench/results/<name>.json`
-(`--json` only when the script's source declares it; otherwise the script must write that file
-itself). The agreed result schema is::
+(`--json` only when the script's source declares that option; otherwise the script must write
+that file itself). Helpers without a `__main__` guard (`bench/common.py`) are not run. The
+agreed result schema is::
 
     {"rows": [{"metric": str, "ours": float, "baseline": float | null, "limit": float | null,
                "ratio": float | null, "unit": str}, ...], ...anything else...}
@@ -80,7 +81,25 @@ def _lora_rows(bench: str, r: Mapping[str, Any]) -> list[BenchRow]:
     ]
 
 
-ADAPTERS: dict[str, Callable[[str, Mapping[str, Any]], list[BenchRow]]] = {"lora": _lora_rows}
+def _checkpoint_rows(bench: str, r: Mapping[str, Any]) -> list[BenchRow]:
+    """bench/checkpoint.py's own layout: save/load throughput against a raw disk write."""
+    disk = r["raw_write_GBps"]
+    return [
+        BenchRow(bench=bench, metric="sync save vs raw disk write", ours=r["sync_save_GBps"],
+                 baseline=disk, limit=disk, ratio=_ratio(r["sync_save_GBps"], disk),
+                 unit="GB/s"),
+        BenchRow(bench=bench, metric="async save: time training is blocked vs sync save",
+                 ours=r["async_blocked_s"], baseline=r["sync_save_s"],
+                 ratio=_ratio(r["async_blocked_s"], r["sync_save_s"]), unit="s"),
+        BenchRow(bench=bench, metric="load (cold page cache)", ours=r["load_GBps"], unit="GB/s"),
+        BenchRow(bench=bench, metric="load bit-exact (1 = yes)", ours=float(bool(r["load_exact"]))),
+    ]
+
+
+ADAPTERS: dict[str, Callable[[str, Mapping[str, Any]], list[BenchRow]]] = {
+    "checkpoint": _checkpoint_rows,
+    "lora": _lora_rows,
+}
 
 
 def _leaves(prefix: str, value: Any) -> list[tuple[str, float]]:
@@ -138,12 +157,14 @@ def default_bench_dir() -> Path:
 
 
 def discover(bench_dir: Path, only: Sequence[str] = ()) -> list[Path]:
-    """The benchmark scripts (`*.py`, not `_*.py`), sorted; `only` picks names (no `.py`).
+    """The benchmark scripts, sorted: `*.py` with a `__main__` guard, not `_*.py` (helpers such
+    as `common.py` have no guard); `only` picks names (no `.py`).
 
     Raises:
         ValueError: a name in `only` has no script.
     """
-    scripts = sorted(p for p in bench_dir.glob("*.py") if not p.name.startswith("_"))
+    scripts = sorted(p for p in bench_dir.glob("*.py")
+                     if not p.name.startswith("_") and "__main__" in p.read_text())
     if not only:
         return scripts
     by_name = {p.stem: p for p in scripts}
@@ -178,7 +199,7 @@ def run_benchmarks(bench_dir: Path, *, small: bool, only: Sequence[str] = (),
     for script in discover(bench_dir, only):
         name, json_path = script.stem, results_dir / f"{script.stem}.json"
         cmd = [sys.executable, str(script)] + (["--small"] if small else [])
-        if "--json" in script.read_text():
+        if '"--json"' in script.read_text():
             cmd += ["--json", str(json_path)]
         out.write(f"== {name}: {' '.join(cmd[1:])}\n")
         out.flush()

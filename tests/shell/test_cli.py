@@ -88,11 +88,15 @@ def test_rows_in_the_agreed_schema_get_a_ratio_when_missing():
     assert bench_runner.normalize_rows("x", [{"metric": "m", "ours": 1}])[0].ours == 1.0
 
 
-def test_lora_results_are_normalized_by_their_adapter_and_unknown_layouts_by_leaves():
+def test_older_layouts_are_normalized_by_their_adapters_and_unknown_ones_by_leaves():
     lora = {"lora": {"tokens_per_s": 300.0}, "full_ft": {"tokens_per_s": 100.0},
             "lora_refit_s": 0.003, "lora_refit_no_merge_s": 0.002, "shape": {"hidden": 64}}
     rows = bench_runner.normalize_rows("lora", lora)
     assert [round(r.ratio, 6) for r in rows] == [3.0, 1.5] and rows[1].unit == "ms"
+    ckpt = {"raw_write_GBps": 2.0, "sync_save_GBps": 1.0, "async_blocked_s": 0.1,
+            "sync_save_s": 1.0, "load_GBps": 3.0, "load_exact": True}
+    rows = bench_runner.normalize_rows("checkpoint", ckpt)
+    assert rows[0].ratio == 0.5 and rows[0].limit == 2.0 and rows[-1].ours == 1.0
     generic = bench_runner.normalize_rows("other", {"a": {"b": 1.5}, "c": "text", "d": True})
     assert [(r.metric, r.ours) for r in generic] == [("a.b", 1.5)]
 
@@ -110,14 +114,16 @@ def test_runner_runs_each_script_writes_summary_and_reports_failures(tmp_path, c
     bench.mkdir()
     (bench / "good.py").write_text(textwrap.dedent("""
         import argparse, json
+        assert __name__ == "__main__"
         p = argparse.ArgumentParser(); p.add_argument("--small", action="store_true")
         p.add_argument("--json")
         a = p.parse_args()
         json.dump({"rows": [{"metric": "m", "ours": 2.0, "baseline": 1.0, "unit": "s",
                              "small": a.small}]}, open(a.json, "w"))
     """))
-    (bench / "bad.py").write_text("raise SystemExit(3)\n")
+    (bench / "bad.py").write_text("if __name__ == '__main__':\n    raise SystemExit(3)\n")
     (bench / "_helper.py").write_text("raise SystemExit('helpers are not benchmarks')\n")
+    (bench / "common.py").write_text("raise SystemExit('no __main__ guard: a helper')\n")
     rows, summary = bench_runner.run_benchmarks(bench, small=True, timeout_s=60)
     assert [(r.bench, r.ratio) for r in rows] == [("good", 2.0)]
     assert summary["benchmarks"]["bad"]["returncode"] == 3
