@@ -104,20 +104,31 @@ class PolicyWorker:
             raise ValueError(msg)
         self.device = self.parallel.device
         self.dtype = precision_dtype(self.cfg.precision)
+        weights_folder = _hf_weights_folder(weights_path)
         self.model, self.tokenizer = model_lib.load_policy_model(
-            self.cfg, device=self.device,
-            weights_from=None if weights_path is None else _hf_folder(weights_path))
+            self.cfg, device=self.device, weights_from=weights_folder)
+        self.lora_module_names: list[str] = []
+        if dcfg.lora_cfg is not None:
+            from policyworker.shell.lora import apply_lora
+
+            self.lora_module_names = apply_lora(self.model, dcfg.lora_cfg)
         self._parallelize()
         if self.cfg.sequence_packing is not None:
             model_lib.check_document_isolation(self.model, autocast_dtype=self.dtype)
         self.optimizer = build_optimizer(self.model, self.cfg.optimizer) if (
             init_optimizer and self.cfg.optimizer is not None) else None
         self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler) if self.optimizer else None
-        if optimizer_path is not None:
-            self._load_optimizer(optimizer_path)
         gen = self.cfg.generation
         self._sampling = (gen.temperature, gen.top_k, gen.top_p) if gen is not None else (1.0, None, 1.0)
         self._reference_state = self._snapshot_state() if init_reference_model else None
+        self._refit_sender: Any = None
+        self._collective: Any = None
+        self._sglang: Any = None
+        if weights_path is not None or optimizer_path is not None:
+            from policyworker.shell import checkpoint
+
+            checkpoint.load_checkpoint_at_init(self, weights_path, optimizer_path,
+                                               weights_loaded=weights_folder is not None)
 
     # ------------------------------------------------------------------------------ seams
 
@@ -127,11 +138,6 @@ class PolicyWorker:
             msg = (f"PolicyWorker runs {self.parallel.world_size} processes but this build wraps "
                    f"no FSDP2/TP model; run one process per worker")
             raise ValueError(msg)
-
-    def _load_optimizer(self, optimizer_path: str) -> None:
-        from policyworker.shell import checkpoint
-
-        checkpoint.load_optimizer(self.optimizer, self.scheduler, optimizer_path)
 
     def _live_state(self) -> dict[str, torch.Tensor]:
         """Params + persistent buffers of the live model (local tensors), by state-dict name."""
@@ -713,6 +719,98 @@ class PolicyWorker:
             log.info("after offload_after_refit: %.3f GiB allocated, %.3f GiB reserved",
                      torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30)
 
+    # ------------------------------------------------------------------------------ refit
+
+    def _sender(self) -> Any:
+        if self._refit_sender is None:
+            from policyworker.shell.refit import RefitSender
+
+            self._refit_sender = RefitSender(lambda: self.model, self.dtype, rank=self.parallel.rank,
+                                             device=self.device)
+        return self._refit_sender
+
+    def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """{hf_name: (shape, dtype)} in send order (the dtypes every refit sends)."""
+        return self._sender().prepare_refit_info()
+
+    def get_zmq_address(self) -> str:
+        return self._sender().get_zmq_address()
+
+    def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int = 0, kv_scales: Any = None, *,
+                                   timeout_s: float = 120.0) -> dict[str, Any]:
+        """One colocated refit over ZMQ + CUDA IPC (shared memory on CPU); the receiver's report."""
+        return self._sender().stream_weights_via_ipc_zmq(buffer_size_bytes, kv_scales,
+                                                         timeout_s=timeout_s)
+
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> None:
+        from policyworker.shell.transports.collective import init_collective
+
+        self._collective = init_collective(ip, port, world_size, train_world_size=train_world_size,
+                                           rank=self.parallel.rank, device=self.device)
+
+    def broadcast_weights_for_collective(self, kv_scales: Any = None, refit_timeout_s: float | None = None,
+                                         *, buffer_size_bytes: int | None = None,
+                                         num_buffers: int | None = None,
+                                         use_legacy_packing: bool = False) -> dict[str, Any]:
+        from policyworker.shell.transports.collective import broadcast_model_weights
+
+        return broadcast_model_weights(
+            self._collective, self.model, self.dtype, kv_scales=kv_scales,
+            refit_timeout_s=refit_timeout_s, buffer_size_bytes=buffer_size_bytes,
+            num_buffers=num_buffers, use_legacy_packing=use_legacy_packing)
+
+    def _sglang_sender(self) -> Any:
+        if self._sglang is None:
+            from policyworker.shell.transports.sglang import SGLangColocatedSender
+
+            self._sglang = SGLangColocatedSender(rank=self.parallel.rank,
+                                                 world_size=self.parallel.world_size)
+        return self._sglang
+
+    def set_rollout_num_gpus_per_engine(self, num_gpus_per_engine: int) -> None:
+        self._sglang_sender().set_rollout_num_gpus_per_engine(num_gpus_per_engine)
+
+    def update_weights_to_sglang_colocated(self, *, rollout_engines: Any, buffer_size_bytes: int,
+                                           target_precision: str = "bf16",
+                                           sglang_quantization_cfg: Any = None) -> Any:
+        from policyworker.shell.params import params_generator
+
+        named = params_generator(self.model, precision_dtype(target_precision))
+        return self._sglang_sender().update_weights(
+            named, rollout_engines=rollout_engines, buffer_size_bytes=buffer_size_bytes,
+            target_precision=target_precision, sglang_quantization_cfg=sglang_quantization_cfg)
+
+    def get_full_logits_ipc(self, data: Mapping[str, Any], micro_batch_size: int | None = None
+                            ) -> dict[str, Any]:
+        from policyworker.shell.transports.ipc_logits import full_logits_ipc
+
+        return full_logits_ipc(self, data, micro_batch_size)
+
+    def release_ipc_buffer(self) -> None:
+        from policyworker.shell.transports.ipc_logits import release_ipc_buffer
+
+        release_ipc_buffer(self)
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None,
+                        tokenizer_path: str | None = None, *, is_final_checkpoint: bool = False
+                        ) -> None:
+        from policyworker.shell import checkpoint
+
+        checkpoint.save_checkpoint(self, weights_path, optimizer_path, tokenizer_path,
+                                   is_final_checkpoint=is_final_checkpoint)
+
+    def finalize_async_save(self) -> None:
+        from policyworker.shell import checkpoint
+
+        checkpoint.finalize_async_save(self)
+
+    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+        from policyworker.shell import checkpoint
+
+        checkpoint.load_checkpoint(self, weights_path, optimizer_path)
+
     # ------------------------------------------------------------------------------ misc
 
     def return_state_dict(self) -> dict[str, torch.Tensor]:
@@ -736,6 +834,9 @@ class PolicyWorker:
         return f"{type(self).__name__}[rank={self.parallel.rank}]"
 
     def shutdown(self) -> bool:
+        if self._refit_sender is not None:
+            self._refit_sender.close()
+            self._refit_sender = None
         self.parallel.shutdown()
         return True
 
@@ -747,11 +848,15 @@ def _pad_seq(x: torch.Tensor, seq_len: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0) * (x.ndim - 2) + (0, seq_len - x.shape[1]))
 
 
-def _hf_folder(weights_path: str) -> str:
-    import os
+def _hf_weights_folder(weights_path: str | None) -> str | None:
+    """The HF folder to build the model from when `weights_path` holds safetensors weights."""
+    if weights_path is None:
+        return None
+    from policyworker.shell import checkpoint
 
-    nested = os.path.join(weights_path, "model")
-    return nested if os.path.isdir(nested) else weights_path
+    if checkpoint.detect_weights_format(weights_path) != "safetensors":
+        return None  # DCP / PEFT: built from model_name, then loaded by the checkpoint module
+    return str(checkpoint._model_folder(weights_path))
 
 
 AutomodelPolicyWorker = PolicyWorker

@@ -85,3 +85,34 @@ def test_misc_methods(tiny_model_paths):
     changed = [k for k in before if not torch.equal(before[k], worker.model.state_dict()[k])]
     assert "model.embed_tokens.weight" in changed
     assert worker.shutdown() is True
+
+
+def test_lora_worker_trains_only_adapters_and_refit_info_has_hf_names(tiny_model_paths):
+    cfg = make_config(tiny_model_paths["llama"], precision="bfloat16",
+                      dtensor_cfg={"lora_cfg": {"target_modules": ["q_proj", "v_proj"], "dim": 4,
+                                                 "match_all_linear": False}})
+    worker = PolicyWorker(cfg, init_reference_model=False)
+    assert len(worker.lora_module_names) == 4
+    trainable = {n for n, p in worker.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    base = {k: v.clone() for k, v in worker.model.state_dict().items() if ".lora_" not in k}
+    worker.train(make_batch(4, 8, seed=23), NLLLoss())
+    assert all(torch.equal(base[k], worker.model.state_dict()[k]) for k in base)
+    info = worker.prepare_refit_info()
+    assert "model.layers.0.self_attn.q_proj.weight" in info
+    assert not any("lora" in name for name in info)
+    assert {dtype for _, dtype in info.values()} == {torch.bfloat16}
+
+
+def test_constructor_resumes_weights_and_optimizer_from_a_checkpoint(tiny_model_paths, tmp_path):
+    cfg = make_config(tiny_model_paths["qwen2"])
+    data = make_batch(4, 8, seed=24)
+    first = PolicyWorker(cfg)
+    first.train(data, NLLLoss())
+    first.save_checkpoint(str(tmp_path / "w"), str(tmp_path / "o"), is_final_checkpoint=True)
+    first.finalize_async_save()
+    resumed = PolicyWorker(cfg, weights_path=str(tmp_path / "w"), optimizer_path=str(tmp_path / "o"))
+    for name, value in first.model.state_dict().items():
+        assert torch.equal(value, resumed.model.state_dict()[name]), name
+    assert torch.equal(first.train(data, NLLLoss())["global_loss"],
+                       resumed.train(data, NLLLoss())["global_loss"])
