@@ -1,11 +1,13 @@
 """PolicyWorker.train: global normalization, strategy invariance, skip-on-non-finite, validation."""
 
 import math
+import sys
 
 import pytest
 import torch
 
 from policyworker.functional.loss import ClippedPGLossFn, LossInputType, LossType, NLLLoss
+from policyworker.shell.distributed import ParallelContext
 from policyworker.shell.worker import PolicyWorker
 from tests.shell.conftest import make_batch, make_config
 
@@ -164,3 +166,27 @@ def test_too_few_rows_for_a_global_batch_is_a_value_error(tiny_model_paths):
     worker = PolicyWorker(make_config(tiny_model_paths["llama"]), init_reference_model=False)
     with pytest.raises(ValueError, match="gbs=4"):
         worker.train(make_batch(3, 8), NLLLoss())
+
+
+class _OneMoreMicrobatchElsewhere(ParallelContext):
+    """A single process that behaves as if another rank had one more microbatch (dummy path)."""
+
+    def all_reduce_int(self, value, *, op="sum", axis="world"):
+        planning = sys._getframe(1).f_code.co_name == "_plans"  # the microbatch-count MAX
+        return value + 1 if planning and op == "max" else value
+
+
+@pytest.mark.parametrize("mode", ["mbs2", "packed"])
+def test_dummy_microbatches_change_neither_loss_nor_update_nor_outputs(tiny_model_paths, mode):
+    from policyworker.config import load_config
+
+    cfg = load_config(make_config(tiny_model_paths["llama"], **STRATEGIES[mode]))
+    data = make_batch(4, 10, seed=17)
+    plain = PolicyWorker(cfg, init_reference_model=False)
+    padded = PolicyWorker(cfg, init_reference_model=False, parallel=_OneMoreMicrobatchElsewhere(
+        world_size=1, rank=0, dp_size=1, cp_size=1, tp_size=1, device=torch.device("cpu")))
+    a, b = plain.train(data, NLLLoss()), padded.train(data, NLLLoss())
+    assert torch.equal(a["global_loss"], b["global_loss"])
+    assert len(a["all_mb_metrics"]["loss"]) == len(b["all_mb_metrics"]["loss"])
+    assert _same_state(_state(plain), _state(padded))
+    assert torch.equal(plain.get_logprobs(data)["logprobs"], padded.get_logprobs(data)["logprobs"])
