@@ -66,18 +66,18 @@ def test_resume_at_step_k_then_continue_equals_uninterrupted_run(tiny_model_path
 
 
 def test_constructor_resume_keeps_the_original_reference(tiny_model_paths, tmp_path):
-    """Built from the checkpoint folder (reference snapshot = resumed weights), the init loader
-    restores the ORIGINAL reference and the optimizer; training continues identically."""
+    """Built from the checkpoint folders, the constructor restores the ORIGINAL reference (not
+    the resumed weights, as the reference system does) and the optimizer; training continues
+    identically."""
     path = tiny_model_paths["qwen2"]
     first = PolicyWorker(_cfg(path))
     base_ref = {k: v.clone() for k, v in first._reference_state.items()}
     _train(first, range(2))
+    assert not torch.equal(first.model.model.norm.weight, base_ref["model.norm.weight"])
     ck.save_checkpoint(first, tmp_path / "w", tmp_path / "o", is_final_checkpoint=True)
-    resumed = PolicyWorker(_cfg(path), weights_path=str(tmp_path / "w"))
-    assert not torch.equal(
-        resumed._reference_state["model.norm.weight"], base_ref["model.norm.weight"]
+    resumed = PolicyWorker(
+        _cfg(path), weights_path=str(tmp_path / "w"), optimizer_path=str(tmp_path / "o")
     )
-    ck.load_checkpoint_at_init(resumed, tmp_path / "w", tmp_path / "o", weights_loaded=True)
     assert all(torch.equal(resumed._reference_state[k], base_ref[k]) for k in base_ref)
     data = make_batch(4, 10, seed=5)
     torch.testing.assert_close(
