@@ -45,18 +45,23 @@ from policyworker.demo.task import (
     smoothed_ends,
 )
 
-__all__ = ["DemoOptions", "DemoResult", "PARITY_TOLERANCE", "build_tiny_model", "demo_config",
-           "run_demo"]
+__all__ = ["LORA_FP32_TOLERANCE", "PARITY_TOLERANCE", "DemoOptions", "DemoResult",
+           "build_tiny_model", "demo_config", "parity_tolerance", "run_demo"]
 
 # Largest |trainer logprob - inference logprob| accepted per precision. fp32 must be exact (same
 # weights, kernels, shapes, one thread on each side). In bf16/fp16 the trainer runs its fp32
 # master weights under autocast while the inference copy holds the cast weights, so the two
 # differ at the dtype's rounding noise.
 PARITY_TOLERANCE = {"float32": 0.0, "bfloat16": 0.25, "float16": 0.05}
+# With LoRA the trainer computes x @ W.T + s * (x @ A.T) @ B.T while the inference copy holds the
+# merged W + s * B @ A (what every engine receives): equal in exact arithmetic, not bit for bit.
+LORA_FP32_TOLERANCE = 1e-4
 DEMO_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   tie_word_embeddings=False)
-LORA_CFG = {"match_all_linear": True, "dim": 8, "alpha": 16}
+LORA_CFG = {"match_all_linear": False, "dim": 8, "alpha": 16,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                               "down_proj", "lm_head"]}
 
 
 @frozen(kw_only=True)
@@ -104,6 +109,12 @@ class DemoResult:
         return 0
 
 
+def parity_tolerance(precision: str, *, lora: bool) -> float:
+    """Largest accepted max_dlogp: exact in fp32 without LoRA, rounding noise otherwise."""
+    tolerance = PARITY_TOLERANCE[precision]
+    return max(tolerance, LORA_FP32_TOLERANCE) if lora else tolerance
+
+
 def build_tiny_model(folder: str, *, vocab_size: int, seed: int) -> str:
     """Save a randomly initialised tiny Llama (built from a config, nothing downloaded)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -147,42 +158,6 @@ def _resolve_device(name: str) -> torch.device:
             raise ValueError(msg)
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
-
-
-class _Refit:
-    """The refit path: the worker's own methods, or a RefitSender wired the way the worker does."""
-
-    def __init__(self, worker: Any, *, is_sender: bool) -> None:
-        from policyworker.functional.dtypes import precision_dtype
-        from policyworker.shell.refit import RefitSender
-
-        self.worker = worker
-        self.is_sender = is_sender
-        self.dtype = precision_dtype(worker.cfg.precision)
-        self.native = hasattr(worker, "stream_weights_via_ipc_zmq")
-        self.sender = None if self.native else RefitSender(
-            lambda: worker.model, self.dtype, rank=worker.parallel.rank, device=worker.device)
-
-    def info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        return (self.worker if self.native else self.sender).prepare_refit_info()
-
-    def address(self) -> str:
-        return (self.worker if self.native else self.sender).get_zmq_address()
-
-    def stream(self, timeout_s: float) -> None:
-        if self.native:
-            self.worker.stream_weights_via_ipc_zmq(timeout_s=timeout_s)
-        elif self.is_sender:
-            self.sender.stream_weights_via_ipc_zmq(timeout_s=timeout_s)
-        else:  # join the gathers of sharded parameters; only rank 0 sends
-            from policyworker.shell.params import params_generator
-
-            for _ in params_generator(self.worker.model, self.dtype):
-                pass
-
-    def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
 
 
 def _broadcast(obj: Any, parallel: Any) -> Any:
@@ -236,10 +211,15 @@ def run_demo(opts: DemoOptions, *, out: TextIO | None = None, err: TextIO | None
                                          dtype_name=opts.precision)
             cfg = demo_config(model_dir, opts, dp_size=parallel.dp_size)
             worker = PolicyWorker(cfg, parallel=parallel)
-            result = _train(worker, infer, opts, out=out, err=err, start=start)
+            try:
+                result = _train(worker, infer, opts, out=out, err=err, start=start)
+            finally:
+                worker.shutdown()  # closes the refit socket; destroys the group it created
         finally:
             if infer is not None:
                 infer.close()
+            if parallel.owns_process_group:
+                parallel.shutdown()
     return result
 
 
@@ -256,16 +236,14 @@ def _train(worker: Any, infer: InferenceProcess | None, opts: DemoOptions, *, ou
     loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": opts.kl_penalty,
                                "reference_policy_kl_type": "k3",
                                "ratio_clip_min": 0.2, "ratio_clip_max": 0.2})
-    refit = _Refit(worker, is_sender=rank0)
     rows = task.num_rollouts // parallel.dp_size
     local = slice(parallel.dp_rank * rows, (parallel.dp_rank + 1) * rows)
+    refit_info = worker.prepare_refit_info()  # collective: every rank takes part in a refit
     if rank0:
         infer.wait_ready()
-        infer.call("connect", address=refit.address(), refit_info=encode_refit_info(refit.info()),
-                   timeout_s=opts.timeout_s)
-    else:
-        refit.info()
-    tolerance = PARITY_TOLERANCE[opts.precision]
+        infer.call("connect", address=worker.get_zmq_address(),
+                   refit_info=encode_refit_info(refit_info), timeout_s=opts.timeout_s)
+    tolerance = parity_tolerance(opts.precision, lora=opts.lora)
     bar = ProgressBar(opts.steps, stream=err) if rank0 else None
     rewards: list[float] = []
     kls: list[float] = []
@@ -277,7 +255,7 @@ def _train(worker: Any, infer: InferenceProcess | None, opts: DemoOptions, *, ou
             t0 = time.perf_counter()
             if rank0:
                 infer.request("refit")
-            refit.stream(opts.timeout_s)
+            worker.stream_weights_via_ipc_zmq(timeout_s=opts.timeout_s)
             if rank0:
                 infer.result("refit")
             refit_ms.append((time.perf_counter() - t0) * 1e3)
@@ -318,7 +296,6 @@ def _train(worker: Any, infer: InferenceProcess | None, opts: DemoOptions, *, ou
                 out.flush()
                 bar.update(step, f"reward {rewards[-1]:.2f}")
     finally:
-        refit.close()
         if bar is not None:
             bar.clear()
     first, last = smoothed_ends(rewards, opts.window)
@@ -341,7 +318,7 @@ def _summary(result: DemoResult, opts: DemoOptions, *, out: TextIO, err: TextIO)
         else:
             err.write("note: matplotlib is not installed; no PNG written "
                       "(pip install matplotlib)\n")
-    tolerance = PARITY_TOLERANCE[opts.precision]
+    tolerance = parity_tolerance(opts.precision, lora=opts.lora)
     worst = max(result.max_dlogp)
     if not result.parity_ok:
         out.write(f"FAIL: trainer/inference logprobs differ by {worst:.3g} > {tolerance} "
@@ -351,6 +328,7 @@ def _summary(result: DemoResult, opts: DemoOptions, *, out: TextIO, err: TextIO)
                   f"{result.first:.3f} must be <= 0.2, last {result.last:.3f} >= 0.8)\n")
     else:
         out.write(f"ok: {len(result.rewards)} steps in {result.wall_s:.1f} s, max_dlogp "
-                  f"{format_dlogp(worst)} (tolerance {tolerance} in {opts.precision})\n")
+                  f"{format_dlogp(worst)} (tolerance {tolerance} in {opts.precision}"
+                  f"{', LoRA merged at refit' if opts.lora else ''})\n")
     out.flush()
 

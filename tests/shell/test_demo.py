@@ -78,8 +78,17 @@ def test_demo_config_is_a_valid_policy_config_with_one_optimizer_step_per_rl_ste
     assert cfg.train_global_batch_size == opts.task.num_rollouts
     assert cfg.train_micro_batch_size == opts.task.num_rollouts // 2
     assert cfg.dtensor_cfg.tensor_parallel_size == 2 and cfg.lora_enabled
+    assert "lm_head" in cfg.dtensor_cfg.lora_cfg.target_modules  # else the target is unreachable
     with pytest.raises(ValueError, match="do not split over 3 data-parallel ranks"):
         demo_config("/tmp/model", opts, dp_size=3)
+
+
+def test_parity_is_exact_in_fp32_and_rounding_noise_with_lora_or_low_precision():
+    from policyworker.demo.loop import parity_tolerance
+
+    assert parity_tolerance("float32", lora=False) == 0.0
+    assert 0.0 < parity_tolerance("float32", lora=True) <= 1e-4
+    assert parity_tolerance("bfloat16", lora=False) > parity_tolerance("float16", lora=False) > 0
 
 
 def test_rewards_count_target_tokens_and_prompts_depend_only_on_seed_and_step():
