@@ -37,6 +37,7 @@ def short_run():
                           capture_output=True, text=True, timeout=240, check=False)
 
 
+@pytest.mark.slow
 def test_short_demo_exits_zero_with_exact_fp32_parity_on_every_step(short_run):
     assert short_run.returncode == 0, short_run.stdout + short_run.stderr
     lines = short_run.stdout.splitlines()
@@ -50,6 +51,7 @@ def test_short_demo_exits_zero_with_exact_fp32_parity_on_every_step(short_run):
     assert re.search(r"^curve: \S{3} ", short_run.stdout, re.M)
 
 
+@pytest.mark.slow
 def test_short_demo_reports_the_reward_but_not_a_rise_it_did_not_check(short_run):
     """Three steps cannot reach 0.8; with --no-require-rise the run still passes on parity."""
     assert "FAIL" not in short_run.stdout
