@@ -215,14 +215,35 @@ def forward_hidden(
     autocast_dtype: torch.dtype = torch.float32,
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
+    through_root: bool = False,
 ) -> torch.Tensor:
-    """Last hidden states [B, S, H] of the base model (no LM / classification head)."""
+    """Last hidden states [B, S, H] of the base model (no LM / classification head).
+
+    `through_root=True` calls the whole model (a causal LM's head on its last position only)
+    and captures the base model's output with a hook: FSDP2 gathers parameters in the hooks of
+    the module that is called, so calling the base model directly would skip the root's.
+    """
     base = getattr(model, model.base_model_prefix)
     kwargs = _model_kwargs(input_ids, position_ids, None,
                            cu_seqlens if _uses_varlen(model) else None, max_seqlen)
-    with autocast_context(input_ids.device, autocast_dtype):
-        out = base(**kwargs)
-    return out.last_hidden_state
+    if not through_root:
+        with autocast_context(input_ids.device, autocast_dtype):
+            out = base(**kwargs)
+        return out.last_hidden_state
+    captured: list[torch.Tensor] = []
+
+    def keep(_module, _args, out):
+        captured.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
+
+    if type(model).__name__.endswith("ForCausalLM"):
+        kwargs["logits_to_keep"] = 1
+    handle = base.register_forward_hook(keep)
+    try:
+        with autocast_context(input_ids.device, autocast_dtype):
+            model(**kwargs)
+    finally:
+        handle.remove()
+    return captured[-1]
 
 
 def supports_chunked_lm_head(model: torch.nn.Module) -> bool:
@@ -259,6 +280,8 @@ def check_document_isolation(model: torch.nn.Module, *, autocast_dtype: torch.dt
                                        cu_seqlens=torch.tensor([0, 5, 11], dtype=torch.int32,
                                                                device=device),
                                        max_seqlen=6)[0, 5:].float())
+            if hasattr(outs[-1], "full_tensor"):  # vocab-parallel (TP) logits
+                outs[-1] = outs[-1].full_tensor()
     finally:
         model.train(was_training)
     diff = (outs[0] - outs[1]).abs().max().item()

@@ -203,8 +203,18 @@ def _apply_tp(
     else:
         check_tp_divisibility(config, ctx.tp_size)
         plan = tensor_parallel_plan(config.model_type, sequence_parallel=sequence_parallel)
+    if _lora_modules(model):  # adapters follow their base layer's sharding (shell/lora.py)
+        from policyworker.shell.lora import lora_tp_plan
+
+        plan = lora_tp_plan(plan)
     parallelize_module(model, ctx.mesh["tp"], plan)
     _tie_lm_head(model)
+
+
+def _lora_modules(model: nn.Module) -> list[nn.Module]:
+    from policyworker.shell.lora import lora_modules
+
+    return list(lora_modules(model).values())
 
 
 def parallelize_model(
@@ -218,6 +228,9 @@ def parallelize_model(
     custom_plan: Mapping[str, object] | None = None,
 ) -> nn.Module:
     """Apply TP (tp > 1), then FSDP2 per decoder layer + root; returns the same module.
+
+    LoRA layers (`shell.lora.LinearLoRA`, injected before this call) get `lora_tp_plan` under
+    TP, and under a low-precision policy their own fp32 FSDP2 unit.
 
     A single process (no process group, `ctx.mesh is None`) gets only activation checkpointing.
     With a process group, FSDP2 is applied even at world size 1 (that is how one GPU gets CPU
@@ -256,6 +269,12 @@ def parallelize_model(
     fsdp_kwargs: dict[str, object] = {"mesh": fsdp_mesh, "mp_policy": mp_policy}
     if cpu_offload:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if precision != torch.float32:
+        # LoRA layers are their own FSDP2 units without a param cast, so the fp32 adapters are
+        # gathered and used in fp32 (the frozen base weight is cast by autocast in forward).
+        for lora_layer in _lora_modules(model):
+            fully_shard(lora_layer, **(fsdp_kwargs | {"mp_policy": MixedPrecisionPolicy(
+                reduce_dtype=torch.float32)}))
     for layer in layers:
         fully_shard(layer, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)

@@ -8,9 +8,11 @@ Microbatching (fixed / dynamic / packed) is planned by `policyworker.functional.
 this rank receives; outputs come back in input row order. Padding positions (>= input_lengths)
 never count: the worker masks `token_mask` by the lengths before the loss sees it.
 
-Seams for other engineers: `_parallelize` (FSDP2 / TP wrap of `self.model`), `_grad_norm_sq_hook`
-(all-reduce of the squared norm of sharded grads), `_live_state` (local shards of DTensors),
-`weights_path` / `optimizer_path` (checkpoint loading), refit/LoRA via `self.model`.
+Parallel layout (API.md §7 "Process group"): with a process group, `_parallelize` applies tensor
+parallelism (tp > 1, vocab-parallel lm_head) and FSDP2 over dp (`shell.parallel`). Logprobs and
+top-k then read vocab-sharded DTensor logits through `shell.collectives` (no vocab gather), the
+grad norm is sharding-aware, and FSDP2 roots are resharded after every no-grad pass and before
+any state read (`_reshard`). Weight refits gather on every rank; only rank 0 sends over ZMQ.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from policyworker.config import PolicyConfig, load_config, validate_for_world
 from policyworker.data import BatchedDataDict, validate_batch
@@ -33,13 +37,14 @@ from policyworker.functional.logprobs import (
     count_and_zero_neg_inf,
     default_chunk_size,
     logprobs_with_leading_zero,
-    next_token_logprobs,
 )
 from policyworker.functional.loss import LossInputType, LossType
 from policyworker.functional.metrics import scale_microbatch_metrics
 from policyworker.functional.packing import pack, packed_position_ids, unpack
 from policyworker.functional.padding import mask_from_lengths
+from policyworker.shell import collectives
 from policyworker.shell import model as model_lib
+from policyworker.shell import parallel as parallel_lib
 from policyworker.shell.distributed import ParallelContext
 from policyworker.shell.optim import build_optimizer, build_scheduler
 
@@ -98,9 +103,10 @@ class PolicyWorker:
             msg = f"unexpected PolicyWorker keyword arguments {sorted(kwargs)}; remove them"
             raise ValueError(msg)
         validate_for_world(self.cfg, dp_size=self.parallel.dp_size)
-        if dcfg.cpu_offload and self.parallel.world_size == 1:
-            msg = ("dtensor_cfg.cpu_offload=True needs FSDP2 over more than one process (world "
-                   "size is 1); set cpu_offload: false")
+        if dcfg.cpu_offload and self.parallel.mesh is None:
+            msg = ("dtensor_cfg.cpu_offload=True needs FSDP2, which needs a process group (this "
+                   "is a single process without one); launch with torchrun (even "
+                   "--nproc-per-node 1) or set cpu_offload: false")
             raise ValueError(msg)
         self.device = self.parallel.device
         self.dtype = precision_dtype(self.cfg.precision)
@@ -115,6 +121,7 @@ class PolicyWorker:
         self._parallelize()
         if self.cfg.sequence_packing is not None:
             model_lib.check_document_isolation(self.model, autocast_dtype=self.dtype)
+            self._reshard()  # the probe's no-grad forward left FSDP2 roots unsharded
         self.optimizer = build_optimizer(self.model, self.cfg.optimizer) if (
             init_optimizer and self.cfg.optimizer is not None) else None
         self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler) if self.optimizer else None
@@ -133,19 +140,36 @@ class PolicyWorker:
     # ------------------------------------------------------------------------------ seams
 
     def _parallelize(self) -> None:
-        """Wrap `self.model` for the mesh (FSDP2 / TP). One process needs no wrapping."""
-        if self.parallel.world_size > 1:
-            msg = (f"PolicyWorker runs {self.parallel.world_size} processes but this build wraps "
-                   f"no FSDP2/TP model; run one process per worker")
-            raise ValueError(msg)
+        """TP (tp > 1) then FSDP2 over dp when a process group exists; nothing for one process.
+
+        LoRA adapters (already injected) follow their base layer's TP sharding and stay fp32
+        under FSDP2 mixed precision (`parallelize_model` handles both).
+        """
+        if self.parallel.mesh is None:
+            return
+        dcfg = self.cfg.dtensor_cfg
+        self.model = parallel_lib.parallelize_model(
+            self.model, self.parallel, precision=self.dtype,
+            activation_checkpointing=dcfg.activation_checkpointing,
+            cpu_offload=dcfg.cpu_offload,
+            sequence_parallel=dcfg.sequence_parallel and self.parallel.tp_size > 1)
+        if dcfg.cpu_offload:
+            parallel_lib.move_buffers(self.model, self.device)
+
+    def _reshard(self) -> None:
+        """Return FSDP2 parameters to their sharded DTensors (after a forward without backward,
+        the root's stay unsharded and `parameters()` / `state_dict()` would yield those)."""
+        if self.parallel.mesh is not None:
+            parallel_lib.reshard(self.model)
 
     def _live_state(self) -> dict[str, torch.Tensor]:
-        """Params + persistent buffers of the live model (local tensors), by state-dict name."""
-        return {k: v for k, v in self.model.state_dict(keep_vars=True).items()}
-
-    def _grad_norm_sq_hook(self, norm_sq: torch.Tensor) -> torch.Tensor:
-        """Combine per-rank squared grad norms of sharded params (identity when unsharded)."""
-        return norm_sq
+        """Params + persistent buffers of the live model by state-dict name: this rank's local
+        shards for DTensors (views: `copy_` into them writes the live parameters)."""
+        self._reshard()
+        out = {}
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            out[k] = v.to_local() if isinstance(v, DTensor) else v
+        return out
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -232,9 +256,25 @@ class PolicyWorker:
         """[b, w-1] next-token logprobs of microbatch `mb` from its logits (differentiable)."""
         temperature, top_k, top_p = self._sampling_for(filtered)
         chunk = self.cfg.logprob_chunk_size or default_chunk_size(logits.shape[-1])
-        lp = next_token_logprobs(logits, mb.input_ids, temperature=temperature, top_k=top_k,
-                                 top_p=top_p, chunk_size=chunk)
+        lp = self._logprobs_any(logits, mb.input_ids, temperature=temperature, top_k=top_k,
+                                top_p=top_p, chunk_size=chunk)
         return self._rows_of_next(mb, lp)
+
+    def _logprobs_any(self, logits: torch.Tensor, ids: torch.Tensor, *, temperature: float,
+                      top_k: int | None, top_p: float, chunk_size: int) -> torch.Tensor:
+        """Next-token logprobs of plain or vocab-sharded (TP) logits.
+
+        Top-k/top-p under TP move whole rows between ranks, which needs `rows * positions`
+        divisible by tp; otherwise this block's logits are gathered over the vocab first (one
+        [rows, positions, V] block, differentiable) and scored as plain logits.
+        """
+        filtering = (top_k is not None and top_k > 0) or top_p < 1.0
+        if (isinstance(logits, DTensor) and filtering
+                and ids.numel() % self.parallel.tp_size != 0):
+            logits = logits.full_tensor()
+        return collectives.next_token_logprobs_any(
+            logits, ids, self.parallel, temperature=temperature, top_k=top_k, top_p=top_p,
+            chunk_size=chunk_size)
 
     def _sampling_for(self, filtered: bool) -> tuple[float, int | None, float]:
         temperature, top_k, top_p = self._sampling
@@ -252,12 +292,13 @@ class PolicyWorker:
         """(logits_at(start, stop), num_positions, vocab) for no-grad inference.
 
         For plain causal LMs only the hidden states are kept and the LM head runs one chunk of
-        positions at a time, so no [T, V] logits tensor exists; other heads use full logits.
+        positions at a time, so no [T, V] logits tensor exists; other heads use full logits, and
+        so does sequence parallelism (its hidden states are sharded on the sequence). Under TP
+        each chunk's logits are a vocab-sharded DTensor.
         """
-        if model_lib.supports_chunked_lm_head(self.model):
-            hidden = model_lib.forward_hidden(
-                self.model, mb.input_ids, position_ids=mb.position_ids, autocast_dtype=self.dtype,
-                cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen)
+        sequence_sharded = self.cfg.dtensor_cfg.sequence_parallel and self.parallel.tp_size > 1
+        if model_lib.supports_chunked_lm_head(self.model) and not sequence_sharded:
+            hidden = self._hidden_states(mb)
             head = self.model.get_output_embeddings()
 
             def logits_at(start: int, stop: int) -> torch.Tensor:
@@ -267,6 +308,14 @@ class PolicyWorker:
             return logits_at, hidden.shape[1], int(head.weight.shape[0])
         logits = self._forward(mb)
         return (lambda start, stop: logits[:, start:stop]), logits.shape[1], logits.shape[-1]
+
+    def _hidden_states(self, mb: _Microbatch) -> torch.Tensor:
+        """Last hidden states [b, T, H] (no grad); FSDP2 runs them through the root module, whose
+        parameters (embeddings, final norm, head) then stay unsharded until `_reshard`."""
+        return model_lib.forward_hidden(
+            self.model, mb.input_ids, position_ids=mb.position_ids, autocast_dtype=self.dtype,
+            cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen,
+            through_root=self.parallel.mesh is not None)
 
     def _inference_chunk(self, vocab: int, *, rows: int) -> int:
         """Positions per LM-head chunk: `logprob_chunk_size`, else about 2048 tokens per chunk
@@ -283,7 +332,7 @@ class PolicyWorker:
         parts = [torch.zeros(mb.input_ids.shape[0], 0, device=self.device)]
         for start in range(0, num_positions - 1, chunk):
             stop = min(start + chunk, num_positions - 1)
-            parts.append(next_token_logprobs(
+            parts.append(self._logprobs_any(
                 logits_at(start, stop + 1), mb.input_ids[:, start:stop + 1],
                 temperature=temperature, top_k=top_k, top_p=top_p, chunk_size=chunk))
         return self._rows_of_next(mb, torch.cat(parts, dim=1))
@@ -416,6 +465,10 @@ class PolicyWorker:
     def _loss(self, mb: _Microbatch, loss_fn, gvs, gvt):
         logits = self._forward(mb)
         if loss_fn.input_type == LossInputType.LOGIT:
+            if isinstance(logits, DTensor):
+                # A LOGIT loss may do anything with the vocab dim: give it the full logits. The
+                # gather is differentiable (each TP rank gets its vocab shard's gradient back).
+                logits = logits.full_tensor()
             logits = mb.unpack_rows(logits)
             if self._sampling[0] != 1.0:
                 logits = logits / self._sampling[0]
@@ -431,13 +484,8 @@ class PolicyWorker:
         return loss_fn(data, gvs, gvt, next_token_logprobs=lp)
 
     def _total_grad_norm(self) -> torch.Tensor:
-        """Pre-clip L2 norm of all grads (local shards summed, then `_grad_norm_sq_hook`)."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            local = g.to_local() if hasattr(g, "to_local") else g
-            norm_sq = norm_sq + local.detach().float().pow(2).sum()
-        return self._grad_norm_sq_hook(norm_sq).sqrt()
+        """Pre-clip global L2 norm of all grads (sharded grads reduced over their mesh dims)."""
+        return collectives.total_grad_norm(self.model.parameters(), self.parallel)
 
     def _optimizer_step(self, loss_finite: bool) -> tuple[float, bool]:
         total_norm = self._total_grad_norm()
@@ -451,7 +499,7 @@ class PolicyWorker:
             return grad_norm, True
         if self.cfg.max_grad_norm is not None:
             params = [p for p in self.model.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, total_norm)
+            collectives.clip_grads_(params, self.cfg.max_grad_norm, total_norm)
         self.optimizer.step()
         if hasattr(self.model, "update_moe_gate_bias"):
             self.model.update_moe_gate_bias()
@@ -473,14 +521,17 @@ class PolicyWorker:
         plans = self._inference_plans(data, micro_batch_size)
         self.model.eval()
         outputs: list[tuple[torch.Tensor, ...]] = []
-        with torch.no_grad():
-            for plan in plans:
-                mb = self._microbatch(data, plan)
-                out = per_microbatch(mb)
-                if mb.is_dummy:
-                    continue
-                outs = out if isinstance(out, tuple) else (out,)
-                outputs.append(tuple(_pad_seq(o, seq_len).cpu() for o in outs))
+        try:
+            with torch.no_grad():
+                for plan in plans:
+                    mb = self._microbatch(data, plan)
+                    out = per_microbatch(mb)
+                    if mb.is_dummy:
+                        continue
+                    outs = out if isinstance(out, tuple) else (out,)
+                    outputs.append(tuple(_pad_seq(o, seq_len).cpu() for o in outs))
+        finally:
+            self._reshard()
         if not outputs:
             raise ValueError("the batch has no rows; pass at least one row")
         order = batching.rows_in_input_order(plans)
@@ -565,10 +616,9 @@ class PolicyWorker:
             chunk = self._inference_chunk(vocab, rows=mb.input_ids.shape[0])
             vals, idx = [], []
             for s in range(0, num_positions, chunk):
-                x = logits_at(s, s + chunk).float()
-                if temperature != 1.0:
-                    x = x / temperature
-                v, i = torch.topk(x, k_eff, dim=-1)
+                # Exact fp32 top-k of logits / T (ties -> lower id); vocab shards under TP.
+                v, i = collectives.topk_any(logits_at(s, s + chunk), k_eff,
+                                            temperature=temperature)
                 vals.append(v)
                 idx.append(i)
             v, i = mb.unpack_rows(torch.cat(vals, 1)), mb.unpack_rows(torch.cat(idx, 1))
@@ -589,8 +639,7 @@ class PolicyWorker:
         mbs = self.cfg.batch_size or self.cfg.logprob_batch_size
 
         def per_mb(mb: _Microbatch) -> torch.Tensor:
-            hidden = model_lib.forward_hidden(self.model, mb.input_ids, position_ids=mb.position_ids,
-                                              autocast_dtype=self.dtype)
+            hidden = self._hidden_states(mb)
             with model_lib.autocast_context(self.device, self.dtype):
                 scores = self.model.score(hidden)[..., 0].float()
             valid = mask_from_lengths(mb.lengths, mb.width).to(scores.device)
@@ -640,15 +689,25 @@ class PolicyWorker:
         finally:
             for h in handles:
                 h.remove()
+        gathered = self._gather_samples({key: torch.cat(parts) for key, parts in samples.items()})
         layers: dict[str, dict[str, float]] = {}
-        for (layer, kind), parts in sorted(samples.items()):
-            values = torch.cat(parts)
+        for (layer, kind), values in sorted(gathered.items()):
             rank = max(1, math.ceil(percentile / 100.0 * values.numel()))
             amax = float(values.kthvalue(rank).values) if values.numel() else 0.0
             layers.setdefault(layer, {})[f"{kind}_scale"] = max(amax, 1e-12) * margin / _FP8_E4M3_MAX
         kv_scales = {f"{layer}.{key}": v for layer, d in layers.items() for key, v in d.items()}
         return {"format": "fp8_e4m3", "percentile": percentile, "margin": margin,
                 "layers": layers, "kv_scales": kv_scales}
+
+    def _gather_samples(self, local: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
+        """Concatenate every rank's samples per key (dp ranks hold other rows, TP ranks other
+        heads), so the percentile is the single-process one and identical on every rank."""
+        if self.parallel.world_size == 1:
+            return local
+        everyone: list[Any] = [None] * self.parallel.world_size
+        dist.all_gather_object(everyone, local, group=self.parallel.groups["world"])
+        return {key: torch.cat([part[key] for part in everyone if key in part])
+                for key in sorted({k for part in everyone for k in part})}
 
     # ------------------------------------------------------------------------------ offload
 
@@ -730,17 +789,52 @@ class PolicyWorker:
         return self._refit_sender
 
     def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """{hf_name: (shape, dtype)} in send order (the dtypes every refit sends)."""
+        """{hf_name: (shape, dtype)} in send order (the dtypes every refit sends); global
+        (unsharded) shapes on every rank."""
+        self._reshard()
         return self._sender().prepare_refit_info()
 
     def get_zmq_address(self) -> str:
+        """The address rank 0's receiver connects to (every rank has one; only rank 0 sends)."""
         return self._sender().get_zmq_address()
 
     def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int = 0, kv_scales: Any = None, *,
-                                   timeout_s: float = 120.0) -> dict[str, Any]:
-        """One colocated refit over ZMQ + CUDA IPC (shared memory on CPU); the receiver's report."""
-        return self._sender().stream_weights_via_ipc_zmq(buffer_size_bytes, kv_scales,
-                                                         timeout_s=timeout_s)
+                                   timeout_s: float = 120.0) -> dict[str, Any] | None:
+        """One colocated refit over ZMQ + CUDA IPC (shared memory on CPU); the receiver's report.
+
+        Under a process group every rank calls it: all ranks gather the sharded weights together
+        (one tensor at a time) and rank 0 streams the full tensors to its receiver; other ranks
+        return None. If rank 0's stream fails it still finishes the gathers, so the others are
+        released, and every rank raises (rank 0 with the transport's error).
+        """
+        self._reshard()
+        if self.parallel.world_size == 1:
+            return self._sender().stream_weights_via_ipc_zmq(buffer_size_bytes, kv_scales,
+                                                             timeout_s=timeout_s)
+        _check_zmq_refit_args(buffer_size_bytes, kv_scales, timeout_s)
+        from policyworker.shell.params import iter_refit_sources
+
+        sources = _Draining(iter_refit_sources(self.model, self.dtype))
+        report, failed = None, 0
+        try:
+            if self.parallel.rank == 0:
+                report = _stream_zmq(self._sender(), self.model, sources, self.dtype,
+                                     buffer_size_bytes=buffer_size_bytes, timeout_s=timeout_s)
+        except BaseException:
+            failed = 1
+            with contextlib.suppress(Exception):  # release the peers' gathers, keep our error
+                sources.drain()
+                self.parallel.all_reduce_int(failed, op="max", axis="world")
+            raise
+        sources.drain()
+        if self.parallel.all_reduce_int(failed, op="max", axis="world"):
+            from policyworker.errors import RefitError
+
+            msg = (f"refit over ZMQ failed on rank 0 (rank {self.parallel.rank} took part in the "
+                   f"weight gathers only); see rank 0's error, then call "
+                   f"stream_weights_via_ipc_zmq again on every rank")
+            raise RefitError(msg)
+        return report
 
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> None:
         from policyworker.shell.transports.collective import init_collective
@@ -754,6 +848,7 @@ class PolicyWorker:
                                          use_legacy_packing: bool = False) -> dict[str, Any]:
         from policyworker.shell.transports.collective import broadcast_model_weights
 
+        self._reshard()
         return broadcast_model_weights(
             self._collective, self.model, self.dtype, kv_scales=kv_scales,
             refit_timeout_s=refit_timeout_s, buffer_size_bytes=buffer_size_bytes,
@@ -775,6 +870,7 @@ class PolicyWorker:
                                            sglang_quantization_cfg: Any = None) -> Any:
         from policyworker.shell.params import params_generator
 
+        self._reshard()
         named = params_generator(self.model, precision_dtype(target_precision))
         return self._sglang_sender().update_weights(
             named, rollout_engines=rollout_engines, buffer_size_bytes=buffer_size_bytes,
@@ -784,7 +880,10 @@ class PolicyWorker:
                             ) -> dict[str, Any]:
         from policyworker.shell.transports.ipc_logits import full_logits_ipc
 
-        return full_logits_ipc(self, data, micro_batch_size)
+        try:
+            return full_logits_ipc(self, data, micro_batch_size)
+        finally:
+            self._reshard()
 
     def release_ipc_buffer(self) -> None:
         from policyworker.shell.transports.ipc_logits import release_ipc_buffer
@@ -814,16 +913,30 @@ class PolicyWorker:
     # ------------------------------------------------------------------------------ misc
 
     def return_state_dict(self) -> dict[str, torch.Tensor]:
+        """The live state dict: sharded DTensors under FSDP2 / TP (`.full_tensor()` gathers)."""
+        self._reshard()
         return self.model.state_dict()
 
     def return_model_config(self) -> Any:
         return self.model.config
 
     def _add_noise_to_weights(self) -> None:
+        """N(0, 0.01^2) noise on trainable weights; the same full noise tensor on every rank
+        (a generator seeded alike), so replicas stay equal and shards stay consistent."""
+        self._reshard()
+        seed = int(torch.randint(0, 2**30, ())) if self.parallel.rank == 0 else 0
+        gen = torch.Generator().manual_seed(self.parallel.all_reduce_int(seed, axis="world"))
         with torch.no_grad():
             for p in self.model.parameters():
-                if p.requires_grad:
-                    p.add_(torch.randn_like(p) * 0.01)
+                if not p.requires_grad:
+                    continue
+                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.01
+                if isinstance(p, DTensor):
+                    from torch.distributed.tensor import distribute_tensor
+
+                    noise = distribute_tensor(noise.to(p.device, p.dtype), p.device_mesh,
+                                              p.placements, src_data_rank=None)
+                p.add_(noise.to(p.device, p.dtype))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -839,6 +952,70 @@ class PolicyWorker:
             self._refit_sender = None
         self.parallel.shutdown()
         return True
+
+
+class _Draining:
+    """An iterator that can be run to its end later (`drain`), so every rank of a sharded
+    model finishes the same sequence of weight gathers even when the consumer stopped early."""
+
+    def __init__(self, it: Iterator[Any]) -> None:
+        self._it = it
+
+    def __iter__(self) -> _Draining:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._it)
+
+    def drain(self) -> None:
+        for _ in self._it:
+            pass
+
+
+def _check_zmq_refit_args(buffer_size_bytes: Any, kv_scales: Any, timeout_s: Any) -> None:
+    """The sender's argument rules, checked on every rank before any gather."""
+    if kv_scales is not None:
+        msg = ("kv_scales: FP8 KV-cache scales are unsupported in this worker (no FP8 KV-cache "
+               "calibration path); pass kv_scales=None")
+        raise ValueError(msg)
+    if (isinstance(buffer_size_bytes, bool) or not isinstance(buffer_size_bytes, int)
+            or buffer_size_bytes < 0):
+        msg = f"buffer_size_bytes {buffer_size_bytes!r} must be an int >= 0 (0 = pick a default)"
+        raise ValueError(msg)
+    if not timeout_s > 0:
+        msg = f"timeout_s {timeout_s} must be > 0 seconds"
+        raise ValueError(msg)
+
+
+def _stream_zmq(sender: Any, model: torch.nn.Module, sources: Iterator[Any], dtype: torch.dtype,
+                *, buffer_size_bytes: int, timeout_s: float) -> dict[str, Any]:
+    """Rank 0's half of a sharded ZMQ refit: `RefitSender`'s plan, over the given sources."""
+    from policyworker.functional.buckets import (
+        default_ipc_buffer_bytes,
+        plan_ipc_buckets,
+        split_ipc_budget,
+    )
+    from policyworker.shell.params import refit_specs
+    from policyworker.shell.refit import CPU_DEFAULT_BUFFER_BYTES, CUDA_DEFAULT_BUFFER_CAP_BYTES
+    from policyworker.shell.transports.zmq_ipc import CudaStaging, ShmStaging
+
+    specs = refit_specs(model, dtype)
+    cuda = sender.device.type == "cuda"
+    if buffer_size_bytes:
+        per_buffer = split_ipc_budget(buffer_size_bytes)
+    elif cuda:
+        free, _ = torch.cuda.mem_get_info(sender.device)
+        per_buffer = default_ipc_buffer_bytes(specs, cap_bytes=CUDA_DEFAULT_BUFFER_CAP_BYTES,
+                                              free_bytes=free)
+    else:
+        per_buffer = default_ipc_buffer_bytes(specs, cap_bytes=CPU_DEFAULT_BUFFER_BYTES)
+
+    def make_staging(nbytes: int) -> Any:
+        return CudaStaging(nbytes, sender.device) if cuda else ShmStaging(nbytes)
+
+    return sender._zmq().stream(
+        specs, plan_ipc_buckets(specs, per_buffer), sources, make_staging=make_staging,
+        buffer_bytes=per_buffer, timeout_s=timeout_s, transport="cuda" if cuda else "shm")
 
 
 def _pad_seq(x: torch.Tensor, seq_len: int) -> torch.Tensor:

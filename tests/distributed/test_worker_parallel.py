@@ -11,16 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tests.distributed import workers
 from tests.distributed.launch import run_on_gloo
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.xfail(
-        strict=True,
-        reason="PolicyWorker._parallelize raises for world_size > 1: the worker has no "
-        "FSDP2/TP wiring yet (parallelize_model, next_token_logprobs_any, topk_any, "
-        "total_grad_norm are ready in policyworker.shell.parallel / .collectives)",
-    ),
-]
-
+pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory):
