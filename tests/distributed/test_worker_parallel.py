@@ -1,8 +1,13 @@
 """PolicyWorker under dp2, tp2 and dp2 x tp2 (gloo) == the same worker in one process.
 
-Logprobs, top-k and the weights after two `train` calls (fp32, atol 1e-5), global loss per
-call independent of the layout.
+For fixed, dynamic and packed batching (the short-row dp rank runs dummy microbatches): logprobs
+(with top-k/top-p filters too), top-k (same ids), FP8 kv scales, the global loss and grad norm of
+two `train` calls (NLL; ClippedPG with k3 KL), the weights after them and the reference-model
+logprobs (fp32, atol 1e-5). Plus LoRA under tp2, a ZMQ refit from a dp2 worker, and a rank that
+raises ending the job quickly. The single-process references run once, in the test process.
 """
+
+import time
 
 import pytest
 import torch
@@ -12,6 +17,7 @@ from tests.distributed import workers
 from tests.distributed.launch import run_on_gloo
 
 pytestmark = pytest.mark.distributed
+
 
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory):
@@ -26,13 +32,32 @@ def llama_path(tmp_path_factory):
         num_key_value_heads=2,
         max_position_embeddings=64,
     )
-    LlamaForCausalLM(config).save_pretrained(path)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger-than-default init so logprobs are far from uniform
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path)
     return str(path)
 
 
-def test_worker_dp2_and_tp2_match_one_process(llama_path):
-    run_on_gloo(workers.worker_parity, 2, llama_path, (1, 2))
+@pytest.fixture(scope="module")
+def references(llama_path):
+    torch.set_num_threads(1)
+    return workers.worker_references(llama_path, workers.WORKER_CASES + (workers.LORA_CASE,))
 
 
-def test_worker_dp2_tp2_matches_one_process(llama_path):
-    run_on_gloo(workers.worker_parity, 4, llama_path, (2,))
+def test_worker_dp2_and_tp2_match_one_process(llama_path, references):
+    run_on_gloo(workers.worker_parity, 2, llama_path, (1, 2), references, ("zmq_refit",))
+
+
+def test_worker_dp2_tp2_matches_one_process(llama_path, references):
+    cases = {k: v for k, v in references.items() if k != workers.LORA_CASE[0]}
+    run_on_gloo(workers.worker_parity, 4, llama_path, (2,), cases)
+
+
+def test_a_worker_rank_that_raises_ends_the_job_within_seconds(llama_path):
+    start = time.monotonic()
+    with pytest.raises(Exception, match="sample_mask"):
+        run_on_gloo(workers.worker_rank_raises, 2, llama_path)
+    assert time.monotonic() - start < 30

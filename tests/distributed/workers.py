@@ -406,56 +406,182 @@ def gpu_tp_and_cp_parity(rank, size, path):
 
 # ------------------------------------------------------------------- PolicyWorker, parallel
 
+WORKER_BATCHING = {
+    "fixed": {},
+    "dynamic": {"dynamic_batching": {"train_mb_tokens": 16, "sequence_length_round": 4}},
+    "packed": {"sequence_packing": {"train_mb_tokens": 16}},
+}
+SAMPLING = {"temperature": 0.8, "top_k": 16, "top_p": 0.9}
+# (label, batching, sampling filters on, loss, extra config)
+WORKER_CASES = (
+    ("fixed-nll", "fixed", False, "nll", {}),
+    ("dynamic-pg-kl-filtered", "dynamic", True, "pg_kl", {}),
+    ("packed-pg-kl-filtered", "packed", True, "pg_kl", {}),
+)
+LORA_CASE = ("fixed-nll-lora", "fixed", False, "nll", {"lora_cfg": {"dim": 4, "alpha": 8.0}})
+# dp rank 0 gets the long rows, dp rank 1 the short ones: under dynamic batching and packing the
+# ranks plan different microbatch counts, so rank 1 runs dummy microbatches.
+WORKER_LENGTHS = (12, 11, 3, 2)
 
-def _worker_config(path, *, tp_size):
+
+def _worker_loss(kind):
+    from policyworker.functional.loss import ClippedPGLossFn, NLLLoss
+
+    if kind == "nll":
+        return NLLLoss()
+    return ClippedPGLossFn({"reference_policy_kl_penalty": 0.1, "reference_policy_kl_type": "k3"})
+
+
+def _worker_config(path, *, tp_size, batching="fixed", sampling=False, extra=None):
     from tests.shell.conftest import make_config
 
-    return make_config(
+    dtensor = {"tensor_parallel_size": tp_size} | dict(extra or {})
+    cfg = make_config(
         path,
         train_global_batch_size=4,
         train_micro_batch_size=1,
         max_grad_norm=MAX_GRAD_NORM,
         optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": LR, "weight_decay": 0.0}},
-        dtensor_cfg={"tensor_parallel_size": tp_size},
+        dtensor_cfg=dtensor,
+        **WORKER_BATCHING[batching],
     )
+    if sampling:
+        cfg["generation"] = dict(SAMPLING)
+    return cfg
+
+
+def _worker_data():
+    from tests.shell.conftest import make_batch
+
+    return make_batch(4, 12, seed=5, lengths=WORKER_LENGTHS)
 
 
 def _worker_params(worker):
-    from policyworker.shell.parallel import reshard as _reshard
-
-    _reshard(worker.model)
+    worker._reshard()
     return {n: _full(p).detach().clone() for n, p in worker.model.named_parameters()}
 
 
-def worker_parity(rank, size, path, tp_sizes):
-    """PolicyWorker under each tp size (dp = world / tp): logprobs, top-k, train == one process."""
+def _exercise_worker(worker, data, loss_kind, *, calibrate):
+    """Every output the parity checks compare: inference, two train calls, reference swap."""
+    out = {"logprobs": worker.get_logprobs(data)["logprobs"]}
+    topk = worker.get_topk_logits(data, 5)
+    out["topk_logits"], out["topk_indices"] = topk["topk_logits"], topk["topk_indices"]
+    if calibrate:
+        out["kv_scales"] = worker.calibrate_qkv_fp8_scales(data)["kv_scales"]
+    results = [worker.train(data, _worker_loss(loss_kind)) for _ in range(2)]
+    out["losses"] = [r["global_loss"] for r in results]
+    out["grad_norms"] = [r["grad_norm"] for r in results]
+    out["logprobs_after"] = worker.get_logprobs(data)["logprobs"]
+    ref = worker.get_reference_policy_logprobs(data)["reference_logprobs"]
+    out["reference_logprobs"] = ref
+    out["params"] = _worker_params(worker)
+    return out
+
+
+def worker_references(path, cases):
+    """Single-process fp32 outputs of every case (run in the test process, before the fork)."""
+    from policyworker.shell.worker import PolicyWorker
+
+    refs = {}
+    for label, batching, sampling, loss_kind, extra in cases:
+        torch.manual_seed(0)
+        worker = PolicyWorker(
+            _worker_config(path, tp_size=1, batching=batching, sampling=sampling, extra=extra),
+            parallel=ParallelContext.single(torch.device("cpu")),
+        )
+        refs[label] = _exercise_worker(worker, _worker_data(), loss_kind, calibrate=True)
+        worker.shutdown()
+    return refs
+
+
+def _check_worker_case(worker, label, loss_kind, want):
+    ctx = worker.parallel
+    data = _worker_data()
+    per_dp = data["input_ids"].shape[0] // ctx.dp_size
+    rows = slice(ctx.dp_rank * per_dp, (ctx.dp_rank + 1) * per_dp)
+    shard = {k: v[rows] for k, v in data.items()}
+    name = f"PolicyWorker dp{ctx.dp_size}xtp{ctx.tp_size} {label}"
+    if ctx.dp_size > 1 and worker.cfg.train_micro_batch_size and not label.startswith("fixed"):
+        dummies = sum(p.is_dummy for p in worker._inference_plans(shard, None))
+        assert (dummies > 0) == (ctx.dp_rank == 1), f"{name}: dummy microbatches {dummies}"
+    got = _exercise_worker(worker, shard, loss_kind, calibrate="kv_scales" in want)
+    for key in ("logprobs", "topk_logits", "logprobs_after", "reference_logprobs"):
+        _close(got[key], want[key][rows], f"{name}: {key}")
+    assert torch.equal(got["topk_indices"], want["topk_indices"][rows]), f"{name}: top-k ids"
+    for step, (g, w) in enumerate(zip(got["losses"], want["losses"], strict=True)):
+        _close(g, w, f"{name}: global loss of train call {step}")
+    for step, (g, w) in enumerate(zip(got["grad_norms"], want["grad_norms"], strict=True)):
+        _close(torch.tensor(g), torch.tensor(w), f"{name}: grad norm {step}", rtol=1e-4)
+    if "kv_scales" in got:
+        assert got["kv_scales"].keys() == want["kv_scales"].keys(), name
+        for k, w in want["kv_scales"].items():
+            _close(torch.tensor(got["kv_scales"][k]), torch.tensor(w), f"{name}: {k}", rtol=1e-4)
+    assert got["params"].keys() == want["params"].keys(), f"{name}: parameter names"
+    for key, w in want["params"].items():
+        _close(got["params"][key], w, f"{name}: {key} after train")
+    return got["params"]
+
+
+def _check_zmq_refit(worker, params):
+    """Rank 0 receives a refit from the sharded worker in a thread: the full trained weights."""
+    import threading
+
+    from policyworker.shell.receiver import HFWeightReceiver
+
+    info = worker.prepare_refit_info()  # collective-safe: every rank, same answer
+    target = _load(worker.cfg.model_name) if dist.get_rank() == 0 else None
+    errors, thread = [], None
+    if target is not None:
+        receiver = HFWeightReceiver(target, address=worker.get_zmq_address(), refit_info=info,
+                                    timeout_s=60.0)
+
+        def serve():
+            try:
+                receiver.receive()
+            except Exception as err:  # noqa: BLE001 - re-raised in the rank below
+                errors.append(err)
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+    report = worker.stream_weights_via_ipc_zmq(timeout_s=60.0)
+    assert (report is None) == (dist.get_rank() != 0), report
+    if thread is not None:
+        thread.join(60)
+        receiver.close()
+        assert not errors, errors
+        for name, value in target.named_parameters():
+            assert torch.equal(value.detach(), params[name]), f"refit: {name}"
+
+
+def worker_parity(rank, size, path, tp_sizes, references, extra_checks=()):
+    """PolicyWorker under each tp size (dp = world / tp) == one process, case by case."""
+    from policyworker.shell.worker import PolicyWorker
+
+    cases = [c for c in WORKER_CASES + (LORA_CASE,) if c[0] in references]
+    for tp_size in tp_sizes:
+        for label, batching, sampling, loss_kind, extra in cases:
+            if extra.get("lora_cfg") and tp_size == 1:
+                continue
+            torch.manual_seed(0)
+            worker = PolicyWorker(
+                _worker_config(path, tp_size=tp_size, batching=batching, sampling=sampling,
+                               extra=extra))
+            assert repr(worker) == f"PolicyWorker[rank={rank}]"
+            assert worker.parallel.tp_size == tp_size and not worker.parallel.owns_process_group
+            params = _check_worker_case(worker, label, loss_kind, references[label])
+            if "zmq_refit" in extra_checks and tp_size == 1 and label == "fixed-nll":
+                _check_zmq_refit(worker, params)
+            worker.shutdown()
+            assert dist.is_initialized(), "shutdown destroyed a group the worker did not create"
+
+
+def worker_rank_raises(rank, size, path):
+    """Rank 1 passes a bad batch (ValueError before any collective); rank 0 waits in train."""
     from policyworker.functional.loss import NLLLoss
     from policyworker.shell.worker import PolicyWorker
-    from tests.shell.conftest import make_batch
 
-    data = make_batch(4, 12, seed=5)
-    single = PolicyWorker(
-        _worker_config(path, tp_size=1), parallel=ParallelContext.single(torch.device("cpu"))
-    )
-    ref_lp = single.get_logprobs(data)["logprobs"]
-    ref_topk = single.get_topk_logits(data, 5)
-    ref_losses = [single.train(data, NLLLoss())["global_loss"] for _ in range(2)]
-    ref_params = _worker_params(single)
-    for tp_size in tp_sizes:
-        worker = PolicyWorker(_worker_config(path, tp_size=tp_size))
-        ctx = worker.parallel
-        per_dp = 4 // ctx.dp_size
-        rows = slice(ctx.dp_rank * per_dp, (ctx.dp_rank + 1) * per_dp)
-        shard = {k: v[rows] for k, v in data.items()}
-        label = f"PolicyWorker dp{ctx.dp_size}xtp{ctx.tp_size}"
-        _close(worker.get_logprobs(shard)["logprobs"], ref_lp[rows], f"{label}: logprobs")
-        topk = worker.get_topk_logits(shard, 5)
-        _close(topk["topk_logits"], ref_topk["topk_logits"][rows], f"{label}: top-k values")
-        assert torch.equal(topk["topk_indices"], ref_topk["topk_indices"][rows]), label
-        for step, want in enumerate(ref_losses):
-            got = worker.train(shard, NLLLoss())["global_loss"]
-            _close(got, want, f"{label}: global loss of train call {step}")
-        params = _worker_params(worker)
-        for name, want in ref_params.items():
-            _close(params[name], want, f"{label}: {name} after train")
-        worker.shutdown()
+    worker = PolicyWorker(_worker_config(path, tp_size=1))
+    data = _worker_data()
+    if rank == 1:
+        del data["sample_mask"]
+    worker.train(data, NLLLoss())
