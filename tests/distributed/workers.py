@@ -528,7 +528,16 @@ def _check_zmq_refit(worker, params):
 
     from policyworker.shell.receiver import HFWeightReceiver
 
+    from policyworker.errors import RefitError, RefitTimeoutError
+
     info = worker.prepare_refit_info()  # collective-safe: every rank, same answer
+    # No receiver yet: rank 0 times out, still finishes the gathers, and every rank raises.
+    try:
+        worker.stream_weights_via_ipc_zmq(timeout_s=1.0)
+    except (RefitTimeoutError if dist.get_rank() == 0 else RefitError) as err:
+        assert "rank 0" in str(err) or dist.get_rank() == 0, err
+    else:
+        raise AssertionError("a refit without a receiver did not raise")
     target = _load(worker.cfg.model_name) if dist.get_rank() == 0 else None
     errors, thread = [], None
     if target is not None:
@@ -569,6 +578,14 @@ def worker_parity(rank, size, path, tp_sizes, references, extra_checks=()):
             assert repr(worker) == f"PolicyWorker[rank={rank}]"
             assert worker.parallel.tp_size == tp_size and not worker.parallel.owns_process_group
             params = _check_worker_case(worker, label, loss_kind, references[label])
+            if "sequence_parallel" in extra_checks and tp_size > 1 and label.startswith("packed"):
+                worker.shutdown()
+                torch.manual_seed(0)
+                worker = PolicyWorker(_worker_config(
+                    path, tp_size=tp_size, batching=batching, sampling=sampling,
+                    extra=extra | {"sequence_parallel": True}))
+                _check_worker_case(worker, f"{label} sequence-parallel", loss_kind,
+                                   references[label])
             if "zmq_refit" in extra_checks and tp_size == 1 and label == "fixed-nll":
                 _check_zmq_refit(worker, params)
             worker.shutdown()
