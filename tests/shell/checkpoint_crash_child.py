@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
+import time
 
 import torch
 from torch import nn
@@ -46,9 +47,46 @@ def set_weights(model: nn.Module, i: int) -> None:
             p.fill_(fill_value(i))
 
 
-def run(root: str, marker: str) -> None:
-    """Save to root/weights + root/optimizer forever; touch `marker` after the first save."""
+def pause_after_renames(
+    pause_s: float = 0.0, stop_after: int | None = None, stop_marker: str | None = None
+) -> None:
+    """Test hook: wrap the commit's per-folder rename step in this (forked) process.
+
+    Sleeps `pause_s` after every folder step (`_put_in_place`), so that random kills often
+    land between two renames; after the `stop_after`-th step it touches `stop_marker` and waits
+    for the parent's SIGKILL (exiting after 60 s if none comes).
+    """
+    original = checkpoint._put_in_place
+    count = 0
+
+    def wrapped(*args: object) -> None:
+        nonlocal count
+        original(*args)
+        count += 1
+        if stop_after is not None and count == stop_after:
+            assert stop_marker is not None
+            pathlib.Path(stop_marker).touch()
+            time.sleep(60)
+            os._exit(1)
+        time.sleep(pause_s)
+
+    checkpoint._put_in_place = wrapped
+
+
+def run(
+    root: str,
+    marker: str,
+    pause_s: float = 0.0,
+    stop_in_save: int | None = None,
+    stop_marker: str | None = None,
+) -> None:
+    """Save to root/weights + root/optimizer forever; touch `marker` after the first save.
+
+    `pause_s`: sleep after each folder rename. `stop_in_save=i`: in save `i`, stop after its
+    first folder rename (see `pause_after_renames`).
+    """
     torch.set_num_threads(1)
+    pause_after_renames(pause_s)
     worker = SimpleWorker(build_model())
     root_path = pathlib.Path(root)
     i = 0
@@ -59,6 +97,8 @@ def run(root: str, marker: str) -> None:
         worker.optimizer.zero_grad()
         worker.scheduler.step()
         set_weights(worker.model, i)
+        if i == stop_in_save:
+            pause_after_renames(stop_after=1, stop_marker=stop_marker)
         checkpoint.save_checkpoint(
             worker, root_path / "weights", root_path / "optimizer", is_final_checkpoint=i % 2 == 0
         )
@@ -66,6 +106,20 @@ def run(root: str, marker: str) -> None:
         if i == 0:
             pathlib.Path(marker).touch()
         i += 1
+
+
+def load_until_first_rename(root: str, stop_marker: str) -> None:
+    """Load root's checkpoint; its recovery stops after its first rename (killed there).
+
+    The commit was stopped after the weights folder: the recovery's first folder step finds it
+    in place, its second renames the optimizer folder.
+    """
+    torch.set_num_threads(1)
+    pause_after_renames(stop_after=2, stop_marker=stop_marker)
+    worker = SimpleWorker(build_model(seed=1))
+    checkpoint.load_checkpoint(
+        worker, pathlib.Path(root) / "weights", pathlib.Path(root) / "optimizer"
+    )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import multiprocessing
 import os
 import pathlib
@@ -306,40 +308,206 @@ def test_lora_run_saves_and_loads_a_peft_adapter(tiny_model_paths, tmp_path):
     assert all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) for i in sa)
 
 
+def _fork(target, *args):
+    proc = multiprocessing.get_context("fork").Process(target=target, args=args)
+    proc.start()
+    return proc
+
+
+def _kill_when(proc, marker, delay_s=0.0):
+    deadline = time.monotonic() + 60
+    while not pathlib.Path(marker).exists():
+        assert proc.is_alive() and time.monotonic() < deadline, "crash child never got there"
+        time.sleep(0.005)
+    time.sleep(delay_s)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+
+
+def _records(folder):
+    return sorted(p.name for p in folder.glob(f"{ck.COMMIT_RECORD_PREFIX}*.json"))
+
+
+def _load_and_check_save(root):
+    """Load root's checkpoint: a complete save `i` (weights, optimizer, scheduler, reference)."""
+    worker = child.SimpleWorker(child.build_model(seed=1))
+    ck.load_checkpoint(worker, root / "weights", root / "optimizer")
+    i = round(float(next(worker.model.parameters()).detach().flatten()[0])) - 1
+    assert all(
+        torch.equal(p, torch.full_like(p, child.fill_value(i))) for p in worker.model.parameters()
+    )
+    assert worker.scheduler.state_dict()["last_epoch"] == i + 1  # the optimizer of the same save
+    ref = child.build_model()
+    assert all(torch.equal(worker._reference_state[k], v) for k, v in ref.state_dict().items())
+    assert not _records(root / "weights") and not _records(root / "optimizer")
+    return i
+
+
 def test_sigkill_during_save_leaves_previous_checkpoint_complete(tmp_path):
-    """Killed at a random moment (>= 10 times), the final folders are absent or complete."""
-    ctx = multiprocessing.get_context("fork")
+    """Killed at a random moment (10 times; the child sleeps after each folder rename, so kills
+    often land between two renames), the checkpoint loads as one complete save."""
     rng = random.Random(0)
-    seen_phases = set()
+    phases = []
     for attempt in range(10):
         root = tmp_path / f"run{attempt}"
         marker = tmp_path / f"ready{attempt}"
-        proc = ctx.Process(target=child.run, args=(str(root), str(marker)))
-        proc.start()
-        deadline = time.monotonic() + 60
-        while not marker.exists():
-            assert proc.is_alive() and time.monotonic() < deadline, "crash child never saved"
-            time.sleep(0.005)
-        time.sleep(rng.uniform(0.0, 0.15))
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join(10)
+        proc = _fork(child.run, str(root), str(marker), 0.03)
+        _kill_when(proc, marker, rng.uniform(0.0, 0.3))
         names = set(os.listdir(root / "weights"))
-        seen_phases.add(any(".tmp-" in n for n in names))
-        assert {"model", "reference"} <= names
-        worker = child.SimpleWorker(child.build_model(seed=1))
-        ck.load_checkpoint(worker, root / "weights", root / "optimizer")
-        value = float(next(worker.model.parameters()).detach().flatten()[0])
-        i = round(value) - 1
-        assert all(
-            torch.equal(p, torch.full_like(p, child.fill_value(i)))
-            for p in worker.model.parameters()
+        phases.append(
+            "commit" if _records(root / "weights") else "write" if len(names) > 2 else "idle"
         )
-        assert (
-            worker.scheduler.state_dict()["last_epoch"] == i + 1
-        )  # the optimizer of the same save
-        ref = child.build_model()
-        assert all(torch.equal(worker._reference_state[k], v) for k, v in ref.state_dict().items())
-    assert True in seen_phases  # at least one kill landed inside a save
+        assert {"model", "reference"} <= names
+        _load_and_check_save(root)
+        assert {"model", "reference"} <= set(os.listdir(root / "weights")) <= names
+    assert set(phases) - {"idle"}, phases  # some kills landed inside a save
+
+
+@pytest.mark.parametrize("stop_in_save", [0, 1], ids=["first-save", "replacing"])
+def test_sigkill_between_renames_and_during_recovery_rolls_the_save_forward(tmp_path, stop_in_save):
+    """Killed right after a save's first folder rename (weights of save k beside the optimizer
+    of save k-1), then killed again after the first rename of the recovery inside a load: the
+    next load still finishes save k, and no leftover stays."""
+    root = tmp_path / "run"
+    proc = _fork(
+        child.run, str(root), str(tmp_path / "ready"), 0.0, stop_in_save, str(tmp_path / "stop1")
+    )
+    _kill_when(proc, tmp_path / "stop1")
+    [record] = _records(root / "weights")
+    token = record.removeprefix(ck.COMMIT_RECORD_PREFIX).removesuffix(".json")
+    assert _records(root / "optimizer") == [record]
+    assert ck._manifest_id(root / "weights" / "model") == token  # renamed
+    assert (root / "optimizer" / f"optim.tmp-{token}").is_dir()  # not yet renamed
+    assert (root / "weights" / f"reference.tmp-{token}").is_dir()
+
+    proc = _fork(child.load_until_first_rename, str(root), str(tmp_path / "stop2"))
+    _kill_when(proc, tmp_path / "stop2")
+    assert not (root / "optimizer" / f"optim.tmp-{token}").exists()  # recovery renamed it
+    assert (root / "weights" / f"reference.tmp-{token}").is_dir()
+    assert _records(root / "weights") == [record]
+
+    assert _load_and_check_save(root) == stop_in_save
+    assert sorted(os.listdir(root / "weights")) == ["model", "reference"]
+    assert sorted(os.listdir(root / "optimizer")) == ["optim"]
+
+
+def test_next_save_recovers_a_killed_commit_before_it_clears_leftovers(tmp_path, monkeypatch):
+    root = tmp_path / "run"
+    proc = _fork(child.run, str(root), str(tmp_path / "ready"), 0.0, 1, str(tmp_path / "stop"))
+    _kill_when(proc, tmp_path / "stop")
+    assert _records(root / "weights")
+    seen = []
+    clear = ck._clear_stale
+
+    def spy(final):
+        seen.append((final.name, _records(final.parent), ck._manifest_id(root / "weights/model")))
+        clear(final)
+
+    monkeypatch.setattr(ck, "_clear_stale", spy)
+    worker = child.SimpleWorker(child.build_model())
+    worker.model(torch.ones(1, 256)).sum().backward()
+    worker.optimizer.step()
+    for _ in range(7):
+        worker.scheduler.step()
+    child.set_weights(worker.model, 6)
+    ck.save_checkpoint(worker, root / "weights", root / "optimizer", is_final_checkpoint=True)
+    assert [name for name, _, _ in seen] == ["model", "optim", "reference"]
+    assert all(records == [] for _, records, _ in seen)  # recovered first
+    assert len({checkpoint_id for _, _, checkpoint_id in seen}) == 1
+    assert _load_and_check_save(root) == 6
+
+
+class _Crash(BaseException):
+    """A simulated SIGKILL: raised instead of the n-th file operation."""
+
+
+def _crash_at(monkeypatch, n):
+    """Make the n-th rename / exchange / rmtree / unlink from now on raise `_Crash`."""
+    count = [0]
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            count[0] += 1
+            if count[0] == n:
+                raise _Crash
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(os, "rename", counted(os.rename))
+    monkeypatch.setattr(ck, "_exchange", counted(ck._exchange))
+    monkeypatch.setattr(ck.shutil, "rmtree", counted(ck.shutil.rmtree))
+    monkeypatch.setattr(pathlib.Path, "unlink", counted(pathlib.Path.unlink))
+    return count
+
+
+def _folder(path, text):
+    path.mkdir(parents=True)
+    (path / "id").write_text(text)
+
+
+@pytest.mark.parametrize(
+    ("existing", "exchange"),
+    [(True, True), (True, False), (False, True)],  # a first save renames, never exchanges
+    ids=["replacing-exchange", "replacing-rename-aside", "first-save"],
+)
+def test_crash_at_every_step_of_commit_and_recovery_gives_one_whole_save(
+    tmp_path, monkeypatch, exchange, existing
+):
+    """Crash before each file operation of a commit, then before each one of the recovery, then
+    recover: every final folder holds the same save (the new one once its record was written),
+    and the next save's cleanup leaves only the final folders."""
+    monkeypatch.setattr(ck, "_fsync_path", lambda path: None)  # a simulated crash loses nothing
+    if not exchange:
+        monkeypatch.setattr(ck, "_exchange", lambda a, b: False)
+    cases = 0
+    for n in itertools.count(1):
+        for m in itertools.count(1):
+            case = tmp_path / f"{n}-{m}"
+            finals = [case / "w" / "model", case / "w" / "reference", case / "o" / "optim"]
+            for final in finals:
+                if existing:
+                    _folder(final, "old")
+                _folder(ck._tmp_for(final, "abc"), "new")
+            with monkeypatch.context() as patch:
+                done = _crash_at(patch, n)
+                with contextlib.suppress(_Crash):
+                    ck._commit([(ck._tmp_for(f, "abc"), f) for f in finals])
+                commit_ops = done[0]
+            committed = bool(_records(case / "w") + _records(case / "o"))
+            with monkeypatch.context() as patch:
+                done = _crash_at(patch, m)
+                with contextlib.suppress(_Crash):
+                    ck.recover_checkpoint_commits([case / "w", case / "o"])
+                recovery_ops = done[0]
+            ck.recover_checkpoint_commits([case / "w", case / "o"])
+            assert ck.recover_checkpoint_commits([case / "w", case / "o"]) == []
+            ids = {(f / "id").read_text() if f.exists() else None for f in finals}
+            assert ids == (
+                {"new"} if committed or commit_ops < n else {"old" if existing else None}
+            )
+            for final in finals:
+                ck._clear_stale(final)
+            assert sorted(os.listdir(case / "w")) == (
+                ["model", "reference"] if ids != {None} else []
+            )
+            cases += 1
+            if recovery_ops < m:  # the recovery ran to its end: no later crash point
+                break
+        if commit_ops < n:
+            break
+    assert cases > 40
+
+
+def test_recovery_with_a_folder_moved_away_names_it(tmp_path):
+    final = tmp_path / "w" / "model"
+    _folder(final, "old")
+    _folder(ck._tmp_for(final, "abc"), "new")
+    ck._write_commit_records("abc", [(ck._tmp_for(final, "abc"), final)])
+    os.rename(ck._tmp_for(final, "abc"), tmp_path / "elsewhere")
+    with pytest.raises(ck.CheckpointError, match=r"model\.tmp-abc' is gone.*put the save's"):
+        ck.recover_checkpoint_commits([tmp_path / "w"])
+    assert (final / "id").read_text() == "old"
 
 
 @settings(max_examples=60, deadline=None)
@@ -355,8 +523,6 @@ def test_contiguous_runs_of_a_block_tiling_rebuild_the_tensor(data):
     edges = [[0, *c, n] for c, n in zip(cuts, shape, strict=True)]
     out = torch.full((full.numel(),), -1.0)
     full_box = tuple((0, n) for n in shape)
-    import itertools
-
     for block in itertools.product(*(list(zip(e[:-1], e[1:], strict=True)) for e in edges)):
         block = tuple(block)
         piece = full[tuple(slice(a, b) for a, b in block)].contiguous()
