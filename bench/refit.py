@@ -41,6 +41,8 @@ SHAPES = {
     "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936, True),
     "qwen2.5-7b": (3584, 18944, 28, 28, 4, 152064, False),
     "tiny": (64, 176, 4, 4, 2, 1024, False),
+    # the 7B names and tensor count, every dimension / 64 (bench/refit_overhead.py)
+    "qwen2.5-7b/64": (56, 296, 28, 28, 4, 2376, False),
 }
 REPEATS = 3
 

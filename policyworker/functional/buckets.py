@@ -27,6 +27,8 @@ __all__ = [
     "TensorSpec",
     "align_up",
     "default_ipc_buffer_bytes",
+    "default_ipc_buffer_bytes_from",
+    "ipc_size_stats",
     "pack_tensors",
     "plan_broadcast_buckets",
     "plan_ipc_buckets",
@@ -103,6 +105,31 @@ def split_ipc_budget(
     return align_up(-(-total_bytes // num_buffers), alignment)
 
 
+def ipc_size_stats(specs: Sequence[TensorSpec], alignment: int = DEFAULT_ALIGNMENT) -> tuple[int, int]:
+    """``(largest, total)`` aligned bytes of a stream (``alignment`` when it is empty)."""
+    sizes = [align_up(s.nbytes, alignment) for s in specs]
+    return max(sizes, default=alignment), sum(sizes)
+
+
+def default_ipc_buffer_bytes_from(
+    largest: int,
+    total: int,
+    *,
+    cap_bytes: int,
+    free_bytes: int | None = None,
+    free_fraction: float = 0.125,
+    alignment: int = DEFAULT_ALIGNMENT,
+) -> int:
+    """``default_ipc_buffer_bytes`` from the stream's ``ipc_size_stats`` (no walk over specs)."""
+    target = cap_bytes if free_bytes is None else min(cap_bytes, int(free_bytes * free_fraction))
+    target = max(
+        align_up(max(min(target, total), 1), alignment), alignment
+    )  # a small model: one bucket
+    if largest > target and (free_bytes is None or 4 * largest <= free_bytes):
+        return largest
+    return target
+
+
 def default_ipc_buffer_bytes(
     specs: Sequence[TensorSpec],
     *,
@@ -119,15 +146,9 @@ def default_ipc_buffer_bytes(
     stream's aligned size (a small model is one bucket). ``free_bytes=None``
     (CPU shared memory) means no free-memory limit.
     """
-    largest = max((align_up(s.nbytes, alignment) for s in specs), default=alignment)
-    total = sum(align_up(s.nbytes, alignment) for s in specs)
-    target = cap_bytes if free_bytes is None else min(cap_bytes, int(free_bytes * free_fraction))
-    target = max(
-        align_up(max(min(target, total), 1), alignment), alignment
-    )  # a small model: one bucket
-    if largest > target and (free_bytes is None or 4 * largest <= free_bytes):
-        return largest
-    return target
+    largest, total = ipc_size_stats(specs, alignment)
+    return default_ipc_buffer_bytes_from(largest, total, cap_bytes=cap_bytes, free_bytes=free_bytes,
+                                         free_fraction=free_fraction, alignment=alignment)
 
 
 def plan_ipc_buckets(

@@ -15,7 +15,9 @@ meta tensors (no gather, no copy) and records ``(shape, dtype)``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -29,11 +31,13 @@ from policyworker.functional.names import canonical_name, is_lora_param, to_hf_t
 __all__ = [
     "DRAFT_PREFIX",
     "RefitSource",
+    "RefitStream",
     "iter_refit_sources",
     "keep_fp32_patterns",
     "params_generator",
     "refit_info",
     "refit_specs",
+    "refit_stream",
 ]
 
 DRAFT_PREFIX = "draft."
@@ -86,29 +90,161 @@ def _materialize(tensor: torch.Tensor, *, meta: bool) -> torch.Tensor:
     return full_tensor() if full_tensor is not None else tensor
 
 
-def _iter_one_model(
-    model: nn.Module, target_dtype: torch.dtype, *, keep_fp32: Sequence[str], prefix: str, meta: bool
-) -> Iterator[RefitSource]:
-    state = model.state_dict()
+@attrs.frozen(eq=False)
+class _Entry:
+    """One state-dict key of a compiled walk: what it becomes on the wire."""
+
+    key: str  # the raw state-dict key
+    name: str  # canonical name (wrappers stripped)
+    lora: str | None  # raw name of the LoRA module merged into this weight, if any
+    split: bool  # to_hf_tensors splits it into several HF tensors (fused experts)
+    outputs: tuple[TensorSpec, ...]  # (prefixed HF name, shape, wire dtype) per piece
+
+
+@attrs.frozen(eq=False)
+class _Walk:
+    """The refit walk of one model, compiled from its state-dict signature (identity-compared)."""
+
+    signature: tuple[tuple[str, torch.Size, torch.dtype], ...]
+    entries: tuple[_Entry, ...]
+    specs: tuple[TensorSpec, ...]
+
+    def matches(self, state: Mapping[str, torch.Tensor]) -> bool:
+        """Same keys, shapes and dtypes in the same order (about 1 µs per tensor)."""
+        sig = self.signature
+        return len(state) == len(sig) and all(
+            k == ck and v.shape == cs and v.dtype == cd
+            for (k, v), (ck, cs, cd) in zip(state.items(), sig, strict=True)
+        )
+
+
+# model -> {(target dtype, keep_fp32, prefix, tied): walk}; entries die with their model
+_WALKS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], _Walk]] = weakref.WeakKeyDictionary()
+
+
+def _compile_walk(
+    model: nn.Module, state: Mapping[str, torch.Tensor], target_dtype: torch.dtype, *,
+    keep_fp32: tuple[str, ...], prefix: str, tied: bool,
+) -> _Walk:
+    """Names, dtypes and LoRA/expert handling of every key, decided once over meta stand-ins."""
     lora = _lora_modules(model)
     if lora:
         assert_lora_modules_reachable(lora, state.keys())
-    drop_lm_head = _tie_word_embeddings(model)
+    entries: list[_Entry] = []
     for key, value in state.items():
         if is_lora_param(key):
             continue
         name = canonical_name(key)
-        if drop_lm_head and name == "lm_head.weight":
+        if tied and name == "lm_head.weight":
             continue
-        full = _materialize(value, meta=meta)
-        module = lora.get(key.removesuffix(".weight")) if key.endswith(".weight") else None
-        if module is not None and not meta:  # merged weight has W's shape and dtype by contract
+        meta = _materialize(value, meta=True)  # a merged LoRA weight keeps W's shape and dtype
+        pieces = to_hf_tensors(name, meta)
+        split = not (len(pieces) == 1 and pieces[0][1] is meta)
+        outputs = tuple(
+            TensorSpec(prefix + hf_name, tuple(piece.shape),
+                       refit_tensor_dtype(hf_name, piece, target_dtype, keep_fp32=keep_fp32))
+            for hf_name, piece in pieces
+        )
+        base = key.removesuffix(".weight") if key.endswith(".weight") else None
+        entries.append(_Entry(key, name, base if base in lora else None, split, outputs))
+    signature = tuple((k, v.shape, v.dtype) for k, v in state.items())
+    return _Walk(signature, tuple(entries), tuple(s for e in entries for s in e.outputs))
+
+
+def _walk_of(
+    model: nn.Module, state: Mapping[str, torch.Tensor], target_dtype: torch.dtype, *,
+    keep_fp32: tuple[str, ...], prefix: str,
+) -> _Walk:
+    """The cached walk while the model's key/shape/dtype signature is unchanged, else a new one."""
+    tied = _tie_word_embeddings(model)
+    cache_key = (target_dtype, keep_fp32, prefix, tied)
+    per_model = _WALKS.setdefault(model, {})
+    walk = per_model.get(cache_key)
+    if walk is None or not walk.matches(state):
+        walk = _compile_walk(model, state, target_dtype, keep_fp32=keep_fp32, prefix=prefix, tied=tied)
+        per_model[cache_key] = walk
+    return walk
+
+
+def _iter_walk(model: nn.Module, state: Mapping[str, torch.Tensor], walk: _Walk) -> Iterator[RefitSource]:
+    for entry in walk.entries:
+        full = _materialize(state[entry.key], meta=False)
+        if entry.lora is not None:  # merged weight has W's shape and dtype by contract
+            module = model.get_submodule(entry.lora)
             lora_a = _materialize(module.lora_A.weight, meta=False)
             lora_b = _materialize(module.lora_B.weight, meta=False)
             full = merge_lora_weight(full, lora_a, lora_b, float(module.scale))
-        for hf_name, piece in to_hf_tensors(name, full):
-            dtype = refit_tensor_dtype(hf_name, piece, target_dtype, keep_fp32=keep_fp32)
-            yield RefitSource(prefix + hf_name, piece, dtype)
+        if entry.split:
+            pieces = to_hf_tensors(entry.name, full)
+            for spec, (_, piece) in zip(entry.outputs, pieces, strict=True):
+                yield RefitSource(spec.name, piece, spec.dtype)
+        else:
+            spec = entry.outputs[0]
+            yield RefitSource(spec.name, full, spec.dtype)
+
+
+@attrs.frozen(eq=False)
+class RefitStream:
+    """One refit's stream from a single state-dict walk per model.
+
+    ``specs``: the wire specs in send order (cached: the same tuple object while the models'
+    signatures are unchanged). ``key``: equal (``==``) between two calls exactly when their
+    compiled walks are the same objects, so a transport may reuse a bucket plan made for ``specs``.
+    ``sources``: the uncast live tensors, lazily (DTensor gathers happen while iterating).
+    """
+
+    specs: tuple[TensorSpec, ...]
+    key: tuple[Any, ...]
+    sources: Iterator[RefitSource]
+
+
+def _models(model: nn.Module, draft_model: nn.Module | None, keep_fp32: Sequence[str] | None
+            ) -> list[tuple[nn.Module, tuple[str, ...], str]]:
+    keep = keep_fp32_patterns(model) if keep_fp32 is None else tuple(keep_fp32)
+    out = [(model, keep, "")]
+    if draft_model is not None:
+        out.append((draft_model, keep_fp32_patterns(draft_model), DRAFT_PREFIX))
+    return out
+
+
+def refit_stream(
+    model: nn.Module,
+    target_dtype: torch.dtype,
+    draft_model: nn.Module | None = None,
+    *,
+    keep_fp32: Sequence[str] | None = None,
+) -> RefitStream:
+    """Specs and live sources of one refit from one ``state_dict`` walk per model.
+
+    The names, dtypes, LoRA merges and expert splits are compiled once per model and reused
+    while the model's ``state_dict`` keys, shapes and dtypes are unchanged (checked every call,
+    about 1 µs per tensor); any change (a reload, new LoRA adapters, a resized vocab) recompiles.
+    """
+    parts = []
+    for module, keep, prefix in _models(model, draft_model, keep_fp32):
+        state = module.state_dict(keep_vars=True)
+        parts.append((module, state, _walk_of(module, state, target_dtype, keep_fp32=keep, prefix=prefix)))
+    walks = tuple(w for _, _, w in parts)
+    specs = walks[0].specs if len(walks) == 1 else _joined_specs(walks)
+
+    def sources() -> Iterator[RefitSource]:
+        with torch.no_grad():
+            for module, state, walk in parts:
+                yield from _iter_walk(module, state, walk)
+
+    return RefitStream(specs, walks, sources())
+
+
+_JOINED: dict[tuple[_Walk, ...], tuple[TensorSpec, ...]] = {}
+
+
+def _joined_specs(walks: tuple[_Walk, ...]) -> tuple[TensorSpec, ...]:
+    """The concatenated specs of several walks, one tuple object per combination of walks."""
+    joined = _JOINED.get(walks)
+    if joined is None:
+        _JOINED.clear()  # keep only the latest combination alive
+        joined = _JOINED[walks] = tuple(s for w in walks for s in w.specs)
+    return joined
 
 
 def iter_refit_sources(
@@ -123,12 +259,12 @@ def iter_refit_sources(
 
     Every rank of a sharded model must iterate this together (DTensor gathers are collective).
     """
-    keep = keep_fp32_patterns(model) if keep_fp32 is None else tuple(keep_fp32)
-    with torch.no_grad():
-        yield from _iter_one_model(model, target_dtype, keep_fp32=keep, prefix="", meta=meta)
-        if draft_model is not None:
-            draft_keep = keep_fp32_patterns(draft_model)
-            yield from _iter_one_model(draft_model, target_dtype, keep_fp32=draft_keep, prefix=DRAFT_PREFIX, meta=meta)
+    stream = refit_stream(model, target_dtype, draft_model, keep_fp32=keep_fp32)
+    if not meta:
+        yield from stream.sources
+        return
+    for spec in stream.specs:
+        yield RefitSource(spec.name, torch.empty(spec.shape, dtype=spec.dtype, device="meta"), spec.dtype)
 
 
 def params_generator(
@@ -151,7 +287,7 @@ def refit_specs(
     keep_fp32: Sequence[str] | None = None,
 ) -> list[TensorSpec]:
     """The wire specs of the stream (same walk as ``params_generator``, over meta tensors)."""
-    return [s.spec for s in iter_refit_sources(model, target_dtype, draft_model, keep_fp32=keep_fp32, meta=True)]
+    return list(refit_stream(model, target_dtype, draft_model, keep_fp32=keep_fp32).specs)
 
 
 def refit_info(

@@ -15,11 +15,13 @@ import torch
 from torch import nn
 
 from policyworker.functional.buckets import (
-    default_ipc_buffer_bytes,
+    IpcBucket,
+    default_ipc_buffer_bytes_from,
+    ipc_size_stats,
     plan_ipc_buckets,
     split_ipc_budget,
 )
-from policyworker.shell.params import iter_refit_sources, refit_info, refit_specs
+from policyworker.shell.params import refit_info, refit_stream
 from policyworker.shell.transports.zmq_ipc import CudaStaging, ShmStaging, ZmqIpcSender
 
 __all__ = ["CPU_DEFAULT_BUFFER_BYTES", "CUDA_DEFAULT_BUFFER_CAP_BYTES", "RefitSender"]
@@ -46,6 +48,10 @@ class RefitSender:
         self.rank = rank
         self.device = torch.device(device)
         self._sender: ZmqIpcSender | None = None
+        self._stats_key: Any = None
+        self._stats: tuple[int, int] = (0, 0)
+        self._plan_key: Any = None
+        self._plan: list[IpcBucket] = []
 
     def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """``{hf_name: (shape, dtype)}`` in send order, equal to what every refit sends."""
@@ -85,25 +91,29 @@ class RefitSender:
         if not timeout_s > 0:
             msg = f"timeout_s {timeout_s} must be > 0 seconds"
             raise ValueError(msg)
-        model, draft = self._model_fn(), self._draft_model_fn()
-        specs = refit_specs(model, self.refit_dtype, draft)
+        stream = refit_stream(self._model_fn(), self.refit_dtype, self._draft_model_fn())
+        specs = stream.specs
         cuda = self.device.type == "cuda"
+        if stream.key != self._stats_key:  # (largest, total) aligned bytes: the default size's inputs
+            self._stats_key, self._stats = stream.key, ipc_size_stats(specs)
         if buffer_size_bytes:
             per_buffer = split_ipc_budget(buffer_size_bytes)
         elif cuda:
             free, _ = torch.cuda.mem_get_info(self.device)
-            per_buffer = default_ipc_buffer_bytes(specs, cap_bytes=CUDA_DEFAULT_BUFFER_CAP_BYTES, free_bytes=free)
+            per_buffer = default_ipc_buffer_bytes_from(*self._stats, cap_bytes=CUDA_DEFAULT_BUFFER_CAP_BYTES,
+                                                       free_bytes=free)
         else:
-            per_buffer = default_ipc_buffer_bytes(specs, cap_bytes=CPU_DEFAULT_BUFFER_BYTES)
-        plan = plan_ipc_buckets(specs, per_buffer)
+            per_buffer = default_ipc_buffer_bytes_from(*self._stats, cap_bytes=CPU_DEFAULT_BUFFER_BYTES)
+        if (stream.key, per_buffer) != self._plan_key:  # the plan is reused while nothing changed
+            self._plan_key, self._plan = (stream.key, per_buffer), plan_ipc_buckets(specs, per_buffer)
+        plan = self._plan
         device = self.device
 
         def make_staging(nbytes: int) -> CudaStaging | ShmStaging:
             return CudaStaging(nbytes, device) if cuda else ShmStaging(nbytes)
 
-        sources = iter_refit_sources(model, self.refit_dtype, draft)
         return self._zmq().stream(
-            specs, plan, sources, make_staging=make_staging, buffer_bytes=per_buffer, timeout_s=timeout_s,
+            specs, plan, stream.sources, make_staging=make_staging, buffer_bytes=per_buffer, timeout_s=timeout_s,
             transport="cuda" if cuda else "shm",
         )
 

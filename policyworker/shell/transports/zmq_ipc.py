@@ -255,8 +255,9 @@ class ZmqIpcSender:
             for seq, bucket in enumerate(plan):
                 items = [next(sources) for _ in bucket.indices]
                 for i, item in zip(bucket.indices, items, strict=True):
-                    if item.spec != specs[i]:
-                        msg = f"internal: the params stream sent {item.spec} where prepare_refit_info said {specs[i]}"
+                    want = specs[i]
+                    if item.name != want.name or item.dtype != want.dtype or item.tensor.shape != want.shape:
+                        msg = f"internal: the params stream sent {item.spec} where prepare_refit_info said {want}"
                         raise RefitError(msg)
                 if bucket.oversized:
                     settle()  # the ping-pong buffer in flight is free; now send this one alone
