@@ -9,8 +9,13 @@ experts into per-expert checkpoint tensors, and picks each tensor's refit dtype 
 *uncast* source with that dtype, so a transport can cast straight into its staging buffer. Then
 the draft model's tensors follow as ``draft.<name>``.
 
-``params_generator`` casts and makes each tensor contiguous; ``refit_info`` runs the same walk over
-meta tensors (no gather, no copy) and records ``(shape, dtype)``.
+``params_generator`` casts and makes each tensor contiguous; ``refit_info`` records the same
+walk's ``(shape, dtype)`` (no gather, no copy).
+
+The per-key decisions (names, dtypes, LoRA merges, expert splits) are compiled once per model
+over meta stand-ins and cached while the model's ``state_dict`` keys, shapes and dtypes are
+unchanged, so a refit costs one ``state_dict`` walk plus one pass over the live tensors
+(``refit_stream`` hands a transport the specs and the sources of that single walk).
 """
 
 from __future__ import annotations

@@ -77,9 +77,13 @@ def _module_destinations(module: nn.Module, expected: Mapping[str, tuple[torch.S
 
 @attrs.define
 class _Session:
-    manifest: dict[str, TensorSpec]
-    received: list[str] = attrs.field(factory=list)
-    staged: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    manifest: tuple[TensorSpec, ...]
+    index: dict[str, int]  # name -> position in the manifest
+    dests: list[torch.Tensor] | None  # the module tensor each manifest entry is written into
+    sizes: tuple[int, ...]  # bytes of each manifest entry
+    received: bytearray
+    order: list[int] = attrs.field(factory=list)  # manifest positions, in arrival order
+    staged: dict[int, torch.Tensor] = attrs.field(factory=dict)
     num_bytes: int = 0
     started: float = attrs.field(factory=time.monotonic)
 
@@ -101,65 +105,100 @@ class WeightApplier:
         self.version = 0
         self.stale = False
         self._session: _Session | None = None
+        # the last accepted manifest object and what was derived from it (checked once per object)
+        self._accepted: tuple[TensorSpec, ...] | None = None
+        self._index: dict[str, int] = {}
+        self._sizes: tuple[int, ...] = ()
+        self._dest_list: list[torch.Tensor] | None = None
 
     def begin(self, manifest: Sequence[TensorSpec]) -> None:
         if self._session is not None:
             self.abort("a new refit began before the previous one completed")
-        problems = check_manifest(manifest, self.expected)
-        if problems:
-            raise ProtocolError("manifest rejected before any write: " + " | ".join(problems))
-        self._session = _Session({s.name: s for s in manifest})
+        if manifest is not self._accepted:
+            specs = tuple(manifest)
+            problems = check_manifest(specs, self.expected)
+            if problems:
+                raise ProtocolError("manifest rejected before any write: " + " | ".join(problems))
+            # the ZMQ server hands the same tuple object for a byte-identical manifest
+            self._accepted = manifest if isinstance(manifest, tuple) else None
+            self._index = {s.name: i for i, s in enumerate(specs)}
+            self._sizes = tuple(s.nbytes for s in specs)
+            self._dest_list = None if self._dests is None else [self._dests[s.name] for s in specs]
+            manifest = specs
+        self._session = _Session(tuple(manifest), self._index, self._dest_list, self._sizes,
+                                 bytearray(len(manifest)))
 
     def apply_batch(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Check named tensors against the manifest (all of them first), then write them."""
         session = self._require_session()
-        problems, seen = [], set(session.received)
+        problems, seen, indices = [], set(), []
         for name, tensor in pairs:
-            want = session.manifest.get(name)
-            if want is None:
+            index = session.index.get(name)
+            if index is None:
                 problems.append(f"unexpected name {name!r}")
-            elif name in seen:
+                continue
+            want = session.manifest[index]
+            if session.received[index] or index in seen:
                 problems.append(f"duplicate name {name!r}")
             elif tuple(tensor.shape) != want.shape or tensor.dtype != want.dtype:
                 problems.append(f"{name!r} is {dtype_name(tensor.dtype)}{list(tensor.shape)}, manifest says "
                                 f"{dtype_name(want.dtype)}{list(want.shape)}")
-            seen.add(name)
+            seen.add(index)
+            indices.append(index)
         if problems:
             raise ProtocolError("batch rejected before any write: " + "; ".join(problems[:20]))
+        self._apply(session, indices, [t for _, t in pairs])
+
+    def apply_indexed(self, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        """Write ``tensors[k]`` as manifest entry ``indices[k]``: views built from the manifest's
+        own specs (the ZMQ server's path, after ``check_bucket``); indices are checked again."""
+        session = self._require_session()
+        count, received = len(session.manifest), session.received
+        if len(set(indices)) != len(indices) or not all(0 <= i < count and not received[i] for i in indices):
+            raise ProtocolError("batch rejected before any write: an index is out of range or repeated")
+        self._apply(session, indices, tensors)
+
+    def _apply(self, session: _Session, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
         with torch.no_grad():
             if self.atomic:
-                for name, tensor in pairs:
-                    like = self._dests[name] if self._dests is not None else tensor
+                for index, tensor in zip(indices, tensors, strict=True):
+                    like = session.dests[index] if session.dests is not None else tensor
                     staged = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-                    session.staged[name] = staged.copy_(tensor)
+                    session.staged[index] = staged.copy_(tensor)
             else:
                 self.stale = True
-                self._write(pairs)
-        session.received.extend(name for name, _ in pairs)
-        session.num_bytes += sum(t.numel() * t.element_size() for _, t in pairs)
+                self._write(session, indices, tensors)
+        received = session.received
+        for index in indices:
+            received[index] = 1
+        session.order.extend(indices)
+        sizes = session.sizes
+        session.num_bytes += sum(sizes[i] for i in indices)
 
-    def _write(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
-        if self._dests is not None:
+    def _write(self, session: _Session, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        if session.dests is not None:
             # one call for the whole batch: the per-tensor launch overhead dominates small tensors
-            torch._foreach_copy_(
-                [self._dests[name] for name, _ in pairs], [tensor for _, tensor in pairs]
-            )
+            dests = session.dests
+            torch._foreach_copy_([dests[i] for i in indices], list(tensors))
         else:
             assert self._load is not None
-            self._load(list(pairs))
+            manifest = session.manifest
+            self._load([(manifest[i].name, t) for i, t in zip(indices, tensors, strict=True)])
 
     def commit(self, *, num_buckets: int = 0) -> RefitReport:
         session = self._require_session()
-        missing = [n for n in session.manifest if n not in set(session.received)]
-        if missing:
+        if len(session.order) != len(session.manifest):
+            missing = [s.name for s, got in zip(session.manifest, session.received, strict=True) if not got]
             raise ProtocolError(f"refit incomplete: {len(missing)} tensors never arrived: {missing[:20]}")
         if self.atomic:
             with torch.no_grad():
-                self._write([(n, session.staged[n]) for n in session.received])
+                self._write(session, session.order, [session.staged[i] for i in session.order])
         self._session = None
         self.version += 1
         self.stale = False
-        return RefitReport(self.version, tuple(session.received), len(session.received), session.num_bytes,
-                           num_buckets, time.monotonic() - session.started)
+        names = tuple(session.manifest[i].name for i in session.order)
+        return RefitReport(self.version, names, len(names), session.num_bytes, num_buckets,
+                           time.monotonic() - session.started)
 
     def abort(self, reason: str) -> None:
         """Drop the refit in progress; in-place mode stays ``stale`` if anything was written."""
@@ -242,6 +281,12 @@ class HFWeightReceiver:
     def abort_refit(self, reason: str) -> None:
         self.applier.abort(reason)
 
+    def release_buffers(self) -> None:
+        """Unmap the staging buffers a ``keep_staging`` sender keeps between refits (they are
+        mapped once and reused otherwise); call it before offloading, or when the trainer calls
+        ``release_staging()``, so that memory can really be returned. No-op during a refit."""
+        self._server.release_buffers()
+
     def apply_named_tensors(
         self, pairs: Iterable[tuple[str, torch.Tensor]], *, manifest: Mapping[str, Any] | Sequence[TensorSpec]
     ) -> RefitReport:
@@ -251,6 +296,7 @@ class HFWeightReceiver:
         return self.commit_refit(num_buckets=1)
 
     def close(self) -> None:
+        self._server.release_buffers()
         if self._socket is not None:
             self._socket.close()
             self._socket = None

@@ -41,8 +41,10 @@ class RefitSender:
         rank: int = 0,
         device: torch.device | str = "cpu",
         draft_model_fn: Callable[[], nn.Module | None] | None = None,
+        keep_staging: bool = False,
     ) -> None:
         self._model_fn = model_fn
+        self.keep_staging = keep_staging
         self._draft_model_fn = draft_model_fn or (lambda: None)
         self.refit_dtype = refit_dtype
         self.rank = rank
@@ -67,12 +69,23 @@ class RefitSender:
         return self._zmq().address
 
     def stream_weights_via_ipc_zmq(
-        self, buffer_size_bytes: int = 0, kv_scales: Any = None, *, timeout_s: float = 120.0
+        self,
+        buffer_size_bytes: int = 0,
+        kv_scales: Any = None,
+        *,
+        timeout_s: float = 120.0,
+        keep_staging: bool | None = None,
     ) -> dict[str, Any]:
         """One colocated refit; returns the receiver's report (version, tensors, bytes, buckets).
 
         ``buffer_size_bytes`` is the total for the two ping-pong buffers (each gets half); 0 picks
         a default from free memory (CUDA: at most 1 GiB per buffer) or 64 MiB per buffer (CPU).
+
+        ``keep_staging`` (default: the constructor's, False): by default both staging buffers
+        are freed before COMPLETE, so a colocated engine gets that memory back right after the
+        refit (API.md §5). True keeps them (and the receiver's mappings of them) for the next
+        refit of the same size, which then allocates, shares and opens nothing; free them with
+        ``release_staging()`` (and the receiver's ``release_buffers()``) before offloading.
 
         Raises:
             ValueError: ``kv_scales`` is given, or a size/timeout is out of range.
@@ -112,10 +125,16 @@ class RefitSender:
         def make_staging(nbytes: int) -> CudaStaging | ShmStaging:
             return CudaStaging(nbytes, device) if cuda else ShmStaging(nbytes)
 
+        keep = self.keep_staging if keep_staging is None else bool(keep_staging)
         return self._zmq().stream(
             specs, plan, stream.sources, make_staging=make_staging, buffer_bytes=per_buffer, timeout_s=timeout_s,
-            transport="cuda" if cuda else "shm",
+            transport="cuda" if cuda else "shm", keep_staging=keep,
         )
+
+    def release_staging(self) -> None:
+        """Free staging buffers kept by ``keep_staging`` refits (no-op when none are kept)."""
+        if self._sender is not None:
+            self._sender.release_staging()
 
     def close(self) -> None:
         if self._sender is not None:

@@ -18,14 +18,15 @@ from policyworker.shell.transports.wire import (
     Begin,
     Bucket,
     Complete,
+    ManifestCache,
     ProtocolError,
     Reply,
     ShmBuffer,
-    WireTensor,
     check_manifest,
     decode_reply,
     decode_request,
     encode,
+    encode_manifest,
 )
 from policyworker.shell.transports.zmq_ipc import RefitServer, ShmStaging
 
@@ -42,15 +43,17 @@ def test_begin_round_trips(manifest, rank):
 
 
 @given(
-    tensors=st.lists(st.tuples(specs, st.integers(0, 10**6)), max_size=5),
+    tensors=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**9)), max_size=5),
     seq=st.integers(0, 99),
     size=st.integers(0, 10**9),
+    keep=st.booleans(),
 )
-def test_bucket_complete_abort_and_reply_round_trip(tensors, seq, size):
+def test_bucket_complete_abort_and_reply_round_trip(tensors, seq, size, keep):
     bucket = Bucket(
         seq,
-        ShmBuffer("pw-refit-0123abcd", size),
-        tuple(WireTensor(s, off, s.nbytes) for s, off in tensors),
+        ShmBuffer("pw-refit-0123abcd", size, keep),
+        tuple(i for i, _ in tensors),
+        tuple(off for _, off in tensors),
         size,
     )
     assert decode_request(encode(bucket)) == bucket
@@ -58,6 +61,29 @@ def test_bucket_complete_abort_and_reply_round_trip(tensors, seq, size):
     assert decode_request(encode(Abort("why"))) == Abort("why")
     reply = Reply(False, "bucket", seq, "bad", {"version": 3})
     assert decode_reply(encode(reply)) == reply
+
+
+@given(manifest=st.lists(specs, max_size=5))
+def test_manifest_cache_returns_the_same_object_for_the_same_bytes(manifest):
+    cache = ManifestCache()
+    frames = encode(Begin(0, "shm", 512, tuple(manifest)))
+    first = decode_request(frames, manifests=cache).manifest
+    again = decode_request(list(encode(Begin(1, "shm", 512, tuple(manifest)))), manifests=cache).manifest
+    assert first == tuple(manifest) and again is first
+    assert cache.sizes == tuple(s.nbytes for s in manifest)
+    other = (*manifest, TensorSpec("extra", (2,), torch.int8))
+    assert decode_request(encode(Begin(0, "shm", 512, other)), manifests=cache).manifest == other
+
+
+def test_begin_frames_must_agree_on_the_tensor_count():
+    frames = encode(Begin(0, "shm", 512, tuple(_spec_list(3))))
+    header = json.loads(frames[0])
+    header["num_tensors"] = 2
+    with pytest.raises(ProtocolError, match="'num_tensors' is 2 but the manifest frame lists 3"):
+        decode_request([json.dumps(header).encode(), frames[1]])
+    with pytest.raises(ProtocolError, match="exactly 1 raw frame"):
+        decode_request(frames[:1])
+    assert frames[1] == encode_manifest(_spec_list(3))
 
 
 @given(frames=st.lists(st.binary(max_size=200), max_size=4))
@@ -118,23 +144,18 @@ def fuzz_setup():
     pack_tensors(
         [torch.ones(s.shape, dtype=s.dtype) for s in specs_], plan[0].offsets, staging.tensor
     )
-    bucket = Bucket(
-        0,
-        staging.ref,
-        tuple(WireTensor(s, o, s.nbytes) for s, o in zip(specs_, plan[0].offsets)),
-        plan[0].used_bytes,
-    )
+    bucket = Bucket(0, staging.ref(), plan[0].indices, plan[0].offsets, plan[0].used_bytes)
     yield model, info, specs_, bucket
     staging.close()
 
 
 def _mutations():
-    """Ways to break a valid header: (path of keys/indices, invalid value)."""
+    """Ways to break a valid bucket header: (path of keys/indices, invalid value)."""
     return st.sampled_from(
         [
             (("protocol",), "other"),
-            (("version",), 2),
-            (("version",), "1"),
+            (("version",), 1),
+            (("version",), "2"),
             (("kind",), "bucket!"),
             (("seq",), -1),
             (("seq",), 1.5),
@@ -145,17 +166,19 @@ def _mutations():
             (("buffer", "name"), "pw-refit-ffffffffffff"),
             (("buffer", "size"), 10**12),
             (("buffer", "size"), 16),
-            (("tensors", 0, 0), "not_a_param"),
-            (("tensors", 0, 1), "float16"),
-            (("tensors", 0, 1), "object"),
-            (("tensors", 0, 2), [4, 3]),
-            (("tensors", 0, 2), [-1]),
-            (("tensors", 0, 3), 3),
-            (("tensors", 1, 3), 0),
-            (("tensors", 0, 4), 999),
+            (("buffer", "keep"), "yes"),
+            (("tensors", 0), 3),
+            (("tensors", 0), -1),
+            (("tensors", 0), "a.weight"),
+            (("tensors", 1), 0),
             (("tensors", 1), None),
             (("tensors",), {}),
-            (("tensors", 2, 0), "a.weight"),
+            (("tensors",), [0, 1]),
+            (("offsets", 0), 3),
+            (("offsets", 1), 0),
+            (("offsets", 2), 10**6),
+            (("offsets",), [0]),
+            (("offsets", 0), 1.0),
         ]
     )
 
@@ -235,3 +258,95 @@ def test_messages_out_of_order_are_rejected(fuzz_setup):
     server.handle(encode(Begin(0, "shm", 512, tuple(specs_))))
     reply, _ = server.handle(encode(Complete(0)))
     assert "tensors never sent" in decode_reply(reply).reason
+
+
+def _manifest_mutations():
+    """Ways to break a valid manifest frame (entries are [name, dtype, shape])."""
+    return st.sampled_from(
+        [
+            (("dtype", 0), "float16"),
+            (("dtype", 1), "object"),
+            (("shape", 0), [4, 3]),
+            (("shape", 2), [-1]),
+            (("name", 0), "not_a_param"),
+            (("name", 1), "steps"),
+            (("drop", 2), None),
+            (("append", 0), ["extra", "int64", [1]]),
+            (("raw", 0), b"\xff\x00not json"),
+            (("raw", 0), b"{}"),
+        ]
+    )
+
+
+@given(mutation=_manifest_mutations())
+@settings(max_examples=30)
+def test_fuzzed_manifest_is_rejected_at_begin_and_never_writes(fuzz_setup, mutation):
+    model, info, specs_, bucket = fuzz_setup
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    server = RefitServer(WeightApplier(model, info, atomic=False))
+    (what, index), value = mutation
+    manifest = json.loads(encode_manifest(specs_))
+    if what == "raw":
+        raw = value
+    else:
+        if what == "drop":
+            del manifest[index]
+        elif what == "append":
+            manifest.append(value)
+        else:
+            manifest[index][("name", "dtype", "shape").index(what)] = value
+        raw = json.dumps(manifest).encode()
+    header = json.loads(encode(Begin(0, "shm", 512, tuple(specs_)))[0])
+    header["num_tensors"] = len(manifest) if what != "raw" else len(specs_)
+    reply, outcome = server.handle([json.dumps(header).encode(), raw])
+    decoded = decode_reply(reply)
+    assert not decoded.ok and decoded.reason and outcome.error is not None
+    assert not server.in_refit
+    reply, outcome = server.handle(encode(bucket))  # a bucket after the rejection is refused too
+    assert not decode_reply(reply).ok and "BUCKET before BEGIN" in decode_reply(reply).reason
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def _stream_once(server, specs_, bucket):
+    for message in (Begin(0, "shm", 512, tuple(specs_)), bucket, Complete(1)):
+        reply, outcome = server.handle(encode(message))
+        assert decode_reply(reply).ok, decode_reply(reply).reason
+    return outcome.report
+
+
+def test_kept_buffers_stay_mapped_with_their_views_and_others_are_closed():
+    model = _Tiny()
+    info = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
+    specs_ = [TensorSpec(k, tuple(s), d) for k, (s, d) in info.items()]
+    plan = plan_ipc_buckets(specs_, 4096)[0]
+    server = RefitServer(WeightApplier(model, info, atomic=False))
+    staging = ShmStaging(4096)
+    try:
+        for value in (1, 2):  # the sender keeps the buffer: one mapping, reused, same views
+            pack_tensors([torch.full(s.shape, value, dtype=s.dtype) for s in specs_], plan.offsets, staging.tensor)
+            report = _stream_once(server, specs_, Bucket(0, staging.ref(keep=True), plan.indices, plan.offsets,
+                                                         plan.used_bytes))
+            assert report.version == value and server.open_buffers == 1
+            assert torch.equal(model.a.weight, torch.full((3, 4), float(value)))
+            assert torch.equal(model.steps, torch.full((5,), value))
+        # the same buffer and offsets under a manifest in another order: views are rebuilt for it
+        reordered = specs_[::-1]
+        offsets = plan_ipc_buckets(reordered, 4096)[0].offsets
+        pack_tensors([torch.full(s.shape, 7, dtype=s.dtype) for s in reordered], offsets, staging.tensor)
+        _stream_once(server, reordered, Bucket(0, staging.ref(keep=True), (0, 1, 2), offsets, plan.used_bytes))
+        assert torch.equal(model.a.weight, torch.full((3, 4), 7.0)) and torch.equal(model.steps, torch.full((5,), 7))
+        # not kept: closed at COMPLETE; a kept one is closed by a failed refit and by release_buffers
+        _stream_once(server, reordered, Bucket(0, staging.ref(keep=False), (0, 1, 2), offsets, plan.used_bytes))
+        assert server.open_buffers == 0
+        _stream_once(server, reordered, Bucket(0, staging.ref(keep=True), (0, 1, 2), offsets, plan.used_bytes))
+        assert server.open_buffers == 1
+        server.release_buffers()
+        assert server.open_buffers == 0
+        server.handle(encode(Begin(0, "shm", 512, tuple(reordered))))
+        server.handle(encode(Bucket(0, staging.ref(keep=True), (0, 1, 2), offsets, plan.used_bytes)))
+        assert server.open_buffers == 1
+        reply, outcome = server.handle(encode(Abort("sender failed")))
+        assert outcome.error is not None and server.open_buffers == 0
+    finally:
+        staging.close()

@@ -175,3 +175,23 @@ def test_unreachable_lora_module_fails_before_the_first_tensor():
     stream = params_generator(model, torch.float32)
     with pytest.raises(LoRAMergeError, match="'attn'"):
         next(stream)
+
+
+def test_refit_stream_reuses_its_compiled_walk_until_the_signature_changes():
+    from policyworker.shell.params import refit_stream
+
+    block = _Block()
+    first = refit_stream(block, torch.bfloat16)
+    again = refit_stream(block, torch.bfloat16)
+    assert again.specs is first.specs and again.key == first.key
+    assert refit_stream(block, torch.float16).key != first.key  # another target dtype: its own walk
+    with torch.no_grad():
+        block.q_proj.scale = 2.0  # read live at every refit, not compiled in
+        nn.init.normal_(block.q_proj.lora_B.weight)
+    merged = dict((s.name, s.tensor) for s in refit_stream(block, torch.float32).sources)
+    q = block.q_proj
+    torch.testing.assert_close(merged["q_proj.weight"], q.weight + 2.0 * (q.lora_B.weight @ q.lora_A.weight))
+    block.norm = nn.LayerNorm(7)  # a new shape: the walk is compiled again
+    changed = refit_stream(block, torch.bfloat16)
+    assert changed.key != first.key and dict((s.name, s.shape) for s in changed.specs)["norm.weight"] == (7,)
+    assert [s.name for s in changed.specs] == list(refit_info(block, torch.bfloat16))

@@ -377,7 +377,7 @@ def test_protocol_order_oversized_tensor_and_buffers_freed_before_complete(monke
         kind = type(message).__name__
         if kind == "Bucket":
             seen_files.add(message.buffer.name)
-            log.append((kind, tuple(t.spec.name for t in message.tensors), message.used_bytes))
+            log.append((kind, tuple(list(info)[i] for i in message.indices), message.used_bytes))
         else:
             log.append(
                 (
@@ -501,3 +501,63 @@ def test_bad_arguments_fail_before_any_message():
         and oct(os.stat(os.path.dirname(address[6:])).st_mode & 0o777) == "0o700"
     )
     sender.close()
+
+
+def test_keep_staging_reuses_buffers_and_mappings_and_frees_them_on_release_or_failure():
+    model, target = _Buffers(), _Buffers()
+    sender = RefitSender(lambda: model, torch.float32, keep_staging=True)
+    receiver = HFWeightReceiver(
+        target, address=sender.get_zmq_address(), refit_info=sender.prepare_refit_info(), timeout_s=30
+    )
+    zmq = sender._zmq()
+
+    def files():
+        return sorted(f for f in os.listdir(zmq_ipc.SHM_DIR) if f.startswith("pw-refit-"))
+
+    def refit(**kwargs):
+        thread, box = _serve_in_thread(receiver)
+        try:
+            return sender.stream_weights_via_ipc_zmq(buffer_size_bytes=4096, timeout_s=30, **kwargs)
+        finally:
+            thread.join(30)
+
+    baseline = set(files())
+    try:
+        assert refit()["version"] == 1
+        kept = set(files()) - baseline
+        assert len(kept) == 2 and zmq.kept_staging_bytes == 4096  # the oversized one was freed
+        assert receiver._server.open_buffers == 2
+        with torch.no_grad():
+            model.small.add_(1.0)
+            model.steps.add_(5)
+        assert refit()["version"] == 2
+        assert set(files()) - baseline == kept and receiver._server.open_buffers == 2
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in target.state_dict().items())
+        # keep_staging=False on one call: the kept buffers serve it, then go before COMPLETE
+        assert refit(keep_staging=False)["version"] == 3
+        assert set(files()) == baseline and zmq.kept_staging_bytes == 0
+        assert receiver._server.open_buffers == 0
+        refit()
+        assert zmq.kept_staging_bytes == 4096
+        sender.release_staging()
+        receiver.release_buffers()
+        assert set(files()) == baseline and zmq.kept_staging_bytes == 0 and receiver._server.open_buffers == 0
+        refit()
+        original = zmq.stream
+
+        def failing_stream(specs, plan, sources, **kwargs):
+            def sources_then_fail():
+                yield from (next(sources) for _ in range(3))
+                raise OSError("disk on fire")
+
+            return original(specs, plan, sources_then_fail(), **kwargs)
+
+        zmq.stream = failing_stream
+        with pytest.raises(OSError, match="disk on fire"):
+            refit()
+        assert set(files()) == baseline and zmq.kept_staging_bytes == 0 and zmq.live_staging_bytes == 0
+        assert receiver._server.open_buffers == 0 and receiver.version == 5
+    finally:
+        receiver.close()
+        sender.close()
+    assert set(files()) == baseline

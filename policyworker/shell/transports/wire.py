@@ -5,6 +5,12 @@ and the manifest/bucket checks a receiver runs BEFORE it writes anything. Decodi
 evaluates anything: JSON is parsed, every field is type- and range-checked, dtypes come from a
 fixed table, and anything else raises ``ProtocolError`` with a reason that is sent back to the
 peer.
+
+Version 2: BEGIN carries the manifest once, as its own JSON frame (a receiver given a
+``ManifestCache`` reuses its parse of a byte-identical manifest); a BUCKET names its tensors by
+their index in that manifest plus a byte offset each (no names, dtypes or shapes repeated), and
+its buffer carries ``keep`` (the sender keeps the buffer for the next refit, so the receiver may
+keep its mapping).
 """
 
 from __future__ import annotations
@@ -30,25 +36,27 @@ __all__ = [
     "Bucket",
     "Complete",
     "CudaBuffer",
+    "ManifestCache",
     "ProtocolError",
     "RefitRejected",
     "Reply",
     "ShmBuffer",
-    "WireTensor",
     "check_bucket",
     "check_manifest",
     "decode_reply",
     "decode_request",
     "dtype_name",
     "encode",
+    "encode_manifest",
 ]
 
 PROTOCOL = "policyworker-refit"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 64 << 20
 MAX_NAME_CHARS = 1024
 MAX_NDIM = 16
 MAX_DIM = 1 << 48
+MAX_TENSORS = 1 << 22
 SHM_NAME_RE = re.compile(r"^pw-refit-[0-9a-f]{8,64}$")
 DTYPES_BY_NAME: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -78,20 +86,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 @attrs.frozen
-class WireTensor:
-    """One tensor of a bucket: its spec and its byte range in the staging buffer."""
-
-    spec: TensorSpec
-    offset: int
-    nbytes: int
-
-
-@attrs.frozen
 class ShmBuffer:
-    """A CPU staging buffer: a file of ``size`` bytes named ``name`` in the shared-memory folder."""
+    """A CPU staging buffer: a file of ``size`` bytes named ``name`` in the shared-memory folder.
+
+    ``keep``: the sender keeps this buffer for its next refit (the receiver may keep its mapping).
+    """
 
     name: str
     size: int
+    keep: bool = False
 
 
 @attrs.frozen
@@ -106,6 +109,7 @@ class CudaBuffer:
     handle: bytes
     ref_counter_handle: bytes
     event_handle: bytes
+    keep: bool = False
 
 
 @attrs.frozen
@@ -118,9 +122,12 @@ class Begin:
 
 @attrs.frozen
 class Bucket:
+    """Tensors ``manifest[indices[k]]`` staged at byte ``offsets[k]`` of ``buffer``."""
+
     seq: int
     buffer: ShmBuffer | CudaBuffer
-    tensors: tuple[WireTensor, ...]
+    indices: tuple[int, ...]
+    offsets: tuple[int, ...]
     used_bytes: int
 
 
@@ -152,24 +159,35 @@ def _spec_json(spec: TensorSpec) -> list[Any]:
     return [spec.name, dtype_name(spec.dtype), list(spec.shape)]
 
 
-def encode(message: Request | Reply) -> list[bytes]:
-    """Frames of a message: the JSON header, then raw frames (CUDA handles only)."""
+def encode_manifest(manifest: Sequence[TensorSpec]) -> bytes:
+    """The BEGIN message's manifest frame: a JSON list of ``[name, dtype, shape]``."""
+    return json.dumps([_spec_json(s) for s in manifest], separators=(",", ":")).encode()
+
+
+def _buffer_json(buf: ShmBuffer | CudaBuffer) -> tuple[dict[str, Any], list[bytes]]:
+    if isinstance(buf, ShmBuffer):
+        return {"kind": "shm", "name": buf.name, "size": buf.size, "keep": buf.keep}, []
+    return ({"kind": "cuda", "device_uuid": buf.device_uuid, "size": buf.size,
+             "storage_offset_bytes": buf.storage_offset_bytes, "ref_counter_offset": buf.ref_counter_offset,
+             "event_sync_required": buf.event_sync_required, "keep": buf.keep},
+            [buf.handle, buf.ref_counter_handle, buf.event_handle])
+
+
+def encode(message: Request | Reply, *, manifest_frame: bytes | None = None) -> list[bytes]:
+    """Frames of a message: the JSON header, then raw frames (BEGIN's manifest, CUDA handles).
+
+    ``manifest_frame``: ``encode_manifest(message.manifest)`` when the caller has it already.
+    """
     header: dict[str, Any] = {"protocol": PROTOCOL, "version": PROTOCOL_VERSION}
     raw: list[bytes] = []
     if isinstance(message, Begin):
         header.update(kind="begin", rank=message.rank, transport=message.transport, alignment=message.alignment,
-                      manifest=[_spec_json(s) for s in message.manifest])
+                      num_tensors=len(message.manifest))
+        raw = [manifest_frame if manifest_frame is not None else encode_manifest(message.manifest)]
     elif isinstance(message, Bucket):
-        buf = message.buffer
-        if isinstance(buf, ShmBuffer):
-            buffer = {"kind": "shm", "name": buf.name, "size": buf.size}
-        else:
-            buffer = {"kind": "cuda", "device_uuid": buf.device_uuid, "size": buf.size,
-                      "storage_offset_bytes": buf.storage_offset_bytes, "ref_counter_offset": buf.ref_counter_offset,
-                      "event_sync_required": buf.event_sync_required}
-            raw = [buf.handle, buf.ref_counter_handle, buf.event_handle]
+        buffer, raw = _buffer_json(message.buffer)
         header.update(kind="bucket", seq=message.seq, buffer=buffer, used_bytes=message.used_bytes,
-                      tensors=[[*_spec_json(t.spec), t.offset, t.nbytes] for t in message.tensors])
+                      tensors=list(message.indices), offsets=list(message.offsets))
     elif isinstance(message, Complete):
         header.update(kind="complete", num_buckets=message.num_buckets)
     elif isinstance(message, Abort):
@@ -238,13 +256,16 @@ def _buffer(header: Mapping[str, Any], raw: Sequence[bytes]) -> ShmBuffer | Cuda
         raise _fail(f"bucket field 'buffer' must be an object, got {buffer!r:.80}")
     kind = buffer.get("kind")
     size = _int(buffer, "size")
+    keep = buffer.get("keep")
+    if not isinstance(keep, bool):
+        raise _fail(f"buffer field 'keep' must be a bool, got {keep!r:.40}")
     if kind == "shm":
         if raw:
             raise _fail(f"a shm bucket carries no raw frames, got {len(raw)}")
         name = _str(buffer, "name", max_chars=80)
         if not SHM_NAME_RE.match(name):
             raise _fail(f"shm buffer name {name!r} does not match {SHM_NAME_RE.pattern}")
-        return ShmBuffer(name, size)
+        return ShmBuffer(name, size, keep)
     if kind == "cuda":
         if len(raw) != 3 or not all(len(r) <= 4096 for r in raw):
             raise _fail(f"a cuda bucket carries 3 raw frames (handle, ref counter, event) of <= 4096 bytes, got {len(raw)}")
@@ -252,35 +273,75 @@ def _buffer(header: Mapping[str, Any], raw: Sequence[bytes]) -> ShmBuffer | Cuda
         if not isinstance(sync, bool):
             raise _fail(f"buffer field 'event_sync_required' must be a bool, got {sync!r:.40}")
         return CudaBuffer(_str(buffer, "device_uuid", max_chars=80), size, _int(buffer, "storage_offset_bytes"),
-                          _int(buffer, "ref_counter_offset"), sync, bytes(raw[0]), bytes(raw[1]), bytes(raw[2]))
+                          _int(buffer, "ref_counter_offset"), sync, bytes(raw[0]), bytes(raw[1]), bytes(raw[2]), keep)
     raise _fail(f"buffer kind {kind!r:.40} is unknown; expected 'shm' or 'cuda'")
 
 
-def decode_request(frames: Sequence[bytes]) -> Request:
-    """Parse and type-check a sender message. Raises ``ProtocolError`` with the reason."""
+class ManifestCache:
+    """The receiver's last decoded manifest: a byte-identical manifest frame is not parsed again.
+
+    ``specs`` is the same tuple object for the same bytes (a sink may cache its checks by
+    identity); ``sizes[i]`` is ``specs[i].nbytes``.
+    """
+
+    def __init__(self) -> None:
+        self.raw: bytes | None = None
+        self.specs: tuple[TensorSpec, ...] = ()
+        self.sizes: tuple[int, ...] = ()
+
+    def decode(self, raw: bytes) -> tuple[TensorSpec, ...]:
+        if raw == self.raw:
+            return self.specs
+        specs = _decode_manifest(raw)
+        self.raw, self.specs, self.sizes = raw, specs, tuple(s.nbytes for s in specs)
+        return specs
+
+
+def _decode_manifest(raw: bytes) -> tuple[TensorSpec, ...]:
+    if len(raw) > MAX_HEADER_BYTES:
+        raise _fail(f"manifest frame of {len(raw)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _fail(f"manifest frame is not UTF-8 JSON: {exc}") from None
+    if not isinstance(manifest, list):
+        raise _fail(f"the manifest frame must be a JSON list, got {type(manifest).__name__}")
+    return tuple(_spec(item, f"manifest[{i}]") for i, item in enumerate(manifest))
+
+
+def _int_list(header: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    values = header.get(key)
+    if (not isinstance(values, list) or len(values) > MAX_TENSORS
+            or not all(type(v) is int and 0 <= v <= 1 << 62 for v in values)):
+        raise _fail(f"bucket field {key!r} must be a list of at most {MAX_TENSORS} non-negative ints, "
+                    f"got {values!r:.80}")
+    return tuple(values)
+
+
+def decode_request(frames: Sequence[bytes], *, manifests: ManifestCache | None = None) -> Request:
+    """Parse and type-check a sender message. Raises ``ProtocolError`` with the reason.
+
+    ``manifests``: where a receiver keeps its last manifest parse (see ``ManifestCache``).
+    """
     header = _header(frames)
     raw = [bytes(f) for f in frames[1:]]
     kind = header.get("kind")
-    if kind != "bucket" and raw:
-        raise _fail(f"a {kind!r:.20} message carries no raw frames, got {len(raw)}")
     if kind == "begin":
-        manifest = header.get("manifest")
-        if not isinstance(manifest, list):
-            raise _fail(f"begin field 'manifest' must be a list, got {type(manifest).__name__}")
-        specs = tuple(_spec(item, f"manifest[{i}]") for i, item in enumerate(manifest))
+        if len(raw) != 1:
+            raise _fail(f"a begin message carries exactly 1 raw frame (the manifest), got {len(raw)}")
+        specs = manifests.decode(raw[0]) if manifests is not None else _decode_manifest(raw[0])
+        count = _int(header, "num_tensors")
+        if count != len(specs):
+            raise _fail(f"begin field 'num_tensors' is {count} but the manifest frame lists {len(specs)} tensors")
         return Begin(_int(header, "rank"), _str(header, "transport", max_chars=16),
                      _int(header, "alignment", low=1, high=1 << 20), specs)
+    if kind != "bucket" and raw:
+        raise _fail(f"a {kind!r:.20} message carries no raw frames, got {len(raw)}")
     if kind == "bucket":
-        tensors = header.get("tensors")
-        if not isinstance(tensors, list):
-            raise _fail(f"bucket field 'tensors' must be a list, got {type(tensors).__name__}")
-        items = []
-        for i, item in enumerate(tensors):
-            spec = _spec(item, f"tensors[{i}]")
-            if len(item) != 5 or not all(type(v) is int and v >= 0 for v in item[3:]):
-                raise _fail(f"tensors[{i}] ({spec.name!r}) must end with non-negative int offset and nbytes")
-            items.append(WireTensor(spec, item[3], item[4]))
-        return Bucket(_int(header, "seq"), _buffer(header, raw), tuple(items), _int(header, "used_bytes"))
+        indices, offsets = _int_list(header, "tensors"), _int_list(header, "offsets")
+        if len(indices) != len(offsets):
+            raise _fail(f"bucket fields 'tensors' ({len(indices)}) and 'offsets' ({len(offsets)}) differ in length")
+        return Bucket(_int(header, "seq"), _buffer(header, raw), indices, offsets, _int(header, "used_bytes"))
     if kind == "complete":
         return Complete(_int(header, "num_buckets"))
     if kind == "abort":
@@ -334,30 +395,36 @@ def check_manifest(manifest: Sequence[TensorSpec], expected: Mapping[str, tuple[
 
 
 def check_bucket(
-    bucket: Bucket, manifest: Mapping[str, TensorSpec], received: set[str], *, alignment: int, buffer_size: int
+    bucket: Bucket,
+    manifest: Sequence[TensorSpec],
+    sizes: Sequence[int],
+    received: bytearray,
+    *,
+    alignment: int,
+    buffer_size: int,
 ) -> list[str]:
-    """Problems of one bucket against the announced manifest and its buffer (empty = fine)."""
+    """Problems of one bucket against the announced manifest and its buffer (empty = fine).
+
+    ``sizes[i]`` is ``manifest[i].nbytes``; ``received[i]`` is non-zero once tensor ``i`` arrived.
+    """
     problems: list[str] = []
-    if not bucket.used_bytes <= buffer_size:
-        problems.append(f"used_bytes {bucket.used_bytes} exceeds the buffer size {buffer_size}")
+    used = bucket.used_bytes
+    if not used <= buffer_size:
+        problems.append(f"used_bytes {used} exceeds the buffer size {buffer_size}")
+    count = len(manifest)
     end = 0
-    names: set[str] = set()
-    for t in bucket.tensors:
-        name = t.spec.name
-        want = manifest.get(name)
-        if want is None:
-            problems.append(f"unexpected name {name!r} (not in the manifest)")
-        elif name in received or name in names:
-            problems.append(f"duplicate name {name!r} (already received)")
-        elif want != t.spec:
-            problems.append(f"{name!r} is {dtype_name(t.spec.dtype)}{list(t.spec.shape)}, manifest says "
-                            f"{dtype_name(want.dtype)}{list(want.shape)}")
-        names.add(name)
-        if t.nbytes != t.spec.nbytes:
-            problems.append(f"{name!r}: nbytes {t.nbytes} != numel*itemsize {t.spec.nbytes}")
-        if t.offset % alignment or t.offset < end:
-            problems.append(f"{name!r}: offset {t.offset} is not {alignment}-aligned after the previous tensor's end {end}")
-        end = t.offset + t.nbytes
-        if end > bucket.used_bytes:
-            problems.append(f"{name!r}: byte range [{t.offset}, {end}) exceeds used_bytes {bucket.used_bytes}")
+    seen: set[int] = set()
+    for index, offset in zip(bucket.indices, bucket.offsets, strict=True):
+        if index >= count:
+            problems.append(f"tensor index {index} is outside the manifest of {count} tensors")
+            continue
+        if received[index] or index in seen:
+            problems.append(f"duplicate name {manifest[index].name!r} (already received)")
+        seen.add(index)
+        if offset % alignment or offset < end:
+            problems.append(f"{manifest[index].name!r}: offset {offset} is not {alignment}-aligned after the "
+                            f"previous tensor's end {end}")
+        end = offset + sizes[index]
+        if end > used:
+            problems.append(f"{manifest[index].name!r}: byte range [{offset}, {end}) exceeds used_bytes {used}")
     return problems

@@ -6,6 +6,13 @@ docs/refit-protocol.md through ``wire.py``: BEGIN (manifest) → BUCKET* → COM
 by one reply; a rejection or an ABORT ends the refit on both sides at once. Buffers: CUDA tensors
 shared by their ``_share_cuda_()`` handle, or files in /dev/shm mapped with ``torch.from_file``
 on CPU — the same protocol code either way, so CPU tests cover it.
+
+Per-refit host work is kept small: the sender caches the encoded manifest per specs object and,
+per staging buffer, each bucket's typed slot views and encoded frames; with ``keep_staging`` the
+two ping-pong buffers survive the refit (and so do those caches). The receiver keeps its last
+manifest parse, opens each buffer once while the sender keeps it, and caches each bucket's
+source views and destinations, so a bucket costs one JSON parse, one check loop and one grouped
+copy launch.
 """
 
 from __future__ import annotations
@@ -33,15 +40,16 @@ from policyworker.shell.transports.wire import (
     Bucket,
     Complete,
     CudaBuffer,
+    ManifestCache,
     ProtocolError,
     RefitRejected,
     Reply,
     ShmBuffer,
-    WireTensor,
     check_bucket,
     decode_reply,
     decode_request,
     encode,
+    encode_manifest,
 )
 
 __all__ = [
@@ -63,7 +71,11 @@ _ABORT_TIMEOUT_S = 2.0
 
 
 class ShmStaging:
-    """A uint8 staging buffer in a fresh 0600 file under /dev/shm, mapped shared."""
+    """A uint8 staging buffer in a fresh 0600 file under /dev/shm, mapped shared.
+
+    ``cache`` holds per-bucket slot views and encoded frames (see ``ZmqIpcSender.stream``);
+    ``close`` drops it with the mapping.
+    """
 
     def __init__(self, nbytes: int) -> None:
         self.name = f"pw-refit-{secrets.token_hex(12)}"
@@ -75,15 +87,16 @@ class ShmStaging:
             os.close(fd)
         self.tensor: torch.Tensor | None = torch.from_file(self.path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
         self.size = nbytes
+        self.cache: dict[Any, Any] = {}
 
-    @property
-    def ref(self) -> ShmBuffer:
-        return ShmBuffer(self.name, self.size)
+    def ref(self, *, keep: bool = False) -> ShmBuffer:
+        return ShmBuffer(self.name, self.size, keep)
 
     def ready(self) -> None:
         """Writes through a shared mapping are visible to the peer at once: nothing to wait for."""
 
     def close(self) -> None:
+        self.cache.clear()
         self.tensor = None
         if os.path.exists(self.path):
             os.unlink(self.path)
@@ -96,10 +109,10 @@ class CudaStaging:
         self.device = device
         self.tensor: torch.Tensor | None = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
         self.size = nbytes
+        self.cache: dict[Any, Any] = {}
         self._ref: CudaBuffer | None = None
 
-    @property
-    def ref(self) -> CudaBuffer:
+    def ref(self, *, keep: bool = False) -> CudaBuffer:
         if self._ref is None:
             assert self.tensor is not None
             (_, handle, size, offset, rc_handle, rc_offset, event_handle, event_sync) = (
@@ -108,32 +121,35 @@ class CudaStaging:
             uuid = str(torch.cuda.get_device_properties(self.device).uuid)
             self._ref = CudaBuffer(uuid, int(size), int(offset), int(rc_offset), bool(event_sync),
                                    bytes(handle), bytes(rc_handle), bytes(event_handle or b""))
-        return self._ref
+        return attrs.evolve(self._ref, keep=keep)
 
     def ready(self) -> None:
         """The casts into this buffer were queued on the current stream: finish them before sending."""
         torch.cuda.current_stream(self.device).synchronize()
 
     def close(self) -> None:
+        self.cache.clear()
         self.tensor = None
 
 
 Staging = ShmStaging | CudaStaging
 
 
-def _fill(staging: Staging, bucket: IpcBucket, sources: Sequence[RefitSource]) -> list[WireTensor]:
-    """Cast each source straight into its typed slot of the staging bytes (one pass)."""
+def _slots(staging: Staging, bucket: IpcBucket, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+    """Typed views of each tensor's slot in the staging bytes."""
     assert staging.tensor is not None
-    entries, slots = [], []
-    for source, offset in zip(sources, bucket.offsets, strict=True):
-        spec = source.spec
-        slots.append(
-            staging.tensor[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape)
-        )
-        entries.append(WireTensor(spec, offset, spec.nbytes))
-    if slots:  # copy_ casts; one call launches the whole bucket
-        torch._foreach_copy_(slots, [s.tensor for s in sources], non_blocking=True)
-    return entries
+    buf = staging.tensor
+    out = []
+    for index, offset in zip(bucket.indices, bucket.offsets, strict=True):
+        spec = specs[index]
+        out.append(buf[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape))
+    return out
+
+
+def _fill(slots: Sequence[torch.Tensor], sources: Sequence[RefitSource]) -> None:
+    """Cast every source straight into its slot: one grouped launch for the bucket (one pass)."""
+    if slots:
+        torch._foreach_copy_(list(slots), [s.tensor for s in sources], non_blocking=True)
 
 
 # ----------------------------------------------------------------------------- sender
@@ -149,11 +165,30 @@ class ZmqIpcSender:
         self._context = zmq.Context()
         self._socket: zmq.Socket[Any] | None = None
         self._staging_refs: list[weakref.ref[torch.Tensor]] = []
+        self._kept: list[Staging] = []  # ping-pong buffers kept by a keep_staging refit
+        self._kept_bytes = 0
+        self._plan: Sequence[IpcBucket] | None = None  # the plan the staging caches were made for
+        self._manifest: tuple[Sequence[TensorSpec], bytes] | None = None  # (specs object, frame)
 
     @property
     def live_staging_bytes(self) -> int:
         """Bytes of staging tensors of the last stream still alive (0 once they are freed)."""
         return sum(t.numel() for t in (r() for r in self._staging_refs) if t is not None)
+
+    @property
+    def kept_staging_bytes(self) -> int:
+        """Bytes of the ping-pong buffers kept for the next refit (``keep_staging=True``)."""
+        return sum(s.size for s in self._kept)
+
+    def release_staging(self) -> None:
+        """Free the kept staging buffers (before an offload, or to return the memory for good)."""
+        kept, self._kept, self._kept_bytes = self._kept, [], 0
+        cuda = any(isinstance(s, CudaStaging) for s in kept)
+        for staging in kept:
+            staging.close()
+        if cuda:
+            torch.cuda.ipc_collect()
+            torch.cuda.empty_cache()
 
     def _sock(self) -> zmq.Socket[Any]:
         if self._socket is None:
@@ -178,11 +213,11 @@ class ZmqIpcSender:
         )
         return RefitTimeoutError(msg)
 
-    def _send(self, message: Any, *, phase: str, timeout_s: float) -> None:
+    def _send(self, frames: list[bytes], *, phase: str, timeout_s: float) -> None:
         sock = self._sock()
         sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
         try:
-            sock.send_multipart(encode(message), copy=False)
+            sock.send_multipart(frames, copy=False)
         except zmq.Again:
             raise self._timeout(phase, timeout_s) from None
 
@@ -199,6 +234,11 @@ class ZmqIpcSender:
             raise RefitRejected(msg)
         return reply
 
+    def _begin_frames(self, specs: Sequence[TensorSpec], transport: str) -> list[bytes]:
+        if self._manifest is None or self._manifest[0] is not specs:  # encoded once per specs object
+            self._manifest = (specs, encode_manifest(specs))
+        return encode(Begin(self.rank, transport, DEFAULT_ALIGNMENT, tuple(specs)), manifest_frame=self._manifest[1])
+
     def stream(
         self,
         specs: Sequence[TensorSpec],
@@ -209,14 +249,26 @@ class ZmqIpcSender:
         buffer_bytes: int,
         timeout_s: float,
         transport: str,
+        keep_staging: bool = False,
     ) -> dict[str, Any]:
         """One refit: BEGIN, the planned buckets through two ping-pong buffers, COMPLETE.
 
-        Returns the receiver's report. Staging buffers are freed before COMPLETE is sent, and in
-        any case before this returns or raises.
+        Returns the receiver's report. By default the staging buffers are freed before COMPLETE
+        is sent. ``keep_staging=True`` keeps the two ping-pong buffers (and their cached slot
+        views and frames) for the next refit with the same ``buffer_bytes`` until
+        ``release_staging`` or ``close``; the receiver then keeps its mappings too. On any
+        failure every staging buffer, kept or not, is freed before this raises.
         """
-        self._staging_refs = []
-        ping_pong: list[Staging | None] = [None, None]
+        if self._kept and (self._kept_bytes != buffer_bytes or not all(
+                isinstance(s, CudaStaging) == (transport == "cuda") for s in self._kept)):
+            self.release_staging()
+        if plan is not self._plan:  # cached slot views / frames belong to one plan object
+            for staging in self._kept:
+                staging.cache.clear()
+            self._plan = plan
+        ping_pong: list[Staging | None] = [*self._kept, None, None][:2]
+        self._kept, self._kept_bytes = [], 0
+        self._staging_refs = [weakref.ref(s.tensor) for s in ping_pong if s is not None and s.tensor is not None]
         pending: str | None = None  # phase of the request whose reply is still owed
         begun = False
 
@@ -232,12 +284,12 @@ class ZmqIpcSender:
                     staging.close()
                     ping_pong[i] = None
 
-        def request(message: Any, phase: str) -> None:
+        def request(frames: list[bytes], phase: str) -> None:
             nonlocal pending
             if pending is not None:
                 owed, pending = pending, None
                 self._reply(phase=owed, timeout_s=timeout_s)
-            self._send(message, phase=phase, timeout_s=timeout_s)
+            self._send(frames, phase=phase, timeout_s=timeout_s)
             pending = phase
 
         def settle() -> Reply | None:
@@ -247,25 +299,39 @@ class ZmqIpcSender:
             owed, pending = pending, None
             return self._reply(phase=owed, timeout_s=timeout_s)
 
+        def prepared(staging: Staging, seq: int, bucket: IpcBucket, keep: bool) -> tuple[list[torch.Tensor], list[bytes]]:
+            """The bucket's slot views and encoded frames in this buffer (cached with the buffer)."""
+            hit = staging.cache.get((seq, keep))
+            if hit is None:
+                frames = encode(Bucket(seq, staging.ref(keep=keep), bucket.indices, bucket.offsets, bucket.used_bytes))
+                hit = staging.cache[(seq, keep)] = (_slots(staging, bucket, specs), frames)
+            return hit
+
+        def take(bucket: IpcBucket) -> list[RefitSource]:
+            items = [next(sources) for _ in bucket.indices]
+            for i, item in zip(bucket.indices, items, strict=True):
+                want = specs[i]
+                if item.name != want.name or item.dtype != want.dtype or item.tensor.shape != want.shape:
+                    msg = f"internal: the params stream sent {item.spec} where prepare_refit_info said {want}"
+                    raise RefitError(msg)
+            return items
+
         try:
-            request(Begin(self.rank, transport, DEFAULT_ALIGNMENT, tuple(specs)), "begin")
+            request(self._begin_frames(specs, transport), "begin")
             begun = True
             settle()
             turn = 0
             for seq, bucket in enumerate(plan):
-                items = [next(sources) for _ in bucket.indices]
-                for i, item in zip(bucket.indices, items, strict=True):
-                    want = specs[i]
-                    if item.name != want.name or item.dtype != want.dtype or item.tensor.shape != want.shape:
-                        msg = f"internal: the params stream sent {item.spec} where prepare_refit_info said {want}"
-                        raise RefitError(msg)
+                items = take(bucket)
                 if bucket.oversized:
                     settle()  # the ping-pong buffer in flight is free; now send this one alone
                     alone = new_staging(bucket.used_bytes)
                     try:
-                        entries = _fill(alone, bucket, items)
+                        slots, frames = prepared(alone, seq, bucket, False)
+                        _fill(slots, items)
+                        del slots
                         alone.ready()
-                        request(Bucket(seq, alone.ref, tuple(entries), bucket.used_bytes), f"bucket {seq} (oversized)")
+                        request(frames, f"bucket {seq} (oversized)")
                         settle()
                     finally:
                         alone.close()
@@ -276,22 +342,30 @@ class ZmqIpcSender:
                     ping_pong[slot] = new_staging(buffer_bytes)
                 staging = ping_pong[slot]
                 assert staging is not None
-                entries = _fill(staging, bucket, items)  # overlaps the receiver's load of the other buffer
+                slots, frames = prepared(staging, seq, bucket, keep_staging)
+                _fill(slots, items)  # overlaps the receiver's load of the other buffer
+                del slots, items
                 if pending is not None:
                     settle()
                 staging.ready()
-                request(Bucket(seq, staging.ref, tuple(entries), bucket.used_bytes), f"bucket {seq}")
+                request(frames, f"bucket {seq}")
             settle()
-            release()
-            if transport == "cuda":
-                torch.cuda.empty_cache()
-            request(Complete(len(plan)), "complete")
+            if keep_staging:
+                self._kept = [s for s in ping_pong if s is not None]
+                self._kept_bytes = buffer_bytes
+                ping_pong[:] = [None, None]
+            else:
+                release()
+                if transport == "cuda":
+                    torch.cuda.empty_cache()
+            request(encode(Complete(len(plan))), "complete")
             reply = settle()
             begun = False
             assert reply is not None
             return reply.report
         except BaseException as exc:
             release()
+            self.release_staging()
             # A timeout rebuilt the socket and a rejection already ended the receiver's refit;
             # any other failure (our own) is announced so the receiver stops waiting at once.
             if begun and not isinstance(exc, (RefitTimeoutError, RefitRejected)):
@@ -315,6 +389,7 @@ class ZmqIpcSender:
             self._rebuild()
 
     def close(self) -> None:
+        self.release_staging()
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
@@ -330,24 +405,61 @@ class WeightSink(Protocol):
 
     def begin(self, manifest: Sequence[TensorSpec]) -> None: ...
     def apply_batch(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None: ...
+    def apply_indexed(self, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> None: ...
     def commit(self, *, num_buckets: int) -> Any: ...
     def abort(self, reason: str) -> None: ...
 
 
+class _Mapped:
+    """One opened staging buffer and the source views of the buckets it carried."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.views: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+
+
 class ReceivedBuffers:
-    """Receiver-side mappings of the sender's staging buffers, kept for one refit."""
+    """Receiver-side mappings of the sender's staging buffers, by buffer identity.
+
+    A buffer is opened once; after a complete refit only the mappings of buffers the sender
+    keeps (``keep`` in their reference, used by that refit) stay open; a failed refit closes all.
+    """
 
     def __init__(self) -> None:
-        self._open: dict[Any, torch.Tensor] = {}
+        self._open: dict[Any, _Mapped] = {}
+        self._used: dict[Any, bool] = {}  # key -> keep, for the refit in progress
 
-    def open(self, ref: ShmBuffer | CudaBuffer) -> torch.Tensor:
-        key = (ref.name, ref.size) if isinstance(ref, ShmBuffer) else (ref.handle, ref.storage_offset_bytes)
-        if key not in self._open:
-            self._open[key] = _open_shm(ref) if isinstance(ref, ShmBuffer) else _open_cuda(ref)
-        return self._open[key]
+    @staticmethod
+    def _key(ref: ShmBuffer | CudaBuffer) -> Any:
+        if isinstance(ref, ShmBuffer):
+            return ("shm", ref.name, ref.size)
+        return ("cuda", ref.device_uuid, ref.handle, ref.storage_offset_bytes, ref.size)
+
+    def open(self, ref: ShmBuffer | CudaBuffer) -> _Mapped:
+        key = self._key(ref)
+        mapped = self._open.get(key)
+        if mapped is None:
+            mapped = self._open[key] = _Mapped(_open_shm(ref) if isinstance(ref, ShmBuffer) else _open_cuda(ref))
+        self._used[key] = ref.keep
+        return mapped
+
+    def finish(self, *, ok: bool) -> None:
+        """End of a refit: keep only the kept buffers it used (none when it failed)."""
+        keep = {k for k, kept in self._used.items() if kept} if ok else set()
+        self._open = {k: m for k, m in self._open.items() if k in keep}
+        self._used = {}
 
     def clear(self) -> None:
         self._open.clear()
+        self._used.clear()
+
+    def forget_views(self) -> None:
+        """Drop the cached bucket views (they were built for another manifest)."""
+        for mapped in self._open.values():
+            mapped.views.clear()
+
+    def __len__(self) -> int:
+        return len(self._open)
 
 
 def _open_shm(ref: ShmBuffer) -> torch.Tensor:
@@ -391,9 +503,13 @@ class RefitServer:
 
     def __init__(self, sink: WeightSink) -> None:
         self.sink = sink
-        self._manifest: dict[str, TensorSpec] | None = None
+        self._manifest: tuple[TensorSpec, ...] | None = None
+        self._views_manifest: tuple[TensorSpec, ...] | None = None
+        self._manifests = ManifestCache()
+        self._sizes: tuple[int, ...] = ()
         self._alignment = DEFAULT_ALIGNMENT
-        self._received: set[str] = set()
+        self._received = bytearray()
+        self._count = 0
         self._buffers = ReceivedBuffers()
         self._num_buckets = 0
 
@@ -401,10 +517,20 @@ class RefitServer:
     def in_refit(self) -> bool:
         return self._manifest is not None
 
+    @property
+    def open_buffers(self) -> int:
+        """Staging buffers mapped right now (kept ones stay mapped between refits)."""
+        return len(self._buffers)
+
+    def release_buffers(self) -> None:
+        """Close every kept mapping (the sender's kept staging can then really be freed)."""
+        if self._manifest is None:
+            self._buffers.clear()
+
     def handle(self, frames: Sequence[bytes]) -> tuple[list[bytes], Outcome]:
         kind, seq = "unknown", -1
         try:
-            message = decode_request(frames)
+            message = decode_request(frames, manifests=self._manifests)
             kind = type(message).__name__.lower()
             if isinstance(message, Bucket):
                 seq = message.seq
@@ -420,16 +546,22 @@ class RefitServer:
         if self._manifest is not None:
             self.sink.abort(reason)
         self._manifest = None
-        self._received = set()
-        self._buffers.clear()
+        self._received = bytearray()
+        self._buffers.finish(ok=False)
 
     def _dispatch(self, message: Begin | Bucket | Complete | Abort) -> tuple[list[bytes], Outcome]:
         if isinstance(message, Begin):
             if self._manifest is not None:
                 raise ProtocolError("BEGIN while a refit is in progress; finish or abort it first")
             self.sink.begin(message.manifest)
-            self._manifest = {s.name: s for s in message.manifest}
-            self._alignment, self._received, self._num_buckets = message.alignment, set(), 0
+            if message.manifest is not self._views_manifest:  # cached views hold its dtypes/shapes
+                self._buffers.forget_views()
+                self._views_manifest = message.manifest
+            self._manifest = message.manifest
+            self._sizes = (self._manifests.sizes if message.manifest is self._manifests.specs
+                           else tuple(s.nbytes for s in message.manifest))
+            self._alignment, self._num_buckets = message.alignment, 0
+            self._received, self._count = bytearray(len(message.manifest)), 0
             return encode(Reply(True, "begin")), Outcome()
         if self._manifest is None:
             raise ProtocolError(f"{type(message).__name__.upper()} before BEGIN")
@@ -442,28 +574,40 @@ class RefitServer:
         return self._bucket(message)
 
     def _bucket(self, bucket: Bucket) -> tuple[list[bytes], Outcome]:
-        assert self._manifest is not None
-        problems = check_bucket(bucket, self._manifest, self._received, alignment=self._alignment,
+        manifest = self._manifest
+        assert manifest is not None
+        problems = check_bucket(bucket, manifest, self._sizes, self._received, alignment=self._alignment,
                                 buffer_size=bucket.buffer.size)
         if problems:
             raise ProtocolError(f"bucket {bucket.seq} rejected before any write: " + "; ".join(problems[:20]))
-        buffer = self._buffers.open(bucket.buffer)
-        specs = [t.spec for t in bucket.tensors]
-        views = unpack_tensors(buffer, specs, [t.offset for t in bucket.tensors])
-        self.sink.apply_batch([(s.name, v) for s, v in zip(specs, views, strict=True)])
-        if buffer.is_cuda:  # the sender may overwrite this buffer as soon as it reads the ACK
-            torch.cuda.current_stream(buffer.device).synchronize()
+        mapped = self._buffers.open(bucket.buffer)
+        key = (bucket.indices, bucket.offsets)  # for this manifest (see BEGIN); valid while mapped
+        views = mapped.views.get(key)
+        if views is None:
+            if len(mapped.views) > 4096:  # a misbehaving sender must not grow this without bound
+                mapped.views.clear()
+            buffer = mapped.tensor[: bucket.buffer.size]
+            views = unpack_tensors(buffer, [manifest[i] for i in bucket.indices], bucket.offsets)
+            if bucket.buffer.keep:
+                mapped.views[key] = views
+        self.sink.apply_indexed(bucket.indices, views)
+        if mapped.tensor.is_cuda:  # the sender may overwrite this buffer as soon as it reads the ACK
+            torch.cuda.current_stream(mapped.tensor.device).synchronize()
         del views
-        self._received.update(s.name for s in specs)
+        received = self._received
+        for index in bucket.indices:
+            received[index] = 1
+        self._count += len(bucket.indices)
         self._num_buckets += 1
         return encode(Reply(True, "bucket", bucket.seq)), Outcome()
 
     def _complete(self, message: Complete) -> tuple[list[bytes], Outcome]:
-        assert self._manifest is not None
-        missing = [n for n in self._manifest if n not in self._received]
-        if missing:
+        manifest = self._manifest
+        assert manifest is not None
+        if self._count != len(manifest):
+            missing = [s.name for s, got in zip(manifest, self._received, strict=True) if not got]
             raise ProtocolError(f"COMPLETE with {len(missing)} tensors never sent: {missing[:20]}")
-        self._buffers.clear()
+        self._buffers.finish(ok=True)
         report = self.sink.commit(num_buckets=self._num_buckets)
         self._manifest = None
         summary = attrs.asdict(report, filter=lambda a, _: a.name != "names") if attrs.has(type(report)) else {}
