@@ -3,7 +3,10 @@
 Measured in one run, median of 3 after a warm-up, on Qwen2.5-1.5B- and 7B-shaped random models
 (only state-dict shapes matter, so the parameters are built directly, no HF weights):
 
-- ``ours``: ``RefitSender.stream_weights_via_ipc_zmq`` at the default buffer size;
+- ``ours``: ``RefitSender.stream_weights_via_ipc_zmq`` at the default buffer size (staging freed
+  before COMPLETE, the default);
+- ``ours-keep``: the same with ``keep_staging=True`` (buffers and the receiver's mappings kept
+  between refits: steady-state refits allocate, share and open nothing);
 - ``per-tensor``: one IPC handle and one round trip per tensor (as several peers do), over the
   same protocol code;
 - ``ceiling``: cast fp32→bf16 into a staging tensor, then staging → destination, back to back in
@@ -180,7 +183,7 @@ def bench_shape(name: str, device: str) -> list[dict]:
                     "refit_info": {
                         n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()
                     },
-                    "num_refits": 2 * (REPEATS + 1),
+                    "num_refits": 3 * (REPEATS + 1),
                 }
             )
         )
@@ -193,6 +196,8 @@ def bench_shape(name: str, device: str) -> list[dict]:
         try:
             assert child.stdout is not None and child.stdout.readline().strip() == "READY"
             ours = timed(lambda: sender.stream_weights_via_ipc_zmq(timeout_s=300), cuda)
+            keep = timed(lambda: sender.stream_weights_via_ipc_zmq(timeout_s=300, keep_staging=True), cuda)
+            sender.release_staging()
             per_tensor = timed(lambda: per_tensor_stream(sender, model, cuda, 300), cuda)
             child.wait(timeout=300)
         finally:
@@ -203,7 +208,7 @@ def bench_shape(name: str, device: str) -> list[dict]:
     ceiling = timed(lambda: copy_ceiling(model, dest, cuda), cuda)
     rows = []
     ceiling_s = statistics.median(ceiling)
-    for method, times in (("ceiling", ceiling), ("ours", ours), ("per-tensor", per_tensor)):
+    for method, times in (("ceiling", ceiling), ("ours", ours), ("ours-keep", keep), ("per-tensor", per_tensor)):
         median = statistics.median(times)
         rows.append(
             {

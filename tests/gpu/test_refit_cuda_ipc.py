@@ -73,7 +73,7 @@ def test_cuda_ipc_refit_gives_bitwise_identical_logprobs(tmp_path):
         "address": sender.get_zmq_address(),
         "batch": str(tmp_path / "batch.safetensors"),
         "out": str(tmp_path / "out.safetensors"),
-        "num_refits": 3,
+        "num_refits": 4,
         "expected": str(tmp_path / "expected.safetensors"),
     }
     child = subprocess.Popen(
@@ -91,19 +91,24 @@ def test_cuda_ipc_refit_gives_bitwise_identical_logprobs(tmp_path):
         sender.stream_weights_via_ipc_zmq(
             buffer_size_bytes=48 << 10, timeout_s=120
         )  # many buckets; embeddings oversized
+        sender.stream_weights_via_ipc_zmq(buffer_size_bytes=1 << 20, timeout_s=120, keep_staging=True)
+        assert sender._zmq().kept_staging_bytes > 0  # the CUDA buffers stay shared for the next refit
         with torch.no_grad():
             model.lm_head.weight.mul_(1.5)
         cast = {k: v.to(torch.bfloat16).cpu().contiguous() for k, v in model.state_dict().items()}
         save_file(cast, tmp_path / "expected.safetensors")
-        report = sender.stream_weights_via_ipc_zmq(buffer_size_bytes=1 << 20, timeout_s=120)
-        assert report["version"] == 3
+        # the same kept buffers (the receiver reuses its IPC mappings) carry the changed weights
+        report = sender.stream_weights_via_ipc_zmq(buffer_size_bytes=1 << 20, timeout_s=120, keep_staging=True)
+        assert report["version"] == 4
+        sender.release_staging()
+        assert sender._zmq().kept_staging_bytes == 0
         assert child.wait(timeout=120) == 0
     finally:
         if child.poll() is None:
             child.kill()
         sender.close()
     got = load_file(tmp_path / "out.safetensors")
-    assert got["versions"].tolist() == [1, 2, 3]
+    assert got["versions"].tolist() == [1, 2, 3, 4]
     for name, tensor in cast.items():  # the refit delivered the trainer's bf16 cast bit for bit
         assert torch.equal(got[name], tensor), name
     assert torch.equal(got["logprobs"], got["expected"])

@@ -217,7 +217,7 @@ class ZmqIpcSender:
         sock = self._sock()
         sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
         try:
-            sock.send_multipart(frames, copy=False)
+            sock.send_multipart(frames)  # small frames: copying beats zero-copy bookkeeping
         except zmq.Again:
             raise self._timeout(phase, timeout_s) from None
 
