@@ -744,14 +744,24 @@ class PolicyWorker:
                 if isinstance(value, torch.Tensor) and value.device != device:
                     state[key] = value.to(device)
 
+    def _fsdp_offloaded(self) -> bool:
+        """FSDP2 CPU offload: parameters live on the CPU for good and FSDP2 streams them."""
+        return self.cfg.dtensor_cfg.cpu_offload and self.parallel.mesh is not None
+
     def prepare_for_training(self) -> None:
-        self.move_to_cuda(self.model)
+        if self._fsdp_offloaded():  # buffers only; the optimizer stays with its CPU params
+            self.move_buffer_to_device(self.model, self.device)
+        else:
+            self.move_to_cuda(self.model)
+            self.move_optimizer_to_device(self.device)
         self.model.train()
-        self.move_optimizer_to_device(self.device)
         self._empty_cache()
 
     def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
-        self.move_to_cuda(self.model)
+        if self._fsdp_offloaded():
+            self.move_buffer_to_device(self.model, self.device)
+        else:
+            self.move_to_cuda(self.model)
         self.model.eval()
         if not keep_train_buffers and self.optimizer is not None and (
                 self.cfg.offload_optimizer_for_logprob):

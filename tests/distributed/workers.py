@@ -526,18 +526,10 @@ def _check_zmq_refit(worker, params):
     """Rank 0 receives a refit from the sharded worker in a thread: the full trained weights."""
     import threading
 
+    from policyworker.errors import RefitError, RefitTimeoutError
     from policyworker.shell.receiver import HFWeightReceiver
 
-    from policyworker.errors import RefitError, RefitTimeoutError
-
     info = worker.prepare_refit_info()  # collective-safe: every rank, same answer
-    # No receiver yet: rank 0 times out, still finishes the gathers, and every rank raises.
-    try:
-        worker.stream_weights_via_ipc_zmq(timeout_s=1.0)
-    except (RefitTimeoutError if dist.get_rank() == 0 else RefitError) as err:
-        assert "rank 0" in str(err) or dist.get_rank() == 0, err
-    else:
-        raise AssertionError("a refit without a receiver did not raise")
     target = _load(worker.cfg.model_name) if dist.get_rank() == 0 else None
     errors, thread = [], None
     if target is not None:
@@ -560,6 +552,15 @@ def _check_zmq_refit(worker, params):
         assert not errors, errors
         for name, value in target.named_parameters():
             assert torch.equal(value.detach(), params[name]), f"refit: {name}"
+    # The receiver is gone: rank 0 times out, still finishes the gathers, and every rank raises.
+    expected = RefitTimeoutError if dist.get_rank() == 0 else RefitError
+    try:
+        worker.stream_weights_via_ipc_zmq(timeout_s=1.0)
+    except RefitError as err:
+        assert isinstance(err, expected), repr(err)
+        assert "rank 0" in str(err) or dist.get_rank() == 0, err
+    else:
+        raise AssertionError("a refit without a receiver did not raise")
 
 
 def worker_parity(rank, size, path, tp_sizes, references, extra_checks=()):
@@ -588,8 +589,67 @@ def worker_parity(rank, size, path, tp_sizes, references, extra_checks=()):
                                    references[label])
             if "zmq_refit" in extra_checks and tp_size == 1 and label == "fixed-nll":
                 _check_zmq_refit(worker, params)
+            if "checkpoint" in extra_checks and label == "fixed-nll":
+                _check_checkpoint(worker, params, f"{extra_checks['checkpoint']}/tp{tp_size}")
+            if "nan_skip" in extra_checks and tp_size == 1 and label == "fixed-nll":
+                _check_nan_on_one_rank_skips_everywhere(worker, params)
+            if "cpu_offload" in extra_checks and tp_size == 1 and label == "fixed-nll":
+                worker.shutdown()
+                torch.manual_seed(0)
+                worker = PolicyWorker(_worker_config(
+                    path, tp_size=1, batching=batching, sampling=sampling,
+                    extra=extra | {"cpu_offload": True, "activation_checkpointing": True}))
+                worker.prepare_for_training()
+                _check_worker_case(worker, f"{label} cpu-offload + recompute", loss_kind,
+                                   references[label])
             worker.shutdown()
             assert dist.is_initialized(), "shutdown destroyed a group the worker did not create"
+
+
+def _check_checkpoint(worker, params, root):
+    """A sharded save (HF weights + DCP optimizer) loads into one process: the same weights."""
+    from policyworker.shell.worker import PolicyWorker
+
+    worker.save_checkpoint(f"{root}/weights", f"{root}/optimizer")
+    worker.finalize_async_save()
+    single = PolicyWorker(
+        _worker_config(worker.cfg.model_name, tp_size=1),
+        parallel=ParallelContext.single(torch.device("cpu")),
+    )
+    single.load_checkpoint(f"{root}/weights", f"{root}/optimizer")
+    for name, value in single.model.named_parameters():
+        assert torch.equal(value.detach(), params[name]), f"checkpoint: {name}"
+    single.shutdown()
+
+
+class _NaNOnRankOne:
+    """NLL whose loss is NaN on global rank 1 only."""
+
+    def __init__(self):
+        from policyworker.functional.loss import NLLLoss
+
+        self._nll = NLLLoss()
+        self.loss_type, self.input_type = self._nll.loss_type, self._nll.input_type
+
+    def __call__(self, *args, **kwargs):
+        loss, metrics = self._nll(*args, **kwargs)
+        return (loss * float("nan") if dist.get_rank() == 1 else loss), metrics
+
+
+def _check_nan_on_one_rank_skips_everywhere(worker, params):
+    """A non-finite loss on one rank skips the step on every rank: weights stay equal."""
+    import warnings
+
+    data = _worker_data()
+    per_dp = data["input_ids"].shape[0] // worker.parallel.dp_size
+    rows = slice(worker.parallel.dp_rank * per_dp, (worker.parallel.dp_rank + 1) * per_dp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = worker.train({k: v[rows] for k, v in data.items()}, _NaNOnRankOne())
+    assert out["skipped_steps"] == 1, out["skipped_steps"]
+    after = _worker_params(worker)
+    for name, value in params.items():
+        assert torch.equal(after[name], value), f"skipped step changed {name}"
 
 
 def worker_rank_raises(rank, size, path):
