@@ -29,7 +29,12 @@ from policyworker.errors import RefitError
 from policyworker.functional.buckets import TensorSpec
 from policyworker.functional.names import canonical_name, expert_slot
 from policyworker.shell.transports.wire import ProtocolError, check_manifest, dtype_name
-from policyworker.shell.transports.zmq_ipc import RefitServer, ZmqIpcReceiver, expected_from_refit_info
+from policyworker.shell.transports.zmq_ipc import (
+    RefitServer,
+    ZmqIpcReceiver,
+    expected_from_refit_info,
+    grouped_copy_,
+)
 
 __all__ = ["HFWeightReceiver", "RefitReport", "WeightApplier"]
 
@@ -177,9 +182,9 @@ class WeightApplier:
 
     def _write(self, session: _Session, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
         if session.dests is not None:
-            # one call for the whole batch: the per-tensor launch overhead dominates small tensors
+            # grouped launches for the whole batch: per-tensor launch overhead dominates small tensors
             dests = session.dests
-            torch._foreach_copy_([dests[i] for i in indices], list(tensors))
+            grouped_copy_([dests[i] for i in indices], tensors)
         else:
             assert self._load is not None
             manifest = session.manifest

@@ -561,3 +561,26 @@ def test_keep_staging_reuses_buffers_and_mappings_and_frees_them_on_release_or_f
         receiver.close()
         sender.close()
     assert set(files()) == baseline
+
+
+def test_grouped_copy_casts_every_pair_whatever_the_mix_of_dtypes_and_layouts():
+    g = torch.Generator().manual_seed(0)
+    srcs = [
+        torch.randn(4, 3, generator=g),
+        torch.randn(3, 4, generator=g).t(),  # non-contiguous source
+        torch.randint(0, 9, (5,), generator=g),
+        torch.randn(2, generator=g, dtype=torch.float64),
+        torch.randn(6, generator=g),
+    ]
+    dsts = [
+        torch.empty(4, 3, dtype=torch.bfloat16),
+        torch.empty(4, 3, dtype=torch.bfloat16),
+        torch.empty(5, dtype=torch.int64),
+        torch.empty(2, dtype=torch.float32),
+        torch.empty(12, dtype=torch.float32)[::2],  # non-contiguous destination
+    ]
+    zmq_ipc.grouped_copy_(dsts, srcs)
+    for dst, src in zip(dsts, srcs):
+        assert torch.equal(dst, src.to(dst.dtype))
+    with pytest.raises(ValueError):
+        zmq_ipc.grouped_copy_(dsts, srcs[:2])

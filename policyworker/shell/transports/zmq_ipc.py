@@ -54,6 +54,7 @@ from policyworker.shell.transports.wire import (
 
 __all__ = [
     "SHM_DIR",
+    "grouped_copy_",
     "CudaStaging",
     "ReceivedBuffers",
     "RefitServer",
@@ -146,10 +147,26 @@ def _slots(staging: Staging, bucket: IpcBucket, specs: Sequence[TensorSpec]) -> 
     return out
 
 
+def grouped_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, non_blocking: bool = False) -> None:
+    """``dsts[k].copy_(srcs[k])`` for every k (casting), in as few ``_foreach_copy_`` calls as
+    CUDA's multi-tensor fast route allows: one per (destination dtype, source dtype) among pairs
+    that are both contiguous, plus one for the rest (a mixed list would send the whole call down
+    the one-launch-per-tensor path)."""
+    groups: dict[Any, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for dst, src in zip(dsts, srcs, strict=True):
+        key = (dst.dtype, src.dtype) if dst.is_contiguous() and src.is_contiguous() else None
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = ([], [])
+        group[0].append(dst)
+        group[1].append(src)
+    for group_dsts, group_srcs in groups.values():
+        torch._foreach_copy_(group_dsts, group_srcs, non_blocking=non_blocking)
+
+
 def _fill(slots: Sequence[torch.Tensor], sources: Sequence[RefitSource]) -> None:
-    """Cast every source straight into its slot: one grouped launch for the bucket (one pass)."""
-    if slots:
-        torch._foreach_copy_(list(slots), [s.tensor for s in sources], non_blocking=True)
+    """Cast every source straight into its slot (one pass), in grouped launches."""
+    grouped_copy_(slots, [s.tensor for s in sources], non_blocking=True)
 
 
 # ----------------------------------------------------------------------------- sender
