@@ -17,11 +17,13 @@ Measured, median of ``--repeats`` (≥ 20) after warm-ups, sender wall time per 
 - ``copy ceiling``: cast into staging tensors then into the destinations (two grouped copy
   launches), one process, no protocol: the floor of this model's copies.
 
-Also the sender's parameter walks on their own (metadata walk over meta tensors, live walk,
-the plan-cache signature check), so each optimisation can be traced to its cost.
+Also the sender's parameter walks on their own (metadata walk, live walk, ``state_dict`` alone,
+and the plan-cache check: ``state_dict`` + signature compare), so each cost can be traced.
 
 ``--stage NAME`` also records the headline numbers under ``stages`` in the JSON (earlier stages
-in the file are kept), to compare the code before and after each change.
+in the file are kept), to compare the code before and after each change; ``--code DIR`` measures
+the ``policyworker`` package under DIR instead (e.g. ``git archive <commit> policyworker | tar -x
+-C DIR``), so the versions can be run back to back under the same machine load.
 
 Usage: ``python bench/refit_overhead.py [--repeats 30] [--stage NAME]``; writes
 ``bench/results/refit_overhead.json`` with the ``{"rows": [...]}`` schema of the other benches.
@@ -182,16 +184,20 @@ def main() -> None:
     walks = {
         "metadata walk (refit_specs, meta)": lambda: refit_specs(model, torch.bfloat16),
         "live walk (iter_refit_sources)": lambda: list(iter_refit_sources(model, torch.bfloat16)),
-        "state_dict(keep_vars=True) signature": lambda: tuple(
-            (k, tuple(v.shape), v.dtype) for k, v in model.state_dict(keep_vars=True).items()),
+        "state_dict(keep_vars=True) alone": lambda: model.state_dict(keep_vars=True),
     }
+    try:  # the plan-cache check: state_dict + signature compare, no tensor touched
+        from policyworker.shell.params import refit_stream
+
+        walks["refit_stream (state_dict + signature check)"] = lambda: refit_stream(model, torch.bfloat16)
+    except ImportError:  # --code of a version without it
+        pass
     for name, fn in walks.items():
         results[name], _ = _median_ms(fn, args.repeats, args.warmup)
     staging = [torch.empty(s, dtype=torch.bfloat16) for s in shapes.values()]
     dest = [torch.empty(s, dtype=torch.bfloat16) for s in shapes.values()]
     results["copy ceiling"], _ = _median_ms(lambda: copy_ceiling(model, staging, dest), args.repeats, args.warmup)
 
-    per_tensor = results["per-tensor"]
     rows = [
         {"metric": f"refit {what}, {name}", "ours": results[name + suffix],
          "baseline": results["per-tensor" + suffix], "limit": results["copy ceiling"] if not suffix else None,

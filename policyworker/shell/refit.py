@@ -43,6 +43,9 @@ class RefitSender:
         draft_model_fn: Callable[[], nn.Module | None] | None = None,
         keep_staging: bool = False,
     ) -> None:
+        if not isinstance(keep_staging, bool):
+            msg = f"keep_staging {keep_staging!r} must be a bool (True keeps the staging buffers between refits)"
+            raise ValueError(msg)
         self._model_fn = model_fn
         self.keep_staging = keep_staging
         self._draft_model_fn = draft_model_fn or (lambda: None)
@@ -104,6 +107,9 @@ class RefitSender:
         if not timeout_s > 0:
             msg = f"timeout_s {timeout_s} must be > 0 seconds"
             raise ValueError(msg)
+        if keep_staging is not None and not isinstance(keep_staging, bool):
+            msg = f"keep_staging {keep_staging!r} must be True, False or None (None = the constructor's setting)"
+            raise ValueError(msg)
         stream = refit_stream(self._model_fn(), self.refit_dtype, self._draft_model_fn())
         specs = stream.specs
         cuda = self.device.type == "cuda"
@@ -125,7 +131,7 @@ class RefitSender:
         def make_staging(nbytes: int) -> CudaStaging | ShmStaging:
             return CudaStaging(nbytes, device) if cuda else ShmStaging(nbytes)
 
-        keep = self.keep_staging if keep_staging is None else bool(keep_staging)
+        keep = self.keep_staging if keep_staging is None else keep_staging
         return self._zmq().stream(
             specs, plan, stream.sources, make_staging=make_staging, buffer_bytes=per_buffer, timeout_s=timeout_s,
             transport="cuda" if cuda else "shm", keep_staging=keep,

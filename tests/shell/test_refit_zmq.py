@@ -495,6 +495,10 @@ def test_bad_arguments_fail_before_any_message():
         sender.stream_weights_via_ipc_zmq(kv_scales={"k": 1.0})
     with pytest.raises(ValueError, match="buffer_size_bytes -1"):
         sender.stream_weights_via_ipc_zmq(buffer_size_bytes=-1)
+    with pytest.raises(ValueError, match="keep_staging 'yes' must be True, False or None"):
+        sender.stream_weights_via_ipc_zmq(keep_staging="yes")
+    with pytest.raises(ValueError, match="keep_staging 1 must be a bool"):
+        RefitSender(lambda: nn.Linear(2, 2), torch.bfloat16, keep_staging=1)
     address = sender.get_zmq_address()
     assert (
         address.startswith("ipc://")
@@ -580,7 +584,7 @@ def test_grouped_copy_casts_every_pair_whatever_the_mix_of_dtypes_and_layouts():
         torch.empty(12, dtype=torch.float32)[::2],  # non-contiguous destination
     ]
     zmq_ipc.grouped_copy_(dsts, srcs)
-    for dst, src in zip(dsts, srcs):
+    for dst, src in zip(dsts, srcs, strict=True):
         assert torch.equal(dst, src.to(dst.dtype))
     with pytest.raises(ValueError):
         zmq_ipc.grouped_copy_(dsts, srcs[:2])
