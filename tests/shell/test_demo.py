@@ -90,6 +90,7 @@ def test_parity_is_exact_in_fp32_and_rounding_noise_with_lora_or_low_precision()
 
     assert parity_tolerance("float32", lora=False) == 0.0
     assert 0.0 < parity_tolerance("float32", lora=True) <= 1e-4
+    assert 0.0 < parity_tolerance("float32", lora=False, tp_size=2) <= 1e-5
     assert parity_tolerance("bfloat16", lora=False) > parity_tolerance("float16", lora=False) > 0
 
 
