@@ -32,11 +32,12 @@ from policyworker.shell.transports.wire import ProtocolError, check_manifest, dt
 from policyworker.shell.transports.zmq_ipc import (
     RefitServer,
     ZmqIpcReceiver,
+    copy_groups,
     expected_from_refit_info,
     grouped_copy_,
 )
 
-__all__ = ["HFWeightReceiver", "RefitReport", "WeightApplier"]
+__all__ = ["HFWeightReceiver", "PreparedBatch", "RefitReport", "WeightApplier"]
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 
@@ -78,6 +79,17 @@ def _module_destinations(module: nn.Module, expected: Mapping[str, tuple[torch.S
         )
         raise ValueError(msg)
     return dests
+
+
+@attrs.frozen(eq=False)
+class PreparedBatch:
+    """``tensors[k]`` is manifest entry ``indices[k]``; ``groups``: the ``(destinations, sources)``
+    lists of each copy launch of an in-place module write (None: no precomputed write)."""
+
+    manifest: tuple[TensorSpec, ...]
+    indices: tuple[int, ...]
+    tensors: list[torch.Tensor]
+    groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None
 
 
 @attrs.define
@@ -158,10 +170,44 @@ class WeightApplier:
         """Write ``tensors[k]`` as manifest entry ``indices[k]``: views built from the manifest's
         own specs (the ZMQ server's path, after ``check_bucket``); indices are checked again."""
         session = self._require_session()
+        self._check_indices(session, indices)
+        self._apply(session, indices, tensors)
+
+    def prepare(self, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> PreparedBatch:
+        """A reusable ``apply_indexed`` of these exact tensors (the ZMQ server caches one per kept
+        bucket): in-place module writes get their copy groups computed once."""
+        session = self._require_session()
+        groups = None
+        if not self.atomic and session.dests is not None:
+            dests = session.dests
+            groups = copy_groups([dests[i] for i in indices], tensors)
+        return PreparedBatch(session.manifest, tuple(indices), list(tensors), groups)
+
+    def apply_prepared(self, batch: PreparedBatch) -> None:
+        """``apply_indexed(batch.indices, batch.tensors)``, with the precomputed copy groups."""
+        session = self._require_session()
+        if batch.groups is None or batch.manifest is not session.manifest or self.atomic:
+            self.apply_indexed(batch.indices, batch.tensors)
+            return
+        self._check_indices(session, batch.indices)
+        self.stale = True
+        with torch.no_grad():
+            for dsts, srcs in batch.groups:
+                torch._foreach_copy_(dsts, srcs)
+        self._mark(session, batch.indices)
+
+    def _check_indices(self, session: _Session, indices: Sequence[int]) -> None:
         count, received = len(session.manifest), session.received
         if len(set(indices)) != len(indices) or not all(0 <= i < count and not received[i] for i in indices):
             raise ProtocolError("batch rejected before any write: an index is out of range or repeated")
-        self._apply(session, indices, tensors)
+
+    def _mark(self, session: _Session, indices: Sequence[int]) -> None:
+        received = session.received
+        for index in indices:
+            received[index] = 1
+        session.order.extend(indices)
+        sizes = session.sizes
+        session.num_bytes += sum(sizes[i] for i in indices)
 
     def _apply(self, session: _Session, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -173,12 +219,7 @@ class WeightApplier:
             else:
                 self.stale = True
                 self._write(session, indices, tensors)
-        received = session.received
-        for index in indices:
-            received[index] = 1
-        session.order.extend(indices)
-        sizes = session.sizes
-        session.num_bytes += sum(sizes[i] for i in indices)
+        self._mark(session, indices)
 
     def _write(self, session: _Session, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
         if session.dests is not None:

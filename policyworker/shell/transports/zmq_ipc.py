@@ -54,6 +54,7 @@ from policyworker.shell.transports.wire import (
 
 __all__ = [
     "SHM_DIR",
+    "copy_groups",
     "grouped_copy_",
     "CudaStaging",
     "ReceivedBuffers",
@@ -152,6 +153,14 @@ def grouped_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *,
     CUDA's multi-tensor fast route allows: one per (destination dtype, source dtype) among pairs
     that are both contiguous, plus one for the rest (a mixed list would send the whole call down
     the one-launch-per-tensor path)."""
+    for group_dsts, group_srcs in copy_groups(dsts, srcs):
+        torch._foreach_copy_(group_dsts, group_srcs, non_blocking=non_blocking)
+
+
+def copy_groups(
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
+) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """The ``(destinations, sources)`` lists ``grouped_copy_`` launches, in first-seen order."""
     groups: dict[Any, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for dst, src in zip(dsts, srcs, strict=True):
         key = (dst.dtype, src.dtype) if dst.is_contiguous() and src.is_contiguous() else None
@@ -160,8 +169,7 @@ def grouped_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *,
             group = groups[key] = ([], [])
         group[0].append(dst)
         group[1].append(src)
-    for group_dsts, group_srcs in groups.values():
-        torch._foreach_copy_(group_dsts, group_srcs, non_blocking=non_blocking)
+    return list(groups.values())
 
 
 def _fill(slots: Sequence[torch.Tensor], sources: Sequence[RefitSource]) -> None:
@@ -423,6 +431,8 @@ class WeightSink(Protocol):
     def begin(self, manifest: Sequence[TensorSpec]) -> None: ...
     def apply_batch(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None: ...
     def apply_indexed(self, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> None: ...
+    def prepare(self, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> Any: ...
+    def apply_prepared(self, batch: Any) -> None: ...
     def commit(self, *, num_buckets: int) -> Any: ...
     def abort(self, reason: str) -> None: ...
 
@@ -432,7 +442,7 @@ class _Mapped:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
-        self.views: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self.views: dict[tuple[Any, ...], Any] = {}  # (indices, offsets) -> the sink's prepared batch
 
 
 class ReceivedBuffers:
@@ -599,18 +609,19 @@ class RefitServer:
             raise ProtocolError(f"bucket {bucket.seq} rejected before any write: " + "; ".join(problems[:20]))
         mapped = self._buffers.open(bucket.buffer)
         key = (bucket.indices, bucket.offsets)  # for this manifest (see BEGIN); valid while mapped
-        views = mapped.views.get(key)
-        if views is None:
+        batch = mapped.views.get(key)
+        if batch is None:
             if len(mapped.views) > 4096:  # a misbehaving sender must not grow this without bound
                 mapped.views.clear()
             buffer = mapped.tensor[: bucket.buffer.size]
             views = unpack_tensors(buffer, [manifest[i] for i in bucket.indices], bucket.offsets)
+            batch = self.sink.prepare(bucket.indices, views)
             if bucket.buffer.keep:
-                mapped.views[key] = views
-        self.sink.apply_indexed(bucket.indices, views)
+                mapped.views[key] = batch
+        self.sink.apply_prepared(batch)
         if mapped.tensor.is_cuda:  # the sender may overwrite this buffer as soon as it reads the ACK
             torch.cuda.current_stream(mapped.tensor.device).synchronize()
-        del views
+        del batch
         received = self._received
         for index in bucket.indices:
             received[index] = 1
