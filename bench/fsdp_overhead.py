@@ -185,8 +185,8 @@ def main() -> None:
         "rows": rows,
         "torch": torch.__version__,
     }
-    name = "fsdp_overhead_small" if args.small else "fsdp_overhead"
-    write_results(name + ("_fused" if args.fused else ""), payload, args.out)
+    payload["small"], payload["fused_adamw"] = args.small, args.fused
+    write_results("fsdp_overhead", payload, args.out)
 
 
 if __name__ == "__main__":
