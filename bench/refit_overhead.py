@@ -25,8 +25,9 @@ in the file are kept), to compare the code before and after each change; ``--cod
 the ``policyworker`` package under DIR instead (e.g. ``git archive <commit> policyworker | tar -x
 -C DIR``), so the versions can be run back to back under the same machine load.
 
-Usage: ``python bench/refit_overhead.py [--repeats 30] [--stage NAME]``; writes
-``bench/results/refit_overhead.json`` with the ``{"rows": [...]}`` schema of the other benches.
+Usage: ``python bench/refit_overhead.py [--repeats 30] [--stage NAME] [--json PATH]`` (``--small``:
+20 repeats, for the bench runner); writes ``bench/results/refit_overhead.json`` with the
+``{"rows": [...]}`` schema of the other benches.
 """
 
 from __future__ import annotations
@@ -109,11 +110,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--stage", help="record the headline numbers under this name in the JSON")
     parser.add_argument("--code", help="a folder holding another policyworker package to measure instead")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "refit_overhead.json"))
+    parser.add_argument("--out", "--json", dest="out", default=str(REPO / "bench" / "results" / "refit_overhead.json"))
+    parser.add_argument("--small", action="store_true",
+                        help="the bench runner's smoke flag: this benchmark is CPU-sized already (20 repeats)")
     args = parser.parse_args()
     if args.role == "receiver":
         run_receiver(args.spec)
         return
+    if args.small:
+        args.repeats = 20
     if args.repeats < 20:
         parser.error(f"--repeats {args.repeats} must be >= 20 (medians of fewer are too noisy here)")
     torch.set_num_threads(1)
