@@ -5,7 +5,6 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 from transformers import (
-    DeepseekV3Config,
     DeepseekV3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -15,6 +14,7 @@ from transformers import (
 
 from policyworker.errors import LoRAMergeError
 from policyworker.shell.params import params_generator, refit_info
+from tests.helpers import tiny_deepseek_v3_config
 
 torch.manual_seed(0)
 
@@ -38,26 +38,7 @@ def _qwen3_moe():
 
 
 def _deepseek_v3():
-    cfg = DeepseekV3Config(
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        first_k_dense_replace=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        kv_lora_rank=16,
-        q_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        vocab_size=128,
-    )
+    cfg = tiny_deepseek_v3_config()
     model = DeepseekV3ForCausalLM(cfg)
     with torch.no_grad():  # a non-trivial router bias so a lost fp32 digit would show
         for module in model.modules():

@@ -8,11 +8,7 @@ One-process checks (plans, header decoding, watchdog, offload cycle) need no chi
 
 import copy
 import json
-import os
-import queue
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -22,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen2Config
+from transformers import AutoModelForCausalLM, Qwen2Config
 
 from policyworker.errors import RefitError, RefitTimeoutError
 from policyworker.functional.buckets import TensorSpec
@@ -30,6 +26,7 @@ from policyworker.shell.params import refit_info
 from policyworker.shell.transports import collective as C
 from policyworker.shell.transports.wire import DTYPES_BY_NAME, ProtocolError, RefitRejected
 from policyworker.shell.watchdog import Watchdog
+from tests.helpers import JsonCommandChild, tiny_deepseek_v3_config
 
 CHILD = r"""
 import json, os, sys, time
@@ -100,35 +97,6 @@ for line in sys.stdin:
 """
 
 
-class _Child:
-    """A receiver process driven by JSON commands; replies come back as '@@'-prefixed lines."""
-
-    def __init__(self):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=env)
-        self.lines = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self):
-        for line in self.proc.stdout:
-            if line.startswith("@@"):
-                self.lines.put(json.loads(line[2:]))
-        self.lines.put({"ok": False, "error": "exited", "returncode": self.proc.wait()})
-
-    def send(self, **cmd):
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def reply(self, timeout=120):
-        return self.lines.get(timeout=timeout)
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.send(op="exit")
-            self.proc.wait(timeout=30)
-
-
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -148,7 +116,7 @@ def _init(children, *, timeout_s=30.0):
 
 @pytest.fixture(scope="module")
 def rig():
-    children = [_Child(), _Child()]
+    children = [JsonCommandChild(CHILD), JsonCommandChild(CHILD)]
     try:
         yield {"children": children, "group": _init(children)}
     finally:
@@ -253,10 +221,7 @@ def test_bf16_refit_of_fp32_master_equals_the_trainers_bf16_cast_in_legacy_layou
 
 def test_deepseek_router_bias_stays_fp32_through_a_bf16_refit(rig, tmp_path):
     children, group = rig["children"], rig["group"]
-    cfg = DeepseekV3Config(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-                           first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                           n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16,
-                           q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, vocab_size=128)
+    cfg = tiny_deepseek_v3_config()
     cfg.save_pretrained(tmp_path)
     model = _model(cfg, 2)
     bias = model.model.layers[1].mlp.gate.e_score_correction_bias

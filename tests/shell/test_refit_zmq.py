@@ -8,9 +8,6 @@ before COMPLETE, atomic mode) run the receiver in a thread.
 import copy
 import json
 import os
-import queue
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,13 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen2Config
+from transformers import AutoModelForCausalLM, Qwen2Config
 
 from policyworker.errors import RefitError, RefitTimeoutError
 from policyworker.shell.receiver import HFWeightReceiver
 from policyworker.shell.refit import RefitSender
 from policyworker.shell.transports import zmq_ipc
 from policyworker.shell.transports.wire import decode_request
+from tests.helpers import JsonCommandChild, tiny_deepseek_v3_config
 
 CHILD = r"""
 import json, os, sys
@@ -83,47 +81,9 @@ for line in sys.stdin:
 """
 
 
-class _Child:
-    """A receiver process driven by JSON commands; replies come back as '@@'-prefixed lines."""
-
-    def __init__(self):
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
-        }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.lines = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self):
-        for line in self.proc.stdout:
-            if line.startswith("@@"):
-                self.lines.put(json.loads(line[2:]))
-        self.lines.put({"ok": False, "error": "exited", "returncode": self.proc.wait()})
-
-    def send(self, **cmd):
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def reply(self, timeout=120):
-        return self.lines.get(timeout=timeout)
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.send(op="exit")
-            self.proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def child():
-    proc = _Child()
+    proc = JsonCommandChild(CHILD)
     yield proc
     proc.close()
 
@@ -227,26 +187,7 @@ def test_bf16_refit_of_fp32_master_equals_the_trainers_bf16_cast(child, tmp_path
 
 
 def test_deepseek_router_bias_arrives_in_fp32_and_metadata_matches_bytes(child, tmp_path):
-    cfg = DeepseekV3Config(
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        first_k_dense_replace=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        kv_lora_rank=16,
-        q_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        vocab_size=128,
-    )
+    cfg = tiny_deepseek_v3_config()
     cfg.save_pretrained(tmp_path)
     model = _model(cfg, 2)
     bias = model.model.layers[1].mlp.gate.e_score_correction_bias
@@ -272,7 +213,7 @@ def test_receiver_killed_mid_stream_times_out_then_the_sender_refits_again(child
     model = _model(cfg, 3)
     sender = RefitSender(lambda: model, torch.float32)
     try:
-        dying = _Child()
+        dying = JsonCommandChild(CHILD)
         info_path, batch = tmp_path / "info.json", tmp_path / "batch.safetensors"
         _write_info(sender.prepare_refit_info(), info_path)
         save_file({"input_ids": IDS}, batch)

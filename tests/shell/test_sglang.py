@@ -10,12 +10,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen2Config
+from transformers import AutoModelForCausalLM, Qwen2Config
 
 from policyworker.errors import RefitError
 from policyworker.functional.dtypes import precision_dtype
 from policyworker.shell.params import params_generator, refit_info
 from policyworker.shell.transports import sglang as S
+from tests.helpers import tiny_deepseek_v3_config
 
 
 def _model(cfg, seed):
@@ -81,10 +82,7 @@ def test_bf16_round_trip_into_a_hf_model_is_bitwise_the_trainers_cast(wrap):
 
 
 def test_mixed_dtypes_travel_in_per_dtype_buckets_and_keep_the_router_bias_fp32():
-    cfg = DeepseekV3Config(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-                           first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                           n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16,
-                           q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, vocab_size=128)
+    cfg = tiny_deepseek_v3_config()
     trainer = _model(cfg, 2)
     bias = trainer.model.layers[1].mlp.gate.e_score_correction_bias
     with torch.no_grad():

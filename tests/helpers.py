@@ -1,0 +1,59 @@
+"""Helpers shared by the shell tests: tiny MoE configs and a JSON-commanded child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+
+
+def tiny_deepseek_v3_config():
+    """A 2-layer DeepSeek-V3 (MLA, 4 routed + 1 shared expert); layer 1 is MoE with an fp32 router."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16,
+        q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, vocab_size=128,
+    )
+
+
+class JsonCommandChild:
+    """A child Python process running `script`, driven by JSON lines on stdin.
+
+    The script answers with lines prefixed '@@' followed by a JSON object; other output is ignored.
+    When the child exits, a final {"ok": False, "error": "exited"} reply is queued.
+    """
+
+    def __init__(self, script: str):
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+        }
+        self.proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                self.lines.put(json.loads(line[2:]))
+        self.lines.put({"ok": False, "error": "exited", "returncode": self.proc.wait()})
+
+    def send(self, **cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self, timeout=120):
+        return self.lines.get(timeout=timeout)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.send(op="exit")
+            self.proc.wait(timeout=30)
