@@ -62,6 +62,7 @@ from policyworker.shell.transports.wire import (
     MAX_HEADER_BYTES,
     ProtocolError,
     RefitRejected,
+    decode_versioned_json,
     dtype_name,
 )
 from policyworker.shell.watchdog import Watchdog
@@ -152,16 +153,7 @@ def _field_int(body: Mapping[str, Any], key: str, low: int, high: int) -> int:
 
 def decode_header(raw: bytes) -> CollectiveHeader:
     """Parse and type-check a header. Raises ``ProtocolError`` with the reason; never evaluates."""
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolError(f"collective header is not UTF-8 JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ProtocolError(f"collective header must be a JSON object, got {type(body).__name__}")
-    if body.get("protocol") != PROTOCOL or body.get("version") != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"collective header speaks {body.get('protocol')!r:.40} version {body.get('version')!r:.20}; this "
-            f"rank speaks {PROTOCOL!r} version {PROTOCOL_VERSION}: install the same policyworker on both sides")
+    body = decode_versioned_json(raw, protocol=PROTOCOL, version=PROTOCOL_VERSION, what="collective header")
     layout = body.get("layout")
     if layout not in ("aligned", "legacy"):
         raise ProtocolError(f"collective header field 'layout' must be 'aligned' or 'legacy', got {layout!r:.40}")

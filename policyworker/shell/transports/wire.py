@@ -236,18 +236,23 @@ def _header(frames: Sequence[bytes]) -> dict[str, Any]:
     first = bytes(frames[0])
     if len(first) > MAX_HEADER_BYTES:
         raise _fail(f"header frame of {len(first)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    return decode_versioned_json(first, protocol=PROTOCOL, version=PROTOCOL_VERSION, what="header frame")
+
+
+def decode_versioned_json(raw: bytes, *, protocol: str, version: int, what: str) -> dict[str, Any]:
+    """A JSON object whose `protocol` and `version` fields are ours, else `ProtocolError` saying why."""
     try:
-        header = json.loads(first.decode("utf-8"))
+        body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise _fail(f"header frame is not UTF-8 JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise _fail(f"header must be a JSON object, got {type(header).__name__}")
-    if header.get("protocol") != PROTOCOL or header.get("version") != PROTOCOL_VERSION:
+        raise _fail(f"{what} is not UTF-8 JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise _fail(f"{what} must be a JSON object, got {type(body).__name__}")
+    if body.get("protocol") != protocol or body.get("version") != version:
         raise _fail(
-            f"protocol {header.get('protocol')!r:.40} version {header.get('version')!r:.20} is not supported; "
-            f"this peer speaks {PROTOCOL!r} version {PROTOCOL_VERSION}: upgrade both sides to the same policyworker"
+            f"{what} speaks {body.get('protocol')!r:.40} version {body.get('version')!r:.20}; this peer "
+            f"speaks {protocol!r} version {version}: install the same policyworker on both sides"
         )
-    return header
+    return body
 
 
 def _buffer(header: Mapping[str, Any], raw: Sequence[bytes]) -> ShmBuffer | CudaBuffer:
