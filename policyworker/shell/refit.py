@@ -8,7 +8,7 @@ sources (``params.iter_refit_sources``), each cast straight into its staging slo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,6 +28,27 @@ __all__ = ["CPU_DEFAULT_BUFFER_BYTES", "CUDA_DEFAULT_BUFFER_CAP_BYTES", "RefitSe
 
 CUDA_DEFAULT_BUFFER_CAP_BYTES = 1 << 30  # per buffer; enough to amortise each round trip
 CPU_DEFAULT_BUFFER_BYTES = 64 << 20
+
+
+def check_stream_args(
+    buffer_size_bytes: Any, kv_scales: Any, timeout_s: Any, keep_staging: Any = None
+) -> None:
+    """The argument rules of a ZMQ refit (a sharded worker checks them on every rank first)."""
+    if kv_scales is not None:
+        msg = (
+            "kv_scales: FP8 KV-cache scales are unsupported in this worker (no FP8 KV-cache "
+            "calibration path); pass kv_scales=None"
+        )
+        raise ValueError(msg)
+    if isinstance(buffer_size_bytes, bool) or not isinstance(buffer_size_bytes, int) or buffer_size_bytes < 0:
+        msg = f"buffer_size_bytes {buffer_size_bytes!r} must be an int >= 0 (0 = pick a default)"
+        raise ValueError(msg)
+    if not timeout_s > 0:
+        msg = f"timeout_s {timeout_s} must be > 0 seconds"
+        raise ValueError(msg)
+    if keep_staging is not None and not isinstance(keep_staging, bool):
+        msg = f"keep_staging {keep_staging!r} must be True, False or None (None = the constructor's setting)"
+        raise ValueError(msg)
 
 
 class RefitSender:
@@ -78,6 +99,7 @@ class RefitSender:
         *,
         timeout_s: float = 120.0,
         keep_staging: bool | None = None,
+        wrap_sources: Callable[[Iterator[Any]], Iterator[Any]] | None = None,
     ) -> dict[str, Any]:
         """One colocated refit; returns the receiver's report (version, tensors, bytes, buckets).
 
@@ -95,23 +117,10 @@ class RefitSender:
             RefitTimeoutError: a wait ran past ``timeout_s`` (the socket is rebuilt: retry later).
             RefitError: the receiver rejected the stream (its reason is in the message).
         """
-        if kv_scales is not None:
-            msg = (
-                "kv_scales: FP8 KV-cache scales are unsupported in this worker (no FP8 KV-cache "
-                "calibration path); pass kv_scales=None"
-            )
-            raise ValueError(msg)
-        if isinstance(buffer_size_bytes, bool) or not isinstance(buffer_size_bytes, int) or buffer_size_bytes < 0:
-            msg = f"buffer_size_bytes {buffer_size_bytes!r} must be an int >= 0 (0 = pick a default)"
-            raise ValueError(msg)
-        if not timeout_s > 0:
-            msg = f"timeout_s {timeout_s} must be > 0 seconds"
-            raise ValueError(msg)
-        if keep_staging is not None and not isinstance(keep_staging, bool):
-            msg = f"keep_staging {keep_staging!r} must be True, False or None (None = the constructor's setting)"
-            raise ValueError(msg)
+        check_stream_args(buffer_size_bytes, kv_scales, timeout_s, keep_staging)
         stream = refit_stream(self._model_fn(), self.refit_dtype, self._draft_model_fn())
         specs = stream.specs
+        sources = stream.sources if wrap_sources is None else wrap_sources(stream.sources)
         cuda = self.device.type == "cuda"
         if stream.key != self._stats_key:  # (largest, total) aligned bytes: the default size's inputs
             self._stats_key, self._stats = stream.key, ipc_size_stats(specs)
@@ -133,7 +142,7 @@ class RefitSender:
 
         keep = self.keep_staging if keep_staging is None else keep_staging
         return self._zmq().stream(
-            specs, plan, stream.sources, make_staging=make_staging, buffer_bytes=per_buffer, timeout_s=timeout_s,
+            specs, plan, sources, make_staging=make_staging, buffer_bytes=per_buffer, timeout_s=timeout_s,
             transport="cuda" if cuda else "shm", keep_staging=keep,
         )
 

@@ -817,26 +817,37 @@ class PolicyWorker:
         return None. If rank 0's stream fails it still finishes the gathers, so the others are
         released, and every rank raises (rank 0 with the transport's error).
         """
+        from policyworker.shell.refit import check_stream_args
+
         self._reshard()
         if self.parallel.world_size == 1:
             return self._sender().stream_weights_via_ipc_zmq(buffer_size_bytes, kv_scales,
                                                              timeout_s=timeout_s)
-        _check_zmq_refit_args(buffer_size_bytes, kv_scales, timeout_s)
-        from policyworker.shell.params import iter_refit_sources
+        check_stream_args(buffer_size_bytes, kv_scales, timeout_s)
+        from policyworker.shell.params import refit_stream
 
-        sources = _Draining(iter_refit_sources(self.model, self.dtype))
+        gathers: list[_Draining] = []
+
+        def drainable(sources: Iterator[Any]) -> _Draining:
+            gathers.append(_Draining(sources))
+            return gathers[-1]
+
         report, failed = None, 0
         try:
             if self.parallel.rank == 0:
-                report = _stream_zmq(self._sender(), self.model, sources, self.dtype,
-                                     buffer_size_bytes=buffer_size_bytes, timeout_s=timeout_s)
+                report = self._sender().stream_weights_via_ipc_zmq(
+                    buffer_size_bytes, kv_scales, timeout_s=timeout_s, wrap_sources=drainable)
+            else:
+                drainable(refit_stream(self.model, self.dtype).sources)
         except BaseException:
             failed = 1
             with contextlib.suppress(Exception):  # release the peers' gathers, keep our error
-                sources.drain()
+                for sources in gathers:
+                    sources.drain()
                 self.parallel.all_reduce_int(failed, op="max", axis="world")
             raise
-        sources.drain()
+        for sources in gathers:
+            sources.drain()
         if self.parallel.all_reduce_int(failed, op="max", axis="world"):
             from policyworker.errors import RefitError
 
@@ -980,52 +991,6 @@ class _Draining:
     def drain(self) -> None:
         for _ in self._it:
             pass
-
-
-def _check_zmq_refit_args(buffer_size_bytes: Any, kv_scales: Any, timeout_s: Any) -> None:
-    """The sender's argument rules, checked on every rank before any gather."""
-    if kv_scales is not None:
-        msg = ("kv_scales: FP8 KV-cache scales are unsupported in this worker (no FP8 KV-cache "
-               "calibration path); pass kv_scales=None")
-        raise ValueError(msg)
-    if (isinstance(buffer_size_bytes, bool) or not isinstance(buffer_size_bytes, int)
-            or buffer_size_bytes < 0):
-        msg = f"buffer_size_bytes {buffer_size_bytes!r} must be an int >= 0 (0 = pick a default)"
-        raise ValueError(msg)
-    if not timeout_s > 0:
-        msg = f"timeout_s {timeout_s} must be > 0 seconds"
-        raise ValueError(msg)
-
-
-def _stream_zmq(sender: Any, model: torch.nn.Module, sources: Iterator[Any], dtype: torch.dtype,
-                *, buffer_size_bytes: int, timeout_s: float) -> dict[str, Any]:
-    """Rank 0's half of a sharded ZMQ refit: `RefitSender`'s plan, over the given sources."""
-    from policyworker.functional.buckets import (
-        default_ipc_buffer_bytes,
-        plan_ipc_buckets,
-        split_ipc_budget,
-    )
-    from policyworker.shell.params import refit_specs
-    from policyworker.shell.refit import CPU_DEFAULT_BUFFER_BYTES, CUDA_DEFAULT_BUFFER_CAP_BYTES
-    from policyworker.shell.transports.zmq_ipc import CudaStaging, ShmStaging
-
-    specs = refit_specs(model, dtype)
-    cuda = sender.device.type == "cuda"
-    if buffer_size_bytes:
-        per_buffer = split_ipc_budget(buffer_size_bytes)
-    elif cuda:
-        free, _ = torch.cuda.mem_get_info(sender.device)
-        per_buffer = default_ipc_buffer_bytes(specs, cap_bytes=CUDA_DEFAULT_BUFFER_CAP_BYTES,
-                                              free_bytes=free)
-    else:
-        per_buffer = default_ipc_buffer_bytes(specs, cap_bytes=CPU_DEFAULT_BUFFER_BYTES)
-
-    def make_staging(nbytes: int) -> Any:
-        return CudaStaging(nbytes, sender.device) if cuda else ShmStaging(nbytes)
-
-    return sender._zmq().stream(
-        specs, plan_ipc_buckets(specs, per_buffer), sources, make_staging=make_staging,
-        buffer_bytes=per_buffer, timeout_s=timeout_s, transport="cuda" if cuda else "shm")
 
 
 def _pad_seq(x: torch.Tensor, seq_len: int) -> torch.Tensor:
