@@ -287,6 +287,24 @@ class HFWeightReceiver:
         self._server = RefitServer(self.applier)
         self._socket = ZmqIpcReceiver(address, timeout_s=timeout_s) if address is not None else None
 
+    @classmethod
+    def socketless(
+        cls,
+        target: HFWeightReceiver | nn.Module | LoadWeights,
+        *,
+        refit_info: Mapping[str, Any] | None,
+        atomic: bool = False,
+    ) -> HFWeightReceiver:
+        """`target` itself if it is a receiver, else a receiver without a ZMQ socket around it,
+        for transports that bring their own bytes (collective broadcast, SGLang payloads)."""
+        if isinstance(target, HFWeightReceiver):
+            return target
+        if refit_info is None:
+            msg = ("refit_info is required unless target is an HFWeightReceiver; pass the "
+                   "trainer's prepare_refit_info()")
+            raise ValueError(msg)
+        return cls(target, address=None, refit_info=refit_info, atomic=atomic)
+
     @property
     def version(self) -> int:
         """Number of complete refits applied so far."""

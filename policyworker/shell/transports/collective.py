@@ -519,13 +519,7 @@ class CollectiveWeightReceiver:
             msg = (f"CollectiveWeightReceiver runs on inference ranks >= {group.train_world_size}; rank {group.rank} "
                    "is a trainer rank: call broadcast_weights there")
             raise ValueError(msg)
-        if isinstance(target, HFWeightReceiver):
-            self.receiver = target
-        else:
-            if refit_info is None:
-                msg = "refit_info is required unless target is an HFWeightReceiver; pass the trainer's prepare_refit_info()"
-                raise ValueError(msg)
-            self.receiver = HFWeightReceiver(target, address=None, refit_info=refit_info, atomic=atomic)
+        self.receiver = HFWeightReceiver.socketless(target, refit_info=refit_info, atomic=atomic)
         self.group = group
         self.last_header: CollectiveHeader | None = None
 

@@ -412,15 +412,7 @@ class SGLangReceiverAdapter:
         atomic: bool = False,
         tp_rank: int = 0,
     ) -> None:
-        if isinstance(target, HFWeightReceiver):
-            self.receiver = target
-        else:
-            if refit_info is None:
-                msg = "refit_info is required unless target is an HFWeightReceiver; pass the trainer's prepare_refit_info()"
-                raise ValueError(msg)
-            self.receiver = HFWeightReceiver(
-                target, address=None, refit_info=refit_info, atomic=atomic
-            )
+        self.receiver = HFWeightReceiver.socketless(target, refit_info=refit_info, atomic=atomic)
         self.tp_rank = tp_rank
         self.weight_version: str | None = None
         self.num_calls = 0
