@@ -20,28 +20,24 @@ from typing import Any
 __all__ = ["build_parser", "collect_info", "format_info", "main"]
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        msg = f"{value} must be >= 1"
-        raise argparse.ArgumentTypeError(msg)
-    return value
+def _bounded(kind: type, low: float, *, inclusive: bool) -> Any:
+    """An argparse `type` that parses `kind` and rejects values below (or at) `low`."""
+    rule = f">= {low:g}" if inclusive else f"> {low:g}"
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value < low or (value == low and not inclusive):
+            msg = f"{value} must be {rule}"
+            raise argparse.ArgumentTypeError(msg)
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value" errors
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        msg = f"{value} must be >= 0"
-        raise argparse.ArgumentTypeError(msg)
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        msg = f"{value} must be > 0"
-        raise argparse.ArgumentTypeError(msg)
-    return value
+_positive_int = _bounded(int, 1, inclusive=True)
+_non_negative_int = _bounded(int, 0, inclusive=True)
+_positive_float = _bounded(float, 0, inclusive=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
