@@ -39,6 +39,7 @@ __all__ = [
     "logprobs_with_leading_zero",
     "next_token_logprobs",
     "rows_for_rank",
+    "sampling_filters_active",
     "sampling_keep_mask",
     "shifted_targets",
     "split_rows",
@@ -100,6 +101,12 @@ def default_chunk_size(vocab_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------- sampling filters
+
+
+def sampling_filters_active(top_k: int | None, top_p: float) -> bool:
+    """Whether `generation`'s top-k / top-p ask for any filtering (top_k of None, 0 or -1 and
+    top_p of 1 mean none)."""
+    return (top_k is not None and top_k > 0) or top_p < 1.0
 
 
 def sampling_keep_mask(

@@ -272,10 +272,6 @@ def _tp_filtered_target_logprobs(
     return _GatherRows.apply(mine, group, tp_rank, tp_size).reshape(batch, seq)
 
 
-def _filtering(top_k: int | None, top_p: float) -> bool:
-    return (top_k is not None and top_k > 0) or top_p < 1.0
-
-
 def _vocab_shard_of(logits: DTensor) -> tuple[torch.Tensor, Any, int, int]:
     """(local tensor, tp group, tp rank, tp size) of logits sharded on the vocab dim."""
     mesh, placements = logits.device_mesh, logits.placements
@@ -309,7 +305,7 @@ def target_logprobs_any(
     _check_logits_targets(logits, targets_BS)
     vocab_size = logits.shape[-1]
     if not isinstance(logits, DTensor):
-        if _filtering(top_k, top_p):
+        if lp_core.sampling_filters_active(top_k, top_p):
             rows = _filtered_row_logprobs(
                 logits.reshape(-1, vocab_size),
                 targets_BS.reshape(-1).to(torch.int64),
@@ -329,7 +325,7 @@ def target_logprobs_any(
             chunk_size=chunk_size,
         )
     local, group, tp_rank, tp_size = _vocab_shard_of(logits)
-    if _filtering(top_k, top_p):
+    if lp_core.sampling_filters_active(top_k, top_p):
         return _tp_filtered_target_logprobs(
             local,
             targets_BS,
@@ -387,7 +383,7 @@ def next_token_logprobs_any(
             f"built with"
         )
         raise ValueError(msg)
-    if _filtering(top_k, top_p):
+    if lp_core.sampling_filters_active(top_k, top_p):
         # Rows are whole positions, so score all S positions (B*S % tp rule) and drop the last.
         targets = lp_core.shifted_targets(token_ids_BS, pad_id=0)
         full = target_logprobs_any(

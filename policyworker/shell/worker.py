@@ -37,6 +37,7 @@ from policyworker.functional.logprobs import (
     count_and_zero_neg_inf,
     default_chunk_size,
     logprobs_with_leading_zero,
+    sampling_filters_active,
 )
 from policyworker.functional.loss import LossInputType, LossType
 from policyworker.functional.metrics import scale_microbatch_metrics
@@ -268,8 +269,7 @@ class PolicyWorker:
         divisible by tp; otherwise this block's logits are gathered over the vocab first (one
         [rows, positions, V] block, differentiable) and scored as plain logits.
         """
-        filtering = (top_k is not None and top_k > 0) or top_p < 1.0
-        if (isinstance(logits, DTensor) and filtering
+        if (isinstance(logits, DTensor) and sampling_filters_active(top_k, top_p)
                 and ids.numel() % self.parallel.tp_size != 0):
             logits = logits.full_tensor()
         return collectives.next_token_logprobs_any(
@@ -339,7 +339,7 @@ class PolicyWorker:
 
     def _filtering(self) -> bool:
         _, top_k, top_p = self._sampling
-        return (top_k is not None and top_k > 0) or top_p < 1.0
+        return sampling_filters_active(top_k, top_p)
 
     @staticmethod
     def _valid_mask(data: Mapping[str, Any], seq_len: int) -> torch.Tensor:

@@ -423,3 +423,13 @@ def test_target_logprobs_on_shifted_targets_equal_next_token_logprobs(case, top_
     finite_weighted_sum(got[:, :-1], weights).backward()
     finite_weighted_sum(expected, weights).backward()
     torch.testing.assert_close(x_target.grad, x_next.grad)
+
+
+@given(top_k=st.one_of(st.none(), st.integers(-1, 12)), top_p=st.floats(0.05, 1.0),
+       seed=SEEDS)
+def test_inactive_filters_keep_every_logit(top_k, top_p, seed):
+    """When sampling_filters_active says no, the filters are the identity (no mask at all)."""
+    logits = seeded_randn(seed, (3, 8))
+    if not lp.sampling_filters_active(top_k, top_p):
+        assert lp.sampling_keep_mask(logits, top_k=top_k, top_p=top_p) is None
+        assert torch.equal(lp.apply_sampling_filters(logits, top_k=top_k, top_p=top_p), logits)
