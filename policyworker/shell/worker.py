@@ -212,14 +212,12 @@ class PolicyWorker:
         cfg = self.cfg
         if cfg.dynamic_batching is not None:
             dyn = cfg.dynamic_batching
-            budget = dyn.train_mb_tokens if purpose == "train" else (
-                dyn.logprob_mb_tokens or dyn.train_mb_tokens)
+            budget = dyn.train_mb_tokens if purpose == "train" else dyn.logprob_tokens
             plans = batching.dynamic_microbatches(lengths, max_tokens=budget, seq_len=seq_len,
                                                   sequence_length_round=dyn.sequence_length_round)
         elif cfg.sequence_packing is not None:
             sp = cfg.sequence_packing
-            budget = sp.train_mb_tokens if purpose == "train" else (
-                sp.logprob_mb_tokens or sp.train_mb_tokens)
+            budget = sp.train_mb_tokens if purpose == "train" else sp.logprob_tokens
             plans = batching.packed_microbatches(
                 lengths, capacity=budget, algorithm=sp.algorithm,
                 pad_multiple=cfg.make_sequence_length_divisible_by)
