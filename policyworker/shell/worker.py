@@ -711,11 +711,7 @@ class PolicyWorker:
 
     def move_buffer_to_device(self, model: torch.nn.Module, device: str | torch.device
                               ) -> torch.nn.Module:
-        device = self._resolve_device(device)
-        for module in model.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None and buf.device != device:
-                    module._buffers[name] = buf.to(device)
+        parallel_lib.move_buffers(model, self._resolve_device(device))
         return model
 
     def move_to_device(self, model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
