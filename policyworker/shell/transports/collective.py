@@ -55,7 +55,7 @@ from policyworker.functional.buckets import (
     plan_ipc_buckets,
     unpack_tensors,
 )
-from policyworker.shell.params import iter_refit_sources, refit_specs
+from policyworker.shell.params import refit_stream
 from policyworker.shell.receiver import HFWeightReceiver, RefitReport
 from policyworker.shell.transports.wire import (
     DTYPES_BY_NAME,
@@ -649,9 +649,9 @@ def broadcast_model_weights(
                "pass kv_scales=None")
         raise ValueError(msg)
     with cpu_offload_cycle(cpu_offload, onload, offload, transport="broadcast_weights_for_collective"):
-        specs = refit_specs(model, refit_dtype, draft_model)
-        info = {s.name: (torch.Size(s.shape), s.dtype) for s in specs}
-        sources = ((s.name, s.tensor) for s in iter_refit_sources(model, refit_dtype, draft_model))
+        stream = refit_stream(model, refit_dtype, draft_model)  # one walk: specs and tensors
+        info = {s.name: (torch.Size(s.shape), s.dtype) for s in stream.specs}
+        sources = ((s.name, s.tensor) for s in stream.sources)
         return group.broadcast_weights(sources, refit_info=info, buffer_size_bytes=buffer_size_bytes,
                                        num_buffers=num_buffers, use_legacy_packing=use_legacy_packing,
                                        refit_timeout_s=refit_timeout_s)
