@@ -54,6 +54,8 @@ import torch.distributed as dist
 from torch import nn
 
 from policyworker.functional.names import canonical_name, is_lora_param, to_hf_tensors
+from policyworker.shell.parallel import reshard
+from policyworker.shell.params import tie_word_embeddings
 
 __all__ = [
     "COMMIT_RECORD_PREFIX",
@@ -317,22 +319,8 @@ def _locals(state: Mapping[str, torch.Tensor], *, rank: int, world_size: int) ->
 
 def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Live params + persistent buffers (sharded form: FSDP2 roots are resharded first)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        FSDPModule = ()  # noqa: N806
-    for module in model.modules():
-        if FSDPModule and isinstance(module, FSDPModule):
-            module.reshard()
+    reshard(model)
     return model.state_dict(keep_vars=True)
-
-
-def _tied(model: nn.Module) -> bool:
-    config = getattr(model, "config", None)
-    if config is None:
-        return False
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return bool(getattr(text, "tie_word_embeddings", False))
 
 
 def _specs(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -936,7 +924,7 @@ def save_hf_weights(
     """
     live = _model_state(model)
     values = live if state is None else {k: state[k] for k in live if k in state}
-    layout = hf_layout(_specs({k: live[k] for k in values}), tie_word_embeddings=_tied(model))
+    layout = hf_layout(_specs({k: live[k] for k in values}), tie_word_embeddings=tie_word_embeddings(model))
     plans = plan_safetensors_files(layout, max_file_bytes=max_file_bytes)
     locals_ = _locals(live, rank=parallel.rank, world_size=parallel.world_size)
     if state is not None:
@@ -1020,7 +1008,7 @@ def load_hf_weights(
     folder = pathlib.Path(folder)
     found = validate_hf_folder(folder)
     live = _model_state(model)
-    layout = hf_layout(_specs(live), tie_word_embeddings=_tied(model))
+    layout = hf_layout(_specs(live), tie_word_embeddings=tie_word_embeddings(model))
     _check_names(layout, found, folder)
     locals_ = _locals(live, rank=parallel.rank, world_size=parallel.world_size)
     in_layout = {t.key for t in layout}

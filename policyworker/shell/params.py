@@ -69,7 +69,8 @@ def keep_fp32_patterns(model: nn.Module) -> tuple[str, ...]:
     return tuple(patterns)
 
 
-def _tie_word_embeddings(model: nn.Module) -> bool:
+def tie_word_embeddings(model: nn.Module) -> bool:
+    """Whether the model's (text) config ties lm_head to the input embeddings."""
     config = getattr(model, "config", None)
     if config is None:
         return False
@@ -161,7 +162,7 @@ def _walk_of(
     keep_fp32: tuple[str, ...], prefix: str,
 ) -> _Walk:
     """The cached walk while the model's key/shape/dtype signature is unchanged, else a new one."""
-    tied = _tie_word_embeddings(model)
+    tied = tie_word_embeddings(model)
     cache_key = (target_dtype, keep_fp32, prefix, tied)
     per_model = _WALKS.setdefault(model, {})
     walk = per_model.get(cache_key)
