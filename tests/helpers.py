@@ -10,6 +10,13 @@ import sys
 import threading
 
 
+# The shape of the tiny dense decoders the multi-process tests build (Llama / Qwen2 / Qwen3).
+TINY_DECODER_SHAPE = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+)
+
+
 def tiny_deepseek_v3_config():
     """A 2-layer DeepSeek-V3 (MLA, 4 routed + 1 shared expert); layer 1 is MoE with an fp32 router."""
     from transformers import DeepseekV3Config

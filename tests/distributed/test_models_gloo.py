@@ -19,18 +19,11 @@ from transformers import (
 
 from tests.distributed import workers
 from tests.distributed.launch import run_on_gloo
+from tests.helpers import TINY_DECODER_SHAPE
 
 pytestmark = pytest.mark.distributed
 
-_SHAPE = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+_SHAPE = TINY_DECODER_SHAPE
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.distributed import workers
 from tests.distributed.launch import run_on_gloo
+from tests.helpers import TINY_DECODER_SHAPE
 
 pytestmark = pytest.mark.distributed
 
@@ -26,15 +27,7 @@ pytestmark = pytest.mark.distributed
 def llama_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("worker_llama")
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    config = LlamaConfig(**TINY_DECODER_SHAPE)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # larger-than-default init so logprobs are far from uniform
         for p in model.parameters():
