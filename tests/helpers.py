@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 
-
 # The shape of the tiny dense decoders the multi-process tests build (Llama / Qwen2 / Qwen3).
 TINY_DECODER_SHAPE = dict(
     vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -29,6 +28,13 @@ def tiny_deepseek_v3_config():
     )
 
 
+def child_env(root: str | os.PathLike | None = None, **extra: str) -> dict[str, str]:
+    """This environment for a child Python: one intra-op thread, the repo first on PYTHONPATH,
+    and the caller's PYTHONPATH kept (the device machine carries packages there)."""
+    path = os.pathsep.join(p for p in (str(root or os.getcwd()), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
+
+
 class JsonCommandChild:
     """A child Python process running `script`, driven by JSON lines on stdin.
 
@@ -37,13 +43,8 @@ class JsonCommandChild:
     """
 
     def __init__(self, script: str):
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
-        }
         self.proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
+                                     stdout=subprocess.PIPE, text=True, env=child_env())
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 

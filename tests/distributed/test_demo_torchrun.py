@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -11,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import child_env
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_tp2_demo_under_torchrun_keeps_parity_on_every_step():
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = child_env(ROOT)
     run = subprocess.run(
         [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "policyworker", "demo",
          "--tp", "2", "--steps", "3", "--no-require-rise", "--seed", "1"],

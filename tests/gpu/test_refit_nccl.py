@@ -5,7 +5,6 @@ the NCCL broadcast needs two GPUs (``multigpu``); on one GPU the CUDA IPC logits
 SGLang payload (CUDA tensors as IPC handles) are checked across two processes.
 """
 
-import os
 import pickle
 import socket
 import struct
@@ -18,6 +17,7 @@ import torch
 from policyworker.shell.transports import collective as C
 from policyworker.shell.transports import ipc_logits as L
 from policyworker.shell.transports import sglang as S
+from tests.helpers import child_env
 
 pytestmark = pytest.mark.gpu
 
@@ -73,7 +73,7 @@ while True:
 
 class _Child:
     def __init__(self):
-        env = {**os.environ, "PYTHONPATH": os.getcwd()}
+        env = child_env()
         self.proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env)
 

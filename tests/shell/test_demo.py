@@ -2,7 +2,6 @@
 parity), plus the pure task / reward / advantage / verdict / report functions."""
 
 import io
-import os
 import re
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from policyworker.demo.task import (
     reward_rose,
     smoothed_ends,
 )
+from tests.helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_RE = re.compile(r"^step=(\d+) reward=([0-9.]+) kl=(-?[0-9.]+) refit_ms=([0-9.]+) "
@@ -31,7 +31,7 @@ STEP_RE = re.compile(r"^step=(\d+) reward=([0-9.]+) kl=(-?[0-9.]+) refit_ms=([0-
 @pytest.fixture(scope="module")
 def short_run():
     """One 3-step demo in a fresh interpreter (its own inference process, real ZMQ refit)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = child_env(ROOT)
     return subprocess.run([sys.executable, "-m", "policyworker", "demo", "--steps", "3",
                            "--no-require-rise", "--seed", "1"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240, check=False)

@@ -15,6 +15,7 @@ from policyworker.errors import DataError
 from policyworker.shell.transports import ipc_logits as L
 from policyworker.shell.transports.zmq_ipc import SHM_DIR
 from policyworker.shell.worker import PolicyWorker
+from tests.helpers import child_env
 from tests.shell.conftest import make_batch, make_config
 
 CONSUMER = r"""
@@ -31,7 +32,7 @@ views[0][0, 0] = 12345.0  # in place: the producer must see this write
 
 
 def _consume(records, out):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-c", CONSUMER, str(out)], input=json.dumps(records), text=True,
                           capture_output=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
