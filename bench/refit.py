@@ -165,7 +165,7 @@ def timed(fn, cuda: bool) -> list[float]:
     return out
 
 
-def bench_shape(name: str, device: str) -> list[dict]:
+def bench_shape(name: str, device: str, sweep_gib: list[float] = ()) -> list[dict]:
     cuda = device.startswith("cuda")
     shapes = state_shapes(name)
     model = build_module(shapes, dtype=torch.float32, device=device, random=True)
@@ -183,7 +183,7 @@ def bench_shape(name: str, device: str) -> list[dict]:
                     "refit_info": {
                         n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()
                     },
-                    "num_refits": 3 * (REPEATS + 1),
+                    "num_refits": (3 + len(sweep_gib)) * (REPEATS + 1),
                 }
             )
         )
@@ -198,6 +198,11 @@ def bench_shape(name: str, device: str) -> list[dict]:
             ours = timed(lambda: sender.stream_weights_via_ipc_zmq(timeout_s=300), cuda)
             keep = timed(lambda: sender.stream_weights_via_ipc_zmq(timeout_s=300, keep_staging=True), cuda)
             sender.release_staging()
+            swept = {}
+            for gib in sweep_gib:  # total staging (two buffers), kept between refits
+                swept[f"keep {gib:g}GiB"] = timed(lambda gib=gib: sender.stream_weights_via_ipc_zmq(
+                    buffer_size_bytes=int(gib * (1 << 30)), timeout_s=300, keep_staging=True), cuda)
+                sender.release_staging()
             per_tensor = timed(lambda: per_tensor_stream(sender, model, cuda, 300), cuda)
             child.wait(timeout=300)
         finally:
@@ -208,7 +213,8 @@ def bench_shape(name: str, device: str) -> list[dict]:
     ceiling = timed(lambda: copy_ceiling(model, dest, cuda), cuda)
     rows = []
     ceiling_s = statistics.median(ceiling)
-    for method, times in (("ceiling", ceiling), ("ours", ours), ("ours-keep", keep), ("per-tensor", per_tensor)):
+    measured = {"ceiling": ceiling, "ours": ours, "ours-keep": keep, **swept, "per-tensor": per_tensor}
+    for method, times in measured.items():
         median = statistics.median(times)
         rows.append(
             {
@@ -232,6 +238,8 @@ def main() -> None:
     )
     parser.add_argument("--role", default="sender", choices=["sender", "receiver"])
     parser.add_argument("--spec")
+    parser.add_argument("--sweep-gib", type=float, nargs="*", default=[],
+                        help="also time kept staging of these total sizes (GiB, two buffers)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "refit.json"))
     args = parser.parse_args()
     if args.role == "receiver":
@@ -243,13 +251,13 @@ def main() -> None:
         if not torch.cuda.is_available():
             parser.error("CUDA is needed for the full benchmark; use --small on CPU")
         device, names = "cuda", ["qwen2.5-1.5b", "qwen2.5-7b"]
-    rows = [row for name in names for row in bench_shape(name, device)]
+    rows = [row for name in names for row in bench_shape(name, device, args.sweep_gib)]
     print(
-        f"{'shape':<14}{'method':<12}{'GB (bf16)':>10}{'median ms':>11}{'GB/s':>9}{'% ceiling':>11}"
+        f"{'shape':<14}{'method':<14}{'GB (bf16)':>10}{'median ms':>11}{'GB/s':>9}{'% ceiling':>11}"
     )
     for r in rows:
         print(
-            f"{r['shape']:<14}{r['method']:<12}{r['model_bytes'] / 1e9:>10.3f}{r['median_ms']:>11.2f}"
+            f"{r['shape']:<14}{r['method']:<14}{r['model_bytes'] / 1e9:>10.3f}{r['median_ms']:>11.2f}"
             f"{r['gb_per_s']:>9.1f}{100 * r['fraction_of_ceiling']:>10.0f}%"
         )
     out = Path(args.out)

@@ -18,6 +18,7 @@ from policyworker.shell.transports.wire import (
     Begin,
     Bucket,
     Complete,
+    CudaBuffer,
     ManifestCache,
     ProtocolError,
     Reply,
@@ -61,6 +62,30 @@ def test_bucket_complete_abort_and_reply_round_trip(tensors, seq, size, keep):
     assert decode_request(encode(Abort("why"))) == Abort("why")
     reply = Reply(False, "bucket", seq, "bad", {"version": 3})
     assert decode_reply(encode(reply)) == reply
+
+
+handles = st.binary(min_size=1, max_size=64)
+
+
+@given(handle=handles, rc=handles, event=st.binary(max_size=64), filled=handles, keep=st.booleans(),
+       consumed=st.binary(max_size=64), ok=st.booleans())
+def test_cuda_bucket_and_event_reply_round_trip(handle, rc, event, filled, keep, consumed, ok):
+    buffer = CudaBuffer("GPU-0a1b", 4096, 0, 16, True, handle, rc, event, filled, keep)
+    bucket = Bucket(3, buffer, (0, 1), (0, 512), 1024)
+    assert decode_request(encode(bucket)) == bucket
+    reply = Reply(ok, "bucket", 3, "", {}, consumed)
+    assert decode_reply(encode(reply)) == reply
+
+
+def test_cuda_bucket_without_a_filled_event_is_rejected():
+    buffer = CudaBuffer("GPU-0a1b", 4096, 0, 16, True, b"h", b"r", b"e", b"f")
+    frames = encode(Bucket(0, buffer, (0,), (0,), 512))
+    with pytest.raises(ProtocolError, match="4 raw frames"):
+        decode_request([*frames[:-1], b""])
+    with pytest.raises(ProtocolError, match="4 raw frames"):
+        decode_request(frames[:-1])
+    with pytest.raises(ProtocolError, match="at most 1 raw frame"):
+        decode_reply([*encode(Reply(True, "bucket", 0)), b"a", b"b"])
 
 
 @given(manifest=st.lists(specs, max_size=5))

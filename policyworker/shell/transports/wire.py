@@ -51,7 +51,8 @@ __all__ = [
 ]
 
 PROTOCOL = "policyworker-refit"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+MAX_HANDLE_BYTES = 4096
 MAX_HEADER_BYTES = 64 << 20
 MAX_NAME_CHARS = 1024
 MAX_NDIM = 16
@@ -99,7 +100,9 @@ class ShmBuffer:
 
 @attrs.frozen
 class CudaBuffer:
-    """A CUDA staging buffer: the fields of ``UntypedStorage._share_cuda_()`` (handles raw)."""
+    """A CUDA staging buffer: the fields of ``UntypedStorage._share_cuda_()`` (handles raw), plus
+    ``filled_event``: the IPC handle of the interprocess event the sender records after filling
+    the buffer, which the receiver's stream waits on before reading it (no CPU sync)."""
 
     device_uuid: str
     size: int
@@ -109,6 +112,7 @@ class CudaBuffer:
     handle: bytes
     ref_counter_handle: bytes
     event_handle: bytes
+    filled_event: bytes
     keep: bool = False
 
 
@@ -143,13 +147,19 @@ class Abort:
 
 @attrs.frozen
 class Reply:
-    """The receiver's answer: ``ok`` (an ACK) or a rejection with its ``reason``."""
+    """The receiver's answer: ``ok`` (an ACK) or a rejection with its ``reason``.
+
+    ``consumed_event``: on a CUDA bucket's ACK, the IPC handle of the receiver's interprocess
+    event recorded after its reads of that buffer were queued; the sender's stream waits on it
+    before it writes the buffer again (empty otherwise).
+    """
 
     ok: bool
     reply_to: str
     seq: int = -1
     reason: str = ""
     report: dict[str, Any] = attrs.field(factory=dict)
+    consumed_event: bytes = b""
 
 
 Request = Begin | Bucket | Complete | Abort
@@ -170,11 +180,12 @@ def _buffer_json(buf: ShmBuffer | CudaBuffer) -> tuple[dict[str, Any], list[byte
     return ({"kind": "cuda", "device_uuid": buf.device_uuid, "size": buf.size,
              "storage_offset_bytes": buf.storage_offset_bytes, "ref_counter_offset": buf.ref_counter_offset,
              "event_sync_required": buf.event_sync_required, "keep": buf.keep},
-            [buf.handle, buf.ref_counter_handle, buf.event_handle])
+            [buf.handle, buf.ref_counter_handle, buf.event_handle, buf.filled_event])
 
 
 def encode(message: Request | Reply, *, manifest_frame: bytes | None = None) -> list[bytes]:
-    """Frames of a message: the JSON header, then raw frames (BEGIN's manifest, CUDA handles).
+    """Frames of a message: the JSON header, then raw frames (BEGIN's manifest, CUDA handles, a
+    reply's consumed-event handle).
 
     ``manifest_frame``: ``encode_manifest(message.manifest)`` when the caller has it already.
     """
@@ -195,6 +206,7 @@ def encode(message: Request | Reply, *, manifest_frame: bytes | None = None) -> 
     else:
         header.update(kind="reply", ok=message.ok, reply_to=message.reply_to, seq=message.seq,
                       reason=message.reason, report=message.report)
+        raw = [message.consumed_event] if message.consumed_event else []
     return [json.dumps(header, separators=(",", ":")).encode(), *raw]
 
 
@@ -272,13 +284,14 @@ def _buffer(header: Mapping[str, Any], raw: Sequence[bytes]) -> ShmBuffer | Cuda
             raise _fail(f"shm buffer name {name!r} does not match {SHM_NAME_RE.pattern}")
         return ShmBuffer(name, size, keep)
     if kind == "cuda":
-        if len(raw) != 3 or not all(len(r) <= 4096 for r in raw):
-            raise _fail(f"a cuda bucket carries 3 raw frames (handle, ref counter, event) of <= 4096 bytes, got {len(raw)}")
+        if len(raw) != 4 or not all(len(r) <= MAX_HANDLE_BYTES for r in raw) or not raw[3]:
+            raise _fail("a cuda bucket carries 4 raw frames (memory handle, ref counter, storage event, "
+                        f"non-empty filled event) of <= {MAX_HANDLE_BYTES} bytes, got {len(raw)}")
         sync = buffer.get("event_sync_required")
         if not isinstance(sync, bool):
             raise _fail(f"buffer field 'event_sync_required' must be a bool, got {sync!r:.40}")
         return CudaBuffer(_str(buffer, "device_uuid", max_chars=80), size, _int(buffer, "storage_offset_bytes"),
-                          _int(buffer, "ref_counter_offset"), sync, bytes(raw[0]), bytes(raw[1]), bytes(raw[2]), keep)
+                          _int(buffer, "ref_counter_offset"), sync, *raw, keep=keep)
     raise _fail(f"buffer kind {kind!r:.40} is unknown; expected 'shm' or 'cuda'")
 
 
@@ -362,8 +375,11 @@ def decode_reply(frames: Sequence[bytes]) -> Reply:
     report = header.get("report", {})
     if not isinstance(report, dict):
         raise _fail("reply field 'report' must be an object")
+    raw = frames[1:]
+    if len(raw) > 1 or any(len(r) > MAX_HANDLE_BYTES for r in raw):
+        raise _fail(f"a reply carries at most 1 raw frame (an event handle of <= {MAX_HANDLE_BYTES} bytes), got {len(raw)}")
     return Reply(header["ok"], _str(header, "reply_to", max_chars=16), _int(header, "seq", low=-1),
-                 _str(header, "reason", max_chars=1 << 20), report)
+                 _str(header, "reason", max_chars=1 << 20), report, bytes(raw[0]) if raw else b"")
 
 
 def _first(names: Sequence[str], limit: int = 20) -> str:

@@ -94,8 +94,19 @@ class ShmStaging:
     def ref(self, *, keep: bool = False) -> ShmBuffer:
         return ShmBuffer(self.name, self.size, keep)
 
-    def ready(self) -> None:
-        """Writes through a shared mapping are visible to the peer at once: nothing to wait for."""
+    # Writes through a shared mapping are visible to the peer at once, and the receiver copies
+    # synchronously before its ACK: the ordering hooks of CudaStaging have nothing to do here.
+    def wait_for_reader(self) -> None:
+        pass
+
+    def mark_filled(self) -> None:
+        pass
+
+    def note_consumed(self, handle: bytes) -> None:
+        pass
+
+    def forget_consumed(self) -> None:
+        pass
 
     def close(self) -> None:
         self.cache.clear()
@@ -105,7 +116,13 @@ class ShmStaging:
 
 
 class CudaStaging:
-    """A uint8 CUDA staging buffer, shared by the handle of its whole storage (computed once)."""
+    """A uint8 CUDA staging buffer, shared by the handle of its whole storage (computed once).
+
+    Ordering between the two processes stays on the GPU: the sender records ``filled`` (an
+    interprocess event) after queueing the casts into the buffer, the receiver's stream waits on
+    it before reading, and the receiver's ACK carries its own event, which the sender's stream
+    waits on before writing the buffer again. Neither side blocks its CPU on the GPU per bucket.
+    """
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.device = device
@@ -113,6 +130,9 @@ class CudaStaging:
         self.size = nbytes
         self.cache: dict[Any, Any] = {}
         self._ref: CudaBuffer | None = None
+        self.filled = torch.cuda.Event(interprocess=True)
+        self._consumed: torch.cuda.Event | None = None
+        self._consumed_handle = b""
 
     def ref(self, *, keep: bool = False) -> CudaBuffer:
         if self._ref is None:
@@ -122,16 +142,37 @@ class CudaStaging:
             )
             uuid = str(torch.cuda.get_device_properties(self.device).uuid)
             self._ref = CudaBuffer(uuid, int(size), int(offset), int(rc_offset), bool(event_sync),
-                                   bytes(handle), bytes(rc_handle), bytes(event_handle or b""))
+                                   bytes(handle), bytes(rc_handle), bytes(event_handle or b""),
+                                   bytes(self.filled.ipc_handle()))
         return attrs.evolve(self._ref, keep=keep)
 
-    def ready(self) -> None:
-        """The casts into this buffer were queued on the current stream: finish them before sending."""
-        torch.cuda.current_stream(self.device).synchronize()
+    def wait_for_reader(self) -> None:
+        """Queue (on the current stream) a wait for the receiver's reads of this buffer's last bucket,
+        before writing or freeing it."""
+        if self._consumed is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._consumed)
+
+    def mark_filled(self) -> None:
+        """The casts into this buffer are queued on the current stream; the receiver waits on this."""
+        self.filled.record(torch.cuda.current_stream(self.device))
+
+    def note_consumed(self, handle: bytes) -> None:
+        """Remember the receiver's event from the ACK of this buffer's bucket (opened once per handle)."""
+        if not handle:
+            msg = "the receiver's ACK of a CUDA bucket carries no consumed-event handle (protocol mismatch)"
+            raise ProtocolError(msg)
+        if handle != self._consumed_handle:
+            self._consumed = torch.cuda.Event.from_ipc_handle(self.device, handle)
+            self._consumed_handle = handle
+
+    def forget_consumed(self) -> None:
+        """After a complete refit every read is done (the receiver synchronised before COMPLETE)."""
+        self._consumed, self._consumed_handle = None, b""
 
     def close(self) -> None:
         self.cache.clear()
         self.tensor = None
+        self._consumed = None
 
 
 Staging = ShmStaging | CudaStaging
@@ -295,6 +336,7 @@ class ZmqIpcSender:
         self._kept, self._kept_bytes = [], 0
         self._staging_refs = [weakref.ref(s.tensor) for s in ping_pong if s is not None and s.tensor is not None]
         pending: str | None = None  # phase of the request whose reply is still owed
+        pending_staging: Staging | None = None  # the buffer that request's bucket is in
         begun = False
 
         def new_staging(nbytes: int) -> Staging:
@@ -309,20 +351,21 @@ class ZmqIpcSender:
                     staging.close()
                     ping_pong[i] = None
 
-        def request(frames: list[bytes], phase: str) -> None:
-            nonlocal pending
-            if pending is not None:
-                owed, pending = pending, None
-                self._reply(phase=owed, timeout_s=timeout_s)
+        def request(frames: list[bytes], phase: str, staging: Staging | None = None) -> None:
+            nonlocal pending, pending_staging
+            settle()
             self._send(frames, phase=phase, timeout_s=timeout_s)
-            pending = phase
+            pending, pending_staging = phase, staging
 
         def settle() -> Reply | None:
-            nonlocal pending
+            nonlocal pending, pending_staging
             if pending is None:
                 return None
-            owed, pending = pending, None
-            return self._reply(phase=owed, timeout_s=timeout_s)
+            (owed, pending), (staging, pending_staging) = (pending, None), (pending_staging, None)
+            reply = self._reply(phase=owed, timeout_s=timeout_s)
+            if staging is not None:
+                staging.note_consumed(reply.consumed_event)
+            return reply
 
         def prepared(staging: Staging, seq: int, bucket: IpcBucket, keep: bool) -> tuple[list[torch.Tensor], list[bytes]]:
             """The bucket's slot views and encoded frames in this buffer (cached with the buffer)."""
@@ -355,9 +398,10 @@ class ZmqIpcSender:
                         slots, frames = prepared(alone, seq, bucket, False)
                         _fill(slots, items)
                         del slots
-                        alone.ready()
-                        request(frames, f"bucket {seq} (oversized)")
+                        alone.mark_filled()
+                        request(frames, f"bucket {seq} (oversized)", alone)
                         settle()
+                        alone.wait_for_reader()  # the allocator may hand its block out again
                     finally:
                         alone.close()
                     continue
@@ -368,18 +412,20 @@ class ZmqIpcSender:
                 staging = ping_pong[slot]
                 assert staging is not None
                 slots, frames = prepared(staging, seq, bucket, keep_staging)
-                _fill(slots, items)  # overlaps the receiver's load of the other buffer
+                staging.wait_for_reader()
+                _fill(slots, items)  # queued behind the receiver's reads of this buffer's last bucket
                 del slots, items
-                if pending is not None:
-                    settle()
-                staging.ready()
-                request(frames, f"bucket {seq}")
+                staging.mark_filled()
+                request(frames, f"bucket {seq}", staging)
             settle()
             if keep_staging:
                 self._kept = [s for s in ping_pong if s is not None]
                 self._kept_bytes = buffer_bytes
                 ping_pong[:] = [None, None]
             else:
+                for staging in ping_pong:
+                    if staging is not None:
+                        staging.wait_for_reader()
                 release()
                 if transport == "cuda":
                     torch.cuda.empty_cache()
@@ -387,6 +433,8 @@ class ZmqIpcSender:
             reply = settle()
             begun = False
             assert reply is not None
+            for staging in self._kept:
+                staging.forget_consumed()
             return reply.report
         except BaseException as exc:
             release()
@@ -438,11 +486,34 @@ class WeightSink(Protocol):
 
 
 class _Mapped:
-    """One opened staging buffer and the source views of the buckets it carried."""
+    """One opened staging buffer, the source views of the buckets it carried and, for CUDA, the
+    sender's filled event (opened once per handle) and this side's consumed event."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
         self.views: dict[tuple[Any, ...], Any] = {}  # (indices, offsets) -> the sink's prepared batch
+        self._filled: torch.cuda.Event | None = None
+        self._filled_handle = b""
+        self._consumed: torch.cuda.Event | None = None
+        self._consumed_handle = b""
+
+    def wait_filled(self, handle: bytes) -> None:
+        """Queue, on the current stream, a wait for the sender's casts into this buffer."""
+        if handle != self._filled_handle:
+            self._filled = torch.cuda.Event.from_ipc_handle(self.tensor.device, handle)
+            self._filled_handle = handle
+        assert self._filled is not None
+        torch.cuda.current_stream(self.tensor.device).wait_event(self._filled)
+
+    def record_consumed(self) -> bytes:
+        """Record, after the queued reads, the event the sender waits on; its IPC handle."""
+        if self._consumed is None:
+            self._consumed = torch.cuda.Event(interprocess=True)
+            self._consumed.record(torch.cuda.current_stream(self.tensor.device))
+            self._consumed_handle = bytes(self._consumed.ipc_handle())
+        else:
+            self._consumed.record(torch.cuda.current_stream(self.tensor.device))
+        return self._consumed_handle
 
 
 class ReceivedBuffers:
@@ -539,6 +610,7 @@ class RefitServer:
         self._count = 0
         self._buffers = ReceivedBuffers()
         self._num_buckets = 0
+        self._gpu_pending: torch.device | None = None  # a device with reads queued but not awaited
 
     @property
     def in_refit(self) -> bool:
@@ -568,8 +640,15 @@ class RefitServer:
             error = RefitError(f"refit rejected ({kind}): {reason}")
             return encode(Reply(False, kind, seq, reason)), Outcome(done=True, error=error)
 
+    def _drain_gpu(self) -> None:
+        """Wait for every queued read of the sender's buffers (before closing their mappings)."""
+        if self._gpu_pending is not None:
+            torch.cuda.current_stream(self._gpu_pending).synchronize()
+            self._gpu_pending = None
+
     def fail(self, reason: str) -> None:
         """Drop the refit in progress (the sink keeps the previous version or marks itself stale)."""
+        self._drain_gpu()
         if self._manifest is not None:
             self.sink.abort(reason)
         self._manifest = None
@@ -618,16 +697,21 @@ class RefitServer:
             batch = self.sink.prepare(bucket.indices, views)
             if bucket.buffer.keep:
                 mapped.views[key] = batch
-        self.sink.apply_prepared(batch)
-        if mapped.tensor.is_cuda:  # the sender may overwrite this buffer as soon as it reads the ACK
-            torch.cuda.current_stream(mapped.tensor.device).synchronize()
+        consumed = b""
+        if isinstance(bucket.buffer, CudaBuffer):
+            mapped.wait_filled(bucket.buffer.filled_event)
+            self._gpu_pending = mapped.tensor.device
+            self.sink.apply_prepared(batch)
+            consumed = mapped.record_consumed()  # the sender's next write into this buffer waits on it
+        else:
+            self.sink.apply_prepared(batch)
         del batch
         received = self._received
         for index in bucket.indices:
             received[index] = 1
         self._count += len(bucket.indices)
         self._num_buckets += 1
-        return encode(Reply(True, "bucket", bucket.seq)), Outcome()
+        return encode(Reply(True, "bucket", bucket.seq, consumed_event=consumed)), Outcome()
 
     def _complete(self, message: Complete) -> tuple[list[bytes], Outcome]:
         manifest = self._manifest
@@ -635,6 +719,7 @@ class RefitServer:
         if self._count != len(manifest):
             missing = [s.name for s, got in zip(manifest, self._received, strict=True) if not got]
             raise ProtocolError(f"COMPLETE with {len(missing)} tensors never sent: {missing[:20]}")
+        self._drain_gpu()  # the new version is in place before anyone is told so
         self._buffers.finish(ok=True)
         report = self.sink.commit(num_buckets=self._num_buckets)
         self._manifest = None
