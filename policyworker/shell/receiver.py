@@ -35,6 +35,7 @@ from policyworker.shell.transports.zmq_ipc import (
     copy_groups,
     expected_from_refit_info,
     grouped_copy_,
+    run_copy_groups,
 )
 
 __all__ = ["HFWeightReceiver", "PreparedBatch", "RefitReport", "WeightApplier"]
@@ -192,8 +193,7 @@ class WeightApplier:
         self._check_indices(session, batch.indices)
         self.stale = True
         with torch.no_grad():
-            for dsts, srcs in batch.groups:
-                torch._foreach_copy_(dsts, srcs)
+            run_copy_groups(batch.groups)
         self._mark(session, batch.indices)
 
     def _check_indices(self, session: _Session, indices: Sequence[int]) -> None:

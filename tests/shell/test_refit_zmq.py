@@ -508,7 +508,9 @@ def test_keep_staging_reuses_buffers_and_mappings_and_frees_them_on_release_or_f
     assert set(files()) == baseline
 
 
-def test_grouped_copy_casts_every_pair_whatever_the_mix_of_dtypes_and_layouts():
+@pytest.mark.parametrize("large_numel", [zmq_ipc.LARGE_COPY_NUMEL, 6])
+def test_grouped_copy_casts_every_pair_whatever_the_mix_of_dtypes_and_layouts(monkeypatch, large_numel):
+    monkeypatch.setattr(zmq_ipc, "LARGE_COPY_NUMEL", large_numel)
     g = torch.Generator().manual_seed(0)
     srcs = [
         torch.randn(4, 3, generator=g),
@@ -524,6 +526,10 @@ def test_grouped_copy_casts_every_pair_whatever_the_mix_of_dtypes_and_layouts():
         torch.empty(2, dtype=torch.float32),
         torch.empty(12, dtype=torch.float32)[::2],  # non-contiguous destination
     ]
+    groups = zmq_ipc.copy_groups(dsts, srcs)
+    alone = [len(d) for d, _ in groups if len(d) == 1 and d[0].numel() >= large_numel]
+    assert len(alone) == sum(d.numel() >= large_numel for d in dsts)  # large pairs go one by one
+    assert sorted(id(t) for d, _ in groups for t in d) == sorted(id(t) for t in dsts)
     zmq_ipc.grouped_copy_(dsts, srcs)
     for dst, src in zip(dsts, srcs, strict=True):
         assert torch.equal(dst, src.to(dst.dtype))
