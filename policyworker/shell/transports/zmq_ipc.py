@@ -17,6 +17,7 @@ copy launch.
 
 from __future__ import annotations
 
+import copy
 import os
 import secrets
 import shutil
@@ -91,10 +92,17 @@ class ShmStaging:
             os.close(fd)
         self.tensor: torch.Tensor | None = torch.from_file(self.path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
         self.size = nbytes
+        self.base = 0  # where this buffer starts in the shared file (a half starts further in)
+        self._file_size = nbytes
+        self._owners = [self]  # the objects sharing the file; the last one to close unlinks it
         self.cache: dict[Any, Any] = {}
 
+    def halves(self, nbytes: int) -> tuple["ShmStaging", "ShmStaging"]:
+        """Two buffers of ``nbytes`` over this one's file (which must hold both); consumes self."""
+        return _split(self, nbytes)
+
     def ref(self, *, keep: bool = False) -> ShmBuffer:
-        return ShmBuffer(self.name, self.size, keep)
+        return ShmBuffer(self.name, self._file_size, keep)
 
     # Writes through a shared mapping are visible to the peer at once, and the receiver copies
     # synchronously before its ACK: the ordering hooks of CudaStaging have nothing to do here.
@@ -113,7 +121,9 @@ class ShmStaging:
     def close(self) -> None:
         self.cache.clear()
         self.tensor = None
-        if os.path.exists(self.path):
+        if self in self._owners:
+            self._owners.remove(self)
+        if not self._owners and os.path.exists(self.path):
             os.unlink(self.path)
 
 
@@ -130,11 +140,17 @@ class CudaStaging:
         self.device = device
         self.tensor: torch.Tensor | None = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
         self.size = nbytes
+        self.base = 0  # where this buffer starts in its shared allocation (a half starts further in)
         self.cache: dict[Any, Any] = {}
         self._ref: CudaBuffer | None = None
         self.filled = torch.cuda.Event(interprocess=True)
         self._consumed: torch.cuda.Event | None = None
         self._consumed_handle = b""
+
+    def halves(self, nbytes: int) -> tuple["CudaStaging", "CudaStaging"]:
+        """Two buffers of ``nbytes`` over this one's allocation (one IPC handle, one mapping on the
+        receiver, each half with its own filled event); consumes self."""
+        return _split(self, nbytes)
 
     def ref(self, *, keep: bool = False) -> CudaBuffer:
         if self._ref is None:
@@ -178,6 +194,28 @@ class CudaStaging:
 
 
 Staging = ShmStaging | CudaStaging
+
+
+def _split(whole: Any, nbytes: int) -> tuple[Any, Any]:
+    """Two halves of ``whole`` at bases 0 and ``nbytes``, sharing its memory and wire reference.
+
+    One allocation for the ping-pong pair halves the per-refit allocations, IPC handles and
+    receiver mappings of a refit that frees its staging (opening a mapping costs ~0.5 ms).
+    """
+    assert whole.tensor is not None and whole.size >= 2 * nbytes and not whole.cache
+    halves = []
+    for base in (0, nbytes):
+        half = copy.copy(whole)
+        half.tensor, half.size, half.base, half.cache = whole.tensor[base : base + nbytes], nbytes, base, {}
+        if isinstance(whole, CudaStaging):
+            whole.ref()  # the handle of the whole allocation, computed once and shared
+            half.filled = torch.cuda.Event(interprocess=True)
+            half._ref = attrs.evolve(whole._ref, filled_event=bytes(half.filled.ipc_handle()))
+        halves.append(half)
+    if isinstance(whole, ShmStaging):
+        whole._owners[:] = halves
+    whole.tensor = None
+    return halves[0], halves[1]
 
 
 def _slots(staging: Staging, bucket: IpcBucket, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
@@ -370,6 +408,15 @@ class ZmqIpcSender:
             self._staging_refs.append(weakref.ref(staging.tensor))
             return staging
 
+        def new_ping_pong() -> None:
+            """Both buffers from one allocation when at least two buckets will use them."""
+            if sum(not b.oversized for b in plan) < 2:
+                ping_pong[0] = new_staging(buffer_bytes)
+                return
+            whole = make_staging(2 * buffer_bytes)
+            ping_pong[:] = whole.halves(buffer_bytes)
+            self._staging_refs.extend(weakref.ref(s.tensor) for s in ping_pong if s is not None and s.tensor is not None)
+
         def release() -> None:
             for i, staging in enumerate(ping_pong):
                 if staging is not None:
@@ -396,7 +443,9 @@ class ZmqIpcSender:
             """The bucket's slot views and encoded frames in this buffer (cached with the buffer)."""
             hit = staging.cache.get((seq, keep))
             if hit is None:
-                frames = encode(Bucket(seq, staging.ref(keep=keep), bucket.indices, bucket.offsets, bucket.used_bytes))
+                base = staging.base  # where this half starts in the shared buffer
+                frames = encode(Bucket(seq, staging.ref(keep=keep), bucket.indices,
+                                       tuple(base + o for o in bucket.offsets), base + bucket.used_bytes))
                 hit = staging.cache[(seq, keep)] = (_slots(staging, bucket, specs), frames)
             return hit
 
@@ -432,6 +481,8 @@ class ZmqIpcSender:
                     continue
                 slot = turn % 2
                 turn += 1
+                if ping_pong[0] is None and ping_pong[1] is None:
+                    new_ping_pong()
                 if ping_pong[slot] is None:
                     ping_pong[slot] = new_staging(buffer_bytes)
                 staging = ping_pong[slot]
@@ -511,34 +562,34 @@ class WeightSink(Protocol):
 
 
 class _Mapped:
-    """One opened staging buffer, the source views of the buckets it carried and, for CUDA, the
-    sender's filled event (opened once per handle) and this side's consumed event."""
+    """One opened staging buffer, the source views of the buckets it carried and, for CUDA, per
+    region of the buffer the sender fills (a ping-pong half, named by its filled-event handle):
+    the sender's filled event (opened once) and this side's consumed event."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
         self.views: dict[tuple[Any, ...], Any] = {}  # (indices, offsets) -> the sink's prepared batch
-        self._filled: torch.cuda.Event | None = None
-        self._filled_handle = b""
-        self._consumed: torch.cuda.Event | None = None
-        self._consumed_handle = b""
+        self._events: dict[bytes, tuple[torch.cuda.Event, torch.cuda.Event, bytes]] = {}
 
-    def wait_filled(self, handle: bytes) -> None:
-        """Queue, on the current stream, a wait for the sender's casts into this buffer."""
-        if handle != self._filled_handle:
-            self._filled = torch.cuda.Event.from_ipc_handle(self.tensor.device, handle)
-            self._filled_handle = handle
-        assert self._filled is not None
-        torch.cuda.current_stream(self.tensor.device).wait_event(self._filled)
+    def wait_filled(self, filled_handle: bytes) -> bytes:
+        """Queue, on the current stream, a wait for the sender's casts into this region; the
+        region's key for ``record_consumed``."""
+        events = self._events.get(filled_handle)
+        if events is None:
+            if len(self._events) >= 64:  # a misbehaving sender must not grow this without bound
+                self._events.clear()
+            consumed = torch.cuda.Event(interprocess=True)
+            consumed.record(torch.cuda.current_stream(self.tensor.device))  # before its handle is taken
+            filled = torch.cuda.Event.from_ipc_handle(self.tensor.device, filled_handle)
+            events = self._events[filled_handle] = (filled, consumed, bytes(consumed.ipc_handle()))
+        torch.cuda.current_stream(self.tensor.device).wait_event(events[0])
+        return filled_handle
 
-    def record_consumed(self) -> bytes:
-        """Record, after the queued reads, the event the sender waits on; its IPC handle."""
-        if self._consumed is None:
-            self._consumed = torch.cuda.Event(interprocess=True)
-            self._consumed.record(torch.cuda.current_stream(self.tensor.device))
-            self._consumed_handle = bytes(self._consumed.ipc_handle())
-        else:
-            self._consumed.record(torch.cuda.current_stream(self.tensor.device))
-        return self._consumed_handle
+    def record_consumed(self, key: bytes) -> bytes:
+        """Record, after the queued reads of the region, the event the sender waits on; its handle."""
+        _, consumed, handle = self._events[key]
+        consumed.record(torch.cuda.current_stream(self.tensor.device))
+        return handle
 
 
 class ReceivedBuffers:
@@ -724,10 +775,10 @@ class RefitServer:
                 mapped.views[key] = batch
         consumed = b""
         if isinstance(bucket.buffer, CudaBuffer):
-            mapped.wait_filled(bucket.buffer.filled_event)
+            region = mapped.wait_filled(bucket.buffer.filled_event)
             self._gpu_pending = mapped.tensor.device
             self.sink.apply_prepared(batch)
-            consumed = mapped.record_consumed()  # the sender's next write into this buffer waits on it
+            consumed = mapped.record_consumed(region)  # the sender's next write there waits on it
         else:
             self.sink.apply_prepared(batch)
         del batch
