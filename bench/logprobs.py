@@ -6,10 +6,12 @@ of `--repeats`) and the extra peak memory of the call beyond the resident weight
 
 - ours: `PolicyWorker.get_logprobs` with one microbatch of all rows: the LM head runs chunk by
   chunk over the hidden states, so no [T, V] logits tensor is ever materialized.
-- baseline: the same weights, `model(ids).logits.float()` -> `log_softmax` -> gather.
+- baseline: the same weights in a plain HF model (eager, sdpa, loaded apart from the worker so
+  `--fuse` changes only ours), `model(ids).logits.float()` -> `log_softmax` -> gather.
 
 Targets (issue 3): at 16k tokens ours' extra peak <= 25 % of the baseline's, throughput >= it.
-Usage: `python bench/logprobs.py` (CUDA) or `python bench/logprobs.py --small` (CPU smoke).
+Usage: `python bench/logprobs.py` (CUDA) or `python bench/logprobs.py --small` (CPU smoke);
+`--fuse layer|norm_mlp` sets the worker's `dtensor_cfg.fusion`.
 Prints a table (ours / baseline / limit / ratio) and writes bench/results/logprobs.json.
 """
 
@@ -20,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import transformers
 
 from common import (  # noqa: I001  (bench/ is run as a script folder)
     device, gib, is_oom, make_batch, peak_extra_bytes, print_table, ratio, release,
@@ -59,6 +62,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=None, help="logprob_chunk_size (default: by vocab)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precision", default=None)
+    parser.add_argument("--fuse", choices=("none", "norm_mlp", "layer"), default="none",
+                        help="dtensor_cfg.fusion for the worker (torch.compile)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.small:
@@ -70,22 +75,26 @@ def main() -> None:
         model_path = str(Path(tmp) / "model")
         num_params = save_random_model(Path(model_path), small=args.small)
         worker = PolicyWorker({"model_name": model_path, "precision": args.precision,
-                               "logprob_chunk_size": args.chunk, "logprob_batch_size": 1024},
+                               "logprob_chunk_size": args.chunk, "logprob_batch_size": 1024,
+                               "dtensor_cfg": {"fusion": args.fuse}},
                               init_optimizer=False, init_reference_model=False)
+        print(f"fusion: {worker.fusion_report}")
+        plain = transformers.AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation="sdpa").to(worker.device).eval()
         vocab = worker.model.config.vocab_size
         for tokens in args.tokens:
             num_rows = max(1, tokens // args.row_len)
             data = make_batch([args.row_len] * num_rows, vocab=vocab, seed=tokens)
             ids = data["input_ids"].to(worker.device)
             ours = measure(lambda data=data: worker.get_logprobs(data), args.repeats)
-            base = measure(lambda ids=ids: plain_logprobs(worker.model, ids, worker.dtype), args.repeats)
+            base = measure(lambda ids=ids: plain_logprobs(plain, ids, worker.dtype), args.repeats)
             real = num_rows * args.row_len
             for r in (ours, base):
                 if not r["oom"]:
                     r["tokens_per_s"] = real / r["seconds"]
             if not ours["oom"] and not base["oom"]:
                 got = worker.get_logprobs(data)["logprobs"][:, 1:]
-                want = plain_logprobs(worker.model, ids, worker.dtype)
+                want = plain_logprobs(plain, ids, worker.dtype)
                 ours["max_abs_diff_vs_plain"] = float((got - want).abs().max())
             results.append({"tokens": real, "ours": ours, "baseline": base})
             rows.append({"metric": f"{real} tok: tokens/s", "ours": ours.get("tokens_per_s"),

@@ -12,6 +12,8 @@ real (unpadded) tokens/s, MFU = 6 * N * real tokens / s / 790 TFLOP/s, and peak 
   rows (an out-of-memory there is reported, not raised).
 
 Usage: `python bench/train_step.py` (CUDA) or `python bench/train_step.py --small` (CPU smoke).
+`--fuse norm_mlp|layer` sets `dtensor_cfg.fusion` (torch.compile of the model's elementwise work;
+the compile happens in the worker's init probe and the untimed warm-up step).
 Prints a table (ours / baseline / limit / ratio) and writes bench/results/train_step.json.
 """
 
@@ -19,15 +21,29 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from pathlib import Path
 
+import attrs
 import torch
-
-from common import (  # noqa: I001  (bench/ is run as a script folder)
-    device, gib, is_oom, make_batch, mfu, peak_bytes, print_table, ratio, release, rl_lengths,
-    save_random_model, timed, write_results,
+from common import (  # bench/common.py: bench/ is run as a script folder
+    device,
+    gib,
+    is_oom,
+    make_batch,
+    mfu,
+    peak_bytes,
+    print_table,
+    ratio,
+    release,
+    rl_lengths,
+    save_random_model,
+    timed,
+    write_results,
 )
+
 from policyworker.functional.loss import NLLLoss
+from policyworker.shell.fusion import FUSION_MODES
 from policyworker.shell.worker import PolicyWorker
 
 MFU_TARGET = 0.40
@@ -42,8 +58,10 @@ def worker_config(model_path: str, args: argparse.Namespace, *, packed: bool) ->
         "max_grad_norm": 1.0,
         "logprob_chunk_size": args.chunk,
         "optimizer": {"name": "torch.optim.AdamW",
-                      "kwargs": {"lr": 1e-6, "weight_decay": 0.01, "fused": device().type == "cuda"}},
-        "dtensor_cfg": {"activation_checkpointing": args.activation_checkpointing},
+                      "kwargs": {"lr": 1e-6, "weight_decay": 0.01,
+                                 "fused": device().type == "cuda"}},
+        "dtensor_cfg": {"activation_checkpointing": args.activation_checkpointing,
+                        "fusion": args.fuse},
     }
     if packed:
         cfg["sequence_packing"] = {"train_mb_tokens": args.mb_tokens}
@@ -54,7 +72,11 @@ def bench_worker(model_path: str, args, data, num_params: int, *, packed: bool) 
     release()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    worker = PolicyWorker(worker_config(model_path, args, packed=packed), init_reference_model=False)
+    start = time.perf_counter()
+    worker = PolicyWorker(worker_config(model_path, args, packed=packed),
+                          init_reference_model=False)
+    fusion = fusion_result(worker, args.fuse, label="packed" if packed else "padded",
+                           seconds=time.perf_counter() - start)
     tokens = int(data["input_lengths"].sum())
     try:
         seconds, result = timed(lambda: worker.train(data, NLLLoss()), repeats=args.steps)
@@ -63,18 +85,27 @@ def bench_worker(model_path: str, args, data, num_params: int, *, packed: bool) 
     finally:
         peak = peak_bytes()
         worker.offload_after_refit()
-        del worker
+        worker = None  # the last reference, so release() can return its memory
         release()
     return {"tokens_per_s": tokens / seconds, "mfu": mfu(num_params, tokens, seconds),
             "step_s": seconds, "peak_gib": gib(peak), "loss": float(result["global_loss"][0]),
-            "attn": "varlen" if packed and device().type == "cuda" else "sdpa"}
+            "attn": "varlen" if packed and device().type == "cuda" else "sdpa", **fusion}
+
+
+def fusion_result(worker: PolicyWorker, mode: str, *, label: str, seconds: float) -> dict:
+    """The worker's fusion report (its init ran the compile probe), printed and as result keys."""
+    report = worker.fusion_report
+    print(f"fusion ({label}): {report}; worker init {seconds:.1f} s")
+    return {"fuse": mode, "fuse_report": attrs.asdict(report), "init_s": seconds}
 
 
 def profile_step(worker: PolicyWorker, data: dict) -> None:
     """Print the kernels that take the most device time in one more train() call."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         worker.train(data, NLLLoss())
     key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
@@ -118,27 +149,32 @@ def bench_plain_hf(model_path: str, args, lengths: list[int], num_params: int) -
         if not is_oom(exc):
             raise
         out = {"oom": True, "peak_gib": gib(peak_bytes())}
-    del model, opt, ids, mask
+    model = opt = ids = mask = None  # the last references (step() closes over them)
     release()
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny model, short rows, CPU-friendly")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--baseline-batch", type=int, default=4)
     parser.add_argument("--min-len", type=int, default=256)
     parser.add_argument("--max-len", type=int, default=4096)
-    parser.add_argument("--mb-tokens", type=int, default=16384, help="packing capacity per microbatch")
+    parser.add_argument("--mb-tokens", type=int, default=16384,
+                        help="packing capacity per microbatch")
     parser.add_argument("--padded-mbs", type=int, default=2, help="rows per padded microbatch")
-    parser.add_argument("--chunk", type=int, default=None, help="logprob_chunk_size (default: by vocab)")
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="logprob_chunk_size (default: by vocab)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     parser.add_argument("--precision", default=None)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--skip-baseline-full-batch", action="store_true")
     parser.add_argument("--skip-baseline", action="store_true", help="measure ours only")
     parser.add_argument("--profile", action="store_true", help="print top kernels of a packed step")
+    parser.add_argument("--fuse", choices=FUSION_MODES, default="none",
+                        help="dtensor_cfg.fusion for the worker (torch.compile)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.small:
@@ -177,7 +213,8 @@ def main() -> None:
                      "baseline": "OOM" if base_full["oom"] else base_full["peak_gib"],
                      "limit": "peak GiB"})
     print_table(f"train step, {num_params / 1e9:.2f}B params, {args.batch} rows of "
-                f"{args.min_len}..{args.max_len} tokens ({sum(lengths)} real), {args.precision}", rows)
+                f"{args.min_len}..{args.max_len} tokens ({sum(lengths)} real), "
+                f"{args.precision}", rows)
     write_results("train_step", {
         "num_params": num_params, "lengths": lengths, "args": vars(args),
         "ours_packed": packed, "ours_padded": padded, "baseline_small_batch": base_small,

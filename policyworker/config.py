@@ -43,6 +43,7 @@ __all__ = [
     "DTensorConfig",
     "DraftConfig",
     "DropoutPosition",
+    "FusionMode",
     "DynamicBatchingConfig",
     "GenerationConfig",
     "LoRAConfig",
@@ -68,6 +69,8 @@ __all__ = [
 
 Precision = Literal["float32", "bfloat16", "float16"]
 AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "varlen"]
+# torch.compile of elementwise work in the training model (shell/fusion.py); "none" runs eager
+FusionMode = Literal["none", "norm_mlp", "layer"]
 PackingAlgorithm = Literal[
     "modified_first_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle", "concatenative"
 ]
@@ -233,7 +236,10 @@ class LoRAConfig:
 
 @frozen(kw_only=True)
 class DTensorConfig:
-    """`policy.dtensor_cfg`: parallel sizes, memory options, LoRA and the attention kernel."""
+    """`policy.dtensor_cfg`: parallel sizes, memory options, LoRA, the attention kernel and
+    `fusion` (not a NeMo-RL key): `layer` runs each decoder layer through one `torch.compile`d
+    graph, `norm_mlp` only RMSNorm and SiLU-gated MLP activations, `none` (default) runs eager.
+    Single process only; a failing compile falls back to eager with a warning."""
 
     tensor_parallel_size: int = field(default=1, validator=_at_least(1))
     context_parallel_size: int = field(default=1, validator=_at_least(1))
@@ -242,6 +248,7 @@ class DTensorConfig:
     cpu_offload: bool = False
     lora_cfg: LoRAConfig | None = None
     attn_implementation: AttnImplementation = "auto"
+    fusion: FusionMode = "none"
 
     def __attrs_post_init__(self) -> None:
         if self.sequence_parallel and self.tensor_parallel_size == 1:

@@ -47,6 +47,7 @@ from policyworker.shell import collectives
 from policyworker.shell import model as model_lib
 from policyworker.shell import parallel as parallel_lib
 from policyworker.shell.distributed import ParallelContext
+from policyworker.shell.fusion import fuse_elementwise
 from policyworker.shell.optim import build_optimizer, build_scheduler
 
 __all__ = ["AutomodelPolicyWorker", "PolicyWorker"]
@@ -109,6 +110,11 @@ class PolicyWorker:
                    "is a single process without one); launch with torchrun (even "
                    "--nproc-per-node 1) or set cpu_offload: false")
             raise ValueError(msg)
+        if dcfg.fusion != "none" and self.parallel.mesh is not None:
+            msg = (f"dtensor_cfg.fusion={dcfg.fusion!r} compiles the single-process model; with a "
+                   f"process group (world size {self.parallel.world_size}) FSDP2/TP own the layers, "
+                   "so set fusion: none there")
+            raise ValueError(msg)
         self.device = self.parallel.device
         self.dtype = precision_dtype(self.cfg.precision)
         weights_folder = _hf_weights_folder(weights_path)
@@ -123,6 +129,7 @@ class PolicyWorker:
         if self.cfg.sequence_packing is not None:
             model_lib.check_document_isolation(self.model, autocast_dtype=self.dtype)
             self._reshard()  # the probe's no-grad forward left FSDP2 roots unsharded
+        self.fusion_report = fuse_elementwise(self.model, mode=dcfg.fusion, autocast_dtype=self.dtype)
         self.optimizer = build_optimizer(self.model, self.cfg.optimizer) if (
             init_optimizer and self.cfg.optimizer is not None) else None
         self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler) if self.optimizer else None

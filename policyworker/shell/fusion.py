@@ -1,0 +1,380 @@
+"""Opt-in elementwise fusion for the training model through `torch.compile` (inductor).
+
+A bf16-autocast train step over fp32 master weights spends much of its device time in small
+unfused kernels: RMSNorm's fp32 upcast / pow / mean / rsqrt / mul / cast back / weight mul and
+the MLP's SiLU(gate) * up. `fuse_elementwise` replaces module forwards (instance attributes, so
+`unfuse_elementwise` restores them by deleting the attribute):
+
+- ``"norm_mlp"``: every Hugging Face-style RMSNorm calls one compiled `rms_norm_reference`, and
+  every SiLU-gated MLP calls one compiled `silu_mul_reference` between its projections. The
+  projections stay submodule calls, so LoRA / peft wrappers around them keep working.
+- ``"layer"``: every decoder layer (the elements of `nn.ModuleList`s named ``layers``) runs its
+  class's forward through one compiled function per class, so all layers share one graph.
+- ``"none"``: nothing.
+
+Compile errors surface only at the first call, so fusing probes: one tiny eager forward of the
+whole model (train mode, a [2, 3] batch called like a padded microbatch, under `autocast_dtype`)
+records each module's inputs, and each distinct kind of call then runs fused and eager on them,
+values and gradients compared. On any failure every replacement is undone, one warning names
+the reason and the report carries it as `fallback_reason`. The probe's graphs are the ones a
+padded train step reuses; a packed [1, N] microbatch (dynamo specialises size-1 dims) and eval
+mode compile one more graph each at first use. Active dropout inside a compiled layer cannot
+match eager (inductor draws other random numbers), so "layer" falls back for such models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from attrs import frozen
+from torch import nn
+
+from policyworker.shell.model import autocast_context
+
+__all__ = [
+    "FUSION_MODES",
+    "FusionReport",
+    "fuse_elementwise",
+    "rms_norm_reference",
+    "silu_mul_reference",
+    "unfuse_elementwise",
+]
+
+FusionMode = Literal["none", "norm_mlp", "layer"]
+FUSION_MODES: tuple[str, ...] = ("none", "norm_mlp", "layer")
+# Set on every module whose forward we replaced; unfuse deletes it together with the forward.
+_FUSED_MARKER = "_policyworker_fused"
+# The probe forward's batch: >= 2 so dynamo does not specialise a dim to 1 (that graph would
+# not serve padded batches), and distinct so duck sizing does not tie batch and sequence dims.
+_PROBE_BATCH, _PROBE_SEQ = 2, 3
+_CHECK_ROWS = 3  # rows of the eager class checks
+# Compiled functions, created once per process: a second `torch.compile` of the same function
+# would add cache entries to the same code object and count towards dynamo's recompile limit.
+_COMPILED: dict[object, Callable[..., Any]] = {}
+
+
+@frozen(kw_only=True)
+class FusionReport:
+    """What `fuse_elementwise` replaced; all counts are 0 when `fallback_reason` is set."""
+
+    mode: str
+    fused_norms: int = 0
+    fused_mlps: int = 0
+    fused_layers: int = 0
+    fallback_reason: str | None = None
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama/Qwen2/Qwen3 RMSNorm forward, op for op (the cast back happens
+    before the weight multiply, so an fp32 weight promotes a bf16 input's output to fp32)."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(input_dtype)
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated-MLP activation `act_fn(gate_proj(x)) * up_proj(x)` with act_fn = SiLU."""
+    return F.silu(gate) * up
+
+
+def _compiled(key: object, fn: Callable[..., Any]) -> Callable[..., Any]:
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, dynamic=True)
+    return _COMPILED[key]
+
+
+# ---------------------------------------------------------------------------- fused forwards
+
+
+def _fused_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return _compiled("rms_norm", rms_norm_reference)(hidden_states, self.weight, _norm_eps(self))
+
+
+def _fused_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    return self.down_proj(_compiled("silu_mul", silu_mul_reference)(gate, up))
+
+
+# ---------------------------------------------------------------------------- matching
+
+
+def _norm_eps(module: nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps"):
+        eps = getattr(module, name, None)
+        if isinstance(eps, float):
+            return eps
+    return None
+
+
+def _looks_like_rms_norm(module: nn.Module) -> bool:
+    weight = module._parameters.get("weight")
+    return (type(module).__name__.endswith("RMSNorm") and weight is not None
+            and weight.ndim == 1 and _norm_eps(module) is not None)
+
+
+def _looks_like_silu_mlp(module: nn.Module) -> bool:
+    if not all(isinstance(getattr(module, n, None), nn.Module)
+               for n in ("gate_proj", "up_proj", "down_proj")):
+        return False
+    act = getattr(module, "act_fn", None)
+    hidden_act = getattr(getattr(module, "config", None), "hidden_act", "silu")
+    return (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation") and (
+        hidden_act in ("silu", "swish"))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@torch.no_grad()
+def _norm_class_matches(module: nn.Module) -> bool:
+    """The class's own forward equals `rms_norm_reference` bit for bit (Gemma-style `1 + w` or
+    a cast after the weight multiply would not), for fp32 and bf16 inputs."""
+    weight = module.weight
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(_CHECK_ROWS, weight.shape[0], device=weight.device).to(dtype)
+        expected = type(module).forward(module, x)
+        if not _same(rms_norm_reference(x, weight, _norm_eps(module)), expected):
+            return False
+    return True
+
+
+@torch.no_grad()
+def _mlp_class_matches(module: nn.Module, device: torch.device) -> bool:
+    """The class's own forward equals down(silu(gate(x)) * up(x)) bit for bit (same seed for
+    both, so dropout inside LoRA-wrapped projections draws the same masks)."""
+    in_features = getattr(module.gate_proj, "in_features", None)  # nn.Linear, LoRA and peft
+    if not isinstance(in_features, int):
+        return False
+    x = torch.randn(_CHECK_ROWS, in_features, device=device,
+                    dtype=next(module.parameters()).dtype)
+    torch.manual_seed(0)
+    expected = type(module).forward(module, x)
+    torch.manual_seed(0)
+    got = module.down_proj(silu_mul_reference(module.gate_proj(x), module.up_proj(x)))
+    return _same(got, expected)
+
+
+def _matching(modules: list[nn.Module],
+              class_matches: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    verdict: dict[type, bool] = {}
+    for module in modules:
+        if type(module) not in verdict:
+            verdict[type(module)] = class_matches(module)
+    return [m for m in modules if verdict[type(m)]]
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    layers: list[nn.Module] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and name.rpartition(".")[2] == "layers":
+            layers.extend(module)
+    return layers
+
+
+# ---------------------------------------------------------------------------- public API
+
+
+def fuse_elementwise(model: nn.Module, *, mode: FusionMode = "norm_mlp",
+                     autocast_dtype: torch.dtype | None = None) -> FusionReport:
+    """Replace module forwards of `model` with compiled fused ones; see the module docstring.
+
+    Calling it again with "norm_mlp" or "layer" first restores the earlier fusion, so a module
+    is never wrapped twice; "none" leaves the model as it is.
+
+    Args:
+        autocast_dtype: the autocast dtype the train step runs under (None or float32: none).
+            The probe runs under the same autocast, so its compiled graphs are the ones the
+            train step reuses instead of recompiling.
+
+    Raises:
+        ValueError: `mode` is not one of FUSION_MODES.
+    """
+    if mode not in FUSION_MODES:
+        msg = f"mode={mode!r} is not a fusion mode; use one of {', '.join(map(repr, FUSION_MODES))}"
+        raise ValueError(msg)
+    if mode == "none":
+        return FusionReport(mode=mode)
+    unfuse_elementwise(model)
+    device = next(model.parameters()).device
+    dtype = autocast_dtype or torch.float32
+    try:
+        with _rng_preserved(device), _training_mode(model):
+            if mode == "norm_mlp":
+                return _fuse_norm_mlp(model, device=device, autocast_dtype=dtype)
+            return _fuse_layers(model, device=device, autocast_dtype=dtype)
+    except Exception as exc:  # any compile or probe failure: fall back to the eager model
+        unfuse_elementwise(model)
+        reason = f"{type(exc).__name__}: {_first_line(exc)}"
+        warnings.warn(f"fuse_elementwise(mode={mode!r}) fell back to the unfused model: {reason}",
+                      RuntimeWarning, stacklevel=2)
+        return FusionReport(mode=mode, fallback_reason=reason)
+
+
+def unfuse_elementwise(model: nn.Module) -> int:
+    """Restore the class forwards of every module `fuse_elementwise` replaced; return how many."""
+    restored = 0
+    for module in model.modules():
+        if module.__dict__.pop(_FUSED_MARKER, False):
+            module.__dict__.pop("forward", None)
+            restored += 1
+    return restored
+
+
+def _install(module: nn.Module, forward: Callable[..., Any]) -> None:
+    module.__dict__["forward"] = types.MethodType(forward, module)
+    module.__dict__[_FUSED_MARKER] = True
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+@contextlib.contextmanager
+def _training_mode(model: nn.Module) -> Iterator[None]:
+    # Dynamo guards on `module.training`: probing in train mode compiles the graphs the train
+    # step reuses (a model fresh from `from_pretrained` is in eval mode).
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+@contextlib.contextmanager
+def _rng_preserved(device: torch.device) -> Iterator[None]:
+    # The probe draws random inputs (and LoRA dropout masks); training must not see that.
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(0)
+        yield
+
+
+# ---------------------------------------------------------------------------- modes
+
+
+def _fuse_norm_mlp(model: nn.Module, *, device: torch.device,
+                   autocast_dtype: torch.dtype) -> FusionReport:
+    norms = _matching([m for m in model.modules() if _looks_like_rms_norm(m)], _norm_class_matches)
+    mlps = _matching([m for m in model.modules() if _looks_like_silu_mlp(m)],
+                     lambda m: _mlp_class_matches(m, device))
+    _fuse_and_probe(model, {m: _fused_norm_forward for m in norms}
+                    | {m: _fused_mlp_forward for m in mlps}, device, autocast_dtype)
+    return FusionReport(mode="norm_mlp", fused_norms=len(norms), fused_mlps=len(mlps))
+
+
+def _fuse_layers(model: nn.Module, *, device: torch.device,
+                 autocast_dtype: torch.dtype) -> FusionReport:
+    # One compiled function per layer class: dynamo then reuses one graph for all its layers.
+    layers = _decoder_layers(model)
+    forwards = {layer: _compiled(type(layer), type(layer).forward) for layer in layers}
+    _fuse_and_probe(model, forwards, device, autocast_dtype)
+    return FusionReport(mode="layer", fused_layers=len(layers))
+
+
+def _fuse_and_probe(model: nn.Module, forwards: dict[nn.Module, Callable[..., Any]],
+                    device: torch.device, autocast_dtype: torch.dtype) -> None:
+    """Install `forwards`, then check each distinct kind of call against the class forward on
+    the inputs the modules got in one tiny eager forward of the whole model.
+
+    Real inputs rather than synthetic ones: dynamo guards on dtype, rank, requires_grad and on
+    the base of a view (Qwen3's q_norm gets a view of q_proj's output), so only inputs made the
+    way the train step makes them give graphs that the train step reuses.
+    """
+    with autocast_context(device, autocast_dtype):
+        captured = _capture_inputs(model, list(forwards), device)
+        for module, forward in forwards.items():
+            _install(module, forward)
+        probed: set[tuple[Any, ...]] = set()
+        for module in forwards:
+            if id(module) not in captured:
+                continue  # not on the probe forward's path (e.g. unused); compiled when first used
+            args, kwargs = captured[id(module)]
+            key = _call_signature(module, args)
+            if key not in probed:
+                probed.add(key)
+                _probe(module, args, kwargs, autocast_dtype)
+
+
+def _capture_inputs(model: nn.Module, modules: list[nn.Module], device: torch.device
+                    ) -> dict[int, tuple[tuple[Any, ...], dict[str, Any]]]:
+    """(args, kwargs) of each module's first call in one eager forward of a [2, 3] batch,
+    called the way the worker calls a padded microbatch (expanded position ids, no mask)."""
+    captured: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        captured.setdefault(id(module), (args, kwargs))
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
+    try:
+        vocab = model.get_input_embeddings().num_embeddings
+        ids = torch.randint(0, vocab, (_PROBE_BATCH, _PROBE_SEQ), device=device)
+        position_ids = torch.arange(_PROBE_SEQ, device=device).expand(_PROBE_BATCH, -1)
+        model(input_ids=ids, position_ids=position_ids, attention_mask=None, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+def _call_signature(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    x = args[0]
+    params = tuple((p.shape, p.dtype, p.requires_grad) for p in module.parameters())
+    return (type(module), params, x.dtype, x.dim(), x.requires_grad, x._base is not None)
+
+
+def _assert_close(module: nn.Module, what: str, got: Any, expected: Any,
+                  compute_dtype: torch.dtype) -> None:
+    """Equal up to a tolerance relative to each tensor's largest magnitude.
+
+    Fused kernels reduce in another order (fp32: errors near 1e-7 of the scale) and, under
+    bf16/fp16 autocast, may round an intermediate once where eager rounds it twice. The probe
+    looks for broken compiles, which miss by the size of the values themselves.
+    """
+    rtol = 1e-4 if compute_dtype == torch.float32 else 2e-2
+    for g, e in zip(got, expected, strict=True):
+        scale = float(e.detach().abs().max()) if e.numel() else 0.0
+        try:
+            torch.testing.assert_close(g, e, rtol=rtol, atol=rtol * max(scale, 1e-6))
+        except AssertionError as exc:
+            detail = next((line.strip() for line in str(exc).splitlines()
+                           if line.startswith("Greatest absolute")), "")
+            msg = (f"compiled vs eager {type(module).__name__}: {what} differ by more than "
+                   f"rtol={rtol} of the largest magnitude {scale:.3g} ({detail}); active dropout "
+                   f"inside a compiled layer is one cause (inductor draws other random numbers)")
+            raise RuntimeError(msg) from exc
+
+
+def _probe(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+           compute_dtype: torch.dtype) -> None:
+    """The installed forward matches the class forward in value and in the gradients of the
+    first input and the parameters (one random cotangent); raises otherwise."""
+    if not (args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()):
+        msg = f"{type(module).__name__} did not get a float tensor as its first positional input"
+        raise TypeError(msg)
+
+    def run(forward: Callable[..., Any]) -> torch.Tensor:
+        torch.manual_seed(0)  # the same dropout masks (e.g. LoRA's) in the fused and eager runs
+        out = forward(*args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    fused = run(module.forward)
+    eager = run(functools.partial(type(module).forward, module))
+    _assert_close(module, "outputs", [fused], [eager], compute_dtype)
+    leaves = [t for t in (args[0], *module.parameters()) if t.requires_grad]
+    if leaves:
+        cotangent = torch.randn_like(eager)
+        grads_fused = torch.autograd.grad(fused, leaves, cotangent, materialize_grads=True)
+        grads_eager = torch.autograd.grad(eager, leaves, cotangent, materialize_grads=True)
+        _assert_close(module, "gradients", grads_fused, grads_eager, compute_dtype)
