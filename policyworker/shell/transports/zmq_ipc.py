@@ -460,9 +460,8 @@ class ZmqIpcSender:
 
         try:
             request(self._begin_frames(specs, transport), "begin")
-            begun = True
-            settle()
-            turn = 0
+            begun = True  # its reply is settled by the first bucket's request: the receiver checks
+            turn = 0      # the manifest while the first buffer is allocated and filled
             for seq, bucket in enumerate(plan):
                 items = take(bucket)
                 if bucket.oversized:
