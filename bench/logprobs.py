@@ -62,14 +62,15 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=None, help="logprob_chunk_size (default: by vocab)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precision", default=None)
-    parser.add_argument("--fuse", choices=("none", "norm_mlp", "layer"), default="none",
-                        help="dtensor_cfg.fusion for the worker (torch.compile)")
+    parser.add_argument("--fuse", choices=("none", "norm_mlp", "layer"), default=None,
+                        help="dtensor_cfg.fusion for the worker (default: layer on CUDA, none on CPU)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.small:
         torch.set_num_threads(1)
         args.tokens, args.row_len, args.repeats = [128, 256], 64, 1
     args.precision = args.precision or ("bfloat16" if device().type == "cuda" else "float32")
+    args.fuse = args.fuse or ("layer" if device().type == "cuda" else "none")
     results, rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         model_path = str(Path(tmp) / "model")
@@ -105,7 +106,7 @@ def main() -> None:
                          "limit": f"<= {MEMORY_LIMIT:.0%} of baseline",
                          "ratio": ratio(ours.get("extra_peak_gib"), base.get("extra_peak_gib"))})
     print_table(f"get_logprobs, {num_params / 1e9:.2f}B params, rows of {args.row_len}, "
-                f"{args.precision}", rows)
+                f"{args.precision}, fusion={args.fuse}", rows)
     write_results("logprobs", {"num_params": num_params, "args": vars(args), "results": results,
                                "memory_limit_fraction": MEMORY_LIMIT, "rows": rows,
                                "device": torch.cuda.get_device_name() if torch.cuda.is_available()

@@ -173,14 +173,15 @@ def main() -> None:
     parser.add_argument("--skip-baseline-full-batch", action="store_true")
     parser.add_argument("--skip-baseline", action="store_true", help="measure ours only")
     parser.add_argument("--profile", action="store_true", help="print top kernels of a packed step")
-    parser.add_argument("--fuse", choices=FUSION_MODES, default="none",
-                        help="dtensor_cfg.fusion for the worker (torch.compile)")
+    parser.add_argument("--fuse", choices=FUSION_MODES, default=None,
+                        help="dtensor_cfg.fusion for the worker (default: layer on CUDA, none on CPU)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.small:
         torch.set_num_threads(1)
         args.min_len, args.max_len, args.mb_tokens, args.steps = 8, 64, 256, 1
     args.precision = args.precision or ("bfloat16" if device().type == "cuda" else "float32")
+    args.fuse = args.fuse or ("layer" if device().type == "cuda" else "none")
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model_path = str(Path(tmp) / "model")
@@ -214,7 +215,7 @@ def main() -> None:
                      "limit": "peak GiB"})
     print_table(f"train step, {num_params / 1e9:.2f}B params, {args.batch} rows of "
                 f"{args.min_len}..{args.max_len} tokens ({sum(lengths)} real), "
-                f"{args.precision}", rows)
+                f"{args.precision}, fusion={args.fuse}", rows)
     write_results("train_step", {
         "num_params": num_params, "lengths": lengths, "args": vars(args),
         "ours_packed": packed, "ours_padded": padded, "baseline_small_batch": base_small,
