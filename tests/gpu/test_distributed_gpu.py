@@ -94,6 +94,28 @@ def test_fsdp2_bf16_mixed_precision_trains_with_fp32_master_weights(
     assert losses[-1] < losses[0]
 
 
+def test_worker_under_a_one_rank_nccl_group_trains_fsdp2_bf16_and_offloads(world_of_one, llama_path):
+    from policyworker.functional.loss import NLLLoss
+    from policyworker.shell.worker import PolicyWorker
+    from tests.shell.conftest import hf_reference_logprobs, make_batch, make_config
+
+    worker = PolicyWorker(make_config(llama_path, precision="bfloat16"))
+    assert worker.parallel.mesh is not None and worker.device.type == "cuda"
+    assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in worker.model.parameters())
+    data = make_batch(8, 16, seed=41)
+    lp = worker.get_logprobs(data)["logprobs"]
+    torch.testing.assert_close(lp, hf_reference_logprobs(llama_path, data), atol=0.1, rtol=0.05)
+    losses = [float(worker.train(data, NLLLoss())["global_loss"][0]) for _ in range(4)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    worker.offload_after_refit()
+    torch.cuda.synchronize()
+    offloaded = torch.cuda.memory_allocated()
+    worker.prepare_for_training()
+    assert torch.cuda.memory_allocated() > offloaded  # weights and optimizer state came back
+    assert float(worker.train(data, NLLLoss())["global_loss"][0]) < losses[0]
+    worker.shutdown()
+
+
 @pytest.mark.multigpu
 def test_tp2_and_cp2_logprobs_match_one_gpu(llama_path):
     run_on_nccl(workers.gpu_tp_and_cp_parity, 2, llama_path)
