@@ -33,6 +33,9 @@ __all__ = [
     "plan_broadcast_buckets",
     "plan_ipc_buckets",
     "split_ipc_budget",
+    "SplitLayout",
+    "split_layout",
+    "split_views",
     "tensor_bytes",
     "unpack_tensors",
 ]
@@ -280,3 +283,57 @@ def unpack_tensors(
             raw = raw.clone()  # a view must start at a multiple of the element size
         out.append(raw.view(spec.dtype).reshape(spec.shape))
     return out
+
+
+@attrs.frozen
+class SplitLayout:
+    """One dtype's cut of a buffer into a bucket's tensors: ``split_sizes`` (elements) cover
+    ``[0, end_bytes)`` with tensors and the gaps between them; tensor k is part ``picks[k]``."""
+
+    dtype: torch.dtype
+    split_sizes: tuple[int, ...]
+    picks: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    end_bytes: int
+
+
+def split_layout(specs: Sequence[TensorSpec], offsets: Sequence[int]) -> SplitLayout | None:
+    """The ``SplitLayout`` of tensors of one dtype at ascending, element-aligned, non-overlapping
+    byte offsets; None when they do not qualify (then use ``unpack_tensors``).
+
+    Example: two float32 tensors of 3 and 2 elements at byte offsets 0 and 512 give split sizes
+    ``(3, 125, 2)`` and picks ``(0, 2)``.
+    """
+    if len(specs) != len(offsets) or not specs:
+        return None
+    dtype = specs[0].dtype
+    itemsize = dtype.itemsize
+    sizes: list[int] = []
+    picks: list[int] = []
+    end = 0
+    for spec, offset in zip(specs, offsets, strict=True):
+        if spec.dtype != dtype or offset % itemsize or offset < end:
+            return None
+        if offset > end:
+            sizes.append((offset - end) // itemsize)
+        picks.append(len(sizes))
+        sizes.append(spec.numel)
+        end = offset + spec.nbytes
+    return SplitLayout(dtype, tuple(sizes), tuple(picks), tuple(s.shape for s in specs), end)
+
+
+def split_views(buffer_uint8: torch.Tensor, layout: SplitLayout) -> list[torch.Tensor]:
+    """The tensors of ``layout`` as views of the buffer: one typed view, one split, one reshape
+    each (``unpack_tensors`` costs a few more tensor operations per tensor).
+
+    Raises:
+        ValueError: the buffer is shorter than the layout or not aligned for its dtype.
+    """
+    itemsize = layout.dtype.itemsize
+    if buffer_uint8.numel() < layout.end_bytes or (buffer_uint8.data_ptr() % itemsize and layout.end_bytes):
+        msg = (f"a buffer of {buffer_uint8.numel()} bytes at address {buffer_uint8.data_ptr():#x} cannot hold "
+               f"this layout ({layout.end_bytes} bytes of {layout.dtype}); use unpack_tensors")
+        raise ValueError(msg)
+    flat = buffer_uint8[: layout.end_bytes].view(layout.dtype)
+    parts = torch.split(flat, list(layout.split_sizes))
+    return [parts[p].view(shape) for p, shape in zip(layout.picks, layout.shapes, strict=True)]

@@ -33,7 +33,15 @@ import torch
 import zmq
 
 from policyworker.errors import RefitError, RefitTimeoutError
-from policyworker.functional.buckets import DEFAULT_ALIGNMENT, IpcBucket, TensorSpec, unpack_tensors
+from policyworker.functional.buckets import (
+    DEFAULT_ALIGNMENT,
+    IpcBucket,
+    SplitLayout,
+    TensorSpec,
+    split_layout,
+    split_views,
+    unpack_tensors,
+)
 from policyworker.shell.params import RefitSource
 from policyworker.shell.transports.wire import (
     Abort,
@@ -686,6 +694,9 @@ class RefitServer:
         self._buffers = ReceivedBuffers()
         self._num_buckets = 0
         self._gpu_pending: torch.device | None = None  # a device with reads queued but not awaited
+        # per (indices, offsets) of this manifest: how to cut a bucket out of a fresh mapping with
+        # one split (None: it needs unpack_tensors); kept across refits that free their staging
+        self._layouts: dict[tuple[Any, ...], SplitLayout | None] = {}
 
     @property
     def in_refit(self) -> bool:
@@ -737,6 +748,7 @@ class RefitServer:
             self.sink.begin(message.manifest)
             if message.manifest is not self._views_manifest:  # cached views hold its dtypes/shapes
                 self._buffers.forget_views()
+                self._layouts.clear()
                 self._views_manifest = message.manifest
             self._manifest = message.manifest
             self._sizes = (self._manifests.sizes if message.manifest is self._manifests.specs
@@ -768,7 +780,16 @@ class RefitServer:
             if len(mapped.views) > 4096:  # a misbehaving sender must not grow this without bound
                 mapped.views.clear()
             buffer = mapped.tensor[: bucket.buffer.size]
-            views = unpack_tensors(buffer, [manifest[i] for i in bucket.indices], bucket.offsets)
+            specs = [manifest[i] for i in bucket.indices]
+            if key not in self._layouts:
+                if len(self._layouts) > 4096:
+                    self._layouts.clear()
+                self._layouts[key] = split_layout(specs, bucket.offsets)
+            layout = self._layouts[key]
+            if layout is not None and buffer.data_ptr() % layout.dtype.itemsize == 0:
+                views = split_views(buffer, layout)
+            else:
+                views = unpack_tensors(buffer, specs, bucket.offsets)
             batch = self.sink.prepare(bucket.indices, views)
             if bucket.buffer.keep:
                 mapped.views[key] = batch
