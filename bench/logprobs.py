@@ -28,6 +28,7 @@ from common import (  # noqa: I001  (bench/ is run as a script folder)
     device, gib, is_oom, make_batch, peak_extra_bytes, print_table, ratio, release,
     save_random_model, timed, write_results,
 )
+from policyworker.shell.fusion import FUSION_MODES
 from policyworker.shell.model import autocast_context
 from policyworker.shell.worker import PolicyWorker
 
@@ -62,7 +63,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=None, help="logprob_chunk_size (default: by vocab)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precision", default=None)
-    parser.add_argument("--fuse", choices=("none", "norm_mlp", "layer"), default=None,
+    parser.add_argument("--fuse", choices=FUSION_MODES, default=None,
                         help="dtensor_cfg.fusion for the worker (default: layer on CUDA, none on CPU)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

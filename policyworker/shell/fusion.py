@@ -29,13 +29,14 @@ import functools
 import types
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, get_args
 
 import torch
 import torch.nn.functional as F
 from attrs import frozen
 from torch import nn
 
+from policyworker.config import FusionMode
 from policyworker.shell.model import autocast_context
 
 __all__ = [
@@ -47,8 +48,7 @@ __all__ = [
     "unfuse_elementwise",
 ]
 
-FusionMode = Literal["none", "norm_mlp", "layer"]
-FUSION_MODES: tuple[str, ...] = ("none", "norm_mlp", "layer")
+FUSION_MODES: tuple[str, ...] = get_args(FusionMode)  # the config's `dtensor_cfg.fusion` values
 # Set on every module whose forward we replaced; unfuse deletes it together with the forward.
 _FUSED_MARKER = "_policyworker_fused"
 # The probe forward's batch: >= 2 so dynamo does not specialise a dim to 1 (that graph would
