@@ -106,8 +106,11 @@ class ShmStaging:
         self.cache: dict[Any, Any] = {}
 
     def halves(self, nbytes: int) -> tuple["ShmStaging", "ShmStaging"]:
-        """Two buffers of ``nbytes`` over this one's file (which must hold both); consumes self."""
-        return _split(self, nbytes)
+        """Two buffers of ``nbytes`` over this one's file (which must hold both); consumes self.
+        The file is unlinked when both are closed."""
+        first, second = _split(self, nbytes)
+        self._owners[:] = [first, second]
+        return first, second
 
     def ref(self, *, keep: bool = False) -> ShmBuffer:
         return ShmBuffer(self.name, self._file_size, keep)
@@ -158,7 +161,12 @@ class CudaStaging:
     def halves(self, nbytes: int) -> tuple["CudaStaging", "CudaStaging"]:
         """Two buffers of ``nbytes`` over this one's allocation (one IPC handle, one mapping on the
         receiver, each half with its own filled event); consumes self."""
-        return _split(self, nbytes)
+        whole = self.ref()  # the handle of the whole allocation, computed once and shared
+        pair = _split(self, nbytes)
+        for half in pair:
+            half.filled = torch.cuda.Event(interprocess=True)
+            half._ref = attrs.evolve(whole, filled_event=bytes(half.filled.ipc_handle()))
+        return pair
 
     def ref(self, *, keep: bool = False) -> CudaBuffer:
         if self._ref is None:
@@ -205,7 +213,8 @@ Staging = ShmStaging | CudaStaging
 
 
 def _split(whole: Any, nbytes: int) -> tuple[Any, Any]:
-    """Two halves of ``whole`` at bases 0 and ``nbytes``, sharing its memory and wire reference.
+    """Shallow copies of ``whole`` viewing its bytes at bases 0 and ``nbytes`` (the classes'
+    ``halves`` add what each kind needs); ``whole`` gives up its view.
 
     One allocation for the ping-pong pair halves the per-refit allocations, IPC handles and
     receiver mappings of a refit that frees its staging (opening a mapping costs ~0.5 ms).
@@ -215,13 +224,7 @@ def _split(whole: Any, nbytes: int) -> tuple[Any, Any]:
     for base in (0, nbytes):
         half = copy.copy(whole)
         half.tensor, half.size, half.base, half.cache = whole.tensor[base : base + nbytes], nbytes, base, {}
-        if isinstance(whole, CudaStaging):
-            whole.ref()  # the handle of the whole allocation, computed once and shared
-            half.filled = torch.cuda.Event(interprocess=True)
-            half._ref = attrs.evolve(whole._ref, filled_event=bytes(half.filled.ipc_handle()))
         halves.append(half)
-    if isinstance(whole, ShmStaging):
-        whole._owners[:] = halves
     whole.tensor = None
     return halves[0], halves[1]
 
