@@ -251,12 +251,16 @@ def _header(frames: Sequence[bytes]) -> dict[str, Any]:
     return decode_versioned_json(first, protocol=PROTOCOL, version=PROTOCOL_VERSION, what="header frame")
 
 
-def decode_versioned_json(raw: bytes, *, protocol: str, version: int, what: str) -> dict[str, Any]:
-    """A JSON object whose `protocol` and `version` fields are ours, else `ProtocolError` saying why."""
+def _json(raw: bytes, what: str) -> Any:
     try:
-        body = json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise _fail(f"{what} is not UTF-8 JSON: {exc}") from None
+
+
+def decode_versioned_json(raw: bytes, *, protocol: str, version: int, what: str) -> dict[str, Any]:
+    """A JSON object whose `protocol` and `version` fields are ours, else `ProtocolError` saying why."""
+    body = _json(raw, what)
     if not isinstance(body, dict):
         raise _fail(f"{what} must be a JSON object, got {type(body).__name__}")
     if body.get("protocol") != protocol or body.get("version") != version:
@@ -318,10 +322,7 @@ class ManifestCache:
 def _decode_manifest(raw: bytes) -> tuple[TensorSpec, ...]:
     if len(raw) > MAX_HEADER_BYTES:
         raise _fail(f"manifest frame of {len(raw)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
-    try:
-        manifest = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise _fail(f"manifest frame is not UTF-8 JSON: {exc}") from None
+    manifest = _json(raw, "manifest frame")
     if not isinstance(manifest, list):
         raise _fail(f"the manifest frame must be a JSON list, got {type(manifest).__name__}")
     return tuple(_spec(item, f"manifest[{i}]") for i, item in enumerate(manifest))
