@@ -16,6 +16,45 @@ TINY_DECODER_SHAPE = dict(
 )
 
 
+def tiny_qwen2_config(folder, *, tie: bool = True):
+    """The tiny decoder shape as a Qwen2 config, saved in `folder` (receivers load it there)."""
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(**TINY_DECODER_SHAPE, tie_word_embeddings=tie)
+    cfg.save_pretrained(folder)
+    return cfg
+
+
+def eager_model(cfg, seed: int):
+    """A random causal LM of `cfg` with eager attention, in eval mode (same bits in every process)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def write_refit_info(info, path) -> None:
+    """`{name: (shape, dtype)}` refit metadata as the JSON the receiver children read."""
+    with open(path, "w") as f:
+        json.dump({n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()}, f)
+
+
+def single_thread_logprobs(model, ids):
+    """fp32 log-softmax of `model(ids)` on one intra-op thread, as the receiver children compute
+    it: same kernels, same bits."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            return torch.log_softmax(model(ids).logits.float(), -1)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def tiny_deepseek_v3_config():
     """A 2-layer DeepSeek-V3 (MLA, 4 routed + 1 shared expert); layer 1 is MoE with an fp32 router."""
     from transformers import DeepseekV3Config

@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, Qwen2Config
 
 from policyworker.errors import RefitError, RefitTimeoutError
 from policyworker.functional.buckets import TensorSpec
@@ -26,7 +25,14 @@ from policyworker.shell.params import refit_info
 from policyworker.shell.transports import collective as C
 from policyworker.shell.transports.wire import DTYPES_BY_NAME, ProtocolError, RefitRejected
 from policyworker.shell.watchdog import Watchdog
-from tests.helpers import JsonCommandChild, tiny_deepseek_v3_config
+from tests.helpers import (
+    JsonCommandChild,
+    eager_model,
+    single_thread_logprobs,
+    tiny_deepseek_v3_config,
+    tiny_qwen2_config,
+    write_refit_info,
+)
 
 CHILD = r"""
 import json, os, sys, time
@@ -124,33 +130,6 @@ def rig():
             child.close()
 
 
-def _write_info(info, path):
-    json.dump({n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()}, open(path, "w"))
-
-
-def _model(cfg, seed):
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg).eval()
-
-
-def _qwen2(tmp, tie=True):
-    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, tie_word_embeddings=tie)
-    cfg.save_pretrained(tmp)
-    return cfg
-
-
-def _logprobs(model, ids):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the receivers run single-threaded: same kernels, same bits
-    try:
-        with torch.no_grad():
-            return torch.log_softmax(model(ids).logits.float(), -1)
-    finally:
-        torch.set_num_threads(threads)
-
-
 IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
@@ -168,7 +147,7 @@ def _answers(children, tmp_path):
 
 
 def _setup_models(children, tmp_path, info, *, dtype, atomic=(False, False)):
-    _write_info(info, tmp_path / "info.json")
+    write_refit_info(info, tmp_path / "info.json")
     save_file({"input_ids": IDS}, tmp_path / "batch.safetensors")
     for child, at in zip(children, atomic, strict=False):
         child.send(op="setup", config_dir=str(tmp_path), dtype=dtype, refit_info=str(tmp_path / "info.json"), atomic=at)
@@ -187,7 +166,7 @@ def _sources(model, dtype):
 
 def test_fp32_refit_gives_bitwise_identical_logprobs_on_every_inference_rank(rig, tmp_path):
     children, group = rig["children"], rig["group"]
-    model = _model(_qwen2(tmp_path), 0)
+    model = eager_model(tiny_qwen2_config(tmp_path), 0)
     info = refit_info(model, torch.float32)
     _setup_models(children, tmp_path, info, dtype="float32", atomic=(True, False))
     for version in (1, 2):
@@ -199,14 +178,14 @@ def test_fp32_refit_gives_bitwise_identical_logprobs_on_every_inference_rank(rig
         for answer, out in zip(answers, outs, strict=True):
             assert answer["version"] == version and answer["num_buckets"] == report["num_buckets"]
             assert not answer["stale"]
-            assert torch.equal(out["logprobs"], _logprobs(model, IDS))
+            assert torch.equal(out["logprobs"], single_thread_logprobs(model, IDS))
         with torch.no_grad():
             model.model.layers[0].mlp.up_proj.weight.add_(0.5)
 
 
 def test_bf16_refit_of_fp32_master_equals_the_trainers_bf16_cast_in_legacy_layout(rig, tmp_path):
     children, group = rig["children"], rig["group"]
-    model = _model(_qwen2(tmp_path, tie=False), 1)
+    model = eager_model(tiny_qwen2_config(tmp_path, tie=False), 1)
     info = refit_info(model, torch.bfloat16)
     _setup_models(children, tmp_path, info, dtype="bfloat16")
     _receive_all(children, tmp_path)
@@ -214,7 +193,7 @@ def test_bf16_refit_of_fp32_master_equals_the_trainers_bf16_cast_in_legacy_layou
                                      use_legacy_packing=True)
     answers, outs = _answers(children, tmp_path)
     assert report["layout"] == "legacy" and sum(report["bucket_bytes"]) == report["num_bytes"]
-    expected = _logprobs(copy.deepcopy(model).to(torch.bfloat16), IDS)
+    expected = single_thread_logprobs(copy.deepcopy(model).to(torch.bfloat16), IDS)
     for answer, out in zip(answers, outs, strict=True):
         assert answer["layout"] == "legacy" and torch.equal(out["logprobs"], expected)
 
@@ -223,7 +202,7 @@ def test_deepseek_router_bias_stays_fp32_through_a_bf16_refit(rig, tmp_path):
     children, group = rig["children"], rig["group"]
     cfg = tiny_deepseek_v3_config()
     cfg.save_pretrained(tmp_path)
-    model = _model(cfg, 2)
+    model = eager_model(cfg, 2)
     bias = model.model.layers[1].mlp.gate.e_score_correction_bias
     with torch.no_grad():
         bias.copy_(1.0 + 1e-3 * torch.arange(4, dtype=torch.float32))  # steps a bf16 cast would erase
@@ -246,7 +225,7 @@ def test_receivers_plan_from_the_header_whatever_their_local_defaults(rig, tmp_p
     children, group = rig["children"], rig["group"]
     info = {"w": (torch.Size([64, 64]), torch.float32), "b": (torch.Size([64]), torch.float32)}
     tensors = {"w": torch.randn(64, 64), "b": torch.randn(64)}
-    _write_info(info, tmp_path / "info.json")
+    write_refit_info(info, tmp_path / "info.json")
     for child in children:
         child.send(op="poison_defaults")
         assert child.reply()["ok"]
@@ -266,7 +245,7 @@ def test_receivers_plan_from_the_header_whatever_their_local_defaults(rig, tmp_p
 
 def _capture_round(children, group, tmp_path, tensors, dtypes=None, **kwargs):
     info = {n: (torch.Size(t.shape), (dtypes or {}).get(n, t.dtype)) for n, t in tensors.items()}
-    _write_info(info, tmp_path / "info.json")
+    write_refit_info(info, tmp_path / "info.json")
     for child in children:
         child.send(op="setup_capture", refit_info=str(tmp_path / "info.json"))
         assert child.reply()["ok"]
@@ -316,8 +295,8 @@ def test_fp32_master_sent_as_bf16_is_cast_straight_into_the_bucket(rig, tmp_path
 def test_a_rejected_manifest_stops_every_rank_before_any_write_and_the_group_stays_usable(rig, tmp_path):
     children, group = rig["children"], rig["group"]
     tensors = {"a": torch.randn(4), "b": torch.randn(6)}
-    _write_info({"a": ([4], "float32"), "b": ([5], "float32")}, tmp_path / "bad.json")
-    _write_info({"a": ([4], "float32"), "b": ([6], "float32")}, tmp_path / "good.json")
+    write_refit_info({"a": ([4], "float32"), "b": ([5], "float32")}, tmp_path / "bad.json")
+    write_refit_info({"a": ([4], "float32"), "b": ([6], "float32")}, tmp_path / "good.json")
     children[0].send(op="setup_capture", refit_info=str(tmp_path / "bad.json"))
     children[1].send(op="setup_capture", refit_info=str(tmp_path / "good.json"))
     assert children[0].reply()["ok"] and children[1].reply()["ok"]
@@ -353,7 +332,7 @@ def test_an_inference_rank_killed_mid_broadcast_raises_refit_timeout_then_a_new_
     group = _init(children, timeout_s=20.0)
     tensors = {f"t{i}": torch.randn(256) for i in range(12)}
     info = {n: (torch.Size(t.shape), t.dtype) for n, t in tensors.items()}
-    _write_info(info, tmp_path / "info.json")
+    write_refit_info(info, tmp_path / "info.json")
     for child in children:
         child.send(op="setup_capture", refit_info=str(tmp_path / "info.json"))
         assert child.reply()["ok"]

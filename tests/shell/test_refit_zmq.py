@@ -6,7 +6,6 @@ before COMPLETE, atomic mode) run the receiver in a thread.
 """
 
 import copy
-import json
 import os
 import threading
 import time
@@ -15,14 +14,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, Qwen2Config
 
 from policyworker.errors import RefitError, RefitTimeoutError
 from policyworker.shell.receiver import HFWeightReceiver
 from policyworker.shell.refit import RefitSender
 from policyworker.shell.transports import zmq_ipc
 from policyworker.shell.transports.wire import decode_request
-from tests.helpers import JsonCommandChild, tiny_deepseek_v3_config
+from tests.helpers import (
+    JsonCommandChild,
+    eager_model,
+    single_thread_logprobs,
+    tiny_deepseek_v3_config,
+    tiny_qwen2_config,
+    write_refit_info,
+)
 
 CHILD = r"""
 import json, os, sys
@@ -88,49 +93,13 @@ def child():
     proc.close()
 
 
-def _qwen2_config(tmp, tie=True):
-    cfg = Qwen2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        tie_word_embeddings=tie,
-    )
-    cfg.save_pretrained(tmp)
-    return cfg
-
-
-def _model(cfg, seed):
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg).eval()
-
-
-def _write_info(info, path):
-    json.dump(
-        {n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()}, open(path, "w")
-    )
-
-
-def _logprobs(model, ids):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the receiver runs single-threaded: same kernels, same bits
-    try:
-        with torch.no_grad():
-            return torch.log_softmax(model(ids).logits.float(), -1)
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _refit(child, sender, tmp_path, *, dtype, config_dir, ids, timeout_s=60.0, **setup):
     info_path, out, batch = (
         tmp_path / "info.json",
         tmp_path / "out.safetensors",
         tmp_path / "batch.safetensors",
     )
-    _write_info(sender.prepare_refit_info(), info_path)
+    write_refit_info(sender.prepare_refit_info(), info_path)
     save_file({"input_ids": ids}, batch)
     child.send(
         op="setup",
@@ -152,13 +121,13 @@ IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
 def test_fp32_refit_gives_bitwise_identical_logprobs_and_can_repeat(child, tmp_path):
-    cfg = _qwen2_config(tmp_path)
-    model = _model(cfg, 0)
+    cfg = tiny_qwen2_config(tmp_path)
+    model = eager_model(cfg, 0)
     sender = RefitSender(lambda: model, torch.float32)
     try:
         report, got = _refit(child, sender, tmp_path, dtype="float32", config_dir=tmp_path, ids=IDS)
         assert report["version"] == 1 and report["num_tensors"] == len(sender.prepare_refit_info())
-        assert torch.equal(got["logprobs"], _logprobs(model, IDS))
+        assert torch.equal(got["logprobs"], single_thread_logprobs(model, IDS))
         with torch.no_grad():
             model.model.layers[0].mlp.up_proj.weight.add_(0.5)
         child.send(
@@ -169,19 +138,19 @@ def test_fp32_refit_gives_bitwise_identical_logprobs_and_can_repeat(child, tmp_p
         assert sender.stream_weights_via_ipc_zmq(timeout_s=60)["version"] == 2
         assert child.reply()["ok"]
         assert torch.equal(
-            load_file(tmp_path / "out.safetensors")["logprobs"], _logprobs(model, IDS)
+            load_file(tmp_path / "out.safetensors")["logprobs"], single_thread_logprobs(model, IDS)
         )
     finally:
         sender.close()
 
 
 def test_bf16_refit_of_fp32_master_equals_the_trainers_bf16_cast(child, tmp_path):
-    cfg = _qwen2_config(tmp_path, tie=False)
-    model = _model(cfg, 1)
+    cfg = tiny_qwen2_config(tmp_path, tie=False)
+    model = eager_model(cfg, 1)
     sender = RefitSender(lambda: model, torch.bfloat16)
     try:
         _, got = _refit(child, sender, tmp_path, dtype="bfloat16", config_dir=tmp_path, ids=IDS)
-        assert torch.equal(got["logprobs"], _logprobs(copy.deepcopy(model).to(torch.bfloat16), IDS))
+        assert torch.equal(got["logprobs"], single_thread_logprobs(copy.deepcopy(model).to(torch.bfloat16), IDS))
     finally:
         sender.close()
 
@@ -189,7 +158,7 @@ def test_bf16_refit_of_fp32_master_equals_the_trainers_bf16_cast(child, tmp_path
 def test_deepseek_router_bias_arrives_in_fp32_and_metadata_matches_bytes(child, tmp_path):
     cfg = tiny_deepseek_v3_config()
     cfg.save_pretrained(tmp_path)
-    model = _model(cfg, 2)
+    model = eager_model(cfg, 2)
     bias = model.model.layers[1].mlp.gate.e_score_correction_bias
     with torch.no_grad():
         bias.copy_(
@@ -209,13 +178,13 @@ def test_deepseek_router_bias_arrives_in_fp32_and_metadata_matches_bytes(child, 
 
 
 def test_receiver_killed_mid_stream_times_out_then_the_sender_refits_again(child, tmp_path):
-    cfg = _qwen2_config(tmp_path)
-    model = _model(cfg, 3)
+    cfg = tiny_qwen2_config(tmp_path)
+    model = eager_model(cfg, 3)
     sender = RefitSender(lambda: model, torch.float32)
     try:
         dying = JsonCommandChild(CHILD)
         info_path, batch = tmp_path / "info.json", tmp_path / "batch.safetensors"
-        _write_info(sender.prepare_refit_info(), info_path)
+        write_refit_info(sender.prepare_refit_info(), info_path)
         save_file({"input_ids": IDS}, batch)
         dying.send(op="setup_discard", refit_info=str(info_path), address=sender.get_zmq_address())
         assert dying.reply()["ok"]
@@ -228,20 +197,20 @@ def test_receiver_killed_mid_stream_times_out_then_the_sender_refits_again(child
         assert time.monotonic() - start < 3.0 + 5.0
         assert dying.reply()["returncode"] == 3
         _, got = _refit(child, sender, tmp_path, dtype="float32", config_dir=tmp_path, ids=IDS)
-        assert torch.equal(got["logprobs"], _logprobs(model, IDS))
+        assert torch.equal(got["logprobs"], single_thread_logprobs(model, IDS))
     finally:
         sender.close()
 
 
 def test_manifest_violation_is_rejected_with_names_and_without_a_timeout_wait(child, tmp_path):
-    cfg = _qwen2_config(tmp_path)
-    model = _model(cfg, 4)
+    cfg = tiny_qwen2_config(tmp_path)
+    model = eager_model(cfg, 4)
     sender = RefitSender(lambda: model, torch.float32)
     try:
         info = sender.prepare_refit_info()
         info.pop("model.norm.weight")
         info["model.ghost.weight"] = (torch.Size([2]), torch.float32)
-        _write_info(info, tmp_path / "info.json")
+        write_refit_info(info, tmp_path / "info.json")
         child.send(
             op="setup",
             config_dir=str(tmp_path),
