@@ -239,7 +239,10 @@ class DTensorConfig:
     """`policy.dtensor_cfg`: parallel sizes, memory options, LoRA, the attention kernel and
     `fusion` (not a NeMo-RL key): `layer` runs each decoder layer through one `torch.compile`d
     graph, `norm_mlp` only RMSNorm and SiLU-gated MLP activations, `none` (default) runs eager.
-    Single process only; a failing compile falls back to eager with a warning."""
+    Single process only; a failing compile falls back to eager with a warning.
+    `moe_router_bias_update_rate` (NeMo-RL's `megatron_cfg` key): after each optimizer step every
+    `e_score_correction_bias` (DeepSeek-V3-style routers) moves by this much toward balanced
+    expert load; 0.0 (default) is off; models without such routers ignore it with one warning."""
 
     tensor_parallel_size: int = field(default=1, validator=_at_least(1))
     context_parallel_size: int = field(default=1, validator=_at_least(1))
@@ -249,6 +252,8 @@ class DTensorConfig:
     lora_cfg: LoRAConfig | None = None
     attn_implementation: AttnImplementation = "auto"
     fusion: FusionMode = "none"
+    moe_router_bias_update_rate: float = field(
+        default=0.0, validator=_Rule(lambda v: v >= 0.0, "must be >= 0 (0 disables the update)"))
 
     def __attrs_post_init__(self) -> None:
         if self.sequence_parallel and self.tensor_parallel_size == 1:

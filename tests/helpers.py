@@ -104,3 +104,26 @@ class JsonCommandChild:
         if self.proc.poll() is None:
             self.send(op="exit")
             self.proc.wait(timeout=30)
+
+
+def tiny_qwen3_moe_config():
+    """A 2-layer Qwen3-MoE (4 experts, top-2, softmax router); both layers are MoE."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_mixtral_config():
+    """A 2-layer Mixtral (4 experts, top-2, softmax router renormalized); both layers are MoE."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, num_local_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )

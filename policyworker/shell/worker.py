@@ -48,6 +48,7 @@ from policyworker.shell import model as model_lib
 from policyworker.shell import parallel as parallel_lib
 from policyworker.shell.distributed import ParallelContext
 from policyworker.shell.fusion import fuse_elementwise
+from policyworker.shell.moe import MoeRouting
 from policyworker.shell.optim import build_optimizer, build_scheduler
 
 __all__ = ["AutomodelPolicyWorker", "PolicyWorker"]
@@ -130,6 +131,7 @@ class PolicyWorker:
             model_lib.check_document_isolation(self.model, autocast_dtype=self.dtype)
             self._reshard()  # the probe's no-grad forward left FSDP2 roots unsharded
         self.fusion_report = fuse_elementwise(self.model, mode=dcfg.fusion, autocast_dtype=self.dtype)
+        self._moe = MoeRouting(self.model, self.cfg, self.parallel)
         self.optimizer = build_optimizer(self.model, self.cfg.optimizer) if (
             init_optimizer and self.cfg.optimizer is not None) else None
         self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler) if self.optimizer else None
@@ -250,7 +252,9 @@ class PolicyWorker:
                 out[key] = t.to(self.device, non_blocking=True)
             else:
                 out[key] = [value[i] for i in rows]
-        return _Microbatch(out, packed=plan.packed, is_dummy=plan.is_dummy)
+        mb = _Microbatch(out, packed=plan.packed, is_dummy=plan.is_dummy)
+        self._moe.begin_microbatch(mb)
+        return mb
 
     def _forward(self, mb: _Microbatch) -> torch.Tensor:
         return model_lib.forward_logits(
@@ -364,6 +368,7 @@ class PolicyWorker:
         """Train on every whole global batch of `data` (one optimizer step per global batch)."""
         skip = tuple(check_dim_skip_keys or ())
         self._validate(data, required=("input_ids", "input_lengths", "sample_mask"), skip=skip)
+        self._moe.check_replay_data(data)
         if loss_fn.loss_type == LossType.TOKEN_LEVEL and "token_mask" not in data:
             msg = (f"data has no 'token_mask' but {type(loss_fn).__name__} is a token-level loss; "
                    f"add token_mask [B, S] (1 = token counts)")
@@ -394,7 +399,7 @@ class PolicyWorker:
         grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
         losses, all_mb_metrics = [], {}
         grad_norm, skipped, stepped = None, 0, 0
-        with grad_ctx:
+        with grad_ctx, self._moe.replaying(), self._moe.counting(not eval_mode):
             for g in range(num_gb):
                 rows = slice(g * local_gbs, (g + 1) * local_gbs)
                 batch = {k: v[rows] for k, v in data.items()}
@@ -463,6 +468,7 @@ class PolicyWorker:
         if eval_mode:
             return mb_losses, mb_metrics, None, False
         grad_norm, skipped = self._optimizer_step(finite)
+        self._moe.finish_step(applied=not skipped)
         for i, m in enumerate(mb_metrics):
             m["skipped_step"] = float(skipped and i == 0)
         return mb_losses, mb_metrics, grad_norm, skipped
@@ -506,8 +512,6 @@ class PolicyWorker:
             params = [p for p in self.model.parameters() if p.grad is not None]
             collectives.clip_grads_(params, self.cfg.max_grad_norm, total_norm)
         self.optimizer.step()
-        if hasattr(self.model, "update_moe_gate_bias"):
-            self.model.update_moe_gate_bias()
         return grad_norm, False
 
     # ------------------------------------------------------------------------------ inference
@@ -547,7 +551,7 @@ class PolicyWorker:
                      require_router_replay: bool = True) -> BatchedDataDict:
         """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths (API §4)."""
         self._validate(data)
-        self._check_router_replay(data, require_router_replay)
+        self._moe.check_replay_data(data, require=require_router_replay)
         counts = [0]
 
         def per_mb(mb: _Microbatch) -> torch.Tensor:
@@ -558,23 +562,12 @@ class PolicyWorker:
                 counts[0] += num_neg_inf
             return lp
 
-        logprobs = self._run_inference(data, micro_batch_size, per_mb)
+        with self._moe.replaying(require_router_replay):
+            logprobs = self._run_inference(data, micro_batch_size, per_mb)
         if counts[0]:
             warnings.warn(f"policy top-k/top-p mismatch: {counts[0]} valid token(s) had -inf "
                           f"logprob under the sampling filters; they were set to 0", stacklevel=2)
         return BatchedDataDict(logprobs=logprobs.float())
-
-    def _check_router_replay(self, data: Mapping[str, Any], require: bool) -> None:
-        if self.cfg.router_replay is None or not require:
-            return
-        if "routed_experts" not in data:
-            msg = ("router_replay is enabled and require_router_replay=True but data has no "
-                   "'routed_experts' [B, S, L, topk]; add it or pass require_router_replay=False")
-            raise ValueError(msg)
-        msg = (f"router replay is not supported for model_type "
-               f"{self.model.config.model_type!r} by this worker; disable router_replay or pass "
-               f"require_router_replay=False")
-        raise ValueError(msg)
 
     def get_reference_policy_logprobs(self, data: Mapping[str, Any],
                                       micro_batch_size: int | None = None) -> BatchedDataDict:
