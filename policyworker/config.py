@@ -379,7 +379,10 @@ class RewardModelConfig:
 
 @frozen(kw_only=True)
 class RouterReplayConfig:
-    """`policy.router_replay` (present = enabled): replay rollout `routed_experts` in MoE layers."""
+    """`policy.router_replay` (present = enabled): `get_logprobs` (unless
+    `require_router_replay=False`) and `train` force the experts the rollout engine chose, data key
+    `routed_experts` [B, S, layers, top_k] (layers: the MoE layers, or every decoder layer; a row
+    of -1 keeps the model's own route). Qwen3-MoE, Mixtral and DeepSeek-V3; tp = cp = 1."""
 
 
 @frozen(kw_only=True)

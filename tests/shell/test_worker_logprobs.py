@@ -110,15 +110,3 @@ def test_calibrate_qkv_fp8_scales_are_percentile_abs_max_over_448(tiny_model_pat
         float(valid.abs().max()) / 448.0, rel=1e-6)
     assert set(out["layers"]["model.layers.0.self_attn"]) == {"q_scale", "k_scale", "v_scale"}
     assert out["kv_scales"]["model.layers.0.self_attn.v_scale"] > 0
-
-
-def test_router_replay_requires_routed_experts(tiny_model_paths):
-    worker = PolicyWorker(make_config(tiny_model_paths["llama"], router_replay={}),
-                          init_optimizer=False, init_reference_model=False)
-    data = make_batch(2, 6)
-    with pytest.raises(ValueError, match="routed_experts"):
-        worker.get_logprobs(data)
-    data["routed_experts"] = torch.zeros(2, 6, 2, 2, dtype=torch.int64)
-    with pytest.raises(ValueError, match="router replay is not supported"):
-        worker.get_logprobs(data, )
-    assert worker.get_logprobs(make_batch(2, 6), require_router_replay=False)["logprobs"].shape == (2, 6)
