@@ -127,3 +127,23 @@ def tiny_mixtral_config():
         num_key_value_heads=2, vocab_size=128, num_local_experts=4, num_experts_per_tok=2,
         tie_word_embeddings=False,
     )
+
+
+def own_moe_routes(model, routers, data):
+    """[B, S, MoE layers, top_k]: the experts `model` picks for each real token of `data` (one
+    full-batch forward, hooks on `routers`, the worker's `_moe.routers`); -1 at padding."""
+    import torch
+
+    ids = data["input_ids"]
+    seen = []
+    handles = [r.module.register_forward_hook(lambda _m, _a, out: seen.append(out[2].clone()))
+               for r in routers]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+    finally:
+        for h in handles:
+            h.remove()
+    routes = torch.stack([s.reshape(*ids.shape, -1) for s in seen], dim=2)
+    valid = torch.arange(ids.shape[1])[None] < data["input_lengths"][:, None]
+    return torch.where(valid[..., None, None], routes, torch.full_like(routes, -1))

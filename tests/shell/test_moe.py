@@ -21,7 +21,12 @@ from policyworker.functional.loss import NLLLoss
 from policyworker.functional.moe import MISSING_ROUTE
 from policyworker.shell.params import params_generator
 from policyworker.shell.worker import PolicyWorker
-from tests.helpers import tiny_deepseek_v3_config, tiny_mixtral_config, tiny_qwen3_moe_config
+from tests.helpers import (
+    own_moe_routes,
+    tiny_deepseek_v3_config,
+    tiny_mixtral_config,
+    tiny_qwen3_moe_config,
+)
 from tests.shell.conftest import make_batch, make_config
 
 MODEL_TYPES = ("deepseek_v3", "qwen3_moe", "mixtral")
@@ -56,20 +61,7 @@ def _worker(path, **overrides):
 
 
 def _own_routes(worker, data) -> torch.Tensor:
-    """[B, S, MoE layers, K]: the experts the model picks for each real token (-1 at padding)."""
-    ids = data["input_ids"]
-    seen = []
-    handles = [r.module.register_forward_hook(lambda _m, _a, out: seen.append(out[2].clone()))
-               for r in worker._moe.routers]
-    try:
-        with torch.no_grad():
-            worker.model(input_ids=ids)
-    finally:
-        for h in handles:
-            h.remove()
-    routes = torch.stack([s.reshape(*ids.shape, -1) for s in seen], dim=2)
-    valid = torch.arange(ids.shape[1])[None] < data["input_lengths"][:, None]
-    return torch.where(valid[..., None, None], routes, torch.full_like(routes, MISSING_ROUTE))
+    return own_moe_routes(worker.model, worker._moe.routers, data)
 
 
 def _load_by_count(worker, data) -> torch.Tensor:
