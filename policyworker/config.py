@@ -387,9 +387,21 @@ class RouterReplayConfig:
 
 @frozen(kw_only=True)
 class DraftConfig:
-    """`policy.draft` (present = enabled): a draft model whose weights follow the policy's."""
+    """`policy.draft` (present = enabled): an Eagle3-style draft trained beside the policy.
 
-    model_name: str = field(validator=_NON_EMPTY)
+    The draft reads the policy's hidden states at `aux_layer_indices` (default: NeMo-RL's
+    early/middle/late pick) and the next token's embedding, and learns the policy's next-token
+    distribution; its loss is added with `loss_weight`. `model_name` is a folder holding a draft
+    saved by this worker (config.json + safetensors); None builds a fresh draft of `num_layers`
+    (default 1) layers shaped like the policy, its LM head copied from the policy's. Single
+    process, unpacked batches (NeMo-RL's draft training does not pack either)."""
+
+    model_name: str | None = field(default=None, validator=_NON_EMPTY)
+    loss_weight: float = field(default=0.1, validator=_Rule(lambda v: v >= 0.0, "must be >= 0"))
+    num_layers: int | None = field(default=None, validator=_at_least(1))
+    aux_layer_indices: tuple[int, ...] | None = field(
+        default=None, validator=_Rule(lambda v: len(v) > 0 and all(i >= 0 for i in v),
+                                      "must list at least one layer index >= 0"))
 
 
 @frozen(kw_only=True)
@@ -477,6 +489,9 @@ def _cross_field_problems(cfg: PolicyConfig) -> list[tuple[str, str]]:
     if cfg.sequence_packing is not None and cfg.reward_model_cfg is not None:
         problems.append(("sequence_packing", "sequence packing is not supported for reward "
                          "models (reward_model_cfg is enabled); disable sequence_packing"))
+    if cfg.draft is not None and cfg.sequence_packing is not None:
+        problems.append(("draft", "draft co-training reads unpacked rows; disable "
+                         "sequence_packing or the draft"))
     gbs, mbs = cfg.train_global_batch_size, cfg.train_micro_batch_size
     if cfg.fixed_microbatching and gbs % mbs != 0:
         problems.append(("train_global_batch_size", f"train_global_batch_size = {gbs} must be "

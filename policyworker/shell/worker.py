@@ -47,6 +47,7 @@ from policyworker.shell import collectives
 from policyworker.shell import model as model_lib
 from policyworker.shell import parallel as parallel_lib
 from policyworker.shell.distributed import ParallelContext
+from policyworker.shell.draft import DraftTrainer
 from policyworker.shell.fusion import fuse_elementwise
 from policyworker.shell.moe import MoeRouting
 from policyworker.shell.optim import build_optimizer, build_scheduler
@@ -135,6 +136,8 @@ class PolicyWorker:
         self.optimizer = build_optimizer(self.model, self.cfg.optimizer) if (
             init_optimizer and self.cfg.optimizer is not None) else None
         self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler) if self.optimizer else None
+        self._draft = DraftTrainer(self.model, self.cfg, device=self.device, parallel=self.parallel,
+                                   build_optimizer=build_optimizer if init_optimizer else None)
         gen = self.cfg.generation
         self._sampling = (gen.temperature, gen.top_k, gen.top_p) if gen is not None else (1.0, None, 1.0)
         self._reference_state = self._snapshot_state() if init_reference_model else None
@@ -146,6 +149,7 @@ class PolicyWorker:
 
             checkpoint.load_checkpoint_at_init(self, weights_path, optimizer_path,
                                                weights_loaded=weights_folder is not None)
+            self._draft.load_beside(weights_path, optimizer_path)
 
     # ------------------------------------------------------------------------------ seams
 
@@ -399,7 +403,8 @@ class PolicyWorker:
         grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
         losses, all_mb_metrics = [], {}
         grad_norm, skipped, stepped = None, 0, 0
-        with grad_ctx, self._moe.replaying(), self._moe.counting(not eval_mode):
+        with (grad_ctx, self._moe.replaying(), self._moe.counting(not eval_mode),
+              self._draft.capturing()):
             for g in range(num_gb):
                 rows = slice(g * local_gbs, (g + 1) * local_gbs)
                 batch = {k: v[rows] for k, v in data.items()}
@@ -444,6 +449,7 @@ class PolicyWorker:
 
     def _train_global_batch(self, batch, loss_fn, *, eval_mode, mbs, num_gb, skip, dp_cp):
         gvs, gvt, batch = self._global_normalizers(batch, loss_fn)
+        self._draft.begin_global_batch(batch)
         plans = self._plans(batch["input_lengths"], seq_len=batch["input_ids"].shape[1], mbs=mbs,
                             purpose="train")
         if not eval_mode:
@@ -453,10 +459,11 @@ class PolicyWorker:
         for plan in plans:
             mb = self._microbatch(batch, plan, skip=skip)
             loss, metrics = self._loss(mb, loss_fn, gvs, gvt)
+            draft_loss = self._draft.microbatch_loss(mb, metrics)  # 0.0 without a draft
             if mb.is_dummy:
-                loss = loss * 0
+                loss, draft_loss = loss * 0, draft_loss * 0
             if not eval_mode:
-                (loss * dp_cp).backward()
+                ((loss + draft_loss) * dp_cp).backward()
             if mb.is_dummy:
                 continue
             finite = finite and bool(torch.isfinite(loss.detach()).item())
@@ -469,6 +476,7 @@ class PolicyWorker:
             return mb_losses, mb_metrics, None, False
         grad_norm, skipped = self._optimizer_step(finite)
         self._moe.finish_step(applied=not skipped)
+        self._draft.finish_step(applied=not skipped)
         for i, m in enumerate(mb_metrics):
             m["skipped_step"] = float(skipped and i == 0)
         return mb_losses, mb_metrics, grad_norm, skipped
@@ -789,7 +797,8 @@ class PolicyWorker:
             from policyworker.shell.refit import RefitSender
 
             self._refit_sender = RefitSender(lambda: self.model, self.dtype, rank=self.parallel.rank,
-                                             device=self.device)
+                                             device=self.device,
+                                             draft_model_fn=lambda: self._draft.model)
         return self._refit_sender
 
     def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -865,7 +874,8 @@ class PolicyWorker:
 
         self._reshard()
         return broadcast_model_weights(
-            self._collective, self.model, self.dtype, kv_scales=kv_scales,
+            self._collective, self.model, self.dtype, draft_model=self._draft.model,
+            kv_scales=kv_scales,
             refit_timeout_s=refit_timeout_s, buffer_size_bytes=buffer_size_bytes,
             num_buffers=num_buffers, use_legacy_packing=use_legacy_packing)
 
@@ -886,7 +896,7 @@ class PolicyWorker:
         from policyworker.shell.params import params_generator
 
         self._reshard()
-        named = params_generator(self.model, precision_dtype(target_precision))
+        named = params_generator(self.model, precision_dtype(target_precision), self._draft.model)
         return self._sglang_sender().update_weights(
             named, rollout_engines=rollout_engines, buffer_size_bytes=buffer_size_bytes,
             target_precision=target_precision, sglang_quantization_cfg=sglang_quantization_cfg)
@@ -914,6 +924,7 @@ class PolicyWorker:
 
         checkpoint.save_checkpoint(self, weights_path, optimizer_path, tokenizer_path,
                                    is_final_checkpoint=is_final_checkpoint)
+        self._draft.save_beside(weights_path, optimizer_path)
 
     def finalize_async_save(self) -> None:
         from policyworker.shell import checkpoint
@@ -924,6 +935,7 @@ class PolicyWorker:
         from policyworker.shell import checkpoint
 
         checkpoint.load_checkpoint(self, weights_path, optimizer_path)
+        self._draft.load_beside(weights_path, optimizer_path)
 
     # ------------------------------------------------------------------------------ misc
 

@@ -146,7 +146,11 @@ def policy_configs(draw) -> PolicyConfig:
         scheduler=draw(optional(scheduler_configs())), generation=draw(optional(generation)),
         reward_model_cfg=reward_cfg if reward else None,
         router_replay=draw(optional(st.just(RouterReplayConfig()))),
-        draft=draw(optional(st.builds(DraftConfig, model_name=TEXT))),
+        draft=None if packing is not None else draw(optional(st.builds(
+            DraftConfig, model_name=optional(TEXT), loss_weight=st.floats(0, 10),
+            num_layers=optional(st.integers(1, 4)),
+            aux_layer_indices=optional(st.lists(st.integers(0, 64), min_size=1, max_size=3)
+                                       .map(tuple))))),
     )
 
 

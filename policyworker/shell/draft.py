@@ -1,0 +1,305 @@
+"""Eagle3-style draft co-training: a small draft model trained beside the policy (`policy.draft`).
+
+The draft reads what the policy computed anyway, captured by forward hooks during the policy's
+training forward (detached: the draft never changes the policy's gradient):
+- the hidden states after the policy's decoder layers `aux_layer_indices`, concatenated and fused
+  by `fc` into one hidden vector per position;
+- the policy's input embeddings, shifted left by one (position t sees the embedding of token t+1);
+- the policy's logits, shifted left by one: the teacher at draft position t is the policy's
+  next-token distribution at position t+1.
+Its loss is the soft cross-entropy of the draft's distribution against the policy's, summed over
+real (t, t+1) pairs and divided by the global batch's number of pairs, then added to the policy's
+loss with `loss_weight` (NeMo-RL's `DraftCrossEntropyLossFn` semantics). The draft has its own
+optimizer (the policy's settings), clipped and stepped after the policy's step.
+
+Layer layout (Eagle3): the first layer's attention reads [norm(embedding), norm(fused hidden)]
+(2H wide); further layers are plain Llama decoder layers; then a final norm and an LM head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+
+__all__ = ["DraftTrainer", "Eagle3Draft", "default_aux_layers"]
+
+_DRAFT_WEIGHTS = "model.safetensors"
+_DRAFT_OPTIMIZER = "optimizer.pt"
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """NeMo-RL's early/middle/late pick of policy layers (those that exist; layer 0 at least)."""
+    picks = {1, max(0, num_layers // 2 - 1), max(1, num_layers - 4)}
+    return tuple(sorted({i for i in picks if i < num_layers} or {0}))
+
+
+class _FirstLayer(nn.Module):
+    """Eagle3's first draft layer: attention over [norm(embedding), norm(hidden)]."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        wide = LlamaConfig(**{**config.to_dict(), "hidden_size": 2 * config.hidden_size,
+                              "head_dim": config.head_dim})
+        wide._attn_implementation = "sdpa"
+        inner = LlamaDecoderLayer(wide, layer_idx=0)
+        self.self_attn = inner.self_attn
+        self.self_attn.o_proj = nn.Linear(
+            config.num_attention_heads * config.head_dim, config.hidden_size, bias=False)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, position_embeddings: Any
+                ) -> torch.Tensor:
+        both = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        attended, _ = self.self_attn(hidden_states=both, position_embeddings=position_embeddings,
+                                     attention_mask=None)
+        hidden = hidden + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Draft(nn.Module):
+    """fc (aux hidden states -> H), Eagle3 layers, final norm, LM head over the policy's vocab."""
+
+    def __init__(self, config: LlamaConfig, *, num_aux: int) -> None:
+        super().__init__()
+        config._attn_implementation = "sdpa"  # causal without a mask
+        self.config = config
+        self.num_aux = num_aux
+        hidden = config.hidden_size
+        self.fc = nn.Linear(num_aux * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList(
+            [_FirstLayer(config)] + [LlamaDecoderLayer(config, layer_idx=i)
+                                     for i in range(1, config.num_hidden_layers)])
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+
+    def forward(self, aux_hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """Logits [b, s, V] from fused aux hidden states [b, s, A*H] and embeddings [b, s, H]."""
+        hidden = self.fc(aux_hidden)
+        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+        rope = self.rotary_emb(hidden, positions)
+        hidden = self.layers[0](hidden, embeds, rope)
+        for layer in self.layers[1:]:
+            hidden = layer(hidden, position_embeddings=rope, position_ids=positions)
+        return self.lm_head(self.norm(hidden))
+
+
+def _draft_config(policy_config: Any, num_layers: int) -> LlamaConfig:
+    """A Llama config shaped like the policy (hidden, heads, vocab), `num_layers` deep."""
+    heads = policy_config.num_attention_heads
+    head_dim = getattr(policy_config, "head_dim", None) or policy_config.hidden_size // heads
+    return LlamaConfig(
+        hidden_size=policy_config.hidden_size, intermediate_size=policy_config.intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(policy_config, "num_key_value_heads", heads),
+        head_dim=head_dim, vocab_size=policy_config.vocab_size, num_hidden_layers=num_layers,
+        rms_norm_eps=getattr(policy_config, "rms_norm_eps", 1e-6),
+        max_position_embeddings=policy_config.max_position_embeddings,
+        tie_word_embeddings=False)
+
+
+class DraftTrainer:
+    """The draft model, its optimizer and the hooks that feed it (inert when `cfg.draft` is off)."""
+
+    def __init__(self, policy: nn.Module, cfg: Any, *, device: torch.device, parallel: Any,
+                 build_optimizer: Any) -> None:
+        self.cfg = cfg.draft
+        self.model: Eagle3Draft | None = None
+        self.optimizer: Any = None
+        self.parallel = parallel
+        self._capturing = False
+        self._captured: dict[str, torch.Tensor] = {}
+        self._pairs = 1.0
+        if self.cfg is None:
+            return
+        if parallel.mesh is not None:
+            msg = (f"policy.draft (draft co-training) runs in a single process for now; this "
+                   f"worker has a process group of {parallel.world_size} ranks; remove "
+                   f"policy.draft or run one process")
+            raise ValueError(msg)
+        layers = _decoder_layers(policy)
+        self.aux_layers = tuple(self.cfg.aux_layer_indices or default_aux_layers(len(layers)))
+        if max(self.aux_layers) >= len(layers):
+            msg = (f"draft.aux_layer_indices={list(self.aux_layers)} names a layer the policy "
+                   f"does not have (it has {len(layers)}: 0..{len(layers) - 1}); pick indices "
+                   f"below {len(layers)}")
+            raise ValueError(msg)
+        self.model = self._build(policy).to(device)
+        self.optimizer = (build_optimizer(self.model, cfg.optimizer)
+                          if build_optimizer is not None and cfg.optimizer else None)
+        self.max_grad_norm = cfg.max_grad_norm
+        self._handles = [policy.get_input_embeddings().register_forward_hook(self._keep("embeds")),
+                         policy.get_output_embeddings().register_forward_hook(self._keep("logits"))]
+        for index in self.aux_layers:
+            self._handles.append(layers[index].register_forward_hook(self._keep(f"aux{index}")))
+
+    def _build(self, policy: nn.Module) -> Eagle3Draft:
+        name = self.cfg.model_name
+        if name is None:
+            config = _draft_config(policy.config, self.cfg.num_layers or 1)
+            draft = Eagle3Draft(config, num_aux=len(self.aux_layers))
+            with torch.no_grad():  # NeMo-RL: no draft LM head given -> start from the policy's
+                draft.lm_head.weight.copy_(policy.get_output_embeddings().weight)
+            return draft
+        folder = Path(name)
+        meta = json.loads((folder / "config.json").read_text())
+        draft = Eagle3Draft(LlamaConfig(**meta["llama"]), num_aux=int(meta["num_aux"]))
+        if draft.num_aux != len(self.aux_layers):
+            msg = (f"draft.model_name={name!r} fuses {draft.num_aux} policy layers but "
+                   f"draft.aux_layer_indices has {len(self.aux_layers)}; make them agree")
+            raise ValueError(msg)
+        from safetensors.torch import load_file
+
+        draft.load_state_dict(load_file(str(folder / _DRAFT_WEIGHTS)))
+        return draft
+
+    # ------------------------------------------------------------------------------ training
+
+    def _keep(self, key: str):
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            if self._capturing:
+                out = output[0] if isinstance(output, tuple) else output
+                self._captured[key] = out.detach()
+        return hook
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Keep the policy's embeddings, aux hidden states and logits of each forward inside."""
+        self._capturing = self.model is not None
+        try:
+            yield
+        finally:
+            self._capturing = False
+            self._captured.clear()
+
+    def begin_global_batch(self, batch: Any) -> None:
+        """Count the global batch's real (t, t+1) pairs: the loss's normalizer."""
+        if self.model is None:
+            return
+        lengths = batch["input_lengths"].to(torch.float32)
+        pairs = ((lengths - 1).clamp(min=0) * batch["sample_mask"].to(torch.float32)).sum()
+        dev = self.parallel._collective_device()
+        self._pairs = max(float(self.parallel.all_reduce(pairs.reshape(1).to(dev), axis="dp")), 1.0)
+
+    def microbatch_loss(self, mb: Any, metrics: dict[str, Any]) -> torch.Tensor | float:
+        """`loss_weight` * this microbatch's share of the draft loss (0.0 when off); adds
+        `draft_loss` and `draft_top1_agreement` (shares of the global batch's) to `metrics`."""
+        if self.model is None or "logits" not in self._captured:
+            return 0.0
+        cap = self._captured
+        aux = torch.cat([cap[f"aux{i}"] for i in self.aux_layers], dim=-1)[:, :-1]
+        logits = self.model(aux.float(), cap["embeds"][:, 1:].float())
+        teacher = cap["logits"][:, 1:].float()
+        width = mb.input_ids.shape[1]
+        positions = torch.arange(1, width, device=logits.device)[None]
+        real = positions < mb.lengths.to(logits.device)[:, None]
+        if "sample_mask" in mb.data:
+            real = real & (mb.data["sample_mask"].to(logits.device) != 0)[:, None]
+        per_pair = -(torch.softmax(teacher, -1) * torch.log_softmax(logits, -1)).sum(-1)
+        loss = (per_pair * real).sum() / self._pairs
+        agree = ((logits.argmax(-1) == teacher.argmax(-1)) & real).sum() / self._pairs
+        metrics["draft_loss"] = float(loss.detach())
+        metrics["draft_top1_agreement"] = float(agree)
+        self._captured.clear()
+        return loss * self.cfg.loss_weight
+
+    def finish_step(self, *, applied: bool) -> None:
+        """Clip and step the draft's optimizer after an applied policy step; drop grads."""
+        if self.optimizer is None:
+            return
+        if applied:
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------------------ state
+
+    def save(self, folder: str | Path, optimizer_folder: str | Path | None) -> None:
+        """The draft's weights and config in `folder`, its optimizer state in `optimizer_folder`
+        (each written beside its final name, then renamed into place)."""
+        if self.model is None:
+            return
+        from safetensors.torch import save_file
+
+        state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
+        meta = {"num_aux": self.model.num_aux, "llama": self.model.config.to_dict(),
+                "aux_layer_indices": list(self.aux_layers)}
+        with _replaced(folder) as tmp:
+            save_file(state, str(tmp / _DRAFT_WEIGHTS))
+            (tmp / "config.json").write_text(json.dumps(meta, indent=1, default=str))
+        if optimizer_folder is not None and self.optimizer is not None:
+            with _replaced(optimizer_folder) as tmp:
+                torch.save(self.optimizer.state_dict(), tmp / _DRAFT_OPTIMIZER)
+
+    def save_beside(self, weights_path: str, optimizer_path: str | None) -> None:
+        """Checkpoint layout: `weights_path/draft/` and `optimizer_path/draft/`."""
+        self.save(Path(weights_path) / "draft",
+                  None if optimizer_path is None else Path(optimizer_path) / "draft")
+
+    def load_beside(self, weights_path: str | None, optimizer_path: str | None) -> None:
+        """Load what `save_beside` wrote; a policy checkpoint without a draft folder is an
+        error while the draft is on (the draft would silently restart)."""
+        if self.model is None or weights_path is None:
+            return
+        folder = Path(weights_path) / "draft"
+        if not (folder / _DRAFT_WEIGHTS).exists():
+            msg = (f"policy.draft is enabled but the checkpoint {str(weights_path)!r} has no "
+                   f"draft/{_DRAFT_WEIGHTS}; load a checkpoint saved with the draft, or remove "
+                   f"policy.draft")
+            raise ValueError(msg)
+        self.load(folder, None if optimizer_path is None else Path(optimizer_path) / "draft")
+
+    def load(self, folder: str | Path, optimizer_folder: str | Path | None) -> None:
+        if self.model is None:
+            return
+        from safetensors.torch import load_file
+
+        state = load_file(str(Path(folder) / _DRAFT_WEIGHTS))
+        with torch.no_grad():
+            self.model.load_state_dict({k: v.to(self.model.fc.weight.device)
+                                        for k, v in state.items()})
+        path = None if optimizer_folder is None else Path(optimizer_folder) / _DRAFT_OPTIMIZER
+        if path is not None and path.exists() and self.optimizer is not None:
+            self.optimizer.load_state_dict(torch.load(path, weights_only=True))
+
+
+@contextlib.contextmanager
+def _replaced(final: str | Path) -> Iterator[Path]:
+    """A fresh folder beside `final` to write into; on success it replaces `final`."""
+    import shutil
+    import uuid
+
+    final = Path(final)
+    tmp = final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+
+
+def _decoder_layers(policy: nn.Module) -> nn.ModuleList:
+    base = getattr(policy, policy.base_model_prefix)
+    return base.layers
