@@ -71,7 +71,11 @@ class _Router:
         self.module = module
         self.num_experts = int(module.weight.shape[0])
         self.top_k = int(module.top_k)
-        self.bias: torch.Tensor | None = getattr(module, _BIAS, None)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The live buffer (looked up each time: moving the model replaces buffer tensors)."""
+        return getattr(self.module, _BIAS, None)
 
 
 class MoeRouting:

@@ -99,6 +99,15 @@ def test_bias_moves_by_rate_times_sign_of_the_whole_steps_load(moe_paths, batchi
     assert torch.equal(after, before[name] + step)
 
 
+def test_the_update_lands_on_the_live_buffer_after_the_model_moved(moe_paths):
+    worker = _worker(moe_paths["deepseek_v3"], dtensor_cfg={"moe_router_bias_update_rate": RATE})
+    gate = worker._moe.routers[0].module
+    gate.e_score_correction_bias = gate.e_score_correction_bias.clone()  # as .to(device) does
+    before = gate.e_score_correction_bias.clone()
+    worker.train(_batch(), NLLLoss())
+    assert not torch.equal(gate.e_score_correction_bias, before)
+
+
 def test_rate_zero_leaves_the_bias_bit_identical(moe_paths):
     worker = _worker(moe_paths["deepseek_v3"])
     before = _bias(worker)
