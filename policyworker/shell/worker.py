@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from policyworker.config import PolicyConfig, load_config, validate_for_world
 from policyworker.data import BatchedDataDict, validate_batch
-from policyworker.functional import batching
+from policyworker.functional import batch_checks, batching
 from policyworker.functional.dtypes import precision_dtype
 from policyworker.functional.logprobs import (
     count_and_zero_neg_inf,
@@ -208,6 +208,10 @@ class PolicyWorker:
     def _validate(self, data: Mapping[str, Any], *, required=("input_ids", "input_lengths"),
                   skip=()) -> None:
         validate_batch(data, required=required, check_dim_skip_keys=tuple(skip or ()))
+        if isinstance(data.get("input_ids"), torch.Tensor):
+            embedding = self.model.get_input_embeddings()
+            vocab = getattr(embedding, "num_embeddings", None) or self.model.config.vocab_size
+            batch_checks.require_token_ids_in_vocab(data["input_ids"], int(vocab))
         for key in ("token_mask", "sample_mask"):
             if key in data and not isinstance(data[key], torch.Tensor):
                 msg = f"data[{key!r}] must be a tensor, got {type(data[key]).__name__}"
@@ -376,8 +380,10 @@ class PolicyWorker:
             msg = ("attn_implementation 'flex_attention' has no backward on CPU; use 'auto' or "
                    "'sdpa' for training on CPU (flex_attention works for inference)")
             raise ValueError(msg)
-        gbs = gbs or self.cfg.train_global_batch_size
-        mbs = mbs or self.cfg.train_micro_batch_size
+        gbs = batch_checks.batch_size_argument("gbs", gbs, self.cfg.train_global_batch_size)
+        mbs = batch_checks.batch_size_argument("mbs", mbs, self.cfg.train_micro_batch_size)
+        data = batch_checks.cast_loss_inputs(data)
+        batch_checks.require_nonempty_rows(data["input_lengths"])
         dp, cp = self.parallel.dp_size, self.parallel.cp_size
         if gbs % dp != 0:
             msg = f"gbs={gbs} must be a multiple of the data-parallel size {dp}"
@@ -390,6 +396,10 @@ class PolicyWorker:
             msg = (f"the batch has {total} rows over all data-parallel ranks, fewer than one "
                    f"global batch (gbs={gbs}); pass at least gbs rows or a smaller gbs")
             raise ValueError(msg)
+        if total % gbs:
+            log.warning("train(): %d row(s) over all data-parallel ranks are not a whole global "
+                           "batch (gbs=%d) and are not used; pass a multiple of gbs rows",
+                           total % gbs, gbs)
         self.model.train(not eval_mode)
         grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
         losses, all_mb_metrics = [], {}
@@ -444,6 +454,10 @@ class PolicyWorker:
         if not eval_mode:
             self.optimizer.zero_grad(set_to_none=True)
         mb_losses, mb_metrics, finite = [], [], True
+        untrusted = None if eval_mode else batch_checks.nonfinite_loss_input(batch)
+        if untrusted is not None:  # skipped below, by every rank (the flag is all-reduced)
+            warnings.warn(f"train(): {untrusted}", stacklevel=3)
+            finite = False
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else 0.0
         for plan in plans:
             mb = self._microbatch(batch, plan, skip=skip)
@@ -462,7 +476,15 @@ class PolicyWorker:
                 mb_metrics.append(metrics)
         if eval_mode:
             return mb_losses, mb_metrics, None, False
-        grad_norm, skipped = self._optimizer_step(finite)
+        if float(gvt if loss_fn.loss_type == LossType.TOKEN_LEVEL else gvs) == 0:
+            # Nothing in this global batch counts (all tokens/rows masked out): a step would
+            # only advance the optimizer's clock (Adam's bias correction, the scheduler).
+            log.warning("train(): a global batch has no valid %s; its optimizer step was skipped",
+                        "tokens" if loss_fn.loss_type == LossType.TOKEN_LEVEL else "rows")
+            self.optimizer.zero_grad(set_to_none=True)
+            grad_norm, skipped = 0.0, True
+        else:
+            grad_norm, skipped = self._optimizer_step(finite)
         for i, m in enumerate(mb_metrics):
             m["skipped_step"] = float(skipped and i == 0)
         return mb_losses, mb_metrics, grad_norm, skipped
