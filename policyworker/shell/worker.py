@@ -43,10 +43,10 @@ from policyworker.functional.loss import LossInputType, LossType
 from policyworker.functional.metrics import scale_microbatch_metrics
 from policyworker.functional.packing import pack, packed_position_ids, unpack
 from policyworker.functional.padding import mask_from_lengths
-from policyworker.shell import collectives
+from policyworker.shell.parallel import collectives
 from policyworker.shell import model as model_lib
-from policyworker.shell import parallel as parallel_lib
-from policyworker.shell.distributed import ParallelContext
+from policyworker.shell.parallel import plans as parallel_lib
+from policyworker.shell.parallel.context import ParallelContext
 from policyworker.shell.fusion import fuse_elementwise
 from policyworker.shell.optim import build_optimizer, build_scheduler
 
@@ -140,7 +140,7 @@ class PolicyWorker:
         self._collective: Any = None
         self._sglang: Any = None
         if weights_path is not None or optimizer_path is not None:
-            from policyworker.shell import checkpoint
+            from policyworker.shell.checkpoint import api as checkpoint
 
             checkpoint.load_checkpoint_at_init(self, weights_path, optimizer_path,
                                                weights_loaded=weights_folder is not None)
@@ -815,7 +815,7 @@ class PolicyWorker:
 
     def _sender(self) -> Any:
         if self._refit_sender is None:
-            from policyworker.shell.refit import RefitSender
+            from policyworker.shell.refit.sender import RefitSender
 
             self._refit_sender = RefitSender(lambda: self.model, self.dtype, rank=self.parallel.rank,
                                              device=self.device)
@@ -840,14 +840,14 @@ class PolicyWorker:
         return None. If rank 0's stream fails it still finishes the gathers, so the others are
         released, and every rank raises (rank 0 with the transport's error).
         """
-        from policyworker.shell.refit import check_stream_args
+        from policyworker.shell.refit.sender import check_stream_args
 
         self._reshard()
         if self.parallel.world_size == 1:
             return self._sender().stream_weights_via_ipc_zmq(buffer_size_bytes, kv_scales,
                                                              timeout_s=timeout_s)
         check_stream_args(buffer_size_bytes, kv_scales, timeout_s)
-        from policyworker.shell.params import refit_stream
+        from policyworker.shell.refit.params import refit_stream
 
         gathers: list[_Draining] = []
 
@@ -881,7 +881,7 @@ class PolicyWorker:
         return report
 
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> None:
-        from policyworker.shell.transports.collective import init_collective
+        from policyworker.shell.refit.collective import init_collective
 
         self._collective = init_collective(ip, port, world_size, train_world_size=train_world_size,
                                            rank=self.parallel.rank, device=self.device)
@@ -890,7 +890,7 @@ class PolicyWorker:
                                          *, buffer_size_bytes: int | None = None,
                                          num_buffers: int | None = None,
                                          use_legacy_packing: bool = False) -> dict[str, Any]:
-        from policyworker.shell.transports.collective import broadcast_model_weights
+        from policyworker.shell.refit.collective import broadcast_model_weights
 
         self._reshard()
         return broadcast_model_weights(
@@ -900,7 +900,7 @@ class PolicyWorker:
 
     def _sglang_sender(self) -> Any:
         if self._sglang is None:
-            from policyworker.shell.transports.sglang import SGLangColocatedSender
+            from policyworker.shell.refit.sglang import SGLangColocatedSender
 
             self._sglang = SGLangColocatedSender(rank=self.parallel.rank,
                                                  world_size=self.parallel.world_size)
@@ -912,7 +912,7 @@ class PolicyWorker:
     def update_weights_to_sglang_colocated(self, *, rollout_engines: Any, buffer_size_bytes: int,
                                            target_precision: str = "bf16",
                                            sglang_quantization_cfg: Any = None) -> Any:
-        from policyworker.shell.params import params_generator
+        from policyworker.shell.refit.params import params_generator
 
         self._reshard()
         named = params_generator(self.model, precision_dtype(target_precision))
@@ -922,7 +922,7 @@ class PolicyWorker:
 
     def get_full_logits_ipc(self, data: Mapping[str, Any], micro_batch_size: int | None = None
                             ) -> dict[str, Any]:
-        from policyworker.shell.transports.ipc_logits import full_logits_ipc
+        from policyworker.shell.ipc_logits import full_logits_ipc
 
         try:
             return full_logits_ipc(self, data, micro_batch_size)
@@ -930,7 +930,7 @@ class PolicyWorker:
             self._reshard()
 
     def release_ipc_buffer(self) -> None:
-        from policyworker.shell.transports.ipc_logits import release_ipc_buffer
+        from policyworker.shell.ipc_logits import release_ipc_buffer
 
         release_ipc_buffer(self)
 
@@ -939,18 +939,18 @@ class PolicyWorker:
     def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None,
                         tokenizer_path: str | None = None, *, is_final_checkpoint: bool = False
                         ) -> None:
-        from policyworker.shell import checkpoint
+        from policyworker.shell.checkpoint import api as checkpoint
 
         checkpoint.save_checkpoint(self, weights_path, optimizer_path, tokenizer_path,
                                    is_final_checkpoint=is_final_checkpoint)
 
     def finalize_async_save(self) -> None:
-        from policyworker.shell import checkpoint
+        from policyworker.shell.checkpoint import api as checkpoint
 
         checkpoint.finalize_async_save(self)
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
-        from policyworker.shell import checkpoint
+        from policyworker.shell.checkpoint import api as checkpoint
 
         checkpoint.load_checkpoint(self, weights_path, optimizer_path)
 
@@ -1027,7 +1027,7 @@ def _hf_weights_folder(weights_path: str | None) -> str | None:
     """The HF folder to build the model from when `weights_path` holds safetensors weights."""
     if weights_path is None:
         return None
-    from policyworker.shell import checkpoint
+    from policyworker.shell.checkpoint import api as checkpoint
 
     if checkpoint.detect_weights_format(weights_path) != "safetensors":
         return None  # DCP / PEFT: built from model_name, then loaded by the checkpoint module
