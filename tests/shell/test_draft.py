@@ -15,7 +15,7 @@ import torch
 from policyworker.errors import ConfigError
 from policyworker.functional.loss import NLLLoss
 from policyworker.shell.draft import default_aux_layers
-from policyworker.shell.params import DRAFT_PREFIX, params_generator
+from policyworker.shell.refit.params import DRAFT_PREFIX, params_generator
 from policyworker.shell.worker import PolicyWorker
 from tests.shell.conftest import VOCAB, make_config
 

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from policyworker.functional.loss import NLLLoss
 from policyworker.functional.moe import MISSING_ROUTE
-from policyworker.shell.params import params_generator
+from policyworker.shell.refit.params import params_generator
 from policyworker.shell.worker import PolicyWorker
 from tests.helpers import (
     own_moe_routes,
