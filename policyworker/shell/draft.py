@@ -25,15 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (
-    LlamaDecoderLayer,
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-)
 
 __all__ = ["DraftTrainer", "Eagle3Draft", "default_aux_layers"]
 
@@ -50,7 +42,14 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
 class _FirstLayer(nn.Module):
     """Eagle3's first draft layer: attention over [norm(embedding), norm(hidden)]."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: Any) -> None:
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import (
+            LlamaDecoderLayer,
+            LlamaMLP,
+            LlamaRMSNorm,
+        )
+
         super().__init__()
         wide = LlamaConfig(**{**config.to_dict(), "hidden_size": 2 * config.hidden_size,
                               "head_dim": config.head_dim})
@@ -76,7 +75,13 @@ class _FirstLayer(nn.Module):
 class Eagle3Draft(nn.Module):
     """fc (aux hidden states -> H), Eagle3 layers, final norm, LM head over the policy's vocab."""
 
-    def __init__(self, config: LlamaConfig, *, num_aux: int) -> None:
+    def __init__(self, config: Any, *, num_aux: int) -> None:
+        from transformers.models.llama.modeling_llama import (
+            LlamaDecoderLayer,
+            LlamaRMSNorm,
+            LlamaRotaryEmbedding,
+        )
+
         super().__init__()
         config._attn_implementation = "sdpa"  # causal without a mask
         self.config = config
@@ -101,8 +106,10 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(self.norm(hidden))
 
 
-def _draft_config(policy_config: Any, num_layers: int) -> LlamaConfig:
+def _draft_config(policy_config: Any, num_layers: int) -> Any:
     """A Llama config shaped like the policy (hidden, heads, vocab), `num_layers` deep."""
+    from transformers import LlamaConfig
+
     heads = policy_config.num_attention_heads
     head_dim = getattr(policy_config, "head_dim", None) or policy_config.hidden_size // heads
     return LlamaConfig(
@@ -158,6 +165,8 @@ class DraftTrainer:
             with torch.no_grad():  # NeMo-RL: no draft LM head given -> start from the policy's
                 draft.lm_head.weight.copy_(policy.get_output_embeddings().weight)
             return draft
+        from transformers import LlamaConfig
+
         folder = Path(name)
         meta = json.loads((folder / "config.json").read_text())
         draft = Eagle3Draft(LlamaConfig(**meta["llama"]), num_aux=int(meta["num_aux"]))

@@ -97,7 +97,8 @@ def test_draft_weights_and_optimizer_survive_a_checkpoint(tiny_model_paths, tmp_
     worker.save_checkpoint(str(tmp_path / "w"), str(tmp_path / "o"))
     worker.finalize_async_save()
     saved = {k: v.clone() for k, v in worker._draft.model.state_dict().items()}
-    restored = PolicyWorker(cfg, weights_path=str(tmp_path / "w"), optimizer_path=str(tmp_path / "o"))
+    restored = PolicyWorker(cfg, weights_path=str(tmp_path / "w"),
+                            optimizer_path=str(tmp_path / "o"))
     assert all(torch.equal(v, saved[k]) for k, v in restored._draft.model.state_dict().items())
     data = _affine_batch(8, seed=5)
     worker.train(data, NLLLoss())
