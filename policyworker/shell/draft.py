@@ -142,6 +142,10 @@ class DraftTrainer:
                    f"policy.draft or run one process")
             raise ValueError(msg)
         layers = _decoder_layers(policy)
+        if layers is None or policy.get_output_embeddings() is None:
+            msg = (f"policy.draft needs a causal LM with decoder layers and an LM head; "
+                   f"{type(policy).__name__} has no such layout; remove policy.draft")
+            raise ValueError(msg)
         self.aux_layers = tuple(self.cfg.aux_layer_indices or default_aux_layers(len(layers)))
         if max(self.aux_layers) >= len(layers):
             msg = (f"draft.aux_layer_indices={list(self.aux_layers)} names a layer the policy "
@@ -309,6 +313,6 @@ def _replaced(final: str | Path) -> Iterator[Path]:
     tmp.rename(final)
 
 
-def _decoder_layers(policy: nn.Module) -> nn.ModuleList:
-    base = getattr(policy, policy.base_model_prefix)
-    return base.layers
+def _decoder_layers(policy: nn.Module) -> nn.ModuleList | None:
+    base = getattr(policy, getattr(policy, "base_model_prefix", ""), None)
+    return getattr(base, "layers", None)

@@ -118,7 +118,10 @@ def test_draft_weights_and_optimizer_survive_a_checkpoint(tiny_model_paths, tmp_
         PolicyWorker(cfg, weights_path=str(tmp_path / "plain"))
 
 
-def test_bad_draft_settings_raise_naming_the_key(tiny_model_paths):
+def test_bad_draft_settings_raise_naming_the_key(tiny_model_paths, tiny_reward_paths):
+    with pytest.raises(ValueError, match="policy.draft needs a causal LM"):
+        PolicyWorker(make_config(tiny_reward_paths["regression"], draft={},
+                                 reward_model_cfg={"reward_model_type": "regression"}))
     with pytest.raises(ValueError, match="aux_layer_indices"):
         _worker(tiny_model_paths["llama"], draft={"aux_layer_indices": [0, 5]})
     with pytest.raises(ConfigError, match="sequence_packing"):
