@@ -238,9 +238,10 @@ class DraftTrainer:
         if self.optimizer is None:
             return
         if applied:
-            if self.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-            self.optimizer.step()
+            limit = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
+            if bool(torch.isfinite(norm)):  # a non-finite draft gradient skips the draft's step
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     # ------------------------------------------------------------------------------ state

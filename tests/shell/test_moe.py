@@ -200,8 +200,10 @@ def test_each_router_rule_reproduces_its_routers_weights_bitwise(moe_paths, mode
             assert again.dtype == weights.dtype and torch.equal(again, weights)
 
 
-@pytest.mark.parametrize("batching", [{}, {"sequence_packing": {"train_mb_tokens": 24}}],
-                         ids=["fixed", "packed"])
+@pytest.mark.parametrize("batching", [
+    {}, {"sequence_packing": {"train_mb_tokens": 24}},
+    {"dynamic_batching": {"train_mb_tokens": 24, "sequence_length_round": 4}},
+], ids=["fixed", "packed", "dynamic"])
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_replaying_the_models_own_routes_is_bitwise_neutral(moe_paths, model_type, batching):
     data = _batch()
