@@ -85,7 +85,7 @@ def _routes(worker, data):
     """[B, S, MoE layers, K] of the worker's model on `data` (-1 at padding)."""
     seen = []
     hooks = [r.module.register_forward_hook(lambda _m, _a, out: seen.append(out[2].clone()))
-             for r in worker._moe.routers]
+             for r in worker.state.moe.routers]
     with torch.no_grad():
         worker.model(input_ids=data["input_ids"])
     for h in hooks:
@@ -111,7 +111,7 @@ def balance(root, steps):
     for rate in (0.02, 0.0):
         worker = PolicyWorker(_config(path, dtensor_cfg={"moe_router_bias_update_rate": rate}))
         with torch.no_grad():
-            worker._moe.routers[0].module.e_score_correction_bias.copy_(
+            worker.state.moe.routers[0].module.e_score_correction_bias.copy_(
                 torch.tensor([0.3, 0.3, 0, 0, 0, 0, 0, 0]))
         before = _load_stats(worker, held_out)
         for step in range(steps):
@@ -136,7 +136,7 @@ def replay(root):
             tokens = [(0, 1), (1, 3), (2, 2)]
             for b, t in tokens:
                 used = own[b, t, -1].tolist()
-                free = [e for e in range(worker._moe.routers[-1].num_experts) if e not in used]
+                free = [e for e in range(worker.state.moe.routers[-1].num_experts) if e not in used]
                 altered[b, t, -1] = torch.tensor(free[: len(used)])
             moved = worker.get_logprobs(dict(data, routed_experts=altered))["logprobs"]
             out[f"{model_type}/{batching}"] = {

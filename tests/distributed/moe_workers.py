@@ -34,12 +34,12 @@ def moe_reference(path):
 
     worker = PolicyWorker(moe_config(path, "fixed"))
     data = moe_data()
-    routes = own_moe_routes(worker.model, worker._moe.routers, data)
+    routes = own_moe_routes(worker.model, worker.state.moe.routers, data)
     data["routed_experts"] = routes
     out = {"routes": routes, "logprobs": worker.get_logprobs(data)["logprobs"]}
     worker.train(data, NLLLoss())
-    out["load"] = dict(worker._moe.last_step_load)
-    out["bias"] = {r.name: r.bias.clone() for r in worker._moe.routers if r.bias is not None}
+    out["load"] = dict(worker.state.moe.last_step_load)
+    out["bias"] = {r.name: r.bias.clone() for r in worker.state.moe.routers if r.bias is not None}
     worker.shutdown()
     return out
 
@@ -48,6 +48,7 @@ def moe_dp2(rank, size, path, want):
     """dp2: replayed logprobs match one process; the step's loads are summed over both ranks
     (every microbatch, no dummy) and both ranks move the bias exactly as one process does."""
     from policyworker.functional.loss import NLLLoss
+    from policyworker.shell import microbatches as mbatch
     from policyworker.shell.worker import PolicyWorker
 
     data = moe_data(want["routes"])
@@ -56,8 +57,8 @@ def moe_dp2(rank, size, path, want):
     for batching in BATCHINGS:
         worker = PolicyWorker(moe_config(path, batching))
         assert worker.parallel.dp_size == size == 2
-        dummies = sum(p.is_dummy for p in worker._plans(
-            shard["input_lengths"], seq_len=12, mbs=1, purpose="train"))
+        dummies = sum(p.is_dummy for p in mbatch.plan(
+            worker.state, shard["input_lengths"], seq_len=12, mbs=1, purpose="train"))
         assert (dummies > 0) == (batching == "packed" and rank == 1), (batching, rank, dummies)
         got = worker.get_logprobs(shard)["logprobs"]
         torch.testing.assert_close(got, want["logprobs"][rows], atol=1e-5, rtol=1e-5)
@@ -65,8 +66,8 @@ def moe_dp2(rank, size, path, want):
         local_tokens = int(shard["input_lengths"].sum()) * 2
         for name, load in want["load"].items():
             assert int(load.sum()) == sum(LENGTHS) * 2 != local_tokens
-            assert torch.equal(worker._moe.last_step_load[name], load), (batching, rank, name)
-        for router in worker._moe.routers:
+            assert torch.equal(worker.state.moe.last_step_load[name], load), (batching, rank, name)
+        for router in worker.state.moe.routers:
             assert router.bias.dtype == torch.float32
             assert torch.equal(router.bias, want["bias"][router.name]), (batching, router.name)
         worker.shutdown()

@@ -70,7 +70,7 @@ def test_the_policy_trains_bit_identically_with_and_without_a_draft(tiny_model_p
         assert "draft_loss" in got["all_mb_metrics"] and "draft_loss" not in want["all_mb_metrics"]
     policy = dict(plain.model.named_parameters())
     assert all(torch.equal(p, policy[n]) for n, p in drafted.model.named_parameters())
-    assert len(drafted._draft.model.layers) == 2
+    assert len(drafted.state.draft.model.layers) == 2
 
 
 def test_draft_tensors_follow_the_policys_in_the_refit_stream(tiny_model_paths):
@@ -81,9 +81,9 @@ def test_draft_tensors_follow_the_policys_in_the_refit_stream(tiny_model_paths):
     first_draft = next(i for i, n in enumerate(names) if n.startswith(DRAFT_PREFIX))
     assert all(n.startswith(DRAFT_PREFIX) for n in names[first_draft:])
     assert first_draft == len(list(params_generator(worker.model, torch.bfloat16)))
-    draft_state = worker._draft.model.state_dict()
+    draft_state = worker.state.draft.model.state_dict()
     assert sorted(n[len(DRAFT_PREFIX):] for n in names[first_draft:]) == sorted(draft_state)
-    streamed = dict(params_generator(worker.model, torch.bfloat16, worker._draft.model))
+    streamed = dict(params_generator(worker.model, torch.bfloat16, worker.state.draft.model))
     for name, tensor in draft_state.items():
         assert torch.equal(streamed[DRAFT_PREFIX + name], tensor.to(torch.bfloat16))
 
@@ -96,20 +96,20 @@ def test_draft_weights_and_optimizer_survive_a_checkpoint(tiny_model_paths, tmp_
         worker.train(_affine_batch(8, seed=step), NLLLoss())
     worker.save_checkpoint(str(tmp_path / "w"), str(tmp_path / "o"))
     worker.finalize_async_save()
-    saved = {k: v.clone() for k, v in worker._draft.model.state_dict().items()}
+    saved = {k: v.clone() for k, v in worker.state.draft.model.state_dict().items()}
     restored = PolicyWorker(cfg, weights_path=str(tmp_path / "w"),
                             optimizer_path=str(tmp_path / "o"))
-    assert all(torch.equal(v, saved[k]) for k, v in restored._draft.model.state_dict().items())
+    assert all(torch.equal(v, saved[k]) for k, v in restored.state.draft.model.state_dict().items())
     data = _affine_batch(8, seed=5)
     worker.train(data, NLLLoss())
     restored.train(data, NLLLoss())  # the same optimizer state -> the same next step
-    trained = worker._draft.model.state_dict()
+    trained = worker.state.draft.model.state_dict()
     assert not torch.equal(trained["fc.weight"], saved["fc.weight"])
-    assert all(torch.equal(v, trained[k]) for k, v in restored._draft.model.state_dict().items())
+    assert all(torch.equal(v, trained[k]) for k, v in restored.state.draft.model.state_dict().items())
 
     named = PolicyWorker(make_config(path, train_global_batch_size=8,
                                      draft={"model_name": str(tmp_path / "w" / "draft")}))
-    assert all(torch.equal(v, saved[k]) for k, v in named._draft.model.state_dict().items())
+    assert all(torch.equal(v, saved[k]) for k, v in named.state.draft.model.state_dict().items())
 
     plain = PolicyWorker(make_config(path, train_global_batch_size=8))
     plain.save_checkpoint(str(tmp_path / "plain"))

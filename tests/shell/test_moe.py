@@ -61,21 +61,21 @@ def _worker(path, **overrides):
 
 
 def _own_routes(worker, data) -> torch.Tensor:
-    return own_moe_routes(worker.model, worker._moe.routers, data)
+    return own_moe_routes(worker.model, worker.state.moe.routers, data)
 
 
 def _load_by_count(worker, data) -> torch.Tensor:
     """Independent count of every biased router's expert loads over the real tokens."""
     routes = _own_routes(worker, data)
-    biased = [i for i, r in enumerate(worker._moe.routers) if r.bias is not None]
+    biased = [i for i, r in enumerate(worker.state.moe.routers) if r.bias is not None]
     valid = torch.arange(routes.shape[1])[None] < data["input_lengths"][:, None]
     return torch.stack([torch.bincount(routes[:, :, i][valid].reshape(-1),
-                                       minlength=worker._moe.routers[i].num_experts)
+                                       minlength=worker.state.moe.routers[i].num_experts)
                         for i in biased])
 
 
 def _bias(worker):
-    return {r.name: r.bias.detach().clone() for r in worker._moe.routers if r.bias is not None}
+    return {r.name: r.bias.detach().clone() for r in worker.state.moe.routers if r.bias is not None}
 
 
 # ---------------------------------------------------------------------------- gate-bias update
@@ -90,7 +90,7 @@ def test_bias_moves_by_rate_times_sign_of_the_whole_steps_load(moe_paths, batchi
     want_load = _load_by_count(worker, data)
     before = _bias(worker)
     worker.train(data, NLLLoss())
-    (name, load), = worker._moe.last_step_load.items()
+    (name, load), = worker.state.moe.last_step_load.items()
     assert torch.equal(load, want_load[0]) and int(load.sum()) == sum(LENGTHS) * 2
     mean = load.double().mean()
     step = torch.where(load > mean, -RATE, torch.where(load < mean, RATE, 0.0)).float()
@@ -101,7 +101,7 @@ def test_bias_moves_by_rate_times_sign_of_the_whole_steps_load(moe_paths, batchi
 
 def test_the_update_lands_on_the_live_buffer_after_the_model_moved(moe_paths):
     worker = _worker(moe_paths["deepseek_v3"], dtensor_cfg={"moe_router_bias_update_rate": RATE})
-    gate = worker._moe.routers[0].module
+    gate = worker.state.moe.routers[0].module
     gate.e_score_correction_bias = gate.e_score_correction_bias.clone()  # as .to(device) does
     before = gate.e_score_correction_bias.clone()
     worker.train(_batch(), NLLLoss())
@@ -112,7 +112,7 @@ def test_rate_zero_leaves_the_bias_bit_identical(moe_paths):
     worker = _worker(moe_paths["deepseek_v3"])
     before = _bias(worker)
     worker.train(_batch(), NLLLoss())
-    assert worker._moe.routers[0].module._forward_hooks == {}  # nothing hooked when off
+    assert worker.state.moe.routers[0].module._forward_hooks == {}  # nothing hooked when off
     assert all(torch.equal(before[k], v) for k, v in _bias(worker).items())
 
 
@@ -152,7 +152,7 @@ def test_bias_balances_a_skewed_router_and_stays_fp32_through_checkpoint_and_ref
     worker = _worker(path, precision="bfloat16", train_global_batch_size=8,
                      optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-4}},
                      dtensor_cfg={"moe_router_bias_update_rate": 0.02})
-    (router,) = worker._moe.routers
+    (router,) = worker.state.moe.routers
     with torch.no_grad():  # experts 0 and 1 preferred; the update must undo the skew
         router.bias.copy_(torch.tensor([0.3, 0.3, 0, 0, 0, 0, 0, 0]))
     held_out = make_batch(16, 12, seed=99)
@@ -191,12 +191,12 @@ def test_each_router_rule_reproduces_its_routers_weights_bitwise(moe_paths, mode
     worker = _worker(moe_paths[model_type], router_replay={})
     hidden = torch.randn(40, worker.model.config.hidden_size, generator=torch.Generator()
                          .manual_seed(0))
-    for router in worker._moe.routers:
+    for router in worker.state.moe.routers:
         for dtype in (torch.float32, torch.bfloat16):
             with torch.no_grad(), torch.autocast("cpu", dtype=dtype,
                                                  enabled=dtype != torch.float32):
                 logits, weights, experts = router.module(hidden)
-                again = gate_weights_at(logits, experts, worker._moe.rule)
+                again = gate_weights_at(logits, experts, worker.state.moe.rule)
             assert again.dtype == weights.dtype and torch.equal(again, weights)
 
 
@@ -225,7 +225,7 @@ def test_a_different_route_changes_exactly_the_logprobs_its_tokens_feed(moe_path
     worker = _worker(moe_paths[model_type], router_replay={})
     data = _batch()
     own = _own_routes(worker, data)
-    num_experts = worker._moe.routers[-1].num_experts
+    num_experts = worker.state.moe.routers[-1].num_experts
     altered = own.clone()
     changed = [(0, 2), (0, 7), (1, 4), (2, 0), (3, 10)]  # (row, token), all before the last token
     for b, t in changed:  # the last MoE layer only: no later attention spreads the change
