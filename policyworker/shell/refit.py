@@ -24,7 +24,12 @@ from policyworker.functional.buckets import (
     split_ipc_budget,
 )
 from policyworker.shell.params import refit_info, refit_stream
-from policyworker.shell.transports.zmq_ipc import CudaStaging, ShmStaging, ZmqIpcSender
+from policyworker.shell.transports.zmq_ipc import (
+    CudaStaging,
+    ShmStaging,
+    ZmqIpcSender,
+    shm_free_bytes,
+)
 from policyworker.shell.watchdog import check_timeout_s
 
 __all__ = ["CPU_DEFAULT_BUFFER_BYTES", "CUDA_DEFAULT_BUFFER_CAP_BYTES", "RefitSender"]
@@ -112,7 +117,10 @@ class RefitSender:
         """One colocated refit; returns the receiver's report (version, tensors, bytes, buckets).
 
         ``buffer_size_bytes`` is the total for the two ping-pong buffers (each gets half); 0 picks
-        a default from free memory (CUDA: at most 1 GiB per buffer) or 64 MiB per buffer (CPU).
+        a default from free memory (CUDA: at most 1 GiB per buffer) or 64 MiB per buffer (CPU:
+        at most a quarter of the free shared memory each). CPU staging files are reserved in
+        full when made: a shared-memory folder too small for them raises ``StagingSpaceError``
+        naming the size and the fix instead of the SIGBUS a sparse mapping would bring.
 
         ``keep_staging`` (default: the constructor's, False): by default both staging buffers
         are freed before COMPLETE, so a colocated engine gets that memory back right after the
@@ -148,8 +156,10 @@ class RefitSender:
             free, _ = torch.cuda.mem_get_info(self.device)
             per_buffer = default_ipc_buffer_bytes_from(*self._stats, cap_bytes=CUDA_DEFAULT_BUFFER_CAP_BYTES,
                                                        free_bytes=free)
-        else:
-            per_buffer = default_ipc_buffer_bytes_from(*self._stats, cap_bytes=CPU_DEFAULT_BUFFER_BYTES)
+        else:  # two buffers in at most half the free shared memory (a receiver maps them too)
+            free = shm_free_bytes()
+            cap = CPU_DEFAULT_BUFFER_BYTES if free is None else min(CPU_DEFAULT_BUFFER_BYTES, free // 4)
+            per_buffer = default_ipc_buffer_bytes_from(*self._stats, cap_bytes=max(cap, 1))
         if (stream.key, per_buffer) != self._plan_key:  # the plan is reused while nothing changed
             self._plan_key, self._plan = (stream.key, per_buffer), plan_ipc_buckets(specs, per_buffer)
         plan = self._plan

@@ -28,18 +28,25 @@ from torch import nn
 torch.set_num_threads(1)
 
 
+RESULTS: list[dict[str, Any]] | None = None  # set to a list to collect results in-process
+
+
 def say(trial: int, ok: bool, detail: str = "") -> None:
-    print("@@" + json.dumps({"trial": trial, "ok": bool(ok), "detail": detail[:500]}), flush=True)
+    result = {"trial": trial, "ok": bool(ok), "detail": detail[:600]}
+    if RESULTS is not None:
+        RESULTS.append(result)
+    else:
+        print("@@" + json.dumps(result), flush=True)
 
 
 class Weights(nn.Module):
-    """A few fp32 tensors: ``n`` rows of 256 floats (1 KiB each) in four parameters."""
+    """fp32 tensors: ``n`` rows of 256 floats (1 KiB each) in ``parts`` parameters."""
 
-    def __init__(self, n: int = 16, seed: int = 0) -> None:
+    def __init__(self, n: int = 16, seed: int = 0, parts: int = 4) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
-        rows = max(n // 4, 1)
-        for i in range(4):
+        rows = max(n // parts, 1)
+        for i in range(parts):
             setattr(self, f"w{i}", nn.Parameter(torch.randn(rows, 256, generator=gen)))
 
 
@@ -414,102 +421,127 @@ torch.set_num_threads(1)
 from policyworker.shell.receiver import HFWeightReceiver
 address = sys.argv[1]
 info = {f"w{i}": (torch.Size([64, 256]), torch.float32) for i in range(4)}
-receiver = HFWeightReceiver(lambda pairs: None, address=address, refit_info=info, timeout_s=3.0)
+receiver = HFWeightReceiver(lambda pairs: None, address=address, refit_info=info, timeout_s=2.0)
 print("@@ready", flush=True)
-rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-cpu0 = time.process_time()
-try:
-    receiver.receive()
-    error = "none"
-except Exception as exc:
-    error = f"{type(exc).__name__}: {str(exc)[:200]}"
-print("@@" + json.dumps({"rss_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024,
-                         "cpu_s": time.process_time() - cpu0, "error": error}), flush=True)
+for line in sys.stdin:
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    cpu0 = time.process_time()
+    try:
+        receiver.receive()
+        error = "none"
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {str(exc)[:200]}"
+    print("@@" + json.dumps({"rss_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024,
+                             "cpu_s": time.process_time() - cpu0, "error": error}), flush=True)
 receiver.close()
 """
 
 
 def oversized_messages(trials: int) -> None:
-    """A same-user peer binds a REQ socket and sends a 256 MiB header frame, then an 8 MiB
-    manifest of well-formed specs, to a receiver process expecting four tensors."""
+    """A same-user peer binds a REQ socket where a receiver process expecting four tensors
+    connects, and sends a 16 MiB manifest of well-formed specs, then a 256 MiB header frame."""
     import zmq
 
-    from policyworker.shell.transports.wire import PROTOCOL, PROTOCOL_VERSION
+    from policyworker.functional.buckets import TensorSpec
+    from policyworker.shell.transports.wire import (
+        PROTOCOL,
+        PROTOCOL_VERSION,
+        Abort,
+        Begin,
+        decode_reply,
+        encode,
+    )
     from tests.helpers import child_env
 
-    big_header = b" " * (256 << 20)
-    # ~8 MiB of well-formed specs (each about 45 bytes)
+    # ~16 MiB of well-formed specs (each about 45 bytes)
     manifest = json.dumps([[f"model.layers.{i}.weight", "float32", [8, 8]]
-                           for i in range(180_000)]).encode()
+                           for i in range(360_000)]).encode()
     begin = json.dumps({"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "kind": "begin", "rank": 0,
                         "transport": "shm", "alignment": 256, "num_tensors": 1}).encode()
+    big_header = b" " * (256 << 20)
+    folder = tempfile.mkdtemp()
+    address = f"ipc://{folder}/peer.sock"
+    child = subprocess.Popen([sys.executable, "-c", RECEIVER_CHILD, address], env=child_env(),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdin is not None
+    assert child.stdout.readline().startswith("@@ready")
+    context = zmq.Context()
     for trial in range(trials):
-        for name, frames in (("256 MiB header", [big_header]), ("8 MiB manifest", [begin, manifest])):
-            folder = tempfile.mkdtemp()
-            address = f"ipc://{folder}/peer.sock"
-            context = zmq.Context()
-            peer = context.socket(zmq.REQ)
+        for name, frames in (("16 MiB manifest", [begin, manifest]), ("256 MiB header", [big_header])):
+            peer = context.socket(zmq.REQ)  # a fresh peer each time: the receiver may drop one
             peer.setsockopt(zmq.LINGER, 0)
             peer.bind(address)
-            child = subprocess.Popen([sys.executable, "-c", RECEIVER_CHILD, address], env=child_env(),
-                                     stdout=subprocess.PIPE, text=True)
-            assert child.stdout is not None
-            assert child.stdout.readline().startswith("@@ready")
+            child.stdin.write("go\n")
+            child.stdin.flush()
             peer.send_multipart(frames, copy=False)
             line = child.stdout.readline()
-            child.wait(60)
             peer.close(linger=0)
-            context.term()
             try:
                 result = json.loads(line[2:])
             except ValueError:
-                say(trial, False, f"{name}: the receiver died (exit {child.returncode})")
-                continue
+                say(trial, False, f"{name}: the receiver died (exit {child.wait(30)})")
+                return
             ok = result["rss_mib"] < 64 and result["cpu_s"] < 1.0
             say(trial, ok, f"{name}: receiver peak RSS +{result['rss_mib']:.0f} MiB, "
                            f"{result['cpu_s']:.2f} s CPU; {result['error'][:120]}")
+        # the receiver still serves a well-behaved peer: a BEGIN it accepts, then an ABORT
+        peer = context.socket(zmq.REQ)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.setsockopt(zmq.RCVTIMEO, 10_000)
+        peer.bind(address)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        specs = tuple(TensorSpec(f"w{i}", (64, 256), torch.float32) for i in range(4))
+        replies = []
+        try:
+            for message in (Begin(0, "shm", 256, specs), Abort("done")):
+                peer.send_multipart(encode(message))
+                replies.append(decode_reply(peer.recv_multipart()).ok)
+        except zmq.Again:
+            replies.append("no reply")
+        result = json.loads(child.stdout.readline()[2:])
+        peer.close(linger=0)
+        say(trial, replies == [True, True] and "aborted" in result["error"],
+            f"a well-behaved peer afterwards: replies {replies}; receiver: {result['error'][:100]}")
+    child.stdin.close()
+    child.wait(30)
+    context.term()
 
 
 # ----------------------------------------------------------------------------- 18.1 small shm
 
 
 def small_shm(trials: int, folder: str) -> None:
-    """A CPU refit of 256 KiB of weights staged on a 128 KiB tmpfs mounted at ``folder``
-    (the default buffer is 64 MiB, so the sparse staging file cannot be backed)."""
+    """CPU refits of 256 KiB of weights (16 tensors of 16 KiB) staged on a 128 KiB tmpfs
+    mounted at ``folder``: the default size (one 256 KiB buffer before the fix), then buffers
+    too large for it on purpose (2 x 256 KiB), then the default again."""
     from policyworker.errors import RefitError
     from policyworker.shell.receiver import HFWeightReceiver
     from policyworker.shell.refit import RefitSender
     from policyworker.shell.transports import zmq_ipc
 
     zmq_ipc.SHM_DIR = folder
-    model = Weights(256)
+    model = Weights(256, parts=16)
     sender = RefitSender(lambda: model, torch.float32)
+    receiver = HFWeightReceiver(lambda pairs: None, address=sender.get_zmq_address(),
+                                refit_info=sender.prepare_refit_info(), timeout_s=10)
     for trial in range(trials):
-        receiver = HFWeightReceiver(lambda pairs: None, address=sender.get_zmq_address(),
-                                    refit_info=sender.prepare_refit_info(), timeout_s=10)
-        box: dict[str, Any] = {}
-        thread = threading.Thread(target=lambda: box.update(error=_catch(receiver.receive)))
-        thread.start()
-        try:
-            sender.stream_weights_via_ipc_zmq(timeout_s=10)
-            error = "no error"
-        except RefitError as exc:
-            error = str(exc)
-        thread.join(10)
-        # the fix the error names works: buffers that fit (2 x 32 KiB; each tensor is 64 KiB,
-        # sent alone in its own 64 KiB buffer)
-        thread = threading.Thread(target=lambda: box.update(retry=_catch(receiver.receive)))
-        thread.start()
-        try:
-            sender.stream_weights_via_ipc_zmq(buffer_size_bytes=64 << 10, timeout_s=10)
-            retry = "ok"
-        except RefitError as exc:
-            retry = str(exc)
-        thread.join(10)
-        receiver.close()
+        outcomes = []
+        for budget in (0, 512 << 10, 0):
+            box: dict[str, Any] = {}
+            thread = threading.Thread(target=lambda box=box: box.update(error=_catch(receiver.receive)))
+            thread.start()
+            try:
+                sender.stream_weights_via_ipc_zmq(buffer_size_bytes=budget, timeout_s=10)
+                outcomes.append("ok")
+            except RefitError as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+            thread.join(10)
         left = os.listdir(folder)
-        ok = "--shm-size" in error and "bytes" in error and retry == "ok" and not left
-        say(trial, ok, f"{error[:300]}; retry with smaller buffers: {retry[:100]}; left {left}")
+        clear = "--shm-size" in outcomes[1] and "262144 bytes" in outcomes[1]
+        ok = outcomes[0] == outcomes[2] == "ok" and clear and not left
+        say(trial, ok, f"{outcomes[0][:100]} | {outcomes[1][:300]} | {outcomes[2][:100]}; left {left}")
+    receiver.close()
     sender.close()
 
 

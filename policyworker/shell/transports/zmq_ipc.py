@@ -73,6 +73,7 @@ __all__ = [
     "StagingSpaceError",
     "check_ipc_address",
     "remove_orphans",
+    "shm_free_bytes",
     "LARGE_COPY_NUMEL",
     "copy_groups",
     "grouped_copy_",
@@ -197,6 +198,16 @@ def remove_orphans() -> int:
             finally:
                 os.close(fd)
     return removed
+
+
+def shm_free_bytes() -> int | None:
+    """Bytes free in ``SHM_DIR`` (None when unknown): the CPU default staging size stays well
+    within it, so a small container /dev/shm gets smaller buckets instead of an error."""
+    try:
+        info = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return info.f_bavail * info.f_frsize
 
 
 def _reserve(fd: int, nbytes: int, path: str) -> None:
@@ -1118,6 +1129,8 @@ class ZmqIpcReceiver:
         self._closed = threading.Event()
         self._context: zmq.Context[Any] | None = zmq.Context()
         self._socket: zmq.Socket[Any] | None = None
+        self._monitor: zmq.Socket[Any] | None = None  # connection events of the socket
+        self._dropped = False  # ZMQ dropped the connection for good (a frame over the cap)
         try:
             check_ipc_address(address, fix="the sender's get_zmq_address() is always short enough")
             self._connect()
@@ -1132,17 +1145,43 @@ class ZmqIpcReceiver:
         sock.setsockopt(zmq.LINGER, 0)
         if self._max_message_bytes is not None:
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+        self._monitor = sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        self._dropped = False
         try:
             sock.connect(self.address)
         except zmq.ZMQError as exc:
             msg = f"refit receiver cannot connect to {self.address!r}: {exc}; pass the sender's get_zmq_address()"
             raise ValueError(msg) from None
 
-    def _release(self) -> None:
-        """Close the socket, then the context (term cannot block: no socket is left open)."""
+    def _close_socket(self) -> None:
+        if self._monitor is not None:
+            assert self._socket is not None
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
+
+    def _reconnect(self) -> None:
+        self._close_socket()
+        self._connect()
+
+    def _connection_dropped(self) -> bool:
+        """True when the connection ended without a reconnect scheduled: ZMQ does not reconnect
+        after dropping a peer for a frame over MAXMSGSIZE, so the socket must be rebuilt."""
+        while self._monitor is not None:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                break
+            self._dropped = event == zmq.EVENT_DISCONNECTED
+        return self._dropped
+
+    def _release(self) -> None:
+        """Close the sockets, then the context (term cannot block: no socket is left open)."""
+        self._close_socket()
         if self._context is not None:
             self._context.term()
             self._context = None
@@ -1178,11 +1217,10 @@ class ZmqIpcReceiver:
                 with contextlib.suppress(zmq.Again):
                     return self._socket.recv_multipart(zmq.NOBLOCK, copy=True)
         server.fail(f"timed out waiting for {phase}")
-        if phase != "begin":
-            # Mid-refit, the sender is gone or stuck; start clean. An idle wait keeps its socket:
-            # rebuilding it would drop a BEGIN arriving at that moment (a retry race).
-            self._socket.close(linger=0)
-            self._connect()
+        if phase != "begin" or self._connection_dropped():
+            # Mid-refit, the sender is gone or stuck; start clean. An idle wait keeps a live
+            # connection: rebuilding it would drop a BEGIN arriving at that moment (a retry race).
+            self._reconnect()
         msg = (
             f"refit receiver: no message in phase {phase!r} within {self.timeout_s:g} s at {self.address} "
             f"({time.monotonic() - started:.1f} s into receive()); is the sender streaming?"
@@ -1201,8 +1239,7 @@ class ZmqIpcReceiver:
                 self._socket.send_multipart(reply)
             except zmq.Again:
                 server.fail("could not send a reply")
-                self._socket.close(linger=0)  # a REP that owes a reply cannot receive again
-                self._connect()
+                self._reconnect()  # a REP that owes a reply cannot receive again
                 raise RefitTimeoutError(f"refit receiver: could not reply at {self.address} within {self.timeout_s:g} s") from None
             if outcome.error is not None:
                 raise outcome.error
