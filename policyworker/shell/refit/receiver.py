@@ -28,13 +28,13 @@ from torch import nn
 from policyworker.errors import RefitError
 from policyworker.functional.buckets import TensorSpec
 from policyworker.functional.names import canonical_name, expert_slot
-from policyworker.shell.transports.wire import (
+from policyworker.shell.refit.wire import (
     ProtocolError,
     check_manifest,
     dtype_name,
     max_message_bytes,
 )
-from policyworker.shell.transports.zmq_ipc import (
+from policyworker.shell.refit.zmq_ipc import (
     RefitServer,
     ZmqIpcReceiver,
     copy_groups,
@@ -42,7 +42,7 @@ from policyworker.shell.transports.zmq_ipc import (
     grouped_copy_,
     run_copy_groups,
 )
-from policyworker.shell.watchdog import check_timeout_s
+from policyworker.shell.refit.watchdog import check_timeout_s
 
 __all__ = ["HFWeightReceiver", "PreparedBatch", "RefitReport", "WeightApplier"]
 
