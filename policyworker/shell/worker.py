@@ -137,6 +137,7 @@ class PolicyWorker:
         self._sampling = (gen.temperature, gen.top_k, gen.top_p) if gen is not None else (1.0, None, 1.0)
         self._reference_state = self._snapshot_state() if init_reference_model else None
         self._refit_sender: Any = None
+        self._shut_down = False
         self._collective: Any = None
         self._sglang: Any = None
         if weights_path is not None or optimizer_path is not None:
@@ -207,6 +208,7 @@ class PolicyWorker:
 
     def _validate(self, data: Mapping[str, Any], *, required=("input_ids", "input_lengths"),
                   skip=()) -> None:
+        self._require_running("a batch call (train, logprobs, top-k, score)")
         validate_batch(data, required=required, check_dim_skip_keys=tuple(skip or ()))
         if isinstance(data.get("input_ids"), torch.Tensor):
             embedding = self.model.get_input_embeddings()
@@ -813,7 +815,14 @@ class PolicyWorker:
 
     # ------------------------------------------------------------------------------ refit
 
+    def _require_running(self, call: str) -> None:
+        if self._shut_down:
+            msg = (f"{self!r} was shut down; {call} needs a live worker (its process group and "
+                   "refit sockets are closed): build a new PolicyWorker")
+            raise RuntimeError(msg)
+
     def _sender(self) -> Any:
+        self._require_running("a ZMQ refit")
         if self._refit_sender is None:
             from policyworker.shell.refit.sender import RefitSender
 
@@ -892,6 +901,7 @@ class PolicyWorker:
                                          use_legacy_packing: bool = False) -> dict[str, Any]:
         from policyworker.shell.refit.collective import broadcast_model_weights
 
+        self._require_running("a collective refit")
         self._reshard()
         return broadcast_model_weights(
             self._collective, self.model, self.dtype, kv_scales=kv_scales,
@@ -899,6 +909,7 @@ class PolicyWorker:
             num_buffers=num_buffers, use_legacy_packing=use_legacy_packing)
 
     def _sglang_sender(self) -> Any:
+        self._require_running("an SGLang refit")
         if self._sglang is None:
             from policyworker.shell.refit.sglang import SGLangColocatedSender
 
@@ -985,15 +996,18 @@ class PolicyWorker:
             torch.cuda.synchronize()
 
     def is_alive(self) -> bool:
-        return True
+        return not self._shut_down
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}[rank={self.parallel.rank}]"
 
     def shutdown(self) -> bool:
+        """Close the refit sockets and the process group; later calls raise (idempotent)."""
+        if self._shut_down:
+            return True
+        self._shut_down = True
         if self._refit_sender is not None:
-            self._refit_sender.close()
-            self._refit_sender = None
+            self._refit_sender.close()  # closed for good: it opens no new address
         self.parallel.shutdown()
         return True
 

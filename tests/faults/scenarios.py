@@ -719,7 +719,35 @@ def unbounded_and_long(trials: int) -> None:
         say(trial, not problems, "; ".join(problems))
 
 
+def shut_down_worker(trials: int) -> None:
+    """After shutdown(), a worker refuses to train and to open a refit address."""
+    from policyworker.functional.loss import NLLLoss
+    from policyworker.shell.worker import PolicyWorker
+    from tests.shell.conftest import _build, make_batch, make_config
+
+    folder = tempfile.mkdtemp()
+    _build("llama").save_pretrained(folder)
+    for trial in range(trials):
+        worker = PolicyWorker(make_config(folder), init_reference_model=False)
+        first = worker.get_zmq_address()
+        worker.shutdown()
+        problems = []
+        for name, call in (("train", lambda: worker.train(make_batch(), NLLLoss())),
+                           ("get_zmq_address", worker.get_zmq_address)):
+            try:
+                got = call()
+                problems.append(f"{name} after shutdown returned {str(got)[:80]}"
+                                + (" (a new address)" if got != first and name != "train" else ""))
+            except Exception as exc:
+                if "shut down" not in str(exc):
+                    problems.append(f"{name} after shutdown raised {type(exc).__name__}: {exc}")
+        if worker.is_alive():
+            problems.append("is_alive() is True after shutdown")
+        say(trial, not problems, "; ".join(problems))
+
+
 SCENARIOS = {
+    "shut_down_worker": shut_down_worker,
     "grad_mode_zmq": grad_mode_zmq,
     "grad_mode_sglang": grad_mode_sglang,
     "grad_mode_collective": grad_mode_collective,

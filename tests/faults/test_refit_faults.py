@@ -47,6 +47,10 @@ def test_a_killed_senders_staging_files_and_socket_folder_go_at_the_next_start()
     assert_all_ok(run_here("killed_sender_leftovers", 1), 1)
 
 
+def test_a_shut_down_worker_refuses_to_train_or_open_a_refit_address():
+    assert_all_ok(run_here("shut_down_worker", 1), 1)
+
+
 # ------------------------------------------------------------------------- 18.7 / 18.8 / 18.9 / 18.10
 
 

@@ -29,7 +29,7 @@ def check_timeout_s(key: str, value: object, *, none_means: str | None = None) -
     finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not finite or not value > 0:  # type: ignore[operator]
         also = f", or None ({none_means})" if none_means is not None else ""
-        msg = (f"{key} {value!r} must be a finite number of seconds > 0{also}; every wait is "
+        msg = (f"{key} {value!r} must be > 0 and finite (seconds){also}; every wait is "
                "bounded: pass a large finite value (e.g. 3600) for a long wait")
         raise ValueError(msg)
 
