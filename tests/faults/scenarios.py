@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -283,6 +284,7 @@ def failed_construction(trials: int) -> None:
         if leftovers:
             problems.append(f"socket folders left behind: {leftovers}")
         say(trial, not problems, "; ".join(problems))
+    shutil.rmtree(long_tmp, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- 18.9 two threads
@@ -715,6 +717,7 @@ def unbounded_and_long(trials: int) -> None:
                 problems.append(f"a 100-byte TMPDIR: get_zmq_address gave {type(error).__name__}: {error}")
                 long.close()
         finally:
+            shutil.rmtree(tempfile.tempdir, ignore_errors=True)
             tempfile.tempdir = old
         say(trial, not problems, "; ".join(problems))
 
