@@ -12,8 +12,8 @@ import shutil
 import tempfile
 
 import pytest
-
 from policyworker.shell.transports import zmq_ipc
+
 from tests.faults import scenarios
 
 
@@ -50,12 +50,19 @@ def run_apart(name: str, trials: int, *args: str, timeout_s: float = 150.0) -> l
     results, code, stderr = scenarios.run_scenario(name, trials, *args, timeout_s=timeout_s)
     if code != 0 or len(results) < trials:
         died = f"signal {-code}" if code < 0 else f"exit code {code}"
-        results.append({"trial": len(results), "ok": False,
-                        "detail": f"the scenario process ended with {died}: {stderr[-800:]}"})
+        results.append(
+            {
+                "trial": len(results),
+                "ok": False,
+                "detail": f"the scenario process ended with {died}: {stderr[-800:]}",
+            }
+        )
     return results
 
 
 def assert_all_ok(results: list[dict], trials: int) -> None:
     failed = [r for r in results if not r["ok"]]
-    assert not failed and len(results) >= trials, "\n".join(
-        f"trial {r['trial']}: {r['detail']}" for r in failed) or f"only {len(results)} trials ran"
+    assert not failed and len(results) >= trials, (
+        "\n".join(f"trial {r['trial']}: {r['detail']}" for r in failed)
+        or f"only {len(results)} trials ran"
+    )

@@ -78,8 +78,9 @@ def serve_forever(receiver: Any, stop: threading.Event, errors: list[str]) -> th
 
 def grad_mode_zmq(trials: int) -> None:
     """A receiver whose refit_info lacks one streamed name rejects the refit midway."""
-    from policyworker.errors import RefitError
     from policyworker.shell.receiver import HFWeightReceiver
+
+    from policyworker.errors import RefitError
     from policyworker.shell.refit import RefitSender
 
     model = Weights()
@@ -88,10 +89,11 @@ def grad_mode_zmq(trials: int) -> None:
     info.pop("w3")
     for trial in range(trials):
         torch.set_grad_enabled(True)
-        receiver = HFWeightReceiver(lambda pairs: None, address=sender.get_zmq_address(),
-                                    refit_info=info, timeout_s=10)
+        receiver = HFWeightReceiver(
+            lambda pairs: None, address=sender.get_zmq_address(), refit_info=info, timeout_s=10
+        )
         box: dict[str, Any] = {}
-        thread = threading.Thread(target=lambda: box.update(error=_catch(receiver.receive)))
+        thread = threading.Thread(target=lambda: box.update(error=_catch(receiver.receive)))  # noqa: B023
         thread.start()
         grad_at_raise = None
         try:
@@ -102,16 +104,21 @@ def grad_mode_zmq(trials: int) -> None:
         thread.join(10)
         receiver.close()
         trainable = (model.w0 * 2).sum().requires_grad
-        say(trial, grad_at_raise and torch.is_grad_enabled() and trainable and "rejected" in error,
-            f"grad enabled when raised {grad_at_raise}, after {torch.is_grad_enabled()}; {error[:200]}")
+        say(
+            trial,
+            grad_at_raise and torch.is_grad_enabled() and trainable and "rejected" in error,
+            f"grad enabled when raised {grad_at_raise}, after {torch.is_grad_enabled()}; "
+            f"{error[:200]}",
+        )
     sender.close()
 
 
 def grad_mode_sglang(trials: int) -> None:
     """The engine answers its second call with success=False."""
-    from policyworker.errors import RefitError
     from policyworker.shell.params import params_generator
     from policyworker.shell.transports.sglang import SGLangColocatedSender
+
+    from policyworker.errors import RefitError
 
     model = Weights()
 
@@ -129,13 +136,20 @@ def grad_mode_sglang(trials: int) -> None:
         Engine.calls = 0
         grad_at_raise = None
         try:
-            sender.update_weights(params_generator(model, torch.float32), rollout_engines=[Engine()],
-                                  buffer_size_bytes=4096)
+            sender.update_weights(
+                params_generator(model, torch.float32),
+                rollout_engines=[Engine()],
+                buffer_size_bytes=4096,
+            )
             error = "no error"
         except RefitError as exc:
             grad_at_raise, error = torch.is_grad_enabled(), str(exc)
-        say(trial, grad_at_raise and torch.is_grad_enabled() and "out of memory" in error,
-            f"grad enabled when raised {grad_at_raise}, after {torch.is_grad_enabled()}; {error[:200]}")
+        say(
+            trial,
+            grad_at_raise and torch.is_grad_enabled() and "out of memory" in error,
+            f"grad enabled when raised {grad_at_raise}, after {torch.is_grad_enabled()}; "
+            f"{error[:200]}",
+        )
 
 
 COLLECTIVE_CHILD = r"""
@@ -161,9 +175,10 @@ def grad_mode_collective(trials: int) -> None:
     """The only inference rank is SIGKILLed after its first bucket; the watchdog fires."""
     import socket
 
-    from policyworker.errors import RefitTimeoutError
     from policyworker.shell.params import refit_info
     from policyworker.shell.transports import collective as C
+
+    from policyworker.errors import RefitTimeoutError
     from tests.helpers import child_env, write_refit_info
 
     model = Weights(32)
@@ -174,20 +189,31 @@ def grad_mode_collective(trials: int) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        child = subprocess.Popen([sys.executable, "-c", COLLECTIVE_CHILD, str(port),
-                                  os.path.join(folder, "info.json")], env=child_env())
+        child = subprocess.Popen(
+            [sys.executable, "-c", COLLECTIVE_CHILD, str(port), os.path.join(folder, "info.json")],
+            env=child_env(),
+        )
         group = C.init_collective("127.0.0.1", port, 2, train_world_size=1, rank=0, timeout_s=30.0)
         grad_at_raise = None
         try:
-            C.broadcast_model_weights(group, model, torch.float32, refit_timeout_s=3.0,
-                                      buffer_size_bytes=4096, num_buffers=1)
+            C.broadcast_model_weights(
+                group,
+                model,
+                torch.float32,
+                refit_timeout_s=3.0,
+                buffer_size_bytes=4096,
+                num_buffers=1,
+            )
             error = "no error"
         except RefitTimeoutError as exc:
             grad_at_raise, error = torch.is_grad_enabled(), f"{type(exc).__name__}: {exc}"
         code = child.wait(30)
-        say(trial, grad_at_raise and torch.is_grad_enabled() and code == -signal.SIGKILL,
+        say(
+            trial,
+            grad_at_raise and torch.is_grad_enabled() and code == -signal.SIGKILL,
             f"grad enabled when raised {grad_at_raise}, after {torch.is_grad_enabled()}; "
-            f"child exit {code}; {error[:200]}")
+            f"child exit {code}; {error[:200]}",
+        )
 
 
 def _catch(fn: Any) -> Any:
@@ -203,16 +229,18 @@ def _catch(fn: Any) -> Any:
 
 def close_while_receiving(trials: int) -> None:
     """close() from the main thread while another thread waits in receive()."""
-    from policyworker.errors import RefitError
     from policyworker.shell.receiver import HFWeightReceiver
+
+    from policyworker.errors import RefitError
     from policyworker.shell.refit import RefitSender
 
     model = Weights()
     sender = RefitSender(lambda: model, torch.float32)
     info = sender.prepare_refit_info()
     for trial in range(trials):
-        receiver = HFWeightReceiver(lambda pairs: None, address=sender.get_zmq_address(),
-                                    refit_info=info, timeout_s=5.0)
+        receiver = HFWeightReceiver(
+            lambda pairs: None, address=sender.get_zmq_address(), refit_info=info, timeout_s=5.0
+        )
         box: dict[str, Any] = {}
 
         def wait(receiver: Any = receiver, box: dict[str, Any] = box) -> None:
@@ -228,10 +256,18 @@ def close_while_receiving(trials: int) -> None:
         thread.join(10)
         error = box.get("error")
         waited = box.get("at", float("inf")) - start
-        ok = (isinstance(error, RefitError) and "closed" in str(error) and waited < 2.0
-              and closed_in < 2.5)
-        say(trial, ok, f"close() took {closed_in:.2f} s; receive() ended {waited:.2f} s after it "
-                       f"with {type(error).__name__}: {error}")
+        ok = (
+            isinstance(error, RefitError)
+            and "closed" in str(error)
+            and waited < 2.0
+            and closed_in < 2.5
+        )
+        say(
+            trial,
+            ok,
+            f"close() took {closed_in:.2f} s; receive() ended {waited:.2f} s after it "
+            f"with {type(error).__name__}: {error}",
+        )
     sender.close()
 
 
@@ -241,14 +277,14 @@ def failed_construction(trials: int) -> None:
     import gc
 
     import zmq
-
     from policyworker.shell.receiver import HFWeightReceiver
     from policyworker.shell.transports import zmq_ipc
 
     def open_zmq() -> int:
         gc.collect()
-        return sum(1 for o in gc.get_objects()
-                   if isinstance(o, (zmq.Context, zmq.Socket)) and not o.closed)
+        return sum(
+            1 for o in gc.get_objects() if isinstance(o, (zmq.Context, zmq.Socket)) and not o.closed
+        )
 
     info = {"w": (torch.Size([4]), torch.float32)}
     long_tmp = os.path.join(tempfile.gettempdir(), "t" * 110)
@@ -257,8 +293,12 @@ def failed_construction(trials: int) -> None:
         before = open_zmq()
         problems = []
         try:
-            receiver = HFWeightReceiver(lambda pairs: None, address="ipc:///tmp/" + "x" * 120 + "/s",
-                                        refit_info=info, timeout_s=1.0)
+            receiver = HFWeightReceiver(
+                lambda pairs: None,
+                address="ipc:///tmp/" + "x" * 120 + "/s",
+                refit_info=info,
+                timeout_s=1.0,
+            )
             problems.append("receiver construction succeeded")
             receiver.close()
         except Exception as exc:
@@ -266,7 +306,9 @@ def failed_construction(trials: int) -> None:
             if not isinstance(held, ValueError):
                 problems.append(f"receiver raised {type(held).__name__}, not ValueError: {held}")
             if open_zmq() != before:
-                problems.append(f"{open_zmq() - before} ZMQ socket/context left open by the receiver")
+                problems.append(
+                    f"{open_zmq() - before} ZMQ socket/context left open by the receiver"
+                )
         old, tempfile.tempdir = tempfile.tempdir, long_tmp
         try:
             sender = zmq_ipc.ZmqIpcSender(rank=0)
@@ -292,20 +334,25 @@ def failed_construction(trials: int) -> None:
 
 def two_threads_one_sender(trials: int) -> None:
     """Two threads call stream_weights_via_ipc_zmq on one sender at once."""
-    from policyworker.errors import RefitError
     from policyworker.shell.receiver import HFWeightReceiver
+
+    from policyworker.errors import RefitError
     from policyworker.shell.refit import RefitSender
 
     model = Weights(64)
     sender = RefitSender(lambda: model, torch.float32)
-    receiver = HFWeightReceiver(lambda pairs: None, address=sender.get_zmq_address(),
-                                refit_info=sender.prepare_refit_info(), timeout_s=0.5)
+    receiver = HFWeightReceiver(
+        lambda pairs: None,
+        address=sender.get_zmq_address(),
+        refit_info=sender.prepare_refit_info(),
+        timeout_s=0.5,
+    )
     stop, serve_errors = threading.Event(), []
     server = serve_forever(receiver, stop, serve_errors)
     for trial in range(trials):
         barrier, results = threading.Barrier(2), []
 
-        def refit() -> None:
+        def refit(barrier: threading.Barrier = barrier, results: list[str] = results) -> None:
             barrier.wait()
             try:
                 sender.stream_weights_via_ipc_zmq(buffer_size_bytes=8192, timeout_s=5)
@@ -335,19 +382,24 @@ def two_threads_one_sender(trials: int) -> None:
 def retry_after_idle_timeout(trials: int) -> None:
     """The receiver's receive() times out idle (0.2 s) and is called again at once; the sender
     starts streaming at that moment (within +-1.5 ms of the timeout, swept over the trials)."""
-    from policyworker.errors import RefitError, RefitTimeoutError
     from policyworker.shell.receiver import HFWeightReceiver
+
+    from policyworker.errors import RefitError, RefitTimeoutError
     from policyworker.shell.refit import RefitSender
 
     model = Weights()
     sender = RefitSender(lambda: model, torch.float32)
-    receiver = HFWeightReceiver(lambda pairs: None, address=sender.get_zmq_address(),
-                                refit_info=sender.prepare_refit_info(), timeout_s=0.2)
+    receiver = HFWeightReceiver(
+        lambda pairs: None,
+        address=sender.get_zmq_address(),
+        refit_info=sender.prepare_refit_info(),
+        timeout_s=0.2,
+    )
     for trial in range(trials):
         started: list[float] = []
         outcome: list[str] = []
 
-        def engine_loop() -> None:
+        def engine_loop(started: list[float] = started, outcome: list[str] = outcome) -> None:
             started.append(time.monotonic())
             for _ in range(3):  # receive() again right after each idle timeout
                 try:
@@ -372,8 +424,11 @@ def retry_after_idle_timeout(trials: int) -> None:
         except RefitError as exc:
             result = f"{type(exc).__name__}: {str(exc)[:150]}"
         thread.join(10)
-        say(trial, result == "ok" and outcome == ["received"],
-            f"offset {offset * 1000:+.1f} ms; sender: {result}; receiver: {outcome}")
+        say(
+            trial,
+            result == "ok" and outcome == ["received"],
+            f"offset {offset * 1000:+.1f} ms; sender: {result}; receiver: {outcome}",
+        )
     receiver.close()
     sender.close()
 
@@ -383,8 +438,9 @@ def retry_after_idle_timeout(trials: int) -> None:
 
 def two_receivers_one_address(trials: int) -> None:
     """Two receivers connect to one sender; both serve in loops."""
-    from policyworker.errors import RefitError
     from policyworker.shell.receiver import HFWeightReceiver
+
+    from policyworker.errors import RefitError
     from policyworker.shell.refit import RefitSender
 
     model = Weights()
@@ -392,8 +448,12 @@ def two_receivers_one_address(trials: int) -> None:
     info = sender.prepare_refit_info()
     for trial in range(trials):
         versions, stop, errors = [], threading.Event(), []
-        receivers = [HFWeightReceiver(lambda pairs: None, address=sender.get_zmq_address(),
-                                      refit_info=info, timeout_s=0.3) for _ in range(2)]
+        receivers = [
+            HFWeightReceiver(
+                lambda pairs: None, address=sender.get_zmq_address(), refit_info=info, timeout_s=0.3
+            )
+            for _ in range(2)
+        ]
         servers = [serve_forever(r, stop, errors) for r in receivers]
         time.sleep(0.2)
         try:
@@ -433,8 +493,9 @@ for line in sys.stdin:
         error = "none"
     except Exception as exc:
         error = f"{type(exc).__name__}: {str(exc)[:200]}"
-    print("@@" + json.dumps({"rss_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024,
-                             "cpu_s": time.process_time() - cpu0, "error": error}), flush=True)
+    rss_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    print("@@" + json.dumps({"rss_mib": rss_mib, "cpu_s": time.process_time() - cpu0,
+                             "error": error}), flush=True)
 receiver.close()
 """
 
@@ -443,8 +504,6 @@ def oversized_messages(trials: int) -> None:
     """A same-user peer binds a REQ socket where a receiver process expecting four tensors
     connects, and sends a 16 MiB manifest of well-formed specs, then a 256 MiB header frame."""
     import zmq
-
-    from policyworker.functional.buckets import TensorSpec
     from policyworker.shell.transports.wire import (
         PROTOCOL,
         PROTOCOL_VERSION,
@@ -453,23 +512,43 @@ def oversized_messages(trials: int) -> None:
         decode_reply,
         encode,
     )
+
+    from policyworker.functional.buckets import TensorSpec
     from tests.helpers import child_env
 
     # ~16 MiB of well-formed specs (each about 45 bytes)
-    manifest = json.dumps([[f"model.layers.{i}.weight", "float32", [8, 8]]
-                           for i in range(360_000)]).encode()
-    begin = json.dumps({"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "kind": "begin", "rank": 0,
-                        "transport": "shm", "alignment": 256, "num_tensors": 1}).encode()
+    manifest = json.dumps(
+        [[f"model.layers.{i}.weight", "float32", [8, 8]] for i in range(360_000)]
+    ).encode()
+    begin = json.dumps(
+        {
+            "protocol": PROTOCOL,
+            "version": PROTOCOL_VERSION,
+            "kind": "begin",
+            "rank": 0,
+            "transport": "shm",
+            "alignment": 256,
+            "num_tensors": 1,
+        }
+    ).encode()
     big_header = b" " * (256 << 20)
     folder = tempfile.mkdtemp()
     address = f"ipc://{folder}/peer.sock"
-    child = subprocess.Popen([sys.executable, "-c", RECEIVER_CHILD, address], env=child_env(),
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", RECEIVER_CHILD, address],
+        env=child_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdout is not None and child.stdin is not None
     assert child.stdout.readline().startswith("@@ready")
     context = zmq.Context()
     for trial in range(trials):
-        for name, frames in (("16 MiB manifest", [begin, manifest]), ("256 MiB header", [big_header])):
+        for name, frames in (
+            ("16 MiB manifest", [begin, manifest]),
+            ("256 MiB header", [big_header]),
+        ):
             peer = context.socket(zmq.REQ)  # a fresh peer each time: the receiver may drop one
             peer.setsockopt(zmq.LINGER, 0)
             peer.bind(address)
@@ -484,8 +563,12 @@ def oversized_messages(trials: int) -> None:
                 say(trial, False, f"{name}: the receiver died (exit {child.wait(30)})")
                 return
             ok = result["rss_mib"] < 64 and result["cpu_s"] < 1.0
-            say(trial, ok, f"{name}: receiver peak RSS +{result['rss_mib']:.0f} MiB, "
-                           f"{result['cpu_s']:.2f} s CPU; {result['error'][:120]}")
+            say(
+                trial,
+                ok,
+                f"{name}: receiver peak RSS +{result['rss_mib']:.0f} MiB, "
+                f"{result['cpu_s']:.2f} s CPU; {result['error'][:120]}",
+            )
         # the receiver still serves a well-behaved peer: a BEGIN it accepts, then an ABORT
         peer = context.socket(zmq.REQ)
         peer.setsockopt(zmq.LINGER, 0)
@@ -503,8 +586,11 @@ def oversized_messages(trials: int) -> None:
             replies.append("no reply")
         result = json.loads(child.stdout.readline()[2:])
         peer.close(linger=0)
-        say(trial, replies == [True, True] and "aborted" in result["error"],
-            f"a well-behaved peer afterwards: replies {replies}; receiver: {result['error'][:100]}")
+        say(
+            trial,
+            replies == [True, True] and "aborted" in result["error"],
+            f"a well-behaved peer afterwards: replies {replies}; receiver: {result['error'][:100]}",
+        )
     child.stdin.close()
     child.wait(30)
     context.term()
@@ -517,21 +603,29 @@ def small_shm(trials: int, folder: str) -> None:
     """CPU refits of 256 KiB of weights (16 tensors of 16 KiB) staged on a 128 KiB tmpfs
     mounted at ``folder``: the default size (one 256 KiB buffer before the fix), then buffers
     too large for it on purpose (2 x 256 KiB), then the default again."""
-    from policyworker.errors import RefitError
     from policyworker.shell.receiver import HFWeightReceiver
-    from policyworker.shell.refit import RefitSender
     from policyworker.shell.transports import zmq_ipc
+
+    from policyworker.errors import RefitError
+    from policyworker.shell.refit import RefitSender
 
     zmq_ipc.SHM_DIR = folder
     model = Weights(256, parts=16)
     sender = RefitSender(lambda: model, torch.float32)
-    receiver = HFWeightReceiver(lambda pairs: None, address=sender.get_zmq_address(),
-                                refit_info=sender.prepare_refit_info(), timeout_s=10)
+    receiver = HFWeightReceiver(
+        lambda pairs: None,
+        address=sender.get_zmq_address(),
+        refit_info=sender.prepare_refit_info(),
+        timeout_s=10,
+    )
     for trial in range(trials):
         outcomes = []
         for budget in (0, 512 << 10, 0):
             box: dict[str, Any] = {}
-            thread = threading.Thread(target=lambda box=box: box.update(error=_catch(receiver.receive)))
+            thread = threading.Thread(
+                target=lambda box=box, receiver=receiver: box.update(
+                    error=_catch(receiver.receive))
+            )
             thread.start()
             try:
                 sender.stream_weights_via_ipc_zmq(buffer_size_bytes=budget, timeout_s=10)
@@ -542,7 +636,11 @@ def small_shm(trials: int, folder: str) -> None:
         left = os.listdir(folder)
         clear = "--shm-size" in outcomes[1] and "262144 bytes" in outcomes[1]
         ok = outcomes[0] == outcomes[2] == "ok" and clear and not left
-        say(trial, ok, f"{outcomes[0][:100]} | {outcomes[1][:300]} | {outcomes[2][:100]}; left {left}")
+        say(
+            trial,
+            ok,
+            f"{outcomes[0][:100]} | {outcomes[1][:300]} | {outcomes[2][:100]}; left {left}",
+        )
     receiver.close()
     sender.close()
 
@@ -550,20 +648,28 @@ def small_shm(trials: int, folder: str) -> None:
 def truncated_kept_buffer(trials: int) -> None:
     """A keep_staging refit, then its kept staging file is truncated to 0 bytes (e.g. a cleaner
     or another process), then the next refit. Sender and receiver thread share this process."""
-    from policyworker.errors import RefitError
     from policyworker.shell.receiver import HFWeightReceiver
-    from policyworker.shell.refit import RefitSender
     from policyworker.shell.transports import zmq_ipc
+
+    from policyworker.errors import RefitError
+    from policyworker.shell.refit import RefitSender
 
     model = Weights(64)
     for trial in range(trials):
         sender = RefitSender(lambda: model, torch.float32, keep_staging=True)
-        receiver = HFWeightReceiver(lambda pairs: None, address=sender.get_zmq_address(),
-                                    refit_info=sender.prepare_refit_info(), timeout_s=10)
+        receiver = HFWeightReceiver(
+            lambda pairs: None,
+            address=sender.get_zmq_address(),
+            refit_info=sender.prepare_refit_info(),
+            timeout_s=10,
+        )
         outcomes = []
         for step in range(2):
             box: dict[str, Any] = {}
-            thread = threading.Thread(target=lambda box=box: box.update(error=_catch(receiver.receive)))
+            thread = threading.Thread(
+                target=lambda box=box, receiver=receiver: box.update(
+                    error=_catch(receiver.receive))
+            )
             thread.start()
             try:
                 sender.stream_weights_via_ipc_zmq(buffer_size_bytes=64 << 10, timeout_s=10)
@@ -576,8 +682,12 @@ def truncated_kept_buffer(trials: int) -> None:
                 for path in kept:
                     os.truncate(path, 0)
         ok = outcomes == ["ok", "ok"] and receiver.version == 2
-        say(trial, ok, f"{outcomes}; receiver version {receiver.version}; truncated {len(kept)} "
-                       f"file(s) in {zmq_ipc.SHM_DIR}")
+        say(
+            trial,
+            ok,
+            f"{outcomes}; receiver version {receiver.version}; truncated {len(kept)} "
+            f"file(s) in {zmq_ipc.SHM_DIR}",
+        )
         receiver.close()
         sender.close()
 
@@ -586,10 +696,17 @@ def truncated_buffer_at_receiver(trials: int) -> None:
     """A same-user peer speaks the wire protocol to a receiver: a refit from a kept staging file,
     then the file is truncated and the next refit names it again. The receiver must reject it."""
     import zmq
-
     from policyworker.shell.receiver import HFWeightReceiver
     from policyworker.shell.transports import zmq_ipc
-    from policyworker.shell.transports.wire import Begin, Bucket, Complete, ShmBuffer, decode_reply, encode
+    from policyworker.shell.transports.wire import (
+        Begin,
+        Bucket,
+        Complete,
+        ShmBuffer,
+        decode_reply,
+        encode,
+    )
+
     from policyworker.functional.buckets import TensorSpec
 
     spec = TensorSpec("w", (1024,), torch.float32)
@@ -606,16 +723,25 @@ def truncated_buffer_at_receiver(trials: int) -> None:
         with open(path, "wb") as f:
             f.write(torch.arange(1024, dtype=torch.float32).numpy().tobytes())
         got: list[torch.Tensor] = []
-        receiver = HFWeightReceiver(lambda pairs: got.extend(t.clone() for _, t in pairs),
-                                    address=address, refit_info={"w": (torch.Size([1024]), torch.float32)},
-                                    timeout_s=10)
+        receiver = HFWeightReceiver(
+            lambda pairs, got=got: got.extend(t.clone() for _, t in pairs),
+            address=address,
+            refit_info={"w": (torch.Size([1024]), torch.float32)},
+            timeout_s=10,
+        )
         answers = []
         for step in range(2):
             box: dict[str, Any] = {}
-            thread = threading.Thread(target=lambda box=box: box.update(error=_catch(receiver.receive)))
+            thread = threading.Thread(
+                target=lambda box=box, receiver=receiver: box.update(
+                    error=_catch(receiver.receive))
+            )
             thread.start()
-            for message in (Begin(0, "shm", 256, (spec,)),
-                            Bucket(0, ShmBuffer(name, 4096, True), (0,), (0,), 4096), Complete(1)):
+            for message in (
+                Begin(0, "shm", 256, (spec,)),
+                Bucket(0, ShmBuffer(name, 4096, True), (0,), (0,), 4096),
+                Complete(1),
+            ):
                 peer.send_multipart(encode(message))
                 reply = decode_reply(peer.recv_multipart())
                 answers.append(reply.ok)
@@ -625,9 +751,17 @@ def truncated_buffer_at_receiver(trials: int) -> None:
             if step == 0:
                 os.truncate(path, 0)
         os.unlink(path)
-        ok = answers[:3] == [True, True, True] and answers[3:] == [True, False] and receiver.version == 1
-        say(trial, ok, f"replies ok {answers}; receiver version {receiver.version}; "
-                       f"second receive: {box.get('error')}")
+        ok = (
+            answers[:3] == [True, True, True]
+            and answers[3:] == [True, False]
+            and receiver.version == 1
+        )
+        say(
+            trial,
+            ok,
+            f"replies ok {answers}; receiver version {receiver.version}; "
+            f"second receive: {box.get('error')}",
+        )
         receiver.close()
         peer.close(linger=0)
         context.term()
@@ -659,8 +793,9 @@ sys.stdin.readline()  # SIGKILLed while waiting here, its staging kept
 def killed_sender_leftovers(trials: int) -> None:
     """A sender keeping its staging is SIGKILLed; the next sender's start removes what it left
     (staging files in the shm folder, its socket folder), and nothing of a live sender."""
-    from policyworker.shell.refit import RefitSender
     from policyworker.shell.transports import zmq_ipc
+
+    from policyworker.shell.refit import RefitSender
     from tests.helpers import child_env
 
     def ours() -> set[str]:
@@ -669,12 +804,17 @@ def killed_sender_leftovers(trials: int) -> None:
         return {p for p in found if os.path.basename(p).startswith("pw-refit-")}
 
     live = RefitSender(lambda: Weights(), torch.float32)
-    live_folder = os.path.dirname(live.get_zmq_address()[len("ipc://"):])
+    live_folder = os.path.dirname(live.get_zmq_address()[len("ipc://") :])
     for trial in range(trials):
         before = ours()
         env = child_env(TMPDIR=tempfile.gettempdir())
-        child = subprocess.Popen([sys.executable, "-c", SENDER_CHILD], env=env,
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", SENDER_CHILD],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert child.stdout is not None
         line = child.stdout.readline()
         leaked = ours() - before
@@ -683,9 +823,18 @@ def killed_sender_leftovers(trials: int) -> None:
         fresh = RefitSender(lambda: Weights(), torch.float32)
         fresh.get_zmq_address()  # the sender starts
         left = sorted(leaked & ours())
-        ok = line.startswith("@@streamed") and len(leaked) >= 2 and not left and os.path.isdir(live_folder)
-        say(trial, ok, f"the killed sender had {len(leaked)} entries; left after the next start: {left}; "
-                       f"a live sender's folder kept: {os.path.isdir(live_folder)}")
+        ok = (
+            line.startswith("@@streamed")
+            and len(leaked) >= 2
+            and not left
+            and os.path.isdir(live_folder)
+        )
+        say(
+            trial,
+            ok,
+            f"the killed sender had {len(leaked)} entries; left after the next start: {left}; "
+            f"a live sender's folder kept: {os.path.isdir(live_folder)}",
+        )
         fresh.close()
     live.close()
 
@@ -693,16 +842,22 @@ def killed_sender_leftovers(trials: int) -> None:
 def unbounded_and_long(trials: int) -> None:
     """timeout_s=inf on both sides, and a sender socket path over 107 bytes."""
     from policyworker.shell.receiver import HFWeightReceiver
+
     from policyworker.shell.refit import RefitSender
 
     model = Weights()
     for trial in range(trials):
         problems = []
         sender = RefitSender(lambda: model, torch.float32)
-        for call in (lambda: sender.stream_weights_via_ipc_zmq(timeout_s=float("inf")),
-                     lambda: HFWeightReceiver(lambda pairs: None, address=sender.get_zmq_address(),
-                                              refit_info=sender.prepare_refit_info(),
-                                              timeout_s=float("inf")).receive()):
+        for call in (
+            lambda sender=sender: sender.stream_weights_via_ipc_zmq(timeout_s=float("inf")),
+            lambda sender=sender: HFWeightReceiver(
+                lambda pairs: None,
+                address=sender.get_zmq_address(),
+                refit_info=sender.prepare_refit_info(),
+                timeout_s=float("inf"),
+            ).receive(),
+        ):
             error = _catch(call)
             if not (isinstance(error, ValueError) and "timeout_s inf" in str(error)):
                 problems.append(f"timeout_s=inf gave {type(error).__name__}: {error}")
@@ -714,7 +869,9 @@ def unbounded_and_long(trials: int) -> None:
             long = RefitSender(lambda: model, torch.float32)
             error = _catch(long.get_zmq_address)
             if not (isinstance(error, ValueError) and "107" in str(error)):
-                problems.append(f"a 100-byte TMPDIR: get_zmq_address gave {type(error).__name__}: {error}")
+                problems.append(
+                    f"a 100-byte TMPDIR: get_zmq_address gave {type(error).__name__}: {error}"
+                )
                 long.close()
         finally:
             shutil.rmtree(tempfile.tempdir, ignore_errors=True)
@@ -735,12 +892,16 @@ def shut_down_worker(trials: int) -> None:
         first = worker.get_zmq_address()
         worker.shutdown()
         problems = []
-        for name, call in (("train", lambda: worker.train(make_batch(), NLLLoss())),
-                           ("get_zmq_address", worker.get_zmq_address)):
+        for name, call in (
+            ("train", lambda worker=worker: worker.train(make_batch(), NLLLoss())),
+            ("get_zmq_address", worker.get_zmq_address),
+        ):
             try:
                 got = call()
-                problems.append(f"{name} after shutdown returned {str(got)[:80]}"
-                                + (" (a new address)" if got != first and name != "train" else ""))
+                problems.append(
+                    f"{name} after shutdown returned {str(got)[:80]}"
+                    + (" (a new address)" if got != first and name != "train" else "")
+                )
             except Exception as exc:
                 if "shut down" not in str(exc):
                     problems.append(f"{name} after shutdown raised {type(exc).__name__}: {exc}")
@@ -768,14 +929,20 @@ SCENARIOS = {
 }
 
 
-def run_scenario(name: str, trials: int, *args: str, timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], int, str]:
+def run_scenario(
+    name: str, trials: int, *args: str, timeout_s: float = 120.0, env: dict[str, str] | None = None
+) -> tuple[list[dict[str, Any]], int, str]:
     """Run a scenario in a fresh process: (per-trial results, exit code, stderr tail).
     A process killed by a signal has a negative exit code and fewer results than trials."""
     from tests.helpers import child_env
 
-    proc = subprocess.run([sys.executable, "-m", "tests.faults.scenarios", name, str(trials), *args],
-                          env=env or child_env(), capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.faults.scenarios", name, str(trials), *args],
+        env=env or child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     results = [json.loads(line[2:]) for line in proc.stdout.splitlines() if line.startswith("@@{")]
     return results, proc.returncode, proc.stderr[-2000:]
 

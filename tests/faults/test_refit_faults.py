@@ -51,7 +51,7 @@ def test_a_shut_down_worker_refuses_to_train_or_open_a_refit_address():
     assert_all_ok(run_here("shut_down_worker", 1), 1)
 
 
-# ------------------------------------------------------------------------- 18.7 / 18.8 / 18.9 / 18.10
+# ------------------------------------------------------------------ 18.7 / 18.8 / 18.9 / 18.10
 
 
 def test_two_threads_refitting_one_sender_one_is_refused_clearly():
@@ -77,8 +77,11 @@ def test_oversized_frames_are_dropped_unread_and_the_receiver_still_serves():
 def small_tmpfs():
     """A real 128 KiB tmpfs: a container's small /dev/shm, in miniature."""
     folder = tempfile.mkdtemp(prefix="pwf-mnt-", dir="/tmp")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k,mode=0700", "tmpfs", folder],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=128k,mode=0700", "tmpfs", folder],
+        capture_output=True,
+        text=True,
+    )
     if mounted.returncode != 0:
         pytest.skip(f"mounting a tmpfs needs root (CAP_SYS_ADMIN): {mounted.stderr.strip()}")
     yield folder

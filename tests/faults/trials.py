@@ -23,12 +23,22 @@ def count(root: str, name: str, trials: int, *args: str) -> dict:
     while done < trials:
         shm = tempfile.mkdtemp(prefix="pwt-", dir="/dev/shm")
         tmp = tempfile.mkdtemp(prefix="pwt-", dir="/tmp")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root, "TMPDIR": tmp,
-               "POLICYWORKER_SHM_DIR": shm}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": root,
+            "TMPDIR": tmp,
+            "POLICYWORKER_SHM_DIR": shm,
+        }
         try:
-            proc = subprocess.run([sys.executable, "-m", "tests.faults.scenarios", name,
-                                   str(trials - done), *args], cwd=root, env=env,
-                                  capture_output=True, text=True, timeout=600)
+            proc = subprocess.run(
+                [sys.executable, "-m", "tests.faults.scenarios", name, str(trials - done), *args],
+                cwd=root,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             code, out, err = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired as exc:
             code, out, err = "hang", exc.stdout or "", "timed out after 600 s"
@@ -49,8 +59,13 @@ def count(root: str, name: str, trials: int, *args: str) -> dict:
             done += 1  # the trial that was running when the process died
             failures += 1
             example = example or f"process ended with {code}: {err.strip().splitlines()[-1:]}"
-    return {"scenario": name, "trials": done, "failures": failures, "process_deaths": signals,
-            "example": example}
+    return {
+        "scenario": name,
+        "trials": done,
+        "failures": failures,
+        "process_deaths": signals,
+        "example": example,
+    }
 
 
 if __name__ == "__main__":

@@ -137,7 +137,8 @@ class WeightApplier:
 
     def manifest_specs(self) -> list[TensorSpec]:
         """The manifest ``refit_info`` announces (what a sender's BEGIN should carry)."""
-        return [TensorSpec(name, tuple(shape), dtype) for name, (shape, dtype) in self.expected.items()]
+        return [TensorSpec(name, tuple(shape), dtype)
+                for name, (shape, dtype) in self.expected.items()]
 
     def begin(self, manifest: Sequence[TensorSpec]) -> None:
         if self._session is not None:

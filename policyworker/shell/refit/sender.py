@@ -137,7 +137,8 @@ class RefitSender:
         stream = refit_stream(self._model_fn(), self.refit_dtype, self._draft_model_fn())
         try:
             with torch.no_grad():  # a plain function's context: the caller's grad mode comes back
-                return self._stream(stream, buffer_size_bytes, timeout_s, keep_staging, wrap_sources)
+                return self._stream(stream, buffer_size_bytes, timeout_s, keep_staging,
+                                    wrap_sources)
         finally:
             if wrap_sources is None:  # a wrapper's owner drains or closes the stream itself
                 stream.sources.close()
@@ -158,7 +159,8 @@ class RefitSender:
                                                        free_bytes=free)
         else:  # two buffers in at most half the free shared memory (a receiver maps them too)
             free = shm_free_bytes()
-            cap = CPU_DEFAULT_BUFFER_BYTES if free is None else min(CPU_DEFAULT_BUFFER_BYTES, free // 4)
+            cap = (CPU_DEFAULT_BUFFER_BYTES if free is None
+                   else min(CPU_DEFAULT_BUFFER_BYTES, free // 4))
             per_buffer = default_ipc_buffer_bytes_from(*self._stats, cap_bytes=max(cap, 1))
         if (stream.key, per_buffer) != self._plan_key:  # the plan is reused while nothing changed
             self._plan_key, self._plan = (stream.key, per_buffer), plan_ipc_buckets(specs, per_buffer)

@@ -26,7 +26,8 @@ def check_timeout_s(key: str, value: object, *, none_means: str | None = None) -
     when the caller accepts it."""
     if value is None and none_means is not None:
         return
-    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    finite = number and math.isfinite(value)  # type: ignore[arg-type]
     if not finite or not value > 0:  # type: ignore[operator]
         also = f", or None ({none_means})" if none_means is not None else ""
         msg = (f"{key} {value!r} must be > 0 and finite (seconds){also}; every wait is "

@@ -147,7 +147,8 @@ def _create_locked_file(folder: str) -> tuple[str, str, int]:
         if _locked_entry(path, fd):
             return name, path, fd
         os.close(fd)
-    raise RefitError(f"could not create a staging file in {folder}: it was removed 8 times in a row")
+    msg = f"could not create a staging file in {folder}: it was removed 8 times in a row"
+    raise RefitError(msg)
 
 
 def _create_locked_dir() -> tuple[str, int]:
@@ -501,7 +502,8 @@ class ZmqIpcSender:
             raise RefitError(msg)
         try:
             if self._context is None:
-                raise RefitError(f"refit rank {self.rank}: {call} after close(); this sender is closed")
+                msg = f"refit rank {self.rank}: {call} after close(); this sender is closed"
+                raise RefitError(msg)
             yield
         finally:
             self._busy.release()
@@ -575,7 +577,8 @@ class ZmqIpcSender:
             if time.monotonic() > deadline:
                 msg = (
                     f"refit rank {self.rank}: {count} receivers are connected to {self.address}; "
-                    "one sender streams to exactly one receiver (each would get part of the refit). "
+                    "one sender streams to exactly one receiver (each would get part of the "
+                    "refit). "
                     "Close the extra receivers on this address (each engine rank connects to its "
                     "own trainer rank's get_zmq_address())"
                 )
@@ -1121,7 +1124,8 @@ class ZmqIpcReceiver:
     its current bucket is applied), and only the thread inside ``serve`` touches the socket.
     """
 
-    def __init__(self, address: str, *, timeout_s: float, max_message_bytes: int | None = None) -> None:
+    def __init__(self, address: str, *, timeout_s: float,
+                 max_message_bytes: int | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self._max_message_bytes = max_message_bytes
@@ -1151,7 +1155,8 @@ class ZmqIpcReceiver:
         try:
             sock.connect(self.address)
         except zmq.ZMQError as exc:
-            msg = f"refit receiver cannot connect to {self.address!r}: {exc}; pass the sender's get_zmq_address()"
+            msg = (f"refit receiver cannot connect to {self.address!r}: {exc}; pass the "
+                   "sender's get_zmq_address()")
             raise ValueError(msg) from None
 
     def _close_socket(self) -> None:
@@ -1222,8 +1227,9 @@ class ZmqIpcReceiver:
             # connection: rebuilding it would drop a BEGIN arriving at that moment (a retry race).
             self._reconnect()
         msg = (
-            f"refit receiver: no message in phase {phase!r} within {self.timeout_s:g} s at {self.address} "
-            f"({time.monotonic() - started:.1f} s into receive()); is the sender streaming?"
+            f"refit receiver: no message in phase {phase!r} within {self.timeout_s:g} s at "
+            f"{self.address} ({time.monotonic() - started:.1f} s into receive()); is the sender "
+            "streaming?"
         )
         raise RefitTimeoutError(msg)
 
