@@ -215,8 +215,14 @@ def _reserve(fd: int, nbytes: int, path: str) -> None:
     """Allocate the file's pages now: a sparse shared mapping on a full tmpfs kills the process
     with SIGBUS at the first write instead of raising."""
     try:
+        if not hasattr(os, "posix_fallocate"):  # not Linux: a sparse file, as before
+            os.ftruncate(fd, nbytes)
+            return
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a folder that cannot reserve
+            os.ftruncate(fd, nbytes)
+            return
         if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EDQUOT):
             raise
         try:
