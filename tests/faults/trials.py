@@ -3,9 +3,9 @@
 ``python -m tests.faults.trials ROOT NAME:TRIALS [NAME:TRIALS ...]`` runs each scenario of
 ``scenarios.py`` with the policyworker found under ROOT (a checkout: this tree, or one of the
 code before the fixes with this folder copied in) until TRIALS trials are accounted for. A
-process killed by its fault (SIGBUS, a libzmq abort) counts as one failed trial and is started
-again for the rest. Prints one JSON line per scenario: trials, failures, signals seen, and one
-example failure. Refit files go to private folders (see ``conftest.py``).
+process killed by its fault (SIGBUS, a libzmq abort) or hung past 120 s counts as one failed
+trial and is started again for the rest. Prints one JSON line per scenario: trials, failures,
+signals seen, and one example failure. Refit files go to private folders (see ``conftest.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 
-def count(root: str, name: str, trials: int, *args: str) -> dict:
+def count(root: str, name: str, trials: int, *args: str, timeout_s: float = 120.0) -> dict:
     done, failures, signals, example = 0, 0, [], ""
     while done < trials:
         shm = tempfile.mkdtemp(prefix="pwt-", dir="/dev/shm")
@@ -37,11 +37,11 @@ def count(root: str, name: str, trials: int, *args: str) -> dict:
                 env=env,
                 capture_output=True,
                 text=True,
-                timeout=600,
+                timeout=timeout_s,
             )
             code, out, err = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired as exc:
-            code, out, err = "hang", exc.stdout or "", "timed out after 600 s"
+            code, out, err = "hang", exc.stdout or "", f"timed out after {timeout_s:g} s"
             out = out.decode() if isinstance(out, bytes) else out
         finally:
             shutil.rmtree(shm, ignore_errors=True)
