@@ -21,7 +21,7 @@ unchanged, so a refit costs one ``state_dict`` walk plus one pass over the live 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -201,7 +201,7 @@ class RefitStream:
 
     specs: tuple[TensorSpec, ...]
     key: tuple[Any, ...]
-    sources: Iterator[RefitSource]
+    sources: Generator[RefitSource, None, None]  # close it when stopping early
 
 
 def _models(model: nn.Module, draft_model: nn.Module | None, keep_fp32: Sequence[str] | None
@@ -233,10 +233,12 @@ def refit_stream(
     walks = tuple(w for _, _, w in parts)
     specs = walks[0].specs if len(walks) == 1 else _joined_specs(walks)
 
-    def sources() -> Iterator[RefitSource]:
-        with torch.no_grad():
-            for module, state, walk in parts:
-                yield from _iter_walk(module, state, walk)
+    # No ``torch.no_grad()`` around the yields: grad mode is thread state, and a generator left
+    # suspended inside one (a refit that fails midway) would leave autograd off in the caller's
+    # thread. Every source is detached (``_materialize``), so nothing here records a graph.
+    def sources() -> Generator[RefitSource, None, None]:
+        for module, state, walk in parts:
+            yield from _iter_walk(module, state, walk)
 
     return RefitStream(specs, walks, sources())
 

@@ -28,7 +28,12 @@ from torch import nn
 from policyworker.errors import RefitError
 from policyworker.functional.buckets import TensorSpec
 from policyworker.functional.names import canonical_name, expert_slot
-from policyworker.shell.refit.wire import ProtocolError, check_manifest, dtype_name
+from policyworker.shell.refit.wire import (
+    ProtocolError,
+    check_manifest,
+    dtype_name,
+    max_message_bytes,
+)
 from policyworker.shell.refit.zmq_ipc import (
     RefitServer,
     ZmqIpcReceiver,
@@ -37,6 +42,7 @@ from policyworker.shell.refit.zmq_ipc import (
     grouped_copy_,
     run_copy_groups,
 )
+from policyworker.shell.refit.watchdog import check_timeout_s
 
 __all__ = ["HFWeightReceiver", "PreparedBatch", "RefitReport", "WeightApplier"]
 
@@ -128,6 +134,11 @@ class WeightApplier:
         self._index: dict[str, int] = {}
         self._sizes: tuple[int, ...] = ()
         self._dest_list: list[torch.Tensor] | None = None
+
+    def manifest_specs(self) -> list[TensorSpec]:
+        """The manifest ``refit_info`` announces (what a sender's BEGIN should carry)."""
+        return [TensorSpec(name, tuple(shape), dtype)
+                for name, (shape, dtype) in self.expected.items()]
 
     def begin(self, manifest: Sequence[TensorSpec]) -> None:
         if self._session is not None:
@@ -275,9 +286,7 @@ class HFWeightReceiver:
         atomic: bool = False,
         timeout_s: float = 120.0,
     ) -> None:
-        if not timeout_s > 0:
-            msg = f"timeout_s {timeout_s} must be > 0 seconds; every receiver wait is bounded"
-            raise ValueError(msg)
+        check_timeout_s("timeout_s", timeout_s)
         if not refit_info:
             msg = "refit_info is empty; pass the trainer's prepare_refit_info() result"
             raise ValueError(msg)
@@ -285,7 +294,9 @@ class HFWeightReceiver:
         self.refit_info = self.applier.expected
         self.address = address
         self._server = RefitServer(self.applier)
-        self._socket = ZmqIpcReceiver(address, timeout_s=timeout_s) if address is not None else None
+        cap = max_message_bytes(tuple(self.applier.manifest_specs()))  # nothing larger is read
+        self._socket = (ZmqIpcReceiver(address, timeout_s=timeout_s, max_message_bytes=cap)
+                        if address is not None else None)
 
     @classmethod
     def socketless(
@@ -360,7 +371,8 @@ class HFWeightReceiver:
         return self.commit_refit(num_buckets=1)
 
     def close(self) -> None:
-        self._server.release_buffers()
+        """Close from any thread: a ``receive()`` waiting in another one raises
+        ``ReceiverClosedError`` (see ``ZmqIpcReceiver.close``)."""
         if self._socket is not None:
             self._socket.close()
-            self._socket = None
+        self._server.release_buffers()
