@@ -71,7 +71,7 @@ def _module_destinations(module: nn.Module, expected: Mapping[str, tuple[torch.S
         if name in located:
             source, piece = located[name]
             live = state[source]
-            dest = piece.view_of(live.data if isinstance(live, nn.Parameter) else live)
+            dest = live if piece.is_whole(live.shape) else piece.view_of(live.detach())
         elif name in state:  # e.g. a tied lm_head.weight sent anyway
             dest = state[name]
         else:
