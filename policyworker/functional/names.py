@@ -5,11 +5,8 @@ offset) of one contiguous in-memory tensor. The shell asks transformers for a mo
 (``policyworker.shell.hf_names``); the functions here apply them (``to_checkpoint``), invert
 them (``from_checkpoint``, ``pieces_by_checkpoint_name``) and check them (``check_pieces``).
 
-The per-expert helpers below (``to_hf_tensors`` …) hard-code one MoE layout and serve only the
-consolidated checkpoint writer:
-
-transformers 5 keeps each MoE layer's experts fused in memory, while checkpoints (and inference
-engines' ``load_weights``) use one tensor per expert:
+``to_hf_tensors`` hard-codes one MoE layout (Qwen-MoE / DeepSeek style, wrong for Mixtral and
+GPT-OSS) and serves only the consolidated checkpoint writer (shell/checkpoint.py):
 
 - ``<p>.experts.gate_up_proj`` [E, 2I, H] ↔ ``<p>.experts.{e}.gate_proj.weight`` [I, H] (rows
   ``[0:I]`` of expert e) and ``<p>.experts.{e}.up_proj.weight`` [I, H] (rows ``[I:2I]``);
@@ -21,22 +18,18 @@ All functions are pure.
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import torch
 
 __all__ = [
     "CheckpointPiece",
-    "ExpertSlot",
     "canonical_name",
     "check_pieces",
     "contiguous_strides",
     "drop_tied_lm_head",
-    "expert_slot",
     "from_checkpoint",
-    "fuse_expert_tensors",
-    "is_fused_expert_name",
     "is_lora_param",
     "lora_base_name",
     "lora_module_name",
@@ -49,31 +42,6 @@ __all__ = [
 _WRAPPER_FRAGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 _LORA_RE = re.compile(r"^(?P<module>.+)\.lora_[AB](\.|$)")
 _FUSED_RE = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<kind>gate_up_proj|down_proj)$")
-_PER_EXPERT_RE = re.compile(
-    r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$"
-)
-_PART_OF_FUSED = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
-
-
-@attrs.frozen
-class ExpertSlot:
-    """Where a per-expert HF tensor lives in the fused in-memory tensor.
-
-    ``part`` is ``gate_proj`` (rows ``[0:I]`` of ``fused[expert]``), ``up_proj`` (rows ``[I:2I]``)
-    or ``down_proj`` (all of ``fused[expert]``).
-    """
-
-    fused_name: str
-    expert: int
-    part: str
-
-    def view_of(self, fused: torch.Tensor) -> torch.Tensor:
-        """The slice of ``fused`` that holds this expert's tensor (a view, writable)."""
-        block = fused[self.expert]
-        if self.part == "down_proj":
-            return block
-        half = block.shape[0] // 2
-        return block[:half] if self.part == "gate_proj" else block[half:]
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -233,20 +201,6 @@ def lora_base_name(fqn: str) -> str:
     return f"{lora_module_name(fqn)}.weight"
 
 
-def is_fused_expert_name(name: str) -> bool:
-    """True for transformers-5 fused expert tensors (``….experts.gate_up_proj`` / ``down_proj``)."""
-    return _FUSED_RE.match(name) is not None
-
-
-def expert_slot(hf_name: str) -> ExpertSlot | None:
-    """The fused tensor slot of a per-expert checkpoint name, or None for any other name."""
-    match = _PER_EXPERT_RE.match(hf_name)
-    if match is None:
-        return None
-    fused = f"{match['prefix']}.{_PART_OF_FUSED[match['part']]}"
-    return ExpertSlot(fused, int(match["expert"]), match["part"])
-
-
 def to_hf_tensors(
     name: str, tensor: torch.Tensor, *, split_fused_experts: bool = True
 ) -> list[tuple[str, torch.Tensor]]:
@@ -273,49 +227,6 @@ def to_hf_tensors(
         out.append((f"{prefix}.{e}.gate_proj.weight", tensor[e, :half]))
         out.append((f"{prefix}.{e}.up_proj.weight", tensor[e, half:]))
     return out
-
-
-def fuse_expert_tensors(
-    pairs: Iterable[tuple[str, torch.Tensor]],
-) -> list[tuple[str, torch.Tensor]]:
-    """Inverse of ``to_hf_tensors``: per-expert tensors stacked back into fused ones.
-
-    A fused tensor takes the position of its first per-expert member; other names keep theirs.
-
-    Raises:
-        ValueError: a fused group misses an expert or a gate/up half, or repeats one.
-    """
-    order: list[str] = []
-    plain: dict[str, torch.Tensor] = {}
-    groups: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-    for name, tensor in pairs:
-        slot = expert_slot(name)
-        key = name if slot is None else slot.fused_name
-        if key not in plain and key not in groups:
-            order.append(key)
-        if slot is None:
-            plain[key] = tensor
-            continue
-        members = groups.setdefault(key, {})
-        if (slot.expert, slot.part) in members:
-            msg = f"per-expert tensor {name!r} appears twice; each expert tensor must be given once"
-            raise ValueError(msg)
-        members[(slot.expert, slot.part)] = tensor
-    return [
-        (key, plain[key]) if key in plain else (key, _stack_experts(key, groups[key]))
-        for key in order
-    ]
-
-
-def _stack_experts(fused_name: str, members: dict[tuple[int, str], torch.Tensor]) -> torch.Tensor:
-    parts = ("down_proj",) if fused_name.endswith("down_proj") else ("gate_proj", "up_proj")
-    num_experts = 1 + max(e for e, _ in members)
-    missing = [f"{e}.{p}" for e in range(num_experts) for p in parts if (e, p) not in members]
-    if missing:
-        msg = f"cannot fuse {fused_name!r}: missing per-expert tensors {missing}; send every expert"
-        raise ValueError(msg)
-    blocks = [torch.cat([members[(e, p)] for p in parts], dim=0) for e in range(num_experts)]
-    return torch.stack(blocks, dim=0)
 
 
 def drop_tied_lm_head(names: Sequence[str], *, tie_word_embeddings: bool) -> list[str]:

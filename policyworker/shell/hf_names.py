@@ -80,6 +80,7 @@ def checkpoint_layout(
         ValueError: the conversion builds a checkpoint tensor from several in-memory tensors or
             loses elements (not expressible as views).
     """
+    module = getattr(module, "_orig_mod", module)  # torch.compile's wrapper: ask the HF model
     model_type = model_type_of(module)
     if model_type is None:
         return {name: (whole_piece(name, shape),) for name, shape in shapes.items()}

@@ -1,4 +1,4 @@
-"""Properties of parameter-name handling: wrappers, LoRA names, checkpoint pieces, MoE split/fuse."""
+"""Properties of parameter-name handling: wrappers, LoRA names, checkpoint pieces, MoE split."""
 
 import attrs
 import pytest
@@ -11,9 +11,7 @@ from policyworker.functional.names import (
     canonical_name,
     check_pieces,
     drop_tied_lm_head,
-    expert_slot,
     from_checkpoint,
-    fuse_expert_tensors,
     is_lora_param,
     lora_base_name,
     lora_module_name,
@@ -58,34 +56,6 @@ def test_lora_module_name_rejects_plain_names():
         lora_module_name("model.layers.0.q_proj.weight")
 
 
-@given(
-    E=st.integers(1, 4),
-    I=st.integers(1, 5),
-    H=st.integers(1, 5),
-    layer=st.integers(0, 30),
-    seed=SEEDS,
-)
-def test_split_then_fuse_experts_is_identity(E, I, H, layer, seed):
-    prefix = f"model.layers.{layer}.mlp.experts"
-    gate_up = seeded_randn(seed, (E, 2 * I, H))
-    down = seeded_randn(seed + 1, (E, H, I))
-    bias = seeded_randn(seed + 2, (E,))
-    source = [
-        (f"{prefix}.gate_up_proj", gate_up),
-        (f"model.layers.{layer}.mlp.gate.e_score_correction_bias", bias),
-        (f"{prefix}.down_proj", down),
-    ]
-    split = [pair for name, t in source for pair in to_hf_tensors(name, t)]
-    assert len(split) == 3 * E + 1
-    for name, t in split:  # each split tensor is the slot's view of the fused tensor
-        slot = expert_slot(name)
-        if slot is not None:
-            assert torch.equal(slot.view_of(dict(source)[slot.fused_name]), t)
-    fused = fuse_expert_tensors(split)
-    assert [n for n, _ in fused] == [n for n, _ in source]
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fused, source))
-
-
 @given(E=st.integers(1, 3), I=st.integers(1, 4), H=st.integers(1, 4), seed=SEEDS)
 def test_gate_is_the_first_half_of_dim_one(E, I, H, seed):
     gate_up = seeded_randn(seed, (E, 2 * I, H))
@@ -103,22 +73,9 @@ def test_non_expert_names_pass_through():
         "model.layers.0.mlp.gate.weight",
     ]:
         assert to_hf_tensors(name, t) == [(name, t)]
-        assert expert_slot(name) is None
     assert to_hf_tensors("m.experts.gate_up_proj", torch.zeros(2, 4, 3), split_fused_experts=False)[
         0
     ][0] == ("m.experts.gate_up_proj")
-
-
-def test_fuse_rejects_incomplete_experts():
-    pairs = [
-        ("m.experts.0.gate_proj.weight", torch.zeros(1, 2)),
-        ("m.experts.1.gate_proj.weight", torch.zeros(1, 2)),
-        ("m.experts.1.up_proj.weight", torch.zeros(1, 2)),
-    ]
-    with pytest.raises(ValueError, match=r"missing per-expert tensors \['0.up_proj'\]"):
-        fuse_expert_tensors(pairs)
-    with pytest.raises(ValueError, match="appears twice"):
-        fuse_expert_tensors(pairs[:1] * 2)
 
 
 @given(names=st.lists(dotted, max_size=6), tied=st.booleans(), position=st.integers(0, 6))
