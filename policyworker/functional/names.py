@@ -108,7 +108,8 @@ def check_pieces(source_name: str, source_shape: Sequence[int],
         msg = f"{source_name!r} has no checkpoint piece; every in-memory tensor must be saved"
         raise ValueError(msg)
     for piece in pieces:
-        last = piece.offset + sum((n - 1) * st for n, st in zip(piece.shape, piece.stride, strict=True))
+        reach = sum((n - 1) * st for n, st in zip(piece.shape, piece.stride, strict=True))
+        last = piece.offset + reach
         if piece.numel and (piece.offset < 0 or last >= numel or min(piece.stride, default=0) < 0):
             msg = (f"checkpoint piece {piece.name!r} (shape {list(piece.shape)}, stride "
                    f"{list(piece.stride)}, offset {piece.offset}) reaches outside {source_name!r} "

@@ -159,8 +159,8 @@ def _compile_walk(
         split = not (len(pieces) == 1 and pieces[0].is_whole(meta.shape))
         outputs = tuple(
             # keep_fp32 patterns name the in-memory modules, so they match the in-memory name
-            TensorSpec(prefix + piece.name, piece.shape,
-                       refit_tensor_dtype(name, piece.view_of(meta), target_dtype, keep_fp32=keep_fp32))
+            TensorSpec(prefix + piece.name, piece.shape, refit_tensor_dtype(
+                name, piece.view_of(meta), target_dtype, keep_fp32=keep_fp32))
             for piece in pieces
         )
         base = key.removesuffix(".weight") if key.endswith(".weight") else None

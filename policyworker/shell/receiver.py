@@ -3,7 +3,8 @@
 ``HFWeightReceiver(target, *, address, refit_info, atomic=False, timeout_s=120.0)`` serves ZMQ
 refits (``receive()``) into ``target``: a Hugging Face ``nn.Module`` (tensors are copied by name
 into its live state at the place transformers' checkpoint conversion gives them, e.g. a
-per-expert tensor in its slice of a fused MoE tensor; a tied ``lm_head`` follows the embedding) or a bare ``load_weights(iterable)`` callable
+per-expert tensor in its slice of a fused MoE tensor; a tied ``lm_head`` follows the
+embedding) or a bare ``load_weights(iterable)`` callable
 (vLLM style; the tensors it is given are only valid during the call, it must copy them).
 
 Other transports reuse the same validation and apply path through ``begin_refit`` /
@@ -59,12 +60,14 @@ class RefitReport:
 
 def _module_destinations(module: nn.Module, expected: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
     """The live tensor (or the piece of one, e.g. an expert of a fused MoE tensor) each
-    checkpoint name is written into: the module's own checkpoint layout, as transformers saves it."""
+    checkpoint name is written into: the module's own checkpoint layout, as transformers
+    saves it."""
     state = {canonical_name(k): v for k, v in module.state_dict(keep_vars=True).items()}
     saved = {n: v for n, v in state.items() if not is_lora_param(n)}
     if tie_word_embeddings(module):
         saved.pop("lm_head.weight", None)  # follows the embedding, as save_pretrained leaves it out
-    located = pieces_by_checkpoint_name(checkpoint_layout(module, {n: v.shape for n, v in saved.items()}))
+    layout = checkpoint_layout(module, {n: v.shape for n, v in saved.items()})
+    located = pieces_by_checkpoint_name(layout)
     dests: dict[str, torch.Tensor] = {}
     problems: list[str] = []
     for name, (shape, _) in expected.items():

@@ -80,7 +80,7 @@ def logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def refit_table_row(model_type: str, folder) -> dict:
-    """Stream vs save_pretrained of one architecture, and the logprobs of from_pretrained(stream)."""
+    """Stream vs save_pretrained of one architecture; logprobs of from_pretrained(stream)."""
     model = tiny_model(model_type)
     (folder / "saved").mkdir()
     model.save_pretrained(folder / "saved")
@@ -90,14 +90,21 @@ def refit_table_row(model_type: str, folder) -> dict:
     # from_pretrained of exactly what was streamed (config only from the model, weights from us)
     (folder / "stream").mkdir()
     model.config.save_pretrained(folder / "stream")
-    save_file({n: t.clone() for n, t in streamed.items()}, str(folder / "stream" / "model.safetensors"))
+    save_file({n: t.clone() for n, t in streamed.items()},
+              str(folder / "stream" / "model.safetensors"))
     loaded, loading = transformers.AutoModelForCausalLM.from_pretrained(
-        folder / "stream", dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
-    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+        folder / "stream", dtype=torch.float32, attn_implementation="eager",
+        output_loading_info=True)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=generator)
     delta = (logprobs(loaded.eval(), ids) - logprobs(model, ids)).abs().max().item()
+    # a model loaded by from_pretrained converts with the mapping it was loaded with
+    reloaded_info = RefitSender(lambda: loaded, torch.float32).prepare_refit_info()
     return {
         "model": model, "saved": saved, "info": info, "streamed": streamed, "delta": delta,
-        "problems": {k: sorted(v) for k, v in loading.items() if k in ("missing_keys", "unexpected_keys") and v},
+        "reloaded_info": reloaded_info,
+        "problems": {k: sorted(v) for k, v in loading.items()
+                     if k in ("missing_keys", "unexpected_keys") and v},
     }
 
 
@@ -111,6 +118,7 @@ def test_stream_equals_save_pretrained_and_reloads_to_the_same_logprobs(model_ty
     for name, tensor in streamed.items():
         assert torch.equal(tensor, saved[name]), name
     assert row["problems"] == {}
+    assert row["reloaded_info"] == info
     assert row["delta"] <= 1e-6, row["delta"]
 
 
@@ -145,7 +153,8 @@ def test_an_unsupported_model_type_is_refused_by_name_before_streaming():
     config = transformers.OlmoConfig(**_SHAPE)
     model = transformers.AutoModelForCausalLM.from_config(config)
     sender = RefitSender(lambda: model, torch.float32)
-    with pytest.raises(UnsupportedModelError, match=r"model_type 'olmo'.*'mixtral'.*SUPPORTED_MODEL_TYPES"):
+    refusal = r"model_type 'olmo'.*'mixtral'.*SUPPORTED_MODEL_TYPES"
+    with pytest.raises(UnsupportedModelError, match=refusal):
         sender.prepare_refit_info()
     with pytest.raises(ValueError, match="model_type 'olmo'"):
         next(params_generator(model, torch.float32))
@@ -168,7 +177,8 @@ def test_worker_falls_back_to_eager_once_and_announces_the_checkpoint(model_type
     workers[0].model.save_pretrained(tmp_path / "again")
     saved = saved_tensors(tmp_path / "again")
     info = workers[0].prepare_refit_info()
-    assert {n: tuple(s) for n, (s, _) in info.items()} == {n: tuple(t.shape) for n, t in saved.items()}
+    assert ({n: tuple(s) for n, (s, _) in info.items()}
+            == {n: tuple(t.shape) for n, t in saved.items()})
     for worker in workers:
         worker.shutdown()
 
