@@ -2,8 +2,9 @@
 
 A checkpoint tensor is described as a ``CheckpointPiece``: a strided view (shape, stride,
 offset) of one contiguous in-memory tensor. The shell asks transformers for a model's pieces
-(``policyworker.shell.hf_names``); the functions here apply them (``to_checkpoint``), invert
-them (``from_checkpoint``, ``pieces_by_checkpoint_name``) and check them (``check_pieces``).
+(``policyworker.shell.refit.hf_names``); the functions here apply them (``to_checkpoint``),
+invert them (``from_checkpoint``, ``pieces_by_checkpoint_name``) and check them
+(``check_pieces``).
 
 ``to_hf_tensors`` hard-codes one MoE layout (Qwen-MoE / DeepSeek style, wrong for Mixtral and
 GPT-OSS) and serves only the consolidated checkpoint writer (shell/checkpoint.py):

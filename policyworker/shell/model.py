@@ -126,6 +126,20 @@ def load_tokenizer(name: str) -> Any | None:
     return tokenizer
 
 
+def _load_hf_config(source: str, key: str, overrides: dict[str, Any]) -> Any:
+    """The HF config of `source`; a ValueError naming the key and what was looked for."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(source, **overrides)
+    except OSError as err:
+        where = ("that folder has no config.json" if os.path.isdir(source) else
+                 "no such local folder, and no Hugging Face Hub model of that id could be read")
+        msg = (f"{key}={source!r}: {where} ({err}); pass a folder that holds config.json and "
+               f"the weights (as save_pretrained writes them), or a Hub model id")
+        raise ValueError(msg) from err
+
+
 def load_policy_model(
     cfg: Any, *, device: torch.device, weights_from: str | None = None
 ) -> tuple[torch.nn.Module, Any | None]:
@@ -144,8 +158,6 @@ def load_policy_model(
     attn = resolve_attn_implementation(
         requested_attn, packing=packing, device=device, precision=precision)
     source = weights_from or cfg.model_name
-    tokenizer_name = _get(_get(cfg, "tokenizer"), "name") or cfg.model_name
-    tokenizer = load_tokenizer(tokenizer_name)
     # Every edit below changes how the model runs, never which parameters it has or how they
     # are initialised or trained: the model stays the one the checkpoint describes.
     # - hf_config_overrides: the user's own edits of the model, applied as they asked.
@@ -162,7 +174,10 @@ def load_policy_model(
     # - attn_implementation picks the kernel only (packing safety is verified separately);
     #   dtype=float32 upcasts the stored weights exactly.
     overrides = dict(_get(cfg, "hf_config_overrides") or {})
-    config = transformers.AutoConfig.from_pretrained(source, **overrides)
+    config = _load_hf_config(source, "model_name" if weights_from is None else "weights_from",
+                             overrides)
+    tokenizer_name = _get(_get(cfg, "tokenizer"), "name") or cfg.model_name
+    tokenizer = load_tokenizer(tokenizer_name)
     config.use_cache = False
     kind = reward_model_type(cfg)
     auto_cls = getattr(transformers, _REWARD_CLASSES[kind] if kind else "AutoModelForCausalLM")

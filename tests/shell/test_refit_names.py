@@ -19,9 +19,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from policyworker.errors import UnsupportedModelError
-from policyworker.shell.hf_names import SUPPORTED_MODEL_TYPES
-from policyworker.shell.params import params_generator
-from policyworker.shell.refit import RefitSender
+from policyworker.shell.refit.hf_names import SUPPORTED_MODEL_TYPES
+from policyworker.shell.refit.params import params_generator
+from policyworker.shell.refit.sender import RefitSender
 from tests.shell.conftest import make_config
 
 _SHAPE = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,

@@ -6,7 +6,7 @@ One code path feeds every transport and the refit metadata (API.md §5, §7):
 buffers), gathers DTensors, merges LoRA into its base weight (after checking every LoRA module is
 reachable), strips wrapper prefixes, drops a tied ``lm_head.weight``, renames and cuts each
 tensor into what ``save_pretrained`` writes (the layout transformers gives,
-``shell.hf_names.checkpoint_layout``: e.g. fused MoE experts → per-expert views; an unsupported
+``hf_names.checkpoint_layout``: e.g. fused MoE experts → per-expert views; an unsupported
 ``model_type`` is refused there), and picks each tensor's refit dtype — yielding the
 *uncast* source with that dtype, so a transport can cast straight into its staging buffer. Then
 the draft model's tensors follow as ``draft.<name>``.
@@ -39,7 +39,7 @@ from policyworker.functional.names import (
     is_lora_param,
     to_checkpoint,
 )
-from policyworker.shell.hf_names import checkpoint_layout
+from policyworker.shell.refit.hf_names import checkpoint_layout
 
 __all__ = [
     "DRAFT_PREFIX",

@@ -29,10 +29,10 @@ from torch import nn
 from policyworker.errors import RefitError
 from policyworker.functional.buckets import TensorSpec
 from policyworker.functional.names import canonical_name, is_lora_param, pieces_by_checkpoint_name
-from policyworker.shell.hf_names import checkpoint_layout
-from policyworker.shell.params import tie_word_embeddings
-from policyworker.shell.transports.wire import ProtocolError, check_manifest, dtype_name
-from policyworker.shell.transports.zmq_ipc import (
+from policyworker.shell.refit.hf_names import checkpoint_layout
+from policyworker.shell.refit.params import tie_word_embeddings
+from policyworker.shell.refit.wire import ProtocolError, check_manifest, dtype_name
+from policyworker.shell.refit.zmq_ipc import (
     RefitServer,
     ZmqIpcReceiver,
     copy_groups,

@@ -62,7 +62,7 @@ def require_supported_model(module: nn.Module) -> None:
         f"model_type {model_type!r} ({type(module).__name__}) is not supported for refit: its "
         f"streamed names are verified against save_pretrained only for "
         f"{list(SUPPORTED_MODEL_TYPES)}. "
-        f"Use one of these, or add {model_type!r} to policyworker.shell.hf_names."
+        f"Use one of these, or add {model_type!r} to policyworker.shell.refit.hf_names."
         f"SUPPORTED_MODEL_TYPES with a case in tests/shell/test_refit_names.py"
     )
     raise UnsupportedModelError(msg)
