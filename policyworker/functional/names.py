@@ -6,14 +6,6 @@ offset) of one contiguous in-memory tensor. The shell asks transformers for a mo
 invert them (``from_checkpoint``, ``pieces_by_checkpoint_name``) and check them
 (``check_pieces``).
 
-``to_hf_tensors`` hard-codes one MoE layout (Qwen-MoE / DeepSeek style, wrong for Mixtral and
-GPT-OSS) and serves only the consolidated checkpoint writer (shell/checkpoint.py):
-
-- ``<p>.experts.gate_up_proj`` [E, 2I, H] ↔ ``<p>.experts.{e}.gate_proj.weight`` [I, H] (rows
-  ``[0:I]`` of expert e) and ``<p>.experts.{e}.up_proj.weight`` [I, H] (rows ``[I:2I]``);
-- ``<p>.experts.down_proj`` [E, H, I] ↔ ``<p>.experts.{e}.down_proj.weight`` [H, I].
-
-Shape legend: ``E`` experts, ``I`` expert intermediate size, ``H`` hidden size.
 All functions are pure.
 """
 
@@ -36,13 +28,11 @@ __all__ = [
     "lora_module_name",
     "pieces_by_checkpoint_name",
     "to_checkpoint",
-    "to_hf_tensors",
     "whole_piece",
 ]
 
 _WRAPPER_FRAGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 _LORA_RE = re.compile(r"^(?P<module>.+)\.lora_[AB](\.|$)")
-_FUSED_RE = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<kind>gate_up_proj|down_proj)$")
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -201,34 +191,6 @@ def lora_module_name(fqn: str) -> str:
 def lora_base_name(fqn: str) -> str:
     """The base weight a LoRA adapter tensor merges into: ``a.b.lora_B.weight`` → ``a.b.weight``."""
     return f"{lora_module_name(fqn)}.weight"
-
-
-def to_hf_tensors(
-    name: str, tensor: torch.Tensor, *, split_fused_experts: bool = True
-) -> list[tuple[str, torch.Tensor]]:
-    """Checkpoint-named tensors (views, no copy) for one in-memory tensor.
-
-    Fused 3-D experts are split per expert (gate = first half of dim 1); anything else is
-    returned unchanged as ``[(name, tensor)]``.
-
-    Raises:
-        ValueError: a fused ``gate_up_proj`` is not 3-D with an even dim 1.
-    """
-    match = _FUSED_RE.match(name)
-    if not split_fused_experts or match is None or tensor.dim() != 3:
-        return [(name, tensor)]
-    prefix = match["prefix"]
-    if match["kind"] == "down_proj":
-        return [(f"{prefix}.{e}.down_proj.weight", tensor[e]) for e in range(tensor.shape[0])]
-    if tensor.shape[1] % 2:
-        msg = f"fused expert tensor {name!r} has shape {tuple(tensor.shape)}; dim 1 must be even (gate rows then up rows)"
-        raise ValueError(msg)
-    half = tensor.shape[1] // 2
-    out: list[tuple[str, torch.Tensor]] = []
-    for e in range(tensor.shape[0]):
-        out.append((f"{prefix}.{e}.gate_proj.weight", tensor[e, :half]))
-        out.append((f"{prefix}.{e}.up_proj.weight", tensor[e, half:]))
-    return out
 
 
 def drop_tied_lm_head(names: Sequence[str], *, tie_word_embeddings: bool) -> list[str]:

@@ -1,4 +1,4 @@
-"""Properties of parameter-name handling: wrappers, LoRA names, checkpoint pieces, MoE split."""
+"""Properties of parameter-name handling: wrappers, LoRA names, checkpoint pieces."""
 
 import attrs
 import pytest
@@ -17,7 +17,6 @@ from policyworker.functional.names import (
     lora_module_name,
     pieces_by_checkpoint_name,
     to_checkpoint,
-    to_hf_tensors,
     whole_piece,
 )
 from tests.property.strategies import SEEDS, seeded_randn
@@ -54,28 +53,6 @@ def test_lora_names_map_to_their_module_and_base_weight(module, ab):
 def test_lora_module_name_rejects_plain_names():
     with pytest.raises(ValueError, match="not a LoRA adapter name"):
         lora_module_name("model.layers.0.q_proj.weight")
-
-
-@given(E=st.integers(1, 3), I=st.integers(1, 4), H=st.integers(1, 4), seed=SEEDS)
-def test_gate_is_the_first_half_of_dim_one(E, I, H, seed):
-    gate_up = seeded_randn(seed, (E, 2 * I, H))
-    pieces = dict(to_hf_tensors("experts.gate_up_proj", gate_up))
-    for e in range(E):
-        assert torch.equal(pieces[f"experts.{e}.gate_proj.weight"], gate_up[e, :I])
-        assert torch.equal(pieces[f"experts.{e}.up_proj.weight"], gate_up[e, I:])
-
-
-def test_non_expert_names_pass_through():
-    t = torch.zeros(2, 3)
-    for name in [
-        "model.layers.0.mlp.shared_experts.gate_proj.weight",
-        "model.embed_tokens.weight",
-        "model.layers.0.mlp.gate.weight",
-    ]:
-        assert to_hf_tensors(name, t) == [(name, t)]
-    assert to_hf_tensors("m.experts.gate_up_proj", torch.zeros(2, 4, 3), split_fused_experts=False)[
-        0
-    ][0] == ("m.experts.gate_up_proj")
 
 
 @given(names=st.lists(dotted, max_size=6), tied=st.booleans(), position=st.integers(0, 6))

@@ -4,7 +4,8 @@ For each model_type in SUPPORTED_MODEL_TYPES, a tiny random model (built from it
 download): what the refit announces (``RefitSender.prepare_refit_info``, the worker's) and
 streams (``params_generator``) equals, name by name, the shapes, dtypes and values
 ``save_pretrained`` writes; and ``from_pretrained`` of the streamed tensors loads without a
-missing or unexpected key and gives the trainer's fp32 logprobs.
+missing or unexpected key and gives the trainer's fp32 logprobs. The consolidated HF
+checkpoint writer uses the same layout.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from policyworker.errors import UnsupportedModelError
+from policyworker.shell.checkpoint import api as ck
 from policyworker.shell.refit.hf_names import SUPPORTED_MODEL_TYPES
 from policyworker.shell.refit.params import params_generator
 from policyworker.shell.refit.sender import RefitSender
@@ -181,6 +183,34 @@ def test_worker_falls_back_to_eager_once_and_announces_the_checkpoint(model_type
             == {n: tuple(t.shape) for n, t in saved.items()})
     for worker in workers:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_the_consolidated_hf_checkpoint_has_save_pretrained_names(model_type):
+    model = tiny_model(model_type)
+    specs = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    written = {t.name: t.shape for t in ck.model_hf_layout(model, specs)}
+    announced = RefitSender(lambda: model, torch.float32).prepare_refit_info()
+    assert written == {n: tuple(s) for n, (s, _) in announced.items()}
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+def test_a_worker_checkpoint_loads_with_from_pretrained(model_type, tmp_path):
+    from policyworker.shell.worker import PolicyWorker
+
+    tiny_model(model_type).save_pretrained(tmp_path / "m")
+    worker = PolicyWorker(make_config(str(tmp_path / "m")))
+    with torch.no_grad():  # weights that differ from the initial folder's
+        for param in worker.model.parameters():
+            param.mul_(1.5)
+    ck.save_checkpoint(worker, tmp_path / "ck", is_final_checkpoint=True)
+    loaded, loading = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ck" / "model", dtype=torch.float32,
+        attn_implementation=worker.model.config._attn_implementation, output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"]
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(logprobs(loaded.eval(), ids), logprobs(worker.model.eval(), ids))
+    worker.shutdown()
 
 
 def test_explicit_sdpa_for_a_model_without_it_names_the_setting(tmp_path):

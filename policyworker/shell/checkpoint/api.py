@@ -53,8 +53,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from policyworker.functional.names import canonical_name, is_lora_param, to_hf_tensors
+from policyworker.functional.names import (
+    CheckpointPiece,
+    canonical_name,
+    contiguous_strides,
+    is_lora_param,
+)
 from policyworker.shell.parallel.plans import reshard
+from policyworker.shell.refit.hf_names import checkpoint_layout
 from policyworker.shell.refit.params import tie_word_embeddings
 
 __all__ = [
@@ -72,6 +78,7 @@ __all__ = [
     "detect_weights_format",
     "finalize_async_save",
     "hf_layout",
+    "model_hf_layout",
     "load_checkpoint",
     "load_checkpoint_at_init",
     "load_hf_weights",
@@ -143,26 +150,50 @@ def _box_of_view(view: torch.Tensor, base_shape: Sequence[int]) -> Box:
     return tuple((a, a + n) for a, n in zip(start, sizes, strict=True))
 
 
+def _saved_keys(specs: Mapping[str, Any], *, tie_word_embeddings: bool) -> dict[str, str]:
+    """`{state key: canonical name}` of what `save_pretrained` saves (no LoRA, no tied head)."""
+    names = {key: canonical_name(key) for key in specs if not is_lora_param(key)}
+    return {k: n for k, n in names.items() if not (tie_word_embeddings and n == "lm_head.weight")}
+
+
 def hf_layout(
-    specs: Mapping[str, tuple[Sequence[int], torch.dtype]], *, tie_word_embeddings: bool
+    specs: Mapping[str, tuple[Sequence[int], torch.dtype]], *, tie_word_embeddings: bool,
+    pieces: Mapping[str, Sequence[CheckpointPiece]],
 ) -> list[HFTensor]:
     """The HF checkpoint tensors of a model state `{key: (shape, dtype)}`, in state order.
 
     Wrapper prefixes are stripped, LoRA adapter tensors skipped, a tied `lm_head.weight`
-    dropped, and transformers-5 fused experts split into per-expert boxes (what
-    `save_pretrained` writes).
+    dropped, and each tensor cut into its checkpoint `pieces` (by canonical name; from
+    `model_hf_layout`: transformers' own save-time conversion), each a box of the tensor.
+
+    Raises:
+        CheckpointError: a piece is not a box of its tensor (e.g. a transposed layout).
     """
     out: list[HFTensor] = []
-    for key, (shape, dtype) in specs.items():
-        name = canonical_name(key)
-        if is_lora_param(key) or (tie_word_embeddings and name == "lm_head.weight"):
-            continue
-        base = torch.empty(tuple(shape), dtype=dtype, device="meta")
-        for hf_name, view in to_hf_tensors(name, base):
-            out.append(
-                HFTensor(hf_name, key, _box_of_view(view, tuple(shape)), tuple(view.shape), dtype)
-            )
+    for key, name in _saved_keys(specs, tie_word_embeddings=tie_word_embeddings).items():
+        shape, dtype = tuple(specs[key][0]), specs[key][1]
+        base = torch.empty(shape, dtype=dtype, device="meta")
+        for piece in pieces[name]:
+            trailing = contiguous_strides(shape)[len(shape) - len(piece.shape) :]
+            if len(piece.shape) > len(shape) or any(
+                n > 1 and s != t for n, s, t in zip(piece.shape, piece.stride, trailing, strict=True)
+            ):
+                msg = (f"checkpoint tensor {piece.name!r} is not a box of {name!r} {list(shape)} "
+                       f"(strides {list(piece.stride)}); the HF writer writes boxes only")
+                raise CheckpointError(msg)
+            box = _box_of_view(piece.view_of(base), shape)
+            out.append(HFTensor(piece.name, key, box, piece.shape, dtype))
     return out
+
+
+def model_hf_layout(
+    model: nn.Module, specs: Mapping[str, tuple[Sequence[int], torch.dtype]]
+) -> list[HFTensor]:
+    """`hf_layout` of `model`'s state `specs`: the names and layout `save_pretrained` writes."""
+    tied = tie_word_embeddings(model)
+    saved = _saved_keys(specs, tie_word_embeddings=tied)
+    pieces = checkpoint_layout(model, {n: specs[k][0] for k, n in saved.items()})
+    return hf_layout(specs, tie_word_embeddings=tied, pieces=pieces)
 
 
 @attrs.frozen
@@ -924,7 +955,7 @@ def save_hf_weights(
     """
     live = _model_state(model)
     values = live if state is None else {k: state[k] for k in live if k in state}
-    layout = hf_layout(_specs({k: live[k] for k in values}), tie_word_embeddings=tie_word_embeddings(model))
+    layout = model_hf_layout(model, _specs({k: live[k] for k in values}))
     plans = plan_safetensors_files(layout, max_file_bytes=max_file_bytes)
     locals_ = _locals(live, rank=parallel.rank, world_size=parallel.world_size)
     if state is not None:
@@ -1008,7 +1039,7 @@ def load_hf_weights(
     folder = pathlib.Path(folder)
     found = validate_hf_folder(folder)
     live = _model_state(model)
-    layout = hf_layout(_specs(live), tie_word_embeddings=tie_word_embeddings(model))
+    layout = model_hf_layout(model, _specs(live))
     _check_names(layout, found, folder)
     locals_ = _locals(live, rank=parallel.rank, world_size=parallel.world_size)
     in_layout = {t.key for t in layout}
