@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from policyworker.errors import UnsupportedModelError
-from policyworker.shell.checkpoint import api as ck
+from policyworker.shell.checkpoint.safetensors_io import model_hf_layout
 from policyworker.shell.refit.hf_names import SUPPORTED_MODEL_TYPES
 from policyworker.shell.refit.params import params_generator
 from policyworker.shell.refit.sender import RefitSender
@@ -189,7 +189,7 @@ def test_worker_falls_back_to_eager_once_and_announces_the_checkpoint(model_type
 def test_the_consolidated_hf_checkpoint_has_save_pretrained_names(model_type):
     model = tiny_model(model_type)
     specs = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
-    written = {t.name: t.shape for t in ck.model_hf_layout(model, specs)}
+    written = {t.name: t.shape for t in model_hf_layout(model, specs)}
     announced = RefitSender(lambda: model, torch.float32).prepare_refit_info()
     assert written == {n: tuple(s) for n, (s, _) in announced.items()}
 
@@ -203,7 +203,7 @@ def test_a_worker_checkpoint_loads_with_from_pretrained(model_type, tmp_path):
     with torch.no_grad():  # weights that differ from the initial folder's
         for param in worker.model.parameters():
             param.mul_(1.5)
-    ck.save_checkpoint(worker, tmp_path / "ck", is_final_checkpoint=True)
+    worker.save_checkpoint(str(tmp_path / "ck"), is_final_checkpoint=True)
     loaded, loading = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "ck" / "model", dtype=torch.float32,
         attn_implementation=worker.model.config._attn_implementation, output_loading_info=True)

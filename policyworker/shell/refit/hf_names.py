@@ -19,13 +19,16 @@ conversion: its state-dict names are its names.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from policyworker.errors import UnsupportedModelError
 from policyworker.functional.names import CheckpointPiece, check_pieces, whole_piece
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "checkpoint_layout", "model_type_of", "require_supported_model"]
 
@@ -90,8 +93,9 @@ def checkpoint_layout(
 
     roots = {name: torch.empty(tuple(shape), device="meta") for name, shape in shapes.items()}
     source_of_root = {id(root): name for name, root in roots.items()}
-    traced = {name: root.as_subclass(_ViewTracer) for name, root in roots.items()}
-    converted = revert_weight_conversion(module, traced)
+    traced: dict[str, torch.Tensor] = {
+        name: root.as_subclass(_ViewTracer) for name, root in roots.items()}
+    converted = revert_weight_conversion(cast("PreTrainedModel", module), traced)
     pieces: dict[str, list[CheckpointPiece]] = {name: [] for name in shapes}
     for checkpoint_name, tensor in converted.items():
         source = source_of_root.get(id(tensor._base))  # every view's _base is its root
@@ -103,7 +107,8 @@ def checkpoint_layout(
             )
             raise ValueError(msg)
         pieces[source].append(CheckpointPiece(
-            checkpoint_name, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()))
+            checkpoint_name, tuple(tensor.shape), tuple(tensor.stride()),
+            int(tensor.storage_offset())))
     for name, shape in shapes.items():
         check_pieces(name, shape, pieces[name])
     return {name: tuple(found) for name, found in pieces.items()}
