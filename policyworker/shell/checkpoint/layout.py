@@ -125,9 +125,8 @@ def hf_layout(
         base = torch.empty(shape, dtype=dtype, device="meta")
         for piece in pieces[name]:
             trailing = contiguous_strides(shape)[len(shape) - len(piece.shape) :]
-            if len(piece.shape) > len(shape) or any(
-                n > 1 and s != t for n, s, t in zip(piece.shape, piece.stride, trailing, strict=True)
-            ):
+            strides = zip(piece.shape, piece.stride, trailing, strict=True)
+            if len(piece.shape) > len(shape) or any(n > 1 and s != t for n, s, t in strides):
                 msg = (f"checkpoint tensor {piece.name!r} is not a box of {name!r} {list(shape)} "
                        f"(strides {list(piece.stride)}); the HF writer writes boxes only")
                 raise CheckpointError(msg)
