@@ -8,6 +8,7 @@ __all__ = [
     "RefitTimeoutError",
     "TransportError",
     "UnknownParameterError",
+    "UnsupportedModelError",
 ]
 
 
@@ -17,6 +18,10 @@ class ConfigError(ValueError):
 
 class DataError(ValueError):
     """A BatchedDataDict is missing a key or has shapes/dtypes the worker cannot use."""
+
+
+class UnsupportedModelError(ValueError):
+    """A model architecture (``config.model_type``) the operation is not verified for."""
 
 
 class UnknownParameterError(KeyError):
