@@ -179,6 +179,7 @@ class RayWorkerGroup:
         self._broken: str | None = None
         self._owns_placement_group = placement_group is None
         bundle = {"CPU": cpus_per_worker} | ({"GPU": gpus} if gpus else {})
+        self.start_phases: dict[str, float] = {}  # seconds: placement_group, actors, workers
         if placement_group is None:
             placement_group = make_placement_group(num_workers, bundle, strategy=strategy,
                                                    timeout_s=timeout_s)
@@ -187,6 +188,7 @@ class RayWorkerGroup:
                                     else bundle_indices)
         try:
             self._check_bundles()
+            self.start_phases["placement_group"] = time.perf_counter() - started
             self._start(config, dict(worker_kwargs or {}), gpus)
         except BaseException:
             self.shutdown()
@@ -225,6 +227,7 @@ class RayWorkerGroup:
         opts = self.options
         actor_class = self._ray.remote(_PolicyWorkerActor)
         threads = opts.torch_threads or max(1, int(opts.cpus_per_worker))
+        started = time.perf_counter()
         for index in self.bundle_indices:
             strategy = PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=index)
@@ -234,6 +237,7 @@ class RayWorkerGroup:
         where = self._collect("where", [a.where.remote() for a in self._actors])
         self.node_ids = tuple(w["node_id"] for w in where)
         self.master_address = where[0]["ip"]
+        self.start_phases["actors"] = time.perf_counter() - started
         port = self._collect("free_port", [self._actors[0].free_port.remote()])[0]
         local = local_ranks(self.node_ids)
         refs = []
@@ -245,6 +249,7 @@ class RayWorkerGroup:
             refs.append(actor.start.remote(env, config, worker_kwargs, use_gpu=gpus > 0,
                                            collective_timeout_s=opts.collective_timeout_s))
         self.coords = tuple(self._collect("start", refs))
+        self.start_phases["workers"] = time.perf_counter() - started - self.start_phases["actors"]
 
     # ------------------------------------------------------------------------------ calls
 
