@@ -249,3 +249,26 @@ def test_the_readme_example_runs_as_written(cluster):
     namespace: dict = {"__name__": "__readme__"}
     exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the documented example
     _assert_freed()
+
+
+def test_the_demo_runs_its_grpo_loop_on_a_ray_group_with_exact_fp32_parity(cluster):
+    """`policyworker demo --ray 2`, in process (it joins this cluster): 2 steps, every refit
+    reaches the inference process and its logprobs equal the group's bit for bit."""
+    import io
+
+    from policyworker.demo.loop import DemoOptions, run_demo
+
+    out, err = io.StringIO(), io.StringIO()
+    result = run_demo(DemoOptions(steps=2, ray=2, require_rise=False), out=out, err=err)
+    assert result.exit_code == 0, out.getvalue() + err.getvalue()
+    assert result.max_dlogp == (0.0, 0.0) and all(ms > 0 for ms in result.refit_ms)
+    assert re.search(r"^ray: 2 policy workers started in [0-9.]+ s$", err.getvalue(), re.M)
+    assert len([line for line in out.getvalue().splitlines() if line.startswith("step=")]) == 2
+    _assert_freed()
+
+
+def test_the_demo_refuses_a_ray_group_on_cuda_before_starting_anything():
+    from policyworker.demo.loop import DemoOptions, run_demo
+
+    with pytest.raises(ValueError, match="--ray runs CPU workers"):
+        run_demo(DemoOptions(steps=1, ray=2, device="cuda"))
