@@ -13,6 +13,9 @@ compared with the inference process's own plain-HF logprobs of the same rows (`m
 Under torchrun every rank builds the same tiny model (same seed) in its own folder and calls
 every worker method; rank 0 alone owns the inference process, draws the rollouts and
 broadcasts them; each data-parallel rank trains on its slice.
+
+With `--ray N` this process is a Ray driver: the policy is a `RayWorkerGroup` of N CPU workers
+that takes whole batches (the group splits them over its dp ranks), and the same loop runs once.
 """
 
 from __future__ import annotations

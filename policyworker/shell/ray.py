@@ -49,7 +49,8 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError as err:
-        msg = "policyworker.shell.ray needs Ray, which is not installed; pip install 'policyworker[ray]'"
+        msg = ("policyworker.shell.ray needs Ray, which is not installed; "
+               "pip install 'policyworker[ray]'")
         raise ImportError(msg) from err
     if not version_in_range(ray.__version__, minimum=RAY_MINIMUM, below=RAY_BELOW):
         msg = (f"ray {ray.__version__} is not supported by policyworker.shell.ray (it needs ray "
@@ -170,7 +171,8 @@ class RayWorkerGroup:
         validate_for_world(self.cfg, dp_size=self.dp_size)
         unknown = sorted(set(worker_kwargs or {}) - set(_WORKER_KWARGS))
         if unknown:
-            msg = f"worker_kwargs {unknown} are not PolicyWorker options; use {list(_WORKER_KWARGS)}"
+            msg = (f"worker_kwargs {unknown} are not PolicyWorker options; use "
+                   f"{list(_WORKER_KWARGS)}")
             raise ValueError(msg)
         if not ray.is_initialized():
             ray.init()  # no cluster yet: start a local one, as Ray itself would on first use
