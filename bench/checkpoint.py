@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from policyworker.shell import checkpoint as ck  # noqa: E402
-from policyworker.shell.distributed import ParallelContext  # noqa: E402
+from policyworker.shell.checkpoint import api as ck  # noqa: E402
+from policyworker.shell.parallel.context import ParallelContext  # noqa: E402
 
 SHAPE_1P5B = dict(
     hidden_size=1536,

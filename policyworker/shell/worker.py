@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from policyworker.config import PolicyConfig, load_config, validate_for_world
 from policyworker.data import BatchedDataDict, validate_batch
-from policyworker.functional import batching
+from policyworker.functional import batch_checks, batching
 from policyworker.functional.dtypes import precision_dtype
 from policyworker.functional.logprobs import (
     count_and_zero_neg_inf,
@@ -43,10 +43,10 @@ from policyworker.functional.loss import LossInputType, LossType
 from policyworker.functional.metrics import scale_microbatch_metrics
 from policyworker.functional.packing import pack, packed_position_ids, unpack
 from policyworker.functional.padding import mask_from_lengths
-from policyworker.shell import collectives
+from policyworker.shell.parallel import collectives
 from policyworker.shell import model as model_lib
-from policyworker.shell import parallel as parallel_lib
-from policyworker.shell.distributed import ParallelContext
+from policyworker.shell.parallel import plans as parallel_lib
+from policyworker.shell.parallel.context import ParallelContext
 from policyworker.shell.fusion import fuse_elementwise
 from policyworker.shell.optim import build_optimizer, build_scheduler
 
@@ -140,7 +140,7 @@ class PolicyWorker:
         self._collective: Any = None
         self._sglang: Any = None
         if weights_path is not None or optimizer_path is not None:
-            from policyworker.shell import checkpoint
+            from policyworker.shell.checkpoint import api as checkpoint
 
             checkpoint.load_checkpoint_at_init(self, weights_path, optimizer_path,
                                                weights_loaded=weights_folder is not None)
@@ -208,6 +208,10 @@ class PolicyWorker:
     def _validate(self, data: Mapping[str, Any], *, required=("input_ids", "input_lengths"),
                   skip=()) -> None:
         validate_batch(data, required=required, check_dim_skip_keys=tuple(skip or ()))
+        if isinstance(data.get("input_ids"), torch.Tensor):
+            embedding = self.model.get_input_embeddings()
+            vocab = getattr(embedding, "num_embeddings", None) or self.model.config.vocab_size
+            batch_checks.require_token_ids_in_vocab(data["input_ids"], int(vocab))
         for key in ("token_mask", "sample_mask"):
             if key in data and not isinstance(data[key], torch.Tensor):
                 msg = f"data[{key!r}] must be a tensor, got {type(data[key]).__name__}"
@@ -376,8 +380,10 @@ class PolicyWorker:
             msg = ("attn_implementation 'flex_attention' has no backward on CPU; use 'auto' or "
                    "'sdpa' for training on CPU (flex_attention works for inference)")
             raise ValueError(msg)
-        gbs = gbs or self.cfg.train_global_batch_size
-        mbs = mbs or self.cfg.train_micro_batch_size
+        gbs = batch_checks.batch_size_argument("gbs", gbs, self.cfg.train_global_batch_size)
+        mbs = batch_checks.batch_size_argument("mbs", mbs, self.cfg.train_micro_batch_size)
+        data = batch_checks.cast_loss_inputs(data)
+        batch_checks.require_nonempty_rows(data["input_lengths"])
         dp, cp = self.parallel.dp_size, self.parallel.cp_size
         if gbs % dp != 0:
             msg = f"gbs={gbs} must be a multiple of the data-parallel size {dp}"
@@ -390,6 +396,10 @@ class PolicyWorker:
             msg = (f"the batch has {total} rows over all data-parallel ranks, fewer than one "
                    f"global batch (gbs={gbs}); pass at least gbs rows or a smaller gbs")
             raise ValueError(msg)
+        if total % gbs:
+            log.warning("train(): %d row(s) over all data-parallel ranks are not a whole global "
+                           "batch (gbs=%d) and are not used; pass a multiple of gbs rows",
+                           total % gbs, gbs)
         self.model.train(not eval_mode)
         grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
         losses, all_mb_metrics = [], {}
@@ -444,6 +454,10 @@ class PolicyWorker:
         if not eval_mode:
             self.optimizer.zero_grad(set_to_none=True)
         mb_losses, mb_metrics, finite = [], [], True
+        untrusted = None if eval_mode else batch_checks.nonfinite_loss_input(batch)
+        if untrusted is not None:  # skipped below, by every rank (the flag is all-reduced)
+            warnings.warn(f"train(): {untrusted}", stacklevel=3)
+            finite = False
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else 0.0
         for plan in plans:
             mb = self._microbatch(batch, plan, skip=skip)
@@ -462,7 +476,15 @@ class PolicyWorker:
                 mb_metrics.append(metrics)
         if eval_mode:
             return mb_losses, mb_metrics, None, False
-        grad_norm, skipped = self._optimizer_step(finite)
+        if float(gvt if loss_fn.loss_type == LossType.TOKEN_LEVEL else gvs) == 0:
+            # Nothing in this global batch counts (all tokens/rows masked out): a step would
+            # only advance the optimizer's clock (Adam's bias correction, the scheduler).
+            log.warning("train(): a global batch has no valid %s; its optimizer step was skipped",
+                        "tokens" if loss_fn.loss_type == LossType.TOKEN_LEVEL else "rows")
+            self.optimizer.zero_grad(set_to_none=True)
+            grad_norm, skipped = 0.0, True
+        else:
+            grad_norm, skipped = self._optimizer_step(finite)
         for i, m in enumerate(mb_metrics):
             m["skipped_step"] = float(skipped and i == 0)
         return mb_losses, mb_metrics, grad_norm, skipped
@@ -793,7 +815,7 @@ class PolicyWorker:
 
     def _sender(self) -> Any:
         if self._refit_sender is None:
-            from policyworker.shell.refit import RefitSender
+            from policyworker.shell.refit.sender import RefitSender
 
             self._refit_sender = RefitSender(lambda: self.model, self.dtype, rank=self.parallel.rank,
                                              device=self.device)
@@ -818,14 +840,14 @@ class PolicyWorker:
         return None. If rank 0's stream fails it still finishes the gathers, so the others are
         released, and every rank raises (rank 0 with the transport's error).
         """
-        from policyworker.shell.refit import check_stream_args
+        from policyworker.shell.refit.sender import check_stream_args
 
         self._reshard()
         if self.parallel.world_size == 1:
             return self._sender().stream_weights_via_ipc_zmq(buffer_size_bytes, kv_scales,
                                                              timeout_s=timeout_s)
         check_stream_args(buffer_size_bytes, kv_scales, timeout_s)
-        from policyworker.shell.params import refit_stream
+        from policyworker.shell.refit.params import refit_stream
 
         gathers: list[_Draining] = []
 
@@ -859,7 +881,7 @@ class PolicyWorker:
         return report
 
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> None:
-        from policyworker.shell.transports.collective import init_collective
+        from policyworker.shell.refit.collective import init_collective
 
         self._collective = init_collective(ip, port, world_size, train_world_size=train_world_size,
                                            rank=self.parallel.rank, device=self.device)
@@ -868,7 +890,7 @@ class PolicyWorker:
                                          *, buffer_size_bytes: int | None = None,
                                          num_buffers: int | None = None,
                                          use_legacy_packing: bool = False) -> dict[str, Any]:
-        from policyworker.shell.transports.collective import broadcast_model_weights
+        from policyworker.shell.refit.collective import broadcast_model_weights
 
         self._reshard()
         return broadcast_model_weights(
@@ -878,7 +900,7 @@ class PolicyWorker:
 
     def _sglang_sender(self) -> Any:
         if self._sglang is None:
-            from policyworker.shell.transports.sglang import SGLangColocatedSender
+            from policyworker.shell.refit.sglang import SGLangColocatedSender
 
             self._sglang = SGLangColocatedSender(rank=self.parallel.rank,
                                                  world_size=self.parallel.world_size)
@@ -890,7 +912,7 @@ class PolicyWorker:
     def update_weights_to_sglang_colocated(self, *, rollout_engines: Any, buffer_size_bytes: int,
                                            target_precision: str = "bf16",
                                            sglang_quantization_cfg: Any = None) -> Any:
-        from policyworker.shell.params import params_generator
+        from policyworker.shell.refit.params import params_generator
 
         self._reshard()
         named = params_generator(self.model, precision_dtype(target_precision))
@@ -900,7 +922,7 @@ class PolicyWorker:
 
     def get_full_logits_ipc(self, data: Mapping[str, Any], micro_batch_size: int | None = None
                             ) -> dict[str, Any]:
-        from policyworker.shell.transports.ipc_logits import full_logits_ipc
+        from policyworker.shell.ipc_logits import full_logits_ipc
 
         try:
             return full_logits_ipc(self, data, micro_batch_size)
@@ -908,7 +930,7 @@ class PolicyWorker:
             self._reshard()
 
     def release_ipc_buffer(self) -> None:
-        from policyworker.shell.transports.ipc_logits import release_ipc_buffer
+        from policyworker.shell.ipc_logits import release_ipc_buffer
 
         release_ipc_buffer(self)
 
@@ -917,18 +939,18 @@ class PolicyWorker:
     def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None,
                         tokenizer_path: str | None = None, *, is_final_checkpoint: bool = False
                         ) -> None:
-        from policyworker.shell import checkpoint
+        from policyworker.shell.checkpoint import api as checkpoint
 
         checkpoint.save_checkpoint(self, weights_path, optimizer_path, tokenizer_path,
                                    is_final_checkpoint=is_final_checkpoint)
 
     def finalize_async_save(self) -> None:
-        from policyworker.shell import checkpoint
+        from policyworker.shell.checkpoint import api as checkpoint
 
         checkpoint.finalize_async_save(self)
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
-        from policyworker.shell import checkpoint
+        from policyworker.shell.checkpoint import api as checkpoint
 
         checkpoint.load_checkpoint(self, weights_path, optimizer_path)
 
@@ -1005,7 +1027,7 @@ def _hf_weights_folder(weights_path: str | None) -> str | None:
     """The HF folder to build the model from when `weights_path` holds safetensors weights."""
     if weights_path is None:
         return None
-    from policyworker.shell import checkpoint
+    from policyworker.shell.checkpoint import api as checkpoint
 
     if checkpoint.detect_weights_format(weights_path) != "safetensors":
         return None  # DCP / PEFT: built from model_name, then loaded by the checkpoint module

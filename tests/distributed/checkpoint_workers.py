@@ -8,9 +8,9 @@ import pathlib
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from policyworker.shell import checkpoint as ck
-from policyworker.shell.distributed import ParallelContext
-from policyworker.shell.parallel import parallelize_model
+from policyworker.shell.checkpoint import api as ck
+from policyworker.shell.parallel.context import ParallelContext
+from policyworker.shell.parallel.plans import parallelize_model
 
 
 class ShardedWorker:

@@ -15,8 +15,8 @@ import time
 import torch
 from torch import nn
 
-from policyworker.shell import checkpoint
-from policyworker.shell.distributed import ParallelContext
+from policyworker.shell.checkpoint import api as checkpoint
+from policyworker.shell.parallel.context import ParallelContext
 
 
 class SimpleWorker:

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policyworker.functional.loss import NLLLoss
-from policyworker.shell import checkpoint as ck
+from policyworker.shell.checkpoint import api as ck
 from policyworker.shell.worker import PolicyWorker
 from tests.shell import checkpoint_crash_child as child
 from tests.shell.conftest import make_batch, make_config

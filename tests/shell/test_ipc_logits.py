@@ -12,8 +12,8 @@ import transformers
 from safetensors.torch import load_file
 
 from policyworker.errors import DataError
-from policyworker.shell.transports import ipc_logits as L
-from policyworker.shell.transports.zmq_ipc import SHM_DIR
+from policyworker.shell import ipc_logits as L
+from policyworker.shell.refit.zmq_ipc import SHM_DIR
 from policyworker.shell.worker import PolicyWorker
 from tests.helpers import child_env
 from tests.shell.conftest import make_batch, make_config
@@ -23,7 +23,7 @@ import json, sys
 import torch
 torch.set_num_threads(1)
 from safetensors.torch import save_file
-from policyworker.shell.transports.ipc_logits import open_logits_handle
+from policyworker.shell.ipc_logits import open_logits_handle
 records = json.loads(sys.stdin.read())
 views = [open_logits_handle(r) for r in records]
 save_file({f"s{r['sample_index']}": v.contiguous() for r, v in zip(records, views)}, sys.argv[1])

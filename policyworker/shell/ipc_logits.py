@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from policyworker.errors import DataError
-from policyworker.shell.transports.wire import DTYPES_BY_NAME, SHM_NAME_RE, dtype_name
-from policyworker.shell.transports.zmq_ipc import SHM_DIR, ShmStaging
+from policyworker.shell.refit.wire import DTYPES_BY_NAME, SHM_NAME_RE, dtype_name
+from policyworker.shell.refit.zmq_ipc import SHM_DIR, ShmStaging
 
 __all__ = [
     "TeacherLogitsBuffer",

@@ -54,8 +54,8 @@ import torch.distributed as dist
 from torch import nn
 
 from policyworker.functional.names import canonical_name, is_lora_param, to_hf_tensors
-from policyworker.shell.parallel import reshard
-from policyworker.shell.params import tie_word_embeddings
+from policyworker.shell.parallel.plans import reshard
+from policyworker.shell.refit.params import tie_word_embeddings
 
 __all__ = [
     "COMMIT_RECORD_PREFIX",
