@@ -69,7 +69,7 @@ def main() -> None:
     import ray
 
     from policyworker.functional.loss import NLLLoss
-    from policyworker.shell.distributed import ParallelContext
+    from policyworker.shell.parallel.context import ParallelContext
     from policyworker.shell.ray import RayWorkerGroup
     from policyworker.shell.worker import PolicyWorker
 

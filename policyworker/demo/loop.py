@@ -238,7 +238,7 @@ def run_demo(opts: DemoOptions, *, out: TextIO | None = None, err: TextIO | None
 def _run_on_ray(opts: DemoOptions, *, out: TextIO, err: TextIO, start: float) -> DemoResult:
     """The same loop with the policy as a Ray group of `opts.ray` CPU workers (this process is
     the driver: it owns the inference process and gives the group whole batches)."""
-    from policyworker.shell.distributed import ParallelContext
+    from policyworker.shell.parallel.context import ParallelContext
     from policyworker.shell.ray import RayWorkerGroup
 
     if opts.device != "cpu":

@@ -1,7 +1,7 @@
 """The arithmetic of a group of worker processes: node-local ranks, data-parallel
 representatives and version ranges (used by `policyworker.shell.ray`).
 
-Ranks are laid out row-major over (dp, cp, tp), tp fastest, as in `shell.distributed`.
+Ranks are laid out row-major over (dp, cp, tp), tp fastest, as in `shell.parallel.context`.
 
 All functions are pure: they never modify their arguments and read no runtime state.
 """

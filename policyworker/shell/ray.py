@@ -120,7 +120,7 @@ class _PolicyWorkerActor:
         import torch
 
         from policyworker.config import load_config
-        from policyworker.shell.distributed import ParallelContext
+        from policyworker.shell.parallel.context import ParallelContext
         from policyworker.shell.worker import PolicyWorker
 
         cfg = load_config(config) if isinstance(config, Mapping) else config

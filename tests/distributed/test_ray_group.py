@@ -113,7 +113,7 @@ def _trained_weights(group, folder):
 
 def _receive_refit(group, path):
     """A receiver (a driver thread, on rank 0's node) takes one refit from the group."""
-    from policyworker.shell.receiver import HFWeightReceiver
+    from policyworker.shell.refit.receiver import HFWeightReceiver
 
     info = group.prepare_refit_info()
     target = workers._load(path)
