@@ -145,7 +145,7 @@ def _assert_freed(placement_group=None, *, free_cpus=4, timeout_s=DEATH_NOTICE_S
     deadline = time.monotonic() + timeout_s
     while True:
         alive = [a for a in state.actors().values() if a["State"] != "DEAD"
-                 and a["ActorClassName"].endswith("_PolicyWorkerActor")]
+                 and a["ActorClassName"].endswith("PolicyWorkerActor")]
         removed = placement_group is None or ray.util.placement_group_table(
             placement_group)["state"] == "REMOVED"
         cpus = ray.available_resources().get("CPU", 0)
@@ -186,7 +186,7 @@ def test_dp2_group_over_two_nodes_matches_one_process_refits_and_fails_loudly(
     _assert_freed(placement_group)
 
 
-def test_tp2_group_on_a_shared_placement_group_matches_one_process(
+def test_tp2_group_on_a_shared_placement_group_matches_one_process_and_bounds_a_raise(
         cluster, llama_path, reference):
     from policyworker.errors import WorkerGroupError
     from policyworker.shell.ray import make_placement_group
@@ -211,6 +211,15 @@ def test_tp2_group_on_a_shared_placement_group_matches_one_process(
                 group.get_topk_logits(workers._worker_data(), 0)
             assert isinstance(failed.value.__cause__, ValueError)
             assert group.run("is_alive") == [True, True]  # a raise on every rank leaves it usable
+            # One rank raises while its peer waits for it in a collective: the call fails within
+            # the peers' grace period (not the 60 s collective timeout) and the group closes.
+            data, start = workers._worker_data(), time.monotonic()
+            with pytest.raises(WorkerGroupError, match=r"rank 1 raised in get_topk_logits: "
+                               r"ValueError: k=0.*ranks \[0\] are still inside get_topk_logits"):
+                group._call("get_topk_logits", [((data, 5), {}), ((data, 0), {})])
+            assert time.monotonic() - start < 30
+            with pytest.raises(WorkerGroupError, match=r"unusable \(ranks \[0\] did not finish"):
+                group.get_logprobs(data)
         finally:
             group.shutdown()
         _assert_freed(free_cpus=2)  # the caller's placement group keeps its 2 CPUs
