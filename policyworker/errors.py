@@ -9,6 +9,8 @@ __all__ = [
     "TransportError",
     "UnknownParameterError",
     "UnsupportedModelError",
+    "WorkerGroupError",
+    "WorkerGroupTimeoutError",
 ]
 
 
@@ -45,3 +47,19 @@ class RefitError(TransportError):
 
 class RefitTimeoutError(RefitError, TimeoutError):
     """A refit wait ran past its deadline; the message names rank, phase and address."""
+
+
+class WorkerGroupError(RuntimeError):
+    """A call on a group of workers failed on one rank; names the rank and the method.
+
+    `rank` and `method` say where; the rank's own exception, when it raised one, is `__cause__`.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, method: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.method = method
+
+
+class WorkerGroupTimeoutError(WorkerGroupError, TimeoutError):
+    """A group call (or the group's start) did not finish within its timeout."""
