@@ -273,7 +273,7 @@ def approx_entropy(curr_BT: Tensor, gen_BT: Tensor, mask_BT: Tensor, gvt: Tensor
 _DPO_TRAINER_KEYS = frozenset({
     # NeMo-RL hands its whole `dpo:` section to DPOLossFn; these keys belong to the trainer.
     "max_num_epochs", "max_num_steps", "val_period", "val_batches", "val_global_batch_size",
-    "val_micro_batch_size", "val_at_start", "seed",
+    "val_micro_batch_size", "val_at_start", "val_at_end", "seed",
 })
 
 
