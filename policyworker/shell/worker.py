@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from policyworker.config import PolicyConfig, load_config, validate_for_world
 from policyworker.data import BatchedDataDict, validate_batch
 from policyworker.functional import batching
+from policyworker.functional.distillation import distillation_loss_input
 from policyworker.functional.dtypes import precision_dtype
 from policyworker.functional.logprobs import (
     count_and_zero_neg_inf,
@@ -468,8 +469,10 @@ class PolicyWorker:
         return mb_losses, mb_metrics, grad_norm, skipped
 
     def _loss(self, mb: _Microbatch, loss_fn, gvs, gvt):
+        # Every loss is called by keyword, as NeMo-RL calls it; the inputs follow its input_type.
         logits = self._forward(mb)
-        if loss_fn.input_type == LossInputType.LOGIT:
+        kind = loss_fn.input_type
+        if kind in (LossInputType.LOGIT, LossInputType.DISTILLATION):
             if isinstance(logits, DTensor):
                 # A LOGIT loss may do anything with the vocab dim: give it the full logits. The
                 # gather is differentiable (each TP rank gets its vocab shard's gradient back).
@@ -477,7 +480,15 @@ class PolicyWorker:
             logits = mb.unpack_rows(logits)
             if self._sampling[0] != 1.0:
                 logits = logits / self._sampling[0]
-            return loss_fn(mb.data, gvs, gvt, logits=logits)
+            if kind == LossInputType.LOGIT:
+                return loss_fn(data=mb.data, global_valid_seqs=gvs, global_valid_toks=gvt,
+                               logits=logits)
+            return loss_fn(data=mb.data, global_valid_seqs=gvs, global_valid_toks=gvt,
+                           **distillation_loss_input(logits, mb.data, loss_fn))
+        if kind != LossInputType.LOGPROB:
+            msg = (f"loss input_type {kind!r} is not supported; use LossInputType.LOGPROB, "
+                   "LOGIT or DISTILLATION")
+            raise ValueError(msg)
         data = dict(mb.data)
         lp = self._next_token_logprobs(mb, logits, filtered=True)
         if self._filtering():
@@ -486,7 +497,8 @@ class PolicyWorker:
             if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
                 data["curr_logprobs_unfiltered"] = self._next_token_logprobs(
                     mb, logits, filtered=False)
-        return loss_fn(data, gvs, gvt, next_token_logprobs=lp)
+        return loss_fn(data=data, global_valid_seqs=gvs, global_valid_toks=gvt,
+                       next_token_logprobs=lp)
 
     def _total_grad_norm(self) -> torch.Tensor:
         """Pre-clip global L2 norm of all grads (sharded grads reduced over their mesh dims)."""
