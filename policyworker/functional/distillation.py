@@ -120,8 +120,9 @@ class DistillationLossFn:
         forward = Σ_k p_t (log p_t − log p_s)      reverse = Σ_k p_s (log p_s − log p_t)
         mixed   = w · forward + (1 − w) · reverse  (w = mixed_kl_weight)
 
-    With ``zero_outside_topk`` (and a reverse part) the student keeps its full-vocab mass and the
-    tokens outside the top k add ``H_rest − log_infinitesimal · P_rest`` (× (1 − w) when mixed).
+    With ``zero_outside_topk`` (and a reverse part) the student keeps its full-vocab mass and
+    the tokens outside the top k add ``H_rest − log_infinitesimal · P_rest`` (× (1 − w) when
+    mixed).
     The loss is the masked mean over ``token_mask[:, 1:] · sample_mask`` divided by
     ``global_valid_toks``. Called by keyword with NeMo-RL's distillation inputs.
     """
