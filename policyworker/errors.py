@@ -8,6 +8,7 @@ __all__ = [
     "RefitTimeoutError",
     "TransportError",
     "UnknownParameterError",
+    "UnsupportedEngineError",
 ]
 
 
@@ -40,3 +41,7 @@ class RefitError(TransportError):
 
 class RefitTimeoutError(RefitError, TimeoutError):
     """A refit wait ran past its deadline; the message names rank, phase and address."""
+
+
+class UnsupportedEngineError(RuntimeError):
+    """An inference engine is missing, or installed at a version this adapter was not built for."""
