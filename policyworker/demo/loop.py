@@ -128,8 +128,10 @@ class DemoResult:
         return 0
 
 
-def parity_tolerance(precision: str, *, lora: bool, tp_size: int = 1, engine: str = "hf") -> float:
-    """Largest accepted max_dlogp: exact in fp32 on one rank without LoRA, rounding noise otherwise."""
+def parity_tolerance(precision: str, *, lora: bool, tp_size: int = 1, engine: str = "hf"
+                     ) -> float:
+    """Largest accepted max_dlogp: exact in fp32 on one rank without LoRA and with our own HF
+    inference process, rounding noise otherwise."""
     tolerance = PARITY_TOLERANCE[precision]
     if engine == "vllm":
         tolerance = max(tolerance, VLLM_FP32_TOLERANCE)
@@ -294,7 +296,8 @@ def _train(worker: Any, infer: Any, opts: DemoOptions, *, out: TextIO,
         infer.wait_ready()
         infer.call("connect", address=worker.get_zmq_address(),
                    refit_info=encode_refit_info(refit_info), timeout_s=opts.timeout_s)
-    tolerance = parity_tolerance(opts.precision, lora=opts.lora, tp_size=opts.tp, engine=opts.engine)
+    tolerance = parity_tolerance(opts.precision, lora=opts.lora, tp_size=opts.tp,
+                                 engine=opts.engine)
     bar = ProgressBar(opts.steps, stream=err) if rank0 else None
     rewards: list[float] = []
     kls: list[float] = []
@@ -384,7 +387,8 @@ def _summary(result: DemoResult, opts: DemoOptions, *, out: TextIO, err: TextIO)
         else:
             err.write("note: matplotlib is not installed; no PNG written "
                       "(pip install matplotlib)\n")
-    tolerance = parity_tolerance(opts.precision, lora=opts.lora, tp_size=opts.tp, engine=opts.engine)
+    tolerance = parity_tolerance(opts.precision, lora=opts.lora, tp_size=opts.tp,
+                                 engine=opts.engine)
     worst = max(result.max_dlogp)
     if not result.parity_ok:
         out.write(f"FAIL: trainer/{opts.engine} logprobs differ by {worst:.3g} > {tolerance} "

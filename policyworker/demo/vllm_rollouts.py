@@ -1,7 +1,7 @@
 """`policyworker demo --engine vllm`: a real vLLM engine samples every rollout.
 
-One engine for the whole run (vLLM's default layout: the engine core in its own process, the
-worker inside it), built with `engine_kwargs()`; every update reaches it through vLLM's own
+One engine for the whole run (vLLM's default CPU layout: engine core and worker each in their own
+process), built with `engine_kwargs()`; every update reaches it through vLLM's own
 weight-sync calls (`VllmRefit`, backend `policyworker_zmq`), fed by the worker's
 `stream_weights_via_ipc_zmq`. Each rollout returns vLLM's logprob of every sampled token (raw
 logprobs: temperature 1, no top-k/top-p, so equal to the full-vocabulary log-softmax).
@@ -36,7 +36,7 @@ class VllmRollouts:
         started = time.perf_counter()
         self.llm = LLM(model=model_dir, dtype=dtype_name, enforce_eager=True,
                        max_model_len=max_model_len, skip_tokenizer_init=True, seed=seed,
-                       distributed_executor_backend="uni", **engine_kwargs())
+                       **engine_kwargs())
         self.start_s = time.perf_counter() - started
         self.timeout_s = timeout_s
         self._refit: Any = None

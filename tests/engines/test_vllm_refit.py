@@ -90,7 +90,8 @@ def test_refit_makes_vllm_generate_exactly_what_hf_generates_with_the_same_weigh
     assert _assert_vllm_serves(llm, model) != before  # the engine really changed weights
 
 
-def test_a_refit_that_fails_midway_leaves_vllm_serving_the_previous_weights(llm, model_dir, senders):
+def test_a_refit_that_fails_midway_leaves_vllm_serving_the_previous_weights(
+        llm, model_dir, senders):
     old, new = _other_model(model_dir, seed=21), _other_model(model_dir, seed=22)
     VllmRefit(llm, senders(old)).refit()
     served = _assert_vllm_serves(llm, old)

@@ -1,10 +1,10 @@
 """Shared by the vLLM tests: tiny models vLLM's CPU kernels run, one engine, HF references.
 
 vLLM's CPU attention takes head_dim 64 (it refuses 16), so the tiny models here have hidden 128
-and 2 heads. Each engine runs its engine core, with the worker inside it, in one subprocess
-(``distributed_executor_backend="uni"``: a separate worker process would import vLLM once more,
-20-60 s on 2 cores). Not in this process: vLLM's worker initialises torch.distributed, and a
-PolicyWorker in the same process would then take that group for its own.
+and 2 heads. Each engine runs in vLLM's default CPU layout, engine core and worker in their own
+processes (each imports vLLM: 40-160 s to start on 2 busy cores). Not in this process: vLLM's
+worker initialises torch.distributed, and a PolicyWorker in the same process would then take
+that group for its own.
 """
 
 from __future__ import annotations
@@ -64,8 +64,7 @@ def engine(model_dir: str, **extra) -> Iterator[object]:
         for key, value in ENGINE_ENV.items():
             mp.setenv(key, value)
         llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=64,
-                  skip_tokenizer_init=True, seed=0, max_num_seqs=32,
-                  distributed_executor_backend="uni", **engine_kwargs(), **extra)
+                  skip_tokenizer_init=True, seed=0, max_num_seqs=32, **engine_kwargs(), **extra)
         try:
             yield llm
         finally:

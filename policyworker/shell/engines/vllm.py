@@ -105,7 +105,8 @@ def engine_kwargs() -> dict[str, Any]:
 
 
 def encode_refit_info(info: Mapping[str, tuple[Any, torch.dtype]]) -> dict[str, list[Any]]:
-    """``prepare_refit_info()`` as plain lists and dtype names (vLLM's RPCs carry no torch types)."""
+    """``prepare_refit_info()`` as plain lists and dtype names (vLLM's RPCs carry no torch
+    types)."""
     from policyworker.shell.transports.wire import dtype_name
 
     return {name: [list(shape), dtype_name(dtype)] for name, (shape, dtype) in info.items()}
@@ -136,7 +137,8 @@ class VllmRefit:
     def __init__(self, llm: Any, sender: Any, *, via: str = "weight_transfer",
                  timeout_s: float = 120.0) -> None:
         if via not in _VIAS:
-            msg = f"via={via!r} must be one of {_VIAS} (vLLM's weight-transfer calls or collective_rpc)"
+            msg = (f"via={via!r} must be one of {_VIAS} (vLLM's weight-transfer calls or "
+                   f"collective_rpc)")
             raise ValueError(msg)
         if not timeout_s > 0:
             msg = f"timeout_s {timeout_s} must be > 0 seconds; every wait of a refit is bounded"
@@ -183,9 +185,9 @@ class VllmRefit:
         except Exception as exc:
             thread.join(self.timeout_s)
             cause = outcome.get("error")
+            sender = f"; the sender failed with {type(cause).__name__}: {cause}" if cause else ""
             msg = (f"vLLM did not take refit {self.version + 1} ({type(exc).__name__}: {exc}); "
-                   f"it keeps serving version {self.version}"
-                   + (f"; the sender failed with {type(cause).__name__}: {cause}" if cause else ""))
+                   f"it keeps serving version {self.version}{sender}")
             raise RefitError(msg) from (cause or exc)
         thread.join(self.timeout_s)
         if thread.is_alive():

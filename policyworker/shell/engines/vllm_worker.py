@@ -120,7 +120,8 @@ class PolicyWorkerZmqEngine(WeightTransferEngine[ZmqInitInfo, ZmqUpdateInfo]):
 
     def start_weight_update(self) -> None:
         if self._receiver is None:
-            msg = "start_weight_update before init_weight_transfer_engine; connect the trainer first"
+            msg = ("start_weight_update before init_weight_transfer_engine; connect the "
+                   "trainer first")
             raise RuntimeError(msg)
         self._completed = []
 
