@@ -74,6 +74,7 @@ def test_engine_kwargs_enable_the_backend_and_the_worker_extension():
     assert cls == "PolicyWorkerVllmExtension"
 
 
+@pytest.mark.slow  # imports vLLM: 10-60 s on 2 cores
 def test_the_vllm_plugin_entry_point_registers_the_backend_in_vllms_factory():
     require_vllm()
     plugins = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}
