@@ -130,8 +130,9 @@ class VllmRefit:
 
     ``llm`` is a ``vllm.LLM`` built with ``engine_kwargs()``; ``sender`` is a ``PolicyWorker``
     (or anything with ``prepare_refit_info``, ``get_zmq_address`` and
-    ``stream_weights_via_ipc_zmq``). Call ``refit()`` on the trainer's process; under a process
-    group call it on every rank (only rank 0 may own ``llm``).
+    ``stream_weights_via_ipc_zmq``). It drives one trainer process: under a process group the
+    other ranks must call ``stream_weights_via_ipc_zmq`` themselves while rank 0 calls
+    ``refit()`` (tested here with one trainer process only).
     """
 
     def __init__(self, llm: Any, sender: Any, *, via: str = "weight_transfer",

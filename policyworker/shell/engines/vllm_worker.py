@@ -37,10 +37,43 @@ __all__ = ["PolicyWorkerVllmExtension", "PolicyWorkerZmqEngine", "ZmqInitInfo", 
            "layerwise_loader", "receiver_for"]
 
 
+def _cpu_moe_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """(layer, experts) of every MoE layer run by vLLM's unquantized CPU experts kernel."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    found = []
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            found.append((module, experts))
+    return found
+
+
+def _check_cpu_moe_repack(found: list[tuple[torch.nn.Module, Any]]) -> None:
+    for _, experts in found:
+        size = experts.moe_config.intermediate_size_per_partition
+        padded = experts._padded_intermediate_size(experts.moe_config)
+        if padded != size:
+            msg = (f"vLLM {vllm.__version__}'s CPU MoE kernel pads moe intermediate size {size} "
+                   f"to {padded}; its weight updates cannot be repacked in place. Use a moe "
+                   f"intermediate size that is a multiple of {experts._intermediate_alignment()}")
+            raise ValueError(msg)
+
+
 def layerwise_loader(model: torch.nn.Module, model_config: Any):
     """A ``load_weights(pairs)`` that loads one complete version through vLLM's layerwise reload
-    and checks that it covered every parameter of the model."""
+    and checks that it covered every parameter of the model.
+
+    vLLM 0.32.0's unquantized MoE method skips its experts' ``process_weights_after_loading`` on
+    a weight update (it assumes GPU kernels that read the plain layout); the CPU experts kernel
+    reads weights prepacked by that step, so an update left raw weights under a packed-layout
+    kernel (garbage output, found by tests/engines/test_vllm_moe.py). The loader runs that prepack
+    itself after the reload (same shape, new storage: there are no captured graphs on CPU).
+    """
     expected = {name for name, _ in model.named_parameters()}
+    cpu_moe = _cpu_moe_experts(model)
+    _check_cpu_moe_repack(cpu_moe)
 
     def load(pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         initialize_layerwise_reload(model)
@@ -48,6 +81,8 @@ def layerwise_loader(model: torch.nn.Module, model_config: Any):
             loaded = model.load_weights(iter(pairs))
         finally:
             finalize_layerwise_reload(model, model_config)
+            for layer, experts in cpu_moe:
+                experts.process_weights_after_loading(layer)
         missing = sorted(expected - set(loaded or ()))
         if loaded is not None and missing:
             msg = (f"the refit left {len(missing)} vLLM parameter(s) without a value (kept from "
