@@ -1,29 +1,38 @@
 """policyworker: the training side of LLM reinforcement learning as a library.
 
-Public names are resolved lazily, so `import policyworker` imports neither torch nor
-transformers and has no side effects.
+What a user imports lives here: the worker, the receiver, the losses, the data dict, the config
+loader and the errors (`from policyworker import PolicyWorker, ClippedPGLossFn`). The names are
+resolved on first use (PEP 562), so `import policyworker` imports neither torch nor transformers
+and has no side effects.
 """
 
 from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AutomodelPolicyWorker",
-    "BatchedDataDict",
-    "PolicyConfig",
-    "PolicyWorker",
-    "__version__",
-    "load_config",
-]
-
 _LAZY = {
-    "PolicyWorker": ("policyworker.shell.worker", "PolicyWorker"),
-    "AutomodelPolicyWorker": ("policyworker.shell.worker", "AutomodelPolicyWorker"),
-    "PolicyConfig": ("policyworker.config", "PolicyConfig"),
-    "load_config": ("policyworker.config", "load_config"),
-    "BatchedDataDict": ("policyworker.data", "BatchedDataDict"),
+    "PolicyWorker": "policyworker.shell.worker",
+    "AutomodelPolicyWorker": "policyworker.shell.worker",
+    "HFWeightReceiver": "policyworker.shell.refit.receiver",
+    "PolicyConfig": "policyworker.config",
+    "load_config": "policyworker.config",
+    "BatchedDataDict": "policyworker.data",
+    "ClippedPGLossFn": "policyworker.functional.loss",
+    "DPOLossFn": "policyworker.functional.loss",
+    "NLLLoss": "policyworker.functional.loss",
+    "LossFunction": "policyworker.functional.loss",
+    "LossInputType": "policyworker.functional.loss",
+    "LossType": "policyworker.functional.loss",
+    "ConfigError": "policyworker.errors",
+    "DataError": "policyworker.errors",
+    "LoRAMergeError": "policyworker.errors",
+    "RefitError": "policyworker.errors",
+    "RefitTimeoutError": "policyworker.errors",
+    "TransportError": "policyworker.errors",
+    "UnknownParameterError": "policyworker.errors",
 }
+
+__all__ = sorted([*_LAZY, "__version__"])
 
 
 def __getattr__(name: str) -> Any:
@@ -32,8 +41,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(msg)
     import importlib
 
-    module_name, attribute = _LAZY[name]
-    value = getattr(importlib.import_module(module_name), attribute)
+    value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
 

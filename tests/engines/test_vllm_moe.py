@@ -19,7 +19,7 @@ require_vllm()
 
 from policyworker.demo.loop import VLLM_FP32_TOLERANCE  # noqa: E402
 from policyworker.shell.engines.vllm import VllmRefit  # noqa: E402
-from policyworker.shell.refit import RefitSender  # noqa: E402
+from policyworker.shell.refit.sender import RefitSender  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

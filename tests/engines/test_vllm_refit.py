@@ -25,7 +25,7 @@ from policyworker.demo.loop import VLLM_FP32_TOLERANCE  # noqa: E402
 from policyworker.errors import RefitError  # noqa: E402
 from policyworker.functional.loss import NLLLoss  # noqa: E402
 from policyworker.shell.engines.vllm import VllmRefit  # noqa: E402
-from policyworker.shell.refit import RefitSender  # noqa: E402
+from policyworker.shell.refit.sender import RefitSender  # noqa: E402
 from policyworker.shell.worker import PolicyWorker  # noqa: E402
 from tests.shell.conftest import make_batch, make_config  # noqa: E402
 

@@ -31,7 +31,7 @@ from vllm.model_executor.model_loader.reload import (
 
 from policyworker.errors import RefitError
 from policyworker.shell.engines.vllm import check_vllm_version, decode_refit_info, register_backend
-from policyworker.shell.receiver import HFWeightReceiver
+from policyworker.shell.refit.receiver import HFWeightReceiver
 
 __all__ = ["PolicyWorkerVllmExtension", "PolicyWorkerZmqEngine", "ZmqInitInfo", "ZmqUpdateInfo",
            "layerwise_loader", "receiver_for"]
