@@ -112,6 +112,19 @@ def test_a_refit_that_fails_midway_leaves_vllm_serving_the_previous_weights(
     _assert_vllm_serves(llm, new)
 
 
+def test_a_version_vllm_cannot_load_is_rolled_back_to_the_previous_weights(
+        llm, model_dir, senders):
+    """vLLM processes each layer once its tensors arrived; a name it does not know, streamed
+    after layer 0 is complete, must not leave layer 0 (and the embedding) on the new version."""
+    old, new = _other_model(model_dir, seed=41), _other_model(model_dir, seed=42)
+    VllmRefit(llm, senders(old)).refit()
+    served = _assert_vllm_serves(llm, old)
+    new.model.layers[1].mlp.register_parameter("not_in_vllm", torch.nn.Parameter(torch.ones(4)))
+    with pytest.raises(RefitError, match="not_in_vllm"):
+        VllmRefit(llm, senders(new)).refit()
+    assert generate(llm, PROMPTS, max_tokens=6) == served  # bit for bit the old version
+
+
 def _mismatch(worker, llm, *, seed: int) -> tuple[float, float]:
     """(token_mult_prob_error, max |lp_train - lp_gen|) of vLLM samples scored by the worker."""
     from policyworker.demo.task import logprob_mismatch

@@ -17,7 +17,8 @@ on CPU, CUDA IPC on GPU) streams while vLLM's ``update_weights`` serves it in it
 Atomicity: the receiver stages a whole version and hands it to vLLM only at COMPLETE, inside
 vLLM's layerwise reload (``initialize_layerwise_reload`` -> ``model.load_weights`` ->
 ``finalize_layerwise_reload``), so a refit that fails midway (sender error, timeout, rejected
-tensor) leaves vLLM serving the previous weights, untouched. The price is one staged copy of the
+tensor) leaves vLLM serving the previous weights, untouched; a version vLLM itself cannot load
+(a name its model does not map) is rolled back from a snapshot. The price is two copies of the
 weights on the inference side during a refit.
 
 Importing this module does not import vLLM; every function that needs it imports it and checks

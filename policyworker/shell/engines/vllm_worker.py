@@ -70,27 +70,44 @@ def layerwise_loader(model: torch.nn.Module, model_config: Any):
     reads weights prepacked by that step, so an update left raw weights under a packed-layout
     kernel (garbage output, found by tests/engines/test_vllm_moe.py). The loader runs that prepack
     itself after the reload (same shape, new storage: there are no captured graphs on CPU).
+
+    vLLM processes each layer as soon as its tensors have arrived, so a ``load_weights`` that
+    fails midway (a name this model does not map) would leave the earlier layers on the new
+    version: the loader snapshots the serving tensors first and copies them back on any failure.
     """
     expected = {name for name, _ in model.named_parameters()}
     cpu_moe = _cpu_moe_experts(model)
     _check_cpu_moe_repack(cpu_moe)
 
     def load(pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
-        initialize_layerwise_reload(model)
+        with torch.no_grad():
+            snapshot = {name: t.detach().clone() for name, t in _serving_tensors(model)}
         try:
-            loaded = model.load_weights(iter(pairs))
-        finally:
-            finalize_layerwise_reload(model, model_config)
-            for layer, experts in cpu_moe:
-                experts.process_weights_after_loading(layer)
-        missing = sorted(expected - set(loaded or ()))
-        if loaded is not None and missing:
-            msg = (f"the refit left {len(missing)} vLLM parameter(s) without a value (kept from "
-                   f"the previous version): {missing[:10]}; the trainer's names do not match "
-                   f"this vLLM model's checkpoint names")
-            raise RefitError(msg)
+            initialize_layerwise_reload(model)
+            try:
+                loaded = model.load_weights(iter(pairs))
+            finally:
+                finalize_layerwise_reload(model, model_config)
+                for layer, experts in cpu_moe:
+                    experts.process_weights_after_loading(layer)
+            missing = sorted(expected - set(loaded or ()))
+            if loaded is not None and missing:
+                msg = (f"the refit left {len(missing)} vLLM parameter(s) without a value: "
+                       f"{missing[:10]}; the trainer's names do not match this vLLM model's "
+                       f"checkpoint names")
+                raise RefitError(msg)
+        except BaseException:
+            with torch.no_grad():
+                for name, tensor in _serving_tensors(model):
+                    tensor.copy_(snapshot[name])
+            raise
 
     return load
+
+
+def _serving_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return [(name, t.data if isinstance(t, torch.nn.Parameter) else t) for name, t in named]
 
 
 def receiver_for(model: torch.nn.Module, model_config: Any, init: dict[str, Any]
