@@ -11,6 +11,7 @@ __all__ = [
     "UnsupportedModelError",
     "WorkerGroupError",
     "WorkerGroupTimeoutError",
+    "UnsupportedEngineError",
 ]
 
 
@@ -63,3 +64,7 @@ class WorkerGroupError(RuntimeError):
 
 class WorkerGroupTimeoutError(WorkerGroupError, TimeoutError):
     """A group call (or the group's start) did not finish within its timeout."""
+
+
+class UnsupportedEngineError(RuntimeError):
+    """An inference engine is missing, or installed at a version this adapter was not built for."""
