@@ -89,7 +89,6 @@ LoraAInit = Literal["xavier", "uniform"]
 # did-you-mean. The value says why it is not read (docs/config-reference.md lists them).
 _ENGINE = "inference-engine settings (controller / inference side)"
 _QUANT = "ModelOpt quantization (Megatron backend)"
-_DRAFT = "draft (Eagle) training; this worker only refits the draft's weights"
 IGNORED_NEMO_RL_KEYS: Final[Mapping[str, str]] = MappingProxyType({
     "megatron_cfg": "Megatron-Core backend settings (this is the DTensor/Automodel worker)",
     "generation_batch_size": "static-batched HF generation in the controller",
@@ -119,9 +118,6 @@ IGNORED_NEMO_RL_KEYS: Final[Mapping[str, str]] = MappingProxyType({
     "dtensor_cfg.env_vars": "the launcher sets the process environment",
     "sequence_packing.sequence_length_round": "packing pads with make_sequence_length_divisible_by",
     "sequence_packing.fuse_loss": "Megatron fused packed loss",
-    "draft.loss_weight": _DRAFT,
-    "draft.num_layers": _DRAFT,
-    "draft.aux_layer_indices": _DRAFT,
     "generation.backend": "inference-engine choice (controller side)",
     "generation.max_new_tokens": "rollout length (inference side)",
     "generation.model_name": "inference-engine model (controller side)",

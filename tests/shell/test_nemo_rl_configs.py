@@ -52,9 +52,9 @@ def test_base_document_loads_and_lists_the_unused_keys_once(caplog):
                 "generation.port_range_low", "generation.port_range_high",
                 "generation.refit_cfg", "generation.refit_transport",
                 "generation.real_quant_export_cpu_offload", "tokenizer.use_fastokens",
-                "draft.loss_weight", "draft.num_layers", "draft.aux_layer_indices",
                 "megatron_cfg", "dtensor_cfg.env_vars", "generation.vllm_cfg"):
         assert f"policy.{key}" in records[0].getMessage()
+    assert "policy.draft" not in records[0].getMessage()  # draft keys are read (DraftConfig)
     assert cfg.dynamic_batching is not None and cfg.dynamic_batching.logprob_tokens == 512
     assert cfg.generation is not None and cfg.generation.temperature == 0.7
     assert not cfg.lora_enabled and not cfg.sequence_packing_enabled and not cfg.draft_enabled
