@@ -143,7 +143,7 @@ class NeMoRLWorkerSurface:
         from policyworker.shell.refit.params import params_generator
 
         self.state.reshard()
-        yield from params_generator(self.state.model, self.state.dtype)
+        yield from params_generator(self.state.model, self.state.dtype, self.state.draft.model)
 
 
 def _one_trainable_parameter(model: torch.nn.Module) -> dict[str, Any]:

@@ -67,7 +67,7 @@ def stream_via_zmq(state: WorkerState, buffer_size_bytes: int, kv_scales: Any, *
             report = zmq_sender(state).stream_weights_via_ipc_zmq(
                 buffer_size_bytes, kv_scales, timeout_s=timeout_s, wrap_sources=drainable)
         else:
-            drainable(refit_stream(state.model, state.dtype).sources)
+            drainable(refit_stream(state.model, state.dtype, state.draft.model).sources)
     except BaseException:
         failed = 1
         with contextlib.suppress(Exception):  # release the peers' gathers, keep our error
