@@ -156,7 +156,8 @@ def test_sglang_refit_into_a_real_ray_actor(worker):
     torch.multiprocessing.set_sharing_strategy("file_system")
     try:
         engine_model, _ = _engine_for(worker, seed=4)
-        actor = ray.remote(_ModelEngine).remote(engine_model, refit_info(worker.model, torch.float32))
+        info = refit_info(worker.model, torch.float32)
+        actor = ray.remote(_ModelEngine).remote(engine_model, info)
         worker.set_rollout_num_gpus_per_engine(1)
         worker.update_weights_to_sglang_colocated(rollout_engines=[actor],
                                                   buffer_size_bytes=1 << 16,
