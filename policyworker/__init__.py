@@ -33,6 +33,7 @@ _LAZY = {
     "RefitTimeoutError": "policyworker.errors",
     "TransportError": "policyworker.errors",
     "UnknownParameterError": "policyworker.errors",
+    "UnsupportedModelError": "policyworker.errors",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])

@@ -318,17 +318,22 @@ class PolicyWorker(NeMoRLWorkerSurface):
         return inference.plans(self.state, data, micro_batch_size)
 
     def is_alive(self) -> bool:
-        """True (a liveness probe for actor frameworks)."""
-        return True
+        """True until `shutdown()` (a liveness probe for actor frameworks)."""
+        return not self.state.shut_down
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}[rank={self.parallel.rank}]"
 
     def shutdown(self) -> bool:
-        """Close the refit transports and the process group this worker created."""
+        """Commit a pending asynchronous save, then close the refit transports and the process
+        group this worker created, for good: later batch and refit calls raise `RuntimeError`
+        (a second shutdown is a no-op)."""
+        if self.state.shut_down:
+            return True
+        checkpoint.finalize_async_save(self.state)
+        self.state.shut_down = True
         if self.state.refit.sender is not None:
-            self.state.refit.sender.close()
-            self.state.refit.sender = None
+            self.state.refit.sender.close()  # closed for good: it opens no new address
         self.parallel.shutdown()
         return True
 

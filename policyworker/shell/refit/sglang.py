@@ -394,8 +394,25 @@ class SGLangColocatedSender:
         target_precision: str = "bf16",
         sglang_quantization_cfg: Any = None,
     ) -> dict[str, Any]:
-        """One refit at version ``weight_version + 1`` (kept only if every call succeeded)."""
-        report = update_weights_to_sglang_colocated(
+        """One refit at version ``weight_version + 1`` (kept only if every call succeeded).
+
+        Consumes ``named_tensors`` and closes it (a generator) on every exit, under
+        ``torch.no_grad()``: the caller's grad mode is as it was, whatever happens."""
+        try:
+            with torch.no_grad():
+                report = self._update(named_tensors, rollout_engines, buffer_size_bytes,
+                                      target_precision, sglang_quantization_cfg)
+        finally:
+            close = getattr(named_tensors, "close", None)
+            if close is not None:
+                close()
+        self.weight_version += 1
+        return report
+
+    def _update(self, named_tensors: NamedTensors, rollout_engines: Sequence[Any],
+                buffer_size_bytes: int, target_precision: str,
+                sglang_quantization_cfg: Any) -> dict[str, Any]:
+        return update_weights_to_sglang_colocated(
             named_tensors,
             rollout_engines=rollout_engines,
             buffer_size_bytes=buffer_size_bytes,
@@ -407,8 +424,6 @@ class SGLangColocatedSender:
             weight_version=self.weight_version + 1,
             gather=self._gather if self._group is not None else None,
         )
-        self.weight_version += 1
-        return report
 
 
 # ----------------------------------------------------------------------------- local engine
