@@ -144,6 +144,7 @@ class _ModelEngine:
         return {n: t.clone() for n, t in self.model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_sglang_refit_into_a_real_ray_actor(worker):
     ray = pytest.importorskip("ray")  # the `ray` extra; CI without it runs the handle test above
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
