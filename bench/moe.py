@@ -31,8 +31,15 @@ ADAMW = {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-4}}
 
 
 def _config(path, **overrides):
-    return {"model_name": str(path), "precision": "float32", "train_global_batch_size": 8,
-            "train_micro_batch_size": 2, "logprob_batch_size": 4, "optimizer": ADAMW, **overrides}
+    return {
+        "model_name": str(path),
+        "precision": "float32",
+        "train_global_batch_size": 8,
+        "train_micro_batch_size": 2,
+        "logprob_batch_size": 4,
+        "optimizer": ADAMW,
+        **overrides,
+    }
 
 
 def _random_batch(rows, seed, seq_len=12):
@@ -40,8 +47,12 @@ def _random_batch(rows, seed, seq_len=12):
     lengths = torch.randint(seq_len // 2, seq_len + 1, (rows,), generator=gen)
     ids = torch.randint(3, VOCAB, (rows, seq_len), generator=gen)
     valid = torch.arange(seq_len)[None] < lengths[:, None]
-    return {"input_ids": torch.where(valid, ids, 0), "input_lengths": lengths,
-            "token_mask": valid.float(), "sample_mask": torch.ones(rows)}
+    return {
+        "input_ids": torch.where(valid, ids, 0),
+        "input_lengths": lengths,
+        "token_mask": valid.float(),
+        "sample_mask": torch.ones(rows),
+    }
 
 
 def _affine_batch(rows, seed, seq_len=16):
@@ -50,27 +61,55 @@ def _affine_batch(rows, seed, seq_len=16):
     ids[:, 0] = torch.randint(3, VOCAB, (rows,), generator=gen)
     for t in range(1, seq_len):
         ids[:, t] = (ids[:, t - 1] * 5 + 7) % (VOCAB - 3) + 3
-    return {"input_ids": ids, "input_lengths": torch.full((rows,), seq_len),
-            "token_mask": torch.ones(rows, seq_len), "sample_mask": torch.ones(rows)}
+    return {
+        "input_ids": ids,
+        "input_lengths": torch.full((rows,), seq_len),
+        "token_mask": torch.ones(rows, seq_len),
+        "sample_mask": torch.ones(rows),
+    }
 
 
 def _tiny_moe(model_type, folder):
     from transformers import AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
 
-    shape = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
-                 num_experts_per_tok=2, tie_word_embeddings=False)
+    shape = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
     if model_type == "deepseek_v3":
-        cfg = DeepseekV3Config(**shape, intermediate_size=64, moe_intermediate_size=16,
-                               first_k_dense_replace=1, num_key_value_heads=4,
-                               n_routed_experts=8, n_shared_experts=1, n_group=1, topk_group=1,
-                               kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-                               qk_nope_head_dim=8, v_head_dim=8)
+        cfg = DeepseekV3Config(
+            **shape,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            num_key_value_heads=4,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        )
     elif model_type == "qwen3_moe":
-        cfg = Qwen3MoeConfig(**shape, intermediate_size=64, moe_intermediate_size=16,
-                             num_key_value_heads=2, head_dim=8, num_experts=4)
+        cfg = Qwen3MoeConfig(
+            **shape,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=4,
+        )
     else:
-        cfg = MixtralConfig(**shape, intermediate_size=16, num_key_value_heads=2,
-                            num_local_experts=4)
+        cfg = MixtralConfig(
+            **shape, intermediate_size=16, num_key_value_heads=2, num_local_experts=4
+        )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
@@ -84,8 +123,10 @@ def _tiny_moe(model_type, folder):
 def _routes(worker, data):
     """[B, S, MoE layers, K] of the worker's model on `data` (-1 at padding)."""
     seen = []
-    hooks = [r.module.register_forward_hook(lambda _m, _a, out: seen.append(out[2].clone()))
-             for r in worker.state.moe.routers]
+    hooks = [
+        r.module.register_forward_hook(lambda _m, _a, out: seen.append(out[2].clone()))
+        for r in worker.state.moe.routers
+    ]
     with torch.no_grad():
         worker.model(input_ids=data["input_ids"])
     for h in hooks:
@@ -100,8 +141,11 @@ def _load_stats(worker, data):
     routes = _routes(worker, data)[..., 0, :]
     valid = routes[..., 0] >= 0
     load = torch.bincount(routes[valid].reshape(-1), minlength=8).double()
-    return {"cv": float(load.std(unbiased=False) / load.mean()),
-            "max_over_mean": float(load.max() / load.mean()), "load": load.int().tolist()}
+    return {
+        "cv": float(load.std(unbiased=False) / load.mean()),
+        "max_over_mean": float(load.max() / load.mean()),
+        "load": load.int().tolist(),
+    }
 
 
 def balance(root, steps):
@@ -112,7 +156,8 @@ def balance(root, steps):
         worker = PolicyWorker(_config(path, dtensor_cfg={"moe_router_bias_update_rate": rate}))
         with torch.no_grad():
             worker.state.moe.routers[0].module.e_score_correction_bias.copy_(
-                torch.tensor([0.3, 0.3, 0, 0, 0, 0, 0, 0]))
+                torch.tensor([0.3, 0.3, 0, 0, 0, 0, 0, 0])
+            )
         before = _load_stats(worker, held_out)
         for step in range(steps):
             worker.train(_random_batch(8, seed=step % 4), NLLLoss())
@@ -125,8 +170,10 @@ def replay(root):
     data = _random_batch(4, seed=3)
     for model_type in ("qwen3_moe", "mixtral", "deepseek_v3"):
         path = _tiny_moe(model_type, root / model_type)
-        for batching, extra in (("fixed", {}), ("packed", {"sequence_packing":
-                                                           {"train_mb_tokens": 24}})):
+        for batching, extra in (
+            ("fixed", {}),
+            ("packed", {"sequence_packing": {"train_mb_tokens": 24}}),
+        ):
             plain = PolicyWorker(_config(path, **extra))
             worker = PolicyWorker(_config(path, router_replay={}, **extra))
             own = _routes(worker, data)
@@ -142,7 +189,8 @@ def replay(root):
             out[f"{model_type}/{batching}"] = {
                 "own_routes_max_abs_diff": float((replayed - base).abs().max()),
                 "altered_tokens": len(tokens),
-                "changed_logprobs": int((moved != replayed).sum())}
+                "changed_logprobs": int((moved != replayed).sum()),
+            }
     return out
 
 
@@ -150,12 +198,23 @@ def draft(root, steps):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2)).save_pretrained(root / "llama")
-    worker = PolicyWorker(_config(root / "llama", draft={"loss_weight": 1.0},
-                                  optimizer={"name": "torch.optim.AdamW",
-                                             "kwargs": {"lr": 1e-2}}))
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).save_pretrained(root / "llama")
+    worker = PolicyWorker(
+        _config(
+            root / "llama",
+            draft={"loss_weight": 1.0},
+            optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
+        )
+    )
     held_out = _affine_batch(8, seed=999)
 
     def agreement():
@@ -178,8 +237,11 @@ def main():
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
-        report = {"balance": balance(root, args.steps), "replay": replay(root),
-                  "draft_agreement": draft(root, args.steps)}
+        report = {
+            "balance": balance(root, args.steps),
+            "replay": replay(root),
+            "draft_agreement": draft(root, args.steps),
+        }
     print(json.dumps(report, indent=1))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(report, indent=1))

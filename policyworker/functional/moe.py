@@ -75,8 +75,9 @@ class RouterRule:
     cast_to_logits_dtype: bool = False
 
 
-def gate_weights_at(router_logits_NE: torch.Tensor, experts_NK: torch.Tensor, rule: RouterRule
-                    ) -> torch.Tensor:
+def gate_weights_at(
+    router_logits_NE: torch.Tensor, experts_NK: torch.Tensor, rule: RouterRule
+) -> torch.Tensor:
     """Gate weights [N, K] of the experts ``experts_NK`` under ``rule`` (differentiable in the
     logits). At the router's own top-k experts this is the router's own weights."""
     logits = router_logits_NE
@@ -100,8 +101,10 @@ def effective_routes(own_NK: torch.Tensor, recorded_NK: torch.Tensor) -> torch.T
     """The experts each token uses: the recorded row, or the router's own where the recorded
     row is all ``MISSING_ROUTE``. Same dtype as ``own_NK``."""
     if own_NK.shape != recorded_NK.shape:
-        msg = (f"recorded routes have shape {tuple(recorded_NK.shape)} but the router chose "
-               f"{tuple(own_NK.shape)}; they must match [tokens, top_k]")
+        msg = (
+            f"recorded routes have shape {tuple(recorded_NK.shape)} but the router chose "
+            f"{tuple(own_NK.shape)}; they must match [tokens, top_k]"
+        )
         raise ValueError(msg)
     recorded = recorded_NK.to(device=own_NK.device, dtype=own_NK.dtype)
     missing_N1 = (recorded == MISSING_ROUTE).all(dim=-1, keepdim=True)
@@ -122,8 +125,10 @@ def route_problem(routes: torch.Tensor, *, num_experts: int) -> str | None:
     if bool(bad.any()):
         value = int(routes[bad][0])
         if value < 0:
-            return (f"holds {value} in a row that is not all {MISSING_ROUTE} (a missing route "
-                    f"must be a whole row of {MISSING_ROUTE})")
+            return (
+                f"holds {value} in a row that is not all {MISSING_ROUTE} (a missing route "
+                f"must be a whole row of {MISSING_ROUTE})"
+            )
         return f"holds expert id {value}, outside [0, {num_experts})"
     ordered = routes.sort(dim=-1).values
     repeated = (ordered[..., 1:] == ordered[..., :-1]) & ~missing
@@ -132,8 +137,9 @@ def route_problem(routes: torch.Tensor, *, num_experts: int) -> str | None:
     return None
 
 
-def payload_layers(moe_layers: Sequence[int], *, num_payload_layers: int, num_layers: int
-                   ) -> list[int] | None:
+def payload_layers(
+    moe_layers: Sequence[int], *, num_payload_layers: int, num_layers: int
+) -> list[int] | None:
     """For each MoE layer (decoder layer numbers, ascending), its index on the layers axis of
     ``routed_experts``: the axis lists either only the MoE layers, in order, or every decoder
     layer (vLLM's layout). None when the axis length fits neither."""

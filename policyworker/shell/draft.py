@@ -51,23 +51,31 @@ class _FirstLayer(nn.Module):
         )
 
         super().__init__()
-        wide = LlamaConfig(**{**config.to_dict(), "hidden_size": 2 * config.hidden_size,
-                              "head_dim": config.head_dim})
+        wide = LlamaConfig(
+            **{
+                **config.to_dict(),
+                "hidden_size": 2 * config.hidden_size,
+                "head_dim": config.head_dim,
+            }
+        )
         wide._attn_implementation = "sdpa"
         inner = LlamaDecoderLayer(wide, layer_idx=0)
         self.self_attn = inner.self_attn
         self.self_attn.o_proj = nn.Linear(
-            config.num_attention_heads * config.head_dim, config.hidden_size, bias=False)
+            config.num_attention_heads * config.head_dim, config.hidden_size, bias=False
+        )
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, position_embeddings: Any
-                ) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, embeds: torch.Tensor, position_embeddings: Any
+    ) -> torch.Tensor:
         both = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        attended, _ = self.self_attn(hidden_states=both, position_embeddings=position_embeddings,
-                                     attention_mask=None)
+        attended, _ = self.self_attn(
+            hidden_states=both, position_embeddings=position_embeddings, attention_mask=None
+        )
         hidden = hidden + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -89,8 +97,9 @@ class Eagle3Draft(nn.Module):
         hidden = config.hidden_size
         self.fc = nn.Linear(num_aux * hidden, hidden, bias=False)
         self.layers = nn.ModuleList(
-            [_FirstLayer(config)] + [LlamaDecoderLayer(config, layer_idx=i)
-                                     for i in range(1, config.num_hidden_layers)])
+            [_FirstLayer(config)]
+            + [LlamaDecoderLayer(config, layer_idx=i) for i in range(1, config.num_hidden_layers)]
+        )
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
@@ -113,20 +122,31 @@ def _draft_config(policy_config: Any, num_layers: int) -> Any:
     heads = policy_config.num_attention_heads
     head_dim = getattr(policy_config, "head_dim", None) or policy_config.hidden_size // heads
     return LlamaConfig(
-        hidden_size=policy_config.hidden_size, intermediate_size=policy_config.intermediate_size,
+        hidden_size=policy_config.hidden_size,
+        intermediate_size=policy_config.intermediate_size,
         num_attention_heads=heads,
         num_key_value_heads=getattr(policy_config, "num_key_value_heads", heads),
-        head_dim=head_dim, vocab_size=policy_config.vocab_size, num_hidden_layers=num_layers,
+        head_dim=head_dim,
+        vocab_size=policy_config.vocab_size,
+        num_hidden_layers=num_layers,
         rms_norm_eps=getattr(policy_config, "rms_norm_eps", 1e-6),
         max_position_embeddings=policy_config.max_position_embeddings,
-        tie_word_embeddings=False)
+        tie_word_embeddings=False,
+    )
 
 
 class DraftTrainer:
     """The draft model, its optimizer and the hooks that feed it (inert when `cfg.draft` is off)."""
 
-    def __init__(self, policy: nn.Module, cfg: Any, *, device: torch.device, parallel: Any,
-                 build_optimizer: Any) -> None:
+    def __init__(
+        self,
+        policy: nn.Module,
+        cfg: Any,
+        *,
+        device: torch.device,
+        parallel: Any,
+        build_optimizer: Any,
+    ) -> None:
         self.cfg = cfg.draft
         self.model: Eagle3Draft | None = None
         self.optimizer: Any = None
@@ -137,27 +157,38 @@ class DraftTrainer:
         if self.cfg is None:
             return
         if parallel.mesh is not None:
-            msg = (f"policy.draft (draft co-training) runs in a single process for now; this "
-                   f"worker has a process group of {parallel.world_size} ranks; remove "
-                   f"policy.draft or run one process")
+            msg = (
+                f"policy.draft (draft co-training) runs in a single process for now; this "
+                f"worker has a process group of {parallel.world_size} ranks; remove "
+                f"policy.draft or run one process"
+            )
             raise ValueError(msg)
         layers = _decoder_layers(policy)
         if layers is None or policy.get_output_embeddings() is None:
-            msg = (f"policy.draft needs a causal LM with decoder layers and an LM head; "
-                   f"{type(policy).__name__} has no such layout; remove policy.draft")
+            msg = (
+                f"policy.draft needs a causal LM with decoder layers and an LM head; "
+                f"{type(policy).__name__} has no such layout; remove policy.draft"
+            )
             raise ValueError(msg)
         self.aux_layers = tuple(self.cfg.aux_layer_indices or default_aux_layers(len(layers)))
         if max(self.aux_layers) >= len(layers):
-            msg = (f"draft.aux_layer_indices={list(self.aux_layers)} names a layer the policy "
-                   f"does not have (it has {len(layers)}: 0..{len(layers) - 1}); pick indices "
-                   f"below {len(layers)}")
+            msg = (
+                f"draft.aux_layer_indices={list(self.aux_layers)} names a layer the policy "
+                f"does not have (it has {len(layers)}: 0..{len(layers) - 1}); pick indices "
+                f"below {len(layers)}"
+            )
             raise ValueError(msg)
         self.model = self._build(policy).to(device)
-        self.optimizer = (build_optimizer(self.model, cfg.optimizer)
-                          if build_optimizer is not None and cfg.optimizer else None)
+        self.optimizer = (
+            build_optimizer(self.model, cfg.optimizer)
+            if build_optimizer is not None and cfg.optimizer
+            else None
+        )
         self.max_grad_norm = cfg.max_grad_norm
-        self._handles = [policy.get_input_embeddings().register_forward_hook(self._keep("embeds")),
-                         policy.get_output_embeddings().register_forward_hook(self._keep("logits"))]
+        self._handles = [
+            policy.get_input_embeddings().register_forward_hook(self._keep("embeds")),
+            policy.get_output_embeddings().register_forward_hook(self._keep("logits")),
+        ]
         for index in self.aux_layers:
             self._handles.append(layers[index].register_forward_hook(self._keep(f"aux{index}")))
 
@@ -175,8 +206,10 @@ class DraftTrainer:
         meta = json.loads((folder / "config.json").read_text())
         draft = Eagle3Draft(LlamaConfig(**meta["llama"]), num_aux=int(meta["num_aux"]))
         if draft.num_aux != len(self.aux_layers):
-            msg = (f"draft.model_name={name!r} fuses {draft.num_aux} policy layers but "
-                   f"draft.aux_layer_indices has {len(self.aux_layers)}; make them agree")
+            msg = (
+                f"draft.model_name={name!r} fuses {draft.num_aux} policy layers but "
+                f"draft.aux_layer_indices has {len(self.aux_layers)}; make them agree"
+            )
             raise ValueError(msg)
         from safetensors.torch import load_file
 
@@ -190,6 +223,7 @@ class DraftTrainer:
             if self._capturing:
                 out = output[0] if isinstance(output, tuple) else output
                 self._captured[key] = out.detach()
+
         return hook
 
     @contextlib.contextmanager
@@ -254,8 +288,11 @@ class DraftTrainer:
         from safetensors.torch import save_file
 
         state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
-        meta = {"num_aux": self.model.num_aux, "llama": self.model.config.to_dict(),
-                "aux_layer_indices": list(self.aux_layers)}
+        meta = {
+            "num_aux": self.model.num_aux,
+            "llama": self.model.config.to_dict(),
+            "aux_layer_indices": list(self.aux_layers),
+        }
         with _replaced(folder) as tmp:
             save_file(state, str(tmp / _DRAFT_WEIGHTS))
             (tmp / "config.json").write_text(json.dumps(meta, indent=1, default=str))
@@ -265,8 +302,10 @@ class DraftTrainer:
 
     def save_beside(self, weights_path: str, optimizer_path: str | None) -> None:
         """Checkpoint layout: `weights_path/draft/` and `optimizer_path/draft/`."""
-        self.save(Path(weights_path) / "draft",
-                  None if optimizer_path is None else Path(optimizer_path) / "draft")
+        self.save(
+            Path(weights_path) / "draft",
+            None if optimizer_path is None else Path(optimizer_path) / "draft",
+        )
 
     def load_beside(self, weights_path: str | None, optimizer_path: str | None) -> None:
         """Load what `save_beside` wrote; a policy checkpoint without a draft folder is an
@@ -275,9 +314,11 @@ class DraftTrainer:
             return
         folder = Path(weights_path) / "draft"
         if not (folder / _DRAFT_WEIGHTS).exists():
-            msg = (f"policy.draft is enabled but the checkpoint {str(weights_path)!r} has no "
-                   f"draft/{_DRAFT_WEIGHTS}; load a checkpoint saved with the draft, or remove "
-                   f"policy.draft")
+            msg = (
+                f"policy.draft is enabled but the checkpoint {str(weights_path)!r} has no "
+                f"draft/{_DRAFT_WEIGHTS}; load a checkpoint saved with the draft, or remove "
+                f"policy.draft"
+            )
             raise ValueError(msg)
         self.load(folder, None if optimizer_path is None else Path(optimizer_path) / "draft")
 
@@ -288,8 +329,9 @@ class DraftTrainer:
 
         state = load_file(str(Path(folder) / _DRAFT_WEIGHTS))
         with torch.no_grad():
-            self.model.load_state_dict({k: v.to(self.model.fc.weight.device)
-                                        for k, v in state.items()})
+            self.model.load_state_dict(
+                {k: v.to(self.model.fc.weight.device) for k, v in state.items()}
+            )
         path = None if optimizer_folder is None else Path(optimizer_folder) / _DRAFT_OPTIMIZER
         if path is not None and path.exists() and self.optimizer is not None:
             self.optimizer.load_state_dict(torch.load(path, weights_only=True))

@@ -48,12 +48,17 @@ def router_rule(config: Any) -> RouterRule | None:
     """How this HF config's routers weight their chosen experts; None for an unsupported type."""
     model_type = getattr(config, "model_type", None)
     if model_type == "deepseek_v3":
-        return RouterRule(scoring="sigmoid", normalize=bool(config.norm_topk_prob),
-                          norm_epsilon=1e-20, scale=True,
-                          scaling=float(config.routed_scaling_factor))
+        return RouterRule(
+            scoring="sigmoid",
+            normalize=bool(config.norm_topk_prob),
+            norm_epsilon=1e-20,
+            scale=True,
+            scaling=float(config.routed_scaling_factor),
+        )
     if model_type == "qwen3_moe":
-        return RouterRule(scoring="softmax", normalize=bool(config.norm_topk_prob),
-                          cast_to_logits_dtype=True)
+        return RouterRule(
+            scoring="softmax", normalize=bool(config.norm_topk_prob), cast_to_logits_dtype=True
+        )
     if model_type == "mixtral":
         return RouterRule(scoring="softmax", normalize=True, upcast_before_softmax=True)
     return None
@@ -90,20 +95,28 @@ class MoeRouting:
         self.rule = router_rule(self.config)
         model_type = getattr(self.config, "model_type", None)
         if self.replay_enabled and (not self.routers or model_type not in _REPLAY_MODEL_TYPES):
-            msg = (f"router_replay is enabled but model_type {model_type!r} is not supported for "
-                   f"router replay (supported: {', '.join(_REPLAY_MODEL_TYPES)}); remove "
-                   f"policy.router_replay or set enabled: false")
+            msg = (
+                f"router_replay is enabled but model_type {model_type!r} is not supported for "
+                f"router replay (supported: {', '.join(_REPLAY_MODEL_TYPES)}); remove "
+                f"policy.router_replay or set enabled: false"
+            )
             raise ValueError(msg)
         if self.replay_enabled and (parallel.cp_size > 1 or parallel.tp_size > 1):
-            msg = (f"router_replay needs each rank to route whole sequences; got "
-                   f"context_parallel_size={parallel.cp_size}, tensor_parallel_size="
-                   f"{parallel.tp_size}; set both to 1 or disable router_replay")
+            msg = (
+                f"router_replay needs each rank to route whole sequences; got "
+                f"context_parallel_size={parallel.cp_size}, tensor_parallel_size="
+                f"{parallel.tp_size}; set both to 1 or disable router_replay"
+            )
             raise ValueError(msg)
         self.biased = [r for r in self.routers if r.bias is not None] if self.rate > 0 else []
         if self.rate > 0 and not self.biased:
-            log.warning("dtensor_cfg.moe_router_bias_update_rate=%s has no effect: model_type %r "
-                        "has no router with %s (only DeepSeek-V3-style routers have one)",
-                        self.rate, model_type, _BIAS)
+            log.warning(
+                "dtensor_cfg.moe_router_bias_update_rate=%s has no effect: model_type %r "
+                "has no router with %s (only DeepSeek-V3-style routers have one)",
+                self.rate,
+                model_type,
+                _BIAS,
+            )
         self._replaying = False
         self._counting = False
         self._routes_NLK: torch.Tensor | None = None
@@ -116,8 +129,9 @@ class MoeRouting:
         self._handles = []
         if self.replay_enabled or self.biased:
             for index, router in enumerate(self.routers):
-                self._handles.append(router.module.register_forward_hook(
-                    self._hook_for(index, router)))
+                self._handles.append(
+                    router.module.register_forward_hook(self._hook_for(index, router))
+                )
 
     # ------------------------------------------------------------------------------ data
 
@@ -127,31 +141,41 @@ class MoeRouting:
             return
         key = ROUTED_EXPERTS_KEY
         if key not in data:
-            msg = (f"router_replay is enabled and require_router_replay=True but data has no "
-                   f"{key!r} [B, S, layers, top_k]; add the rollout engine's routes or pass "
-                   f"require_router_replay=False")
+            msg = (
+                f"router_replay is enabled and require_router_replay=True but data has no "
+                f"{key!r} [B, S, layers, top_k]; add the rollout engine's routes or pass "
+                f"require_router_replay=False"
+            )
             raise ValueError(msg)
         routes = data[key]
         ids = data["input_ids"]
         num_layers = int(self.config.num_hidden_layers)
         moe_layers = [r.layer for r in self.routers]
         top_k = self.routers[0].top_k
-        expected = (f"[B, S, layers, top_k] = [{ids.shape[0]}, {ids.shape[1]}, "
-                    f"{len(moe_layers)} MoE layers or {num_layers} layers, {top_k}]")
+        expected = (
+            f"[B, S, layers, top_k] = [{ids.shape[0]}, {ids.shape[1]}, "
+            f"{len(moe_layers)} MoE layers or {num_layers} layers, {top_k}]"
+        )
         if not isinstance(routes, torch.Tensor) or routes.ndim != 4:
             got = tuple(routes.shape) if isinstance(routes, torch.Tensor) else type(routes).__name__
             msg = f"data[{key!r}] must be a tensor {expected}, got {got}"
             raise ValueError(msg)
-        layers = payload_layers(moe_layers, num_payload_layers=routes.shape[2],
-                                num_layers=num_layers)
-        if tuple(routes.shape[:2]) != tuple(ids.shape) or routes.shape[3] != top_k or (
-                layers is None):
+        layers = payload_layers(
+            moe_layers, num_payload_layers=routes.shape[2], num_layers=num_layers
+        )
+        if (
+            tuple(routes.shape[:2]) != tuple(ids.shape)
+            or routes.shape[3] != top_k
+            or (layers is None)
+        ):
             msg = f"data[{key!r}] has shape {tuple(routes.shape)}; it must be {expected}"
             raise ValueError(msg)
         problem = route_problem(routes, num_experts=self.routers[0].num_experts)
         if problem is not None:
-            msg = (f"data[{key!r}] {problem}; send the rollout engine's expert ids per token and "
-                   f"layer, with a row of -1 where no route was recorded")
+            msg = (
+                f"data[{key!r}] {problem}; send the rollout engine's expert ids per token and "
+                f"layer, with a row of -1 where no route was recorded"
+            )
             raise ValueError(msg)
 
     def begin_microbatch(self, mb: Any) -> None:
@@ -170,9 +194,14 @@ class MoeRouting:
         if isinstance(routes, torch.Tensor):
             routes = pack(routes, mb.lengths.to(routes.device))[0] if mb.packed else routes
             self._routes_NLK = routes.reshape(-1, *routes.shape[-2:])
-            self._payload = payload_layers(
-                [r.layer for r in self.routers], num_payload_layers=routes.shape[-2],
-                num_layers=int(self.config.num_hidden_layers)) or []
+            self._payload = (
+                payload_layers(
+                    [r.layer for r in self.routers],
+                    num_payload_layers=routes.shape[-2],
+                    num_layers=int(self.config.num_hidden_layers),
+                )
+                or []
+            )
 
     # ------------------------------------------------------------------------------ scopes
 
@@ -210,8 +239,12 @@ class MoeRouting:
             self._step_load.clear()
             return
         device = self.parallel._collective_device()
-        load_RE = torch.stack([self._step_load.get(i, torch.zeros(r.num_experts, dtype=torch.int64))
-                               .to(device) for i, r in enumerate(self.biased)])
+        load_RE = torch.stack(
+            [
+                self._step_load.get(i, torch.zeros(r.num_experts, dtype=torch.int64)).to(device)
+                for i, r in enumerate(self.biased)
+            ]
+        )
         self.parallel.all_reduce(load_RE, axis="dp_cp")
         self._step_load.clear()
         delta_RE = balancing_bias_update(load_RE, self.rate)
@@ -235,8 +268,12 @@ class MoeRouting:
             if self._replaying and self._routes_NLK is not None:
                 experts, weights = self._replay(index, logits, weights, experts)
                 output = (logits, weights, experts)
-            if self._counting and bias_index is not None and not self._is_dummy and (
-                    torch.is_grad_enabled()):
+            if (
+                self._counting
+                and bias_index is not None
+                and not self._is_dummy
+                and (torch.is_grad_enabled())
+            ):
                 self._pending[bias_index] = self._count(router, experts)
             return output
 
@@ -244,8 +281,10 @@ class MoeRouting:
 
     def _tokens_check(self, what: str, num_tokens: int, expected: int) -> None:
         if num_tokens != expected:
-            msg = (f"a router saw {num_tokens} tokens but the microbatch has {expected} ({what}); "
-                   f"MoE routing features need whole, unsharded sequences on each rank")
+            msg = (
+                f"a router saw {num_tokens} tokens but the microbatch has {expected} ({what}); "
+                f"MoE routing features need whole, unsharded sequences on each rank"
+            )
             raise ValueError(msg)
 
     def _replay(self, index, logits, weights, experts):

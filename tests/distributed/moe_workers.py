@@ -12,9 +12,14 @@ BATCHINGS = {"fixed": {}, "packed": {"sequence_packing": {"train_mb_tokens": 16}
 def moe_config(path, batching):
     from tests.shell.conftest import make_config
 
-    return make_config(path, train_global_batch_size=4, train_micro_batch_size=1,
-                       router_replay={}, dtensor_cfg={"moe_router_bias_update_rate": RATE},
-                       **BATCHINGS[batching])
+    return make_config(
+        path,
+        train_global_batch_size=4,
+        train_micro_batch_size=1,
+        router_replay={},
+        dtensor_cfg={"moe_router_bias_update_rate": RATE},
+        **BATCHINGS[batching],
+    )
 
 
 def moe_data(routes=None):
@@ -57,8 +62,12 @@ def moe_dp2(rank, size, path, want):
     for batching in BATCHINGS:
         worker = PolicyWorker(moe_config(path, batching))
         assert worker.parallel.dp_size == size == 2
-        dummies = sum(p.is_dummy for p in mbatch.plan(
-            worker.state, shard["input_lengths"], seq_len=12, mbs=1, purpose="train"))
+        dummies = sum(
+            p.is_dummy
+            for p in mbatch.plan(
+                worker.state, shard["input_lengths"], seq_len=12, mbs=1, purpose="train"
+            )
+        )
         assert (dummies > 0) == (batching == "packed" and rank == 1), (batching, rank, dummies)
         got = worker.get_logprobs(shard)["logprobs"]
         torch.testing.assert_close(got, want["logprobs"][rows], atol=1e-5, rtol=1e-5)

@@ -52,7 +52,8 @@ def test_perfect_balance_changes_nothing(num_experts, per_expert, rate):
 
 @given(st.integers(0, 1000), st.lists(st.integers(0, 1000), min_size=1, max_size=8), rates)
 def test_conservation_loads_symmetric_about_the_mean_leave_the_mean_bias_unchanged(
-        mean, offsets, rate):
+    mean, offsets, rate
+):
     # loads mean +- d: as many experts above the mean as below it, so the steps cancel
     load = torch.tensor([mean + 1000 + d for d in offsets] + [mean + 1000 - d for d in offsets])
     delta = balancing_bias_update(load, rate)
@@ -151,13 +152,16 @@ def test_valid_routes_have_no_problem(tokens, k, seed):
     assert route_problem(routes, num_experts=k + 3) is None
 
 
-@pytest.mark.parametrize(("routes", "needle"), [
-    ([[0, 4]], "outside [0, 4)"),
-    ([[0, -1]], "a whole row of -1"),
-    ([[-2, -2]], "a whole row of -1"),
-    ([[1, 1]], "repeats an expert"),
-    ([[0.0, 1.0]], "not an integer dtype"),
-])
+@pytest.mark.parametrize(
+    ("routes", "needle"),
+    [
+        ([[0, 4]], "outside [0, 4)"),
+        ([[0, -1]], "a whole row of -1"),
+        ([[-2, -2]], "a whole row of -1"),
+        ([[1, 1]], "repeats an expert"),
+        ([[0.0, 1.0]], "not an integer dtype"),
+    ],
+)
 def test_route_problems_are_named(routes, needle):
     problem = route_problem(torch.tensor(routes), num_experts=4)
     assert problem is not None and needle in problem
@@ -168,7 +172,8 @@ def test_payload_layers_compressed_or_full_or_none(layer_set, extra):
     moe = sorted(layer_set)
     num_layers = moe[-1] + 1 + extra
     assert payload_layers(moe, num_payload_layers=len(moe), num_layers=num_layers) == list(
-        range(len(moe)))
+        range(len(moe))
+    )
     if num_layers != len(moe):
         assert payload_layers(moe, num_payload_layers=num_layers, num_layers=num_layers) == moe
         other = num_layers + 1

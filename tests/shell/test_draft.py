@@ -27,8 +27,12 @@ def _affine_batch(rows: int, seed: int, seq_len: int = 16) -> dict:
     ids[:, 0] = torch.randint(3, VOCAB, (rows,), generator=gen)
     for t in range(1, seq_len):
         ids[:, t] = (ids[:, t - 1] * 5 + 7) % (VOCAB - 3) + 3
-    return {"input_ids": ids, "input_lengths": torch.full((rows,), seq_len),
-            "token_mask": torch.ones(rows, seq_len), "sample_mask": torch.ones(rows)}
+    return {
+        "input_ids": ids,
+        "input_lengths": torch.full((rows,), seq_len),
+        "token_mask": torch.ones(rows, seq_len),
+        "sample_mask": torch.ones(rows),
+    }
 
 
 def _worker(path, **overrides):
@@ -82,7 +86,7 @@ def test_draft_tensors_follow_the_policys_in_the_refit_stream(tiny_model_paths):
     assert all(n.startswith(DRAFT_PREFIX) for n in names[first_draft:])
     assert first_draft == len(list(params_generator(worker.model, torch.bfloat16)))
     draft_state = worker.state.draft.model.state_dict()
-    assert sorted(n[len(DRAFT_PREFIX):] for n in names[first_draft:]) == sorted(draft_state)
+    assert sorted(n[len(DRAFT_PREFIX) :] for n in names[first_draft:]) == sorted(draft_state)
     streamed = dict(params_generator(worker.model, torch.bfloat16, worker.state.draft.model))
     for name, tensor in draft_state.items():
         assert torch.equal(streamed[DRAFT_PREFIX + name], tensor.to(torch.bfloat16))
@@ -97,18 +101,24 @@ def test_draft_weights_and_optimizer_survive_a_checkpoint(tiny_model_paths, tmp_
     worker.save_checkpoint(str(tmp_path / "w"), str(tmp_path / "o"))
     worker.finalize_async_save()
     saved = {k: v.clone() for k, v in worker.state.draft.model.state_dict().items()}
-    restored = PolicyWorker(cfg, weights_path=str(tmp_path / "w"),
-                            optimizer_path=str(tmp_path / "o"))
+    restored = PolicyWorker(
+        cfg, weights_path=str(tmp_path / "w"), optimizer_path=str(tmp_path / "o")
+    )
     assert all(torch.equal(v, saved[k]) for k, v in restored.state.draft.model.state_dict().items())
     data = _affine_batch(8, seed=5)
     worker.train(data, NLLLoss())
     restored.train(data, NLLLoss())  # the same optimizer state -> the same next step
     trained = worker.state.draft.model.state_dict()
     assert not torch.equal(trained["fc.weight"], saved["fc.weight"])
-    assert all(torch.equal(v, trained[k]) for k, v in restored.state.draft.model.state_dict().items())
+    assert all(
+        torch.equal(v, trained[k]) for k, v in restored.state.draft.model.state_dict().items()
+    )
 
-    named = PolicyWorker(make_config(path, train_global_batch_size=8,
-                                     draft={"model_name": str(tmp_path / "w" / "draft")}))
+    named = PolicyWorker(
+        make_config(
+            path, train_global_batch_size=8, draft={"model_name": str(tmp_path / "w" / "draft")}
+        )
+    )
     assert all(torch.equal(v, saved[k]) for k, v in named.state.draft.model.state_dict().items())
 
     plain = PolicyWorker(make_config(path, train_global_batch_size=8))
@@ -120,10 +130,14 @@ def test_draft_weights_and_optimizer_survive_a_checkpoint(tiny_model_paths, tmp_
 
 def test_bad_draft_settings_raise_naming_the_key(tiny_model_paths, tiny_reward_paths):
     with pytest.raises(ValueError, match="policy.draft needs a causal LM"):
-        PolicyWorker(make_config(tiny_reward_paths["regression"], draft={},
-                                 reward_model_cfg={"reward_model_type": "regression"}))
+        PolicyWorker(
+            make_config(
+                tiny_reward_paths["regression"],
+                draft={},
+                reward_model_cfg={"reward_model_type": "regression"},
+            )
+        )
     with pytest.raises(ValueError, match="aux_layer_indices"):
         _worker(tiny_model_paths["llama"], draft={"aux_layer_indices": [0, 5]})
     with pytest.raises(ConfigError, match="sequence_packing"):
-        _worker(tiny_model_paths["llama"], draft={},
-                sequence_packing={"train_mb_tokens": 32})
+        _worker(tiny_model_paths["llama"], draft={}, sequence_packing={"train_mb_tokens": 32})

@@ -30,8 +30,11 @@ from tests.helpers import (
 from tests.shell.conftest import make_batch, make_config
 
 MODEL_TYPES = ("deepseek_v3", "qwen3_moe", "mixtral")
-_CONFIGS = {"deepseek_v3": tiny_deepseek_v3_config, "qwen3_moe": tiny_qwen3_moe_config,
-            "mixtral": tiny_mixtral_config}
+_CONFIGS = {
+    "deepseek_v3": tiny_deepseek_v3_config,
+    "qwen3_moe": tiny_qwen3_moe_config,
+    "mixtral": tiny_mixtral_config,
+}
 LENGTHS = (12, 9, 5, 12)
 RATE = 0.01
 
@@ -69,9 +72,15 @@ def _load_by_count(worker, data) -> torch.Tensor:
     routes = _own_routes(worker, data)
     biased = [i for i, r in enumerate(worker.state.moe.routers) if r.bias is not None]
     valid = torch.arange(routes.shape[1])[None] < data["input_lengths"][:, None]
-    return torch.stack([torch.bincount(routes[:, :, i][valid].reshape(-1),
-                                       minlength=worker.state.moe.routers[i].num_experts)
-                        for i in biased])
+    return torch.stack(
+        [
+            torch.bincount(
+                routes[:, :, i][valid].reshape(-1),
+                minlength=worker.state.moe.routers[i].num_experts,
+            )
+            for i in biased
+        ]
+    )
 
 
 def _bias(worker):
@@ -81,16 +90,21 @@ def _bias(worker):
 # ---------------------------------------------------------------------------- gate-bias update
 
 
-@pytest.mark.parametrize("batching", [{}, {"sequence_packing": {"train_mb_tokens": 24}}],
-                         ids=["fixed", "packed"])
+@pytest.mark.parametrize(
+    "batching", [{}, {"sequence_packing": {"train_mb_tokens": 24}}], ids=["fixed", "packed"]
+)
 def test_bias_moves_by_rate_times_sign_of_the_whole_steps_load(moe_paths, batching):
-    worker = _worker(moe_paths["deepseek_v3"], train_micro_batch_size=1,
-                     dtensor_cfg={"moe_router_bias_update_rate": RATE}, **batching)
+    worker = _worker(
+        moe_paths["deepseek_v3"],
+        train_micro_batch_size=1,
+        dtensor_cfg={"moe_router_bias_update_rate": RATE},
+        **batching,
+    )
     data = _batch()
     want_load = _load_by_count(worker, data)
     before = _bias(worker)
     worker.train(data, NLLLoss())
-    (name, load), = worker.state.moe.last_step_load.items()
+    ((name, load),) = worker.state.moe.last_step_load.items()
     assert torch.equal(load, want_load[0]) and int(load.sum()) == sum(LENGTHS) * 2
     mean = load.double().mean()
     step = torch.where(load > mean, -RATE, torch.where(load < mean, RATE, 0.0)).float()
@@ -149,9 +163,13 @@ def test_bias_balances_a_skewed_router_and_stays_fp32_through_checkpoint_and_ref
         model.model.layers[1].mlp.gate.weight.normal_(0, 0.5)
     model.save_pretrained(tmp_path / "ds8")
     path = str(tmp_path / "ds8")
-    worker = _worker(path, precision="bfloat16", train_global_batch_size=8,
-                     optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-4}},
-                     dtensor_cfg={"moe_router_bias_update_rate": 0.02})
+    worker = _worker(
+        path,
+        precision="bfloat16",
+        train_global_batch_size=8,
+        optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-4}},
+        dtensor_cfg={"moe_router_bias_update_rate": 0.02},
+    )
     (router,) = worker.state.moe.routers
     with torch.no_grad():  # experts 0 and 1 preferred; the update must undo the skew
         router.bias.copy_(torch.tensor([0.3, 0.3, 0, 0, 0, 0, 0, 0]))
@@ -166,9 +184,11 @@ def test_bias_balances_a_skewed_router_and_stays_fp32_through_checkpoint_and_ref
     trained = _bias(worker)
     worker.save_checkpoint(str(tmp_path / "weights"), str(tmp_path / "optimizer"))
     worker.finalize_async_save()
-    restored = PolicyWorker(make_config(path, precision="bfloat16"),
-                            weights_path=str(tmp_path / "weights"),
-                            optimizer_path=str(tmp_path / "optimizer"))
+    restored = PolicyWorker(
+        make_config(path, precision="bfloat16"),
+        weights_path=str(tmp_path / "weights"),
+        optimizer_path=str(tmp_path / "optimizer"),
+    )
     for name, bias in _bias(restored).items():
         assert bias.dtype == torch.float32 and torch.equal(bias, trained[name])
 
@@ -189,21 +209,29 @@ def test_each_router_rule_reproduces_its_routers_weights_bitwise(moe_paths, mode
     from policyworker.functional.moe import gate_weights_at
 
     worker = _worker(moe_paths[model_type], router_replay={})
-    hidden = torch.randn(40, worker.model.config.hidden_size, generator=torch.Generator()
-                         .manual_seed(0))
+    hidden = torch.randn(
+        40, worker.model.config.hidden_size, generator=torch.Generator().manual_seed(0)
+    )
     for router in worker.state.moe.routers:
         for dtype in (torch.float32, torch.bfloat16):
-            with torch.no_grad(), torch.autocast("cpu", dtype=dtype,
-                                                 enabled=dtype != torch.float32):
+            with (
+                torch.no_grad(),
+                torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32),
+            ):
                 logits, weights, experts = router.module(hidden)
                 again = gate_weights_at(logits, experts, worker.state.moe.rule)
             assert again.dtype == weights.dtype and torch.equal(again, weights)
 
 
-@pytest.mark.parametrize("batching", [
-    {}, {"sequence_packing": {"train_mb_tokens": 24}},
-    {"dynamic_batching": {"train_mb_tokens": 24, "sequence_length_round": 4}},
-], ids=["fixed", "packed", "dynamic"])
+@pytest.mark.parametrize(
+    "batching",
+    [
+        {},
+        {"sequence_packing": {"train_mb_tokens": 24}},
+        {"dynamic_batching": {"train_mb_tokens": 24, "sequence_length_round": 4}},
+    ],
+    ids=["fixed", "packed", "dynamic"],
+)
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_replaying_the_models_own_routes_is_bitwise_neutral(moe_paths, model_type, batching):
     data = _batch()
@@ -247,8 +275,10 @@ def test_missing_routes_fall_back_to_the_models_own_router(moe_paths):
     data = _batch()
     own = _own_routes(worker, data)
     unrecorded = torch.full_like(own, MISSING_ROUTE)
-    assert torch.equal(worker.get_logprobs(dict(data, routed_experts=unrecorded))["logprobs"],
-                       worker.get_logprobs(dict(data, routed_experts=own))["logprobs"])
+    assert torch.equal(
+        worker.get_logprobs(dict(data, routed_experts=unrecorded))["logprobs"],
+        worker.get_logprobs(dict(data, routed_experts=own))["logprobs"],
+    )
 
 
 def _bad_routes(kind, good):
@@ -276,8 +306,9 @@ def _bad_routes(kind, good):
     return good.tolist()
 
 
-@pytest.mark.parametrize("kind", ["ndim", "seq", "top_k", "layers", "range", "partial",
-                                  "duplicate", "float", "list"])
+@pytest.mark.parametrize(
+    "kind", ["ndim", "seq", "top_k", "layers", "range", "partial", "duplicate", "float", "list"]
+)
 def test_bad_routes_raise_a_value_error_naming_the_key(moe_paths, kind):
     worker = _worker(moe_paths["mixtral"], router_replay={})
     data = _batch()
@@ -305,8 +336,10 @@ def test_full_layer_layout_is_accepted(moe_paths):
     data = _batch()
     own = _own_routes(worker, data)  # [B, S, 1, K]: the one MoE layer
     full = torch.cat([torch.full_like(own, MISSING_ROUTE), own], dim=2)
-    assert torch.equal(worker.get_logprobs(dict(data, routed_experts=full))["logprobs"],
-                       worker.get_logprobs(dict(data, routed_experts=own))["logprobs"])
+    assert torch.equal(
+        worker.get_logprobs(dict(data, routed_experts=full))["logprobs"],
+        worker.get_logprobs(dict(data, routed_experts=own))["logprobs"],
+    )
 
 
 def test_router_replay_on_a_dense_model_is_refused_at_construction(tiny_model_paths):
