@@ -164,7 +164,8 @@ class DraftTrainer:
             )
             raise ValueError(msg)
         layers = _decoder_layers(policy)
-        if layers is None or policy.get_output_embeddings() is None:
+        hf: Any = policy  # an HF PreTrainedModel: embeddings and head accessors
+        if layers is None or hf.get_output_embeddings() is None:
             msg = (
                 f"policy.draft needs a causal LM with decoder layers and an LM head; "
                 f"{type(policy).__name__} has no such layout; remove policy.draft"
@@ -186,8 +187,8 @@ class DraftTrainer:
         )
         self.max_grad_norm = cfg.max_grad_norm
         self._handles = [
-            policy.get_input_embeddings().register_forward_hook(self._keep("embeds")),
-            policy.get_output_embeddings().register_forward_hook(self._keep("logits")),
+            hf.get_input_embeddings().register_forward_hook(self._keep("embeds")),
+            hf.get_output_embeddings().register_forward_hook(self._keep("logits")),
         ]
         for index in self.aux_layers:
             self._handles.append(layers[index].register_forward_hook(self._keep(f"aux{index}")))
@@ -198,7 +199,8 @@ class DraftTrainer:
             config = _draft_config(policy.config, self.cfg.num_layers or 1)
             draft = Eagle3Draft(config, num_aux=len(self.aux_layers))
             with torch.no_grad():  # NeMo-RL: no draft LM head given -> start from the policy's
-                draft.lm_head.weight.copy_(policy.get_output_embeddings().weight)
+                hf: Any = policy
+                draft.lm_head.weight.copy_(hf.get_output_embeddings().weight)
             return draft
         from transformers import LlamaConfig
 
@@ -273,6 +275,7 @@ class DraftTrainer:
             return
         if applied:
             limit = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
+            assert self.model is not None  # an optimizer exists only with a draft
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
             if bool(torch.isfinite(norm)):  # a non-finite draft gradient skips the draft's step
                 self.optimizer.step()

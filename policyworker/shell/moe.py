@@ -74,8 +74,9 @@ class _Router:
         self.name = name
         self.layer = layer
         self.module = module
-        self.num_experts = int(module.weight.shape[0])
-        self.top_k = int(module.top_k)
+        gate: Any = module  # HF router: `weight` [experts, hidden] and `top_k`
+        self.num_experts = int(gate.weight.shape[0])
+        self.top_k = int(gate.top_k)
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -88,7 +89,7 @@ class MoeRouting:
 
     def __init__(self, model: nn.Module, cfg: Any, parallel: Any) -> None:
         self.parallel = parallel
-        self.config = model.config
+        self.config: Any = model.config
         self.rate = float(cfg.dtensor_cfg.moe_router_bias_update_rate)
         self.replay_enabled = cfg.router_replay is not None
         self.routers = _find_routers(model)
@@ -250,7 +251,9 @@ class MoeRouting:
         delta_RE = balancing_bias_update(load_RE, self.rate)
         with torch.no_grad():
             for router, load, delta in zip(self.biased, load_RE, delta_RE, strict=True):
-                router.bias.add_(delta.to(router.bias.device, router.bias.dtype))
+                bias = router.bias
+                assert bias is not None  # `biased` holds routers with a bias only
+                bias.add_(delta.to(bias.device, bias.dtype))
                 self.last_step_load[router.name] = load.cpu()
 
     # ------------------------------------------------------------------------------ hooks
@@ -288,15 +291,18 @@ class MoeRouting:
             raise ValueError(msg)
 
     def _replay(self, index, logits, weights, experts):
-        recorded_NK = self._routes_NLK[:, self._payload[index]]
+        routes_NLK, rule = self._routes_NLK, self.rule
+        assert routes_NLK is not None and rule is not None  # replay runs only with both
+        recorded_NK = routes_NLK[:, self._payload[index]]
         self._tokens_check("routed_experts", experts.shape[0], recorded_NK.shape[0])
         forced = effective_routes(experts, recorded_NK)
         if torch.equal(forced, experts):
             return experts, weights
-        return forced, gate_weights_at(logits, forced, self.rule).to(weights.dtype)
+        return forced, gate_weights_at(logits, forced, rule).to(weights.dtype)
 
     def _count(self, router: _Router, experts_NK: torch.Tensor) -> torch.Tensor:
         valid_N = self._valid_N
+        assert valid_N is not None  # set by begin_microbatch before any forward
         self._tokens_check("input_lengths", experts_NK.shape[0], valid_N.numel())
         used = experts_NK[valid_N.to(experts_NK.device)].reshape(-1)
         return torch.bincount(used.detach().cpu(), minlength=router.num_experts)
