@@ -2,8 +2,9 @@
 
 ``HFWeightReceiver(target, *, address, refit_info, atomic=False, timeout_s=120.0)`` serves ZMQ
 refits (``receive()``) into ``target``: a Hugging Face ``nn.Module`` (tensors are copied by name
-into its live state; per-expert checkpoint tensors land in their slice of transformers-5 fused
-experts; a tied ``lm_head`` follows the embedding) or a bare ``load_weights(iterable)`` callable
+into its live state at the place transformers' checkpoint conversion gives them, e.g. a
+per-expert tensor in its slice of a fused MoE tensor; a tied ``lm_head`` follows the
+embedding) or a bare ``load_weights(iterable)`` callable
 (vLLM style; the tensors it is given are only valid during the call, it must copy them).
 
 Other transports reuse the same validation and apply path through ``begin_refit`` /
@@ -27,7 +28,9 @@ from torch import nn
 
 from policyworker.errors import RefitError
 from policyworker.functional.buckets import TensorSpec
-from policyworker.functional.names import canonical_name, expert_slot
+from policyworker.functional.names import canonical_name, is_lora_param, pieces_by_checkpoint_name
+from policyworker.shell.refit.hf_names import checkpoint_layout
+from policyworker.shell.refit.params import tie_word_embeddings
 from policyworker.shell.refit.wire import (
     ProtocolError,
     check_manifest,
@@ -62,16 +65,24 @@ class RefitReport:
 
 
 def _module_destinations(module: nn.Module, expected: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
-    """The live tensor (or fused-expert slice) each HF name is written into."""
+    """The live tensor (or the piece of one, e.g. an expert of a fused MoE tensor) each
+    checkpoint name is written into: the module's own checkpoint layout, as transformers
+    saves it."""
     state = {canonical_name(k): v for k, v in module.state_dict(keep_vars=True).items()}
+    saved = {n: v for n, v in state.items() if not is_lora_param(n)}
+    if tie_word_embeddings(module):
+        saved.pop("lm_head.weight", None)  # follows the embedding, as save_pretrained leaves it out
+    layout = checkpoint_layout(module, {n: v.shape for n, v in saved.items()})
+    located = pieces_by_checkpoint_name(layout)
     dests: dict[str, torch.Tensor] = {}
     problems: list[str] = []
     for name, (shape, _) in expected.items():
-        slot = expert_slot(name)
-        if name in state:
+        if name in located:
+            source, piece = located[name]
+            live = state[source]
+            dest = live if piece.is_whole(live.shape) else piece.view_of(live.detach())
+        elif name in state:  # e.g. a tied lm_head.weight sent anyway
             dest = state[name]
-        elif slot is not None and slot.fused_name in state:
-            dest = slot.view_of(state[slot.fused_name])
         else:
             problems.append(f"{name!r}: no such parameter or buffer")
             continue

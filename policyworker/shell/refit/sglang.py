@@ -178,8 +178,30 @@ def deserialize_payload(data: bytes) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- sender
 
 
+# How long one engine call (a Ray ObjectRef) may take before the refit fails.
+ENGINE_CALL_TIMEOUT_S = 600.0
+
+
+def _call_engine(engine: Any, method: str, **kwargs: Any) -> Any:
+    """Call ``engine.<method>(**kwargs)``; a Ray actor handle's method is called with
+    ``.remote(...)`` (a direct call raises in Ray), anything else directly."""
+    bound = getattr(engine, method)
+    remote = getattr(bound, "remote", None)
+    return remote(**kwargs) if callable(remote) else bound(**kwargs)
+
+
+def _is_ray_object_ref(result: Any) -> bool:
+    kind = type(result)
+    return kind.__name__ == "ObjectRef" and kind.__module__.split(".")[0] == "ray"
+
+
 def _resolve(result: Any) -> Any:
-    """Await an engine call's result: sync value, ``.result()`` future/ObjectRef, or awaitable."""
+    """Await an engine call's result: sync value, Ray ObjectRef (``ray.get`` with a timeout),
+    ``.result()`` future, or awaitable."""
+    if _is_ray_object_ref(result):
+        import ray
+
+        return ray.get(result, timeout=ENGINE_CALL_TIMEOUT_S)
     if inspect.isawaitable(result):
         try:
             asyncio.get_running_loop()
@@ -189,9 +211,6 @@ def _resolve(result: Any) -> Any:
         raise RuntimeError(msg)
     if hasattr(result, "result") and callable(result.result):
         return result.result()
-    get = getattr(result, "get", None)
-    if type(result).__name__ == "ObjectRef" and callable(get):
-        return get()
     return result
 
 
@@ -272,9 +291,9 @@ def update_weights_to_sglang_colocated(
         per_rank = gather(data) if gather is not None and num_gpus_per_engine > 1 else [data]
         if is_src:
             assert per_rank is not None
-            reply = _resolve(engine.update_weights_from_tensor(
-                serialized_named_tensors=per_rank, load_format=LOAD_FORMAT, flush_cache=last,
-                weight_version=str(weight_version)))
+            reply = _resolve(_call_engine(
+                engine, "update_weights_from_tensor", serialized_named_tensors=per_rank,
+                load_format=LOAD_FORMAT, flush_cache=last, weight_version=str(weight_version)))
             _check_reply(reply, engine=engine_index, call=num_calls)
             num_calls += 1
         del payload, data, per_rank
