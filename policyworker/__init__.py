@@ -14,7 +14,11 @@ __all__ = [
     "PolicyConfig",
     "PolicyWorker",
     "__version__",
+    "decode_refit_info",
+    "encode_refit_info",
+    "flatten_train_metrics",
     "load_config",
+    "set_verbosity",
 ]
 
 _LAZY = {
@@ -23,6 +27,10 @@ _LAZY = {
     "PolicyConfig": ("policyworker.config", "PolicyConfig"),
     "load_config": ("policyworker.config", "load_config"),
     "BatchedDataDict": ("policyworker.data", "BatchedDataDict"),
+    "encode_refit_info": ("policyworker.functional.dtypes", "encode_refit_info"),
+    "decode_refit_info": ("policyworker.functional.dtypes", "decode_refit_info"),
+    "flatten_train_metrics": ("policyworker.functional.metrics", "flatten_train_metrics"),
+    "set_verbosity": ("policyworker.shell.logs", "set_verbosity"),
 }
 
 

@@ -48,6 +48,7 @@ from policyworker.shell import model as model_lib
 from policyworker.shell import parallel as parallel_lib
 from policyworker.shell.distributed import ParallelContext
 from policyworker.shell.fusion import fuse_elementwise
+from policyworker.shell.logs import apply_env_verbosity, quiet_progress_bars, startup_summary
 from policyworker.shell.optim import build_optimizer, build_scheduler
 
 __all__ = ["AutomodelPolicyWorker", "PolicyWorker"]
@@ -97,6 +98,7 @@ class PolicyWorker:
         init_reference_model: bool = True,
         **kwargs: Any,
     ) -> None:
+        apply_env_verbosity()
         self.cfg = config if isinstance(config, PolicyConfig) else load_config(config)
         dcfg = self.cfg.dtensor_cfg
         self.parallel: ParallelContext = kwargs.pop("parallel", None) or ParallelContext.from_environment(
@@ -118,8 +120,9 @@ class PolicyWorker:
         self.device = self.parallel.device
         self.dtype = precision_dtype(self.cfg.precision)
         weights_folder = _hf_weights_folder(weights_path)
-        self.model, self.tokenizer = model_lib.load_policy_model(
-            self.cfg, device=self.device, weights_from=weights_folder)
+        with quiet_progress_bars():
+            self.model, self.tokenizer = model_lib.load_policy_model(
+                self.cfg, device=self.device, weights_from=weights_folder)
         self.lora_module_names: list[str] = []
         if dcfg.lora_cfg is not None:
             from policyworker.shell.lora import apply_lora
@@ -142,8 +145,11 @@ class PolicyWorker:
         if weights_path is not None or optimizer_path is not None:
             from policyworker.shell import checkpoint
 
-            checkpoint.load_checkpoint_at_init(self, weights_path, optimizer_path,
-                                               weights_loaded=weights_folder is not None)
+            with quiet_progress_bars():
+                checkpoint.load_checkpoint_at_init(self, weights_path, optimizer_path,
+                                                   weights_loaded=weights_folder is not None)
+        if self.parallel.rank == 0:
+            log.info("%s", startup_summary(self))
 
     # ------------------------------------------------------------------------------ seams
 
@@ -919,18 +925,21 @@ class PolicyWorker:
                         ) -> None:
         from policyworker.shell import checkpoint
 
-        checkpoint.save_checkpoint(self, weights_path, optimizer_path, tokenizer_path,
-                                   is_final_checkpoint=is_final_checkpoint)
+        with quiet_progress_bars():
+            checkpoint.save_checkpoint(self, weights_path, optimizer_path, tokenizer_path,
+                                       is_final_checkpoint=is_final_checkpoint)
 
     def finalize_async_save(self) -> None:
         from policyworker.shell import checkpoint
 
-        checkpoint.finalize_async_save(self)
+        with quiet_progress_bars():
+            checkpoint.finalize_async_save(self)
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         from policyworker.shell import checkpoint
 
-        checkpoint.load_checkpoint(self, weights_path, optimizer_path)
+        with quiet_progress_bars():
+            checkpoint.load_checkpoint(self, weights_path, optimizer_path)
 
     # ------------------------------------------------------------------------------ misc
 
@@ -966,7 +975,11 @@ class PolicyWorker:
         return True
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}[rank={self.parallel.rank}]"
+        p = self.parallel
+        return (f"{type(self).__name__}(model={self.cfg.model_name!r}, "
+                f"precision={str(self.dtype).removeprefix('torch.')}, device={self.device}, "
+                f"dp×cp×tp={p.dp_size}×{p.cp_size}×{p.tp_size}, rank={p.rank}/{p.world_size}, "
+                f"attention={getattr(self.model.config, '_attn_implementation', '?')!r})")
 
     def shutdown(self) -> bool:
         if self._refit_sender is not None:
