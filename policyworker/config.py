@@ -14,6 +14,7 @@ without `enabled`, or with `enabled: true`, is enabled and structures to its cla
 error) but their values are not read. `PolicyConfig` has `*_enabled` properties for consumers.
 """
 
+import difflib
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ from policyworker.errors import ConfigError
 
 __all__ = [
     "IGNORED_NEMO_RL_KEYS",
+    "PRECISION_ALIASES",
     "AttnImplementation",
     "ColocatedConfig",
     "ConfigWarning",
@@ -557,6 +559,26 @@ def _structure_dict_or_none_as_empty(value: Any, type_: Any) -> dict[str, Any]:
     return {} if value is None else _structure_any_dict(value, type_)
 
 
+# Precision spellings that mean a canonical name (as `functional.dtypes.precision_dtype` reads
+# them); the config stores the canonical one, so `precision: bf16` round-trips as "bfloat16".
+PRECISION_ALIASES: Final[Mapping[str, str]] = MappingProxyType({
+    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+    "float": "float32",
+})
+
+
+def _structure_precision(value: Any, type_: Any) -> Any:
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        value = PRECISION_ALIASES.get(key, key)
+    try:
+        return _structure_literal(value, type_)
+    except _InvalidValue:
+        raise _InvalidValue(
+            f"{value!r} is not a precision; use one of {', '.join(get_args(type_))} "
+            f"(aliases: {', '.join(PRECISION_ALIASES)})") from None
+
+
 def _is_literal(type_: Any) -> bool:
     return get_origin(type_) is Literal
 
@@ -702,6 +724,7 @@ def _with_validator(
 # {}, and `scheduler` is a mapping or a list with a milestones item (see SchedulerConfig).
 _FIELD_HOOKS: Final[dict[tuple[type[Any], str], Callable[[Any, Any], Any]]] = {
     (PolicyConfig, "hf_config_overrides"): _structure_dict_or_none_as_empty,
+    (PolicyConfig, "precision"): _structure_precision,
     (PolicyConfig, "scheduler"): _structure_scheduler,
 }
 
@@ -789,6 +812,16 @@ def load_config(mapping: Mapping[str, Any]) -> PolicyConfig:
         raise ConfigError(msg + "\n  ".join(lines)) from None
 
 
+def _did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
+    """'; did you mean tensor_parallel_size for tensor_paralel_size?' (or '' with no close match)."""
+    guesses = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+        if close:
+            guesses.append(f"{close[0]!r} for {key!r}")
+    return f"; did you mean {', '.join(guesses)}?" if guesses else ""
+
+
 def config_to_dict(cfg: PolicyConfig) -> dict[str, Any]:
     """Plain JSON-able mapping (NeMo-RL key names) with `load_config(config_to_dict(c)) == c`."""
     result: dict[str, Any] = converter.unstructure(cfg)
@@ -814,7 +847,9 @@ def _error_lines(exc: BaseException, path: str, type_: Any) -> list[str]:
 
 def _message(exc: BaseException, type_: Any) -> str:
     if isinstance(exc, ForbiddenExtraKeysError):
-        return f"extra fields found ({', '.join(sorted(map(str, exc.extra_fields)))})"
+        known = [f.name for f in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
+        return (f"extra fields found ({', '.join(sorted(map(str, exc.extra_fields)))})"
+                + _did_you_mean(sorted(map(str, exc.extra_fields)), known))
     if isinstance(exc, KeyError):
         return "required field missing"
     if isinstance(exc, ValueError | TypeError) and exc.args and isinstance(exc.args[0], str):

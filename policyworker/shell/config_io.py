@@ -26,6 +26,7 @@ from policyworker.errors import ConfigError
 __all__ = [
     "apply_overrides",
     "load_config_file",
+    "load_loss_fn_config",
     "log_config",
     "parse_override",
     "read_config_document",
@@ -262,6 +263,24 @@ def load_config_file(path: str | pathlib.Path, *, overrides: Iterable[str] = ())
     else:
         document = policy
     return load_config(select_policy(resolve_interpolations(document), source=source))
+
+
+def load_loss_fn_config(path: str | pathlib.Path, *, section: str = "loss_fn") -> dict[str, Any]:
+    """The `loss_fn:` block of a NeMo-RL YAML/JSON file, interpolations resolved, as a mapping.
+
+    Pass it to the loss class it configures: `ClippedPGLossFn(load_loss_fn_config(path))`
+    (NeMo-RL's GRPO `loss_fn:`), or `DPOLossFn(load_loss_fn_config(path, section="dpo"))`
+    (NeMo-RL keeps the DPO loss keys in its `dpo:` block). The loss class checks the keys and
+    names any it does not know.
+    """
+    document = resolve_interpolations(read_config_document(path))
+    block = document.get(section) if isinstance(document, Mapping) else None
+    if not isinstance(block, Mapping):
+        found = sorted(document) if isinstance(document, Mapping) else type(document).__name__
+        msg = (f"{path}: no `{section}:` mapping at the top level (found {found}); add the "
+               f"block or pass section= naming the one that holds the loss keys")
+        raise ConfigError(msg)
+    return dict(block)
 
 
 def log_config(cfg: PolicyConfig) -> str:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from policyworker.config import (
     IGNORED_NEMO_RL_KEYS,
+    PRECISION_ALIASES,
     AttnImplementation,
     ColocatedConfig,
     ConfigWarning,
@@ -235,7 +236,11 @@ def test_every_typo_is_reported_with_its_path(cfg, data):
     parent, key = data.draw(st.sampled_from(keys_in(tree)))
     node = node_at(tree, parent)
     node[f"{key}_typo"] = node.pop(key)
-    assert f"extra fields found ({key}_typo) @ {dotted(parent)}" in error_lines(tree)
+    found = [line for line in error_lines(tree)
+             if line.startswith(f"extra fields found ({key}_typo)")]
+    assert len(found) == 1 and found[0].endswith(f" @ {dotted(parent)}")
+    guess = re.search(r"; did you mean '(\w+)' for '(\w+)'\?", found[0])
+    assert guess is None or (guess[1] in (key, *node) and guess[2] == f"{key}_typo")
 
 
 @settings(max_examples=40)
@@ -273,7 +278,7 @@ FULL: dict[str, Any] = {
 BAD_VALUES = [  # (path, value, phrase of the message)
     ("model_name", "", "must not be empty"),
     ("model_name", 3, "expected a string"),
-    ("precision", "bf16", r"'bf16' is not one of 'float32', 'bfloat16', 'float16'"),
+    ("precision", "bf17", r"'bf17' is not a precision; use one of float32, bfloat16, float16"),
     ("train_global_batch_size", 0, "must be >= 1"),
     ("train_global_batch_size", "32", "expected an integer"),
     ("train_global_batch_size", 32.0, "expected an integer"),
@@ -348,8 +353,9 @@ def test_scheduler_problems_carry_list_indices():
     tree = set_dotted(FULL, "scheduler", [{"name": "torch.optim.lr_scheduler.LinearLR", "kwarg": {}},
                                           {"nme": "x"}, {"milestones": [5, "ten"]}])
     lines = error_lines(tree)
-    assert "extra fields found (kwarg) @ policy.scheduler[0]" in lines
-    assert "extra fields found (nme) @ policy.scheduler[1]" in lines
+    assert ("extra fields found (kwarg); did you mean 'kwargs' for 'kwarg'? "
+            "@ policy.scheduler[0]") in lines
+    assert "extra fields found (nme); did you mean 'name' for 'nme'? @ policy.scheduler[1]" in lines
     assert "required field missing @ policy.scheduler[1].name" in lines
     assert "expected an integer, got 'ten' (str) @ policy.scheduler[2].milestones[1]" in lines
 
@@ -365,14 +371,25 @@ def test_missing_model_name_and_non_mapping_sections():
 
 def test_api_example_line_is_exact():
     lines = error_lines({"model_name": "m", "dtensor_cfg": {"tensor_paralel_size": 2}})
-    assert lines == ["extra fields found (tensor_paralel_size) @ policy.dtensor_cfg"]
+    assert lines == ["extra fields found (tensor_paralel_size); did you mean "
+                     "'tensor_parallel_size' for 'tensor_paralel_size'? @ policy.dtensor_cfg"]
+
+
+def test_precision_aliases_store_the_full_name():
+    for alias, full in PRECISION_ALIASES.items():
+        assert load_config({"model_name": "m", "precision": alias.upper()}).precision == full
+    assert load_config({"model_name": "m", "precision": "torch.bfloat16"}).precision == "bfloat16"
+    assert error_lines({"model_name": "m", "precision": "int8"}) == [
+        "'int8' is not a precision; use one of float32, bfloat16, float16 "
+        "(aliases: bf16, fp16, half, fp32, float) @ policy.precision"]
 
 
 def test_a_disabled_section_still_rejects_a_typo_but_not_its_values():
     cfg = load_config({"model_name": "m", "sequence_packing": {"enabled": False, "train_mb_tokens": "x"}})
     assert not cfg.sequence_packing_enabled
     assert error_lines({"model_name": "m", "sequence_packing": {"enabled": False, "algoritm": "x"}}) == [
-        "extra fields found (algoritm) @ policy.sequence_packing"]
+        "extra fields found (algoritm); did you mean 'algorithm' for 'algoritm'? "
+        "@ policy.sequence_packing"]
 
 
 # --- NeMo-RL keys this worker does not read ----------------------------------------------------
