@@ -29,6 +29,11 @@ from policyworker.errors import RefitError
 from policyworker.functional.buckets import TensorSpec
 from policyworker.functional.names import canonical_name, expert_slot
 from policyworker.shell.transports.wire import ProtocolError, check_manifest, dtype_name
+from policyworker.shell.transports.zmq_checks import (
+    answer_refusal,
+    cancel_refusal,
+    check_receiver_address,
+)
 from policyworker.shell.transports.zmq_ipc import (
     RefitServer,
     ZmqIpcReceiver,
@@ -281,7 +286,16 @@ class HFWeightReceiver:
         if not refit_info:
             msg = "refit_info is empty; pass the trainer's prepare_refit_info() result"
             raise ValueError(msg)
-        self.applier = WeightApplier(target, refit_info, atomic=atomic)
+        if address is not None:
+            check_receiver_address(address)
+            cancel_refusal(address)  # an earlier refused receiver here no longer answers
+        try:
+            self.applier = WeightApplier(target, refit_info, atomic=atomic)
+        except ValueError as exc:
+            if address is not None:  # tell the sender now, not after its timeout
+                answer_refusal(address, f"the receiver refused refit_info when it was built: "
+                                        f"{exc}", timeout_s=timeout_s)
+            raise
         self.refit_info = self.applier.expected
         self.address = address
         self._server = RefitServer(self.applier)
@@ -320,6 +334,7 @@ class HFWeightReceiver:
         if self._socket is None:
             msg = "receive() needs a ZMQ address; this receiver was built with address=None"
             raise ValueError(msg)
+        check_receiver_address(self.address)  # the trainer may have shut down since
         return self._socket.serve(self._server)
 
     def begin_refit(self, manifest: Mapping[str, Any] | Sequence[TensorSpec]) -> None:

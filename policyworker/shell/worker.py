@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from policyworker.config import PolicyConfig, load_config, validate_for_world
-from policyworker.data import BatchedDataDict, validate_batch
+from policyworker.data import BatchedDataDict, check_loss_fn, train_required_keys, validate_batch
 from policyworker.functional import batching
 from policyworker.functional.dtypes import precision_dtype
 from policyworker.functional.logprobs import (
@@ -39,7 +39,7 @@ from policyworker.functional.logprobs import (
     logprobs_with_leading_zero,
     sampling_filters_active,
 )
-from policyworker.functional.loss import LossInputType, LossType
+from policyworker.functional.loss import LossInputType
 from policyworker.functional.metrics import scale_microbatch_metrics
 from policyworker.functional.packing import pack, packed_position_ids, unpack
 from policyworker.functional.padding import mask_from_lengths
@@ -369,11 +369,10 @@ class PolicyWorker:
               check_dim_skip_keys: Any = None) -> dict[str, Any]:
         """Train on every whole global batch of `data` (one optimizer step per global batch)."""
         skip = tuple(check_dim_skip_keys or ())
-        self._validate(data, required=("input_ids", "input_lengths", "sample_mask"), skip=skip)
-        if loss_fn.loss_type == LossType.TOKEN_LEVEL and "token_mask" not in data:
-            msg = (f"data has no 'token_mask' but {type(loss_fn).__name__} is a token-level loss; "
-                   f"add token_mask [B, S] (1 = token counts)")
-            raise ValueError(msg)
+        check_loss_fn(loss_fn)
+        validate_batch(data, required=train_required_keys(loss_fn), check_dim_skip_keys=skip,
+                       needed_by=f"train() with {type(loss_fn).__name__}")
+        self._validate(data, skip=skip)
         if not eval_mode and self.optimizer is None:
             msg = "train() needs an optimizer but the worker was built with init_optimizer=False"
             raise ValueError(msg)

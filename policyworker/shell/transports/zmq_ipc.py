@@ -18,6 +18,7 @@ copy launch.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import secrets
 import shutil
@@ -76,6 +77,7 @@ __all__ = [
     "ZmqIpcSender",
 ]
 
+log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _ABORT_TIMEOUT_S = 2.0
 
@@ -309,6 +311,7 @@ class ZmqIpcSender:
         self._kept_bytes = 0
         self._plan: Sequence[IpcBucket] | None = None  # the plan the staging caches were made for
         self._manifest: tuple[Sequence[TensorSpec], bytes] | None = None  # (specs object, frame)
+        self._sock()  # bound now: a socket exists wherever an address was handed out
 
     @property
     def live_staging_bytes(self) -> int:
@@ -469,6 +472,7 @@ class ZmqIpcSender:
                     raise RefitError(msg)
             return items
 
+        self._note_wait(timeout_s)
         try:
             request(self._begin_frames(specs, transport), "begin")
             begun = True  # its reply is settled by the first bucket's request: the receiver checks
@@ -533,6 +537,13 @@ class ZmqIpcSender:
         finally:
             if transport == "cuda":
                 torch.cuda.ipc_collect()
+
+    def _note_wait(self, timeout_s: float) -> None:
+        """Log where the sender waits when no receiver is connected yet (REQ is not writable)."""
+        if not self._sock().poll(0, zmq.POLLOUT):
+            log.info("refit rank %d: waiting up to %g s for a receiver at %s (build "
+                     "HFWeightReceiver(address=...) there and call receive())",
+                     self.rank, timeout_s, self.address)
 
     def _abort(self, pending: str | None, reason: str) -> None:
         """Tell the receiver the refit is off (best effort, short timeout; rebuild on failure)."""
