@@ -187,3 +187,39 @@ def test_the_sender_says_where_it_waits(caplog):
     assert any(f"waiting up to 30 s for a receiver at {address}" in r.getMessage()
                for r in caplog.records)
     sender.close()
+
+
+# ---------------------------------------------------------------------------- demo --plot
+
+
+def test_plot_without_matplotlib_or_folder_fails_before_the_run(monkeypatch, tmp_path, capsys):
+    from policyworker import cli
+
+    started = []
+    monkeypatch.setattr("policyworker.demo.loop.run_demo", lambda opts: started.append(opts))
+    real = cli._can_import
+    monkeypatch.setattr(cli, "_can_import", lambda m: m != "matplotlib" and real(m))
+    assert cli.main(["demo", "--plot", str(tmp_path / "curve.png")]) == 2
+    assert ("--plot " + str(tmp_path / "curve.png") + ": the chart needs matplotlib, which is "
+            "not installed; pip install 'policyworker[plot]'") in capsys.readouterr().err
+    monkeypatch.setattr(cli, "_can_import", lambda m: True)
+    assert cli.main(["demo", "--plot", str(tmp_path / "no" / "curve.png")]) == 2
+    assert f"the folder {tmp_path / 'no'} does not exist" in capsys.readouterr().err
+    assert started == []  # the demo never ran
+
+
+def test_plot_has_a_legend_for_both_curves_and_whole_step_ticks(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib", reason="the `plot` extra (installed by the test extra)")
+    import matplotlib.pyplot as plt
+
+    from policyworker.demo import report
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to inspect it
+    assert report.save_plot(str(tmp_path / "c.png"), [0.1, 0.5, 0.9], [0.0, 0.2, 0.4])
+    assert (tmp_path / "c.png").stat().st_size > 0
+    ax = figures[0].axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "reward (mean per step)", "kl to reference"]
+    ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
+    assert ticks and all(float(t).is_integer() for t in ticks)
