@@ -136,7 +136,7 @@ _COMPARE: dict[str, Callable[[float, float], bool]] = {
 }
 # Figures that mean nothing on a CPU run: MFU is against the GPU's bf16 peak, and peak GiB is
 # CUDA memory (0 without CUDA).
-_GPU_ONLY = re.compile(r"\bMFU\b|peak GiB|GiB peak", re.IGNORECASE)
+_GPU_ONLY = re.compile(r"\bMFU\b|peak GiB|GiB peak|^peak GiB$", re.IGNORECASE)
 
 
 def _finite(value: float | None) -> bool:
@@ -145,7 +145,7 @@ def _finite(value: float | None) -> bool:
 
 def meaningless_on_cpu(row: BenchRow) -> bool:
     """True for a figure that only means something on a GPU (MFU, CUDA peak memory)."""
-    return bool(_GPU_ONLY.search(row.metric) or _GPU_ONLY.search(row.unit))
+    return any(_GPU_ONLY.search(text) for text in (row.metric, row.unit, row.target))
 
 
 def row_verdict(row: BenchRow) -> str | None:
