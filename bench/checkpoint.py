@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from policyworker.shell import checkpoint as ck  # noqa: E402
-from policyworker.shell.distributed import ParallelContext  # noqa: E402
+from policyworker.shell.parallel.context import ParallelContext  # noqa: E402
 
 SHAPE_1P5B = dict(
     hidden_size=1536,
@@ -70,7 +70,8 @@ class _Worker:
             p.grad = torch.full_like(p, 1e-3)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.tokenizer, self.cfg, self._reference_state = None, None, None
+        self.tokenizer, self.cfg, self.reference_state = None, None, None
+        self.saver = ck.AsyncSaver()
         self.parallel = ParallelContext.single(device)
 
 

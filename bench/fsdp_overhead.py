@@ -35,9 +35,9 @@ from common import (  # noqa: E402
     write_results,
 )
 
-from policyworker.shell import collectives  # noqa: E402
-from policyworker.shell.distributed import ParallelContext  # noqa: E402
-from policyworker.shell.parallel import parallelize_model  # noqa: E402
+from policyworker.shell.parallel import collectives  # noqa: E402
+from policyworker.shell.parallel.context import ParallelContext  # noqa: E402
+from policyworker.shell.parallel.plans import parallelize_model  # noqa: E402
 
 
 def load_fp32(path: str) -> torch.nn.Module:

@@ -35,9 +35,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from policyworker.functional.buckets import IpcBucket, align_up  # noqa: E402
-from policyworker.shell.params import iter_refit_sources, refit_specs  # noqa: E402
-from policyworker.shell.refit import RefitSender  # noqa: E402
-from policyworker.shell.transports.zmq_ipc import CudaStaging, ShmStaging  # noqa: E402
+from policyworker.shell.refit.params import iter_refit_sources, refit_specs  # noqa: E402
+from policyworker.shell.refit.sender import RefitSender  # noqa: E402
+from policyworker.shell.refit.zmq_ipc import CudaStaging, ShmStaging  # noqa: E402
 
 SHAPES = {
     # hidden, intermediate, layers, heads, kv_heads, vocab, tied
@@ -99,8 +99,8 @@ def build_module(
 
 
 def run_receiver(args: argparse.Namespace) -> None:
-    from policyworker.shell.receiver import HFWeightReceiver
-    from policyworker.shell.transports.wire import DTYPES_BY_NAME
+    from policyworker.shell.refit.receiver import HFWeightReceiver
+    from policyworker.shell.refit.wire import DTYPES_BY_NAME
 
     torch.set_num_threads(1)
     spec = json.loads(Path(args.spec).read_text())

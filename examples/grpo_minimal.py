@@ -12,14 +12,17 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
 import policyworker
-from policyworker import PolicyWorker, decode_refit_info, encode_refit_info
-from policyworker.functional.loss import ClippedPGLossFn
+from policyworker import (
+    ClippedPGLossFn,
+    HFWeightReceiver,
+    PolicyWorker,
+    decode_refit_info,
+    encode_refit_info,
+)
 
 
 def inference_process(model_dir, address, refit_info, ids, results):
     """Stands in for vLLM/SGLang: its own copy of the model, updated only through the refit."""
-    from policyworker.shell.receiver import HFWeightReceiver
-
     hf_logging.disable_progress_bar()
     model = LlamaForCausalLM.from_pretrained(model_dir).eval()
     receiver = HFWeightReceiver(model, address=address, refit_info=decode_refit_info(refit_info))

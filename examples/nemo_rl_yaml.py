@@ -13,8 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
-from policyworker import PolicyWorker, flatten_train_metrics
-from policyworker.functional.loss import ClippedPGLossFn
+from policyworker import ClippedPGLossFn, PolicyWorker, flatten_train_metrics
 from policyworker.shell.config_io import load_config_file, load_loss_fn_config, log_config
 
 YAML = pathlib.Path(__file__).with_name("nemo_rl_grpo.yaml")

@@ -11,8 +11,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
 import policyworker
-from policyworker import PolicyWorker
-from policyworker.functional.loss import DPOLossFn, NLLLoss
+from policyworker import DPOLossFn, NLLLoss, PolicyWorker
 
 VOCAB, ROWS, SEQ = 64, 8, 10
 

@@ -1,37 +1,42 @@
 """policyworker: the training side of LLM reinforcement learning as a library.
 
-Public names are resolved lazily, so `import policyworker` imports neither torch nor
-transformers and has no side effects.
+What a user imports lives here: the worker, the receiver, the losses, the data dict, the config
+loader and the errors (`from policyworker import PolicyWorker, ClippedPGLossFn`). The names are
+resolved on first use (PEP 562), so `import policyworker` imports neither torch nor transformers
+and has no side effects.
 """
 
 from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AutomodelPolicyWorker",
-    "BatchedDataDict",
-    "PolicyConfig",
-    "PolicyWorker",
-    "__version__",
-    "decode_refit_info",
-    "encode_refit_info",
-    "flatten_train_metrics",
-    "load_config",
-    "set_verbosity",
-]
-
 _LAZY = {
-    "PolicyWorker": ("policyworker.shell.worker", "PolicyWorker"),
-    "AutomodelPolicyWorker": ("policyworker.shell.worker", "AutomodelPolicyWorker"),
-    "PolicyConfig": ("policyworker.config", "PolicyConfig"),
-    "load_config": ("policyworker.config", "load_config"),
-    "BatchedDataDict": ("policyworker.data", "BatchedDataDict"),
-    "encode_refit_info": ("policyworker.functional.dtypes", "encode_refit_info"),
-    "decode_refit_info": ("policyworker.functional.dtypes", "decode_refit_info"),
-    "flatten_train_metrics": ("policyworker.functional.metrics", "flatten_train_metrics"),
-    "set_verbosity": ("policyworker.shell.logs", "set_verbosity"),
+    "PolicyWorker": "policyworker.shell.worker",
+    "AutomodelPolicyWorker": "policyworker.shell.worker",
+    "HFWeightReceiver": "policyworker.shell.refit.receiver",
+    "PolicyConfig": "policyworker.config",
+    "load_config": "policyworker.config",
+    "BatchedDataDict": "policyworker.data",
+    "ClippedPGLossFn": "policyworker.functional.loss",
+    "DPOLossFn": "policyworker.functional.loss",
+    "NLLLoss": "policyworker.functional.loss",
+    "LossFunction": "policyworker.functional.loss",
+    "LossInputType": "policyworker.functional.loss",
+    "LossType": "policyworker.functional.loss",
+    "ConfigError": "policyworker.errors",
+    "DataError": "policyworker.errors",
+    "LoRAMergeError": "policyworker.errors",
+    "RefitError": "policyworker.errors",
+    "RefitTimeoutError": "policyworker.errors",
+    "TransportError": "policyworker.errors",
+    "UnknownParameterError": "policyworker.errors",
+    "encode_refit_info": "policyworker.functional.dtypes",
+    "decode_refit_info": "policyworker.functional.dtypes",
+    "flatten_train_metrics": "policyworker.functional.metrics",
+    "set_verbosity": "policyworker.shell.logs",
 }
+
+__all__ = sorted([*_LAZY, "__version__"])
 
 
 def __getattr__(name: str) -> Any:
@@ -40,8 +45,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(msg)
     import importlib
 
-    module_name, attribute = _LAZY[name]
-    value = getattr(importlib.import_module(module_name), attribute)
+    value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
 

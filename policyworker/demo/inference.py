@@ -88,7 +88,7 @@ def serve(conn: multiprocessing.connection.Connection, model_dir: str, device: s
     """Body of the inference process: answer requests until `close` or the trainer goes quiet."""
     torch.set_num_threads(1)
     _quiet_transformers()
-    from policyworker.shell.receiver import HFWeightReceiver
+    from policyworker.shell.refit.receiver import HFWeightReceiver
 
     try:
         model = _load_model(model_dir, device, dtype_name)

@@ -198,7 +198,7 @@ def run_demo(opts: DemoOptions, *, out: TextIO | None = None, err: TextIO | None
     torch.set_num_threads(1)  # the inference process runs one thread: same kernels, same bits
     import transformers
 
-    from policyworker.shell.distributed import ParallelContext
+    from policyworker.shell.parallel.context import ParallelContext
     from policyworker.shell.worker import PolicyWorker
 
     transformers.utils.logging.set_verbosity_error()

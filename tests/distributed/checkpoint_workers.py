@@ -9,8 +9,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from policyworker.shell import checkpoint as ck
-from policyworker.shell.distributed import ParallelContext
-from policyworker.shell.parallel import parallelize_model
+from policyworker.shell.parallel.context import ParallelContext
+from policyworker.shell.parallel.plans import parallelize_model
 
 
 class ShardedWorker:
@@ -27,6 +27,11 @@ class ShardedWorker:
         self.tokenizer = None
         self.cfg = None
         self._reference_state = {k: _local(v).clone() for k, v in self.model.state_dict().items()}
+        self.saver = ck.AsyncSaver()
+
+    @property
+    def reference_state(self) -> dict | None:  # the name CheckpointOwner reads
+        return self._reference_state
 
     def train_step(self) -> None:
         import contextlib

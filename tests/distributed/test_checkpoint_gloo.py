@@ -48,7 +48,7 @@ def test_checkpoints_round_trip_exactly_between_dp1_dp2_and_tp2(tmp_path):
     single = PolicyWorker(_config(path))
     single.train(make_batch(4, 10, seed=1), NLLLoss())
     ck.save_checkpoint(
-        single,
+        single.state,
         tmp_path / "dp1" / "weights",
         tmp_path / "dp1" / "optimizer",
         is_final_checkpoint=True,
@@ -59,7 +59,7 @@ def test_checkpoints_round_trip_exactly_between_dp1_dp2_and_tp2(tmp_path):
 
     for layout in ("dp2", "tp2"):
         fresh = PolicyWorker(_config(path))
-        ck.load_checkpoint(fresh, tmp_path / layout / "weights", tmp_path / layout / "optimizer")
+        ck.load_checkpoint(fresh.state, tmp_path / layout / "weights", tmp_path / layout / "optimizer")
         workers.assert_same_state(
             _single_state(fresh), torch.load(tmp_path / f"{layout}_full.pt", weights_only=False)
         )

@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM
 
 from policyworker.functional import context_parallel as cp_core
 from policyworker.functional import logprobs as lp_core
-from policyworker.shell import collectives
-from policyworker.shell.distributed import ParallelContext
-from policyworker.shell.parallel import move_buffers, parallelize_model, reshard
+from policyworker.shell.parallel import collectives
+from policyworker.shell.parallel.context import ParallelContext
+from policyworker.shell.parallel.plans import move_buffers, parallelize_model, reshard
 
 ATOL = 1e-5  # fp32 parity with one process (API.md / issue 5)
 
@@ -527,7 +527,7 @@ def _check_zmq_refit(worker, params):
     import threading
 
     from policyworker.errors import RefitError, RefitTimeoutError
-    from policyworker.shell.receiver import HFWeightReceiver
+    from policyworker.shell.refit.receiver import HFWeightReceiver
 
     info = worker.prepare_refit_info()  # collective-safe: every rank, same answer
     target = _load(worker.cfg.model_name) if dist.get_rank() == 0 else None

@@ -9,9 +9,9 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from policyworker.functional import logprobs as lp_core
-from policyworker.shell import collectives
-from policyworker.shell.distributed import ParallelContext
-from policyworker.shell.parallel import move_buffers, parallelize_model, reshard
+from policyworker.shell.parallel import collectives
+from policyworker.shell.parallel.context import ParallelContext
+from policyworker.shell.parallel.plans import move_buffers, parallelize_model, reshard
 from tests.distributed import workers
 from tests.distributed.launch import run_on_nccl
 

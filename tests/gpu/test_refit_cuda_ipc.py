@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from policyworker.shell.refit import RefitSender
+from policyworker.shell.refit.sender import RefitSender
 
 pytestmark = pytest.mark.gpu
 
@@ -20,8 +20,8 @@ import torch
 torch.set_num_threads(1)
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
-from policyworker.shell.receiver import HFWeightReceiver
-from policyworker.shell.transports.wire import DTYPES_BY_NAME
+from policyworker.shell.refit.receiver import HFWeightReceiver
+from policyworker.shell.refit.wire import DTYPES_BY_NAME
 cmd = json.loads(sys.argv[1])
 config = AutoConfig.from_pretrained(cmd["config_dir"])
 config._attn_implementation = "eager"

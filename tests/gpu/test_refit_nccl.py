@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
-from policyworker.shell.transports import collective as C
-from policyworker.shell.transports import ipc_logits as L
-from policyworker.shell.transports import sglang as S
+from policyworker.shell.refit import collective as C
+from policyworker.shell import ipc_logits as L
+from policyworker.shell.refit import sglang as S
 from tests.helpers import child_env
 
 pytestmark = pytest.mark.gpu
@@ -41,13 +41,13 @@ while True:
         break
     try:
         if op == "logits":
-            from policyworker.shell.transports.ipc_logits import open_logits_handle
+            from policyworker.shell.ipc_logits import open_logits_handle
             views = [open_logits_handle(r) for r in cmd["records"]]
             write({"ok": True, "values": [v.cpu() for v in views]})
             views[0].fill_(7.0)
             torch.cuda.synchronize()
         elif op == "sglang_setup":
-            from policyworker.shell.transports.sglang import SGLangReceiverAdapter
+            from policyworker.shell.refit.sglang import SGLangReceiverAdapter
             got = {}
             adapter = SGLangReceiverAdapter(lambda pairs: got.update({n: t.clone() for n, t in pairs}),
                                             refit_info=cmd["refit_info"])
@@ -57,7 +57,7 @@ while True:
             torch.cuda.synchronize()  # copies done before the producer may free its buckets
             write({"ok": True, "reply": reply, "got": {n: t.cpu() for n, t in got.items()}})
         elif op == "nccl_receive":
-            from policyworker.shell.transports import collective as C
+            from policyworker.shell.refit import collective as C
             torch.cuda.set_device(1)
             group = C.init_collective("127.0.0.1", cmd["port"], 2, train_world_size=1, rank=1, device="cuda:1",
                                       timeout_s=60)

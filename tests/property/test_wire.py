@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from policyworker.functional.buckets import TensorSpec, pack_tensors, plan_ipc_buckets
-from policyworker.shell.receiver import WeightApplier
-from policyworker.shell.transports.wire import (
+from policyworker.shell.refit.receiver import WeightApplier
+from policyworker.shell.refit.wire import (
     DTYPES_BY_NAME,
     PROTOCOL,
     PROTOCOL_VERSION,
@@ -29,7 +29,7 @@ from policyworker.shell.transports.wire import (
     encode,
     encode_manifest,
 )
-from policyworker.shell.transports.zmq_ipc import RefitServer, ShmStaging
+from policyworker.shell.refit.zmq_ipc import RefitServer, ShmStaging
 
 names = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=20)
 dtypes = st.sampled_from(sorted(DTYPES_BY_NAME.values(), key=str))

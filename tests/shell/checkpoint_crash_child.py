@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from policyworker.shell import checkpoint
-from policyworker.shell.distributed import ParallelContext
+from policyworker.shell.checkpoint import commit
+from policyworker.shell.parallel.context import ParallelContext
 
 
 class SimpleWorker:
@@ -30,6 +31,11 @@ class SimpleWorker:
         self.cfg = None
         self.parallel = ParallelContext.single(torch.device("cpu"))
         self._reference_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.saver = checkpoint.AsyncSaver()
+
+    @property
+    def reference_state(self) -> dict | None:  # the name CheckpointOwner reads
+        return self._reference_state
 
 
 def build_model(seed: int = 0) -> nn.Module:
@@ -56,7 +62,7 @@ def pause_after_renames(
     land between two renames; after the `stop_after`-th step it touches `stop_marker` and waits
     for the parent's SIGKILL (exiting after 60 s if none comes).
     """
-    original = checkpoint._put_in_place
+    original = commit._put_in_place
     count = 0
 
     def wrapped(*args: object) -> None:
@@ -70,7 +76,7 @@ def pause_after_renames(
             os._exit(1)
         time.sleep(pause_s)
 
-    checkpoint._put_in_place = wrapped
+    commit._put_in_place = wrapped
 
 
 def run(

@@ -19,6 +19,9 @@ from hypothesis import strategies as st
 
 from policyworker.functional.loss import NLLLoss
 from policyworker.shell import checkpoint as ck
+from policyworker.shell.checkpoint import api as ck_api
+from policyworker.shell.checkpoint import commit as ck_commit
+from policyworker.shell.checkpoint import layout as ck_layout
 from policyworker.shell.worker import PolicyWorker
 from tests.shell import checkpoint_crash_child as child
 from tests.shell.conftest import make_batch, make_config
@@ -58,10 +61,10 @@ def test_resume_at_step_k_then_continue_equals_uninterrupted_run(tiny_model_path
     _train(straight, range(4))
     first = PolicyWorker(_cfg(path))
     _train(first, range(2))
-    ck.save_checkpoint(first, tmp_path / "weights", tmp_path / "optimizer")
-    ck.finalize_async_save(first)
+    ck.save_checkpoint(first.state, tmp_path / "weights", tmp_path / "optimizer")
+    ck.finalize_async_save(first.state)
     resumed = PolicyWorker(_cfg(path))
-    ck.load_checkpoint(resumed, tmp_path / "weights", tmp_path / "optimizer")
+    ck.load_checkpoint(resumed.state, tmp_path / "weights", tmp_path / "optimizer")
     _assert_same_training_state(resumed, first)
     _train(resumed, range(2, 4))
     _assert_same_training_state(resumed, straight)
@@ -76,7 +79,7 @@ def test_constructor_resume_keeps_the_original_reference(tiny_model_paths, tmp_p
     base_ref = {k: v.clone() for k, v in first._reference_state.items()}
     _train(first, range(2))
     assert not torch.equal(first.model.model.norm.weight, base_ref["model.norm.weight"])
-    ck.save_checkpoint(first, tmp_path / "w", tmp_path / "o", is_final_checkpoint=True)
+    ck.save_checkpoint(first.state, tmp_path / "w", tmp_path / "o", is_final_checkpoint=True)
     resumed = PolicyWorker(
         _cfg(path), weights_path=str(tmp_path / "w"), optimizer_path=str(tmp_path / "o")
     )
@@ -99,7 +102,7 @@ def test_from_pretrained_on_saved_folder_reproduces_worker_logits(tiny_model_pat
 
     worker = PolicyWorker(_cfg(tiny_model_paths[kind]))
     _train(worker, range(1))
-    ck.save_checkpoint(worker, tmp_path / "w", is_final_checkpoint=True)
+    ck.save_checkpoint(worker.state, tmp_path / "w", is_final_checkpoint=True)
     folder = tmp_path / "w" / "model"
     assert {"config.json", "generation_config.json", ck.INDEX_FILE} <= set(os.listdir(folder))
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -116,8 +119,8 @@ def test_saved_tokenizer_loads(tiny_tokenizer_model_path, tmp_path):
     from transformers import AutoTokenizer
 
     worker = PolicyWorker(_cfg(tiny_tokenizer_model_path), init_reference_model=False)
-    ck.save_checkpoint(worker, tmp_path / "w", tokenizer_path=tmp_path / "tok")
-    ck.finalize_async_save(worker)
+    ck.save_checkpoint(worker.state, tmp_path / "w", tokenizer_path=tmp_path / "tok")
+    ck.finalize_async_save(worker.state)
     tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
     assert tok.get_vocab() == worker.tokenizer.get_vocab()
     assert tok("t5")["input_ids"] == worker.tokenizer("t5")["input_ids"] == [5]
@@ -146,9 +149,9 @@ def test_async_save_returns_after_staging_and_finalize_after_files_are_complete(
     staged = {
         k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in _weights(worker).items()
     }
-    ck.save_checkpoint(worker, tmp_path / "w", tmp_path / "o")
+    ck.save_checkpoint(worker.state, tmp_path / "w", tmp_path / "o")
     _train(worker, range(1, 2))  # training mutates the weights while the writer runs
-    ck.finalize_async_save(worker)
+    ck.finalize_async_save(worker.state)
     folder = tmp_path / "w" / "model"
     for file, entry in ck.validate_hf_folder(folder).values():  # sizes match every header
         assert file.stat().st_size >= entry["data_offsets"][1]
@@ -162,13 +165,13 @@ def test_save_before_finalize_leaves_no_final_folder_and_next_save_finalizes(
     tiny_model_paths, tmp_path
 ):
     worker = PolicyWorker(_cfg(tiny_model_paths["llama"]))
-    ck.save_checkpoint(worker, tmp_path / "a")
-    ck._saver(worker)._thread.join()
+    ck.save_checkpoint(worker.state, tmp_path / "a")
+    worker.state.saver._thread.join()
     assert not (tmp_path / "a" / "model").exists()  # written, not yet renamed into place
     assert any(p.name.startswith("model.tmp-") for p in (tmp_path / "a").iterdir())
-    ck.save_checkpoint(worker, tmp_path / "b")
+    ck.save_checkpoint(worker.state, tmp_path / "b")
     assert (tmp_path / "a" / "model" / ck.INDEX_FILE).is_file()
-    ck.finalize_async_save(worker)
+    ck.finalize_async_save(worker.state)
     assert sorted(os.listdir(tmp_path / "a")) == ["model", "reference"]
 
 
@@ -176,10 +179,10 @@ def test_replacing_a_checkpoint_swaps_it_and_unchanged_reference_is_hard_linked(
     tiny_model_paths, tmp_path
 ):
     worker = PolicyWorker(_cfg(tiny_model_paths["llama"]))
-    ck.save_checkpoint(worker, tmp_path / "s1", is_final_checkpoint=True)
-    ck.save_checkpoint(worker, tmp_path / "s", is_final_checkpoint=True)
+    ck.save_checkpoint(worker.state, tmp_path / "s1", is_final_checkpoint=True)
+    ck.save_checkpoint(worker.state, tmp_path / "s", is_final_checkpoint=True)
     _train(worker, range(1))
-    ck.save_checkpoint(worker, tmp_path / "s", is_final_checkpoint=True)
+    ck.save_checkpoint(worker.state, tmp_path / "s", is_final_checkpoint=True)
     assert _tensor_hashes(tmp_path / "s" / "model") == {
         k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in _weights(worker).items()
     }
@@ -194,12 +197,12 @@ def _corrupt_then_expect(tiny_model_paths, tmp_path, corrupt, match):
     path = tiny_model_paths["llama"]
     worker = PolicyWorker(_cfg(path))
     _train(worker, range(1))
-    ck.save_checkpoint(worker, tmp_path / "w", tmp_path / "o", is_final_checkpoint=True)
+    ck.save_checkpoint(worker.state, tmp_path / "w", tmp_path / "o", is_final_checkpoint=True)
     corrupt(tmp_path)
     fresh = PolicyWorker(_cfg(path))
     before, opt_before = _weights(fresh), fresh.optimizer.state_dict()
     with pytest.raises(ck.CheckpointError, match=match):
-        ck.load_checkpoint(fresh, tmp_path / "w", tmp_path / "o")
+        ck.load_checkpoint(fresh.state, tmp_path / "w", tmp_path / "o")
     after = _weights(fresh)
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert fresh.optimizer.state_dict()["state"] == opt_before["state"] == {}
@@ -238,20 +241,20 @@ def test_truncated_optimizer_shard_is_named_and_state_unchanged(tiny_model_paths
 
 def test_weights_and_optimizer_of_different_saves_are_rejected(tiny_model_paths, tmp_path):
     worker = PolicyWorker(_cfg(tiny_model_paths["llama"]))
-    ck.save_checkpoint(worker, tmp_path / "w1", tmp_path / "o1", is_final_checkpoint=True)
-    ck.save_checkpoint(worker, tmp_path / "w2", tmp_path / "o2", is_final_checkpoint=True)
+    ck.save_checkpoint(worker.state, tmp_path / "w1", tmp_path / "o1", is_final_checkpoint=True)
+    ck.save_checkpoint(worker.state, tmp_path / "w2", tmp_path / "o2", is_final_checkpoint=True)
     with pytest.raises(ck.CheckpointError, match="different saves"):
         ck.load_checkpoint(
-            PolicyWorker(_cfg(tiny_model_paths["llama"])), tmp_path / "w1", tmp_path / "o2"
+            PolicyWorker(_cfg(tiny_model_paths["llama"])).state, tmp_path / "w1", tmp_path / "o2"
         )
 
 
 def test_missing_checkpoint_folder_error_names_it(tiny_model_paths, tmp_path):
     worker = PolicyWorker(_cfg(tiny_model_paths["llama"]))
     with pytest.raises(ck.CheckpointError, match="no checkpoint at"):
-        ck.load_checkpoint(worker, tmp_path / "nothing")
+        ck.load_checkpoint(worker.state, tmp_path / "nothing")
     with pytest.raises(ValueError, match="no tokenizer"):
-        ck.save_checkpoint(worker, tmp_path / "w", tokenizer_path=tmp_path / "t")
+        ck.save_checkpoint(worker.state, tmp_path / "w", tokenizer_path=tmp_path / "t")
     assert not (tmp_path / "w").exists()
 
 
@@ -267,7 +270,7 @@ def test_format_detection_and_dcp_weights_load(tiny_model_paths, tmp_path):
         no_dist=True,
     )
     assert ck.detect_weights_format(tmp_path / "d") == "dcp"
-    ck.save_checkpoint(worker, tmp_path / "h", is_final_checkpoint=True)
+    ck.save_checkpoint(worker.state, tmp_path / "h", is_final_checkpoint=True)
     assert (
         ck.detect_weights_format(tmp_path / "h")
         == ck.detect_weights_format(tmp_path / "h" / "model")
@@ -275,7 +278,7 @@ def test_format_detection_and_dcp_weights_load(tiny_model_paths, tmp_path):
     )
     assert ck.detect_weights_format(tiny_model_paths["llama"]) == "safetensors"
     fresh = PolicyWorker(_cfg(tiny_model_paths["llama"]))
-    ck.load_checkpoint(fresh, tmp_path / "d")
+    ck.load_checkpoint(fresh.state, tmp_path / "d")
     assert all(
         torch.equal(a, b)
         for a, b in zip(_weights(fresh).values(), _weights(worker).values(), strict=True)
@@ -376,7 +379,7 @@ def test_sigkill_between_renames_and_during_recovery_rolls_the_save_forward(tmp_
     [record] = _records(root / "weights")
     token = record.removeprefix(ck.COMMIT_RECORD_PREFIX).removesuffix(".json")
     assert _records(root / "optimizer") == [record]
-    assert ck._manifest_id(root / "weights" / "model") == token  # renamed
+    assert ck_api._manifest_id(root / "weights" / "model") == token  # renamed
     assert (root / "optimizer" / f"optim.tmp-{token}").is_dir()  # not yet renamed
     assert (root / "weights" / f"reference.tmp-{token}").is_dir()
 
@@ -397,13 +400,14 @@ def test_next_save_recovers_a_killed_commit_before_it_clears_leftovers(tmp_path,
     _kill_when(proc, tmp_path / "stop")
     assert _records(root / "weights")
     seen = []
-    clear = ck._clear_stale
+    clear = ck_api._clear_stale
 
     def spy(final):
-        seen.append((final.name, _records(final.parent), ck._manifest_id(root / "weights/model")))
+        saved_id = ck_api._manifest_id(root / "weights/model")
+        seen.append((final.name, _records(final.parent), saved_id))
         clear(final)
 
-    monkeypatch.setattr(ck, "_clear_stale", spy)
+    monkeypatch.setattr(ck_api, "_clear_stale", spy)
     worker = child.SimpleWorker(child.build_model())
     worker.model(torch.ones(1, 256)).sum().backward()
     worker.optimizer.step()
@@ -435,8 +439,8 @@ def _crash_at(monkeypatch, n):
         return wrapper
 
     monkeypatch.setattr(os, "rename", counted(os.rename))
-    monkeypatch.setattr(ck, "_exchange", counted(ck._exchange))
-    monkeypatch.setattr(ck.shutil, "rmtree", counted(ck.shutil.rmtree))
+    monkeypatch.setattr(ck_commit, "_exchange", counted(ck_commit._exchange))
+    monkeypatch.setattr(ck_commit.shutil, "rmtree", counted(ck_commit.shutil.rmtree))
     monkeypatch.setattr(pathlib.Path, "unlink", counted(pathlib.Path.unlink))
     return count
 
@@ -457,9 +461,10 @@ def test_crash_at_every_step_of_commit_and_recovery_gives_one_whole_save(
     """Crash before each file operation of a commit, then before each one of the recovery, then
     recover: every final folder holds the same save (the new one once its record was written),
     and the next save's cleanup leaves only the final folders."""
-    monkeypatch.setattr(ck, "_fsync_path", lambda path: None)  # a simulated crash loses nothing
+    # a simulated crash loses nothing
+    monkeypatch.setattr(ck_commit, "_fsync_path", lambda path: None)
     if not exchange:
-        monkeypatch.setattr(ck, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(ck_commit, "_exchange", lambda a, b: False)
     cases = 0
     for n in itertools.count(1):
         for m in itertools.count(1):
@@ -468,11 +473,11 @@ def test_crash_at_every_step_of_commit_and_recovery_gives_one_whole_save(
             for final in finals:
                 if existing:
                     _folder(final, "old")
-                _folder(ck._tmp_for(final, "abc"), "new")
+                _folder(ck_commit._tmp_for(final, "abc"), "new")
             with monkeypatch.context() as patch:
                 done = _crash_at(patch, n)
                 with contextlib.suppress(_Crash):
-                    ck._commit([(ck._tmp_for(f, "abc"), f) for f in finals])
+                    ck_commit._commit([(ck_commit._tmp_for(f, "abc"), f) for f in finals])
                 commit_ops = done[0]
             committed = bool(_records(case / "w") + _records(case / "o"))
             with monkeypatch.context() as patch:
@@ -487,7 +492,7 @@ def test_crash_at_every_step_of_commit_and_recovery_gives_one_whole_save(
                 {"new"} if committed or commit_ops < n else {"old" if existing else None}
             )
             for final in finals:
-                ck._clear_stale(final)
+                ck_commit._clear_stale(final)
             assert sorted(os.listdir(case / "w")) == (
                 ["model", "reference"] if ids != {None} else []
             )
@@ -502,9 +507,9 @@ def test_crash_at_every_step_of_commit_and_recovery_gives_one_whole_save(
 def test_recovery_with_a_folder_moved_away_names_it(tmp_path):
     final = tmp_path / "w" / "model"
     _folder(final, "old")
-    _folder(ck._tmp_for(final, "abc"), "new")
-    ck._write_commit_records("abc", [(ck._tmp_for(final, "abc"), final)])
-    os.rename(ck._tmp_for(final, "abc"), tmp_path / "elsewhere")
+    _folder(ck_commit._tmp_for(final, "abc"), "new")
+    ck_commit._write_commit_records("abc", [(ck_commit._tmp_for(final, "abc"), final)])
+    os.rename(ck_commit._tmp_for(final, "abc"), tmp_path / "elsewhere")
     with pytest.raises(ck.CheckpointError, match=r"model\.tmp-abc' is gone.*put the save's"):
         ck.recover_checkpoint_commits([tmp_path / "w"])
     assert (final / "id").read_text() == "old"
@@ -526,7 +531,7 @@ def test_contiguous_runs_of_a_block_tiling_rebuild_the_tensor(data):
     for block in itertools.product(*(list(zip(e[:-1], e[1:], strict=True)) for e in edges)):
         block = tuple(block)
         piece = full[tuple(slice(a, b) for a, b in block)].contiguous()
-        for offset, idx, n in ck._contiguous_runs(block, full_box):
+        for offset, idx, n in ck_layout._contiguous_runs(block, full_box):
             src = piece[idx] if idx else piece
             out[offset : offset + n] = src.reshape(-1)[:n]
     assert torch.equal(out, full.reshape(-1))

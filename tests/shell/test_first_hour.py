@@ -12,8 +12,8 @@ from torch import nn
 from policyworker.errors import DataError, RefitError
 from policyworker.functional.loss import ClippedPGLossFn, DPOLossFn, NLLLoss
 from policyworker.shell import logs
-from policyworker.shell.receiver import HFWeightReceiver
-from policyworker.shell.refit import RefitSender
+from policyworker.shell.refit.receiver import HFWeightReceiver
+from policyworker.shell.refit.sender import RefitSender
 from policyworker.shell.worker import PolicyWorker
 from tests.shell.conftest import make_batch, make_config
 

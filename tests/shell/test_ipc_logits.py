@@ -12,8 +12,9 @@ import transformers
 from safetensors.torch import load_file
 
 from policyworker.errors import DataError
-from policyworker.shell.transports import ipc_logits as L
-from policyworker.shell.transports.zmq_ipc import SHM_DIR
+from policyworker.shell import inference
+from policyworker.shell import ipc_logits as L
+from policyworker.shell.refit.zmq_ipc import SHM_DIR
 from policyworker.shell.worker import PolicyWorker
 from tests.helpers import child_env
 from tests.shell.conftest import make_batch, make_config
@@ -23,7 +24,7 @@ import json, sys
 import torch
 torch.set_num_threads(1)
 from safetensors.torch import save_file
-from policyworker.shell.transports.ipc_logits import open_logits_handle
+from policyworker.shell.ipc_logits import open_logits_handle
 records = json.loads(sys.stdin.read())
 views = [open_logits_handle(r) for r in records]
 save_file({f"s{r['sample_index']}": v.contiguous() for r, v in zip(records, views)}, sys.argv[1])
@@ -43,7 +44,7 @@ def test_another_process_reads_every_samples_logits_in_place(tiny_model_paths, t
     path = tiny_model_paths["llama"]
     worker = PolicyWorker(make_config(path), init_optimizer=False, init_reference_model=False)
     data = make_batch(3, 7, seed=4, lengths=[7, 2, 5])
-    out = L.full_logits_ipc(worker, data, micro_batch_size=2)
+    out = inference.full_logits_ipc(worker.state, data, micro_batch_size=2)
     records = out["per_sample_handles"]
     assert out["dp_rank"] == 0 and [r["sample_index"] for r in records] == [0, 1, 2]
     assert [(r["buf_idx"], r["sample_index_in_buf"]) for r in records] == [(0, 0), (0, 1), (1, 0)]
@@ -65,15 +66,15 @@ def test_another_process_reads_every_samples_logits_in_place(tiny_model_paths, t
         assert torch.equal(got[f"s{r['sample_index']}"], local)
         assert torch.allclose(local, expected[r["sample_index"]], rtol=1e-5, atol=1e-5)
     name = first["payload_ipc"]["name"]
-    again = L.full_logits_ipc(worker, data, micro_batch_size=2)["per_sample_handles"]
+    again = inference.full_logits_ipc(worker.state, data, micro_batch_size=2)["per_sample_handles"]
     assert again[0]["payload_ipc"] == first["payload_ipc"]  # same request: cached storage and handle
-    bigger = L.full_logits_ipc(worker, make_batch(5, 7, seed=5), micro_batch_size=2)["per_sample_handles"]
+    bigger = inference.full_logits_ipc(worker.state, make_batch(5, 7, seed=5), micro_batch_size=2)["per_sample_handles"]
     assert bigger[0]["payload_ipc"]["name"] != name and not os.path.exists(os.path.join(SHM_DIR, name))
     assert bigger[0]["storage_shape"] == (3, 2, 7, vocab)
     L.close_logits_handles()
-    L.release_ipc_buffer(worker)
+    inference.release_ipc_buffer(worker.state)
     assert not os.path.exists(os.path.join(SHM_DIR, bigger[0]["payload_ipc"]["name"]))
-    L.release_ipc_buffer(worker)  # idempotent
+    inference.release_ipc_buffer(worker.state)  # idempotent
 
 
 def test_buffer_reallocates_only_when_a_dim_grows_or_the_dtype_changes():
@@ -99,7 +100,7 @@ def test_packing_and_dynamic_batching_are_refused_before_any_forward():
         cfg = types.SimpleNamespace(sequence_packing=None, dynamic_batching=None)
         setattr(cfg, key, object())
         with pytest.raises(DataError, match="needs fixed microbatches"):
-            L.full_logits_ipc(types.SimpleNamespace(cfg=cfg), {})
+            inference.full_logits_ipc(types.SimpleNamespace(cfg=cfg), {})
 
 
 def test_a_handle_naming_a_foreign_file_is_refused():

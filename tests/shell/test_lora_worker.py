@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from policyworker.functional.loss import NLLLoss
-from policyworker.shell.params import params_generator
+from policyworker.shell.refit.params import params_generator
 from policyworker.shell.worker import PolicyWorker
 from tests.shell.conftest import make_batch, make_config
 

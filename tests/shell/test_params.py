@@ -13,7 +13,7 @@ from transformers import (
 )
 
 from policyworker.errors import LoRAMergeError
-from policyworker.shell.params import params_generator, refit_info
+from policyworker.shell.refit.params import params_generator, refit_info
 from tests.helpers import tiny_deepseek_v3_config
 
 torch.manual_seed(0)
@@ -159,7 +159,7 @@ def test_unreachable_lora_module_fails_before_the_first_tensor():
 
 
 def test_refit_stream_reuses_its_compiled_walk_until_the_signature_changes():
-    from policyworker.shell.params import refit_stream
+    from policyworker.shell.refit.params import refit_stream
 
     block = _Block()
     first = refit_stream(block, torch.bfloat16)

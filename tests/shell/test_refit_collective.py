@@ -21,10 +21,10 @@ from torch import nn
 
 from policyworker.errors import RefitError, RefitTimeoutError
 from policyworker.functional.buckets import TensorSpec
-from policyworker.shell.params import refit_info
-from policyworker.shell.transports import collective as C
-from policyworker.shell.transports.wire import DTYPES_BY_NAME, ProtocolError, RefitRejected
-from policyworker.shell.watchdog import Watchdog
+from policyworker.shell.refit.params import refit_info
+from policyworker.shell.refit import collective as C
+from policyworker.shell.refit.wire import DTYPES_BY_NAME, ProtocolError, RefitRejected
+from policyworker.shell.refit.watchdog import Watchdog
 from tests.helpers import (
     JsonCommandChild,
     eager_model,
@@ -39,8 +39,8 @@ import json, os, sys, time
 import torch
 torch.set_num_threads(1)
 from safetensors.torch import save_file, load_file
-from policyworker.shell.transports import collective as C
-from policyworker.shell.transports.wire import DTYPES_BY_NAME
+from policyworker.shell.refit import collective as C
+from policyworker.shell.refit.wire import DTYPES_BY_NAME
 
 def say(obj):
     print("@@" + json.dumps(obj), flush=True)
@@ -156,7 +156,7 @@ def _setup_models(children, tmp_path, info, *, dtype, atomic=(False, False)):
 
 
 def _sources(model, dtype):
-    from policyworker.shell.params import iter_refit_sources
+    from policyworker.shell.refit.params import iter_refit_sources
 
     return ((s.name, s.tensor) for s in iter_refit_sources(model, dtype))
 

@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from policyworker.errors import RefitError, RefitTimeoutError
-from policyworker.shell.receiver import HFWeightReceiver
-from policyworker.shell.refit import RefitSender
-from policyworker.shell.transports import zmq_ipc
-from policyworker.shell.transports.wire import decode_request
+from policyworker.shell.refit.receiver import HFWeightReceiver
+from policyworker.shell.refit.sender import RefitSender
+from policyworker.shell.refit import zmq_ipc
+from policyworker.shell.refit.wire import decode_request
 from tests.helpers import (
     JsonCommandChild,
     eager_model,
@@ -34,8 +34,8 @@ import json, os, sys
 import torch
 torch.set_num_threads(1)
 from safetensors.torch import save_file, load_file
-from policyworker.shell.receiver import HFWeightReceiver
-from policyworker.shell.transports.wire import DTYPES_BY_NAME
+from policyworker.shell.refit.receiver import HFWeightReceiver
+from policyworker.shell.refit.wire import DTYPES_BY_NAME
 
 def say(obj):
     print("@@" + json.dumps(obj), flush=True)

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from policyworker.errors import RefitError
 from policyworker.functional.dtypes import precision_dtype
-from policyworker.shell.params import params_generator, refit_info
-from policyworker.shell.transports import sglang as S
+from policyworker.shell.refit.params import params_generator, refit_info
+from policyworker.shell.refit import sglang as S
 from tests.helpers import tiny_deepseek_v3_config
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from policyworker.functional.loss import ClippedPGLossFn, LossInputType, LossType, NLLLoss
-from policyworker.shell.distributed import ParallelContext
+from policyworker.shell.parallel.context import ParallelContext
 from policyworker.shell.worker import PolicyWorker
 from tests.shell.conftest import make_batch, make_config
 

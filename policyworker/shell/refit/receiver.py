@@ -28,13 +28,13 @@ from torch import nn
 from policyworker.errors import RefitError
 from policyworker.functional.buckets import TensorSpec
 from policyworker.functional.names import canonical_name, expert_slot
-from policyworker.shell.transports.wire import ProtocolError, check_manifest, dtype_name
-from policyworker.shell.transports.zmq_checks import (
+from policyworker.shell.refit.wire import ProtocolError, check_manifest, dtype_name
+from policyworker.shell.refit.zmq_checks import (
     answer_refusal,
     cancel_refusal,
     check_receiver_address,
 )
-from policyworker.shell.transports.zmq_ipc import (
+from policyworker.shell.refit.zmq_ipc import (
     RefitServer,
     ZmqIpcReceiver,
     copy_groups,

@@ -43,8 +43,8 @@ from policyworker.functional.buckets import (
     split_views,
     unpack_tensors,
 )
-from policyworker.shell.params import RefitSource
-from policyworker.shell.transports.wire import (
+from policyworker.shell.refit.params import RefitSource
+from policyworker.shell.refit.wire import (
     Abort,
     Begin,
     Bucket,

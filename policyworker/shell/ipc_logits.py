@@ -11,6 +11,8 @@ sample; a consumer in another process maps the storage and reads its sample in p
 - CUDA storages are shared by their CUDA IPC handle (``_share_cuda_()``, computed once); CPU
   storages live in a 0600 file under /dev/shm mapped shared (``zmq_ipc.ShmStaging``), so CPU
   tests run the real producer and consumer in two processes.
+- ``logits_record(...)`` describes one sample's place in the storage; the worker side that
+  fills the storage is ``shell.inference.full_logits_ipc`` (its buffer lives in the WorkerState).
 - ``open_logits_handle(record)`` maps the storage (once per process and handle) and returns the
   ``actual_shape`` view of the record's sample.
 
@@ -23,22 +25,20 @@ from __future__ import annotations
 import gc
 import os
 import stat
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from policyworker.errors import DataError
-from policyworker.shell.transports.wire import DTYPES_BY_NAME, SHM_NAME_RE, dtype_name
-from policyworker.shell.transports.zmq_ipc import SHM_DIR, ShmStaging
+from policyworker.shell.parallel.context import ParallelContext
+from policyworker.shell.refit.wire import DTYPES_BY_NAME, SHM_NAME_RE, dtype_name
+from policyworker.shell.refit.zmq_ipc import SHM_DIR, ShmStaging
 
 __all__ = [
     "TeacherLogitsBuffer",
     "close_logits_handles",
-    "full_logits_ipc",
+    "logits_record",
     "open_logits_handle",
-    "release_ipc_buffer",
 ]
 
 
@@ -222,83 +222,17 @@ def close_logits_handles() -> None:
         torch.cuda.ipc_collect()
 
 
-# ----------------------------------------------------------------------------- worker glue
-
-_BUFFERS: weakref.WeakKeyDictionary[Any, TeacherLogitsBuffer] = weakref.WeakKeyDictionary()
-
-
-def full_logits_ipc(
-    worker: Any, data: Mapping[str, Any], micro_batch_size: int | None = None
-) -> dict[str, Any]:
-    """``PolicyWorker.get_full_logits_ipc``: fp32 logits of every sample into the shared buffer.
-
-    Logits are the model's raw output (no temperature), the local vocab shard under tensor
-    parallelism, right-padded with zeros to the batch's sequence length.
-
-    Returns ``{"per_sample_handles": [record per input row, in input order], "dp_rank"}``.
-
-    Raises:
-        ValueError: sequence packing or dynamic batching is enabled, or context parallelism is
-            used (this worker's CP forward does not expose per-rank logits windows).
-    """
-    cfg = worker.cfg
-    if cfg.sequence_packing is not None or cfg.dynamic_batching is not None:
-        msg = (
-            "get_full_logits_ipc needs fixed microbatches; disable sequence_packing and dynamic_batching "
-            "for the teacher worker"
-        )
-        raise DataError(msg)
-    par = worker.parallel
-    if par.cp_size > 1:
-        msg = (
-            f"get_full_logits_ipc does not support context parallelism (cp_size={par.cp_size}); run the "
-            "teacher with context_parallel_size: 1"
-        )
-        raise ValueError(msg)
-    worker._validate(data)
-    seq_len = int(data["input_ids"].shape[1])
-    plans = worker._inference_plans(data, micro_batch_size)
-    rows_per_mb = max(len(p.rows) for p in plans)
-    buffer = _BUFFERS.setdefault(worker, TeacherLogitsBuffer())
-    storage: torch.Tensor | None = None
-    records: list[dict[str, Any]] = []
-    worker.model.eval()
-    with torch.no_grad():
-        for buf_idx, plan in enumerate(plans):
-            mb = worker._microbatch(data, plan)
-            logits = worker._forward(mb)
-            if hasattr(logits, "to_local"):
-                logits = logits.to_local()  # vocab-parallel lm_head: this rank's vocab shard
-            if plan.is_dummy:
-                continue
-            vocab_local = int(logits.shape[-1])
-            if storage is None:
-                storage = buffer.ensure(
-                    (len(plans), rows_per_mb, seq_len, vocab_local), torch.float32, worker.device
-                )
-            slot = storage[buf_idx, : len(plan.rows), :seq_len, :vocab_local]
-            slot.zero_()
-            slot[:, : logits.shape[1]].copy_(logits.float())
-            records.extend(
-                _record(buffer, storage, par, buf_idx, j, row, seq_len, vocab_local)
-                for j, row in enumerate(plan.rows)
-            )
-    if storage is not None and storage.is_cuda:
-        torch.cuda.synchronize(storage.device)  # the consumer must never see a partial copy
-    records.sort(key=lambda r: r["sample_index"])
-    return {"per_sample_handles": records, "dp_rank": par.dp_rank}
-
-
-def _record(
+def logits_record(
     buffer: TeacherLogitsBuffer,
     storage: torch.Tensor,
-    par: Any,
+    par: ParallelContext,
     buf_idx: int,
     j: int,
     row: int,
     seq_len: int,
     vocab_local: int,
 ) -> dict[str, Any]:
+    """The handle record of sample `row` (slot `j` of microbatch `buf_idx`) in `storage`."""
     tp_rank, tp_size, cp_rank, cp_size = par.tp_rank, par.tp_size, par.cp_rank, par.cp_size
     return {
         "payload_ipc": buffer.handle,
@@ -321,10 +255,3 @@ def _record(
         "vocab_sharded": tp_size > 1,
         "sequence_sharded": cp_size > 1,
     }
-
-
-def release_ipc_buffer(worker: Any) -> None:
-    """``PolicyWorker.release_ipc_buffer``: drop the worker's logits storage and handle."""
-    buffer = _BUFFERS.pop(worker, None)
-    if buffer is not None:
-        buffer.release()

@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from policyworker.shell.transports.wire import Reply, encode
+from policyworker.shell.refit.wire import Reply, encode
 
 __all__ = ["answer_refusal", "cancel_refusal", "check_receiver_address", "ipc_path"]
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from policyworker.errors import RefitError
 from policyworker.functional.dtypes import precision_dtype
-from policyworker.shell.receiver import HFWeightReceiver
+from policyworker.shell.refit.receiver import HFWeightReceiver
 
 __all__ = [
     "SGLangColocatedSender",

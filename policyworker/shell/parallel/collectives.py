@@ -29,7 +29,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from policyworker.functional import context_parallel as cp_core
 from policyworker.functional import logprobs as lp_core
 from policyworker.functional import topk as topk_core
-from policyworker.shell.distributed import ParallelContext
+from policyworker.shell.parallel.context import ParallelContext
 
 __all__ = [
     "all_gather_cp",

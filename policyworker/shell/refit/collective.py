@@ -55,9 +55,9 @@ from policyworker.functional.buckets import (
     plan_ipc_buckets,
     unpack_tensors,
 )
-from policyworker.shell.params import refit_stream
-from policyworker.shell.receiver import HFWeightReceiver, RefitReport
-from policyworker.shell.transports.wire import (
+from policyworker.shell.refit.params import refit_stream
+from policyworker.shell.refit.receiver import HFWeightReceiver, RefitReport
+from policyworker.shell.refit.wire import (
     DTYPES_BY_NAME,
     MAX_HEADER_BYTES,
     ProtocolError,
@@ -65,7 +65,7 @@ from policyworker.shell.transports.wire import (
     decode_versioned_json,
     dtype_name,
 )
-from policyworker.shell.watchdog import Watchdog
+from policyworker.shell.refit.watchdog import Watchdog
 
 __all__ = [
     "CPU_DEFAULT_BUCKET_BYTES",

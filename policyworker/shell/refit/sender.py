@@ -21,8 +21,8 @@ from policyworker.functional.buckets import (
     plan_ipc_buckets,
     split_ipc_budget,
 )
-from policyworker.shell.params import refit_info, refit_stream
-from policyworker.shell.transports.zmq_ipc import CudaStaging, ShmStaging, ZmqIpcSender
+from policyworker.shell.refit.params import refit_info, refit_stream
+from policyworker.shell.refit.zmq_ipc import CudaStaging, ShmStaging, ZmqIpcSender
 
 __all__ = ["CPU_DEFAULT_BUFFER_BYTES", "CUDA_DEFAULT_BUFFER_CAP_BYTES", "RefitSender"]
 

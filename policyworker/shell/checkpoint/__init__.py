@@ -1,0 +1,70 @@
+"""Checkpoints: HF safetensors weights, DCP optimizer state, an atomic commit across ranks.
+
+    layout.py           folder and file names, the HF tensor boxes, safetensors file plans
+    safetensors_io.py   staging, `pwrite`, validation and loading of HF safetensors weights
+    dcp.py              optimizer, scheduler and RNG state (and DCP weights) via torch DCP
+    commit.py           fsync, commit records, renames, recovery of interrupted commits
+    saver.py            AsyncSaver: the background writes of one save and their commit
+    api.py              save_checkpoint / load_checkpoint / finalize_async_save on a worker's
+                        state (`CheckpointOwner`)
+
+Dependencies run down this list's reverse: api -> saver -> dcp -> safetensors_io -> commit
+-> layout. The names below are the package's public surface (docs/checkpoints.md).
+"""
+
+from policyworker.shell.checkpoint.api import (
+    CheckpointOwner,
+    finalize_async_save,
+    load_checkpoint,
+    load_checkpoint_at_init,
+    save_checkpoint,
+)
+from policyworker.shell.checkpoint.commit import COMMIT_RECORD_PREFIX, recover_checkpoint_commits
+from policyworker.shell.checkpoint.dcp import load_optimizer, save_optimizer
+from policyworker.shell.checkpoint.layout import (
+    INDEX_FILE,
+    MANIFEST_FILE,
+    MAX_FILE_BYTES,
+    MODEL_DIR,
+    OPTIM_DIR,
+    REFERENCE_DIR,
+    CheckpointError,
+    HFTensor,
+    hf_layout,
+    plan_safetensors_files,
+)
+from policyworker.shell.checkpoint.safetensors_io import (
+    detect_weights_format,
+    load_hf_weights,
+    save_hf_weights,
+    validate_hf_folder,
+)
+from policyworker.shell.checkpoint.saver import FINALIZE_TIMEOUT_S, AsyncSaver
+
+__all__ = [
+    "COMMIT_RECORD_PREFIX",
+    "FINALIZE_TIMEOUT_S",
+    "INDEX_FILE",
+    "MANIFEST_FILE",
+    "MAX_FILE_BYTES",
+    "MODEL_DIR",
+    "OPTIM_DIR",
+    "REFERENCE_DIR",
+    "AsyncSaver",
+    "CheckpointError",
+    "CheckpointOwner",
+    "HFTensor",
+    "detect_weights_format",
+    "finalize_async_save",
+    "hf_layout",
+    "load_checkpoint",
+    "load_checkpoint_at_init",
+    "load_hf_weights",
+    "load_optimizer",
+    "plan_safetensors_files",
+    "recover_checkpoint_commits",
+    "save_checkpoint",
+    "save_hf_weights",
+    "save_optimizer",
+    "validate_hf_folder",
+]

@@ -1,0 +1,344 @@
+"""Checkpoints of a worker: save_checkpoint / load_checkpoint / finalize_async_save.
+
+Layout (API.md §7, details in docs/checkpoints.md)::
+
+    weights_path/model/       HF folder: config.json, generation_config.json,
+                              model.safetensors.index.json, model-0000i-of-0000n.safetensors
+                              (fp32 master weights), policyworker_checkpoint.json
+                              -- or, for LoRA runs, a PEFT adapter folder
+    weights_path/reference/   the ORIGINAL reference weights (same HF format; hard-linked
+                              from the previous save while they are unchanged)
+    optimizer_path/optim/     DCP: optimizer (sharded as trained), scheduler, RNG, checkpoint id
+    tokenizer_path/           tokenizer.save_pretrained (rank 0)
+
+Weights never meet on one rank: every HF tensor is a box (a region) of one model tensor; each
+rank owns the part of that box its local shard covers (replicas: the one at coordinate 0) and
+`pwrite`s those bytes at offsets that every rank computes identically from the global shapes
+(the safetensors header is a pure function of names, shapes and dtypes). Only placements other
+than Shard/Replicate (e.g. the `_StridedShard` of 2-D TP+FSDP) fall back to a per-tensor gather.
+
+Saves are asynchronous: the call returns after staging (a CPU copy of this rank's pieces); a
+background thread writes; `finalize_async_save` waits, agrees over all ranks that every write
+landed, and rank 0 commits: it fsyncs every `<final>.tmp-<token>` folder, writes a commit record
+naming all of them, renames each into place and removes the record. A crash after the record is
+rolled forward by the next load or save (`recover_checkpoint_commits`), so weights and optimizer
+always come from one save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from policyworker.shell.checkpoint.commit import (
+    _all_ranks_max,
+    _clear_stale,
+    _locked,
+    _on_rank0,
+    _shared_token,
+    _tmp_for,
+    _write_json,
+    recover_checkpoint_commits,
+)
+from policyworker.shell.checkpoint.dcp import _load_dcp_weights, load_optimizer, save_optimizer
+from policyworker.shell.checkpoint.layout import (
+    FORMAT_VERSION,
+    INDEX_FILE,
+    MANIFEST_FILE,
+    MODEL_DIR,
+    OPTIM_DIR,
+    REFERENCE_DIR,
+    CheckpointError,
+)
+from policyworker.shell.checkpoint.safetensors_io import (
+    _model_folder,
+    detect_weights_format,
+    load_hf_weights,
+    save_hf_weights,
+)
+from policyworker.shell.checkpoint.saver import FINALIZE_TIMEOUT_S, AsyncSaver, _checkpoint_group
+
+__all__ = [
+    "CheckpointOwner",
+    "finalize_async_save",
+    "load_checkpoint",
+    "load_checkpoint_at_init",
+    "save_checkpoint",
+]
+
+
+# ------------------------------------------------------------------------------ worker API
+
+
+class CheckpointOwner(Protocol):
+    """What the worker-level functions read and restore: a `shell.state.WorkerState`, or any
+    object with these attributes (tests and benchmarks use small ones around a plain module)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+    tokenizer: Any
+    cfg: Any  # PolicyConfig or None: the LoRA config and model name of a PEFT adapter
+    parallel: Any  # ParallelContext
+    reference_state: dict[str, torch.Tensor] | None
+    saver: AsyncSaver
+
+
+def _lora(owner: CheckpointOwner) -> bool:
+    from policyworker.shell.lora import lora_modules
+
+    return bool(lora_modules(owner.model))
+
+
+def _fingerprint(ref: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
+    return (id(ref),) + tuple((k, v.data_ptr(), v._version) for k, v in ref.items())
+
+
+def _link_reference(src: pathlib.Path, dst: pathlib.Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        try:
+            os.link(f, dst / f.name)
+        except OSError:
+            shutil.copy2(f, dst / f.name)
+
+
+def save_checkpoint(
+    owner: CheckpointOwner,
+    weights_path: str | os.PathLike[str],
+    optimizer_path: str | os.PathLike[str] | None = None,
+    tokenizer_path: str | os.PathLike[str] | None = None,
+    *,
+    is_final_checkpoint: bool = False,
+) -> None:
+    """Save weights (HF / PEFT), reference, optimizer and tokenizer; async unless final.
+
+    Collective. Finalizes the previous save first. Returns once this rank's state is staged;
+    `finalize_async_save` (or the next save) waits and renames every folder into place.
+
+    Raises:
+        ValueError: optimizer_path without an optimizer, or tokenizer_path without a tokenizer.
+    """
+    if optimizer_path is not None and owner.optimizer is None:
+        msg = (
+            "save_checkpoint(optimizer_path=...) but the worker has no optimizer "
+            "(init_optimizer=False); pass optimizer_path=None"
+        )
+        raise ValueError(msg)
+    if tokenizer_path is not None and owner.tokenizer is None:
+        msg = (
+            "save_checkpoint(tokenizer_path=...) but the worker has no tokenizer (model "
+            "folder without tokenizer files); pass tokenizer_path=None"
+        )
+        raise ValueError(msg)
+    saver, parallel = owner.saver, owner.parallel
+    saver.finalize(parallel)
+    token = _shared_token(parallel)
+    group = _checkpoint_group(saver)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "checkpoint_id": token,
+        "world_size": parallel.world_size,
+        "dp_size": parallel.dp_size,
+        "tp_size": parallel.tp_size,
+    }
+    finals = [pathlib.Path(weights_path) / MODEL_DIR]
+    if optimizer_path is not None:
+        finals.append(pathlib.Path(optimizer_path) / OPTIM_DIR)
+    if tokenizer_path is not None:
+        finals.append(pathlib.Path(tokenizer_path))
+    lora, ref = _lora(owner), owner.reference_state
+    if ref is not None and not lora:
+        finals.append(pathlib.Path(weights_path) / REFERENCE_DIR)
+
+    def prepare() -> None:  # finish a committed save first: cleanup would delete its folders
+        for final in finals:
+            final.parent.mkdir(parents=True, exist_ok=True)
+        parents = sorted({f.parent for f in finals})
+        recover_checkpoint_commits(parents)
+        with _locked(parents):
+            for final in finals:
+                _clear_stale(final)
+
+    _on_rank0(parallel, "prepare the checkpoint folders", prepare)
+    commits = [(_tmp_for(f, token), f) for f in finals]
+    tmp = dict(zip(finals, (t for t, _ in commits), strict=True))
+    jobs = []
+    model_tmp = tmp[finals[0]]
+    if lora:
+        from policyworker.shell.lora import save_peft_adapter
+
+        cfg = getattr(owner, "cfg", None)
+        save_peft_adapter(
+            owner.model,
+            model_tmp,
+            lora_cfg=getattr(getattr(cfg, "dtensor_cfg", None), "lora_cfg", None),
+            base_model_name_or_path=getattr(cfg, "model_name", None),
+            write=parallel.rank == 0,
+        )
+        if parallel.rank == 0:
+            _write_json(model_tmp / MANIFEST_FILE, {**meta, "kind": "peft"})
+    else:
+        jobs.append(
+            save_hf_weights(
+                owner.model, model_tmp, parallel=parallel, manifest={**meta, "kind": "hf"}
+            )
+        )
+    if ref is not None and not lora:
+        jobs += _save_reference(
+            owner,
+            saver,
+            ref,
+            pathlib.Path(weights_path) / REFERENCE_DIR,
+            tmp[pathlib.Path(weights_path) / REFERENCE_DIR],
+        )
+    if optimizer_path is not None:
+        jobs.append(
+            save_optimizer(
+                owner.model,
+                owner.optimizer,
+                owner.scheduler,
+                tmp[pathlib.Path(optimizer_path) / OPTIM_DIR],
+                parallel=parallel,
+                group=group,
+                meta=meta,
+            )
+        )
+    if tokenizer_path is not None and parallel.rank == 0:
+        owner.tokenizer.save_pretrained(tmp[pathlib.Path(tokenizer_path)])
+    saver.start(jobs, commits, background=not is_final_checkpoint)
+    if is_final_checkpoint:
+        saver.finalize(parallel)
+
+
+def _save_reference(
+    owner: CheckpointOwner,
+    saver: AsyncSaver,
+    ref: Mapping[str, torch.Tensor],
+    final: pathlib.Path,
+    tmp: pathlib.Path,
+) -> list[Callable[[], None]]:
+    """Hard-link the last save's reference files while the reference is unchanged, else write."""
+    parallel = owner.parallel
+    fp = _fingerprint(ref)
+    last = saver.last_reference
+    can_link = int(last is not None and last[1] == fp and (last[0] / INDEX_FILE).is_file())
+    can_link = -_all_ranks_max(parallel, -can_link)  # min over ranks
+    saver.last_reference = (final, fp)
+    if can_link:
+        assert last is not None
+        return [lambda: _link_reference(last[0], tmp)] if parallel.rank == 0 else []
+    return [save_hf_weights(owner.model, tmp, parallel=parallel, state=ref, write_config=False)]
+
+
+def finalize_async_save(owner: CheckpointOwner, *, timeout_s: float = FINALIZE_TIMEOUT_S) -> None:
+    """Block until every write of the last save landed and its folders are renamed into place."""
+    owner.saver.finalize(owner.parallel, timeout_s=timeout_s)
+
+
+def _manifest_id(folder: pathlib.Path) -> str | None:
+    path = folder / MANIFEST_FILE
+    return json.loads(path.read_text()).get("checkpoint_id") if path.is_file() else None
+
+
+def _record_dirs(weights_path: Any, optimizer_path: Any) -> list[pathlib.Path]:
+    """Folders where a save of these paths keeps its commit records."""
+    dirs = []
+    for path, sub in ((weights_path, MODEL_DIR), (optimizer_path, OPTIM_DIR)):
+        if path is not None:
+            path = pathlib.Path(path)
+            dirs += [path, path.parent] if path.name == sub else [path]
+    return dirs
+
+
+def _load(owner: CheckpointOwner, weights_path: Any, optimizer_path: Any, *, load_weights: bool) -> None:
+    saver, parallel = owner.saver, owner.parallel
+    saver.finalize(parallel)
+    _on_rank0(
+        parallel,
+        "recover an interrupted checkpoint commit",
+        lambda: recover_checkpoint_commits(_record_dirs(weights_path, optimizer_path)),
+    )
+    group = _checkpoint_group(saver)
+    commits: list[Callable[[], None]] = []
+    weights_id = None
+    if weights_path is not None:
+        folder = _model_folder(weights_path)
+        fmt = detect_weights_format(weights_path)
+        weights_id = _manifest_id(folder)
+        if load_weights and fmt == "safetensors":
+            commits.append(load_hf_weights(owner.model, folder, parallel=parallel))
+        elif load_weights and fmt == "dcp":
+            commits.append(_load_dcp_weights(owner.model, folder, group=group))
+        elif load_weights:
+            from policyworker.shell.lora import load_peft_adapter
+
+            commits.append(lambda: load_peft_adapter(owner.model, folder))
+        ref_folder = folder.parent / REFERENCE_DIR if folder.name == MODEL_DIR else None
+        ref = owner.reference_state
+        if ref is not None and ref_folder is not None and ref_folder.is_dir():
+            commits.append(load_hf_weights(owner.model, ref_folder, parallel=parallel, state=ref))
+            saver.last_reference = None
+    if optimizer_path is not None:
+        if owner.optimizer is None:
+            msg = (
+                "load_checkpoint(optimizer_path=...) but the worker has no optimizer "
+                "(init_optimizer=False); pass optimizer_path=None"
+            )
+            raise ValueError(msg)
+        commit = load_optimizer(
+            owner.optimizer,
+            owner.scheduler,
+            optimizer_path,
+            model=owner.model,
+            parallel=parallel,
+            group=group,
+        )
+        saved_id = getattr(commit, "checkpoint_id", None)
+        if weights_id is not None and saved_id is not None and saved_id != weights_id:
+            msg = (
+                f"weights {str(weights_path)!r} (checkpoint id {weights_id}) and optimizer "
+                f"{str(optimizer_path)!r} (id {saved_id}) come from different saves; pass the "
+                f"optimizer_path saved together with these weights"
+            )
+            raise CheckpointError(msg)
+        commits.append(commit)
+    for commit in commits:
+        commit()
+
+
+def load_checkpoint(
+    owner: CheckpointOwner,
+    weights_path: str | os.PathLike[str],
+    optimizer_path: str | os.PathLike[str] | None = None,
+) -> None:
+    """Load weights (safetensors / DCP / PEFT, any layout), the saved reference, optimizer state.
+
+    Collective. Validates and reads everything before changing the worker: a missing or
+    truncated file raises `CheckpointError` naming it and leaves the worker as it was.
+    """
+    _load(owner, weights_path, optimizer_path, load_weights=True)
+
+
+def load_checkpoint_at_init(
+    owner: CheckpointOwner,
+    weights_path: str | os.PathLike[str] | None = None,
+    optimizer_path: str | os.PathLike[str] | None = None,
+    *,
+    weights_loaded: bool = False,
+) -> None:
+    """The constructor's loader: call after the optimizer and the reference snapshot exist.
+
+    `weights_loaded=True` when the constructor already built the model from `weights_path`
+    (an HF folder); then only the saved reference and the optimizer state are restored.
+    """
+    if weights_path is None and optimizer_path is None:
+        return
+    _load(owner, weights_path, optimizer_path, load_weights=not weights_loaded)

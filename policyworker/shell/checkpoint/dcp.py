@@ -1,0 +1,267 @@
+"""Torch Distributed Checkpoint (DCP) state: the optimizer (sharded as trained), scheduler,
+RNG and checkpoint id under `optimizer_path/optim/`, and DCP-format model weights to load."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import pathlib
+import random
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from policyworker.functional.names import canonical_name
+from policyworker.shell.checkpoint.layout import OPTIM_DIR, CheckpointError, _model_state
+from policyworker.shell.checkpoint.safetensors_io import _interrupted_hint
+
+__all__ = ["load_optimizer", "save_optimizer"]
+
+
+def _load_dcp_weights(model: nn.Module, folder: pathlib.Path, *, group: Any) -> Callable[[], None]:
+    """Read a DCP weights folder (keys = canonical state names) into staging; returns the commit."""
+    import torch.distributed.checkpoint as dcp
+
+    live = _model_state(model)
+    keys = _dcp_keys(folder)
+    staging: dict[str, torch.Tensor] = {}
+    for key, t in live.items():
+        name = canonical_name(key)
+        if name not in keys:
+            msg = (
+                f"DCP checkpoint {str(folder)!r} has no tensor {name!r};"
+                " load a checkpoint of this model"
+            )
+            raise CheckpointError(msg)
+        staging[name] = _clone_to(t.detach(), device=None)
+    dcp.load(
+        staging,
+        storage_reader=dcp.FileSystemReader(str(folder)),
+        process_group=group,
+        no_dist=group is None,
+    )
+
+    def commit() -> None:
+        with torch.no_grad():
+            for key, t in live.items():
+                t.detach().copy_(staging[canonical_name(key)])
+
+    return commit
+
+
+def _dcp_keys(folder: pathlib.Path) -> set[str]:
+    """Flattened keys of a DCP folder, after checking every data file it references is complete."""
+    import torch.distributed.checkpoint as dcp
+
+    if not (folder / ".metadata").is_file():
+        msg = (
+            f"DCP checkpoint file {str(folder / '.metadata')!r} does not exist;"
+            " the save did not finish -- load another checkpoint"
+        )
+        raise CheckpointError(msg)
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    except Exception as exc:
+        msg = (
+            f"DCP checkpoint file {str(folder / '.metadata')!r} cannot be read ({exc});"
+            " it is truncated or corrupt"
+        )
+        raise CheckpointError(msg) from exc
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in need.items():
+        path = folder / rel
+        have = path.stat().st_size if path.is_file() else -1
+        if have < size:
+            state = (
+                "does not exist" if have < 0 else f"is {have} bytes but the metadata needs {size}"
+            )
+            msg = (
+                f"DCP checkpoint file {str(path)!r} {state};"
+                " it is truncated -- load another checkpoint"
+            )
+            raise CheckpointError(msg)
+    return set(metadata.state_dict_metadata)
+
+
+# ------------------------------------------------------------------------------ optimizer
+
+
+def _clone_to(t: Any, *, device: str | None = "cpu") -> Any:
+    """A detached copy (DTensors stay DTensors with a copied local shard)."""
+    if hasattr(t, "device_mesh"):
+        from torch.distributed.tensor import DTensor
+
+        local = t.to_local().detach()
+        local = local.to(device, copy=True) if device else local.clone()
+        return DTensor.from_local(
+            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+    return t.detach().to(device, copy=True) if device else t.detach().clone()
+
+
+def _tree_map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return {k: _tree_map(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_tree_map(v, fn) for v in obj]
+    return copy.deepcopy(obj)
+
+
+def _to_bytes(obj: Any) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+def _from_bytes(value: Any) -> Any:
+    raw = value.getvalue() if isinstance(value, io.BytesIO) else value
+    return torch.load(io.BytesIO(raw), weights_only=True)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(tuple(_tuples(state["python"])))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuples(obj: Any) -> Any:
+    return tuple(_tuples(x) for x in obj) if isinstance(obj, (list, tuple)) else obj
+
+
+def save_optimizer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    folder: pathlib.Path,
+    *,
+    parallel: Any,
+    group: Any,
+    meta: Mapping[str, Any],
+) -> Callable[[], None]:
+    """Stage optimizer + scheduler + this rank's RNG as a DCP state dict; returns the writer job."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state: dict[str, Any] = {}
+    if optimizer.state:  # get_optimizer_state_dict would run a zero step on an empty optimizer
+        state["optim"] = _tree_map(get_optimizer_state_dict(model, optimizer), _clone_to)
+    extra = {
+        "meta": dict(meta),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "fresh_optimizer": None if optimizer.state else optimizer.state_dict(),
+    }
+    state["extra"] = _to_bytes(extra)
+    state[f"rng_rank{parallel.rank}"] = _to_bytes(_rng_state())
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def job() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter(
+                "ignore", UserWarning
+            )  # "assuming single process" without a group
+            dcp.save(
+                state,
+                storage_writer=dcp.FileSystemWriter(str(folder)),
+                process_group=group,
+                no_dist=group is None,
+            )
+
+    return job
+
+
+def load_optimizer(
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    optimizer_path: str | os.PathLike[str],
+    *,
+    model: nn.Module | None = None,
+    parallel: Any = None,
+    group: Any = None,
+    restore_rng: bool = True,
+) -> Callable[[], None]:
+    """Read `optimizer_path/optim` (any layout) into staging; returns the commit.
+
+    The commit loads optimizer and scheduler state and, when this rank's RNG state was saved,
+    the torch/python RNG.
+
+    Raises:
+        ValueError: `model` is None (optimizer state is keyed by the model's parameter names).
+        CheckpointError: the folder is missing or incomplete.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if model is None:
+        msg = (
+            "load_optimizer needs model=<the nn.Module the optimizer trains> to map state to "
+            "parameter names"
+        )
+        raise ValueError(msg)
+    folder = _optim_folder(optimizer_path)
+    keys = _dcp_keys(folder)
+    rank = 0 if parallel is None else parallel.rank
+    request: dict[str, Any] = {"extra": io.BytesIO()}
+    if f"rng_rank{rank}" in keys and restore_rng:
+        request[f"rng_rank{rank}"] = io.BytesIO()
+    has_optim = any(k.startswith("optim.") for k in keys)
+    if has_optim:
+        request["optim"] = _tree_map(
+            get_optimizer_state_dict(model, optimizer), lambda t: _clone_to(t, device=None)
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming single process" without a group
+        dcp.load(
+            request,
+            storage_reader=dcp.FileSystemReader(str(folder)),
+            process_group=group,
+            no_dist=group is None,
+        )
+    extra = _from_bytes(request["extra"])
+    rng = _from_bytes(request[f"rng_rank{rank}"]) if f"rng_rank{rank}" in request else None
+
+    def commit() -> None:
+        if has_optim:
+            set_optimizer_state_dict(model, optimizer, request["optim"])
+        elif extra["fresh_optimizer"] is not None:
+            optimizer.state.clear()
+            optimizer.load_state_dict(extra["fresh_optimizer"])
+        if scheduler is not None and extra["scheduler"] is not None:
+            scheduler.load_state_dict(extra["scheduler"])
+        if rng is not None:
+            _set_rng_state(rng)
+
+    commit.checkpoint_id = extra["meta"].get("checkpoint_id")  # type: ignore[attr-defined]
+    return commit
+
+
+def _optim_folder(optimizer_path: str | os.PathLike[str]) -> pathlib.Path:
+    path = pathlib.Path(optimizer_path)
+    if path.name != OPTIM_DIR and (path / OPTIM_DIR).is_dir():
+        return path / OPTIM_DIR
+    if path.name == OPTIM_DIR or (path / ".metadata").is_file():
+        return path
+    msg = (
+        f"no optimizer checkpoint at {str(path)!r}: expected '{OPTIM_DIR}/.metadata' under it"
+        + _interrupted_hint(path / OPTIM_DIR)
+    )
+    raise CheckpointError(msg)

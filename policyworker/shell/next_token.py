@@ -1,0 +1,125 @@
+"""Next-token logprobs of a microbatch: plain or vocab-sharded logits, whole or chunk by chunk.
+
+Training needs them differentiable from full logits; inference computes them without grad one
+chunk of positions at a time, running the LM head per chunk so no [T, V] logits tensor exists.
+Under tensor parallelism the logits are vocab-sharded DTensors, read by
+`shell.parallel.collectives` without gathering the vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from policyworker.functional.logprobs import default_chunk_size, sampling_filters_active
+from policyworker.functional.tokens import counted_tokens
+from policyworker.shell import model as model_lib
+from policyworker.shell.microbatches import Microbatch, forward, hidden_states
+from policyworker.shell.parallel import collectives
+from policyworker.shell.state import Sampling, WorkerState
+
+__all__ = ["filtering", "inference_chunk", "inference_logprobs", "logit_chunks",
+           "logprobs_any", "rows_of_next", "sampling_for", "training_logprobs", "valid_mask"]
+
+_INFERENCE_CHUNK_TOKENS = 2048
+
+
+def sampling_for(state: WorkerState, filtered: bool) -> Sampling:
+    """The sampling filters logprobs are taken under (`filtered=False`: temperature only)."""
+    temperature, top_k, top_p = state.sampling
+    return (temperature, top_k, top_p) if filtered else (temperature, None, 1.0)
+
+
+def filtering(state: WorkerState) -> bool:
+    """Whether top-k or top-p filtering is on (then filtered-out tokens get -inf logprobs)."""
+    _, top_k, top_p = state.sampling
+    return sampling_filters_active(top_k, top_p)
+
+
+def valid_mask(data: Mapping[str, Any], seq_len: int) -> torch.Tensor:
+    """[B, seq_len] bool: the tokens that count (`functional.tokens.counted_tokens`)."""
+    return counted_tokens(data["input_lengths"], seq_len, data.get("token_mask"),
+                          data.get("sample_mask"))
+
+
+def logprobs_any(state: WorkerState, logits: torch.Tensor, ids: torch.Tensor, *,
+                 temperature: float, top_k: int | None, top_p: float,
+                 chunk_size: int) -> torch.Tensor:
+    """Next-token logprobs of plain or vocab-sharded (TP) logits.
+
+    Top-k/top-p under TP move whole rows between ranks, which needs `rows * positions`
+    divisible by tp; otherwise this block's logits are gathered over the vocab first (one
+    [rows, positions, V] block, differentiable) and scored as plain logits.
+    """
+    if (isinstance(logits, DTensor) and sampling_filters_active(top_k, top_p)
+            and ids.numel() % state.parallel.tp_size != 0):
+        logits = logits.full_tensor()
+    return collectives.next_token_logprobs_any(
+        logits, ids, state.parallel, temperature=temperature, top_k=top_k, top_p=top_p,
+        chunk_size=chunk_size)
+
+
+def rows_of_next(mb: Microbatch, lp: torch.Tensor) -> torch.Tensor:
+    """Model-row next-token values [b or 1, T-1] -> [b, w-1] per sequence."""
+    if not mb.packed:
+        return lp
+    full_1N = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+    return mb.unpack_rows(full_1N)[:, 1:]
+
+
+def training_logprobs(state: WorkerState, mb: Microbatch, logits: torch.Tensor, *,
+                      filtered: bool) -> torch.Tensor:
+    """[b, w-1] next-token logprobs of microbatch `mb` from its logits (differentiable)."""
+    temperature, top_k, top_p = sampling_for(state, filtered)
+    chunk = state.cfg.logprob_chunk_size or default_chunk_size(logits.shape[-1])
+    lp = logprobs_any(state, logits, mb.input_ids, temperature=temperature, top_k=top_k,
+                      top_p=top_p, chunk_size=chunk)
+    return rows_of_next(mb, lp)
+
+
+def logit_chunks(state: WorkerState, mb: Microbatch
+                 ) -> tuple[Callable[[int, int], torch.Tensor], int, int]:
+    """(logits_at(start, stop), num_positions, vocab) for no-grad inference.
+
+    For plain causal LMs only the hidden states are kept and the LM head runs one chunk of
+    positions at a time, so no [T, V] logits tensor exists; other heads use full logits, and
+    so does sequence parallelism (its hidden states are sharded on the sequence). Under TP
+    each chunk's logits are a vocab-sharded DTensor.
+    """
+    sequence_sharded = state.cfg.dtensor_cfg.sequence_parallel and state.parallel.tp_size > 1
+    if model_lib.supports_chunked_lm_head(state.model) and not sequence_sharded:
+        hidden = hidden_states(state, mb)
+        head = state.model.get_output_embeddings()
+
+        def logits_at(start: int, stop: int) -> torch.Tensor:
+            with model_lib.autocast_context(state.device, state.dtype):
+                return head(hidden[:, start:stop])
+
+        return logits_at, hidden.shape[1], int(head.weight.shape[0])
+    logits = forward(state, mb)
+    return (lambda start, stop: logits[:, start:stop]), logits.shape[1], logits.shape[-1]
+
+
+def inference_chunk(state: WorkerState, vocab: int, *, rows: int) -> int:
+    """Positions per LM-head chunk: `logprob_chunk_size`, else about 2048 tokens per chunk
+    (big enough for an efficient head GEMM, at most ~14 bytes * 2048 * V of scratch)."""
+    if state.cfg.logprob_chunk_size:
+        return state.cfg.logprob_chunk_size
+    return max(default_chunk_size(vocab), -(-_INFERENCE_CHUNK_TOKENS // max(rows, 1)))
+
+
+def inference_logprobs(state: WorkerState, mb: Microbatch) -> torch.Tensor:
+    """[b, w-1] filtered next-token logprobs, chunk by chunk over positions (no grad)."""
+    logits_at, num_positions, vocab = logit_chunks(state, mb)
+    temperature, top_k, top_p = sampling_for(state, True)
+    chunk = inference_chunk(state, vocab, rows=mb.input_ids.shape[0])
+    parts = [torch.zeros(mb.input_ids.shape[0], 0, device=state.device)]
+    for start in range(0, num_positions - 1, chunk):
+        stop = min(start + chunk, num_positions - 1)
+        parts.append(logprobs_any(
+            state, logits_at(start, stop + 1), mb.input_ids[:, start:stop + 1],
+            temperature=temperature, top_k=top_k, top_p=top_p, chunk_size=chunk))
+    return rows_of_next(mb, torch.cat(parts, dim=1))

@@ -1,0 +1,112 @@
+"""Offload: moving the model, its buffers and the optimizer state between the device and the CPU.
+
+Under FSDP2 CPU offload (`dtensor_cfg.cpu_offload`) the parameters live on the CPU for good and
+FSDP2 streams them; only the buffers move then, and the optimizer stays with its CPU params.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from policyworker.shell.parallel import plans as parallel_lib
+from policyworker.shell.state import WorkerState
+
+__all__ = ["finish_inference", "move_buffers", "move_model", "move_optimizer",
+           "offload_after_refit", "offload_before_refit", "prepare_for_lp_inference",
+           "prepare_for_training"]
+
+log = logging.getLogger(__name__)
+
+
+def move_buffers(state: WorkerState, model: torch.nn.Module, device: str | torch.device
+                 ) -> torch.nn.Module:
+    """Move `model`'s buffers (not its parameters) to `device`."""
+    parallel_lib.move_buffers(model, state.resolve_device(device))
+    return model
+
+
+def move_model(state: WorkerState, model: torch.nn.Module, device: str | torch.device
+               ) -> torch.nn.Module:
+    """Move `model`'s buffers and parameters to `device`."""
+    device = state.resolve_device(device)
+    move_buffers(state, model, device)
+    return model.to(device)
+
+
+def move_optimizer(state: WorkerState, device: str | torch.device) -> None:
+    """Move every optimizer state tensor to `device` (nothing without an optimizer)."""
+    if state.optimizer is None:
+        return
+    device = state.resolve_device(device)
+    for opt_state in state.optimizer.state.values():
+        for key, value in opt_state.items():
+            if isinstance(value, torch.Tensor) and value.device != device:
+                opt_state[key] = value.to(device)
+
+
+def to_device(state: WorkerState, model: torch.nn.Module) -> torch.nn.Module:
+    """`model` onto the worker's device, then return cached blocks."""
+    model = move_model(state, model, state.device)
+    state.empty_cache()
+    return model
+
+
+def to_cpu(state: WorkerState, model: torch.nn.Module) -> torch.nn.Module:
+    """`model` onto the CPU, then collect garbage and return cached blocks."""
+    model = move_model(state, model, "cpu")
+    state.release_memory()
+    return model
+
+
+def _fsdp_offloaded(state: WorkerState) -> bool:
+    """FSDP2 CPU offload: parameters live on the CPU for good and FSDP2 streams them."""
+    return state.cfg.dtensor_cfg.cpu_offload and state.parallel.mesh is not None
+
+
+def prepare_for_training(state: WorkerState) -> None:
+    """Model (and optimizer state) onto the device, train mode."""
+    if _fsdp_offloaded(state):  # buffers only; the optimizer stays with its CPU params
+        move_buffers(state, state.model, state.device)
+    else:
+        to_device(state, state.model)
+        move_optimizer(state, state.device)
+    state.model.train()
+    state.empty_cache()
+
+
+def prepare_for_lp_inference(state: WorkerState, keep_train_buffers: bool) -> None:
+    """Model onto the device, eval mode; optimizer state to the CPU when the config says so."""
+    if _fsdp_offloaded(state):
+        move_buffers(state, state.model, state.device)
+    else:
+        to_device(state, state.model)
+    state.model.eval()
+    if not keep_train_buffers and state.optimizer is not None and (
+            state.cfg.offload_optimizer_for_logprob):
+        move_optimizer(state, "cpu")
+    state.release_memory()
+
+
+def finish_inference(state: WorkerState) -> None:
+    """Model to the CPU, eval mode."""
+    to_cpu(state, state.model)
+    state.model.eval()
+
+
+def offload_before_refit(state: WorkerState) -> None:
+    """Optimizer state to the CPU (the weights stay: the refit reads them)."""
+    if state.optimizer is not None:
+        move_optimizer(state, "cpu")
+    state.release_memory()
+
+
+def offload_after_refit(state: WorkerState) -> None:
+    """Model and optimizer state to the CPU, leaving the device to the inference engine."""
+    to_cpu(state, state.model)
+    state.model.eval()
+    offload_before_refit(state)
+    if state.device.type == "cuda":
+        log.info("after offload_after_refit: %.3f GiB allocated, %.3f GiB reserved",
+                 torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30)

@@ -1,0 +1,27 @@
+"""Refit: pushing the trainer's weights into inference engines.
+
+    sender.py       RefitSender: a worker's ZMQ refit (refit info, address, one stream call)
+    params.py       the weights to send: HF names, target dtypes, gathered shards, in order
+    wire.py         the wire format (JSON headers, manifests, dtype names); nothing is pickled
+    zmq_ipc.py      ZMQ + CUDA IPC / shared-memory transport (sender and receiver halves)
+    receiver.py     HFWeightReceiver / WeightApplier: the inference side applying a refit
+    collective.py   packed broadcast over a trainer+engine process group
+    sglang.py       colocated SGLang updates (serialized named tensors per engine)
+    watchdog.py     a deadline that names the phase which ran past it
+
+`policyworker.shell.refit` was once the sender module: its names stay importable from here.
+"""
+
+from typing import Any
+
+_SENDER_NAMES = ("CPU_DEFAULT_BUFFER_BYTES", "CUDA_DEFAULT_BUFFER_CAP_BYTES", "RefitSender",
+                 "check_stream_args")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SENDER_NAMES:
+        from policyworker.shell.refit import sender
+
+        return getattr(sender, name)
+    msg = f"module 'policyworker.shell.refit' has no attribute {name!r}"
+    raise AttributeError(msg)

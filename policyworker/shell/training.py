@@ -1,0 +1,214 @@
+"""Training: the loop over global batches, its microbatches, the loss call and the optimizer step.
+
+Written for a data-parallel group: the loss normalizers (valid samples, valid tokens) are
+all-reduced over dp before any microbatch runs, each microbatch's loss is scaled by dp * cp
+before backward (FSDP2 averages gradients over those ranks), and ranks with fewer microbatches
+run zero-weighted dummies so every rank calls the same collectives. On one process the
+collectives are identities.
+
+Padding positions (>= input_lengths) never count: `token_mask` is masked by the lengths before
+the loss sees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from policyworker.functional import batch_checks
+from policyworker.functional.logprobs import count_and_zero_neg_inf
+from policyworker.functional.loss import LossInputType, LossType
+from policyworker.functional.metrics import scale_microbatch_metrics
+from policyworker.functional.tokens import mask_within_lengths, valid_token_total
+from policyworker.shell import microbatches as mbatch
+from policyworker.shell import next_token
+from policyworker.shell.parallel import collectives
+from policyworker.shell.state import WorkerState
+
+__all__ = ["TRAIN_KEYS", "check_train_call", "train"]
+
+TRAIN_KEYS = ("input_ids", "input_lengths", "sample_mask")
+log = logging.getLogger(__name__)
+
+
+def check_train_call(state: WorkerState, data: Mapping[str, Any], loss_fn: Any, *,
+                     eval_mode: bool, gbs: int | None, mbs: int | None) -> tuple[int, int]:
+    """Refuse a `train` call this worker cannot run; the global and micro batch sizes to use."""
+    if not eval_mode and state.optimizer is None:
+        msg = "train() needs an optimizer but the worker was built with init_optimizer=False"
+        raise ValueError(msg)
+    if (not eval_mode and state.device.type == "cpu"
+            and state.model.config._attn_implementation == "flex_attention"):
+        msg = ("attn_implementation 'flex_attention' has no backward on CPU; use 'auto' or "
+               "'sdpa' for training on CPU (flex_attention works for inference)")
+        raise ValueError(msg)
+    gbs = batch_checks.batch_size_argument("gbs", gbs, state.cfg.train_global_batch_size)
+    mbs = batch_checks.batch_size_argument("mbs", mbs, state.cfg.train_micro_batch_size)
+    batch_checks.require_nonempty_rows(data["input_lengths"])
+    dp = state.parallel.dp_size
+    if gbs % dp != 0:
+        msg = f"gbs={gbs} must be a multiple of the data-parallel size {dp}"
+        raise ValueError(msg)
+    return gbs, mbs
+
+
+def train(state: WorkerState, data: Mapping[str, Any], loss_fn: Any, *, eval_mode: bool,
+          gbs: int, mbs: int, skip: tuple[str, ...]) -> dict[str, Any]:
+    """One optimizer step per whole global batch of `data`; the worker's `train` result."""
+    data = batch_checks.cast_loss_inputs(data)
+    dp, cp = state.parallel.dp_size, state.parallel.cp_size
+    local_gbs = gbs // dp
+    num_gb = _num_global_batches(state, data, gbs)
+    state.model.train(not eval_mode)
+    grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
+    losses, all_mb_metrics = [], {}
+    grad_norm, skipped, stepped = None, 0, 0
+    with grad_ctx:
+        for g in range(num_gb):
+            rows = slice(g * local_gbs, (g + 1) * local_gbs)
+            batch = {k: v[rows] for k, v in data.items()}
+            out = _train_global_batch(state, batch, loss_fn, eval_mode=eval_mode, mbs=mbs,
+                                      num_gb=num_gb, skip=skip, dp_cp=dp * cp)
+            mb_losses, mb_metrics, grad_norm, was_skipped = out
+            skipped += int(was_skipped)
+            stepped += int(not eval_mode and not was_skipped)
+            losses.append(math.fsum(mb_losses))
+            for m in mb_metrics:
+                for k, v in m.items():
+                    all_mb_metrics.setdefault(k, []).append(v)
+    if state.optimizer is not None:
+        state.optimizer.zero_grad(set_to_none=True)
+    if stepped and state.scheduler is not None:
+        state.scheduler.step()
+    state.empty_cache()
+    global_loss = state.parallel.all_reduce(
+        torch.tensor(losses, dtype=torch.float32, device=state.parallel._collective_device()),
+        axis="dp").cpu()
+    return {"global_loss": global_loss, "grad_norm": grad_norm,
+            "all_mb_metrics": all_mb_metrics, "rank": state.parallel.rank,
+            "model_dtype": state.dtype, "skipped_steps": skipped}
+
+
+def _num_global_batches(state: WorkerState, data: Mapping[str, Any], gbs: int) -> int:
+    """Whole global batches in `data` over all dp ranks (a trailing partial one is dropped)."""
+    size = int(data["input_ids"].shape[0])
+    total = state.parallel.all_reduce_int(size, axis="dp")
+    num_gb = total // gbs
+    if num_gb == 0:
+        msg = (f"the batch has {total} rows over all data-parallel ranks, fewer than one "
+               f"global batch (gbs={gbs}); pass at least gbs rows or a smaller gbs")
+        raise ValueError(msg)
+    if total % gbs:
+        log.warning("train(): %d row(s) over all data-parallel ranks are not a whole global "
+                    "batch (gbs=%d) and are not used; pass a multiple of gbs rows",
+                    total % gbs, gbs)
+    return num_gb
+
+
+def _global_normalizers(state: WorkerState, batch: Mapping[str, Any]
+                        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """(valid samples, valid tokens) over all dp ranks, and the batch with `token_mask` cut to
+    the lengths."""
+    seq_len = batch["input_ids"].shape[1]
+    sample_mask = batch["sample_mask"].to(torch.float32)
+    batch = dict(batch)
+    if "token_mask" in batch:
+        batch["token_mask"] = mask_within_lengths(batch["token_mask"], batch["input_lengths"])
+    toks = valid_token_total(seq_len, batch.get("token_mask"), sample_mask)
+    dev = state.parallel._collective_device()
+    gvs = state.parallel.all_reduce(sample_mask.sum().reshape(()).to(dev), axis="dp")
+    gvt = state.parallel.all_reduce(toks.reshape(()).to(dev), axis="dp")
+    return gvs.to(state.device), gvt.to(state.device), batch
+
+
+def _train_global_batch(state: WorkerState, batch, loss_fn, *, eval_mode, mbs, num_gb, skip,
+                        dp_cp):
+    gvs, gvt, batch = _global_normalizers(state, batch)
+    plans = mbatch.plan(state, batch["input_lengths"], seq_len=batch["input_ids"].shape[1],
+                        mbs=mbs, purpose="train")
+    if not eval_mode:
+        state.optimizer.zero_grad(set_to_none=True)
+    mb_losses, mb_metrics, finite = [], [], True
+    untrusted = None if eval_mode else batch_checks.nonfinite_loss_input(batch)
+    if untrusted is not None:  # skipped below, by every rank (the flag is all-reduced)
+        warnings.warn(f"train(): {untrusted}", stacklevel=4)
+        finite = False
+    lr = state.optimizer.param_groups[0]["lr"] if state.optimizer is not None else 0.0
+    for plan in plans:
+        mb = mbatch.load(state, batch, plan, skip=skip)
+        loss, metrics = _loss(state, mb, loss_fn, gvs, gvt)
+        if mb.is_dummy:
+            loss = loss * 0
+        if not eval_mode:
+            (loss * dp_cp).backward()
+        if mb.is_dummy:
+            continue
+        finite = finite and bool(torch.isfinite(loss.detach()).item())
+        metrics = scale_microbatch_metrics(metrics, num_gb)
+        metrics.update(lr=lr, global_valid_seqs=float(gvs), global_valid_toks=float(gvt))
+        if metrics["num_valid_samples"] > 0:
+            mb_losses.append(float(loss.detach().item()))
+            mb_metrics.append(metrics)
+    if eval_mode:
+        return mb_losses, mb_metrics, None, False
+    if float(gvt if loss_fn.loss_type == LossType.TOKEN_LEVEL else gvs) == 0:
+        # Nothing in this global batch counts (all tokens/rows masked out): a step would only
+        # advance the optimizer's clock (Adam's bias correction, the scheduler).
+        log.warning("train(): a global batch has no valid %s; its optimizer step was skipped",
+                    "tokens" if loss_fn.loss_type == LossType.TOKEN_LEVEL else "rows")
+        state.optimizer.zero_grad(set_to_none=True)
+        grad_norm, skipped = 0.0, True
+    else:
+        grad_norm, skipped = _optimizer_step(state, finite)
+    for i, m in enumerate(mb_metrics):
+        m["skipped_step"] = float(skipped and i == 0)
+    return mb_losses, mb_metrics, grad_norm, skipped
+
+
+def _loss(state: WorkerState, mb: mbatch.Microbatch, loss_fn, gvs, gvt):
+    logits = mbatch.forward(state, mb)
+    if loss_fn.input_type == LossInputType.LOGIT:
+        if isinstance(logits, DTensor):
+            # A LOGIT loss may do anything with the vocab dim: give it the full logits. The
+            # gather is differentiable (each TP rank gets its vocab shard's gradient back).
+            logits = logits.full_tensor()
+        logits = mb.unpack_rows(logits)
+        if state.sampling[0] != 1.0:
+            logits = logits / state.sampling[0]
+        return loss_fn(mb.data, gvs, gvt, logits=logits)
+    data = dict(mb.data)
+    lp = next_token.training_logprobs(state, mb, logits, filtered=True)
+    if next_token.filtering(state):
+        valid = next_token.valid_mask(data, mb.width)[:, 1:]
+        lp, _ = count_and_zero_neg_inf(lp, valid)
+        if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
+            data["curr_logprobs_unfiltered"] = next_token.training_logprobs(
+                state, mb, logits, filtered=False)
+    return loss_fn(data, gvs, gvt, next_token_logprobs=lp)
+
+
+def _optimizer_step(state: WorkerState, loss_finite: bool) -> tuple[float, bool]:
+    """Clip and step, or skip the step on every rank when any rank saw a non-finite value."""
+    total_norm = collectives.total_grad_norm(state.model.parameters(), state.parallel)
+    bad = int(not loss_finite or not bool(torch.isfinite(total_norm).item()))
+    bad = state.parallel.all_reduce_int(bad, op="max", axis="world")
+    grad_norm = float(total_norm.item())
+    if bad:
+        warnings.warn(f"non-finite loss or grad norm ({grad_norm}); the optimizer step was "
+                      f"skipped (weights and optimizer state unchanged)", stacklevel=4)
+        state.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, True
+    if state.cfg.max_grad_norm is not None:
+        params = [p for p in state.model.parameters() if p.grad is not None]
+        collectives.clip_grads_(params, state.cfg.max_grad_norm, total_norm)
+    state.optimizer.step()
+    if hasattr(state.model, "update_moe_gate_bias"):
+        state.model.update_moe_gate_bias()
+    return grad_norm, False
