@@ -1,9 +1,9 @@
-"""The batch container: ``BatchedDataDict`` (API §3) and ``validate_batch``.
+"""The batch container: ``BatchedDataDict`` (NeMo-RL's, same methods) and ``validate_batch``.
 
 A ``BatchedDataDict`` maps keys to tensors or lists that share dim 0 (the batch). Tensors are
 right-padded: for every tensor with ``ndim >= 2``, dim 1 is the sequence. Sharding for
-data-parallel ranks (plain, dynamic batching, sequence packing) follows reference §5.3; the
-planning math lives in ``policyworker.functional.batching`` and ``...packing``.
+data-parallel ranks (plain, dynamic batching, sequence packing) follows NeMo-RL's
+``shard_by_batch_size``; the planning math lives in ``policyworker.functional.batching`` and ``...packing``.
 """
 
 import copy as _copy
@@ -244,7 +244,7 @@ class BatchedDataDict(dict[str, Any]):
         dynamic_batching_args: Mapping[str, Any] | None = None,
         sequence_packing_args: Mapping[str, Any] | None = None,
     ) -> list[Self] | tuple[list[Self], list[int]]:
-        """Split into ``shards`` data-parallel shards, one global batch at a time (reference §5.3).
+        """Split into ``shards`` data-parallel shards, one global batch at a time (as NeMo-RL does).
 
         The data is cut into chunks of ``batch_size`` rows (one per global batch; default: all
         rows). Plain: shard ``r`` gets rows ``[r*bs/shards, (r+1)*bs/shards)`` of every chunk.

@@ -23,7 +23,7 @@ def format_dlogp(value: float) -> str:
 
 
 def step_line(step: int, *, reward: float, kl: float, refit_ms: float, max_dlogp: float) -> str:
-    """`step=<n> reward=<float> kl=<float> refit_ms=<float> max_dlogp=<float>` (API.md §7)."""
+    """`step=<n> reward=<float> kl=<float> refit_ms=<float> max_dlogp=<float>` (the README's format)."""
     return (f"step={step} reward={reward:.4f} kl={kl:.5f} refit_ms={refit_ms:.1f} "
             f"max_dlogp={format_dlogp(max_dlogp)}")
 

@@ -1,4 +1,4 @@
-"""Precision names and the refit dtype rule (API.md §5 and §7).
+"""Precision names and the refit dtype rule (the dtype each tensor is sent in by a refit).
 
 All functions are pure: they look at names and dtypes only, never at devices or tensor values.
 """
@@ -30,7 +30,8 @@ _PRECISIONS: dict[str, torch.dtype] = {
 }
 PRECISION_NAMES: tuple[str, ...] = tuple(_PRECISIONS)
 
-# DeepSeek-V3 / GLM-4-MoE routers keep this fp32 buffer even in a bf16 model (reference/engines.md).
+# DeepSeek-V3 / GLM-4-MoE routers keep this fp32 buffer even in a bf16 model (inference engines
+# load it as fp32, so the refit must send fp32).
 _ALWAYS_FP32_SUFFIX = "e_score_correction_bias"
 
 

@@ -176,7 +176,8 @@ def validate_target_entries(entries: Sequence[str], *, what: str) -> None:
 
 
 def matches_entry(module_name: str, entry: str) -> bool:
-    """API §7: ``entry`` equals the dotted name or is a dotted suffix; ``re:<p>`` full-matches."""
+    """``lora_cfg.target_modules`` rule: ``entry`` equals the dotted name or is a dotted suffix;
+    ``re:<p>`` full-matches the name."""
     if entry.startswith(REGEX_PREFIX):
         return re.fullmatch(entry[len(REGEX_PREFIX) :], module_name) is not None
     return module_name == entry or module_name.endswith("." + entry)

@@ -28,7 +28,7 @@ Reduction = Literal["min", "max", "mean", "sum"]
 
 
 def metric_reduction(key: str) -> Reduction:
-    """The reduction of reference §7.4 for ``key``: min / max (extremes), mean, or sum."""
+    """How ``key`` combines across microbatches: min / max (extremes), mean, or sum."""
     if "_min" in key:
         return "min"
     if "_max" in key:
@@ -67,7 +67,7 @@ def _finite(values: Iterable[SupportsFloat]) -> list[float]:
 def aggregate_microbatch_metrics(
     all_mb_metrics: Mapping[str, Sequence[SupportsFloat]],
 ) -> dict[str, float]:
-    """Reduce ``{key: [per-microbatch values]}`` to one number per key (reference §7.4).
+    """Reduce ``{key: [per-microbatch values]}`` to one number per key (NeMo-RL's rules).
 
     Extremes: min / max over finite values, ``-1.0`` when none is finite; ``lr``, ``wd``,
     ``global_valid_seqs``, ``global_valid_toks``: mean; everything else: sum. A key with an

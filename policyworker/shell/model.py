@@ -1,7 +1,7 @@
 """Load a Hugging Face model for the policy worker and run its forward.
 
 Master weights are fp32; compute runs in `precision` through autocast. The attention
-implementation is chosen here (API.md §7): `auto` is sdpa, and with sequence packing the
+implementation is chosen here (`dtensor_cfg.attn_implementation`): `auto` is sdpa, and with sequence packing the
 document-safe kernel of the device (CUDA + bf16/fp16: our registered varlen kernel; otherwise
 sdpa's packed-`position_ids` block-diagonal path, which needs `use_cache=False`).
 A configuration that would attend across packed documents raises `ValueError` at load time,

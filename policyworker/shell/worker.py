@@ -11,7 +11,8 @@ worker's resources (`self.state`, a `WorkerState`) as its first argument:
     weights.py      refit over ZMQ / a collective / SGLang, and weight noise
     checkpoint/     save / load / finalize
 
-Parallel layout (API.md §7 "Process group"): with a process group, the state applies tensor
+Parallel layout: with a process group (the default one, or one the worker creates under
+torchrun), the state applies tensor
 parallelism (tp > 1, vocab-parallel lm_head) and FSDP2 over dp (`shell.parallel`). Logprobs and
 top-k then read vocab-sharded DTensor logits through `shell.parallel.collectives` (no vocab
 gather), the grad norm is sharding-aware, and FSDP2 roots are resharded after every no-grad pass
@@ -48,7 +49,7 @@ def _state_field(name: str, doc: str) -> property:
 
 class PolicyWorker:
     """Trains a Hugging Face model with a pluggable loss; logprobs, top-k, scores, offload,
-    refit and checkpoints (API.md §4)."""
+    refit and checkpoints (NeMo-RL's policy-worker method names)."""
 
     cfg = _state_field("cfg", "The PolicyConfig the worker was built from.")
     parallel = _state_field("parallel", "This rank's ParallelContext (dp, cp, tp).")
@@ -115,7 +116,7 @@ class PolicyWorker:
 
     def get_logprobs(self, data: Mapping[str, Any], micro_batch_size: int | None = None,
                      require_router_replay: bool = True) -> BatchedDataDict:
-        """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths (API §4)."""
+        """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths."""
         mbatch.validate(self.state, data)
         self._check_router_replay(data, require_router_replay)
         return inference.logprobs(self.state, data, micro_batch_size)
@@ -178,7 +179,8 @@ class PolicyWorker:
     def get_full_logits_ipc(self, data: Mapping[str, Any], micro_batch_size: int | None = None
                             ) -> dict[str, Any]:
         """fp32 logits of every sample into a shared buffer: one handle record per input row
-        (`per_sample_handles`) and this rank's `dp_rank` (docs/refit-collective.md §3)."""
+        (`per_sample_handles`) and this rank's `dp_rank` (docs/refit-collective.md, "Teacher
+        logits over IPC")."""
         return inference.full_logits_ipc(self.state, data, micro_batch_size)
 
     def release_ipc_buffer(self) -> None:

@@ -269,7 +269,8 @@ def _specs_from(manifest: Mapping[str, Any] | Sequence[TensorSpec]) -> list[Tens
 
 
 class HFWeightReceiver:
-    """Receives refits into a HF module or a ``load_weights`` callable (API.md §5, §7)."""
+    """Receives refits into a HF module or a ``load_weights`` callable (the README's
+    "Plugging the receiver into an inference engine")."""
 
     def __init__(
         self,
