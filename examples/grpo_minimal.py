@@ -1,4 +1,4 @@
-"""A minimal GRPO loop: logprobs, reference KL, 3 train steps, save/resume, refit into another process.
+"""A minimal GRPO loop: logprobs, reference KL, 3 steps, save/resume, refit into another process.
 
 Runs on a CPU in well under a minute; nothing is downloaded (the tiny model is built from a config).
 Run: python examples/grpo_minimal.py
@@ -60,7 +60,8 @@ def main(folder):
     worker.finalize_async_save()  # saves run in the background; wait before loading
     resumed = PolicyWorker(config, weights_path=f"{folder}/weights",
                            optimizer_path=f"{folder}/optimizer")
-    same = torch.equal(resumed.get_logprobs(data)["logprobs"], worker.get_logprobs(data)["logprobs"])
+    logprobs = worker.get_logprobs(data)["logprobs"]
+    same = torch.equal(resumed.get_logprobs(data)["logprobs"], logprobs)
     print(f"resumed from {folder}/weights: logprobs identical = {same}")
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -69,7 +70,8 @@ def main(folder):
         ids, results))
     child.start()
     report = resumed.stream_weights_via_ipc_zmq()
-    gap = (torch.tensor(results.get(timeout=120)) - resumed.get_logprobs(data)["logprobs"][:, 1:]).abs().max()
+    received = torch.tensor(results.get(timeout=120))  # the inference process's logprobs
+    gap = (received - resumed.get_logprobs(data)["logprobs"][:, 1:]).abs().max()
     child.join(timeout=60)
     print(f"refit: {report['num_tensors']} tensors, {report['num_bytes']} bytes; "
           f"max |logprob gap| trainer vs inference process = {float(gap):.2e}")

@@ -29,7 +29,7 @@ def main(folder):
     print("precision:", config.precision, "| dynamic batching:", config.dynamic_batching)
     loss_fn = ClippedPGLossFn(load_loss_fn_config(YAML))
     worker = PolicyWorker(config)
-    lengths = torch.tensor([16, 12, 9, 16, 5, 16, 11, 7])  # ragged rows: dynamic batching packs them
+    lengths = torch.tensor([16, 12, 9, 16, 5, 16, 11, 7])  # ragged: dynamic batching groups them
     ids = torch.randint(0, 64, (8, 16))
     data = {"input_ids": ids, "input_lengths": lengths, "sample_mask": torch.ones(8),
             "token_mask": torch.ones(8, 16), "advantages": torch.randn(8, 1).expand(8, 16)}

@@ -813,7 +813,7 @@ def load_config(mapping: Mapping[str, Any]) -> PolicyConfig:
 
 
 def _did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
-    """'; did you mean tensor_parallel_size for tensor_paralel_size?' (or '' with no close match)."""
+    """"; did you mean 'tensor_parallel_size' for 'tensor_paralel_size'?" or "" (no close key)."""
     guesses = []
     for key in unknown:
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)

@@ -3,7 +3,8 @@
 A ``BatchedDataDict`` maps keys to tensors or lists that share dim 0 (the batch). Tensors are
 right-padded: for every tensor with ``ndim >= 2``, dim 1 is the sequence. Sharding for
 data-parallel ranks (plain, dynamic batching, sequence packing) follows NeMo-RL's
-``shard_by_batch_size``; the planning math lives in ``policyworker.functional.batching`` and ``...packing``.
+``shard_by_batch_size``; the planning math lives in ``policyworker.functional.batching`` and
+``...packing``.
 """
 
 import copy as _copy

@@ -23,7 +23,8 @@ def format_dlogp(value: float) -> str:
 
 
 def step_line(step: int, *, reward: float, kl: float, refit_ms: float, max_dlogp: float) -> str:
-    """`step=<n> reward=<float> kl=<float> refit_ms=<float> max_dlogp=<float>` (the README's format)."""
+    """`step=<n> reward=<float> kl=<float> refit_ms=<float> max_dlogp=<float>` (as in the
+    README)."""
     return (f"step={step} reward={reward:.4f} kl={kl:.5f} refit_ms={refit_ms:.1f} "
             f"max_dlogp={format_dlogp(max_dlogp)}")
 

@@ -130,7 +130,9 @@ def _as_float(value: Any) -> float | None:
         return float(value.detach().double().mean())
     if isinstance(value, Sequence) and not isinstance(value, str | bytes) and value:
         items = [_as_float(v) for v in value]
-        return None if any(v is None for v in items) else math.fsum(items) / len(items)  # type: ignore[arg-type]
+        if any(v is None for v in items):
+            return None
+        return math.fsum(items) / len(items)  # type: ignore[arg-type]
     return None
 
 

@@ -95,7 +95,7 @@ def _count(n: int) -> str:
 
 
 def startup_summary(worker: Any) -> str:
-    """One line: what a built worker is (model, parameters, precision, layout, kernels, batching)."""
+    """One line: what a built worker is (model, parameters, precision, layout, kernel, batching)."""
     cfg, parallel, model = worker.cfg, worker.parallel, worker.model
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -255,8 +255,8 @@ def test_overrides_apply_before_interpolation(nemo_rl_yaml):
 def test_a_bad_override_is_reported_with_its_path(nemo_rl_yaml):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConfigWarning)
-        with pytest.raises(ConfigError, match=r"extra fields found \(tensor_paralel_size\); did you mean "
-                           r"'tensor_parallel_size' .*@ policy\.dtensor_cfg$"):
+        with pytest.raises(ConfigError, match=r"extra fields found \(tensor_paralel_size\); did "
+                           r"you mean 'tensor_parallel_size' .*@ policy\.dtensor_cfg$"):
             load_config_file(nemo_rl_yaml, overrides=["dtensor_cfg.tensor_paralel_size=2"])
 
 
@@ -341,8 +341,9 @@ def test_the_loss_fn_block_builds_the_loss_and_a_missing_block_says_so(nemo_rl_y
     assert ClippedPGLossFn(block).reference_policy_kl_penalty == 0.01
     bare = tmp_path / "bare.yaml"
     bare.write_text("policy:\n  model_name: m\n")
-    with pytest.raises(ConfigError, match=r"no `loss_fn:` mapping at the top level \(found \['policy'\]\)"):
+    with pytest.raises(ConfigError,
+                       match=r"no `loss_fn:` mapping at the top level \(found \['policy'\]\)"):
         load_loss_fn_config(bare)
-    with pytest.raises(ConfigError, match=r"unknown key 'reference_policy_kl_penalti' \(did you mean "
-                                          r"'reference_policy_kl_penalty'\? accepted keys"):
+    with pytest.raises(ConfigError, match=r"unknown key 'reference_policy_kl_penalti' \(did you "
+                                          r"mean 'reference_policy_kl_penalty'\? accepted keys"):
         ClippedPGLossFn({**block, "reference_policy_kl_penalti": 0.1})

@@ -8,7 +8,8 @@ world group) carries `timeout_s`, so every collective the worker issues through 
 all-reduces, and the DTensor / FSDP2 collectives that run on the mesh) fails after that long
 instead of hanging when a peer died.
 
-Context parallelism needs torch's context-parallel attention, which has no CPU kernel, so `from_environment` rejects cp_size > 1 on CPU.
+Context parallelism needs torch's context-parallel attention, which has no CPU kernel, so
+`from_environment` rejects cp_size > 1 on CPU.
 """
 
 from __future__ import annotations
