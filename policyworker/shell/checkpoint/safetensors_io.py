@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import pathlib
 import struct
@@ -19,12 +20,13 @@ import attrs
 import torch
 from torch import nn
 
-from policyworker.shell.checkpoint.commit import _write_json
+from policyworker.shell.checkpoint.commit import _write_json, read_json
 from policyworker.shell.checkpoint.layout import (
     INDEX_FILE,
     MANIFEST_FILE,
     MAX_FILE_BYTES,
     MODEL_DIR,
+    _ST_DTYPES,
     CheckpointError,
     FilePlan,
     HFTensor,
@@ -37,10 +39,29 @@ from policyworker.shell.checkpoint.layout import (
     _specs,
     hf_layout,
     plan_safetensors_files,
+    saved_keys,
 )
+from policyworker.shell.refit.hf_names import checkpoint_layout
 from policyworker.shell.refit.params import tie_word_embeddings
 
-__all__ = ["detect_weights_format", "load_hf_weights", "save_hf_weights", "validate_hf_folder"]
+__all__ = [
+    "detect_weights_format",
+    "load_hf_weights",
+    "model_hf_layout",
+    "save_hf_weights",
+    "validate_hf_folder",
+]
+
+
+def model_hf_layout(
+    model: nn.Module, specs: Mapping[str, tuple[Sequence[int], torch.dtype]]
+) -> list[HFTensor]:
+    """`hf_layout` of `model`'s state `specs`: the names and layout `save_pretrained` writes
+    (transformers' own conversion, the same as the refit stream's)."""
+    tied = tie_word_embeddings(model)
+    saved = saved_keys(specs, tie_word_embeddings=tied)
+    pieces = checkpoint_layout(model, {n: specs[k][0] for k, n in saved.items()})
+    return hf_layout(specs, tie_word_embeddings=tied, pieces=pieces)
 
 
 @attrs.define
@@ -137,6 +158,7 @@ def _read_header(path: pathlib.Path) -> dict[str, Any]:
             "header; it is truncated or not a safetensors file"
         )
         raise CheckpointError(msg)
+    _check_entries(path, header)
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if size != 8 + n + end:
         msg = (
@@ -145,6 +167,30 @@ def _read_header(path: pathlib.Path) -> dict[str, Any]:
         )
         raise CheckpointError(msg)
     return header
+
+
+_ITEMSIZE_OF = {code: _itemsize(dtype) for dtype, code in _ST_DTYPES.items()}
+
+
+def _check_entries(path: pathlib.Path, header: Mapping[str, Any]) -> None:
+    """Each tensor's dtype is known and its byte range holds exactly shape x itemsize bytes
+    (an edited dtype or shape would otherwise reinterpret the bytes silently)."""
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = (int(x) for x in entry["data_offsets"])
+            numel = math.prod(int(d) for d in entry["shape"])
+            itemsize = _ITEMSIZE_OF[entry["dtype"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            msg = (f"checkpoint file {str(path)!r}: tensor {name!r} has an unreadable header "
+                   f"entry {entry!r} ({exc!r}); the file was edited -- load another checkpoint")
+            raise CheckpointError(msg) from exc
+        if stop - start != numel * itemsize:
+            msg = (f"checkpoint file {str(path)!r}: tensor {name!r} is {entry['dtype']} "
+                   f"{entry['shape']} ({numel * itemsize} bytes) but its data holds "
+                   f"{stop - start} bytes; the header was edited -- load another checkpoint")
+            raise CheckpointError(msg)
 
 
 def validate_hf_folder(
@@ -159,7 +205,10 @@ def validate_hf_folder(
     folder = pathlib.Path(folder)
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            msg = f"checkpoint file {str(index)!r} has no 'weight_map' object; it was edited"
+            raise CheckpointError(msg)
         files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
@@ -232,7 +281,8 @@ def _interrupted_hint(folder: pathlib.Path) -> str:
 
 def _model_folder(weights_path: str | os.PathLike[str]) -> pathlib.Path:
     path = pathlib.Path(weights_path)
-    return path if path.name == MODEL_DIR or not (path / MODEL_DIR).is_dir() else path / MODEL_DIR
+    # A save under P writes P/model, also when P is itself named 'model' (save('run/model')).
+    return path / MODEL_DIR if (path / MODEL_DIR).is_dir() else path
 
 
 # ------------------------------------------------------------------------------ weights
@@ -262,7 +312,7 @@ def save_hf_weights(
     """
     live = _model_state(model)
     values = live if state is None else {k: state[k] for k in live if k in state}
-    layout = hf_layout(_specs({k: live[k] for k in values}), tie_word_embeddings=tie_word_embeddings(model))
+    layout = model_hf_layout(model, _specs({k: live[k] for k in values}))
     plans = plan_safetensors_files(layout, max_file_bytes=max_file_bytes)
     locals_ = _locals(live, rank=parallel.rank, world_size=parallel.world_size)
     if state is not None:
@@ -346,7 +396,7 @@ def load_hf_weights(
     folder = pathlib.Path(folder)
     found = validate_hf_folder(folder)
     live = _model_state(model)
-    layout = hf_layout(_specs(live), tie_word_embeddings=tie_word_embeddings(model))
+    layout = model_hf_layout(model, _specs(live))
     _check_names(layout, found, folder)
     locals_ = _locals(live, rank=parallel.rank, world_size=parallel.world_size)
     in_layout = {t.key for t in layout}
