@@ -21,9 +21,16 @@ YAML = pathlib.Path(__file__).with_name("nemo_rl_grpo.yaml")
 
 def main(folder):
     hf_logging.disable_progress_bar()  # our own save_pretrained below (the library is quiet)
-    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2)).save_pretrained(folder)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).save_pretrained(folder)
     config = load_config_file(YAML, overrides=[f"model_name={folder}"])
     print("policy config:", log_config(config)[:120], "...")
     print("precision:", config.precision, "| dynamic batching:", config.dynamic_batching)
@@ -31,12 +38,18 @@ def main(folder):
     worker = PolicyWorker(config)
     lengths = torch.tensor([16, 12, 9, 16, 5, 16, 11, 7])  # ragged: dynamic batching groups them
     ids = torch.randint(0, 64, (8, 16))
-    data = {"input_ids": ids, "input_lengths": lengths, "sample_mask": torch.ones(8),
-            "token_mask": torch.ones(8, 16), "advantages": torch.randn(8, 1).expand(8, 16)}
+    data = {
+        "input_ids": ids,
+        "input_lengths": lengths,
+        "sample_mask": torch.ones(8),
+        "token_mask": torch.ones(8, 16),
+        "advantages": torch.randn(8, 1).expand(8, 16),
+    }
     data["prev_logprobs"] = worker.get_logprobs(data)["logprobs"]
     data["generation_logprobs"] = data["prev_logprobs"]
-    data["reference_policy_logprobs"] = (
-        worker.get_reference_policy_logprobs(data)["reference_logprobs"])
+    data["reference_policy_logprobs"] = worker.get_reference_policy_logprobs(data)[
+        "reference_logprobs"
+    ]
     metrics = flatten_train_metrics(worker.train(data, loss_fn), prefix="train/")
     print({k: round(v, 5) for k, v in sorted(metrics.items())})
     worker.shutdown()

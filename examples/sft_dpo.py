@@ -20,19 +20,36 @@ def batch(ids, prompt_len):
     """A batch whose loss counts only the response tokens (token_mask 0 on the prompt)."""
     token_mask = torch.ones(ids.shape)
     token_mask[:, :prompt_len] = 0
-    return {"input_ids": ids, "input_lengths": torch.full((ids.shape[0],), ids.shape[1]),
-            "sample_mask": torch.ones(ids.shape[0]), "token_mask": token_mask}
+    return {
+        "input_ids": ids,
+        "input_lengths": torch.full((ids.shape[0],), ids.shape[1]),
+        "sample_mask": torch.ones(ids.shape[0]),
+        "token_mask": token_mask,
+    }
 
 
 def main(folder):
     hf_logging.disable_progress_bar()  # our own save_pretrained below (the library is quiet)
     torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2)).save_pretrained(folder)
-    worker = PolicyWorker({"model_name": folder, "precision": "float32",
-                           "train_global_batch_size": ROWS, "train_micro_batch_size": ROWS,
-                           "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 3e-3}}})
+    Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).save_pretrained(folder)
+    worker = PolicyWorker(
+        {
+            "model_name": folder,
+            "precision": "float32",
+            "train_global_batch_size": ROWS,
+            "train_micro_batch_size": ROWS,
+            "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 3e-3}},
+        }
+    )
     print(worker)
 
     # SFT: teach "the response repeats the prompt's last token".
@@ -47,13 +64,16 @@ def main(folder):
     rejected = torch.cat([prompts, torch.randint(2, VOCAB, (ROWS, SEQ - 4))], dim=1)
     pairs = torch.stack([demos, rejected], dim=1).reshape(2 * ROWS, SEQ)[:ROWS]
     data = batch(pairs, 4)
-    data["reference_policy_logprobs"] = (
-        worker.get_reference_policy_logprobs(data)["reference_logprobs"])
+    data["reference_policy_logprobs"] = worker.get_reference_policy_logprobs(data)[
+        "reference_logprobs"
+    ]
     dpo = DPOLossFn({"reference_policy_kl_penalty": 0.1, "sft_loss_weight": 0.0})
     for step in range(3):
         metrics = policyworker.flatten_train_metrics(worker.train(data, dpo), prefix="dpo/")
-        print(f"dpo step {step}: loss {metrics['dpo/global_loss']:.4f} "
-              f"accuracy {metrics['dpo/accuracy']:.2f}")
+        print(
+            f"dpo step {step}: loss {metrics['dpo/global_loss']:.4f} "
+            f"accuracy {metrics['dpo/accuracy']:.2f}"
+        )
     assert metrics["dpo/rewards_chosen_mean"] > metrics["dpo/rewards_rejected_mean"]
     worker.shutdown()
 

@@ -32,8 +32,14 @@ __all__ = [
 
 LOGGER_NAME = "policyworker"
 ENV_LOG_LEVEL = "POLICYWORKER_LOG_LEVEL"
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-           "warn": logging.WARNING, "error": logging.ERROR, "critical": logging.CRITICAL}
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "warn": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
 _handler: logging.Handler | None = None
 
 
@@ -42,8 +48,10 @@ def _level(value: str | int, *, source: str) -> int:
         return value
     level = _LEVELS.get(str(value).strip().lower())
     if level is None:
-        msg = (f"{source}={value!r} is not a log level; use one of "
-               f"{', '.join(k for k in _LEVELS if k != 'warn')} (or a logging level number)")
+        msg = (
+            f"{source}={value!r} is not a log level; use one of "
+            f"{', '.join(k for k in _LEVELS if k != 'warn')} (or a logging level number)"
+        )
         raise ValueError(msg)
     return level
 
@@ -100,18 +108,25 @@ def startup_summary(worker: Any) -> str:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     params = f"{_count(total)} params" + (
-        "" if trainable == total else f", {_count(trainable)} trainable")
+        "" if trainable == total else f", {_count(trainable)} trainable"
+    )
     if cfg.dynamic_batching is not None:
         dyn = cfg.dynamic_batching
-        batching = (f"dynamic (train {dyn.train_mb_tokens} tokens/mb, "
-                    f"logprob {dyn.logprob_tokens} tokens/mb)")
+        batching = (
+            f"dynamic (train {dyn.train_mb_tokens} tokens/mb, "
+            f"logprob {dyn.logprob_tokens} tokens/mb)"
+        )
     elif cfg.sequence_packing is not None:
         sp = cfg.sequence_packing
-        batching = (f"packed {sp.algorithm} (train {sp.train_mb_tokens} tokens/mb, "
-                    f"logprob {sp.logprob_tokens} tokens/mb)")
+        batching = (
+            f"packed {sp.algorithm} (train {sp.train_mb_tokens} tokens/mb, "
+            f"logprob {sp.logprob_tokens} tokens/mb)"
+        )
     else:
-        batching = (f"fixed (train mbs {cfg.train_micro_batch_size} of gbs "
-                    f"{cfg.train_global_batch_size}, logprob mbs {cfg.logprob_batch_size})")
+        batching = (
+            f"fixed (train mbs {cfg.train_micro_batch_size} of gbs "
+            f"{cfg.train_global_batch_size}, logprob mbs {cfg.logprob_batch_size})"
+        )
     dcfg = cfg.dtensor_cfg
     extras = []
     if worker.lora_module_names:

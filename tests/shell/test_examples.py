@@ -14,12 +14,18 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 # What each example must print when it did its job (its own asserts also fail the exit code).
 EXPECTED = {
-    "grpo_minimal.py": [r"step 2: loss -?\d", r"logprobs identical = True",
-                        r"max \|logprob gap\| trainer vs inference process = 0\.00e\+00",
-                        r"PolicyWorker ready: model=\S+ \(llama, "],
+    "grpo_minimal.py": [
+        r"step 2: loss -?\d",
+        r"logprobs identical = True",
+        r"max \|logprob gap\| trainer vs inference process = 0\.00e\+00",
+        r"PolicyWorker ready: model=\S+ \(llama, ",
+    ],
     "sft_dpo.py": [r"sft step 2: nll \d", r"dpo step 2: loss \d", r"PolicyWorker\(model="],
-    "nemo_rl_yaml.py": [r"precision: bfloat16", r"'train/global_loss': -?\d",
-                        r"DynamicBatchingConfig\(train_mb_tokens=64"],
+    "nemo_rl_yaml.py": [
+        r"precision: bfloat16",
+        r"'train/global_loss': -?\d",
+        r"DynamicBatchingConfig\(train_mb_tokens=64",
+    ],
 }
 
 
@@ -33,9 +39,15 @@ def test_every_example_is_tested_and_linked_from_the_readme():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_runs_and_prints_its_results(name):
-    run = subprocess.run([sys.executable, str(ROOT / "examples" / name)], cwd=ROOT,
-                         env=child_env(ROOT), capture_output=True, text=True, timeout=300,
-                         check=False)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name)],
+        cwd=ROOT,
+        env=child_env(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-4000:]
     for pattern in EXPECTED[name]:

@@ -42,9 +42,15 @@ def test_startup_line_and_repr_say_what_was_built(tiny_model_paths, caplog, capf
     params = sum(p.numel() for p in w.model.parameters())
     assert line.startswith(f"PolicyWorker ready: model={tiny_model_paths['llama']} (llama, ")
     assert f"{params / 1e3:.2f}K params" in line
-    for part in ("precision=float32", "device=cpu", "dp×cp×tp=1×1×1", "attention=sdpa",
-                 "batching=fixed (train mbs 2 of gbs 4, logprob mbs 2)",
-                 "optimizer=torch.optim.AdamW", "reference=kept"):
+    for part in (
+        "precision=float32",
+        "device=cpu",
+        "dp×cp×tp=1×1×1",
+        "attention=sdpa",
+        "batching=fixed (train mbs 2 of gbs 4, logprob mbs 2)",
+        "optimizer=torch.optim.AdamW",
+        "reference=kept",
+    ):
         assert part in line
     text = repr(w)
     assert text.startswith("PolicyWorker(model=") and "dp×cp×tp=1×1×1" in text
@@ -73,9 +79,13 @@ def test_verbosity_switch_and_environment_variable(monkeypatch, restore_logger):
     handlers = [h for h in restore_logger.handlers if isinstance(h, logging.StreamHandler)]
     logs.set_verbosity("info")
     assert len([h for h in restore_logger.handlers if isinstance(h, logging.StreamHandler)]) == (
-        len(handlers))  # one handler however often it is called
-    with pytest.raises(ValueError, match=r"set_verbosity level='loud' is not a log level; use "
-                                         r"one of debug, info, warning, error, critical"):
+        len(handlers)
+    )  # one handler however often it is called
+    with pytest.raises(
+        ValueError,
+        match=r"set_verbosity level='loud' is not a log level; use "
+        r"one of debug, info, warning, error, critical",
+    ):
         logs.set_verbosity("loud")
     monkeypatch.setenv(logs.ENV_LOG_LEVEL, "chatty")
     with pytest.raises(ValueError, match=r"POLICYWORKER_LOG_LEVEL='chatty' is not a log level"):
@@ -91,12 +101,17 @@ def test_every_missing_key_is_named_in_one_message(worker):
     with pytest.raises(DataError) as info:
         worker.train(data, loss)
     message = str(info.value)
-    assert ("batch is missing 6 required key(s) ['sample_mask', 'token_mask', 'advantages', "
-            "'generation_logprobs', 'prev_logprobs', 'reference_policy_logprobs'] "
-            "(train() with ClippedPGLossFn reads them)") in message
+    assert (
+        "batch is missing 6 required key(s) ['sample_mask', 'token_mask', 'advantages', "
+        "'generation_logprobs', 'prev_logprobs', 'reference_policy_logprobs'] "
+        "(train() with ClippedPGLossFn reads them)"
+    ) in message
     assert "add every missing key" in message
-    with pytest.raises(DataError, match=r"missing 3 required key\(s\) \['sample_mask', "
-                                        r"'token_mask', 'reference_policy_logprobs'\]"):
+    with pytest.raises(
+        DataError,
+        match=r"missing 3 required key\(s\) \['sample_mask', "
+        r"'token_mask', 'reference_policy_logprobs'\]",
+    ):
         worker.train(data, DPOLossFn())
     without_kl = ClippedPGLossFn({"reference_policy_kl_penalty": 0.0})
     assert "reference_policy_logprobs" not in without_kl.required_keys
@@ -105,11 +120,17 @@ def test_every_missing_key_is_named_in_one_message(worker):
 
 def test_no_loss_or_the_loss_class_is_a_value_error_saying_the_fix(worker):
     data = make_batch()
-    with pytest.raises(ValueError, match=r"loss_fn is None; pass a loss instance, e\.g\. "
-                                         r"ClippedPGLossFn\("):
+    with pytest.raises(
+        ValueError,
+        match=r"loss_fn is None; pass a loss instance, e\.g\. "
+        r"ClippedPGLossFn\(",
+    ):
         worker.train(data, None)
-    with pytest.raises(ValueError, match=r"loss_fn is the class ClippedPGLossFn, not an "
-                                         r"instance; pass ClippedPGLossFn\(\.\.\.\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"loss_fn is the class ClippedPGLossFn, not an "
+        r"instance; pass ClippedPGLossFn\(\.\.\.\)",
+    ):
         worker.train(data, ClippedPGLossFn)
     with pytest.raises(ValueError, match=r"loss_fn 'function' has no loss_type or input_type"):
         worker.train(data, lambda *a: None)
@@ -119,8 +140,11 @@ def test_a_per_token_sample_mask_is_rejected_before_any_step(worker):
     data = make_batch()
     data["sample_mask"] = torch.ones(4, 12)
     before = [p.detach().clone() for p in worker.model.parameters()]
-    with pytest.raises(DataError, match=r"'sample_mask' has shape \(4, 12\), but it must be "
-                                        r"\[B\].*belongs in 'token_mask'"):
+    with pytest.raises(
+        DataError,
+        match=r"'sample_mask' has shape \(4, 12\), but it must be "
+        r"\[B\].*belongs in 'token_mask'",
+    ):
         worker.train(data, NLLLoss())
     with pytest.raises(DataError, match=r"'sample_mask' has shape \(4, 12\)"):
         worker.get_logprobs(data)
@@ -133,11 +157,17 @@ def test_a_per_token_sample_mask_is_rejected_before_any_step(worker):
 def test_receiver_address_must_be_ipc_and_exist():
     model = nn.Linear(2, 2)
     info = {"weight": (torch.Size([2, 2]), torch.float32)}
-    with pytest.raises(ValueError, match=r"address='tcp://127\.0\.0\.1:5555': a refit receiver "
-                                         r"connects to the ipc:// address"):
+    with pytest.raises(
+        ValueError,
+        match=r"address='tcp://127\.0\.0\.1:5555': a refit receiver "
+        r"connects to the ipc:// address",
+    ):
         HFWeightReceiver(model, address="tcp://127.0.0.1:5555", refit_info=info)
-    with pytest.raises(ValueError, match=r"no socket exists at /nonexistent/rank0\.sock, so no "
-                                         r"trainer is listening there"):
+    with pytest.raises(
+        ValueError,
+        match=r"no socket exists at /nonexistent/rank0\.sock, so no "
+        r"trainer is listening there",
+    ):
         HFWeightReceiver(model, address="ipc:///nonexistent/rank0.sock", refit_info=info)
     sender = RefitSender(lambda: model, torch.float32)
     address = sender.get_zmq_address()
@@ -154,12 +184,18 @@ def test_a_refused_manifest_reaches_the_sender_at_once(caplog):
     address = sender.get_zmq_address()
     wrong = nn.Linear(4, 5)  # the inference side built a different model
     with pytest.raises(ValueError, match="cannot receive"):
-        HFWeightReceiver(wrong, address=address, refit_info=sender.prepare_refit_info(),
-                         timeout_s=30)
+        HFWeightReceiver(
+            wrong, address=address, refit_info=sender.prepare_refit_info(), timeout_s=30
+        )
     start = time.monotonic()
-    with caplog.at_level(logging.INFO, logger="policyworker"), pytest.raises(
-            RefitError, match=r"the receiver rejected begin: the receiver refused refit_info "
-                              r"when it was built: target module cannot receive"):
+    with (
+        caplog.at_level(logging.INFO, logger="policyworker"),
+        pytest.raises(
+            RefitError,
+            match=r"the receiver rejected begin: the receiver refused refit_info "
+            r"when it was built: target module cannot receive",
+        ),
+    ):
         sender.stream_weights_via_ipc_zmq(timeout_s=30)
     assert time.monotonic() - start < 15
     sender.close()
@@ -173,8 +209,9 @@ def test_the_sender_says_where_it_waits(caplog):
 
     def receive():
         time.sleep(0.5)
-        receiver = HFWeightReceiver(nn.Linear(4, 3), address=address,
-                                    refit_info=sender.prepare_refit_info(), timeout_s=30)
+        receiver = HFWeightReceiver(
+            nn.Linear(4, 3), address=address, refit_info=sender.prepare_refit_info(), timeout_s=30
+        )
         got["report"] = receiver.receive()
         receiver.close()
 
@@ -184,8 +221,9 @@ def test_the_sender_says_where_it_waits(caplog):
         sender.stream_weights_via_ipc_zmq(timeout_s=30)
     thread.join(30)
     assert got["report"].num_tensors == 2
-    assert any(f"waiting up to 30 s for a receiver at {address}" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        f"waiting up to 30 s for a receiver at {address}" in r.getMessage() for r in caplog.records
+    )
     sender.close()
 
 
@@ -200,8 +238,10 @@ def test_plot_without_matplotlib_or_folder_fails_before_the_run(monkeypatch, tmp
     real = cli._can_import
     monkeypatch.setattr(cli, "_can_import", lambda m: m != "matplotlib" and real(m))
     assert cli.main(["demo", "--plot", str(tmp_path / "curve.png")]) == 2
-    assert ("--plot " + str(tmp_path / "curve.png") + ": the chart needs matplotlib, which is "
-            "not installed; pip install 'policyworker[plot]'") in capsys.readouterr().err
+    assert (
+        "--plot " + str(tmp_path / "curve.png") + ": the chart needs matplotlib, which is "
+        "not installed; pip install 'policyworker[plot]'"
+    ) in capsys.readouterr().err
     monkeypatch.setattr(cli, "_can_import", lambda m: True)
     assert cli.main(["demo", "--plot", str(tmp_path / "no" / "curve.png")]) == 2
     assert f"the folder {tmp_path / 'no'} does not exist" in capsys.readouterr().err
@@ -220,6 +260,8 @@ def test_plot_has_a_legend_for_both_curves_and_whole_step_ticks(tmp_path, monkey
     assert (tmp_path / "c.png").stat().st_size > 0
     ax = figures[0].axes[0]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
-        "reward (mean per step)", "kl to reference"]
+        "reward (mean per step)",
+        "kl to reference",
+    ]
     ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
     assert ticks and all(float(t).is_integer() for t in ticks)

@@ -29,31 +29,39 @@ _pending: dict[str, threading.Event] = {}  # address -> cancels the refusal thre
 
 def ipc_path(address: str) -> str:
     """The filesystem path of an ``ipc://`` address."""
-    return address[len(_PREFIX):]
+    return address[len(_PREFIX) :]
 
 
 def check_receiver_address(address: Any) -> None:
     """Raise ``ValueError`` unless ``address`` is ``ipc://<path>`` with a socket at ``<path>``."""
     if not isinstance(address, str) or not address.startswith(_PREFIX):
-        msg = (f"address={address!r}: a refit receiver connects to the ipc:// address that the "
-               f"trainer's worker.get_zmq_address() returns (a Unix socket on this machine, e.g. "
-               f"'ipc:///tmp/pw-refit-abc123/rank0.sock'); pass that string unchanged")
+        msg = (
+            f"address={address!r}: a refit receiver connects to the ipc:// address that the "
+            f"trainer's worker.get_zmq_address() returns (a Unix socket on this machine, e.g. "
+            f"'ipc:///tmp/pw-refit-abc123/rank0.sock'); pass that string unchanged"
+        )
         raise ValueError(msg)
     path = ipc_path(address)
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        msg = (f"address={address!r}: no socket exists at {path}, so no trainer is listening "
-               f"there. The trainer creates it in worker.get_zmq_address() and removes it in "
-               f"shutdown(); pass the address of a live worker on this machine (same user)")
+        msg = (
+            f"address={address!r}: no socket exists at {path}, so no trainer is listening "
+            f"there. The trainer creates it in worker.get_zmq_address() and removes it in "
+            f"shutdown(); pass the address of a live worker on this machine (same user)"
+        )
         raise ValueError(msg) from None
     except PermissionError:
-        msg = (f"address={address!r}: {path} is not readable by this user; the trainer's refit "
-               f"folder is private (mode 0700), so run the receiver as the trainer's user")
+        msg = (
+            f"address={address!r}: {path} is not readable by this user; the trainer's refit "
+            f"folder is private (mode 0700), so run the receiver as the trainer's user"
+        )
         raise ValueError(msg) from None
     if not stat.S_ISSOCK(mode):
-        msg = (f"address={address!r}: {path} exists but is not a socket; pass the address "
-               f"returned by the trainer's worker.get_zmq_address()")
+        msg = (
+            f"address={address!r}: {path} exists but is not a socket; pass the address "
+            f"returned by the trainer's worker.get_zmq_address()"
+        )
         raise ValueError(msg)
 
 
