@@ -37,7 +37,7 @@ import torch
 from attrs import field, frozen
 from attrs.validators import ge, gt, in_
 
-from policyworker.demo.inference import InferenceProcess, encode_refit_info
+from policyworker.demo.inference import InferenceProcess
 from policyworker.demo.report import (
     ProgressBar,
     final_line,
@@ -53,6 +53,7 @@ from policyworker.demo.task import (
     logprob_mismatch,
     smoothed_ends,
 )
+from policyworker.functional.dtypes import encode_refit_info
 
 __all__ = ["LORA_FP32_TOLERANCE", "PARITY_TOLERANCE", "TP_FP32_TOLERANCE", "VLLM_FP32_TOLERANCE",
            "DemoOptions", "DemoResult", "build_tiny_model", "demo_config", "parity_tolerance",
