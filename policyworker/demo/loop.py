@@ -37,7 +37,7 @@ import torch
 from attrs import field, frozen
 from attrs.validators import ge, gt, in_
 
-from policyworker.demo.inference import InferenceProcess, encode_refit_info
+from policyworker.demo.inference import InferenceProcess
 from policyworker.demo.report import (
     ProgressBar,
     final_line,
@@ -53,6 +53,7 @@ from policyworker.demo.task import (
     logprob_mismatch,
     smoothed_ends,
 )
+from policyworker.functional.dtypes import encode_refit_info
 
 __all__ = ["LORA_FP32_TOLERANCE", "PARITY_TOLERANCE", "TP_FP32_TOLERANCE", "VLLM_FP32_TOLERANCE",
            "DemoOptions", "DemoResult", "build_tiny_model", "demo_config", "parity_tolerance",
@@ -297,7 +298,7 @@ def _run_on_ray(opts: DemoOptions, *, out: TextIO, err: TextIO, start: float) ->
         msg = f"--ray {opts.ray} workers do not split into --tp {opts.tp} groups; use a multiple"
         raise ValueError(msg)
     dp_size = opts.ray // opts.tp
-    with _model_folder(opts.seed, opts.task.vocab_size) as model_dir:
+    with _model_folder(opts.seed, opts.task.vocab_size, DEMO_MODEL) as model_dir:
         cfg = demo_config(model_dir, opts, dp_size=dp_size)
         infer = InferenceProcess(model_dir, device="cpu", timeout_s=opts.timeout_s,
                                  dtype_name=opts.precision)

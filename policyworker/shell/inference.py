@@ -69,7 +69,7 @@ def run(state: WorkerState, data: Mapping[str, Any], micro_batch_size: int | Non
 
 def logprobs(state: WorkerState, data: Mapping[str, Any], micro_batch_size: int | None, *,
              replay_routes: bool = False) -> BatchedDataDict:
-    """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths (API §4); with
+    """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths; with
     `replay_routes` (and router replay configured) MoE routers follow `routed_experts`."""
     counts = [0]
 
