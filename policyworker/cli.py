@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="trainer and inference device; on CUDA the refit uses CUDA IPC")
     demo.add_argument("--tp", type=_positive_int, default=1,
                       help="tensor-parallel size (launch with torchrun --nproc-per-node >= tp)")
+    demo.add_argument("--ray", type=_non_negative_int, default=0, metavar="N",
+                      help="run the policy as a Ray group of N CPU workers (extra 'ray'); "
+                      "0 = this process")
     demo.add_argument("--lora", action="store_true", help="train through dtensor_cfg.lora_cfg")
     demo.add_argument("--precision", choices=("float32", "bfloat16", "float16"),
                       default="float32", help="policy.precision (parity is exact in float32)")
@@ -81,12 +84,13 @@ def _run_demo(args: argparse.Namespace) -> int:
     from policyworker.errors import UnsupportedEngineError
 
     opts = DemoOptions(steps=args.steps, seed=args.seed, device=args.device, tp=args.tp,
-                       lora=args.lora, precision=args.precision, lr=args.lr,
+                       ray=args.ray, lora=args.lora, precision=args.precision, lr=args.lr,
                        require_rise=args.require_rise, plot=args.plot, timeout_s=args.timeout,
                        engine=args.engine)
     try:
         result = run_demo(opts)
-    except (ValueError, UnsupportedEngineError) as exc:  # caller errors: say what to change
+    except (ValueError, ImportError, UnsupportedEngineError) as exc:  # caller errors (config,
+        # world size, device, a missing extra or engine): say what to change
         print(f"policyworker demo: error: {exc}", file=sys.stderr)
         return 2
     return result.exit_code

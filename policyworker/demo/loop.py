@@ -18,6 +18,9 @@ receives every refit through vLLM's weight-sync calls; the check is then NeMo-RL
 Under torchrun every rank builds the same tiny model (same seed) in its own folder and calls
 every worker method; rank 0 alone owns the inference process, draws the rollouts and
 broadcasts them; each data-parallel rank trains on its slice.
+
+With `--ray N` this process is a Ray driver: the policy is a `RayWorkerGroup` of N CPU workers
+that takes whole batches (the group splits them over its dp ranks), and the same loop runs once.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class DemoOptions:
     device: Literal["cpu", "cuda", "auto"] = field(
         default="cpu", validator=in_(("cpu", "cuda", "auto")))
     tp: int = field(default=1, validator=ge(1))
+    ray: int = field(default=0, validator=ge(0))  # > 0: the policy is a Ray group of N CPU workers
     lora: bool = False
     precision: Literal["float32", "bfloat16", "float16"] = field(
         default="float32", validator=in_(tuple(PARITY_TOLERANCE)))
@@ -242,6 +246,8 @@ def run_demo(opts: DemoOptions, *, out: TextIO | None = None, err: TextIO | None
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    if opts.ray:
+        return _run_on_ray(opts, out=out, err=err, start=start)
     device = _resolve_device(opts.device)
     task = opts.task
     infer: Any = None
@@ -268,7 +274,8 @@ def run_demo(opts: DemoOptions, *, out: TextIO | None = None, err: TextIO | None
             cfg = demo_config(model_dir, opts, dp_size=parallel.dp_size)
             worker = PolicyWorker(cfg, parallel=parallel)
             try:
-                result = _train(worker, infer, opts, out=out, err=err, start=start)
+                result = _train(worker, infer, opts, parallel=parallel,
+                                dp_size=parallel.dp_size, out=out, err=err, start=start)
             finally:
                 worker.shutdown()  # closes the refit socket; destroys the group it created
         finally:
@@ -279,14 +286,51 @@ def run_demo(opts: DemoOptions, *, out: TextIO | None = None, err: TextIO | None
     return result
 
 
-def _train(worker: Any, infer: Any, opts: DemoOptions, *, out: TextIO,
-           err: TextIO, start: float) -> DemoResult:
+def _run_on_ray(opts: DemoOptions, *, out: TextIO, err: TextIO, start: float) -> DemoResult:
+    """The same loop with the policy as a Ray group of `opts.ray` CPU workers (this process is
+    the driver: it owns the inference process and gives the group whole batches)."""
+    from policyworker.shell.parallel.context import ParallelContext
+    from policyworker.shell.ray import RayWorkerGroup
+
+    if opts.device != "cpu":
+        msg = f"--ray runs CPU workers but --device is {opts.device!r}; use --device cpu"
+        raise ValueError(msg)
+    if opts.engine != "hf":
+        msg = (f"--ray with --engine {opts.engine}: the Ray demo feeds the embedded HF engine; "
+               f"drop --engine or --ray")
+        raise ValueError(msg)
+    if opts.ray % opts.tp:
+        msg = f"--ray {opts.ray} workers do not split into --tp {opts.tp} groups; use a multiple"
+        raise ValueError(msg)
+    dp_size = opts.ray // opts.tp
+    with _model_folder(opts.seed, opts.task.vocab_size) as model_dir:
+        cfg = demo_config(model_dir, opts, dp_size=dp_size)
+        infer = InferenceProcess(model_dir, device="cpu", timeout_s=opts.timeout_s,
+                                 dtype_name=opts.precision)
+        try:
+            with RayWorkerGroup(cfg, num_workers=opts.ray, gpus_per_worker=0,
+                                timeout_s=max(opts.timeout_s, 300.0)) as group:
+                err.write(f"ray: {opts.ray} policy workers started in "
+                          f"{group.start_seconds:.1f} s\n")
+                # The driver sees whole batches: one "rank", no slicing, no reductions.
+                return _train(group, infer, opts, parallel=ParallelContext.single(
+                    torch.device("cpu")), dp_size=dp_size, out=out, err=err, start=start)
+        finally:
+            infer.close()
+
+
+def _train(worker: Any, infer: Any, opts: DemoOptions, *, parallel: Any,
+           dp_size: int, out: TextIO, err: TextIO, start: float) -> DemoResult:
+    """The loop on `worker` (a PolicyWorker on this rank, or a RayWorkerGroup driven from here);
+    `parallel` says which rows this caller feeds, `dp_size` the trainer's microbatch rows."""
     from policyworker.functional.loss import ClippedPGLossFn
     from policyworker.functional.metrics import aggregate_microbatch_metrics
 
-    parallel, task = worker.parallel, opts.task
+    task = opts.task
     rank0 = parallel.rank == 0
-    if opts.lora and rank0 and not any("lora_" in n for n, _ in worker.model.named_parameters()):
+    model = getattr(worker, "model", None)  # a Ray group's model lives in its actors
+    if (opts.lora and rank0 and model is not None
+            and not any("lora_" in n for n, _ in model.named_parameters())):
         err.write("note: --lora set dtensor_cfg.lora_cfg, but this PolicyWorker build injected no "
                   "LoRA adapters; training full weights\n")
     loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": opts.kl_penalty,
@@ -336,7 +380,8 @@ def _train(worker: Any, infer: Any, opts: DemoOptions, *, out: TextIO,
                 prompts = task.grouped(task.prompts(seed=opts.seed, step=step))
                 rollout = infer.call("generate", prompts=prompts.tolist(),
                                      response_len=task.response_len,
-                                     seed=opts.seed * 100_003 + step, score_micro_batch_size=rows)
+                                     seed=opts.seed * 100_003 + step,
+                                     score_micro_batch_size=task.num_rollouts // dp_size)
                 rollout["prompts"] = prompts.tolist()
             rollout = _broadcast(rollout, parallel)
             prompts = torch.tensor(rollout["prompts"], dtype=torch.int64)

@@ -68,7 +68,7 @@ class LoRASettings:
     enabled: bool = True
     target_modules: tuple[str, ...] = ()
     exclude_modules: tuple[str, ...] = ()
-    match_all_linear: bool = True
+    match_all_linear: bool = False
     dim: int = 8
     alpha: float = 32.0
     dropout: float = 0.0

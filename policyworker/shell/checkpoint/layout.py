@@ -21,7 +21,12 @@ import attrs
 import torch
 from torch import nn
 
-from policyworker.functional.names import canonical_name, is_lora_param, to_hf_tensors
+from policyworker.functional.names import (
+    CheckpointPiece,
+    canonical_name,
+    contiguous_strides,
+    is_lora_param,
+)
 from policyworker.shell.parallel.plans import reshard
 
 __all__ = [
@@ -37,6 +42,7 @@ __all__ = [
     "REFERENCE_DIR",
     "hf_layout",
     "plan_safetensors_files",
+    "saved_keys",
 ]
 
 MODEL_DIR = "model"
@@ -93,25 +99,39 @@ def _box_of_view(view: torch.Tensor, base_shape: Sequence[int]) -> Box:
     return tuple((a, a + n) for a, n in zip(start, sizes, strict=True))
 
 
+def saved_keys(specs: Mapping[str, Any], *, tie_word_embeddings: bool) -> dict[str, str]:
+    """`{state key: canonical name}` of what `save_pretrained` saves (no LoRA, no tied head)."""
+    names = {key: canonical_name(key) for key in specs if not is_lora_param(key)}
+    return {k: n for k, n in names.items() if not (tie_word_embeddings and n == "lm_head.weight")}
+
+
 def hf_layout(
-    specs: Mapping[str, tuple[Sequence[int], torch.dtype]], *, tie_word_embeddings: bool
+    specs: Mapping[str, tuple[Sequence[int], torch.dtype]], *, tie_word_embeddings: bool,
+    pieces: Mapping[str, Sequence[CheckpointPiece]],
 ) -> list[HFTensor]:
     """The HF checkpoint tensors of a model state `{key: (shape, dtype)}`, in state order.
 
     Wrapper prefixes are stripped, LoRA adapter tensors skipped, a tied `lm_head.weight`
-    dropped, and transformers-5 fused experts split into per-expert boxes (what
-    `save_pretrained` writes).
+    dropped, and each tensor cut into its checkpoint `pieces` (by canonical name; the shell
+    gets them from transformers' own save-time conversion, `refit.hf_names.checkpoint_layout`,
+    as the refit does), each a box of the tensor.
+
+    Raises:
+        CheckpointError: a piece is not a box of its tensor (e.g. a transposed layout).
     """
     out: list[HFTensor] = []
-    for key, (shape, dtype) in specs.items():
-        name = canonical_name(key)
-        if is_lora_param(key) or (tie_word_embeddings and name == "lm_head.weight"):
-            continue
-        base = torch.empty(tuple(shape), dtype=dtype, device="meta")
-        for hf_name, view in to_hf_tensors(name, base):
-            out.append(
-                HFTensor(hf_name, key, _box_of_view(view, tuple(shape)), tuple(view.shape), dtype)
-            )
+    for key, name in saved_keys(specs, tie_word_embeddings=tie_word_embeddings).items():
+        shape, dtype = tuple(specs[key][0]), specs[key][1]
+        base = torch.empty(shape, dtype=dtype, device="meta")
+        for piece in pieces[name]:
+            trailing = contiguous_strides(shape)[len(shape) - len(piece.shape) :]
+            strides = zip(piece.shape, piece.stride, trailing, strict=True)
+            if len(piece.shape) > len(shape) or any(n > 1 and s != t for n, s, t in strides):
+                msg = (f"checkpoint tensor {piece.name!r} is not a box of {name!r} {list(shape)} "
+                       f"(strides {list(piece.stride)}); the HF writer writes boxes only")
+                raise CheckpointError(msg)
+            box = _box_of_view(piece.view_of(base), shape)
+            out.append(HFTensor(piece.name, key, box, piece.shape, dtype))
     return out
 
 
