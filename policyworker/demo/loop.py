@@ -303,7 +303,7 @@ def _run_on_ray(opts: DemoOptions, *, out: TextIO, err: TextIO, start: float) ->
         msg = f"--ray {opts.ray} workers do not split into --tp {opts.tp} groups; use a multiple"
         raise ValueError(msg)
     dp_size = opts.ray // opts.tp
-    with _model_folder(opts.seed, opts.task.vocab_size) as model_dir:
+    with _model_folder(opts.seed, opts.task.vocab_size, DEMO_MODEL) as model_dir:
         cfg = demo_config(model_dir, opts, dp_size=dp_size)
         infer = InferenceProcess(model_dir, device="cpu", timeout_s=opts.timeout_s,
                                  dtype_name=opts.precision)

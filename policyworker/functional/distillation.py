@@ -100,7 +100,7 @@ class DistillationConfig:
                                          section="loss_fn"))
 
     def __attrs_post_init__(self) -> None:
-        problems = []
+        problems: list[str] = []
         if self.kl_type not in ("forward", "reverse", "mixed"):
             problems.append(f"kl_type must be 'forward', 'reverse' or 'mixed', got "
                             f"{self.kl_type!r} @ loss_fn.kl_type")

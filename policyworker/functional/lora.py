@@ -170,7 +170,7 @@ def validate_target_entries(entries: Sequence[str], *, what: str) -> None:
             msg = f"{what} entry {entry!r} must be a non-empty module name or 're:<regex>'"
             raise ValueError(msg)
         try:
-            _entry_regex(entry)
+            _compile_entry(entry)
         except re.error as err:
             msg = f"{what} entry {entry!r} is not a valid regex ({err}); fix the pattern"
             raise ValueError(msg) from err
@@ -186,15 +186,12 @@ def wildcard_regex(pattern: str) -> str:
     return "^" + spread.replace(".*", "(.*)") + "$"
 
 
-def _entry_regex(entry: str) -> str | None:
+def _compile_entry(entry: str) -> None:
+    """Raise ``re.error`` if the entry's regex (``re:`` or wildcard) does not compile."""
     if entry.startswith(REGEX_PREFIX):
         re.compile(entry[len(REGEX_PREFIX) :])
-        return None
-    if "*" in entry:
-        regex = wildcard_regex(entry)
-        re.compile(regex)
-        return regex
-    return None
+    elif "*" in entry:
+        re.compile(wildcard_regex(entry))
 
 
 def matches_entry(module_name: str, entry: str) -> bool:

@@ -298,7 +298,8 @@ def config_mapping(cfg: Any, owner: str) -> Mapping[str, Any]:
         return {}
     if isinstance(cfg, Mapping):
         return cfg  # pyright: ignore[reportUnknownVariableType]
-    if attrs.has(type(cfg)):
+    kind: type[object] = type(cfg)  # pyright: ignore[reportUnknownVariableType] (user object)
+    if attrs.has(kind):
         return attrs.asdict(cfg, recurse=False)
     dump = getattr(cfg, "model_dump", None)
     if callable(dump):

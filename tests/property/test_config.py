@@ -2,8 +2,8 @@
 keys ignored with one warning, cross-field rules stating the fix."""
 
 import copy
-import logging
 import json
+import logging
 import re
 import warnings
 from typing import Any, get_args

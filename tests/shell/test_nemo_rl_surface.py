@@ -144,6 +144,7 @@ class _ModelEngine:
         return {n: t.clone() for n, t in self.model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_sglang_refit_into_a_real_ray_actor(worker):
     ray = pytest.importorskip("ray")  # the `ray` extra; CI without it runs the handle test above
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -156,7 +157,8 @@ def test_sglang_refit_into_a_real_ray_actor(worker):
     torch.multiprocessing.set_sharing_strategy("file_system")
     try:
         engine_model, _ = _engine_for(worker, seed=4)
-        actor = ray.remote(_ModelEngine).remote(engine_model, refit_info(worker.model, torch.float32))
+        info = refit_info(worker.model, torch.float32)
+        actor = ray.remote(_ModelEngine).remote(engine_model, info)
         worker.set_rollout_num_gpus_per_engine(1)
         worker.update_weights_to_sglang_colocated(rollout_engines=[actor],
                                                   buffer_size_bytes=1 << 16,
