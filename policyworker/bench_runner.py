@@ -22,6 +22,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -32,7 +33,7 @@ from typing import Any
 from attrs import asdict, frozen
 
 __all__ = ["ADAPTERS", "BenchRow", "default_bench_dir", "discover", "format_table", "main",
-           "normalize_rows", "run_benchmarks"]
+           "meaningless_on_cpu", "normalize_rows", "row_verdict", "run_benchmarks"]
 
 
 @frozen(kw_only=True)
@@ -46,6 +47,7 @@ class BenchRow:
     limit: float | None = None
     ratio: float | None = None
     unit: str = ""
+    target: str = ""  # a rule as text ("<= 1.05x", ">= baseline", ">= 0.4"); judged by row_verdict
 
 
 def _num(value: Any) -> float | None:
@@ -62,11 +64,12 @@ def _ratio(ours: float | None, baseline: float | None) -> float | None:
 
 def _row(bench: str, raw: Mapping[str, Any]) -> BenchRow:
     ours, baseline = _num(raw.get("ours")), _num(raw.get("baseline"))
-    ratio = _num(raw.get("ratio"))
+    ratio, limit = _num(raw.get("ratio")), raw.get("limit")
     return BenchRow(bench=bench, metric=str(raw.get("metric", "?")), ours=ours, baseline=baseline,
-                    limit=_num(raw.get("limit")),
+                    limit=_num(limit),
                     ratio=ratio if ratio is not None else _ratio(ours, baseline),
-                    unit=str(raw.get("unit", "")))
+                    unit=str(raw.get("unit", "")),
+                    target=limit if isinstance(limit, str) else "")
 
 
 def _lora_rows(bench: str, r: Mapping[str, Any]) -> list[BenchRow]:
@@ -126,23 +129,79 @@ def normalize_rows(bench: str, result: Any) -> list[BenchRow]:
     return [BenchRow(bench=bench, metric=name, ours=value) for name, value in _leaves("", result)]
 
 
+_RULE = re.compile(r"(<=|>=|<|>)\s*(baseline|[0-9]*\.?[0-9]+)\s*(x|%)?\s*(of baseline)?")
+_COMPARE: dict[str, Callable[[float, float], bool]] = {
+    "<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b,
+    "<": lambda a, b: a < b, ">": lambda a, b: a > b,
+}
+# Figures that mean nothing on a CPU run: MFU is against the GPU's bf16 peak, and peak GiB is
+# CUDA memory (0 without CUDA).
+_GPU_ONLY = re.compile(r"\bMFU\b|peak GiB|GiB peak|^peak GiB$", re.IGNORECASE)
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def meaningless_on_cpu(row: BenchRow) -> bool:
+    """True for a figure that only means something on a GPU (MFU, CUDA peak memory)."""
+    return any(_GPU_ONLY.search(text) for text in (row.metric, row.unit, row.target))
+
+
+def row_verdict(row: BenchRow) -> str | None:
+    """'pass' / 'fail' against the row's text target, 'n/a' when a needed figure is missing or
+    not finite, None when the row has no target the runner can read.
+
+    Rules: "<= 1.05x" compares the ratio; "<= 80% of baseline" the ratio with 0.8; ">= baseline"
+    ours with the baseline; ">= 0.4" or "(< 139)" ours with the number.
+    """
+    match = _RULE.search(row.target)
+    if match is None:
+        return None
+    op, bound_text, suffix, of_baseline = match.groups()
+    if bound_text == "baseline":
+        value, bound = row.ours, row.baseline
+    elif suffix == "x" or suffix == "%" or of_baseline:
+        value = row.ratio
+        bound = float(bound_text) / (100.0 if suffix == "%" else 1.0)
+    else:
+        value, bound = row.ours, float(bound_text)
+    if not (_finite(value) and _finite(bound)):
+        return "n/a"
+    assert value is not None and bound is not None
+    return "pass" if _COMPARE[op](value, bound) else "fail"
+
+
 def _fmt(value: float | None) -> str:
     if value is None:
         return "-"
+    if not math.isfinite(value):
+        return "n/a"
     if value == 0 or 1e-3 <= abs(value) < 1e6:
         return f"{value:,.4g}" if abs(value) < 1000 else f"{value:,.0f}"
     return f"{value:.3e}"
 
 
-def format_table(rows: Sequence[BenchRow]) -> str:
-    """A fixed-width table: bench, metric, ours, baseline, limit, ratio, unit."""
-    header = ("bench", "metric", "ours", "baseline", "limit", "ratio", "unit")
-    body = [(r.bench, r.metric, _fmt(r.ours), _fmt(r.baseline), _fmt(r.limit),
-             "-" if r.ratio is None else f"{r.ratio:.2f}x", r.unit) for r in rows]
+def format_table(rows: Sequence[BenchRow], *, cpu: bool = False) -> str:
+    """A fixed-width table: bench, metric, ours, baseline, limit (number or rule), ratio, unit,
+    check (pass / FAIL / n/a). With ``cpu``, GPU-only figures (``meaningless_on_cpu``) are n/a."""
+    header = ("bench", "metric", "ours", "baseline", "limit", "ratio", "unit", "check")
+    body = []
+    for r in rows:
+        if cpu and meaningless_on_cpu(r):
+            body.append((r.bench, r.metric, "n/a", "n/a", r.target or _fmt(r.limit), "n/a",
+                         r.unit, "n/a"))
+            continue
+        ratio = "-" if r.ratio is None else ("n/a" if not math.isfinite(r.ratio)
+                                              else f"{r.ratio:.2f}x")
+        verdict = row_verdict(r)
+        body.append((r.bench, r.metric, _fmt(r.ours), _fmt(r.baseline),
+                     r.target or _fmt(r.limit), ratio, r.unit,
+                     "-" if verdict is None else verdict.replace("fail", "FAIL")))
     widths = [max(len(str(line[i])) for line in (header, *body)) for i in range(len(header))]
     lines = []
     for j, line in enumerate((header, *body)):
-        cells = [str(c).ljust(w) if i < 2 or i == 6 else str(c).rjust(w)
+        cells = [str(c).ljust(w) if i < 2 or i >= 6 else str(c).rjust(w)
                  for i, (c, w) in enumerate(zip(line, widths, strict=True))]
         lines.append("  ".join(cells).rstrip())
         if j == 0:
@@ -201,16 +260,26 @@ def run_benchmarks(bench_dir: Path, *, small: bool, only: Sequence[str] = (),
         cmd = [sys.executable, str(script)] + (["--small"] if small else [])
         if '"--json"' in script.read_text():
             cmd += ["--json", str(json_path)]
-        out.write(f"== {name}: {' '.join(cmd[1:])}\n")
+        log_path = results_dir / f"{name}.log"
+        out.write(f"== {name}: {' '.join(cmd[1:])} ... ")
         out.flush()
         json_path.unlink(missing_ok=True)
         start = time.perf_counter()
-        try:
-            rc = subprocess.run(cmd, cwd=root, env=env, timeout=timeout_s, check=False).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-            out.write(f"{name}: timed out after {timeout_s:.0f} s\n")
+        # The script's own output (its table, progress bars) goes to its log, not between ours.
+        with log_path.open("w") as log:
+            try:
+                rc = subprocess.run(cmd, cwd=root, env=env, timeout=timeout_s, check=False,
+                                    stdout=log, stderr=subprocess.STDOUT).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
         seconds = time.perf_counter() - start
+        out.write(f"{'ok' if rc == 0 else f'FAILED (exit {rc})'} in {seconds:.1f} s "
+                  f"(output: {log_path})\n")
+        if rc != 0:
+            tail = log_path.read_text(errors="replace").splitlines()[-15:]
+            out.write("".join(f"   | {line}\n" for line in tail))
+            if rc == 124:
+                out.write(f"   {name}: timed out after {timeout_s:.0f} s\n")
         bench_rows: list[BenchRow] = []
         if rc == 0 and json_path.is_file():
             bench_rows = normalize_rows(name, json.loads(json_path.read_text()))
@@ -256,7 +325,13 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(str(exc))
     print(f"\n{summary['date']}, {summary['hardware']}, torch {summary['torch']}"
           f"{' (--small)' if args.small else ''}")
-    print(format_table(rows) if rows else "(no rows)")
+    cpu = summary["hardware"].startswith("CPU")
+    print(format_table(rows, cpu=cpu) if rows else "(no rows)")
+    verdicts = [row_verdict(r) for r in rows if not (cpu and meaningless_on_cpu(r))]
+    print(f"targets: {verdicts.count('pass')} pass, {verdicts.count('fail')} FAIL"
+          + (f", {sum(map(meaningless_on_cpu, rows))} GPU-only figures n/a on CPU" if cpu else "")
+          + (" (targets are set for full-size GPU runs; on CPU they are informational)"
+             if cpu else ""))
     print(f"wrote {bench_dir / 'results' / 'summary.json'}")
     failed = [n for n, r in summary["benchmarks"].items() if r["returncode"] != 0]
     if failed:

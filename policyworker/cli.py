@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--lora", action="store_true", help="train through dtensor_cfg.lora_cfg")
     demo.add_argument("--precision", choices=("float32", "bfloat16", "float16"),
                       default="float32", help="policy.precision (parity is exact in float32)")
-    demo.add_argument("--lr", type=_positive_float, default=1e-2, help="AdamW learning rate")
+    demo.add_argument("--lr", type=_positive_float, default=None,
+                      help="AdamW learning rate (default 1e-2; 5e-3 with --engine vllm)")
     demo.add_argument("--plot", metavar="PATH", default=None,
                       help="write the reward curve as a PNG (needs matplotlib)")
     demo.add_argument("--no-require-rise", dest="require_rise", action="store_false",
@@ -82,6 +83,11 @@ def _run_demo(args: argparse.Namespace) -> int:
     from policyworker.demo.loop import DemoOptions, run_demo
     from policyworker.errors import UnsupportedEngineError
 
+    if args.plot is not None:  # before the run, not after it
+        problem = _plot_problem(args.plot)
+        if problem:
+            print(f"policyworker demo: error: --plot {args.plot}: {problem}", file=sys.stderr)
+            return 2
     opts = DemoOptions(steps=args.steps, seed=args.seed, device=args.device, tp=args.tp,
                        ray=args.ray, lora=args.lora, precision=args.precision, lr=args.lr,
                        require_rise=args.require_rise, plot=args.plot, timeout_s=args.timeout,
@@ -93,6 +99,17 @@ def _run_demo(args: argparse.Namespace) -> int:
         print(f"policyworker demo: error: {exc}", file=sys.stderr)
         return 2
     return result.exit_code
+
+
+def _plot_problem(path: str) -> str:
+    """Why `--plot path` cannot be written ('' when it can): matplotlib missing, no folder."""
+    if not _can_import("matplotlib"):
+        return ("the chart needs matplotlib, which is not installed; "
+                "pip install 'policyworker[plot]' (or pip install matplotlib), or drop --plot")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"the folder {folder} does not exist; create it or pick another path"
+    return ""
 
 
 def _version(dist: str) -> str | None:

@@ -40,6 +40,7 @@ from policyworker.functional.lora import validate_target_entries
 
 __all__ = [
     "IGNORED_NEMO_RL_KEYS",
+    "PRECISION_ALIASES",
     "AttnImplementation",
     "ColocatedConfig",
     "ConfigWarning",
@@ -598,6 +599,26 @@ def _structure_dict_or_none_as_empty(value: Any, type_: Any) -> dict[str, Any]:
     return {} if value is None else _structure_any_dict(value, type_)
 
 
+# Precision spellings that mean a canonical name (as `functional.dtypes.precision_dtype` reads
+# them); the config stores the canonical one, so `precision: bf16` round-trips as "bfloat16".
+PRECISION_ALIASES: Final[Mapping[str, str]] = MappingProxyType({
+    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+    "float": "float32",
+})
+
+
+def _structure_precision(value: Any, type_: Any) -> Any:
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        value = PRECISION_ALIASES.get(key, key)
+    try:
+        return _structure_literal(value, type_)
+    except _InvalidValue:
+        raise _InvalidValue(
+            f"{value!r} is not a precision; use one of {', '.join(get_args(type_))} "
+            f"(aliases: {', '.join(PRECISION_ALIASES)})") from None
+
+
 def _is_literal(type_: Any) -> bool:
     return get_origin(type_) is Literal
 
@@ -749,6 +770,7 @@ def _with_validator(
 # {}, and `scheduler` is a mapping or a list with a milestones item (see SchedulerConfig).
 _FIELD_HOOKS: Final[dict[tuple[type[Any], str], Callable[[Any, Any], Any]]] = {
     (PolicyConfig, "hf_config_overrides"): _structure_dict_or_none_as_empty,
+    (PolicyConfig, "precision"): _structure_precision,
     (PolicyConfig, "scheduler"): _structure_scheduler,
 }
 

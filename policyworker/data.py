@@ -1,9 +1,10 @@
-"""The batch container: ``BatchedDataDict`` (API §3) and ``validate_batch``.
+"""The batch container: ``BatchedDataDict`` (NeMo-RL's, same methods) and ``validate_batch``.
 
 A ``BatchedDataDict`` maps keys to tensors or lists that share dim 0 (the batch). Tensors are
 right-padded: for every tensor with ``ndim >= 2``, dim 1 is the sequence. Sharding for
-data-parallel ranks (plain, dynamic batching, sequence packing) follows reference §5.3; the
-planning math lives in ``policyworker.functional.batching`` and ``...packing``.
+data-parallel ranks (plain, dynamic batching, sequence packing) follows NeMo-RL's
+``shard_by_batch_size``; the planning math lives in ``policyworker.functional.batching`` and
+``...packing``.
 """
 
 import copy as _copy
@@ -16,7 +17,14 @@ from policyworker.errors import DataError
 from policyworker.functional.batching import inverse_permutation, round_up, token_budget_boundaries
 from policyworker.functional.packing import pack_into_bins
 
-__all__ = ["MICROBATCH_ORDERS", "BatchedDataDict", "MicrobatchOrder", "validate_batch"]
+__all__ = [
+    "MICROBATCH_ORDERS",
+    "BatchedDataDict",
+    "MicrobatchOrder",
+    "check_loss_fn",
+    "train_required_keys",
+    "validate_batch",
+]
 
 MicrobatchOrder = Literal["packer", "largest_first"]
 MICROBATCH_ORDERS: tuple[str, ...] = get_args(MicrobatchOrder)
@@ -256,7 +264,7 @@ class BatchedDataDict(dict[str, Any]):
         dynamic_batching_args: Mapping[str, Any] | None = None,
         sequence_packing_args: Mapping[str, Any] | None = None,
     ) -> list[Self] | tuple[list[Self], list[int]]:
-        """Split into ``shards`` data-parallel shards, one global batch at a time (reference §5.3).
+        """Split into ``shards`` data-parallel shards, one global batch at a time (as NeMo-RL does).
 
         The data is cut into chunks of ``batch_size`` rows (one per global batch; default: all
         rows). Plain: shard ``r`` gets rows ``[r*bs/shards, (r+1)*bs/shards)`` of every chunk.
@@ -416,17 +424,22 @@ def validate_batch(
     *,
     required: Sequence[str] = ("input_ids", "input_lengths"),
     check_dim_skip_keys: Sequence[str] = (),
+    needed_by: str = "",
 ) -> None:
     """Check a batch before it reaches the model; raise ``DataError`` naming key, shapes and fix.
 
-    Checks: required keys present; ``input_ids`` a 2-D integer tensor; ``input_lengths`` a 1-D
-    integer tensor with values in ``[0, S]``; every value has the same batch size; every tensor
-    with ndim >= 2 (except ``check_dim_skip_keys``) has dim 1 == S.
+    Checks: required keys present (every missing one in one message; ``needed_by`` says who
+    reads them); ``input_ids`` a 2-D integer tensor; ``input_lengths`` a 1-D integer tensor with
+    values in ``[0, S]``; ``sample_mask`` (when present) a [B] tensor; every value has the same
+    batch size; every tensor with ndim >= 2 (except ``check_dim_skip_keys``) has dim 1 == S.
     """
-    missing = [k for k in required if k not in data]
+    missing = [k for k in dict.fromkeys(required) if k not in data]
     if missing:
+        who = f" ({needed_by} reads them)" if needed_by else ""
         raise DataError(
-            f"batch is missing required key(s) {missing} (has {sorted(data)}); add them")
+            f"batch is missing {len(missing)} required key(s) {missing}{who}; it has "
+            f"{sorted(data)}; add every missing key (per-token tensors are [B, S], per-row [B])")
+    _validate_sample_mask(data.get("sample_mask"))
     ids = data.get("input_ids")
     if ids is not None:
         if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
@@ -456,6 +469,46 @@ def validate_batch(
                             "check_dim_skip_keys")
         if lengths is not None:
             _validate_lengths_range(lengths, ids)
+
+
+def _validate_sample_mask(mask: Any) -> None:
+    if isinstance(mask, torch.Tensor) and mask.ndim != 1:
+        raise DataError(
+            f"'sample_mask' has shape {tuple(mask.shape)}, but it must be [B]: one 0/1 per row "
+            f"(0 drops the whole row). Per-token masking belongs in 'token_mask' [B, S]; for a "
+            f"[B, S] mask pass it as token_mask, or sample_mask=mask.amax(dim=1)")
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+    """Raise ``ValueError`` unless ``loss_fn`` is a loss *instance* (the LossFunction protocol:
+    callable, with ``loss_type`` and ``input_type``)."""
+    if loss_fn is None:
+        msg = ("train(data, loss_fn): loss_fn is None; pass a loss instance, e.g. "
+               "ClippedPGLossFn({'reference_policy_kl_penalty': 0.01}), NLLLoss() or "
+               "DPOLossFn({...}) from policyworker.functional.loss")
+        raise ValueError(msg)
+    if isinstance(loss_fn, type):
+        msg = (f"train(data, loss_fn): loss_fn is the class {loss_fn.__name__}, not an instance; "
+               f"pass {loss_fn.__name__}(...) (e.g. {loss_fn.__name__}() or "
+               f"{loss_fn.__name__}(cfg) with NeMo-RL's loss_fn mapping)")
+        raise ValueError(msg)
+    lacking = [a for a in ("loss_type", "input_type") if not hasattr(loss_fn, a)]
+    if lacking or not callable(loss_fn):
+        what = f"has no {' or '.join(lacking)}" if lacking else "is not callable"
+        msg = (f"train(data, loss_fn): loss_fn {type(loss_fn).__name__!r} {what}; a loss is "
+               f"callable as loss_fn(data, global_valid_seqs, global_valid_toks, **inputs) and "
+               f"has loss_type (LossType) and input_type (LossInputType) attributes")
+        raise ValueError(msg)
+
+
+def train_required_keys(loss_fn: Any) -> tuple[str, ...]:
+    """The batch keys ``train(data, loss_fn)`` needs: the worker's, then the loss's own
+    (``loss_fn.required_keys`` when the loss declares them)."""
+    keys = ["input_ids", "input_lengths", "sample_mask"]
+    if str(getattr(loss_fn, "loss_type", "")) == "token_level":
+        keys.append("token_mask")
+    keys += list(getattr(loss_fn, "required_keys", ()))
+    return tuple(dict.fromkeys(keys))
 
 
 def _validate_lengths_type(lengths: Any) -> None:

@@ -7,7 +7,7 @@ fp32 logprobs as Python floats, which round-trip exactly); model weights never d
 arrives through `HFWeightReceiver` from the trainer's ZMQ refit stream.
 
 Requests (op, payload) -> replies ("ok", payload) or ("error", message):
-- `connect` {address, refit_info: {name: [shape, dtype name]}, timeout_s}: build the receiver.
+- `connect` {address, refit_info (`encode_refit_info`'s form), timeout_s}: build the receiver.
 - `refit` {}: serve one refit; reply {version, num_bytes, num_tensors}.
 - `generate` {prompts, response_len, seed, score_micro_batch_size}: sample `response_len`
   tokens per prompt row at temperature 1 (no KV cache), then score the whole rows with a plain
@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["InferenceError", "InferenceProcess", "encode_refit_info", "serve"]
+from policyworker.functional.dtypes import decode_refit_info
+
+__all__ = ["InferenceError", "InferenceProcess", "serve"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "uint8": torch.uint8}
@@ -32,16 +34,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class InferenceError(RuntimeError):
     """The inference process failed or did not answer in time."""
-
-
-def encode_refit_info(info: dict[str, tuple[torch.Size, torch.dtype]]) -> dict[str, list[Any]]:
-    """`prepare_refit_info()` as plain lists/strings (no pickled torch objects on the pipe)."""
-    return {name: [list(shape), str(dtype).removeprefix("torch.")]
-            for name, (shape, dtype) in info.items()}
-
-
-def _decode_refit_info(info: dict[str, list[Any]]) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    return {name: (torch.Size(shape), _DTYPES[dtype]) for name, (shape, dtype) in info.items()}
 
 
 def _quiet_transformers() -> None:
@@ -114,7 +106,7 @@ def serve(conn: multiprocessing.connection.Connection, model_dir: str, device: s
                 if op == "connect":
                     receiver = HFWeightReceiver(
                         model, address=payload["address"],
-                        refit_info=_decode_refit_info(payload["refit_info"]),
+                        refit_info=decode_refit_info(payload["refit_info"]),
                         timeout_s=payload["timeout_s"])
                     reply: dict[str, Any] = {}
                 elif op == "refit":

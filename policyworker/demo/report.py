@@ -24,7 +24,7 @@ def format_dlogp(value: float) -> str:
 
 def step_line(step: int, *, reward: float, kl: float, refit_ms: float, max_dlogp: float,
               mult_prob_error: float | None = None) -> str:
-    """`step=<n> reward=<float> kl=<float> refit_ms=<float> max_dlogp=<float>` (API.md §7),
+    """`step=<n> reward=<float> kl=<float> refit_ms=<float> max_dlogp=<float>` (as in the README),
     then ` token_mult_prob_error=<float>` when given (the vLLM engine's mismatch metric)."""
     line = (f"step={step} reward={reward:.4f} kl={kl:.5f} refit_ms={refit_ms:.1f} "
             f"max_dlogp={format_dlogp(max_dlogp)}")
@@ -82,23 +82,30 @@ class ProgressBar:
 
 
 def save_plot(path: str, rewards: Sequence[float], kls: Sequence[float]) -> bool:
-    """Write a PNG of the reward (and KL) curves; False when matplotlib is not installed."""
+    """Write a PNG of the reward (and KL) curves; False when matplotlib is not installed.
+
+    One legend names both curves (they share the step axis, each with its own y axis); steps
+    are whole numbers, so the x ticks are too.
+    """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         return False
     steps = list(range(1, len(rewards) + 1))
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, rewards, marker="o", label="reward")
+    (reward_line,) = ax.plot(steps, rewards, marker="o", label="reward (mean per step)")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax2 = ax.twinx()
-    ax2.plot(steps, kls, color="tab:red", alpha=0.6, label="kl")
+    (kl_line,) = ax2.plot(steps, kls, color="tab:red", alpha=0.6, label="kl to reference")
     ax2.set_ylabel("kl")
+    ax.legend(handles=[reward_line, kl_line], loc="center right")
     ax.set_title("policyworker demo: GRPO on the target-token task")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

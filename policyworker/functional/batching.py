@@ -74,8 +74,8 @@ def token_budget_boundaries(widths: Sequence[int], *, max_tokens: int
                             ) -> list[tuple[int, int, int]]:
     """Greedy ``(start, end, width)`` groups of consecutive positions under a token budget.
 
-    A group grows while ``(count + 1) * max(width so far, next width) <= max_tokens`` (reference
-    §5.3); its width is the largest width in it.
+    A group grows while ``(count + 1) * max(width so far, next width) <= max_tokens`` (NeMo-RL's
+    dynamic batching rule); its width is the largest width in it.
 
     Raises:
         ValueError: a single width above ``max_tokens``.

@@ -1,14 +1,17 @@
-"""Precision names and the refit dtype rule (API.md §5 and §7).
+"""Precision names and the refit dtype rule (the dtype each tensor is sent in by a refit).
 
 All functions are pure: they look at names and dtypes only, never at devices or tensor values.
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 __all__ = [
     "PRECISION_NAMES",
+    "decode_refit_info",
+    "encode_refit_info",
     "name_matches_pattern",
     "precision_dtype",
     "refit_tensor_dtype",
@@ -27,7 +30,8 @@ _PRECISIONS: dict[str, torch.dtype] = {
 }
 PRECISION_NAMES: tuple[str, ...] = tuple(_PRECISIONS)
 
-# DeepSeek-V3 / GLM-4-MoE routers keep this fp32 buffer even in a bf16 model (reference/engines.md).
+# DeepSeek-V3 / GLM-4-MoE routers keep this fp32 buffer even in a bf16 model (inference engines
+# load it as fp32, so the refit must send fp32).
 _ALWAYS_FP32_SUFFIX = "e_score_correction_bias"
 
 
@@ -97,3 +101,38 @@ def refit_tensor_dtype(
     ):
         return torch.float32
     return default_dtype
+
+
+def encode_refit_info(
+    info: Mapping[str, tuple[Sequence[int], torch.dtype]],
+) -> dict[str, list[Any]]:
+    """``prepare_refit_info()``'s ``{name: (torch.Size, torch.dtype)}`` as JSON-able lists.
+
+    ``{name: [[d0, d1, ...], "bfloat16"]}``: plain ints and dtype names, so it travels to the
+    inference process as JSON (or through any RPC) without pickling torch objects.
+    ``decode_refit_info`` inverts it.
+    """
+    return {name: [[int(d) for d in shape], str(dtype).removeprefix("torch.")]
+            for name, (shape, dtype) in info.items()}
+
+
+def decode_refit_info(encoded: Mapping[str, Any]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """The inverse of ``encode_refit_info``: ``{name: (torch.Size, torch.dtype)}``.
+
+    Raises:
+        ValueError: an entry is not ``[shape, dtype name]`` or names no torch dtype.
+    """
+    out: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    for name, entry in encoded.items():
+        if not isinstance(entry, list | tuple) or len(entry) != 2:
+            msg = (f"refit_info[{name!r}]={entry!r} must be [shape, dtype name] as "
+                   f"encode_refit_info writes it; pass encode_refit_info(prepare_refit_info())")
+            raise ValueError(msg)
+        shape, dtype_text = entry
+        dtype = getattr(torch, str(dtype_text).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            msg = (f"refit_info[{name!r}] names dtype {dtype_text!r}, which is not a torch dtype; "
+                   f"use a name such as 'bfloat16' or 'float32'")
+            raise ValueError(msg)
+        out[name] = (torch.Size(int(d) for d in shape), dtype)
+    return out

@@ -1,20 +1,22 @@
 """Next-token logprobs: chunked fp32 log-softmax, vLLM-style filters, vocab-parallel partials.
 
-Convention (API.md §4): ``logprobs[b, t] = log p(x_t | x_<t)`` for ``1 <= t < len_b``, column 0 is
-0 and positions ``>= len_b`` are 0. Internally ``next_token_logprobs`` scores logits at positions
-``0..S-2`` against targets ``token_ids[:, 1:]`` ([B, S-1]); ``logprobs_with_leading_zero`` turns
-that into the [B, S] convention.
+Convention (the worker's, as the README states): ``logprobs[b, t] = log p(x_t | x_<t)``
+for ``1 <= t < len_b``, column 0 is 0 and positions ``>= len_b`` are 0. Internally
+``next_token_logprobs`` scores logits at positions ``0..S-2`` against targets
+``token_ids[:, 1:]`` ([B, S-1]); ``logprobs_with_leading_zero`` turns that into the [B, S]
+convention.
 
-Memory ([better], API.md §4): ``next_token_logprobs`` is a custom autograd Function that saves
-only the caller's (possibly bf16) logits and the targets. Forward and backward both work on one
-chunk of sequence positions at a time (cast to fp32, divide by temperature, filter,
-log-softmax, gather), so no fp32 ``[B, S, V]`` tensor is ever alive besides the caller's own
-logits and their gradient (which have the logits' dtype: bf16 logits get a bf16 gradient).
+Memory: ``next_token_logprobs`` is a custom autograd Function that saves only the caller's
+(possibly bf16) logits and the targets. Forward and backward both work on one chunk of sequence
+positions at a time (cast to fp32, divide by temperature, filter, log-softmax, gather), so no fp32
+``[B, S, V]`` tensor is ever alive besides the caller's own logits and their gradient (which have
+the logits' dtype: bf16 logits get a bf16 gradient).
 
-Vocab parallel (STYLE.md §2.6): a rank holding the vocab slice ``vocab_range(rank, size, V)``
-computes partials (``local_max``, ``local_sum_exp``, ``local_target_logit``,
-``local_logprob_grad``); the shell all-reduces them (MAX, SUM, SUM) and ``logprobs_from_partials``
-finishes. Pass these partials logits that are already fp32 and divided by the temperature.
+Vocab parallel (tensor-parallel lm_head): a rank holding the vocab slice
+``vocab_range(rank, size, V)`` computes partials (``local_max``, ``local_sum_exp``,
+``local_target_logit``, ``local_logprob_grad``); the shell all-reduces them (MAX, SUM, SUM) and
+``logprobs_from_partials`` finishes. Pass these partials logits that are already fp32 and
+divided by the temperature.
 
 Shape legend: ``B`` batch, ``S`` sequence, ``V`` vocab (or the local vocab shard), ``N`` rows.
 All functions are pure: no communication, no device queries, inputs are never mutated.

@@ -102,6 +102,7 @@ class NLLLoss:
 
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.LOGPROB
+    required_keys = ("token_mask", "sample_mask")  # the batch keys this loss reads
 
     def __call__(
         self,
@@ -182,6 +183,16 @@ class ClippedPGLossFn:
     def reference_policy_kl_penalty(self) -> float:
         """β actually applied (0 when ``use_kl_in_reward`` moves the KL into the reward)."""
         return 0.0 if self.cfg.use_kl_in_reward else self.cfg.reference_policy_kl_penalty
+
+    @property
+    def required_keys(self) -> tuple[str, ...]:
+        """The batch keys this loss reads with its config (the worker checks them all at once)."""
+        keys = ["token_mask", "sample_mask", "advantages", "generation_logprobs"]
+        if not self.cfg.force_on_policy_ratio:
+            keys.append("prev_logprobs")
+        if self.reference_policy_kl_penalty != 0:
+            keys.append("reference_policy_logprobs")
+        return tuple(keys)
 
     def __call__(
         self,
@@ -374,6 +385,8 @@ class DPOLossFn:
 
     loss_type = LossType.SEQUENCE_LEVEL
     input_type = LossInputType.LOGPROB
+
+    required_keys = ("token_mask", "sample_mask", "reference_policy_logprobs")
 
     def __init__(self, cfg: Any = None) -> None:
         self.cfg = DPOConfig.from_mapping(cfg)

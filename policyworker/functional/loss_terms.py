@@ -8,6 +8,7 @@ Masks may be bool, integer or float; a float mask acts as a weight.
 """
 
 import dataclasses
+import difflib
 import math
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -324,8 +325,10 @@ def read_config_mapping(
         if key in ignored:
             continue
         if key not in fields:
-            problems.append(
-                f"unknown key {key!r} (accepted keys: {sorted(fields)}) @ {section}.{key}")
+            close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.75)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            problems.append(f"unknown key {key!r} ({hint}accepted keys: {sorted(fields)}) "
+                            f"@ {section}.{key}")
             continue
         kind = fields[key].metadata["kind"]
         if not _has_kind(value, kind):

@@ -10,12 +10,13 @@ worker appends to every microbatch (``lr``, ``wd``, ``global_valid_seqs``,
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal, SupportsFloat
+from typing import Any, Literal, SupportsFloat
 
 __all__ = [
     "MEAN_KEYS",
     "aggregate_microbatch_metrics",
     "combine_packed_sequence_metrics",
+    "flatten_train_metrics",
     "metric_reduction",
     "scale_microbatch_metrics",
 ]
@@ -27,7 +28,7 @@ Reduction = Literal["min", "max", "mean", "sum"]
 
 
 def metric_reduction(key: str) -> Reduction:
-    """The reduction of reference §7.4 for ``key``: min / max (extremes), mean, or sum."""
+    """How ``key`` combines across microbatches: min / max (extremes), mean, or sum."""
     if "_min" in key:
         return "min"
     if "_max" in key:
@@ -66,7 +67,7 @@ def _finite(values: Iterable[SupportsFloat]) -> list[float]:
 def aggregate_microbatch_metrics(
     all_mb_metrics: Mapping[str, Sequence[SupportsFloat]],
 ) -> dict[str, float]:
-    """Reduce ``{key: [per-microbatch values]}`` to one number per key (reference §7.4).
+    """Reduce ``{key: [per-microbatch values]}`` to one number per key (NeMo-RL's rules).
 
     Extremes: min / max over finite values, ``-1.0`` when none is finite; ``lr``, ``wd``,
     ``global_valid_seqs``, ``global_valid_toks``: mean; everything else: sum. A key with an
@@ -110,3 +111,47 @@ def combine_packed_sequence_metrics(
             else:
                 combined[key] = combined.get(key, 0.0) + value
     return combined
+
+
+# train() result keys that describe the call rather than measure it: no logger wants them.
+_NOT_METRICS = frozenset({"rank", "model_dtype", "all_mb_metrics"})
+
+
+def _as_float(value: Any) -> float | None:
+    """One float for a number or a tensor/array of numbers (their mean); None for anything else."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float):
+        return float(value)
+    numel = getattr(value, "numel", None)
+    if callable(numel) and hasattr(value, "dtype"):  # a torch tensor (no torch import needed)
+        if numel() == 0 or value.dtype.is_complex:
+            return None
+        return float(value.detach().double().mean())
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes) and value:
+        items = [_as_float(v) for v in value]
+        if any(v is None for v in items):
+            return None
+        return math.fsum(items) / len(items)  # type: ignore[arg-type]
+    return None
+
+
+def flatten_train_metrics(result: Mapping[str, Any], *, prefix: str = "") -> dict[str, float]:
+    """``PolicyWorker.train()``'s result as ``{name: float}``, ready for wandb / TensorBoard.
+
+    ``all_mb_metrics`` is reduced as ``aggregate_microbatch_metrics`` does (one number per
+    metric, at the top level); ``global_loss`` (one loss per global batch) becomes its mean;
+    ``grad_norm`` and ``skipped_steps`` become floats; ``rank`` and ``model_dtype`` and any value
+    that is not a number (``None``, a dtype, a string) are left out. ``prefix`` is prepended to
+    every name (e.g. ``"train/"``).
+    """
+    flat: dict[str, float] = {}
+    for key, value in result.items():
+        if key in _NOT_METRICS:
+            continue
+        number = _as_float(value)
+        if number is not None:
+            flat[key] = number
+    for key, value in aggregate_microbatch_metrics(result.get("all_mb_metrics") or {}).items():
+        flat.setdefault(key, value)
+    return {f"{prefix}{key}": value for key, value in flat.items()}

@@ -11,10 +11,10 @@
     ray/            RayWorkerGroup: PolicyWorker as a group of Ray actors (extra "ray")
     ipc_logits.py   full logits handed to a colocated consumer over CUDA IPC / shared memory
 
-Modules that moved into a room stay importable by their old dotted path (API.md names some of
-them): `MOVED` maps each old path to its new one, and a finder on `sys.meta_path` answers an
-import of an old path with the very module object of the new one (so monkeypatching either name
-patches both).
+Modules that moved into a room stay importable by their old dotted path (user code and older docs
+name some of them): `MOVED` maps each old path to its new one, and a finder on `sys.meta_path`
+answers an import of an old path with the very module object of the new one (so monkeypatching
+either name patches both).
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def run(state: WorkerState, data: Mapping[str, Any], micro_batch_size: int | Non
 
 def logprobs(state: WorkerState, data: Mapping[str, Any], micro_batch_size: int | None
              ) -> BatchedDataDict:
-    """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths (API §4)."""
+    """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths."""
     counts = [0]
 
     def per_mb(mb: mbatch.Microbatch) -> torch.Tensor:

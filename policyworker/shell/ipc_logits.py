@@ -1,8 +1,9 @@
 """Full teacher logits shared in place: a persistent buffer exported once, one record per sample.
 
-Reference §11 (cross-tokenizer distillation): the worker writes fp32 logits of every microbatch
-into a persistent storage ``[N_mb, B_mb, S_local, V_local]`` and returns one handle record per
-sample; a consumer in another process maps the storage and reads its sample in place.
+For cross-tokenizer distillation (a teacher's logits read by another process): the worker writes
+fp32 logits of every microbatch into a persistent storage ``[N_mb, B_mb, S_local, V_local]`` and
+returns one handle record per sample; a consumer in another process maps the storage and reads its
+sample in place.
 
 - ``TeacherLogitsBuffer.ensure(shape, dtype, device)`` allocates lazily and reallocates (a new
   storage and a new exported handle) only when a dim grows or the dtype/device changes; a

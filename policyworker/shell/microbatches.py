@@ -50,11 +50,12 @@ class Microbatch:
 
 
 def validate(state: WorkerState, data: Mapping[str, Any], *,
-             required=("input_ids", "input_lengths"), skip=()) -> None:
+             required=("input_ids", "input_lengths"), skip=(), needed_by: str = "") -> None:
     """Refuse a batch the worker cannot use (missing keys, shapes, mask types, token ids outside
-    the model's vocabulary), before any work."""
+    the model's vocabulary), before any work; `needed_by` names who reads the required keys."""
     state.require_running("a batch call (train, logprobs, top-k, score)")
-    validate_batch(data, required=required, check_dim_skip_keys=tuple(skip or ()))
+    validate_batch(data, required=required, check_dim_skip_keys=tuple(skip or ()),
+                   needed_by=needed_by)
     for key in ("token_mask", "sample_mask"):
         if key in data and not isinstance(data[key], torch.Tensor):
             msg = f"data[{key!r}] must be a tensor, got {type(data[key]).__name__}"

@@ -1,12 +1,12 @@
 """Load a Hugging Face model for the policy worker and run its forward.
 
-Master weights are fp32; compute runs in `precision` through autocast. The attention
-implementation is chosen here (API.md §7): `auto` is sdpa (eager for a model class without an
-sdpa path, e.g. Gemma2, GPT-OSS; logged once), and with sequence packing the
-document-safe kernel of the device (CUDA + bf16/fp16: our registered varlen kernel; otherwise
-sdpa's packed-`position_ids` block-diagonal path, which needs `use_cache=False`).
-A configuration that would attend across packed documents raises `ValueError` at load time,
-and a packed load is verified by a perturbation probe (`check_document_isolation`).
+Master weights are fp32; compute runs in `precision` through autocast. The attention implementation
+is chosen here (`dtensor_cfg.attn_implementation`): `auto` is sdpa (eager for a model class without
+an sdpa path, e.g. Gemma2, GPT-OSS; logged once), and with sequence packing the document-safe
+kernel of the device (CUDA + bf16/fp16: our registered varlen kernel; otherwise sdpa's
+packed-`position_ids` block-diagonal path, which needs `use_cache=False`). A configuration that
+would attend across packed documents raises `ValueError` at load time, and a packed load is
+verified by a perturbation probe (`check_document_isolation`).
 
 Seams for other modules: a parallelize hook (FSDP2 / TP) would wrap the module returned by
 `load_policy_model`; LoRA injection happens on that module before the optimizer is built.

@@ -42,10 +42,6 @@ log = logging.getLogger(__name__)
 def check_train_call(state: WorkerState, data: Mapping[str, Any], loss_fn: Any, *,
                      eval_mode: bool, gbs: int | None, mbs: int | None) -> tuple[int, int]:
     """Refuse a `train` call this worker cannot run; the global and micro batch sizes to use."""
-    if loss_fn.loss_type == LossType.TOKEN_LEVEL and "token_mask" not in data:
-        msg = (f"data has no 'token_mask' but {type(loss_fn).__name__} is a token-level loss; "
-               f"add token_mask [B, S] (1 = token counts)")
-        raise ValueError(msg)
     if not eval_mode and state.optimizer is None:
         msg = "train() needs an optimizer but the worker was built with init_optimizer=False"
         raise ValueError(msg)

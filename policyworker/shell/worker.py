@@ -11,7 +11,8 @@ worker's resources (`self.state`, a `WorkerState`) as its first argument:
     weights.py      refit over ZMQ / a collective / SGLang, and weight noise
     checkpoint/     save / load / finalize
 
-Parallel layout (API.md §7 "Process group"): with a process group, the state applies tensor
+Parallel layout: with a process group (the default one, or one the worker creates under
+torchrun), the state applies tensor
 parallelism (tp > 1, vocab-parallel lm_head) and FSDP2 over dp (`shell.parallel`). Logprobs and
 top-k then read vocab-sharded DTensor logits through `shell.parallel.collectives` (no vocab
 gather), the grad norm is sharding-aware, and FSDP2 roots are resharded after every no-grad pass
@@ -21,20 +22,24 @@ and before any state read. Weight refits gather on every rank; only rank 0 sends
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from policyworker.config import PolicyConfig, load_config
-from policyworker.data import BatchedDataDict
+from policyworker.data import BatchedDataDict, check_loss_fn, train_required_keys
 from policyworker.shell import calibration, checkpoint, inference, offload, training, weights
 from policyworker.shell import microbatches as mbatch
 from policyworker.shell import model as model_lib
+from policyworker.shell.logs import apply_env_verbosity, quiet_progress_bars, startup_summary
 from policyworker.shell.nemo_rl_surface import NeMoRLWorkerSurface, split_constructor_kwargs
 from policyworker.shell.state import WorkerState
 
 __all__ = ["AutomodelPolicyWorker", "AutomodelPolicyWorkerImpl", "PolicyWorker"]
+
+log = logging.getLogger(__name__)
 
 
 def _state_field(name: str, doc: str) -> property:
@@ -45,7 +50,8 @@ def _state_field(name: str, doc: str) -> property:
 
 class PolicyWorker(NeMoRLWorkerSurface):
     """Trains a Hugging Face model with a pluggable loss; logprobs, top-k, scores, offload,
-    refit and checkpoints (API.md §4); NeMo-RL's base-worker methods via the mixin."""
+    refit and checkpoints (NeMo-RL's policy-worker method names); NeMo-RL's base-worker methods
+    via the mixin."""
 
     cfg = _state_field("cfg", "The PolicyConfig the worker was built from.")
     parallel = _state_field("parallel", "This rank's ParallelContext (dp, cp, tp).")
@@ -72,13 +78,17 @@ class PolicyWorker(NeMoRLWorkerSurface):
         over the process group, build optimizer and reference weights, and load a checkpoint
         from `weights_path` / `optimizer_path` when given. `parallel=` injects a context; the
         keyword arguments NeMo-RL's Policy passes are accepted (`nemo_rl_surface`)."""
+        apply_env_verbosity()
         cfg = config if isinstance(config, PolicyConfig) else load_config(config)
         parallel, tokenizer = split_constructor_kwargs(kwargs)
-        self.state = WorkerState.build(
-            cfg, parallel=parallel, weights_path=weights_path, optimizer_path=optimizer_path,
-            init_optimizer=init_optimizer, init_reference_model=init_reference_model)
+        with quiet_progress_bars():  # transformers' "Loading weights" bars
+            self.state = WorkerState.build(
+                cfg, parallel=parallel, weights_path=weights_path, optimizer_path=optimizer_path,
+                init_optimizer=init_optimizer, init_reference_model=init_reference_model)
         if tokenizer is not None:
             self.state.tokenizer = tokenizer
+        if self.parallel.rank == 0:
+            log.info("%s", startup_summary(self))
 
     @property
     def _sampling(self) -> tuple[float, int | None, float]:
@@ -96,7 +106,9 @@ class PolicyWorker(NeMoRLWorkerSurface):
         `model_dtype` and `skipped_steps` (steps skipped for a non-finite loss or grad norm).
         """
         skip = tuple(check_dim_skip_keys or ())
-        mbatch.validate(self.state, data, required=training.TRAIN_KEYS, skip=skip)
+        check_loss_fn(loss_fn)
+        mbatch.validate(self.state, data, required=train_required_keys(loss_fn), skip=skip,
+                        needed_by=f"train() with {type(loss_fn).__name__}")
         gbs, mbs = training.check_train_call(self.state, data, loss_fn, eval_mode=eval_mode,
                                              gbs=gbs, mbs=mbs)
         return training.train(self.state, data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
@@ -106,7 +118,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
 
     def get_logprobs(self, data: Mapping[str, Any], micro_batch_size: int | None = None,
                      require_router_replay: bool = True) -> BatchedDataDict:
-        """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths (API §4)."""
+        """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths."""
         mbatch.validate(self.state, data)
         self._check_router_replay(data, require_router_replay)
         return inference.logprobs(self.state, data, micro_batch_size)
@@ -169,7 +181,8 @@ class PolicyWorker(NeMoRLWorkerSurface):
     def get_full_logits_ipc(self, data: Mapping[str, Any], micro_batch_size: int | None = None
                             ) -> dict[str, Any]:
         """fp32 logits of every sample into a shared buffer: one handle record per input row
-        (`per_sample_handles`) and this rank's `dp_rank` (docs/refit-collective.md §3)."""
+        (`per_sample_handles`) and this rank's `dp_rank` (docs/refit-collective.md, "Teacher
+        logits over IPC")."""
         return inference.full_logits_ipc(self.state, data, micro_batch_size)
 
     def release_ipc_buffer(self) -> None:
@@ -282,17 +295,20 @@ class PolicyWorker(NeMoRLWorkerSurface):
                         ) -> None:
         """Save weights (HF / PEFT), reference, optimizer and tokenizer; async unless final
         (docs/checkpoints.md)."""
-        checkpoint.save_checkpoint(self.state, weights_path, optimizer_path, tokenizer_path,
-                                   is_final_checkpoint=is_final_checkpoint)
+        with quiet_progress_bars():
+            checkpoint.save_checkpoint(self.state, weights_path, optimizer_path, tokenizer_path,
+                                       is_final_checkpoint=is_final_checkpoint)
 
     def finalize_async_save(self) -> None:
         """Block until the last save landed and its folders are renamed into place."""
-        checkpoint.finalize_async_save(self.state)
+        with quiet_progress_bars():
+            checkpoint.finalize_async_save(self.state)
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Load weights (safetensors / DCP / PEFT, any layout), reference and optimizer state;
         nothing changes when a file is missing or truncated."""
-        checkpoint.load_checkpoint(self.state, weights_path, optimizer_path)
+        with quiet_progress_bars():
+            checkpoint.load_checkpoint(self.state, weights_path, optimizer_path)
 
     # ------------------------------------------------------------------------------ misc
 
@@ -322,7 +338,11 @@ class PolicyWorker(NeMoRLWorkerSurface):
         return not self.state.shut_down
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}[rank={self.parallel.rank}]"
+        p = self.parallel
+        return (f"{type(self).__name__}(model={self.cfg.model_name!r}, "
+                f"precision={str(self.dtype).removeprefix('torch.')}, device={self.device}, "
+                f"dp×cp×tp={p.dp_size}×{p.cp_size}×{p.tp_size}, rank={p.rank}/{p.world_size}, "
+                f"attention={getattr(self.model.config, '_attn_implementation', '?')!r})")
 
     def shutdown(self) -> bool:
         """Commit a pending asynchronous save, then close the refit transports and the process

@@ -8,7 +8,8 @@ tolerances of test_worker_parallel): logprobs, top-k, loss and grad norm of two 
 reference logprobs, the trained weights. A refit from the dp2 group reaches a receiver bitwise
 (equal to the group's own checkpoint); a killed actor fails the next call with an error naming
 the rank and the method within seconds; shutdown leaves no actor, no placement group and every
-CPU free. The README's "Running as Ray actors" example runs here as written.
+CPU free. `policyworker demo --ray 2` runs its loop with exact fp32 parity. (The README's
+"Running as Ray actors" example runs as written in tests/shell/test_readme.py.)
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from tests.distributed import workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 CASE = ("dynamic-pg-kl-filtered", "dynamic", True, "pg_kl", {})
 LABEL, BATCHING, SAMPLING, LOSS, _ = CASE
 CALL_TIMEOUT_S = 120.0
@@ -248,16 +248,6 @@ def test_an_unsupported_ray_is_refused_by_version(monkeypatch):
     monkeypatch.setattr(ray, "__version__", "2.9.3")
     with pytest.raises(ImportError, match=r"ray 2\.9\.3 is not supported .* needs ray >=2\.40"):
         import_ray()
-
-
-def test_the_readme_example_runs_as_written(cluster):
-    """The README's "Running as Ray actors" block, executed as is (it joins this cluster)."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Running as Ray actors", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    namespace: dict = {"__name__": "__readme__"}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the documented example
-    _assert_freed()
 
 
 def test_the_demo_runs_its_grpo_loop_on_a_ray_group_with_exact_fp32_parity(cluster):

@@ -576,7 +576,8 @@ def worker_parity(rank, size, path, tp_sizes, references, extra_checks=()):
             worker = PolicyWorker(
                 _worker_config(path, tp_size=tp_size, batching=batching, sampling=sampling,
                                extra=extra))
-            assert repr(worker) == f"PolicyWorker[rank={rank}]"
+            p = worker.parallel
+            assert f"dp×cp×tp={p.dp_size}×1×{tp_size}, rank={rank}/{size}" in repr(worker)
             assert worker.parallel.tp_size == tp_size and not worker.parallel.owns_process_group
             params = _check_worker_case(worker, label, loss_kind, references[label])
             if "sequence_parallel" in extra_checks and tp_size > 1 and label.startswith("packed"):

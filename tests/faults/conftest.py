@@ -17,21 +17,28 @@ from policyworker.shell.transports import zmq_ipc
 from tests.faults import scenarios
 
 
-@pytest.fixture(autouse=True)
-def private_refit_folders(monkeypatch):
+@pytest.fixture(scope="session")
+def _private_folders():
+    """One private shm folder and temp folder for the session (a process's multiprocessing
+    folder lives in the temp folder until its exit, so that one is only emptied here)."""
     shm = tempfile.mkdtemp(prefix="pwf-", dir="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
     tmp = tempfile.mkdtemp(prefix="pwf-", dir="/tmp")
+    yield shm, tmp
+    shutil.rmtree(shm, ignore_errors=True)
+    for name in os.listdir(tmp):
+        if not name.startswith("pymp-"):  # multiprocessing removes its own at exit
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.rmdir(tmp)
+
+
+@pytest.fixture(autouse=True)
+def private_refit_folders(_private_folders, monkeypatch):
+    shm, tmp = _private_folders
     monkeypatch.setattr(zmq_ipc, "SHM_DIR", shm)
     monkeypatch.setattr(tempfile, "tempdir", tmp)
     monkeypatch.setenv("POLICYWORKER_SHM_DIR", shm)
     monkeypatch.setenv("TMPDIR", tmp)
-    yield
-    shutil.rmtree(shm, ignore_errors=True)
-    for name in os.listdir(tmp):  # others (multiprocessing's folder) clean up at their exit
-        if name.startswith("pw-refit-") or name.startswith("tmp"):
-            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
-    with contextlib.suppress(OSError):
-        os.rmdir(tmp)
 
 
 def run_here(name: str, trials: int, *args: str) -> list[dict]:

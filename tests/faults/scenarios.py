@@ -623,8 +623,7 @@ def small_shm(trials: int, folder: str) -> None:
         for budget in (0, 512 << 10, 0):
             box: dict[str, Any] = {}
             thread = threading.Thread(
-                target=lambda box=box, receiver=receiver: box.update(
-                    error=_catch(receiver.receive))
+                target=lambda box=box, receiver=receiver: box.update(error=_catch(receiver.receive))
             )
             thread.start()
             try:
@@ -667,8 +666,7 @@ def truncated_kept_buffer(trials: int) -> None:
         for step in range(2):
             box: dict[str, Any] = {}
             thread = threading.Thread(
-                target=lambda box=box, receiver=receiver: box.update(
-                    error=_catch(receiver.receive))
+                target=lambda box=box, receiver=receiver: box.update(error=_catch(receiver.receive))
             )
             thread.start()
             try:
@@ -733,8 +731,7 @@ def truncated_buffer_at_receiver(trials: int) -> None:
         for step in range(2):
             box: dict[str, Any] = {}
             thread = threading.Thread(
-                target=lambda box=box, receiver=receiver: box.update(
-                    error=_catch(receiver.receive))
+                target=lambda box=box, receiver=receiver: box.update(error=_catch(receiver.receive))
             )
             thread.start()
             for message in (

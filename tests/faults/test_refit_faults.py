@@ -6,6 +6,7 @@ aborts) run in a fresh process, so a regression fails its test instead of the wh
 
 from __future__ import annotations
 
+import os
 import subprocess
 import tempfile
 
@@ -86,6 +87,7 @@ def small_tmpfs():
         pytest.skip(f"mounting a tmpfs needs root (CAP_SYS_ADMIN): {mounted.stderr.strip()}")
     yield folder
     subprocess.run(["umount", folder], check=True)
+    os.rmdir(folder)
 
 
 def test_a_small_shm_gives_a_clear_error_naming_the_size_and_shm_size_not_sigbus(small_tmpfs):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from policyworker.config import (
     IGNORED_NEMO_RL_KEYS,
+    PRECISION_ALIASES,
     AttnImplementation,
     ColocatedConfig,
     ConfigWarning,
@@ -278,7 +279,7 @@ FULL: dict[str, Any] = {
 BAD_VALUES = [  # (path, value, phrase of the message)
     ("model_name", "", "must not be empty"),
     ("model_name", 3, "expected a string"),
-    ("precision", "bf16", r"'bf16' is not one of 'float32', 'bfloat16', 'float16'"),
+    ("precision", "bf17", r"'bf17' is not a precision; use one of float32, bfloat16, float16"),
     ("train_global_batch_size", 0, "must be >= 1"),
     ("train_global_batch_size", "32", "expected an integer"),
     ("train_global_batch_size", 32.0, "expected an integer"),
@@ -386,6 +387,15 @@ def test_lora_with_no_rule_or_only_excludes_loads_as_in_automodel():
     assert nanov3.dtensor_cfg.lora_cfg.exclude_modules == ("*out_proj*",)
     assert "must hold module names, wildcards" in "\n".join(error_lines(
         {"model_name": "m", "dtensor_cfg": {"lora_cfg": {"target_modules": ["*(x"]}}}))
+
+
+def test_precision_aliases_store_the_full_name():
+    for alias, full in PRECISION_ALIASES.items():
+        assert load_config({"model_name": "m", "precision": alias.upper()}).precision == full
+    assert load_config({"model_name": "m", "precision": "torch.bfloat16"}).precision == "bfloat16"
+    assert error_lines({"model_name": "m", "precision": "int8"}) == [
+        "'int8' is not a precision; use one of float32, bfloat16, float16 "
+        "(aliases: bf16, fp16, half, fp32, float) @ policy.precision"]
 
 
 def test_a_disabled_section_still_rejects_a_typo_but_not_its_values():

@@ -298,7 +298,7 @@ def test_validate_accepts_well_formed_batches(batch):
 
 @pytest.mark.parametrize(("data", "phrase"), [
     ({"input_ids": torch.zeros(2, 4, dtype=torch.long)},
-     r"missing required key\(s\) \['input_lengths'\]"),
+     r"missing 1 required key\(s\) \['input_lengths'\]"),
     ({"input_ids": torch.zeros(2, 4), "input_lengths": torch.tensor([1, 2])},
      "integer token ids.*float32"),
     ({"input_ids": torch.zeros(2, dtype=torch.long), "input_lengths": torch.tensor([1, 2])},

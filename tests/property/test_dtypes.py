@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 
 from policyworker.functional.dtypes import (
     PRECISION_NAMES,
+    decode_refit_info,
+    encode_refit_info,
     name_matches_pattern,
     precision_dtype,
     refit_tensor_dtype,
@@ -133,3 +135,25 @@ def test_pattern_matching_examples(fqn, pattern, expected):
 def test_non_floating_default_dtype_is_rejected():
     with pytest.raises(ValueError, match="default_dtype torch.int64 .* must be a floating dtype"):
         refit_tensor_dtype("w", torch.zeros(1), torch.int64)
+
+
+refit_infos = st.dictionaries(
+    fqns, st.tuples(st.lists(st.integers(0, 4096), max_size=4), st.sampled_from(ALL_DTYPES)),
+    max_size=6)
+
+
+@given(info=refit_infos)
+def test_refit_info_round_trips_through_json(info):
+    import json
+
+    info = {name: (torch.Size(shape), dtype) for name, (shape, dtype) in info.items()}
+    wire = json.loads(json.dumps(encode_refit_info(info)))
+    decoded = decode_refit_info(wire)
+    assert decoded == info
+    assert list(decoded) == list(info)  # send order kept
+
+
+@pytest.mark.parametrize("entry", [[[2, 3], "float33"], [[2, 3], "Size"], [[2]], "bf16"])
+def test_decode_refit_info_names_the_bad_entry(entry):
+    with pytest.raises(ValueError, match=r"refit_info\['w'\]"):
+        decode_refit_info({"w": entry})

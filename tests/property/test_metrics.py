@@ -11,6 +11,7 @@ from policyworker.functional.loss import ClippedPGLossFn
 from policyworker.functional.metrics import (
     aggregate_microbatch_metrics,
     combine_packed_sequence_metrics,
+    flatten_train_metrics,
     metric_reduction,
     scale_microbatch_metrics,
 )
@@ -174,3 +175,22 @@ def test_aggregated_microbatch_metrics_equal_the_whole_batch_metrics(seed, num_m
     got = aggregate_microbatch_metrics(all_mb)
     for key, value in whole.items():
         assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+@given(all_mb=metric_lists(), losses=st.lists(finite_values, min_size=1, max_size=4),
+       grad_norm=st.one_of(st.none(), finite_values), skipped=st.integers(0, 3),
+       prefix=st.sampled_from(["", "train/"]))
+def test_flattened_train_result_is_floats_only(all_mb, losses, grad_norm, skipped, prefix):
+    result = {"global_loss": torch.tensor(losses, dtype=torch.float64), "grad_norm": grad_norm,
+              "all_mb_metrics": all_mb, "rank": 0, "model_dtype": torch.bfloat16,
+              "skipped_steps": skipped}
+    flat = flatten_train_metrics(result, prefix=prefix)
+    assert all(type(v) is float for v in flat.values())
+    assert all(k.startswith(prefix) for k in flat)
+    unprefixed = {k.removeprefix(prefix): v for k, v in flat.items()}
+    assert unprefixed["global_loss"] == pytest.approx(math.fsum(losses) / len(losses), abs=1e-6)
+    assert unprefixed["skipped_steps"] == float(skipped)
+    assert ("grad_norm" in unprefixed) == (grad_norm is not None)
+    assert "rank" not in unprefixed and "model_dtype" not in unprefixed
+    for key, value in aggregate_microbatch_metrics(all_mb).items():
+        assert unprefixed[key] == value

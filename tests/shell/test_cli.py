@@ -1,6 +1,7 @@
 """`policyworker info`, argument errors, the bench runner and the generated config reference."""
 
 import json
+import math
 import sys
 import textwrap
 from pathlib import Path
@@ -105,8 +106,36 @@ def test_table_has_one_line_per_row_under_a_header():
     rows = [bench_runner.BenchRow(bench="b", metric="m", ours=1234.5, baseline=None, unit="ms"),
             bench_runner.BenchRow(bench="b", metric="n", ours=2e-5, baseline=1e-5, ratio=2.0)]
     lines = bench_runner.format_table(rows).splitlines()
-    assert lines[0].split() == ["bench", "metric", "ours", "baseline", "limit", "ratio", "unit"]
+    assert lines[0].split() == ["bench", "metric", "ours", "baseline", "limit", "ratio", "unit",
+                                "check"]
     assert len(lines) == 4 and "1,234" in lines[2] and "2.00x" in lines[3]
+
+
+def _judged(target, ours, baseline=None):
+    row = bench_runner.normalize_rows("b", [{"metric": "m", "ours": ours, "baseline": baseline,
+                                             "limit": target}])[0]
+    return bench_runner.row_verdict(row)
+
+
+def test_text_targets_get_a_pass_or_fail_and_cpu_only_figures_are_n_a():
+    assert _judged("<= 1.05x", 7.03, 1.0) == "fail" and _judged("<= 1.05x", 1.0, 1.0) == "pass"
+    assert _judged(">= baseline", 2.0, 1.0) == "pass" and _judged(">= baseline", 1.0, 2.0) == "fail"
+    assert _judged("<= 25% of baseline", 1.0, 5.0) == "pass"
+    assert _judged("<= 25% of baseline", 2.0, 5.0) == "fail"
+    assert _judged(">= 0.4", 0.42) == "pass" and _judged("fits comfortably (< 139)", 140) == "fail"
+    assert _judged("<= 25% of baseline", 0.0, 0.0) == "n/a"  # no ratio without a baseline
+    assert _judged("peak GiB", 1.0) is None and _judged(None, 1.0) is None
+    rows = [bench_runner.BenchRow(bench="t", metric="packed MFU", ours=0.0001, baseline=0.0,
+                                  target=">= 0.4", ratio=0.0002),
+            bench_runner.BenchRow(bench="c", metric="load", ours=math.nan, unit="GB/s"),
+            bench_runner.BenchRow(bench="f", metric="train step ms", ours=7.03, baseline=1.0,
+                                  ratio=7.03, target="<= 1.05x")]
+    cpu = bench_runner.format_table(rows, cpu=True).splitlines()
+    assert cpu[2].split()[-6:] == ["n/a", "n/a", ">=", "0.4", "n/a", "n/a"]
+    assert "nan" not in "\n".join(cpu) and "0.00x" not in "\n".join(cpu)
+    assert cpu[3].split()[2] == "n/a" and cpu[4].rstrip().endswith("FAIL")
+    gpu = bench_runner.format_table(rows).splitlines()
+    assert gpu[2].rstrip().endswith("fail".upper()) and "0.00x" in gpu[2]
 
 
 def test_runner_runs_each_script_writes_summary_and_reports_failures(tmp_path, capsys):

@@ -330,3 +330,14 @@ def test_yaml_reads_exponent_floats_as_numbers(tmp_path):
 def test_config_to_dict_is_what_log_config_writes():
     cfg = PolicyConfig(model_name="m")
     assert json.loads(log_config(cfg)) == json.loads(json.dumps(config_to_dict(cfg)))
+
+
+def test_a_loss_fn_typo_gets_a_did_you_mean(nemo_rl_yaml):
+    from policyworker.functional.loss import ClippedPGLossFn
+    from policyworker.shell.config_io import read_config_section
+
+    block = read_config_section(nemo_rl_yaml, "loss_fn")
+    assert ClippedPGLossFn(block).reference_policy_kl_penalty == 0.01
+    with pytest.raises(ConfigError, match=r"unknown key 'reference_policy_kl_penalti' \(did you "
+                                          r"mean 'reference_policy_kl_penalty'\? accepted keys"):
+        ClippedPGLossFn({**block, "reference_policy_kl_penalti": 0.1})

@@ -220,6 +220,11 @@ def test_manifest_violation_is_rejected_with_names_and_without_a_timeout_wait(ch
         )
         answer = child.reply()
         assert not answer["ok"] and "'model.ghost.weight': no such parameter" in answer["error"]
+        start = time.monotonic()  # the refused receiver answers the next refit with its reason
+        with pytest.raises(RefitError, match=r"rejected begin: the receiver refused refit_info "
+                                             r"when it was built: .*'model\.ghost\.weight'"):
+            sender.stream_weights_via_ipc_zmq(timeout_s=30)
+        assert time.monotonic() - start < 5
         good = sender.prepare_refit_info()
         bad = dict(good)
         bad["model.norm.weight"] = (

@@ -76,7 +76,8 @@ def test_offload_state_machine_on_cpu(tiny_model_paths):
 
 def test_misc_methods(tiny_model_paths):
     worker = PolicyWorker(make_config(tiny_model_paths["qwen2"]), init_reference_model=False)
-    assert repr(worker) == "PolicyWorker[rank=0]"
+    assert repr(worker).startswith(f"PolicyWorker(model={tiny_model_paths['qwen2']!r}, ")
+    assert "dp×cp×tp=1×1×1, rank=0/1" in repr(worker)
     assert worker.return_model_config() is worker.model.config
     assert worker.return_model_config().use_cache is False
     sd = worker.return_state_dict()

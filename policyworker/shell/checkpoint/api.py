@@ -1,6 +1,6 @@
 """Checkpoints of a worker: save_checkpoint / load_checkpoint / finalize_async_save.
 
-Layout (API.md §7, details in docs/checkpoints.md)::
+Layout (details in docs/checkpoints.md)::
 
     weights_path/model/       HF folder: config.json, generation_config.json,
                               model.safetensors.index.json, model-0000i-of-0000n.safetensors

@@ -252,8 +252,18 @@ def detect_weights_format(
     msg = (
         f"no checkpoint at {str(weights_path)!r}: neither it nor its '{MODEL_DIR}' subfolder "
         f"holds safetensors, DCP (.distcp) or a PEFT adapter" + _interrupted_hint(folder)
+        + _unfinalized_hint(pathlib.Path(weights_path))
     )
     raise CheckpointError(msg)
+
+
+def _unfinalized_hint(weights_path: pathlib.Path) -> str:
+    """A save that is still staged (async, not finalized) leaves `model.tmp-<id>` folders."""
+    staged = sorted(p.name for p in weights_path.glob(f"{MODEL_DIR}.tmp-*")) if (
+        weights_path.is_dir()) else []
+    return (f"; a save into it was never finalized ({staged[0]}): save_checkpoint is "
+            f"asynchronous unless is_final_checkpoint=True, so call "
+            f"worker.finalize_async_save() before loading" if staged else "")
 
 
 def _interrupted_hint(folder: pathlib.Path) -> str:

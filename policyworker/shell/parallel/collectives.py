@@ -1,4 +1,7 @@
-"""Distributed logprobs, top-k, CP gather and grad norm: core partials + collectives (STYLE §2.6).
+"""Distributed logprobs, top-k, CP gather and grad norm: core partials + collectives.
+
+The pure per-shard partials live in `policyworker.functional`; this module only adds the
+all-reduces between them.
 
 The math lives in `policyworker.functional.logprobs` / `.topk` / `.context_parallel`; this module
 only issues the all-reduces / all-gathers / all-to-alls between the core calls. Every group used
@@ -11,8 +14,8 @@ N rows (B*S flattened), K top-k.
 Gradient convention: outputs that are replicated over a group (vocab-parallel logprobs, rows
 gathered after top-k/top-p filtering) receive the same upstream gradient on every rank, and each
 rank returns the gradient of its own shard without a reduction; this is what makes a loss
-computed identically on every TP rank give the single-process gradient. `all_gather_cp` follows
-reference §6.6 instead (all-reduce SUM over CP, then this rank's chunks).
+computed identically on every TP rank give the single-process gradient. `all_gather_cp` differs:
+its backward all-reduces the gradient over CP (SUM), then keeps this rank's chunks.
 """
 
 from __future__ import annotations
@@ -510,7 +513,7 @@ def all_gather_cp(
 ) -> torch.Tensor:
     """Head-tail CP shards [.., S/cp, ..] -> the full sequence in original order (differentiable).
 
-    Backward (reference §6.6): all-reduce the gradient over CP (SUM), keep this rank's chunks.
+    Backward: all-reduce the gradient over CP (SUM), keep this rank's chunks.
     """
     if cp_size == 1:
         return shard

@@ -1,6 +1,6 @@
 """Process group and parallel layout of one worker; collectives that short-circuit at size 1.
 
-API.md §7 "Process group": use the default group if initialised; else initialise one when the
+The rule: use the default group if initialised; else initialise one when the
 torchrun variables say WORLD_SIZE > 1; else run as a single process with no group at all.
 
 Every group this module creates (the mesh axes, the flattened dp_cp / cp_tp axes and a private
@@ -8,8 +8,8 @@ world group) carries `timeout_s`, so every collective the worker issues through 
 all-reduces, and the DTensor / FSDP2 collectives that run on the mesh) fails after that long
 instead of hanging when a peer died.
 
-Context parallelism needs torch's context-parallel attention, which has no CPU kernel
-(reference/cpu_env_probe.md §3), so `from_environment` rejects cp_size > 1 on CPU.
+Context parallelism needs torch's context-parallel attention, which has no CPU kernel, so
+`from_environment` rejects cp_size > 1 on CPU.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Apply tensor parallelism and FSDP2 to a Hugging Face causal LM (reference §4).
+"""Apply tensor parallelism and FSDP2 to a Hugging Face causal LM (the
+layout NeMo-RL's DTensor worker uses: column/row-parallel projections, vocab-parallel lm_head).
 
 Order (torchtitan's): tensor parallel on `ctx.mesh["tp"]` first, then FSDP2 `fully_shard` per
 decoder layer and on the root over the dp mesh (dp x cp flattened when cp > 1). Under TP the

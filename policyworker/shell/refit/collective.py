@@ -99,7 +99,7 @@ DEFAULT_NUM_BUFFERS = 2
 DEFAULT_TIMEOUT_S = 600.0
 CPU_DEFAULT_BUCKET_BYTES = 64 << 20
 CUDA_DEFAULT_BUCKET_CAP_BYTES = 1 << 30  # per slot: large enough to saturate NCCL
-CUDA_DEFAULT_BUCKET_FRACTION = 0.02  # of the device's total memory (reference §14.6)
+CUDA_DEFAULT_BUCKET_FRACTION = 0.02  # of the device's total memory
 MAX_NUM_BUFFERS = 64
 Layout = Literal["aligned", "legacy"]
 
@@ -621,7 +621,7 @@ class CollectiveWeightReceiver:
 @contextlib.contextmanager
 def cpu_offload_cycle(enabled: bool, onload: Callable[[], Any] | None, offload: Callable[[], Any] | None, *,
                       transport: str) -> Iterator[None]:
-    """Reference §13: with cpu_offload, move the model to the device for the transfer and back after."""
+    """With cpu_offload, move the model to the device for the transfer and back after."""
     if not enabled:
         yield
         return

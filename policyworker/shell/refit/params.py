@@ -1,6 +1,6 @@
 """The refit parameter stream: HF-named, dtype-correct tensors of a (possibly sharded) model.
 
-One code path feeds every transport and the refit metadata (API.md §5, §7):
+One code path feeds every transport and the refit metadata (``prepare_refit_info``):
 
 ``iter_refit_sources`` walks ``model.state_dict()`` in order (parameters and persistent
 buffers), gathers DTensors, merges LoRA into its base weight (after checking every LoRA module is
@@ -70,7 +70,8 @@ class RefitSource:
 
 
 def keep_fp32_patterns(model: nn.Module) -> tuple[str, ...]:
-    """The model's ``_keep_in_fp32_modules`` + ``_keep_in_fp32_modules_strict`` (API.md §7)."""
+    """The model's ``_keep_in_fp32_modules`` + ``_keep_in_fp32_modules_strict`` (refit sends
+    those fp32 tensors as fp32)."""
     patterns: list[str] = []
     for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
         patterns.extend(getattr(model, attr, None) or ())

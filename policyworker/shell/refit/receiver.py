@@ -37,6 +37,11 @@ from policyworker.shell.refit.wire import (
     dtype_name,
     max_message_bytes,
 )
+from policyworker.shell.refit.zmq_checks import (
+    answer_refusal,
+    cancel_refusal,
+    check_receiver_address,
+)
 from policyworker.shell.refit.zmq_ipc import (
     RefitServer,
     ZmqIpcReceiver,
@@ -286,7 +291,8 @@ def _specs_from(manifest: Mapping[str, Any] | Sequence[TensorSpec]) -> list[Tens
 
 
 class HFWeightReceiver:
-    """Receives refits into a HF module or a ``load_weights`` callable (API.md §5, §7)."""
+    """Receives refits into a HF module or a ``load_weights`` callable (the README's
+    "Plugging the receiver into an inference engine")."""
 
     def __init__(
         self,
@@ -301,7 +307,16 @@ class HFWeightReceiver:
         if not refit_info:
             msg = "refit_info is empty; pass the trainer's prepare_refit_info() result"
             raise ValueError(msg)
-        self.applier = WeightApplier(target, refit_info, atomic=atomic)
+        if address is not None:
+            check_receiver_address(address)
+            cancel_refusal(address)  # an earlier refused receiver here no longer answers
+        try:
+            self.applier = WeightApplier(target, refit_info, atomic=atomic)
+        except ValueError as exc:
+            if address is not None:  # tell the sender now, not after its timeout
+                answer_refusal(address, f"the receiver refused refit_info when it was built: "
+                                        f"{exc}", timeout_s=timeout_s)
+            raise
         self.refit_info = self.applier.expected
         self.address = address
         self._server = RefitServer(self.applier)
@@ -342,6 +357,7 @@ class HFWeightReceiver:
         if self._socket is None:
             msg = "receive() needs a ZMQ address; this receiver was built with address=None"
             raise ValueError(msg)
+        check_receiver_address(self.address)  # the trainer may have shut down since
         return self._socket.serve(self._server)
 
     def begin_refit(self, manifest: Mapping[str, Any] | Sequence[TensorSpec]) -> None:

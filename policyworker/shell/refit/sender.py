@@ -1,7 +1,7 @@
 """The worker-side refit sender: metadata, the ZMQ address, and one colocated refit per call.
 
 ``RefitSender`` is composed by the PolicyWorker, which delegates ``prepare_refit_info``,
-``get_zmq_address`` and ``stream_weights_via_ipc_zmq`` to it (API.md §4, §5, §7). It plans the
+``get_zmq_address`` and ``stream_weights_via_ipc_zmq`` to it (docs/refit-protocol.md). It plans the
 buckets from the same walk as the metadata (``params.refit_specs``), then streams the uncast
 sources (``params.iter_refit_sources``), each cast straight into its staging slot.
 """
@@ -124,7 +124,7 @@ class RefitSender:
 
         ``keep_staging`` (default: the constructor's, False): by default both staging buffers
         are freed before COMPLETE, so a colocated engine gets that memory back right after the
-        refit (API.md §5). True keeps them (and the receiver's mappings of them) for the next
+        refit. True keeps them (and the receiver's mappings of them) for the next
         refit of the same size, which then allocates, shares and opens nothing; free them with
         ``release_staging()`` (and the receiver's ``release_buffers()``) before offloading.
 

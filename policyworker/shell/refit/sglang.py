@@ -1,6 +1,6 @@
 """SGLang colocated refit: per-dtype flattened buckets through ``update_weights_from_tensor``.
 
-The payload is SGLang's ``load_format="flattened_bucket"`` format (reference/engines.md §1.3):
+The payload is SGLang's ``load_format="flattened_bucket"`` format:
 ``{"flattened_tensor": 1-D tensor, "metadata": [record, ...]}`` where each record exposes
 ``name, shape, dtype, start_idx, end_idx, numel`` as attributes (a ``types.SimpleNamespace``, a
 class SGLang's safe unpickler allows). Each bucket holds ONE dtype, flattened in that dtype, with
@@ -59,7 +59,7 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 def plan_sglang_chunks(sizes: Sequence[int], buffer_size_bytes: int) -> list[list[int]]:
     """Indices per chunk: a chunk is closed before a tensor that would reach ``buffer_size_bytes``.
 
-    A tensor of at least ``buffer_size_bytes`` travels alone (reference §14.7).
+    A tensor of at least ``buffer_size_bytes`` travels alone (it is never split across chunks).
     """
     chunks: list[list[int]] = []
     current: list[int] = []

@@ -1,6 +1,6 @@
 """A no-progress watchdog: a thread that fires when nothing completed for ``timeout_s`` seconds.
 
-The collective refit arms one per call with ``refit_timeout_s`` (reference §14.8): a peer that
+The collective refit arms one per call with ``refit_timeout_s``: a peer that
 dies mid-broadcast leaves the others blocked inside the communicator, and no RPC can reach a
 thread stuck there. The watchdog thread calls ``on_fire`` (which aborts the process group) and
 sets ``fired``; the refit's own wait loop sees the flag and raises ``RefitTimeoutError``.

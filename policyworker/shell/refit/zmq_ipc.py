@@ -21,6 +21,7 @@ import contextlib
 import copy
 import errno
 import fcntl
+import logging
 import os
 import secrets
 import shutil
@@ -87,6 +88,7 @@ __all__ = [
     "ZmqIpcSender",
 ]
 
+log = logging.getLogger(__name__)
 # Where CPU staging files live; both sides of a refit must see the same folder (the receiver
 # opens a buffer by name there). POLICYWORKER_SHM_DIR overrides it (tests use a small tmpfs).
 SHM_DIR = os.environ.get("POLICYWORKER_SHM_DIR") or (
@@ -736,6 +738,7 @@ class ZmqIpcSender:
                     raise RefitError(msg)
             return items
 
+        self._note_wait(timeout_s)
         try:
             request(self._begin_frames(specs, transport), "begin")
             begun = True  # its reply is settled by the first bucket's request: the receiver checks
@@ -800,6 +803,13 @@ class ZmqIpcSender:
         finally:
             if transport == "cuda":
                 torch.cuda.ipc_collect()
+
+    def _note_wait(self, timeout_s: float) -> None:
+        """Log where the sender waits when no receiver is connected yet (REQ is not writable)."""
+        if not self._sock().poll(0, zmq.POLLOUT):
+            log.info("refit rank %d: waiting up to %g s for a receiver at %s (build "
+                     "HFWeightReceiver(address=...) there and call receive())",
+                     self.rank, timeout_s, self.address)
 
     def _abort(self, pending: str | None, reason: str) -> None:
         """Tell the receiver the refit is off (best effort, short timeout; rebuild on failure)."""
