@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--lora", action="store_true", help="train through dtensor_cfg.lora_cfg")
     demo.add_argument("--precision", choices=("float32", "bfloat16", "float16"),
                       default="float32", help="policy.precision (parity is exact in float32)")
-    demo.add_argument("--lr", type=_positive_float, default=1e-2, help="AdamW learning rate")
+    demo.add_argument("--lr", type=_positive_float, default=None,
+                      help="AdamW learning rate (default 1e-2; 5e-3 with --engine vllm)")
     demo.add_argument("--plot", metavar="PATH", default=None,
                       help="write the reward curve as a PNG (needs matplotlib)")
     demo.add_argument("--no-require-rise", dest="require_rise", action="store_false",

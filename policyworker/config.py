@@ -20,7 +20,7 @@ import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType, NoneType, UnionType
-from typing import Any, Final, Literal, TypeVar, Union, get_args, get_origin
+from typing import Any, Final, Literal, TypeVar, Union, cast, get_args, get_origin
 
 import attrs
 import cattrs
@@ -342,12 +342,17 @@ class OptimizerConfig:
     kwargs: dict[str, Any] = field(factory=_default_optimizer_kwargs)
 
 
+def _empty_kwargs() -> dict[str, Any]:
+    # A typed factory: a bare `dict` factory would make the field dict[Unknown, Unknown].
+    return {}
+
+
 @frozen(kw_only=True)
 class SchedulerEntry:
     """One learning-rate scheduler: a dotted class path and its keyword arguments."""
 
     name: str = field(validator=_DOTTED_PATH)
-    kwargs: dict[str, Any] = field(factory=dict)
+    kwargs: dict[str, Any] = field(factory=_empty_kwargs)
 
 
 @frozen(kw_only=True)
@@ -458,7 +463,7 @@ class PolicyConfig:
     offload_optimizer_for_logprob: bool = False
     make_sequence_length_divisible_by: int = field(default=1, validator=_at_least(1))
     max_total_sequence_length: int | None = field(default=None, validator=_at_least(1))
-    hf_config_overrides: dict[str, Any] = field(factory=dict)
+    hf_config_overrides: dict[str, Any] = field(factory=_empty_kwargs)
     refit_buffer_size_gb: float | None = field(default=None, validator=_POSITIVE)
     batch_size: int | None = field(default=None, validator=_at_least(1))
     dtensor_cfg: DTensorConfig = DTensorConfig()
@@ -602,7 +607,7 @@ def _structure_str(value: Any, _: Any) -> str:
 def _structure_any_dict(value: Any, _: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise _InvalidValue(f"expected a mapping, got {_describe(value)}")
-    items: Mapping[Any, Any] = value
+    items = cast(Mapping[Any, Any], value)
     bad = [key for key in items if not isinstance(key, str)]
     if bad:
         raise _InvalidValue(f"mapping keys must be strings, got {bad!r}")
@@ -656,7 +661,7 @@ def _structure_tuple(value: Any, type_: Any) -> tuple[Any, ...]:
         raise _InvalidValue(f"expected a list, got {_describe(value)}")
     element_type = get_args(type_)[0]
     hook = converter.get_structure_hook(element_type)
-    items: Sequence[Any] = value
+    items = cast(Sequence[Any], value)
     out: list[Any] = []
     errors: list[Exception] = []
     for index, item in enumerate(items):
@@ -669,7 +674,9 @@ def _structure_tuple(value: Any, type_: Any) -> tuple[Any, ...]:
             ]
             errors.append(exc)
     if errors:
-        raise IterableValidationError("While structuring a list", errors, type_)
+        # cattrs' __new__ takes (message, errors, type) but its class inherits ExceptionGroup's
+        # two-argument __init__ signature in the stubs; the three-argument call is cattrs' own.
+        raise IterableValidationError("While structuring a list", errors, type_)  # pyright: ignore[reportCallIssue]
     return tuple(out)
 
 
@@ -693,7 +700,7 @@ def _structure_section_factory(type_: Any) -> Callable[[Any, Any], Any]:
             return None
         if not isinstance(value, Mapping):
             raise _InvalidValue(f"expected a mapping or null, got {_describe(value)}")
-        body: Mapping[str, Any] = value
+        body = cast(Mapping[str, Any], value)
         enabled = body.get("enabled", True)
         if not isinstance(enabled, bool):
             raise _InvalidValue(f"enabled must be true or false, got {_describe(enabled)}")
@@ -723,7 +730,7 @@ def _structure_scheduler(value: Any, _: Any) -> SchedulerConfig | None:
             f"expected a {{name, kwargs}} mapping or a list of them plus one "
             f"{{milestones: [...]}}, got {_describe(value)}"
         )
-    items: Sequence[Any] = value
+    items = cast(Sequence[Any], value)
     entries: list[SchedulerEntry] = []
     milestones: list[tuple[int, ...]] = []
     errors: list[Exception] = []
@@ -742,7 +749,8 @@ def _structure_scheduler(value: Any, _: Any) -> SchedulerConfig | None:
             ]
             errors.append(exc)
     if errors:
-        raise IterableValidationError("While structuring policy.scheduler", errors, list)
+        # Same cattrs stub mismatch as in _structure_tuple: three arguments is cattrs' own call.
+        raise IterableValidationError("While structuring policy.scheduler", errors, list)  # pyright: ignore[reportCallIssue]
     return SchedulerConfig(entries=tuple(entries), milestones=milestones[0] if milestones else ())
 
 
@@ -765,8 +773,11 @@ def _with_validator(
 
     def structure(value: Any, type_: Any) -> Any:
         result = hook(value, type_)
-        if attribute.converter is not None:
-            result = attribute.converter(result)  # type: ignore[operator]
+        # attrs' stubs type Attribute.converter as the bare generic `Converter | None`; ours are
+        # plain one-argument callables (no field uses takes_self/takes_field).
+        field_converter = cast(Any, attribute.converter)  # pyright: ignore[reportUnknownMemberType]
+        if field_converter is not None:
+            result = field_converter(result)
         if attribute.validator is not None:
             attribute.validator(None, attribute, result)
         return result
@@ -795,7 +806,7 @@ def _structure_attrs_factory(cls: Any) -> Callable[[Any, Any], Any]:
     def structure(value: Any, type_: Any) -> Any:
         if not isinstance(value, Mapping):
             raise _InvalidValue(f"expected a mapping, got {_describe(value)}")
-        return generated(value, type_)
+        return generated(cast(Mapping[str, Any], value), type_)
 
     return structure
 

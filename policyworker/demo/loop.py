@@ -35,7 +35,7 @@ from typing import Any, Literal, TextIO
 
 import torch
 from attrs import field, frozen
-from attrs.validators import ge, gt, in_
+from attrs.validators import ge, gt, in_, optional
 
 from policyworker.demo.inference import InferenceProcess
 from policyworker.demo.report import (
@@ -81,6 +81,10 @@ DEMO_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 DEMO_MODEL_VLLM = {**DEMO_MODEL, "hidden_size": 128, "intermediate_size": 256,
                    "num_attention_heads": 2, "num_key_value_heads": 2}
 ENGINES = ("hf", "vllm")
+# AdamW learning rate per engine when --lr is not given: the vLLM demo's wider model learns the
+# toy task about twice as fast, and at 1e-2 its reward passes 0.2 within the first 3 steps
+# (measured: 0.01, 0.15, 0.46), which the rise check counts as not having started low.
+DEFAULT_LR = {"hf": 1e-2, "vllm": 5e-3}
 LORA_CFG = {"match_all_linear": False, "dim": 8, "alpha": 16,
             "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                "down_proj", "lm_head"]}
@@ -99,7 +103,7 @@ class DemoOptions:
     lora: bool = False
     precision: Literal["float32", "bfloat16", "float16"] = field(
         default="float32", validator=in_(tuple(PARITY_TOLERANCE)))
-    lr: float = field(default=1e-2, validator=gt(0))
+    lr: float | None = field(default=None, validator=optional(gt(0)))  # None: DEFAULT_LR
     kl_penalty: float = field(default=0.01, validator=ge(0))
     require_rise: bool = True
     window: int = field(default=3, validator=ge(1))
@@ -174,7 +178,9 @@ def demo_config(model_dir: str, opts: DemoOptions, *, dp_size: int) -> dict[str,
         "train_micro_batch_size": n // dp_size,
         "logprob_batch_size": n // dp_size,
         "max_grad_norm": 1.0,
-        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": opts.lr, "weight_decay": 0.0}},
+        "optimizer": {"name": "torch.optim.AdamW",
+                      "kwargs": {"lr": DEFAULT_LR[opts.engine] if opts.lr is None else opts.lr,
+                                 "weight_decay": 0.0}},
         "dtensor_cfg": dtensor,
         "generation": {"temperature": 1.0, "top_p": 1.0},
     }

@@ -17,8 +17,9 @@ import torch
 
 __all__ = ["VllmRollouts"]
 
-# vLLM's CPU KV cache defaults to a share of RAM; the demo's rows need a few MiB.
-_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# vLLM's CPU KV cache defaults to a share of RAM (the demo's rows need a few MiB); its INFO logs
+# go to stdout and would bury the step lines. Both stay overridable from the environment.
+_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 class VllmRollouts:

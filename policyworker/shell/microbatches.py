@@ -44,7 +44,7 @@ class Microbatch:
 
     def unpack_rows(self, x_1N: torch.Tensor) -> torch.Tensor:
         """Packed [1, N, ...] -> [b, w, ...] (identity for unpacked microbatches)."""
-        if not self.packed:
+        if not self.packed or self.cu_seqlens is None:
             return x_1N
         return unpack(x_1N[0], self.cu_seqlens, seq_len=self.width, pad_value=0)
 

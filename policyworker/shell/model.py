@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -272,7 +272,9 @@ def forward_hidden(
     and captures the base model's output with a hook: FSDP2 gathers parameters in the hooks of
     the module that is called, so calling the base model directly would skip the root's.
     """
-    base = getattr(model, model.base_model_prefix)
+    # Any: a Hugging Face model's base_model_prefix/config are class attributes torch can't type.
+    hf_model = cast(Any, model)
+    base = getattr(model, hf_model.base_model_prefix)
     kwargs = _model_kwargs(input_ids, position_ids, None,
                            cu_seqlens if _uses_varlen(model) else None, max_seqlen)
     if not through_root:
@@ -297,10 +299,12 @@ def forward_hidden(
 
 def supports_chunked_lm_head(model: torch.nn.Module) -> bool:
     """True when logits are exactly `lm_head(last_hidden_state)` (a plain causal LM head)."""
-    config = model.config
+    # Any: a Hugging Face model's methods and class attributes are not on torch's nn.Module.
+    hf_model = cast(Any, model)
+    config = hf_model.config
     return (type(model).__name__.endswith("ForCausalLM")
-            and model.get_output_embeddings() is not None
-            and hasattr(model, model.base_model_prefix)
+            and hf_model.get_output_embeddings() is not None
+            and hasattr(model, hf_model.base_model_prefix)
             and getattr(config, "final_logit_softcapping", None) is None
             and getattr(config, "logits_scaling", None) in (None, 1, 1.0))
 
@@ -313,7 +317,9 @@ def _uses_varlen(model: torch.nn.Module) -> bool:
 def check_document_isolation(model: torch.nn.Module, *, autocast_dtype: torch.dtype) -> None:
     """Raise ValueError if, in a packed row [A | B], B's logits depend on document A's tokens."""
     device = next(model.parameters()).device
-    vocab = int(model.config.vocab_size)
+    # Any: a Hugging Face model's config is a dynamic attribute torch's nn.Module can't type.
+    hf_config = cast(Any, model).config
+    vocab = int(hf_config.vocab_size)
     gen = torch.Generator().manual_seed(0)
     doc_a = torch.randint(0, vocab, (5,), generator=gen)
     doc_b = torch.randint(0, vocab, (6,), generator=gen)
@@ -335,7 +341,7 @@ def check_document_isolation(model: torch.nn.Module, *, autocast_dtype: torch.dt
         model.train(was_training)
     diff = (outs[0] - outs[1]).abs().max().item()
     if diff > 1e-3 * max(1.0, outs[0].abs().max().item()):
-        msg = (f"attention implementation {model.config._attn_implementation!r} lets packed "
+        msg = (f"attention implementation {hf_config._attn_implementation!r} lets packed "
                f"documents attend to each other (logits of a document changed by {diff:.3g} "
                f"when the previous document changed); disable sequence_packing or use "
                f"attn_implementation 'auto'/'sdpa'")

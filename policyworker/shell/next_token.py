@@ -9,7 +9,7 @@ Under tensor parallelism the logits are vocab-sharded DTensors, read by
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -92,7 +92,8 @@ def logit_chunks(state: WorkerState, mb: Microbatch
     sequence_sharded = state.cfg.dtensor_cfg.sequence_parallel and state.parallel.tp_size > 1
     if model_lib.supports_chunked_lm_head(state.model) and not sequence_sharded:
         hidden = hidden_states(state, mb)
-        head = state.model.get_output_embeddings()
+        # Any: get_output_embeddings is a Hugging Face method, not on torch's nn.Module.
+        head = cast(Any, state.model).get_output_embeddings()
 
         def logits_at(start: int, stop: int) -> torch.Tensor:
             with model_lib.autocast_context(state.device, state.dtype):

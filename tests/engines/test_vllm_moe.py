@@ -1,5 +1,7 @@
-"""A tiny Qwen3-MoE through a real vLLM engine: the refit's per-expert checkpoint names reach
-vLLM's fused-MoE layers, and vLLM then generates what HF generates with the same weights."""
+"""Tiny MoE models (Qwen3-MoE, Mixtral) through a real vLLM engine each: the refit's per-expert
+checkpoint names reach vLLM's fused-MoE layers, and vLLM then generates what HF generates with
+the same weights. (Before the refit names followed save_pretrained, vLLM refused Mixtral's
+stream: "no module or parameter named 'layers.0.mlp'".)"""
 
 from __future__ import annotations
 
@@ -35,13 +37,26 @@ def _qwen3_moe_config():
                           tie_word_embeddings=False, bos_token_id=2, eos_token_id=1)
 
 
-def test_qwen3_moe_refit_reaches_vllms_experts(tmp_path):
-    config = _qwen3_moe_config()
-    folder = str(tmp_path / "qwen3_moe")
+def _mixtral_config():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(vocab_size=128, hidden_size=128, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                         num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+                         tie_word_embeddings=False, bos_token_id=2, eos_token_id=1)
+
+
+@pytest.mark.parametrize(("kind", "make_config", "expert_name"), [
+    ("qwen3_moe", _qwen3_moe_config, ".mlp.experts.3.down_proj."),
+    ("mixtral", _mixtral_config, ".block_sparse_moe.experts.3.w2."),
+])
+def test_moe_refit_reaches_vllms_experts(tmp_path, kind, make_config, expert_name):
+    config = make_config()
+    folder = str(tmp_path / kind)
     tiny_model(config, seed=0).save_pretrained(folder)
     trained = tiny_model(config, seed=31)  # other weights: only a complete refit can match HF
     sender = RefitSender(lambda: trained, torch.float32)
-    assert any(".experts.3.down_proj." in name for name in sender.prepare_refit_info())
+    assert any(expert_name in name for name in sender.prepare_refit_info())
     try:
         with engine(folder) as llm:
             before = generate(llm, PROMPTS, max_tokens=6)

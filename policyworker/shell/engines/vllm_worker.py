@@ -73,7 +73,8 @@ def layerwise_loader(model: torch.nn.Module, model_config: Any):
 
     vLLM processes each layer as soon as its tensors have arrived, so a ``load_weights`` that
     fails midway (a name this model does not map) would leave the earlier layers on the new
-    version: the loader snapshots the serving tensors first and copies them back on any failure.
+    version: the loader snapshots what serves first (tensors, and the packed CPU GEMM closures
+    of ``_KERNEL_ATTRS``) and puts it back on any failure.
     """
     expected = {name for name, _ in model.named_parameters()}
     cpu_moe = _cpu_moe_experts(model)
@@ -82,6 +83,8 @@ def layerwise_loader(model: torch.nn.Module, model_config: Any):
     def load(pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             snapshot = {name: t.detach().clone() for name, t in _serving_tensors(model)}
+        kernels = [(module, attr, module.__dict__[attr]) for module in model.modules()
+                   for attr in _KERNEL_ATTRS if attr in module.__dict__]
         try:
             initialize_layerwise_reload(model)
             try:
@@ -100,9 +103,17 @@ def layerwise_loader(model: torch.nn.Module, model_config: Any):
             with torch.no_grad():
                 for name, tensor in _serving_tensors(model):
                     tensor.copy_(snapshot[name])
+            for module, attr, kernel in kernels:
+                setattr(module, attr, kernel)
             raise
 
     return load
+
+
+# vLLM 0.32.0 on CPU: each linear layer's processing packs its weight into the closure
+# `cpu_linear` (oneDNN handle or packed matrix) and leaves `weight` empty; a reload installs a
+# new closure, so a rollback must put the old one back.
+_KERNEL_ATTRS = ("cpu_linear",)
 
 
 def _serving_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -45,6 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# torch.distributed re-exports these without `as`, so the checker sees them as private there.
+from torch._C._distributed_c10d import Backend, PrefixStore, TCPStore
+
 from policyworker.errors import RefitError, RefitTimeoutError
 from policyworker.functional.buckets import (
     DEFAULT_ALIGNMENT,
@@ -57,6 +60,7 @@ from policyworker.functional.buckets import (
 )
 from policyworker.shell.refit.params import refit_stream
 from policyworker.shell.refit.receiver import HFWeightReceiver, RefitReport
+from policyworker.shell.refit.watchdog import Watchdog, check_timeout_s
 from policyworker.shell.refit.wire import (
     DTYPES_BY_NAME,
     MAX_HEADER_BYTES,
@@ -65,7 +69,6 @@ from policyworker.shell.refit.wire import (
     decode_versioned_json,
     dtype_name,
 )
-from policyworker.shell.refit.watchdog import Watchdog, check_timeout_s
 
 __all__ = [
     "CPU_DEFAULT_BUCKET_BYTES",
@@ -250,8 +253,8 @@ def init_collective(
     check_timeout_s("timeout_s", timeout_s)
     device = torch.device(device) if device is not None else torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(ip, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
-    prefixed = dist.PrefixStore("policyworker-collective-refit", store)
+    store = TCPStore(ip, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+    prefixed = PrefixStore("policyworker-collective-refit", store)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -293,9 +296,9 @@ class _Waits:
 class CollectiveRefit:
     """One member's handle on the refit group (``init_collective`` builds it)."""
 
-    def __init__(self, pg: Any, *, store: Any, rank: int, world_size: int, train_world_size: int,
+    def __init__(self, pg: Backend, *, store: Any, rank: int, world_size: int, train_world_size: int,
                  device: torch.device, timeout_s: float) -> None:
-        self.pg = pg
+        self.pg: Backend | None = pg  # None once closed
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -330,7 +333,17 @@ class CollectiveRefit:
                "The group was aborted: call init_collective on every member (a fresh port) before the next refit.")
         return cls(msg)
 
+    # Any: torch's stubs declare no collectives (broadcast, allreduce) on the c10d Backend class
+    # that ProcessGroupGloo/NCCL derive from, though both have them at runtime.
+    def _live_pg(self) -> Any:
+        if self.pg is None:
+            msg = (f"collective refit group of rank {self.rank} was closed; call init_collective "
+                   "on every member (a fresh port) to build a new one")
+            raise RefitError(msg)
+        return self.pg
+
     def _check_usable(self) -> None:
+        self._live_pg()
         if self.broken is not None:
             msg = (f"collective refit group of rank {self.rank} is broken ({self.broken}); call init_collective "
                    "on every member (a fresh port) to build a new one")
@@ -340,7 +353,7 @@ class CollectiveRefit:
 
     def _exchange_header(self, waits: _Waits, payload: bytes | None) -> bytes:
         size = torch.tensor([MAGIC, len(payload) if payload is not None else 0], dtype=torch.int64, device=self.device)
-        waits.wait(self.pg.broadcast(size, 0), "header size")
+        waits.wait(self._live_pg().broadcast(size, 0), "header size")
         magic, nbytes = (int(v) for v in size.tolist())
         if magic != MAGIC or not 0 < nbytes <= MAX_HEADER_BYTES:
             raise self._fail(RefitPeerLostError, "header size",
@@ -348,14 +361,14 @@ class CollectiveRefit:
         raw = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if payload is not None:
             raw.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        waits.wait(self.pg.broadcast(raw, 0), "header")
+        waits.wait(self._live_pg().broadcast(raw, 0), "header")
         return bytes(raw.cpu().numpy().tobytes())
 
     def _agree(self, waits: _Waits, failed: bool, phase: str) -> list[int]:
         """All-reduce one flag per rank; the ranks that set theirs."""
         flags = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
         flags[self.rank] = int(failed)
-        waits.wait(self.pg.allreduce([flags]), phase)
+        waits.wait(self._live_pg().allreduce([flags]), phase)
         return [r for r, f in enumerate(flags.tolist()) if f]
 
     def _buffer(self, slots: list[torch.Tensor | None], slot: int, nbytes: int) -> torch.Tensor:
@@ -456,7 +469,7 @@ class CollectiveRefit:
                 if self.rank == 0:
                     _fill(buf, [specs[i] for i in bucket.indices], items, bucket.offsets,
                           legacy=header.layout == "legacy", stream=stream)
-                works[slot] = self.pg.broadcast(buf, 0)
+                works[slot] = self._live_pg().broadcast(buf, 0)
             sizes.append(bucket.nbytes)
         for slot, work in enumerate(works):
             if work is not None:
@@ -575,8 +588,9 @@ class CollectiveWeightReceiver:
         def post(seq: int) -> None:
             slot = seq % n
             if plan[seq].nbytes:
-                views[slot] = group._buffer(slots, slot, plan[seq].nbytes)
-                works[slot] = group.pg.broadcast(views[slot], 0)
+                buf = group._buffer(slots, slot, plan[seq].nbytes)
+                views[slot] = buf
+                works[slot] = group._live_pg().broadcast(buf, 0)
 
         for seq in range(min(n, len(plan))):
             post(seq)
@@ -588,7 +602,9 @@ class CollectiveWeightReceiver:
                 works[slot] = None
             if reason is None:  # after a failure keep draining so the peers never hang
                 specs = [header.manifest[i] for i in bucket.indices]
-                buf = views[slot] if bucket.nbytes else torch.empty(0, dtype=torch.uint8, device=group.device)
+                buf = views[slot] if bucket.nbytes else None
+                if buf is None:
+                    buf = torch.empty(0, dtype=torch.uint8, device=group.device)
                 try:
                     tensors = unpack_tensors(buf, specs, bucket.offsets)
                     self.receiver.apply_batch([(s.name, t) for s, t in zip(specs, tensors, strict=True)])

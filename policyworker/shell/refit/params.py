@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -190,7 +190,8 @@ def _iter_walk(model: nn.Module, state: Mapping[str, torch.Tensor], walk: _Walk)
     for entry in walk.entries:
         full = _materialize(state[entry.key], meta=False)
         if entry.lora is not None:  # merged weight has W's shape and dtype by contract
-            module = model.get_submodule(entry.lora)
+            # Any: a LoRA module is any class with lora_A, lora_B and scale (duck-typed on purpose).
+            module = cast(Any, model.get_submodule(entry.lora))
             lora_a = _materialize(module.lora_A.weight, meta=False)
             lora_b = _materialize(module.lora_B.weight, meta=False)
             full = merge_lora_weight(full, lora_a, lora_b, float(module.scale))
