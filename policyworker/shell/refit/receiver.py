@@ -343,6 +343,8 @@ class HFWeightReceiver:
             raise
 
     def abort_refit(self, reason: str) -> None:
+        """Drop the refit in progress (the caller reports `reason`); an in-place receiver's model
+        stays marked stale if anything was written."""
         self.applier.abort(reason)
 
     def release_buffers(self) -> None:
@@ -360,6 +362,7 @@ class HFWeightReceiver:
         return self.commit_refit(num_buckets=1)
 
     def close(self) -> None:
+        """Release the staging buffers and close the socket."""
         self._server.release_buffers()
         if self._socket is not None:
             self._socket.close()
