@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from policyworker.functional.packing import PackingAlgorithm, pack_into_bins
+from policyworker.functional.packing import PackingAlgorithm, int_list, pack_into_bins
 
 __all__ = [
     "MicrobatchPlan",
@@ -52,10 +52,6 @@ class MicrobatchPlan:
 def round_up(n: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is ``>= n``."""
     return -(-n // multiple) * multiple
-
-
-def _as_ints(values: Sequence[int] | torch.Tensor) -> list[int]:
-    return [int(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values)]
 
 
 def fixed_microbatches(batch_size: int, micro_batch_size: int, *, seq_len: int
@@ -117,7 +113,7 @@ def dynamic_microbatches(
     """
     if sequence_length_round < 1:
         raise ValueError(f"sequence_length_round must be >= 1, got {sequence_length_round}")
-    sizes = _as_ints(lengths)
+    sizes = int_list(lengths)
     order = sorted(range(len(sizes)), key=lambda i: sizes[i])
     widths = [min(round_up(max(sizes[i], 1), sequence_length_round), seq_len) for i in order]
     for position, width in enumerate(widths):
@@ -148,7 +144,7 @@ def packed_microbatches(
     """
     if pad_multiple < 1:
         raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
-    padded = [round_up(n, pad_multiple) for n in _as_ints(lengths)]
+    padded = [round_up(n, pad_multiple) for n in int_list(lengths)]
     if not padded:
         return []
     bins = pack_into_bins(padded, capacity, algorithm=algorithm, min_bin_count=min_bin_count,
@@ -183,7 +179,7 @@ def inverse_permutation(indices: Sequence[int] | torch.Tensor) -> list[int]:
     Raises:
         ValueError: ``indices`` is not a permutation of ``0 .. n-1``.
     """
-    values = _as_ints(indices)
+    values = int_list(indices)
     if sorted(values) != list(range(len(values))):
         missing = sorted(set(range(len(values))) - set(values))
         raise ValueError(

@@ -268,7 +268,7 @@ def unpack_tensors(
     if len(specs) != len(offsets):
         msg = f"{len(specs)} specs but {len(offsets)} offsets; pass one offset per spec"
         raise ValueError(msg)
-    out = []
+    out: list[torch.Tensor] = []
     for spec, offset in zip(specs, offsets, strict=True):
         size = spec.nbytes
         if offset < 0 or offset + size > buffer_uint8.numel():

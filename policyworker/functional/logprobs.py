@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from policyworker.functional.packing import int_list
+
 __all__ = [
     "apply_sampling_filters",
     "concat_vocab_pieces",
@@ -315,7 +317,8 @@ def _chunked_logprobs(
     targets_BT = targets_BT.clamp(0, vocab_size - 1)  # pad ids: callers mask these positions
     # The full logits go in (not a [:, :-1] view): backward then writes one [B, S, V] gradient
     # instead of autograd zero-padding a sliced one.
-    result = _ChunkedNextTokenLogprobs.apply(
+    # autograd.Function.apply is untyped in torch's stubs
+    result: Any = _ChunkedNextTokenLogprobs.apply(  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
         logits_BSV, targets_BT, temperature, top_k, top_p, chunk
     )
     assert isinstance(result, torch.Tensor)
@@ -337,7 +340,7 @@ def logprobs_with_leading_zero(next_BS1: torch.Tensor, lengths_B: torch.Tensor) 
     seq_len = next_BS1.shape[1] + 1
     lengths_B = lengths_B.to(next_BS1.device)
     if bool((lengths_B < 0).any()) or bool((lengths_B > seq_len).any()):
-        msg = f"input lengths {lengths_B.tolist()} must be in [0, S] = [0, {seq_len}]"
+        msg = f"input lengths {int_list(lengths_B)} must be in [0, S] = [0, {seq_len}]"
         raise ValueError(msg)
     full_BS = torch.cat([next_BS1.new_zeros((next_BS1.shape[0], 1)), next_BS1], dim=1)
     valid_BS = torch.arange(seq_len, device=next_BS1.device)[None, :] < lengths_B[:, None]

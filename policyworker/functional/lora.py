@@ -46,7 +46,8 @@ def lora_scale(alpha: float, dim: int, use_rslora: bool = False) -> float:
     Raises:
         ValueError: ``dim`` is not a positive integer.
     """
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+    # the annotation is a promise; this value comes from a user's config
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:  # pyright: ignore[reportUnnecessaryIsInstance]
         msg = f"LoRA dim (rank) {dim!r} must be an integer >= 1; set lora_cfg.dim to e.g. 8"
         raise ValueError(msg)
     return float(alpha) / (math.sqrt(dim) if use_rslora else dim)
@@ -120,7 +121,7 @@ def assert_lora_modules_reachable(lora_module_names: Iterable[str], state_dict_k
     missing = sorted(name for name in set(lora_module_names) if f"{name}.weight" not in keys)
     if not missing:
         return
-    lines = []
+    lines: list[str] = []
     for name in missing:
         close = difflib.get_close_matches(f"{name}.weight", sorted(keys), n=1, cutoff=0.6)
         hint = f" (closest key: {close[0]!r})" if close else ""
@@ -162,7 +163,8 @@ def validate_target_entries(entries: Sequence[str], *, what: str) -> None:
         ValueError: naming ``what`` (e.g. ``lora_cfg.target_modules``), the entry and the error.
     """
     for entry in entries:
-        if not isinstance(entry, str) or entry in ("", REGEX_PREFIX):
+        # the annotation is a promise; this value comes from a user's config
+        if not isinstance(entry, str) or entry in ("", REGEX_PREFIX):  # pyright: ignore[reportUnnecessaryIsInstance]
             msg = f"{what} entry {entry!r} must be a non-empty module name or 're:<regex>'"
             raise ValueError(msg)
         if entry.startswith(REGEX_PREFIX):

@@ -383,7 +383,7 @@ class ClippedPGConfig:
                         self.truncated_importance_sampling_ratio_min)
         if kind is None:
             return []
-        at, p = "@ loss_fn.truncated_importance_sampling_", []
+        at, p = "@ loss_fn.truncated_importance_sampling_", list[str]()
         _check(p, kind in ("tis", "icepop", "seq-mask-tis"),
                f"truncated_importance_sampling_type must be 'tis', 'icepop' or 'seq-mask-tis', "
                f"got {kind!r} {at}type")

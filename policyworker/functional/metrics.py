@@ -46,7 +46,8 @@ def scale_microbatch_metrics(
     Raises:
         ValueError: if ``num_global_batches`` is not a positive int.
     """
-    if isinstance(num_global_batches, bool) or not isinstance(num_global_batches, int) or (
+    # the annotation is a promise; this value comes from a user's config
+    if isinstance(num_global_batches, bool) or not isinstance(num_global_batches, int) or (  # pyright: ignore[reportUnnecessaryIsInstance]
         num_global_batches < 1
     ):
         msg = f"num_global_batches must be a positive int, got {num_global_batches!r}"

@@ -45,6 +45,15 @@ PackingAlgorithm = Literal[
 _ALGORITHMS: tuple[str, ...] = get_args(PackingAlgorithm)
 
 
+
+def int_list(values: Sequence[int] | torch.Tensor) -> list[int]:
+    """Python ints of a 1-D tensor (one host sync) or of a sequence."""
+    if isinstance(values, torch.Tensor):
+        # torch's stubs type tolist() as list[Unknown]; a 1-D integer tensor gives ints
+        as_list: list[int] = values.reshape(-1).tolist()  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+        return [int(v) for v in as_list]
+    return [int(v) for v in values]
+
 def _check_lengths(lengths_B: torch.Tensor, seq_len: int | None = None) -> None:
     if lengths_B.ndim != 1 or lengths_B.dtype.is_floating_point or lengths_B.dtype == torch.bool:
         raise ValueError(
@@ -84,7 +93,7 @@ def unpack(x_N: torch.Tensor, cu_seqlens: torch.Tensor, *, seq_len: int, pad_val
            ) -> torch.Tensor:
     """Inverse of :func:`pack`: ``[N, ...] -> [B, seq_len, ...]``, right-padded with pad_value."""
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1 or int(cu_seqlens[0]) != 0:
-        raise ValueError(f"cu_seqlens must be 1-D and start at 0, got {cu_seqlens.tolist()}")
+        raise ValueError(f"cu_seqlens must be 1-D and start at 0, got {int_list(cu_seqlens)}")
     lengths_B = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
     _check_lengths(lengths_B, seq_len)
     if x_N.ndim < 1 or x_N.shape[0] != int(cu_seqlens[-1]):
@@ -134,7 +143,7 @@ def pack_into_bins(
         ValueError: unknown algorithm; a length that is negative or above ``capacity``; a bin
             count that cannot be reached because there are too few sequences.
     """
-    sizes = [int(n) for n in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
+    sizes = int_list(lengths)
     _check_bin_arguments(sizes, capacity, algorithm, min_bin_count, bin_count_multiple)
     if algorithm == "first_fit_decreasing":
         bins = _first_fit(sizes, _decreasing(sizes), capacity, [])
@@ -152,7 +161,7 @@ def pack_into_bins(
 def packing_efficiency(bins: Sequence[Sequence[int]], lengths: Sequence[int] | torch.Tensor,
                        capacity: int) -> float:
     """Real tokens over bin slots: ``sum(lengths in bins) / (len(bins) * capacity)``."""
-    sizes = [int(n) for n in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
+    sizes = int_list(lengths)
     if not bins:
         return 0.0
     return sum(sizes[i] for b in bins for i in b) / (len(bins) * capacity)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 
 from policyworker.data import validate_batch
-from policyworker.functional import batching
+from policyworker.functional import batch_checks, batching
 from policyworker.functional.packing import pack, packed_position_ids, unpack
 from policyworker.shell import model as model_lib
 from policyworker.shell.state import WorkerState
@@ -49,14 +49,17 @@ class Microbatch:
         return unpack(x_1N[0], self.cu_seqlens, seq_len=self.width, pad_value=0)
 
 
-def validate(data: Mapping[str, Any], *, required=("input_ids", "input_lengths"),
-             skip=()) -> None:
-    """Refuse a batch the worker cannot use (missing keys, shapes, mask types), before any work."""
+def validate(state: WorkerState, data: Mapping[str, Any], *,
+             required=("input_ids", "input_lengths"), skip=()) -> None:
+    """Refuse a batch the worker cannot use (missing keys, shapes, mask types, token ids outside
+    the model's vocabulary), before any work."""
     validate_batch(data, required=required, check_dim_skip_keys=tuple(skip or ()))
     for key in ("token_mask", "sample_mask"):
         if key in data and not isinstance(data[key], torch.Tensor):
             msg = f"data[{key!r}] must be a tensor, got {type(data[key]).__name__}"
             raise ValueError(msg)
+    if isinstance(data.get("input_ids"), torch.Tensor):
+        batch_checks.require_token_ids_in_vocab(data["input_ids"], state.vocab_rows)
 
 
 def plan(state: WorkerState, lengths: torch.Tensor, *, seq_len: int, mbs: int,

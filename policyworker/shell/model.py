@@ -120,13 +120,18 @@ def load_tokenizer(name: str) -> Any | None:
     return tokenizer
 
 
-def _pad_token_id(config: Any, tokenizer: Any | None) -> int:
-    if tokenizer is not None and tokenizer.pad_token_id is not None:
-        return int(tokenizer.pad_token_id)
-    eos = getattr(config, "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
-    return int(eos) if eos is not None else 0
+def _load_hf_config(source: str, key: str, overrides: dict[str, Any]) -> Any:
+    """The HF config of `source`; a ValueError naming the key and what was looked for."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(source, **overrides)
+    except OSError as err:
+        where = ("that folder has no config.json" if os.path.isdir(source) else
+                 "no such local folder, and no Hugging Face Hub model of that id could be read")
+        msg = (f"{key}={source!r}: {where} ({err}); pass a folder that holds config.json and "
+               f"the weights (as save_pretrained writes them), or a Hub model id")
+        raise ValueError(msg) from err
 
 
 def load_policy_model(
@@ -147,13 +152,27 @@ def load_policy_model(
         _get(cfg.dtensor_cfg, "attn_implementation", "auto"),
         packing=packing, device=device, precision=precision)
     source = weights_from or cfg.model_name
+    # Every edit below changes how the model runs, never which parameters it has or how they
+    # are initialised or trained: the model stays the one the checkpoint describes.
+    # - hf_config_overrides: the user's own edits of the model, applied as they asked.
+    # - use_cache=False: only the forward's KV-cache behaviour (packed position_ids are ignored
+    #   when a cache exists); no module or parameter depends on it.
+    # - pad_token_id is deliberately NOT filled in. transformers builds
+    #   `nn.Embedding(..., padding_idx=pad_token_id)`, and that row then never receives a
+    #   gradient: filling in EOS as pad would freeze the embedding of the token that ends every
+    #   turn. Nothing here reads the model's pad id: padding positions are masked by
+    #   input_lengths, and score() gathers the last real token itself instead of HF's
+    #   pad-searching classification forward.
+    # - num_labels=1 for a reward head: a scalar score is what bradley_terry / regression mean;
+    #   a checkpoint whose head has another size fails loudly in from_pretrained.
+    # - attn_implementation picks the kernel only (packing safety is verified separately);
+    #   dtype=float32 upcasts the stored weights exactly.
+    overrides = dict(_get(cfg, "hf_config_overrides") or {})
+    config = _load_hf_config(source, "model_name" if weights_from is None else "weights_from",
+                             overrides)
     tokenizer_name = _get(_get(cfg, "tokenizer"), "name") or cfg.model_name
     tokenizer = load_tokenizer(tokenizer_name)
-    overrides = dict(_get(cfg, "hf_config_overrides") or {})
-    config = transformers.AutoConfig.from_pretrained(source, **overrides)
-    config.use_cache = False  # packed position_ids are ignored when a cache exists
-    if getattr(config, "pad_token_id", None) is None:
-        config.pad_token_id = _pad_token_id(config, tokenizer)
+    config.use_cache = False
     kind = reward_model_type(cfg)
     auto_cls = getattr(transformers, _REWARD_CLASSES[kind] if kind else "AutoModelForCausalLM")
     if kind:
@@ -161,9 +180,10 @@ def load_policy_model(
     model = auto_cls.from_pretrained(source, config=config, dtype=torch.float32,
                                      attn_implementation=attn)
     model.config.use_cache = False
+    # Re-tie after loading: a tied checkpoint stores one tensor; this keeps lm_head a view of it.
     if getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
         model.tie_weights()
-    if _get(cfg.dtensor_cfg, "activation_checkpointing", False):
+    if _get(cfg.dtensor_cfg, "activation_checkpointing", False):  # recompute only, same math
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:  # transformers >= 5.2x name
             enable(activation_checkpointing_kwargs={"use_reentrant": False})

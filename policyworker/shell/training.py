@@ -13,6 +13,7 @@ the loss sees it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import warnings
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from policyworker.functional import batch_checks
 from policyworker.functional.logprobs import count_and_zero_neg_inf
 from policyworker.functional.loss import LossInputType, LossType
 from policyworker.functional.metrics import scale_microbatch_metrics
@@ -33,6 +35,7 @@ from policyworker.shell.state import WorkerState
 __all__ = ["TRAIN_KEYS", "check_train_call", "train"]
 
 TRAIN_KEYS = ("input_ids", "input_lengths", "sample_mask")
+log = logging.getLogger(__name__)
 
 
 def check_train_call(state: WorkerState, data: Mapping[str, Any], loss_fn: Any, *,
@@ -50,8 +53,9 @@ def check_train_call(state: WorkerState, data: Mapping[str, Any], loss_fn: Any, 
         msg = ("attn_implementation 'flex_attention' has no backward on CPU; use 'auto' or "
                "'sdpa' for training on CPU (flex_attention works for inference)")
         raise ValueError(msg)
-    gbs = gbs or state.cfg.train_global_batch_size
-    mbs = mbs or state.cfg.train_micro_batch_size
+    gbs = batch_checks.batch_size_argument("gbs", gbs, state.cfg.train_global_batch_size)
+    mbs = batch_checks.batch_size_argument("mbs", mbs, state.cfg.train_micro_batch_size)
+    batch_checks.require_nonempty_rows(data["input_lengths"])
     dp = state.parallel.dp_size
     if gbs % dp != 0:
         msg = f"gbs={gbs} must be a multiple of the data-parallel size {dp}"
@@ -62,6 +66,7 @@ def check_train_call(state: WorkerState, data: Mapping[str, Any], loss_fn: Any, 
 def train(state: WorkerState, data: Mapping[str, Any], loss_fn: Any, *, eval_mode: bool,
           gbs: int, mbs: int, skip: tuple[str, ...]) -> dict[str, Any]:
     """One optimizer step per whole global batch of `data`; the worker's `train` result."""
+    data = batch_checks.cast_loss_inputs(data)
     dp, cp = state.parallel.dp_size, state.parallel.cp_size
     local_gbs = gbs // dp
     num_gb = _num_global_batches(state, data, gbs)
@@ -104,6 +109,10 @@ def _num_global_batches(state: WorkerState, data: Mapping[str, Any], gbs: int) -
         msg = (f"the batch has {total} rows over all data-parallel ranks, fewer than one "
                f"global batch (gbs={gbs}); pass at least gbs rows or a smaller gbs")
         raise ValueError(msg)
+    if total % gbs:
+        log.warning("train(): %d row(s) over all data-parallel ranks are not a whole global "
+                    "batch (gbs=%d) and are not used; pass a multiple of gbs rows",
+                    total % gbs, gbs)
     return num_gb
 
 
@@ -131,6 +140,10 @@ def _train_global_batch(state: WorkerState, batch, loss_fn, *, eval_mode, mbs, n
     if not eval_mode:
         state.optimizer.zero_grad(set_to_none=True)
     mb_losses, mb_metrics, finite = [], [], True
+    untrusted = None if eval_mode else batch_checks.nonfinite_loss_input(batch)
+    if untrusted is not None:  # skipped below, by every rank (the flag is all-reduced)
+        warnings.warn(f"train(): {untrusted}", stacklevel=4)
+        finite = False
     lr = state.optimizer.param_groups[0]["lr"] if state.optimizer is not None else 0.0
     for plan in plans:
         mb = mbatch.load(state, batch, plan, skip=skip)
@@ -149,7 +162,15 @@ def _train_global_batch(state: WorkerState, batch, loss_fn, *, eval_mode, mbs, n
             mb_metrics.append(metrics)
     if eval_mode:
         return mb_losses, mb_metrics, None, False
-    grad_norm, skipped = _optimizer_step(state, finite)
+    if float(gvt if loss_fn.loss_type == LossType.TOKEN_LEVEL else gvs) == 0:
+        # Nothing in this global batch counts (all tokens/rows masked out): a step would only
+        # advance the optimizer's clock (Adam's bias correction, the scheduler).
+        log.warning("train(): a global batch has no valid %s; its optimizer step was skipped",
+                    "tokens" if loss_fn.loss_type == LossType.TOKEN_LEVEL else "rows")
+        state.optimizer.zero_grad(set_to_none=True)
+        grad_norm, skipped = 0.0, True
+    else:
+        grad_norm, skipped = _optimizer_step(state, finite)
     for i, m in enumerate(mb_metrics):
         m["skipped_step"] = float(skipped and i == 0)
     return mb_losses, mb_metrics, grad_norm, skipped

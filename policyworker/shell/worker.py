@@ -95,7 +95,7 @@ class PolicyWorker:
         `model_dtype` and `skipped_steps` (steps skipped for a non-finite loss or grad norm).
         """
         skip = tuple(check_dim_skip_keys or ())
-        mbatch.validate(data, required=training.TRAIN_KEYS, skip=skip)
+        mbatch.validate(self.state, data, required=training.TRAIN_KEYS, skip=skip)
         gbs, mbs = training.check_train_call(self.state, data, loss_fn, eval_mode=eval_mode,
                                              gbs=gbs, mbs=mbs)
         return training.train(self.state, data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
@@ -106,7 +106,7 @@ class PolicyWorker:
     def get_logprobs(self, data: Mapping[str, Any], micro_batch_size: int | None = None,
                      require_router_replay: bool = True) -> BatchedDataDict:
         """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths (API §4)."""
-        mbatch.validate(data)
+        mbatch.validate(self.state, data)
         self._check_router_replay(data, require_router_replay)
         return inference.logprobs(self.state, data, micro_batch_size)
 
@@ -138,7 +138,7 @@ class PolicyWorker:
     def get_topk_logits(self, data: Mapping[str, Any], k: int, micro_batch_size: int | None = None
                         ) -> BatchedDataDict:
         """Top-k of temperature-scaled logits at every position (no shift), 0/0 at padding."""
-        mbatch.validate(data)
+        mbatch.validate(self.state, data)
         if not isinstance(k, int) or k < 1:
             msg = f"k={k!r} must be a positive int"
             raise ValueError(msg)
@@ -150,14 +150,14 @@ class PolicyWorker:
         if kind is None:
             msg = "score() needs a reward model; set reward_model_cfg in the config"
             raise ValueError(msg)
-        mbatch.validate(data)
+        mbatch.validate(self.state, data)
         return inference.scores(self.state, data, kind)
 
     def calibrate_qkv_fp8_scales(self, data: Mapping[str, Any], micro_batch_size: int | None = None,
                                  percentile: float = 99.9, margin: float = 1.05,
                                  include_q: bool = False) -> dict[str, Any]:
         """Per-attention-layer FP8 (e4m3) scales: percentile(|k|, |v|[, |q|]) * margin / 448."""
-        mbatch.validate(data)
+        mbatch.validate(self.state, data)
         if not 0.0 < percentile <= 100.0 or margin <= 0:
             msg = f"percentile={percentile} must be in (0, 100] and margin={margin} > 0"
             raise ValueError(msg)

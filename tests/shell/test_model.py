@@ -50,16 +50,17 @@ def test_load_without_tokenizer_keeps_fp32_master_weights_and_tied_embeddings(ti
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.config.use_cache is False and model.config.rms_norm_eps == 1e-5
-    assert model.config.pad_token_id == 1  # eos when there is no tokenizer
+    # the checkpoint has no pad id and none is invented: no embedding row is frozen
+    assert model.config.pad_token_id is None and model.model.embed_tokens.padding_idx is None
     assert model.config._attn_implementation == "sdpa"
 
 
-def test_load_with_tokenizer_sets_pad_from_eos_and_activation_checkpointing(tiny_tokenizer_model_path):
+def test_load_with_tokenizer_pads_with_eos_on_the_tokenizer_only_and_checkpoints_activations(tiny_tokenizer_model_path):
     cfg = load_config(make_config(tiny_tokenizer_model_path,
                                   dtensor_cfg={"activation_checkpointing": True}))
     model, tokenizer = load_policy_model(cfg, device=CPU)
     assert tokenizer is not None and tokenizer.pad_token == "t1"
-    assert model.config.pad_token_id == tokenizer.pad_token_id == 1
+    assert tokenizer.pad_token_id == 1 and model.config.pad_token_id is None
     assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     model.train()
     ids = torch.randint(3, 128, (2, 6))
