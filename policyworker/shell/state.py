@@ -201,8 +201,8 @@ def _hf_weights_folder(weights_path: str | None) -> str | None:
     """The HF folder to build the model from when `weights_path` holds safetensors weights."""
     if weights_path is None:
         return None
-    from policyworker.shell.checkpoint import safetensors_io
+    from policyworker.shell.checkpoint import folders
 
-    if safetensors_io.detect_weights_format(weights_path) != "safetensors":
+    if folders.detect_weights_format(weights_path) != "safetensors":
         return None  # DCP / PEFT: built from model_name, then loaded by the checkpoint module
-    return str(safetensors_io._model_folder(weights_path))
+    return str(folders._model_folder(weights_path))

@@ -48,6 +48,7 @@ from policyworker.shell.checkpoint.commit import (
     recover_checkpoint_commits,
 )
 from policyworker.shell.checkpoint.dcp import _load_dcp_weights, load_optimizer, save_optimizer
+from policyworker.shell.checkpoint.folders import _model_folder, detect_weights_format
 from policyworker.shell.checkpoint.layout import (
     FORMAT_VERSION,
     INDEX_FILE,
@@ -57,12 +58,7 @@ from policyworker.shell.checkpoint.layout import (
     REFERENCE_DIR,
     CheckpointError,
 )
-from policyworker.shell.checkpoint.safetensors_io import (
-    _model_folder,
-    detect_weights_format,
-    load_hf_weights,
-    save_hf_weights,
-)
+from policyworker.shell.checkpoint.safetensors_io import load_hf_weights, save_hf_weights
 from policyworker.shell.checkpoint.saver import FINALIZE_TIMEOUT_S, AsyncSaver, _checkpoint_group
 
 __all__ = [
