@@ -184,8 +184,8 @@ def _loss(state: WorkerState, mb: mbatch.Microbatch, loss_fn, gvs, gvt):
             # gather is differentiable (each TP rank gets its vocab shard's gradient back).
             logits = logits.full_tensor()
         logits = mb.unpack_rows(logits)
-        if state.sampling[0] != 1.0:
-            logits = logits / state.sampling[0]
+        if state.sampling.temperature != 1.0:
+            logits = logits / state.sampling.temperature
         return loss_fn(mb.data, gvs, gvt, logits=logits)
     data = dict(mb.data)
     lp = next_token.training_logprobs(state, mb, logits, filtered=True)

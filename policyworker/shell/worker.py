@@ -24,6 +24,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import attrs
 import torch
 
 from policyworker.config import PolicyConfig, load_config
@@ -82,7 +83,7 @@ class PolicyWorker:
     @property
     def _sampling(self) -> tuple[float, int | None, float]:
         """(temperature, top_k, top_p) logprobs are computed under right now."""
-        return self.state.sampling
+        return attrs.astuple(self.state.sampling)
 
     # ------------------------------------------------------------------------------ train
 
