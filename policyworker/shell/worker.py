@@ -324,7 +324,9 @@ class PolicyWorker:
         return f"{type(self).__name__}[rank={self.parallel.rank}]"
 
     def shutdown(self) -> bool:
-        """Close the refit transports and the process group this worker created."""
+        """Commit a pending asynchronous save, then close the refit transports and the process
+        group this worker created."""
+        checkpoint.finalize_async_save(self.state)
         if self.state.refit.sender is not None:
             self.state.refit.sender.close()
             self.state.refit.sender = None

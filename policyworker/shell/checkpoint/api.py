@@ -27,7 +27,6 @@ always come from one save.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import shutil
@@ -45,6 +44,7 @@ from policyworker.shell.checkpoint.commit import (
     _shared_token,
     _tmp_for,
     _write_json,
+    read_json,
     recover_checkpoint_commits,
 )
 from policyworker.shell.checkpoint.dcp import _load_dcp_weights, load_optimizer, save_optimizer
@@ -233,7 +233,10 @@ def finalize_async_save(owner: CheckpointOwner, *, timeout_s: float = FINALIZE_T
 
 def _manifest_id(folder: pathlib.Path) -> str | None:
     path = folder / MANIFEST_FILE
-    return json.loads(path.read_text()).get("checkpoint_id") if path.is_file() else None
+    if not path.is_file():
+        return None
+    manifest = read_json(path)
+    return manifest.get("checkpoint_id") if isinstance(manifest, dict) else None
 
 
 def _record_dirs(weights_path: Any, optimizer_path: Any) -> list[pathlib.Path]:
@@ -260,6 +263,14 @@ def _load(owner: CheckpointOwner, weights_path: Any, optimizer_path: Any, *, loa
     if weights_path is not None:
         folder = _model_folder(weights_path)
         fmt = detect_weights_format(weights_path)
+        if fmt == "peft" and not _lora(owner):
+            msg = (
+                f"{str(folder)!r} holds a LoRA adapter (adapter_config.json) but this worker has "
+                f"no LoRA: its adapters would be added beside weights the optimizer does not "
+                f"train. Build the worker with the same dtensor_cfg.lora_cfg to resume it, or "
+                f"merge the adapter and load the merged weights"
+            )
+            raise CheckpointError(msg)
         weights_id = _manifest_id(folder)
         if load_weights and fmt == "safetensors":
             commits.append(load_hf_weights(owner.model, folder, parallel=parallel))

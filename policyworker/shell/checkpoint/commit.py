@@ -156,7 +156,7 @@ def _write_commit_records(
 
 def _read_record(record: pathlib.Path) -> dict[str, Any]:
     try:
-        body = json.loads(record.read_text())
+        body = read_json(record)
         base = record.parent
         return {
             "checkpoint_id": str(body["checkpoint_id"]),
@@ -301,6 +301,16 @@ def _on_rank0(parallel: Any, what: str, fn: Callable[[], None]) -> None:
 
 def _write_json(path: pathlib.Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path: pathlib.Path) -> Any:
+    """A checkpoint JSON file's content; CheckpointError naming the file when it is not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        msg = (f"checkpoint file {str(path)!r} is not valid JSON ({exc}); it was edited or "
+               f"written in part -- restore it from the save or load another checkpoint")
+        raise CheckpointError(msg) from exc
 
 
 def _commit(commits: Sequence[tuple[pathlib.Path, pathlib.Path]]) -> None:

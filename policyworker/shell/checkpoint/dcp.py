@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from policyworker.functional.names import canonical_name
 from policyworker.shell.checkpoint.folders import _interrupted_hint
@@ -225,17 +226,21 @@ def load_optimizer(
         request[f"rng_rank{rank}"] = io.BytesIO()
     has_optim = any(k.startswith("optim.") for k in keys)
     if has_optim:
-        request["optim"] = _tree_map(
-            get_optimizer_state_dict(model, optimizer), lambda t: _clone_to(t, device=None)
-        )
+        live = get_optimizer_state_dict(model, optimizer)
+        _require_same_parameters(folder, keys, live)
+        request["optim"] = _tree_map(live, lambda t: _clone_to(t, device=None))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming single process" without a group
-        dcp.load(
-            request,
-            storage_reader=dcp.FileSystemReader(str(folder)),
-            process_group=group,
-            no_dist=group is None,
-        )
+        try:
+            dcp.load(
+                request,
+                storage_reader=dcp.FileSystemReader(str(folder)),
+                process_group=group,
+                no_dist=group is None,
+            )
+        except CheckpointException as exc:  # a BaseException: `except Exception` misses it
+            msg = f"DCP could not read the optimizer checkpoint {str(folder)!r}: {exc}"
+            raise CheckpointError(msg) from None
     extra = _from_bytes(request["extra"])
     rng = _from_bytes(request[f"rng_rank{rank}"]) if f"rng_rank{rank}" in request else None
 
@@ -254,9 +259,34 @@ def load_optimizer(
     return commit
 
 
+_STATE_PREFIX = "optim.state."
+
+
+def _require_same_parameters(
+    folder: pathlib.Path, keys: set[str], live: Mapping[str, Any]
+) -> None:
+    """Refuse optimizer state saved for other parameters (e.g. LoRA adapters vs full weights):
+    loading it would leave the optimizer stepping state no parameter owns."""
+    saved = {k[len(_STATE_PREFIX):].rsplit(".", 1)[0] for k in keys if k.startswith(_STATE_PREFIX)}
+    trained = {name for group in live["param_groups"] for name in group["params"]}
+    unknown = sorted(saved - trained)
+    if unknown:
+        kind = ("LoRA adapters" if any(".lora_" in n for n in unknown) else "other parameters")
+        msg = (
+            f"optimizer checkpoint {str(folder)!r} holds state for {len(unknown)} parameter(s) "
+            f"this worker does not train, e.g. {unknown[:3]} ({kind}); it was saved by a worker "
+            f"with a different trainable set (LoRA vs full fine-tuning, or other lora_cfg "
+            f"targets). Load it into a worker built with the same lora_cfg, or load only the "
+            f"weights (optimizer_path=None)"
+        )
+        raise CheckpointError(msg)
+
+
 def _optim_folder(optimizer_path: str | os.PathLike[str]) -> pathlib.Path:
     path = pathlib.Path(optimizer_path)
-    if path.name != OPTIM_DIR and (path / OPTIM_DIR).is_dir():
+    # A save under P writes P/optim, also when P is itself named 'optim' (save(.., 'run/optim')):
+    # the nested folder wins unless P is the DCP folder itself.
+    if (path / OPTIM_DIR).is_dir() and not (path / ".metadata").is_file():
         return path / OPTIM_DIR
     if path.name == OPTIM_DIR or (path / ".metadata").is_file():
         return path

@@ -7,11 +7,15 @@ fix; they never change a folder or a model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import struct
+from collections.abc import Mapping
 from typing import Any, Literal
 
+from policyworker.functional.safetensors_layout import _ST_DTYPES, itemsize
+from policyworker.shell.checkpoint.commit import read_json
 from policyworker.shell.checkpoint.layout import INDEX_FILE, MODEL_DIR, CheckpointError
 
 __all__ = ["detect_weights_format", "validate_hf_folder"]
@@ -40,6 +44,7 @@ def _read_header(path: pathlib.Path) -> dict[str, Any]:
             "header; it is truncated or not a safetensors file"
         )
         raise CheckpointError(msg)
+    _check_entries(path, header)
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if size != 8 + n + end:
         msg = (
@@ -48,6 +53,30 @@ def _read_header(path: pathlib.Path) -> dict[str, Any]:
         )
         raise CheckpointError(msg)
     return header
+
+
+_ITEMSIZE_OF = {code: itemsize(dtype) for dtype, code in _ST_DTYPES.items()}
+
+
+def _check_entries(path: pathlib.Path, header: Mapping[str, Any]) -> None:
+    """Each tensor's dtype is known and its byte range holds exactly shape x itemsize bytes
+    (an edited dtype or shape would otherwise reinterpret the bytes silently)."""
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = (int(x) for x in entry["data_offsets"])
+            numel = math.prod(int(d) for d in entry["shape"])
+            itemsize = _ITEMSIZE_OF[entry["dtype"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            msg = (f"checkpoint file {str(path)!r}: tensor {name!r} has an unreadable header "
+                   f"entry {entry!r} ({exc!r}); the file was edited -- load another checkpoint")
+            raise CheckpointError(msg) from exc
+        if stop - start != numel * itemsize:
+            msg = (f"checkpoint file {str(path)!r}: tensor {name!r} is {entry['dtype']} "
+                   f"{entry['shape']} ({numel * itemsize} bytes) but its data holds "
+                   f"{stop - start} bytes; the header was edited -- load another checkpoint")
+            raise CheckpointError(msg)
 
 
 def validate_hf_folder(
@@ -62,7 +91,10 @@ def validate_hf_folder(
     folder = pathlib.Path(folder)
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            msg = f"checkpoint file {str(index)!r} has no 'weight_map' object; it was edited"
+            raise CheckpointError(msg)
         files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
@@ -125,4 +157,5 @@ def _interrupted_hint(folder: pathlib.Path) -> str:
 
 def _model_folder(weights_path: str | os.PathLike[str]) -> pathlib.Path:
     path = pathlib.Path(weights_path)
-    return path if path.name == MODEL_DIR or not (path / MODEL_DIR).is_dir() else path / MODEL_DIR
+    # A save under P writes P/model, also when P is itself named 'model' (save('run/model')).
+    return path / MODEL_DIR if (path / MODEL_DIR).is_dir() else path
