@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "PolicyWorker": "policyworker.shell.worker",
     "AutomodelPolicyWorker": "policyworker.shell.worker",
+    "AutomodelPolicyWorkerImpl": "policyworker.shell.worker",
     "HFWeightReceiver": "policyworker.shell.refit.receiver",
     "PolicyConfig": "policyworker.config",
     "load_config": "policyworker.config",
@@ -20,6 +21,8 @@ _LAZY = {
     "ClippedPGLossFn": "policyworker.functional.loss",
     "DPOLossFn": "policyworker.functional.loss",
     "NLLLoss": "policyworker.functional.loss",
+    "NLLLossFn": "policyworker.functional.loss",
+    "DistillationLossFn": "policyworker.functional.distillation",
     "LossFunction": "policyworker.functional.loss",
     "LossInputType": "policyworker.functional.loss",
     "LossType": "policyworker.functional.loss",
@@ -30,6 +33,7 @@ _LAZY = {
     "RefitTimeoutError": "policyworker.errors",
     "TransportError": "policyworker.errors",
     "UnknownParameterError": "policyworker.errors",
+    "UnsupportedModelError": "policyworker.errors",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])

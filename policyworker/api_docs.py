@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SECTIONS", "default_output_path", "main", "public_members", "render"]
+__all__ = ["ALIASES", "SECTIONS", "default_output_path", "main", "public_members", "render"]
 
 # (section title, intro, names exported by `policyworker`), in document order.
 SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -29,14 +29,19 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("PolicyWorker",)),
     ("Receiver", "The inference side of a ZMQ refit.", ("HFWeightReceiver",)),
     ("Losses", "Loss objects `PolicyWorker.train` calls (a NeMo-RL loss ports by its imports).",
-     ("NLLLoss", "ClippedPGLossFn", "DPOLossFn", "LossFunction", "LossType", "LossInputType")),
+     ("NLLLoss", "ClippedPGLossFn", "DPOLossFn", "DistillationLossFn", "LossFunction",
+      "LossType", "LossInputType")),
     ("Data", "The batch container every method takes and returns.", ("BatchedDataDict",)),
     ("Configuration", "Every key is in [config-reference.md](config-reference.md).",
      ("load_config", "PolicyConfig")),
     ("Errors", "One class per kind of failure a caller may want to catch.",
      ("ConfigError", "DataError", "RefitError", "RefitTimeoutError", "TransportError",
-      "LoRAMergeError", "UnknownParameterError")),
+      "LoRAMergeError", "UnknownParameterError", "UnsupportedModelError")),
 )
+
+# Other names for documented objects (NeMo-RL's spellings): listed with them, not twice.
+ALIASES = {"AutomodelPolicyWorker": "PolicyWorker", "AutomodelPolicyWorkerImpl": "PolicyWorker",
+           "NLLLossFn": "NLLLoss"}
 
 # Classes documented by their docstring only (a Protocol; config fields: config-reference.md).
 _DOC_ONLY = {"LossFunction", "PolicyConfig"}
@@ -134,10 +139,13 @@ def render() -> str:
         lines += [f"## {title}", "", intro, ""]
         for name in names:
             obj = getattr(package, name)
+            aliases = sorted(a for a, target in ALIASES.items() if target == name)
             if inspect.isclass(obj):
                 lines += _class_lines(name, obj)
             else:
                 lines += [f"### `{name}{_signature(obj, drop_self=False)}`", "", _doc(obj), ""]
+            if aliases:
+                lines += ["Also importable as " + ", ".join(f"`{a}`" for a in aliases) + ".", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="trainer and inference device; on CUDA the refit uses CUDA IPC")
     demo.add_argument("--tp", type=_positive_int, default=1,
                       help="tensor-parallel size (launch with torchrun --nproc-per-node >= tp)")
+    demo.add_argument("--ray", type=_non_negative_int, default=0, metavar="N",
+                      help="run the policy as a Ray group of N CPU workers (extra 'ray'); "
+                      "0 = this process")
     demo.add_argument("--lora", action="store_true", help="train through dtensor_cfg.lora_cfg")
     demo.add_argument("--precision", choices=("float32", "bfloat16", "float16"),
                       default="float32", help="policy.precision (parity is exact in float32)")
@@ -65,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="exit 0 even if reward did not rise (parity is still checked)")
     demo.add_argument("--timeout", type=_positive_float, default=120.0,
                       help="seconds any wait on the inference process may take")
+    demo.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                      help="who samples the rollouts: our HF inference process (default) or a "
+                      "real vLLM engine refit through vLLM's weight-sync calls (pip install "
+                      "'policyworker[vllm]')")
     sub.add_parser("info", help="versions, devices, attention kernels and transports")
     bench = sub.add_parser("bench", help="run bench/*.py and print one table")
     bench_runner.add_arguments(bench)
@@ -73,13 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_demo(args: argparse.Namespace) -> int:
     from policyworker.demo.loop import DemoOptions, run_demo
+    from policyworker.errors import UnsupportedEngineError
 
     opts = DemoOptions(steps=args.steps, seed=args.seed, device=args.device, tp=args.tp,
-                       lora=args.lora, precision=args.precision, lr=args.lr,
-                       require_rise=args.require_rise, plot=args.plot, timeout_s=args.timeout)
+                       ray=args.ray, lora=args.lora, precision=args.precision, lr=args.lr,
+                       require_rise=args.require_rise, plot=args.plot, timeout_s=args.timeout,
+                       engine=args.engine)
     try:
         result = run_demo(opts)
-    except ValueError as exc:  # caller errors (config, world size, device): say what to change
+    except (ValueError, ImportError, UnsupportedEngineError) as exc:  # caller errors (config,
+        # world size, device, a missing extra or engine): say what to change
         print(f"policyworker demo: error: {exc}", file=sys.stderr)
         return 2
     return result.exit_code

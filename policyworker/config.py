@@ -14,6 +14,8 @@ without `enabled`, or with `enabled: true`, is enabled and structures to its cla
 error) but their values are not read. `PolicyConfig` has `*_enabled` properties for consumers.
 """
 
+import difflib
+import logging
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +36,7 @@ from cattrs.errors import (
 from cattrs.gen import make_dict_structure_fn, override
 
 from policyworker.errors import ConfigError
+from policyworker.functional.lora import validate_target_entries
 
 __all__ = [
     "IGNORED_NEMO_RL_KEYS",
@@ -79,13 +82,31 @@ RewardModelType = Literal["bradley_terry", "regression"]
 DropoutPosition = Literal["pre", "post"]
 LoraAInit = Literal["xavier", "uniform"]
 
-# NeMo-RL `policy.*` keys this worker accepts and does not read (dotted paths below `policy`).
-# A key listed here is dropped before structuring (with its whole subtree) and named in one
-# ConfigWarning; every other unknown key is an error. The value says why it is not read.
+# NeMo-RL `policy.*` keys this worker accepts and does not read (dotted paths below `policy`):
+# every key NeMo-RL's policy TypedDicts or its example configs define that the classes below do
+# not hold. A key listed here is dropped before structuring (with its whole subtree) and named in
+# one INFO record of the `policyworker` logger; every other unknown key is an error with a
+# did-you-mean. The value says why it is not read (docs/config-reference.md lists them).
+_ENGINE = "inference-engine settings (controller / inference side)"
+_QUANT = "ModelOpt quantization (Megatron backend)"
+_DRAFT = "draft (Eagle) training; this worker only refits the draft's weights"
 IGNORED_NEMO_RL_KEYS: Final[Mapping[str, str]] = MappingProxyType({
     "megatron_cfg": "Megatron-Core backend settings (this is the DTensor/Automodel worker)",
     "generation_batch_size": "static-batched HF generation in the controller",
     "dequantize_base_checkpoint": "Automodel checkpoint-loader option",
+    "pretrained_checkpoint": "restores Megatron checkpoints (Megatron backend only)",
+    "activation_checkpointing_enabled": "legacy spelling; dtensor_cfg.activation_checkpointing "
+                                        "is the key read",
+    "is_vlm": "vision-language models are not supported by this worker",
+    "quant_cfg": _QUANT,
+    "quant_calib_data": _QUANT,
+    "quant_calib_size": _QUANT,
+    "quant_batch_size": _QUANT,
+    "quant_sequence_length": _QUANT,
+    "disable_modelopt_layer_spec": _QUANT,
+    "tokenizer.audio": "multimodal processor options (text-only worker)",
+    "tokenizer.video": "multimodal processor options (text-only worker)",
+    "tokenizer.use_fastokens": "tokenization happens in the controller",
     "dtensor_cfg.enabled": "selects this worker in NeMo-RL",
     "dtensor_cfg._v2": "selects this worker in NeMo-RL",
     "dtensor_cfg.expert_parallel_size": "expert parallelism is not implemented here",
@@ -97,19 +118,44 @@ IGNORED_NEMO_RL_KEYS: Final[Mapping[str, str]] = MappingProxyType({
     "dtensor_cfg.clear_cache_every_n_steps": "CUDA cache clearing cadence",
     "dtensor_cfg.env_vars": "the launcher sets the process environment",
     "sequence_packing.sequence_length_round": "packing pads with make_sequence_length_divisible_by",
+    "sequence_packing.fuse_loss": "Megatron fused packed loss",
+    "draft.loss_weight": _DRAFT,
+    "draft.num_layers": _DRAFT,
+    "draft.aux_layer_indices": _DRAFT,
     "generation.backend": "inference-engine choice (controller side)",
     "generation.max_new_tokens": "rollout length (inference side)",
     "generation.model_name": "inference-engine model (controller side)",
     "generation.stop_token_ids": "rollout stopping (inference side)",
     "generation.stop_strings": "rollout stopping (inference side)",
+    "generation.bad_words": "rollout sampling (inference side)",
+    "generation.val_temperature": "validation sampling (inference side)",
+    "generation.val_top_k": "validation sampling (inference side)",
+    "generation.val_top_p": "validation sampling (inference side)",
+    "generation.port_range_low": "inference-server ports (controller side)",
+    "generation.port_range_high": "inference-server ports (controller side)",
+    "generation.use_async_rollouts": "rollout scheduling (controller side)",
     "generation.pad_token_id": "filled in by the controller",
     "generation._pad_token_id": "filled in by the controller",
-    "generation.vllm_cfg": "vLLM engine settings",
-    "generation.vllm_kwargs": "vLLM engine settings",
-    "generation.sglang_cfg": "SGLang engine settings",
+    "generation._mtp_weights_from_refit": "filled in by the controller",
+    "generation._debug_payload_metrics": "filled in by the controller",
+    "generation.refit_cfg": "NIXL / sparse refit transport (this worker refits over ZMQ or NCCL)",
+    "generation.refit_transport": "NIXL / sparse refit transport (this worker refits over ZMQ "
+                                  "or NCCL)",
+    "generation.real_quant_export_cpu_offload": _QUANT,
+    "generation.real_quant": _QUANT,
+    "generation.real_quant_ignore": _QUANT,
+    "generation.quant_cfg": _QUANT,
+    "generation.vllm_cfg": _ENGINE,
+    "generation.vllm_kwargs": _ENGINE,
+    "generation.sglang_cfg": _ENGINE,
+    "generation.trtllm_cfg": _ENGINE,
+    "generation.trtllm_kwargs": _ENGINE,
+    "generation.dynamo_cfg": _ENGINE,
     "generation.mcore_generation_config": "Megatron inference settings",
     "generation.colocated.resources": "cluster placement (controller side)",
 })
+
+logger = logging.getLogger("policyworker")
 
 
 class ConfigWarning(UserWarning):
@@ -173,19 +219,16 @@ _NON_EMPTY = _Rule(lambda v: len(v) > 0, "must not be empty")
 
 
 def _valid_module_pattern(entry: str) -> bool:
-    if not entry:
+    try:
+        validate_target_entries([entry], what="entry")
+    except ValueError:
         return False
-    if entry.startswith("re:"):
-        try:
-            re.compile(entry[3:])
-        except re.error:
-            return False
     return True
 
 
 _MODULE_PATTERNS = _Rule(
     lambda v: all(_valid_module_pattern(e) for e in v),
-    "must hold module names or 're:<regex>' full-match patterns",
+    "must hold module names, wildcards like '*_proj' or 're:<regex>' full-match patterns",
     "remove empty entries and fix the regular expression",
 )
 
@@ -204,13 +247,18 @@ class TokenizerConfig:
 
 @frozen(kw_only=True)
 class LoRAConfig:
-    """`policy.dtensor_cfg.lora_cfg` (present = enabled). `target_modules` entries match a module
-    whose dotted name equals the entry or ends with `.<entry>`; `re:<pattern>` is a full-match
-    regex. `use_triton` is accepted for NeMo-RL compatibility; this worker has no Triton kernel."""
+    """`policy.dtensor_cfg.lora_cfg` (present = enabled). Selection follows Automodel's
+    ModuleMatcher: `match_all_linear` takes every linear layer but the output head; else
+    `target_modules` if any; else every linear layer not in `exclude_modules`; with all three
+    empty, `target_modules` is `["*_proj"]`. An entry matches a module whose dotted name equals
+    it, ends with `.<entry>`, or matches it as an Automodel wildcard (`*` is any text, e.g.
+    `*_proj`, `*.layers.0.*`); `re:<pattern>` is a full-match regex. `exclude_modules` also
+    applies on top of the other two rules. `use_triton` is accepted for NeMo-RL compatibility;
+    this worker has no Triton kernel."""
 
     target_modules: tuple[str, ...] = field(default=(), validator=_MODULE_PATTERNS)
     exclude_modules: tuple[str, ...] = field(default=(), validator=_MODULE_PATTERNS)
-    match_all_linear: bool = True
+    match_all_linear: bool = False
     dim: int = field(default=8, validator=_at_least(1))
     alpha: float = field(default=32.0, validator=_POSITIVE)
     dropout: float = field(
@@ -220,18 +268,6 @@ class LoRAConfig:
     lora_A_init: LoraAInit = "xavier"  # noqa: N815 (NeMo-RL's key)
     use_rslora: bool = False
     use_triton: bool = False
-
-    def __attrs_post_init__(self) -> None:
-        problems: list[tuple[str, str]] = []
-        if not self.match_all_linear and not self.target_modules:
-            problems.append(
-                (
-                    "target_modules",
-                    "LoRA has nothing to adapt: target_modules is empty and match_all_linear "
-                    "is false; list target_modules or set match_all_linear: true",
-                )
-            )
-        _raise_if_problems(problems, root="policy.dtensor_cfg.lora_cfg")
 
 
 @frozen(kw_only=True)
@@ -775,11 +811,10 @@ def load_config(mapping: Mapping[str, Any]) -> PolicyConfig:
         raise ConfigError(msg)
     cleaned, ignored = split_ignored_keys(mapping)
     if ignored:
-        warnings.warn(
-            "policyworker ignores these NeMo-RL policy keys (this worker does not read them): "
-            + ", ".join(f"policy.{path}" for path in ignored),
-            ConfigWarning,
-            stacklevel=2,
+        logger.info(
+            "accepted, not used: these NeMo-RL policy keys are valid but this worker does not "
+            "read them (docs/config-reference.md says why): %s",
+            ", ".join(f"policy.{path}" for path in ignored),
         )
     try:
         return converter.structure(cleaned, PolicyConfig)
@@ -809,12 +844,35 @@ def _error_lines(exc: BaseException, path: str, type_: Any) -> list[str]:
         return lines
     if isinstance(exc, _RuleViolations):
         return [f"{message} @ {_join_path(path, rel)}" for rel, message in exc.problems]
-    return [f"{_message(exc, type_)} @ {path}"]
+    return [f"{_message(exc, type_, path)} @ {path}"]
 
 
-def _message(exc: BaseException, type_: Any) -> str:
+def _known_keys(cls: Any, path: str) -> list[str]:
+    """The keys a mapping at `path` (e.g. `policy.generation`) may hold: the class's fields and
+    the accepted-but-unused NeMo-RL keys directly below that path."""
+    names = [a.name for a in attrs.fields(cls)] if attrs.has(cls) else []
+    prefix = path.removeprefix("policy").lstrip(".")
+    for key in IGNORED_NEMO_RL_KEYS:
+        parent, _, leaf = key.rpartition(".")
+        if parent == prefix:
+            names.append(leaf)
+    if cls in _SECTIONS:
+        names.append("enabled")
+    return names
+
+
+def _unknown_keys_message(exc: ForbiddenExtraKeysError, path: str) -> str:
+    known = _known_keys(exc.cl, path)
+    parts: list[str] = []
+    for key in sorted(map(str, exc.extra_fields)):
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        parts.append(f"{key}: did you mean {close[0]!r}?" if close else key)
+    return f"extra fields found ({', '.join(parts)})"
+
+
+def _message(exc: BaseException, type_: Any, path: str = "policy") -> str:
     if isinstance(exc, ForbiddenExtraKeysError):
-        return f"extra fields found ({', '.join(sorted(map(str, exc.extra_fields)))})"
+        return _unknown_keys_message(exc, path)
     if isinstance(exc, KeyError):
         return "required field missing"
     if isinstance(exc, ValueError | TypeError) and exc.args and isinstance(exc.args[0], str):

@@ -47,6 +47,14 @@ def _take(value: Any, indices: list[int]) -> Any:
     raise DataError(f"values must be tensors or lists, got {type(value).__name__}")
 
 
+def _batch_rows(batch: Mapping[str, Any], index: int) -> int:
+    sizes = {_rows(value, key) for key, value in batch.items()}
+    if len(sizes) > 1:
+        raise DataError(f"batch {index} has keys with different row counts {sorted(sizes)}; "
+                        "every value needs the same dim 0")
+    return next(iter(sizes), 0)
+
+
 def _ints(values: Any) -> list[int]:
     return [int(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values)]
 
@@ -121,15 +129,21 @@ class BatchedDataDict(dict[str, Any]):
         return type(self)({k: _take(v, rows) for k, v in self.items()})
 
     def reorder_data(self, indices: Indices) -> Self:
-        """Undo a permutation: ``indices[i]`` is the original position of current row ``i``.
+        """Undo a permutation IN PLACE, as NeMo-RL does: ``indices[i]`` is the original position
+        of current row ``i``, so afterwards row ``indices[i]`` holds what row ``i`` held.
 
-        Returns a NEW dict whose row ``indices[i]`` is this dict's row ``i``.
+        Returns ``self`` (NeMo-RL returns None) so ``b.reorder_data(order)`` chains. Raises
+        before changing anything when ``indices`` is not a permutation of the rows.
         """
-        count, size = len(_ints(indices)), self.size
-        if count != size:
-            raise ValueError(f"indices has {count} entries but the batch has {size} rows; pass one "
-                             "original position per row")
-        return self.select_indices(inverse_permutation(indices))
+        rows, size = _ints(indices), self.size
+        if sorted(rows) != list(range(size)):
+            raise ValueError(
+                f"reorder_data needs a permutation of range({size}) (one original position per "
+                f"row, each once), got {rows[:16]}{' ...' if len(rows) > 16 else ''}")
+        order = inverse_permutation(rows)
+        reordered = {k: _take(v, _ints(order)) for k, v in self.items()}
+        self.update(reordered)
+        return self
 
     def repeat_interleave(self, num_repeats: int) -> Self:
         """Repeat every row ``num_repeats`` times, keeping row order: ``[a, b] -> [a, a, b, b]``."""
@@ -158,17 +172,22 @@ class BatchedDataDict(dict[str, Any]):
                      pad_value_dict: Mapping[str, int | float] | None = None) -> Self:
         """Concatenate batches along dim 0; tensors with ndim >= 2 are right-padded on dim 1.
 
-        Pad values come from ``pad_value_dict`` (default 0). Lists are concatenated.
+        Pad values come from ``pad_value_dict`` (default 0). Lists are concatenated. As in
+        NeMo-RL, no batches give an empty dict and an empty batch (no rows) may lack keys; a key
+        missing from a batch that has rows is an error.
         """
-        if not batches:
-            raise ValueError("from_batches needs at least one batch, got an empty list")
-        keys = list(batches[0])
-        for i, batch in enumerate(batches):
-            if set(batch) != set(keys):
-                raise DataError(f"batch {i} has keys {sorted(batch)} but batch 0 has "
-                                f"{sorted(keys)}; every batch needs the same keys")
+        keys = list(dict.fromkeys(k for batch in batches for k in batch))
+        rows = [_batch_rows(batch, i) for i, batch in enumerate(batches)]
+        for key in keys:
+            lacking = [i for i, batch in enumerate(batches) if key not in batch and rows[i]]
+            if lacking:
+                raise DataError(
+                    f"key {key!r} is missing from batches {lacking}, which have rows "
+                    f"({[rows[i] for i in lacking]}); every batch with rows needs every key "
+                    "(only empty batches may lack keys)")
         pads = dict(pad_value_dict or {})
-        return cls({k: _concat_values(k, [b[k] for b in batches], pads.get(k, 0)) for k in keys})
+        return cls({k: _concat_values(k, [b[k] for b in batches if k in b], pads.get(k, 0))
+                    for k in keys})
 
     # -- microbatching --------------------------------------------------------------------------
 

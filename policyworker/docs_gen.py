@@ -31,8 +31,12 @@ _HEADER = """\
 `PolicyWorker(config)` takes a `PolicyConfig` or a mapping; a mapping goes through
 `policyworker.config.load_config`, which accepts NeMo-RL's `policy:` section unchanged. YAML keys
 are the attribute names below. A bad mapping raises `ConfigError` listing every problem, each
-ending `@ policy.<dotted.path>`. Unknown keys are errors, except the NeMo-RL keys this worker
-does not read (last table), which are dropped with one warning.
+ending `@ policy.<dotted.path>`. Keys NeMo-RL defines that this worker does not read (last table,
+"accepted, not used") are dropped and listed once at INFO on the `policyworker` logger; any other
+unknown key is an error with a did-you-mean. Config files (`policyworker.shell.config_io.
+load_config_file`) are read as NeMo-RL reads them: `defaults:` chains, absolute and relative
+interpolation (`${policy.model_name}`, `${.temperature}`, `${..max_total_sequence_length}`),
+dotted overrides.
 
 Optional sections (marked *section*) are disabled when absent, `null`, or written
 `{enabled: false, ...}` (NeMo-RL's form); given without `enabled`, or with `enabled: true`,
@@ -145,8 +149,9 @@ def render() -> str:
         else:
             lines.append("No keys: present (or `enabled: true`) turns it on.")
         lines.append("")
-    lines += ["## Ignored NeMo-RL keys", "",
-              "Accepted, not read, named once in a `ConfigWarning` (with their whole subtree).", "",
+    lines += ["## Accepted, not used (NeMo-RL keys this worker does not read)", "",
+              "Dropped with their whole subtree and listed once at INFO (logger `policyworker`).",
+              "",
               "| key | why it is not read |", "|---|---|"]
     lines += [f"| `policy.{key}` | {why} |"
               for key, why in sorted(config_mod.IGNORED_NEMO_RL_KEYS.items())]

@@ -8,6 +8,10 @@ __all__ = [
     "RefitTimeoutError",
     "TransportError",
     "UnknownParameterError",
+    "UnsupportedModelError",
+    "WorkerGroupError",
+    "WorkerGroupTimeoutError",
+    "UnsupportedEngineError",
 ]
 
 
@@ -17,6 +21,10 @@ class ConfigError(ValueError):
 
 class DataError(ValueError):
     """A BatchedDataDict is missing a key or has shapes/dtypes the worker cannot use."""
+
+
+class UnsupportedModelError(ValueError):
+    """A model architecture (``config.model_type``) the operation is not verified for."""
 
 
 class UnknownParameterError(KeyError):
@@ -40,3 +48,23 @@ class RefitError(TransportError):
 
 class RefitTimeoutError(RefitError, TimeoutError):
     """A refit wait ran past its deadline; the message names rank, phase and address."""
+
+
+class WorkerGroupError(RuntimeError):
+    """A call on a group of workers failed on one rank; names the rank and the method.
+
+    `rank` and `method` say where; the rank's own exception, when it raised one, is `__cause__`.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, method: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.method = method
+
+
+class WorkerGroupTimeoutError(WorkerGroupError, TimeoutError):
+    """A group call (or the group's start) did not finish within its timeout."""
+
+
+class UnsupportedEngineError(RuntimeError):
+    """An inference engine is missing, or installed at a version this adapter was not built for."""

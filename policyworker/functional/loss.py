@@ -40,12 +40,18 @@ from policyworker.functional.loss_terms import (
 )
 
 __all__ = [
+    "ClippedPGConfig",
+    "ClippedPGLossConfig",
     "ClippedPGLossFn",
+    "DPOConfig",
+    "DPOLossConfig",
     "DPOLossFn",
     "LossFunction",
     "LossInputType",
     "LossType",
     "NLLLoss",
+    "NLLLossFn",
+    "calculate_kl",
     "masked_mean",
 ]
 
@@ -60,10 +66,14 @@ class LossType(enum.StrEnum):
 
 
 class LossInputType(enum.StrEnum):
-    """What the worker passes besides ``data``: ``next_token_logprobs`` or ``logits``."""
+    """What the worker passes besides ``data`` (by keyword, as NeMo-RL does): LOGPROB
+    ``next_token_logprobs`` [B, S-1]; LOGIT ``logits`` [B, S, V]; DISTILLATION
+    ``student_topk_logprobs`` and ``teacher_topk_logprobs`` [B, S-1, K] and ``H_all`` [B, S-1]
+    or None (see `policyworker.functional.distillation`)."""
 
     LOGPROB = "logprob"
     LOGIT = "logit"
+    DISTILLATION = "distillation"
 
 
 @runtime_checkable
@@ -104,12 +114,32 @@ class NLLLoss:
         logprobs_BT = logprobs_input(inputs, "NLLLoss")
         _, sample_mask_B, mask_BT = masks_from_data(data, logprobs_BT, "NLLLoss")
         logprobs_BT = sanitize(logprobs_BT, mask_BT != 0)
-        loss = -masked_mean(logprobs_BT, mask_BT, global_valid_toks)
+        loss = -masked_mean(logprobs_BT, mask_BT, global_normalization_factor=global_valid_toks)
         return loss, {
             "loss": float(loss.detach()),
             "num_unmasked_tokens": float(mask_BT.sum()),
             "num_valid_samples": float(sample_mask_B.sum()),
         }
+
+
+NLLLossFn = NLLLoss  # NeMo-RL's name
+
+
+def calculate_kl(
+    logprobs: Tensor,
+    logprobs_reference: Tensor,
+    kl_type: str = "k3",
+    input_clamp_value: float | None = 20.0,
+    output_clamp_value: float | None = 10.0,
+    importance_sampling_weights: Tensor | None = None,
+) -> Tensor:
+    """NeMo-RL's per-token KL estimate (its signature and defaults), on `kl_estimate`."""
+    if kl_type not in ("k1", "k2", "k3"):
+        msg = f"kl_type {kl_type!r} must be 'k1', 'k2' or 'k3'"
+        raise ValueError(msg)
+    return kl_estimate(logprobs, logprobs_reference, kl_type=kl_type,  # type: ignore[arg-type]
+                       input_clamp=input_clamp_value, output_clamp=output_clamp_value,
+                       weights_BT=importance_sampling_weights)
 
 
 # ---------------------------------------------------------------------- clipped policy gradient
@@ -142,8 +172,8 @@ class ClippedPGLossFn:
 
     input_type = LossInputType.LOGPROB
 
-    def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
-        self.cfg = ClippedPGConfig.from_mapping(cfg or {})
+    def __init__(self, cfg: Any = None) -> None:
+        self.cfg = ClippedPGConfig.from_mapping(cfg)
         self.loss_type = (
             LossType.TOKEN_LEVEL if self.cfg.token_level_loss else LossType.SEQUENCE_LEVEL
         )
@@ -237,8 +267,9 @@ class ClippedPGLossFn:
     def _reduce(self, x: "_PGInputs", values_BT: Tensor, gvs: Tensor | float,
                 gvt: Tensor | float) -> Tensor:
         if self.loss_type == LossType.TOKEN_LEVEL:
-            return masked_mean(values_BT, x.mask_BT, gvt)
-        return masked_mean(rowwise_masked_mean(values_BT, x.token_mask_BT), x.sample_mask_B, gvs)
+            return masked_mean(values_BT, x.mask_BT, global_normalization_factor=gvt)
+        return masked_mean(rowwise_masked_mean(values_BT, x.token_mask_BT), x.sample_mask_B,
+                global_normalization_factor=gvs)
 
     def _kl(self, x: "_PGInputs", gvs: Tensor | float, gvt: Tensor | float) -> Tensor:
         beta = self.reference_policy_kl_penalty
@@ -264,13 +295,14 @@ class ClippedPGLossFn:
         owner = "ClippedPGLossFn (positive_example_nll_weight > 0)"
         rewards_B = require_tensor(data, "rewards", owner)
         correct_BT = x.mask_BT * (rewards_B.reshape(-1) > 0).to(x.mask_BT.dtype)[:, None]
-        return masked_mean(-x.curr_BT, correct_BT, gvt)
+        return masked_mean(-x.curr_BT, correct_BT, global_normalization_factor=gvt)
 
     def _sampling_ratio(self, x: "_PGInputs", weights: Tensor, gvs: Tensor | float,
                         gvt: Tensor | float) -> float:
         if self.cfg.sequence_level_importance_ratios:
-            return float(masked_mean(weights[:, 0].detach(), x.sample_mask_B, gvs))
-        return float(masked_mean(weights.detach(), x.mask_BT, gvt))
+            return float(masked_mean(weights[:, 0].detach(), x.sample_mask_B,
+                    global_normalization_factor=gvs))
+        return float(masked_mean(weights.detach(), x.mask_BT, global_normalization_factor=gvt))
 
 
 @attrs.frozen(kw_only=True)
@@ -343,8 +375,8 @@ class DPOLossFn:
     loss_type = LossType.SEQUENCE_LEVEL
     input_type = LossInputType.LOGPROB
 
-    def __init__(self, cfg: Mapping[str, Any] | None = None) -> None:
-        self.cfg = DPOConfig.from_mapping(cfg or {})
+    def __init__(self, cfg: Any = None) -> None:
+        self.cfg = DPOConfig.from_mapping(cfg)
 
     @property
     def reference_policy_kl_penalty(self) -> float:
@@ -373,8 +405,8 @@ class DPOLossFn:
         r_chosen, r_rejected = rewards_B[0::2], rewards_B[1::2]
         per_pair = -torch.nn.functional.logsigmoid(cfg.reference_policy_kl_penalty
                                                     * (r_chosen - r_rejected))
-        preference = masked_mean(per_pair, chosen_mask, pairs)
-        sft = masked_mean(sft_B[0::2], chosen_mask, pairs)
+        preference = masked_mean(per_pair, chosen_mask, global_normalization_factor=pairs)
+        sft = masked_mean(sft_B[0::2], chosen_mask, global_normalization_factor=pairs)
         loss = cfg.preference_loss_weight * preference + cfg.sft_loss_weight * sft
         with torch.no_grad():
             return loss, {
@@ -382,9 +414,11 @@ class DPOLossFn:
                 "sft_loss": float(sft.detach()),
                 "preference_loss": float(preference.detach()),
                 "accuracy": float(masked_mean((r_chosen > r_rejected).to(lp_BT.dtype),
-                                              chosen_mask, pairs)),
-                "rewards_chosen_mean": float(masked_mean(r_chosen, chosen_mask, pairs)),
-                "rewards_rejected_mean": float(masked_mean(r_rejected, rejected_mask, pairs)),
+                                              chosen_mask, global_normalization_factor=pairs)),
+                "rewards_chosen_mean": float(masked_mean(r_chosen, chosen_mask,
+                        global_normalization_factor=pairs)),
+                "rewards_rejected_mean": float(masked_mean(r_rejected, rejected_mask,
+                        global_normalization_factor=pairs)),
                 "num_valid_samples": float(sample_mask_B.sum()) / 2,
             }
 
@@ -400,3 +434,7 @@ class DPOLossFn:
         if self.cfg.sft_average_log_probs:
             sft_B = sft_B / num_tokens_B
         return rewards_B, sft_B
+
+
+ClippedPGLossConfig = ClippedPGConfig  # NeMo-RL's names
+DPOLossConfig = DPOConfig

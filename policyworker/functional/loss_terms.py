@@ -7,6 +7,7 @@ aligned with ``next_token_logprobs``: index ``t`` refers to token ``t + 1`` of t
 Masks may be bool, integer or float; a float mask acts as a weight.
 """
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -47,17 +48,23 @@ MASKED_MEAN_EPS = 1e-8
 def masked_mean(
     values: Tensor,
     mask: Tensor,
+    dim: int | None = None,
     global_normalization_factor: Tensor | float | None = None,
 ) -> Tensor:
-    """``Σ(values·mask) / (factor + 1e-8)``; the factor defaults to ``mask.sum()``.
+    """``Σ(values·mask) / (factor + 1e-8)`` over ``dim`` (all dims when None); the factor
+    defaults to ``mask.sum(dim)``. NeMo-RL's signature, so its losses call it unchanged.
 
     With the global count as the factor, the sum of this over microbatches is the batch mean.
     """
     mask = mask.to(values.dtype) if mask.dtype == torch.bool else mask
-    factor = mask.sum() if global_normalization_factor is None else global_normalization_factor
+    if global_normalization_factor is None:
+        factor = mask.sum() if dim is None else mask.sum(dim=dim)
+    else:
+        factor = global_normalization_factor
     # `where` keeps a NaN/inf at a masked position out of the sum (0 * inf would be NaN).
     weighted = torch.where(mask != 0, values * mask, 0.0)
-    return weighted.sum() / (factor + MASKED_MEAN_EPS)
+    total = weighted.sum() if dim is None else weighted.sum(dim=dim)
+    return total / (factor + MASKED_MEAN_EPS)
 
 
 def rowwise_masked_mean(values_BT: Tensor, mask_BT: Tensor) -> Tensor:
@@ -141,12 +148,13 @@ def truncate_importance_weights(
             assert ratio_min is not None
             geo_mean_B = torch.exp(seq_log_ratio_mean_B)
             kept_B = ((geo_mean_B >= ratio_min) & (geo_mean_B <= ratio_max)).to(weights.dtype)
-            oob = masked_mean(1.0 - kept_B, sample_mask_B, global_valid_seqs)
+            oob = masked_mean(1.0 - kept_B, sample_mask_B,
+                    global_normalization_factor=global_valid_seqs)
             return weights * kept_B[:, None], {"is_oob_ratio": float(oob)}
         low = 0.0 if ratio_min is None else ratio_min
         kept = (weights >= low) & (weights <= ratio_max)
         oob_BT = torch.broadcast_to((~kept).to(mask_BT.dtype), mask_BT.shape)
-        oob = masked_mean(oob_BT, mask_BT, global_valid_toks)
+        oob = masked_mean(oob_BT, mask_BT, global_normalization_factor=global_valid_toks)
     if kind == "tis":
         return weights.clamp(min=low, max=ratio_max), {"is_oob_ratio": float(oob)}
     return torch.where(kept, weights, torch.zeros_like(weights)), {"is_oob_ratio": float(oob)}
@@ -237,10 +245,13 @@ def mismatch_metrics(
                                    output_clamp=None)
         mult_BT = torch.exp((gen_BT - prev_BT).abs() * mask_BT)
         return {
-            "token_mult_prob_error": float(masked_mean(mult_BT, mask_BT, gvt)),
-            "gen_kl_error": float(masked_mean(gen_kl_BT, mask_BT, gvt)),
-            "policy_kl_error": float(masked_mean(policy_kl_BT, mask_BT, gvt)),
-            "js_divergence_error": float(masked_mean(js_divergence(prev_BT, gen_BT), mask_BT, gvt)),
+            "token_mult_prob_error": float(masked_mean(mult_BT, mask_BT,
+                    global_normalization_factor=gvt)),
+            "gen_kl_error": float(masked_mean(gen_kl_BT, mask_BT, global_normalization_factor=gvt)),
+            "policy_kl_error": float(masked_mean(policy_kl_BT, mask_BT,
+                    global_normalization_factor=gvt)),
+            "js_divergence_error": float(masked_mean(js_divergence(prev_BT, gen_BT), mask_BT,
+                    global_normalization_factor=gvt)),
         }
 
 
@@ -252,8 +263,10 @@ def ratio_metrics(
         r_min, r_max = masked_extremes(ratios_BT, mask_BT)
         c_min, c_max = masked_extremes(clamped_BT, mask_BT)
         return {
-            "probs_ratio": float(masked_mean(ratios_BT.detach(), mask_BT, gvt)),
-            "probs_ratio_clamped": float(masked_mean(clamped_BT.detach(), mask_BT, gvt)),
+            "probs_ratio": float(masked_mean(ratios_BT.detach(), mask_BT,
+                    global_normalization_factor=gvt)),
+            "probs_ratio_clamped": float(masked_mean(clamped_BT.detach(), mask_BT,
+                    global_normalization_factor=gvt)),
             "probs_ratio_min": r_min,
             "probs_ratio_max": r_max,
             "probs_ratio_clamped_min": c_min,
@@ -265,7 +278,8 @@ def approx_entropy(curr_BT: Tensor, gen_BT: Tensor, mask_BT: Tensor, gvt: Tensor
     """E_gen[−(π_curr/π_gen) log π_curr]: an entropy estimate from sampled-token logprobs only."""
     with torch.no_grad():
         curr_BT = curr_BT.detach()
-        return float(-masked_mean(torch.exp(curr_BT - gen_BT) * curr_BT, mask_BT, gvt))
+        return float(-masked_mean(torch.exp(curr_BT - gen_BT) * curr_BT, mask_BT,
+                global_normalization_factor=gvt))
 
 
 # ------------------------------------------------------------------------------ loss configs
@@ -273,11 +287,33 @@ def approx_entropy(curr_BT: Tensor, gen_BT: Tensor, mask_BT: Tensor, gvt: Tensor
 _DPO_TRAINER_KEYS = frozenset({
     # NeMo-RL hands its whole `dpo:` section to DPOLossFn; these keys belong to the trainer.
     "max_num_epochs", "max_num_steps", "val_period", "val_batches", "val_global_batch_size",
-    "val_micro_batch_size", "val_at_start", "seed",
+    "val_micro_batch_size", "val_at_start", "val_at_end", "seed",
 })
 
 
-def _read_mapping(
+def config_mapping(cfg: Any, owner: str) -> Mapping[str, Any]:
+    """A loss config as a mapping: None (all defaults), a mapping, an attrs or dataclass
+    instance, or a pydantic model (NeMo-RL's ``ClippedPGLossConfig`` and friends)."""
+    if cfg is None:
+        return {}
+    if isinstance(cfg, Mapping):
+        return cfg  # pyright: ignore[reportUnknownVariableType]
+    kind: type[object] = type(cfg)  # pyright: ignore[reportUnknownVariableType] (user object)
+    if attrs.has(kind):
+        return attrs.asdict(cfg, recurse=False)
+    dump = getattr(cfg, "model_dump", None)
+    if callable(dump):
+        dumped = dump()
+        if isinstance(dumped, Mapping):
+            return dumped  # pyright: ignore[reportUnknownVariableType]
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    msg = (f"{owner} config must be a mapping, an attrs/dataclass instance or a pydantic model "
+           f"with its keys, got {type(cfg).__name__}; pass e.g. {owner}({{...}})")
+    raise ValueError(msg)
+
+
+def read_config_mapping(
     cfg: Mapping[str, Any], cls: type[Any], *, section: str, ignored: frozenset[str] = frozenset()
 ) -> dict[str, Any]:
     """Check ``cfg`` against the fields of attrs class ``cls``; every problem in one ConfigError."""
@@ -352,9 +388,13 @@ class ClippedPGConfig:
     positive_example_nll_weight: float = _kind("a number", 0.0)
 
     @classmethod
-    def from_mapping(cls, cfg: Mapping[str, Any]) -> "ClippedPGConfig":
-        """Build from a NeMo-RL ``loss_fn`` mapping; missing keys take the defaults."""
-        values = _read_mapping(cfg, cls, section="loss_fn")
+    def from_mapping(cls, cfg: Any) -> "ClippedPGConfig":
+        """Build from a NeMo-RL ``loss_fn`` mapping or config object (see `config_mapping`);
+        missing keys take the defaults."""
+        if isinstance(cfg, cls):
+            return cfg
+        values = read_config_mapping(config_mapping(cfg, "ClippedPGLossFn"), cls,
+                                     section="loss_fn")
         if values.get("truncated_importance_sampling_ratio") is not None:
             values.setdefault("truncated_importance_sampling_type", "tis")
         return cls(**values)
@@ -434,6 +474,10 @@ class DPOConfig:
     sft_average_log_probs: bool = _kind("a bool", False)
 
     @classmethod
-    def from_mapping(cls, cfg: Mapping[str, Any]) -> "DPOConfig":
-        """Build from a NeMo-RL ``dpo`` mapping; missing keys take the defaults."""
-        return cls(**_read_mapping(cfg, cls, section="dpo", ignored=_DPO_TRAINER_KEYS))
+    def from_mapping(cls, cfg: Any) -> "DPOConfig":
+        """Build from a NeMo-RL ``dpo`` mapping or config object; missing keys take the
+        defaults."""
+        if isinstance(cfg, cls):
+            return cfg
+        return cls(**read_config_mapping(config_mapping(cfg, "DPOLossFn"), cls, section="dpo",
+                                         ignored=_DPO_TRAINER_KEYS))

@@ -1,63 +1,166 @@
-"""Parameter names: wrapper prefixes, LoRA names, and the HF checkpoint layout of MoE experts.
+"""Parameter names: wrapper prefixes, LoRA names, and the HF checkpoint layout of tensors.
 
-transformers 5 keeps each MoE layer's experts fused in memory, while checkpoints (and inference
-engines' ``load_weights``) use one tensor per expert:
+A checkpoint tensor is described as a ``CheckpointPiece``: a strided view (shape, stride,
+offset) of one contiguous in-memory tensor. The shell asks transformers for a model's pieces
+(``policyworker.shell.refit.hf_names``); the functions here apply them (``to_checkpoint``),
+invert them (``from_checkpoint``, ``pieces_by_checkpoint_name``) and check them
+(``check_pieces``).
 
-- ``<p>.experts.gate_up_proj`` [E, 2I, H] ↔ ``<p>.experts.{e}.gate_proj.weight`` [I, H] (rows
-  ``[0:I]`` of expert e) and ``<p>.experts.{e}.up_proj.weight`` [I, H] (rows ``[I:2I]``);
-- ``<p>.experts.down_proj`` [E, H, I] ↔ ``<p>.experts.{e}.down_proj.weight`` [H, I].
-
-Shape legend: ``E`` experts, ``I`` expert intermediate size, ``H`` hidden size.
 All functions are pure.
 """
 
+import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import torch
 
 __all__ = [
-    "ExpertSlot",
+    "CheckpointPiece",
     "canonical_name",
+    "check_pieces",
+    "contiguous_strides",
     "drop_tied_lm_head",
-    "expert_slot",
-    "fuse_expert_tensors",
-    "is_fused_expert_name",
+    "from_checkpoint",
     "is_lora_param",
     "lora_base_name",
     "lora_module_name",
-    "to_hf_tensors",
+    "pieces_by_checkpoint_name",
+    "to_checkpoint",
+    "whole_piece",
 ]
 
 _WRAPPER_FRAGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 _LORA_RE = re.compile(r"^(?P<module>.+)\.lora_[AB](\.|$)")
-_FUSED_RE = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<kind>gate_up_proj|down_proj)$")
-_PER_EXPERT_RE = re.compile(
-    r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$"
-)
-_PART_OF_FUSED = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The element strides of a contiguous tensor of ``shape``."""
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
 
 
 @attrs.frozen
-class ExpertSlot:
-    """Where a per-expert HF tensor lives in the fused in-memory tensor.
+class CheckpointPiece:
+    """One checkpoint tensor: ``name`` and where it lies in its contiguous in-memory tensor.
 
-    ``part`` is ``gate_proj`` (rows ``[0:I]`` of ``fused[expert]``), ``up_proj`` (rows ``[I:2I]``)
-    or ``down_proj`` (all of ``fused[expert]``).
+    The tensor is ``source.as_strided(shape, stride, offset)`` (element units, offset relative
+    to the source's first element); a piece that is the whole source has ``offset`` 0 and the
+    contiguous strides of the source's shape.
     """
 
-    fused_name: str
-    expert: int
-    part: str
+    name: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
 
-    def view_of(self, fused: torch.Tensor) -> torch.Tensor:
-        """The slice of ``fused`` that holds this expert's tensor (a view, writable)."""
-        block = fused[self.expert]
-        if self.part == "down_proj":
-            return block
-        half = block.shape[0] // 2
-        return block[:half] if self.part == "gate_proj" else block[half:]
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def is_whole(self, source_shape: Sequence[int]) -> bool:
+        """True when this piece is all of a source of ``source_shape``, in its own layout."""
+        shape = tuple(int(s) for s in source_shape)
+        return self.offset == 0 and self.shape == shape and self.stride == contiguous_strides(shape)
+
+    def view_of(self, source: torch.Tensor) -> torch.Tensor:
+        """This piece of ``source`` (a view, writable).
+
+        Raises:
+            ValueError: ``source`` is not contiguous (the strides are those of a contiguous one).
+        """
+        if not source.is_contiguous():
+            msg = (f"checkpoint piece {self.name!r} needs a contiguous source tensor (got strides "
+                   f"{source.stride()}); call .contiguous() first")
+            raise ValueError(msg)
+        return source.as_strided(self.shape, self.stride, source.storage_offset() + self.offset)
+
+
+def whole_piece(name: str, shape: Sequence[int]) -> CheckpointPiece:
+    """The piece that is a whole tensor of ``shape``, saved under ``name``."""
+    shape = tuple(int(s) for s in shape)
+    return CheckpointPiece(name, shape, contiguous_strides(shape), 0)
+
+
+def check_pieces(source_name: str, source_shape: Sequence[int],
+                 pieces: Sequence[CheckpointPiece]) -> None:
+    """Raise ValueError unless ``pieces`` lie inside the source and hold as many elements.
+
+    Together with distinct element sets (which the caller's derivation guarantees: they are
+    views cut by transformers' conversion) this means the pieces tile the source exactly.
+    """
+    numel = math.prod(int(s) for s in source_shape)
+    if not pieces:
+        msg = f"{source_name!r} has no checkpoint piece; every in-memory tensor must be saved"
+        raise ValueError(msg)
+    for piece in pieces:
+        reach = sum((n - 1) * st for n, st in zip(piece.shape, piece.stride, strict=True))
+        last = piece.offset + reach
+        if piece.numel and (piece.offset < 0 or last >= numel or min(piece.stride, default=0) < 0):
+            msg = (f"checkpoint piece {piece.name!r} (shape {list(piece.shape)}, stride "
+                   f"{list(piece.stride)}, offset {piece.offset}) reaches outside {source_name!r} "
+                   f"of shape {list(source_shape)}")
+            raise ValueError(msg)
+    total = sum(p.numel for p in pieces)
+    if total != numel:
+        msg = (f"the checkpoint pieces of {source_name!r} hold {total} elements, the tensor has "
+               f"{numel}: its checkpoint conversion drops or repeats elements; refit cannot "
+               f"stream it as views")
+        raise ValueError(msg)
+
+
+def to_checkpoint(source: torch.Tensor,
+                  pieces: Sequence[CheckpointPiece]) -> list[tuple[str, torch.Tensor]]:
+    """``(checkpoint name, view)`` of each piece of ``source`` (no copy when it is contiguous)."""
+    source = source.contiguous()
+    return [(piece.name, piece.view_of(source)) for piece in pieces]
+
+
+def from_checkpoint(source_shape: Sequence[int], pieces: Sequence[CheckpointPiece],
+                    tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The in-memory tensor rebuilt from its checkpoint tensors (inverse of ``to_checkpoint``).
+
+    Raises:
+        ValueError: a piece's tensor is missing or has another shape.
+    """
+    missing = [p.name for p in pieces if p.name not in tensors]
+    if missing:
+        msg = f"cannot rebuild a tensor of shape {list(source_shape)}: missing {missing}"
+        raise ValueError(msg)
+    first = tensors[pieces[0].name]
+    out = torch.empty(tuple(source_shape), dtype=first.dtype, device=first.device)
+    for piece in pieces:
+        given = tensors[piece.name]
+        if tuple(given.shape) != piece.shape:
+            msg = (f"checkpoint tensor {piece.name!r} has shape {list(given.shape)}, its piece "
+                   f"says {list(piece.shape)}")
+            raise ValueError(msg)
+        piece.view_of(out).copy_(given)
+    return out
+
+
+def pieces_by_checkpoint_name(
+    layout: Mapping[str, Sequence[CheckpointPiece]],
+) -> dict[str, tuple[str, CheckpointPiece]]:
+    """``{checkpoint name: (in-memory name, piece)}`` of a layout ``{in-memory name: pieces}``.
+
+    Raises:
+        ValueError: two pieces share a checkpoint name.
+    """
+    out: dict[str, tuple[str, CheckpointPiece]] = {}
+    for source, pieces in layout.items():
+        for piece in pieces:
+            if piece.name in out:
+                msg = (f"checkpoint name {piece.name!r} comes from both {out[piece.name][0]!r} and "
+                       f"{source!r}; a checkpoint name must have one source")
+                raise ValueError(msg)
+            out[piece.name] = (source, piece)
+    return out
 
 
 def canonical_name(fqn: str) -> str:
@@ -88,91 +191,6 @@ def lora_module_name(fqn: str) -> str:
 def lora_base_name(fqn: str) -> str:
     """The base weight a LoRA adapter tensor merges into: ``a.b.lora_B.weight`` → ``a.b.weight``."""
     return f"{lora_module_name(fqn)}.weight"
-
-
-def is_fused_expert_name(name: str) -> bool:
-    """True for transformers-5 fused expert tensors (``….experts.gate_up_proj`` / ``down_proj``)."""
-    return _FUSED_RE.match(name) is not None
-
-
-def expert_slot(hf_name: str) -> ExpertSlot | None:
-    """The fused tensor slot of a per-expert checkpoint name, or None for any other name."""
-    match = _PER_EXPERT_RE.match(hf_name)
-    if match is None:
-        return None
-    fused = f"{match['prefix']}.{_PART_OF_FUSED[match['part']]}"
-    return ExpertSlot(fused, int(match["expert"]), match["part"])
-
-
-def to_hf_tensors(
-    name: str, tensor: torch.Tensor, *, split_fused_experts: bool = True
-) -> list[tuple[str, torch.Tensor]]:
-    """Checkpoint-named tensors (views, no copy) for one in-memory tensor.
-
-    Fused 3-D experts are split per expert (gate = first half of dim 1); anything else is
-    returned unchanged as ``[(name, tensor)]``.
-
-    Raises:
-        ValueError: a fused ``gate_up_proj`` is not 3-D with an even dim 1.
-    """
-    match = _FUSED_RE.match(name)
-    if not split_fused_experts or match is None or tensor.dim() != 3:
-        return [(name, tensor)]
-    prefix = match["prefix"]
-    if match["kind"] == "down_proj":
-        return [(f"{prefix}.{e}.down_proj.weight", tensor[e]) for e in range(tensor.shape[0])]
-    if tensor.shape[1] % 2:
-        msg = f"fused expert tensor {name!r} has shape {tuple(tensor.shape)}; dim 1 must be even (gate rows then up rows)"
-        raise ValueError(msg)
-    half = tensor.shape[1] // 2
-    out: list[tuple[str, torch.Tensor]] = []
-    for e in range(tensor.shape[0]):
-        out.append((f"{prefix}.{e}.gate_proj.weight", tensor[e, :half]))
-        out.append((f"{prefix}.{e}.up_proj.weight", tensor[e, half:]))
-    return out
-
-
-def fuse_expert_tensors(
-    pairs: Iterable[tuple[str, torch.Tensor]],
-) -> list[tuple[str, torch.Tensor]]:
-    """Inverse of ``to_hf_tensors``: per-expert tensors stacked back into fused ones.
-
-    A fused tensor takes the position of its first per-expert member; other names keep theirs.
-
-    Raises:
-        ValueError: a fused group misses an expert or a gate/up half, or repeats one.
-    """
-    order: list[str] = []
-    plain: dict[str, torch.Tensor] = {}
-    groups: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-    for name, tensor in pairs:
-        slot = expert_slot(name)
-        key = name if slot is None else slot.fused_name
-        if key not in plain and key not in groups:
-            order.append(key)
-        if slot is None:
-            plain[key] = tensor
-            continue
-        members = groups.setdefault(key, {})
-        if (slot.expert, slot.part) in members:
-            msg = f"per-expert tensor {name!r} appears twice; each expert tensor must be given once"
-            raise ValueError(msg)
-        members[(slot.expert, slot.part)] = tensor
-    return [
-        (key, plain[key]) if key in plain else (key, _stack_experts(key, groups[key]))
-        for key in order
-    ]
-
-
-def _stack_experts(fused_name: str, members: dict[tuple[int, str], torch.Tensor]) -> torch.Tensor:
-    parts = ("down_proj",) if fused_name.endswith("down_proj") else ("gate_proj", "up_proj")
-    num_experts = 1 + max(e for e, _ in members)
-    missing = [f"{e}.{p}" for e in range(num_experts) for p in parts if (e, p) not in members]
-    if missing:
-        msg = f"cannot fuse {fused_name!r}: missing per-expert tensors {missing}; send every expert"
-        raise ValueError(msg)
-    blocks = [torch.cat([members[(e, p)] for p in parts], dim=0) for e in range(num_experts)]
-    return torch.stack(blocks, dim=0)
 
 
 def drop_tied_lm_head(names: Sequence[str], *, tie_word_embeddings: bool) -> list[str]:

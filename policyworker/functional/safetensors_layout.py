@@ -1,8 +1,8 @@
 """Safetensors layout math: which HF tensors a model state has, and where each byte goes.
 
-An HF tensor is a box (a region, `[start, stop)` per dim) of one model tensor: `hf_layout`
-names the boxes of a state `{key: (shape, dtype)}` (wrapper prefixes stripped, LoRA tensors
-skipped, a tied head dropped, fused experts split), `plan_safetensors_files` packs them into
+An HF tensor is a box (a region, `[start, stop)` per dim) of one model tensor (the checkpoint
+shell names the boxes from transformers' own save-time conversion), `plan_safetensors_files`
+packs them into
 `model-0000i-of-0000n.safetensors` files (the header is a function of names, shapes and dtypes
 only, so every rank computes the same byte offsets), and `contiguous_runs` lists the row-major
 runs of a sub-box inside a box, which is how a shard's bytes land in a file. Pure arithmetic on
@@ -15,13 +15,11 @@ import itertools
 import json
 import math
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
 import torch
-
-from policyworker.functional.names import canonical_name, is_lora_param, to_hf_tensors
 
 __all__ = [
     "MAX_FILE_BYTES",
@@ -29,7 +27,6 @@ __all__ = [
     "FilePlan",
     "HFTensor",
     "contiguous_runs",
-    "hf_layout",
     "intersect_boxes",
     "itemsize",
     "plan_safetensors_files",
@@ -75,28 +72,6 @@ def _box_of_view(view: torch.Tensor, base_shape: Sequence[int]) -> Box:
         rest = rest % s if s else rest
     sizes = [1] * (len(base_shape) - view.dim()) + list(view.shape)
     return tuple((a, a + n) for a, n in zip(start, sizes, strict=True))
-
-
-def hf_layout(
-    specs: Mapping[str, tuple[Sequence[int], torch.dtype]], *, tie_word_embeddings: bool
-) -> list[HFTensor]:
-    """The HF checkpoint tensors of a model state `{key: (shape, dtype)}`, in state order.
-
-    Wrapper prefixes are stripped, LoRA adapter tensors skipped, a tied `lm_head.weight`
-    dropped, and transformers-5 fused experts split into per-expert boxes (what
-    `save_pretrained` writes).
-    """
-    out: list[HFTensor] = []
-    for key, (shape, dtype) in specs.items():
-        name = canonical_name(key)
-        if is_lora_param(key) or (tie_word_embeddings and name == "lm_head.weight"):
-            continue
-        base = torch.empty(tuple(shape), dtype=dtype, device="meta")
-        for hf_name, view in to_hf_tensors(name, base):
-            out.append(
-                HFTensor(hf_name, key, _box_of_view(view, tuple(shape)), tuple(view.shape), dtype)
-            )
-    return out
 
 
 @attrs.frozen

@@ -8,6 +8,7 @@
                     collective transports, SGLang, the watchdog, parameter streams (params)
     checkpoint/     HF safetensors + DCP checkpoints with an atomic commit
     engines/        adapters to inference engines
+    ray/            RayWorkerGroup: PolicyWorker as a group of Ray actors (extra "ray")
     ipc_logits.py   full logits handed to a colocated consumer over CUDA IPC / shared memory
 
 Modules that moved into a room stay importable by their old dotted path (API.md names some of

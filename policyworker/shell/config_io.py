@@ -1,10 +1,12 @@
 """Config files in, provenance out: the shell side of `policyworker.config`.
 
 `load_config_file(path, overrides=[...])` reads YAML or JSON (a bare policy mapping, or a document
-with a top-level `policy:` key as NeMo-RL writes it), resolves NeMo-RL's OmegaConf-style
-interpolations (`${policy.model_name}`, `${mul:a,b}`, `${max:a,b}`, `${min:...}`, `${add:...}`),
-applies dotted overrides (`dtensor_cfg.tensor_parallel_size=2`) and calls `load_config`.
-`apply_overrides` and `resolve_interpolations` are pure functions on plain mappings.
+with a top-level `policy:` key as NeMo-RL writes it) the way NeMo-RL reads it: `defaults:` chains
+(relative to each file, recursive, deep merge, `_override_`), dotted overrides
+(`dtensor_cfg.tensor_parallel_size=2`), then OmegaConf-style interpolations, absolute
+(`${policy.model_name}`) and relative (`${.temperature}`, `${..model_name}`), with the resolvers
+mul/add/max/min/div; then `load_config`. `merge_config_layers`, `apply_overrides` and
+`resolve_subtree` are pure functions on plain mappings.
 
 YAML is read with YAML 1.2 number rules, so `eps: 1e-8` is the float 1e-08 (PyYAML's YAML 1.1
 rules would read it as the string "1e-8").
@@ -24,12 +26,17 @@ from policyworker.config import PolicyConfig, config_to_dict, load_config
 from policyworker.errors import ConfigError
 
 __all__ = [
+    "MISSING_VALUE",
     "apply_overrides",
     "load_config_file",
+    "merge_config_layers",
     "log_config",
     "parse_override",
     "read_config_document",
+    "read_config_with_defaults",
+    "read_config_section",
     "resolve_interpolations",
+    "resolve_subtree",
     "select_policy",
 ]
 
@@ -45,7 +52,12 @@ _YAML12_FLOAT = re.compile(
 )
 
 
-class _Loader(yaml.SafeLoader):
+# libyaml's parser when PyYAML has it (NeMo-RL's configs parse ~10x faster); the resolver, and so
+# the float rule below, is PyYAML's Python resolver in both cases.
+_BaseLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _Loader(_BaseLoader):  # type: ignore[misc, valid-type]
     """SafeLoader that reads `1e-8` and `5e3` as floats (YAML 1.2), as users expect."""
 
 
@@ -58,8 +70,19 @@ _RESOLVERS: dict[str, Callable[[list[Any]], Any]] = {
     "add": lambda args: sum(args),
     "max": lambda args: max(args),
     "min": lambda args: min(args),
+    "div": lambda args: _divide(args),
 }
 _MAX_DEPTH = 32
+
+
+def _divide(args: list[Any]) -> Any:
+    if len(args) != 2:
+        msg = f"resolver div takes two numbers (a / b), got {args!r}"
+        raise ConfigError(msg)
+    if args[1] == 0:
+        msg = f"resolver div: {args[0]!r} / 0; the divisor must not be 0"
+        raise ConfigError(msg)
+    return args[0] / args[1]
 
 
 def _parse_scalar(text: str) -> Any:
@@ -139,37 +162,69 @@ def _set_path(
     return copy
 
 
-def resolve_interpolations(document: Any, *, root: Any = None) -> Any:
-    """Resolve `${dotted.path}` references (absolute, from `root`, default the document) and the
-    NeMo-RL resolvers mul/add/max/min. A string that is exactly one interpolation keeps the
-    referenced value's type; interpolations inside longer strings are substituted as text."""
-    base = document if root is None else root
-    return _resolve_node(document, base, 0)
+def resolve_interpolations(document: Any) -> Any:
+    """Resolve every `${...}` in `document` (see `resolve_subtree`)."""
+    return resolve_subtree(document, ())
 
 
-def _resolve_node(node: Any, root: Any, depth: int) -> Any:
+def resolve_subtree(document: Any, path: Sequence[str | int]) -> Any:
+    """The node at `path` in `document` with its interpolations resolved as OmegaConf does.
+
+    `${a.b}` is absolute (from the document root); `${.x}` names a sibling of the key holding the
+    string, each further dot goes one level up (`${..model_name}`); list indices count as levels.
+    A referenced value is resolved where it lives, not where it is referenced. Resolvers:
+    mul/add/max/min/div. A string that is exactly one interpolation keeps the referenced value's
+    type; interpolations inside longer strings are substituted as text. Only the subtree is
+    resolved, so references elsewhere in the document (e.g. `${oc.env:...}` in `data:`) that
+    the subtree does not reach are left alone.
+    """
+    node = document
+    for depth, key in enumerate(path):
+        node = _child(node, key)
+        if node is _ABSENT:
+            where = ".".join(map(str, path[: depth + 1]))
+            msg = f"the config has no {where!r}"
+            raise ConfigError(msg)
+    return _resolve_node(node, document, tuple(path), 0)
+
+
+_ABSENT = object()
+
+
+def _child(node: Any, key: str | int) -> Any:
+    if isinstance(node, Mapping):
+        mapping: Mapping[Any, Any] = node
+        return mapping.get(key, _ABSENT)
+    if isinstance(node, list) and isinstance(key, int):
+        items: list[Any] = node
+        return items[key] if 0 <= key < len(items) else _ABSENT
+    return _ABSENT
+
+
+def _resolve_node(node: Any, root: Any, path: tuple[str | int, ...], depth: int) -> Any:
     if isinstance(node, Mapping):
         items: Mapping[Any, Any] = node
-        return {key: _resolve_node(value, root, depth) for key, value in items.items()}
+        return {k: _resolve_node(v, root, (*path, k), depth) for k, v in items.items()}
     if isinstance(node, list):
         values: list[Any] = node
-        return [_resolve_node(value, root, depth) for value in values]
+        return [_resolve_node(v, root, (*path, i), depth) for i, v in enumerate(values)]
     if isinstance(node, str) and "${" in node:
-        return _resolve_text(node, root, depth)
+        return _resolve_text(node, root, path, depth)
     return node
 
 
-def _resolve_text(text: str, root: Any, depth: int) -> Any:
+def _resolve_text(text: str, root: Any, path: tuple[str | int, ...], depth: int) -> Any:
     if depth > _MAX_DEPTH:
         msg = f"interpolation {text!r} nests deeper than {_MAX_DEPTH} levels (a reference cycle?)"
         raise ConfigError(msg)
     spans = _interpolation_spans(text)
     if len(spans) == 1 and spans[0] == (0, len(text)):
-        return _evaluate(text[2:-1], root, depth + 1)
+        return _evaluate(text[2:-1], root, path, depth + 1)
     pieces: list[str] = []
     last = 0
     for start, end in spans:
-        pieces += [text[last:start], str(_evaluate(text[start + 2 : end - 1], root, depth + 1))]
+        value = _evaluate(text[start + 2 : end - 1], root, path, depth + 1)
+        pieces += [text[last:start], str(value)]
         last = end
     return "".join([*pieces, text[last:]])
 
@@ -196,22 +251,23 @@ def _interpolation_spans(text: str) -> list[tuple[int, int]]:
     return spans
 
 
-def _evaluate(inner: str, root: Any, depth: int) -> Any:
+def _evaluate(inner: str, root: Any, path: tuple[str | int, ...], depth: int) -> Any:
     name, colon, arguments = inner.partition(":")
-    if colon and re.fullmatch(r"[A-Za-z_]\w*", name.strip()):
+    if colon and re.fullmatch(r"[A-Za-z_][\w.]*", name.strip()):
         resolver = _RESOLVERS.get(name.strip())
         if resolver is None:
             msg = (f"unknown resolver {name.strip()!r} in '${{{inner}}}'; "
                    f"known: {', '.join(sorted(_RESOLVERS))}")
             raise ConfigError(msg)
-        values = [_argument(arg, root, depth) for arg in _split_arguments(arguments)]
+        values = [_argument(arg, root, path, depth) for arg in _split_arguments(arguments)]
         return resolver(values)
-    return _resolve_node(_lookup(inner.strip(), root), root, depth)
+    target, target_path = _lookup(inner.strip(), root, path)
+    return _resolve_node(target, root, target_path, depth)
 
 
-def _argument(text: str, root: Any, depth: int) -> Any:
+def _argument(text: str, root: Any, path: tuple[str | int, ...], depth: int) -> Any:
     text = text.strip()
-    value = _resolve_text(text, root, depth) if "${" in text else _parse_scalar(text)
+    value = _resolve_text(text, root, path, depth) if "${" in text else _parse_scalar(text)
     if isinstance(value, bool) or not isinstance(value, int | float):
         msg = f"resolver argument {text!r} is {value!r}, not a number"
         raise ConfigError(msg)
@@ -232,36 +288,143 @@ def _split_arguments(text: str) -> list[str]:
     return [*parts, text[start:]]
 
 
-def _lookup(path: str, root: Any) -> Any:
-    node = root
-    parts = path.split(".")
-    if isinstance(root, Mapping) and "policy" not in root and parts[0] == "policy":
-        parts = parts[1:]  # a bare policy mapping referring to itself as `policy.`
-    for depth, part in enumerate(parts):
-        if not isinstance(node, Mapping) or part not in node:
-            where = ".".join(parts[: depth + 1])
-            msg = f"interpolation '${{{path}}}' refers to {where!r}, which does not exist"
+def _lookup(
+    reference: str, root: Any, at: tuple[str | int, ...]
+) -> tuple[Any, tuple[str | int, ...]]:
+    """(value, its path) of `reference` seen from the string at path `at`."""
+    dots = len(reference) - len(reference.lstrip("."))
+    if dots:
+        if dots > len(at):
+            where = ".".join(map(str, at))
+            msg = (f"interpolation '${{{reference}}}' at {where!r} goes {dots} levels up, "
+                   f"above the top of the config")
             raise ConfigError(msg)
-        mapping: Mapping[str, Any] = node
-        node = mapping[part]
-    return node
+        base: tuple[str | int, ...] = at[: len(at) - dots]
+        rest = reference[dots:]
+    else:
+        base, rest = (), reference
+    parts = [part for part in rest.split(".") if part] if rest else []
+    if (not dots and isinstance(root, Mapping) and "policy" not in root and parts
+            and parts[0] == "policy"):
+        parts = parts[1:]  # a bare policy mapping referring to itself as `policy.`
+    node, path = root, ()
+    for key in base:
+        node, path = _child(node, key), (*path, key)
+    for depth, part in enumerate(parts):
+        key: str | int = int(part) if isinstance(node, list) and part.isdigit() else part
+        node, path = _child(node, key), (*path, key)
+        if node is _ABSENT:
+            where = ".".join(map(str, [*base, *parts[: depth + 1]]))
+            msg = f"interpolation '${{{reference}}}' refers to {where!r}, which does not exist"
+            raise ConfigError(msg)
+    return node, path
+
+
+def read_config_with_defaults(path: str | pathlib.Path) -> dict[str, Any]:
+    """Read a config file and the files its `defaults:` names, merged as NeMo-RL merges them.
+
+    `defaults:` is one path or a list of them, relative to the file that names it (absolute
+    paths are kept); each parent is read the same way (recursively), parents are merged left to
+    right and the file itself last (`merge_config_layers`). Interpolations are left as text.
+    """
+    return _read_with_defaults(pathlib.Path(path), ())
+
+
+def _read_with_defaults(path: pathlib.Path, chain: tuple[pathlib.Path, ...]) -> dict[str, Any]:
+    here = path.resolve()
+    if here in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, here))
+        msg = f"`defaults:` chain loops back to a file already being read: {cycle}"
+        raise ConfigError(msg)
+    document = read_config_document(path)
+    if not isinstance(document, Mapping):
+        msg = f"{path}: expected a mapping at the top level, got {type(document).__name__}"
+        raise ConfigError(msg)
+    body: dict[str, Any] = dict(document)  # pyright: ignore[reportUnknownArgumentType]
+    if "defaults" not in body:
+        return body
+    names = body.pop("defaults")
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        msg = (f"{path}: `defaults:` must be a file path or a list of them, got {names!r}; "
+               "write e.g. `defaults: ../../grpo_math_1B.yaml`")
+        raise ConfigError(msg)
+    merged: dict[str, Any] = {}
+    for name in names:
+        parent = pathlib.Path(name) if name.startswith("/") else path.parent / name
+        if not parent.is_file():
+            msg = (f"{path}: `defaults:` names {name!r}, but {parent} is not a file (paths are "
+                   "relative to the file that names them)")
+            raise ConfigError(msg)
+        merged = merge_config_layers(merged, _read_with_defaults(parent, (*chain, here)))
+    return merge_config_layers(merged, body)
+
+
+MISSING_VALUE = "???"
+
+
+def merge_config_layers(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """`override` deep-merged onto `base` (a new dict; neither input changes), as NeMo-RL does.
+
+    Mappings merge key by key, recursively; any other value (lists included) replaces the old
+    one; a `???` (mandatory, still missing) value does not replace an existing one. A top-level
+    section whose mapping holds `_override_: true` replaces the base's section instead of merging
+    into it (the marker is dropped). As in NeMo-RL, only top-level sections honour the marker.
+    """
+    base = dict(base)
+    layer = dict(override)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and value.get("_override_", False):
+            section: dict[str, Any] = dict(value)  # pyright: ignore[reportUnknownArgumentType]
+            section.pop("_override_")
+            layer[key] = section
+            base.pop(key, None)
+    return _deep_merge(base, layer)
+
+
+def _deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    result = dict(base)
+    for key, value in override.items():
+        old = result.get(key)
+        if value == MISSING_VALUE and key in result:
+            continue
+        if isinstance(value, Mapping) and isinstance(old, Mapping):
+            result[key] = _deep_merge(old, value)  # pyright: ignore[reportUnknownArgumentType]
+        else:
+            result[key] = value
+    return result
+
+
+def read_config_section(
+    path: str | pathlib.Path, section: str = "policy", *, overrides: Iterable[str] = ()
+) -> dict[str, Any]:
+    """The resolved `section` mapping of a config file (`policy`, `loss_fn`, `dpo`, ...):
+    `defaults:` merged, the dotted `overrides` (relative to the section) applied, then
+    interpolations resolved. A file without a top-level `policy` key is taken as the policy
+    mapping itself; any other section must be present."""
+    source = str(path)
+    document: dict[str, Any] = read_config_with_defaults(path)
+    if section not in document and section == "policy":
+        return select_policy(resolve_subtree(apply_overrides(document, overrides), ()),
+                             source=source)
+    body = document.get(section)
+    if not isinstance(body, Mapping):
+        msg = (f"{source}: `{section}:` must be a mapping, got {type(body).__name__} "
+               f"@ {section}")
+        raise ConfigError(msg)
+    document = {**document, section: apply_overrides(body, overrides)}  # type: ignore[arg-type]
+    return dict(resolve_subtree(document, (section,)))
 
 
 def load_config_file(path: str | pathlib.Path, *, overrides: Iterable[str] = ()) -> PolicyConfig:
-    """Read a YAML/JSON config file, apply overrides, resolve interpolations, `load_config` it.
+    """Read a YAML/JSON config file the way NeMo-RL does and `load_config` its policy.
 
-    Overrides are applied before interpolations are resolved (as NeMo-RL does), so
-    `max_total_sequence_length=1024` also changes every `${policy.max_total_sequence_length}`.
+    `defaults:` chains are merged, overrides are applied before interpolations are resolved (as
+    NeMo-RL does), so `max_total_sequence_length=1024` also changes every
+    `${policy.max_total_sequence_length}` and `${..max_total_sequence_length}`.
     """
-    source = str(path)
-    document = read_config_document(path)
-    policy = apply_overrides(select_policy(document, source=source), overrides)
-    if isinstance(document, Mapping) and "policy" in document:
-        body: Mapping[str, Any] = document
-        document = {**body, "policy": policy}
-    else:
-        document = policy
-    return load_config(select_policy(resolve_interpolations(document), source=source))
+    return load_config(read_config_section(path, "policy", overrides=overrides))
 
 
 def log_config(cfg: PolicyConfig) -> str:

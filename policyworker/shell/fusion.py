@@ -94,11 +94,11 @@ def _compiled(key: object, fn: Callable[..., Any]) -> Callable[..., Any]:
 # ---------------------------------------------------------------------------- fused forwards
 
 
-def _fused_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def _fused_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     return _compiled("rms_norm", rms_norm_reference)(hidden_states, self.weight, _norm_eps(self))
 
 
-def _fused_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _fused_mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
     return self.down_proj(_compiled("silu_mul", silu_mul_reference)(gate, up))
 
@@ -135,20 +135,22 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def _norm_class_matches(module: nn.Module) -> bool:
+def _norm_class_matches(module: Any) -> bool:
     """The class's own forward equals `rms_norm_reference` bit for bit (Gemma-style `1 + w` or
     a cast after the weight multiply would not), for fp32 and bf16 inputs."""
-    weight = module.weight
+    weight, eps = module.weight, _norm_eps(module)
+    if eps is None:
+        return False
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(_CHECK_ROWS, weight.shape[0], device=weight.device).to(dtype)
         expected = type(module).forward(module, x)
-        if not _same(rms_norm_reference(x, weight, _norm_eps(module)), expected):
+        if not _same(rms_norm_reference(x, weight, eps), expected):
             return False
     return True
 
 
 @torch.no_grad()
-def _mlp_class_matches(module: nn.Module, device: torch.device) -> bool:
+def _mlp_class_matches(module: Any, device: torch.device) -> bool:
     """The class's own forward equals down(silu(gate(x)) * up(x)) bit for bit (same seed for
     both, so dropout inside LoRA-wrapped projections draws the same masks)."""
     in_features = getattr(module.gate_proj, "in_features", None)  # nn.Linear, LoRA and peft
@@ -307,7 +309,7 @@ def _fuse_and_probe(model: nn.Module, forwards: dict[nn.Module, Callable[..., An
                 _probe(module, args, kwargs, autocast_dtype)
 
 
-def _capture_inputs(model: nn.Module, modules: list[nn.Module], device: torch.device
+def _capture_inputs(model: Any, modules: list[nn.Module], device: torch.device
                     ) -> dict[int, tuple[tuple[Any, ...], dict[str, Any]]]:
     """(args, kwargs) of each module's first call in one eager forward of a [2, 3] batch,
     called the way the worker calls a padded microbatch (expanded position ids, no mask)."""
@@ -318,7 +320,7 @@ def _capture_inputs(model: nn.Module, modules: list[nn.Module], device: torch.de
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
     try:
-        vocab = model.get_input_embeddings().num_embeddings
+        vocab = int(model.get_input_embeddings().num_embeddings)
         ids = torch.randint(0, vocab, (_PROBE_BATCH, _PROBE_SEQ), device=device)
         position_ids = torch.arange(_PROBE_SEQ, device=device).expand(_PROBE_BATCH, -1)
         model(input_ids=ids, position_ids=position_ids, attention_mask=None, use_cache=False)

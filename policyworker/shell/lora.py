@@ -68,7 +68,7 @@ class LoRASettings:
     enabled: bool = True
     target_modules: tuple[str, ...] = ()
     exclude_modules: tuple[str, ...] = ()
-    match_all_linear: bool = True
+    match_all_linear: bool = False
     dim: int = 8
     alpha: float = 32.0
     dropout: float = 0.0
@@ -289,7 +289,8 @@ def apply_lora(model: nn.Module, lora_cfg: Any) -> list[str]:
             f"{list(s.target_modules)}, exclude_modules={list(s.exclude_modules)}, match_all_linear="
             f"{s.match_all_linear}; entries matching no linear module: "
             f"{unmatched + unmatched_excludes}; selected: {len(chosen)}. Entries match a dotted "
-            f"module name or its '.'-suffix, or 're:<full-match regex>'; linear modules here: {sample}"
+            f"module name or its '.'-suffix, an Automodel wildcard ('*_proj'), or "
+            f"'re:<full-match regex>'; linear modules here: {sample}"
         )
         raise ValueError(msg)
     _inject(model, chosen, dims=dict.fromkeys(chosen, s.dim), s=s)

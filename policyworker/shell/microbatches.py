@@ -54,6 +54,7 @@ def validate(state: WorkerState, data: Mapping[str, Any], *,
              required=("input_ids", "input_lengths"), skip=()) -> None:
     """Refuse a batch the worker cannot use (missing keys, shapes, mask types, token ids outside
     the model's vocabulary), before any work."""
+    state.require_running("a batch call (train, logprobs, top-k, score)")
     validate_batch(data, required=required, check_dim_skip_keys=tuple(skip or ()))
     for key in ("token_mask", "sample_mask"):
         if key in data and not isinstance(data[key], torch.Tensor):

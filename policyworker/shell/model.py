@@ -1,7 +1,8 @@
 """Load a Hugging Face model for the policy worker and run its forward.
 
 Master weights are fp32; compute runs in `precision` through autocast. The attention
-implementation is chosen here (API.md §7): `auto` is sdpa, and with sequence packing the
+implementation is chosen here (API.md §7): `auto` is sdpa (eager for a model class without an
+sdpa path, e.g. Gemma2, GPT-OSS; logged once), and with sequence packing the
 document-safe kernel of the device (CUDA + bf16/fp16: our registered varlen kernel; otherwise
 sdpa's packed-`position_ids` block-diagonal path, which needs `use_cache=False`).
 A configuration that would attend across packed documents raises `ValueError` at load time,
@@ -14,6 +15,7 @@ Seams for other modules: a parallelize hook (FSDP2 / TP) would wrap the module r
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -24,6 +26,7 @@ from policyworker.shell.attention import VARLEN_ATTN_NAME, ensure_varlen_registe
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
+    "attn_the_model_supports",
     "autocast_context",
     "check_document_isolation",
     "forward_hidden",
@@ -35,6 +38,9 @@ __all__ = [
     "section_enabled",
     "supports_chunked_lm_head",
 ]
+
+log = logging.getLogger("policyworker")
+_EAGER_FALLBACK_LOGGED: set[str] = set()  # model classes whose eager fallback was logged
 
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention", "varlen")
 # Kernels that isolate packed documents given restarted position_ids and attention_mask=None:
@@ -148,9 +154,9 @@ def load_policy_model(
 
     precision = precision_dtype(cfg.precision)
     packing = section_enabled(_get(cfg, "sequence_packing"))
+    requested_attn = _get(cfg.dtensor_cfg, "attn_implementation", "auto")
     attn = resolve_attn_implementation(
-        _get(cfg.dtensor_cfg, "attn_implementation", "auto"),
-        packing=packing, device=device, precision=precision)
+        requested_attn, packing=packing, device=device, precision=precision)
     source = weights_from or cfg.model_name
     # Every edit below changes how the model runs, never which parameters it has or how they
     # are initialised or trained: the model stays the one the checkpoint describes.
@@ -177,6 +183,7 @@ def load_policy_model(
     auto_cls = getattr(transformers, _REWARD_CLASSES[kind] if kind else "AutoModelForCausalLM")
     if kind:
         config.num_labels = 1
+    attn = attn_the_model_supports(auto_cls, config, attn, requested=requested_attn)
     model = auto_cls.from_pretrained(source, config=config, dtype=torch.float32,
                                      attn_implementation=attn)
     model.config.use_cache = False
@@ -191,6 +198,28 @@ def load_policy_model(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(device)
     return model, tokenizer
+
+
+def attn_the_model_supports(auto_cls: Any, config: Any, attn: str, *, requested: str | None) -> str:
+    """`attn`, or 'eager' when `attn` is sdpa, the model class has no sdpa path (Gemma2, GPT-OSS)
+    and the user left the choice to us ('auto'); logged once per model class."""
+    if attn != "sdpa":
+        return attn
+    try:
+        model_cls = auto_cls._model_mapping[type(config)]
+    except (AttributeError, KeyError):  # remote code: transformers decides at construction
+        return attn
+    if getattr(model_cls, "_supports_sdpa", True):
+        return attn
+    if (requested or "auto") != "auto":
+        msg = (f"dtensor_cfg.attn_implementation={requested!r}: {model_cls.__name__} has no sdpa "
+               f"attention in transformers; use 'auto' (falls back to eager) or 'eager'")
+        raise ValueError(msg)
+    if model_cls.__name__ not in _EAGER_FALLBACK_LOGGED:
+        _EAGER_FALLBACK_LOGGED.add(model_cls.__name__)
+        log.warning("%s has no sdpa attention in transformers; attn_implementation 'auto' uses "
+                    "'eager' for it", model_cls.__name__)
+    return "eager"
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:

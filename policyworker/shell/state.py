@@ -66,6 +66,7 @@ class WorkerState:
     refit: RefitState = attrs.Factory(RefitState)
     saver: AsyncSaver = attrs.Factory(AsyncSaver)
     logits_buffer: TeacherLogitsBuffer | None = None
+    shut_down: bool = False  # set by PolicyWorker.shutdown(): later batch and refit calls raise
 
     @classmethod
     def build(cls, cfg: PolicyConfig, *, parallel: ParallelContext | None,
@@ -106,6 +107,14 @@ class WorkerState:
             load_checkpoint_at_init(state, weights_path, optimizer_path,
                                     weights_loaded=weights_folder is not None)
         return state
+
+    def require_running(self, call: str) -> None:
+        """RuntimeError after shutdown (the process group and refit sockets are closed)."""
+        if self.shut_down:
+            msg = (f"PolicyWorker[rank={self.parallel.rank}] was shut down; {call} needs a live "
+                   "worker (its process group and refit sockets are closed): build a new "
+                   "PolicyWorker")
+            raise RuntimeError(msg)
 
     def reshard(self) -> None:
         """Return FSDP2 parameters to their sharded DTensors (after a forward without backward,

@@ -23,6 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from policyworker.functional import batch_checks
+from policyworker.functional.distillation import distillation_loss_input
 from policyworker.functional.logprobs import count_and_zero_neg_inf
 from policyworker.functional.loss import LossInputType, LossType
 from policyworker.functional.metrics import scale_microbatch_metrics
@@ -177,8 +178,10 @@ def _train_global_batch(state: WorkerState, batch, loss_fn, *, eval_mode, mbs, n
 
 
 def _loss(state: WorkerState, mb: mbatch.Microbatch, loss_fn, gvs, gvt):
+    # Every loss is called by keyword, as NeMo-RL calls it; the inputs follow its input_type.
     logits = mbatch.forward(state, mb)
-    if loss_fn.input_type == LossInputType.LOGIT:
+    kind = loss_fn.input_type
+    if kind in (LossInputType.LOGIT, LossInputType.DISTILLATION):
         if isinstance(logits, DTensor):
             # A LOGIT loss may do anything with the vocab dim: give it the full logits. The
             # gather is differentiable (each TP rank gets its vocab shard's gradient back).
@@ -186,7 +189,15 @@ def _loss(state: WorkerState, mb: mbatch.Microbatch, loss_fn, gvs, gvt):
         logits = mb.unpack_rows(logits)
         if state.sampling.temperature != 1.0:
             logits = logits / state.sampling.temperature
-        return loss_fn(mb.data, gvs, gvt, logits=logits)
+        if kind == LossInputType.LOGIT:
+            return loss_fn(data=mb.data, global_valid_seqs=gvs, global_valid_toks=gvt,
+                           logits=logits)
+        return loss_fn(data=mb.data, global_valid_seqs=gvs, global_valid_toks=gvt,
+                       **distillation_loss_input(logits, mb.data, loss_fn))
+    if kind != LossInputType.LOGPROB:
+        msg = (f"loss input_type {kind!r} is not supported; use LossInputType.LOGPROB, LOGIT or "
+               "DISTILLATION")
+        raise ValueError(msg)
     data = dict(mb.data)
     lp = next_token.training_logprobs(state, mb, logits, filtered=True)
     if next_token.filtering(state):
@@ -195,7 +206,8 @@ def _loss(state: WorkerState, mb: mbatch.Microbatch, loss_fn, gvs, gvt):
         if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
             data["curr_logprobs_unfiltered"] = next_token.training_logprobs(
                 state, mb, logits, filtered=False)
-    return loss_fn(data, gvs, gvt, next_token_logprobs=lp)
+    return loss_fn(data=data, global_valid_seqs=gvs, global_valid_toks=gvt,
+                   next_token_logprobs=lp)
 
 
 def _optimizer_step(state: WorkerState, loss_finite: bool) -> tuple[float, bool]:

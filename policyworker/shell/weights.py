@@ -24,6 +24,7 @@ __all__ = ["add_noise", "broadcast", "init_collective", "refit_info", "sglang_se
 
 def zmq_sender(state: WorkerState) -> Any:
     """The worker's ZMQ refit sender, created on first use."""
+    state.require_running("a ZMQ refit")
     if state.refit.sender is None:
         from policyworker.shell.refit.sender import RefitSender
 
@@ -88,6 +89,7 @@ def init_collective(state: WorkerState, ip: str, port: int, world_size: int, *,
     """Join the trainer+engine process group that `broadcast` sends over."""
     from policyworker.shell.refit.collective import init_collective as join
 
+    state.require_running("init_collective")
     state.refit.collective = join(ip, port, world_size, train_world_size=train_world_size,
                                   rank=state.parallel.rank, device=state.device)
 
@@ -98,6 +100,7 @@ def broadcast(state: WorkerState, kv_scales: Any, refit_timeout_s: float | None,
     """One refit as packed broadcasts over the group of `init_collective`."""
     from policyworker.shell.refit.collective import broadcast_model_weights
 
+    state.require_running("a collective refit")
     state.reshard()
     return broadcast_model_weights(
         state.refit.collective, state.model, state.dtype, kv_scales=kv_scales,
@@ -107,6 +110,7 @@ def broadcast(state: WorkerState, kv_scales: Any, refit_timeout_s: float | None,
 
 def sglang_sender(state: WorkerState) -> Any:
     """The worker's SGLang colocated sender, created on first use."""
+    state.require_running("an SGLang refit")
     if state.refit.sglang is None:
         from policyworker.shell.refit.sglang import SGLangColocatedSender
 

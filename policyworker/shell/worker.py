@@ -32,9 +32,10 @@ from policyworker.data import BatchedDataDict
 from policyworker.shell import calibration, checkpoint, inference, offload, training, weights
 from policyworker.shell import microbatches as mbatch
 from policyworker.shell import model as model_lib
+from policyworker.shell.nemo_rl_surface import NeMoRLWorkerSurface, split_constructor_kwargs
 from policyworker.shell.state import WorkerState
 
-__all__ = ["AutomodelPolicyWorker", "PolicyWorker"]
+__all__ = ["AutomodelPolicyWorker", "AutomodelPolicyWorkerImpl", "PolicyWorker"]
 
 
 def _state_field(name: str, doc: str) -> property:
@@ -43,9 +44,9 @@ def _state_field(name: str, doc: str) -> property:
                     lambda self, value: setattr(self.state, name, value), doc=doc)
 
 
-class PolicyWorker:
+class PolicyWorker(NeMoRLWorkerSurface):
     """Trains a Hugging Face model with a pluggable loss; logprobs, top-k, scores, offload,
-    refit and checkpoints (API.md §4)."""
+    refit and checkpoints (API.md §4); NeMo-RL's base-worker methods via the mixin."""
 
     cfg = _state_field("cfg", "The PolicyConfig the worker was built from.")
     parallel = _state_field("parallel", "This rank's ParallelContext (dp, cp, tp).")
@@ -70,15 +71,15 @@ class PolicyWorker:
     ) -> None:
         """Load the model of `config` (a PolicyConfig or NeMo-RL `policy:` mapping), shard it
         over the process group, build optimizer and reference weights, and load a checkpoint
-        from `weights_path` / `optimizer_path` when given. `parallel=` injects a context."""
+        from `weights_path` / `optimizer_path` when given. `parallel=` injects a context; the
+        keyword arguments NeMo-RL's Policy passes are accepted (`nemo_rl_surface`)."""
         cfg = config if isinstance(config, PolicyConfig) else load_config(config)
-        parallel = kwargs.pop("parallel", None)
-        if kwargs:
-            msg = f"unexpected PolicyWorker keyword arguments {sorted(kwargs)}; remove them"
-            raise ValueError(msg)
+        parallel, tokenizer = split_constructor_kwargs(kwargs)
         self.state = WorkerState.build(
             cfg, parallel=parallel, weights_path=weights_path, optimizer_path=optimizer_path,
             init_optimizer=init_optimizer, init_reference_model=init_reference_model)
+        if tokenizer is not None:
+            self.state.tokenizer = tokenizer
 
     @property
     def _sampling(self) -> tuple[float, int | None, float]:
@@ -199,8 +200,9 @@ class PolicyWorker:
         """Move the optimizer state tensors to `device` (nothing without an optimizer)."""
         offload.move_optimizer(self.state, device)
 
-    def prepare_for_training(self) -> None:
-        """Model and optimizer state onto the device, train mode."""
+    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
+        """Model and optimizer state onto the device, train mode (NeMo-RL passes arguments its
+        drivers share with other backends; none changes what this does)."""
         offload.prepare_for_training(self.state)
 
     def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
@@ -317,21 +319,25 @@ class PolicyWorker:
         return inference.plans(self.state, data, micro_batch_size)
 
     def is_alive(self) -> bool:
-        """True (a liveness probe for actor frameworks)."""
-        return True
+        """True until `shutdown()` (a liveness probe for actor frameworks)."""
+        return not self.state.shut_down
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}[rank={self.parallel.rank}]"
 
     def shutdown(self) -> bool:
         """Commit a pending asynchronous save, then close the refit transports and the process
-        group this worker created."""
+        group this worker created, for good: later batch and refit calls raise `RuntimeError`
+        (a second shutdown is a no-op)."""
+        if self.state.shut_down:
+            return True
         checkpoint.finalize_async_save(self.state)
+        self.state.shut_down = True
         if self.state.refit.sender is not None:
-            self.state.refit.sender.close()
-            self.state.refit.sender = None
+            self.state.refit.sender.close()  # closed for good: it opens no new address
         self.parallel.shutdown()
         return True
 
 
 AutomodelPolicyWorker = PolicyWorker
+AutomodelPolicyWorkerImpl = PolicyWorker  # NeMo-RL's name of the class behind its Ray actor

@@ -229,13 +229,14 @@ def test_effect_checker_lets_pure_code_through():
 
 SHELL = CORE.parent / "shell"
 SHELL_LAYERS = {
-    "policyworker.shell.ray": 5,  # actor wrappers around the facade
+    "policyworker.shell.ray": 5,  # actor wrappers around the facade (a package)
     "policyworker.shell.worker": 4,  # the facade
     "policyworker.shell.training": 3,
     "policyworker.shell.inference": 3,
     "policyworker.shell.calibration": 3,
     "policyworker.shell.offload": 3,
     "policyworker.shell.weights": 3,
+    "policyworker.shell.nemo_rl_surface": 3,  # the facade's NeMo-RL mixin
     "policyworker.shell.state": 2,
     "policyworker.shell.microbatches": 2,
     "policyworker.shell.next_token": 2,
@@ -250,8 +251,9 @@ LAYER_NAMES = {5: "actors", 4: "facade", 3: "behaviours", 2: "worker mechanisms"
 def _layer(module: str) -> int | None:
     if not module.startswith("policyworker.shell"):
         return 0 if module.startswith("policyworker") else None
-    if module in SHELL_LAYERS:
-        return SHELL_LAYERS[module]
+    for room, layer in SHELL_LAYERS.items():
+        if module == room or module.startswith(room + "."):
+            return layer
     if module == "policyworker.shell" or _matches(module, MECHANISM_ROOMS):
         return 1
     if module.rsplit(".", 1)[-1] in MECHANISM_MODULES and module.count(".") == 2:

@@ -3,6 +3,7 @@ keys ignored with one warning, cross-field rules stating the fix."""
 
 import copy
 import json
+import logging
 import re
 import warnings
 from typing import Any, get_args
@@ -235,7 +236,11 @@ def test_every_typo_is_reported_with_its_path(cfg, data):
     parent, key = data.draw(st.sampled_from(keys_in(tree)))
     node = node_at(tree, parent)
     node[f"{key}_typo"] = node.pop(key)
-    assert f"extra fields found ({key}_typo) @ {dotted(parent)}" in error_lines(tree)
+    lines = [line for line in error_lines(tree) if line.endswith(f" @ {dotted(parent)}")
+             and line.startswith(f"extra fields found ({key}_typo")]
+    assert len(lines) == 1
+    if not (parent and parent[0] == "scheduler"):  # a scheduler item without `milestones` is
+        assert f"({key}_typo: did you mean " in lines[0]  # a {name, kwargs} entry
 
 
 @settings(max_examples=40)
@@ -348,8 +353,8 @@ def test_scheduler_problems_carry_list_indices():
     tree = set_dotted(FULL, "scheduler", [{"name": "torch.optim.lr_scheduler.LinearLR", "kwarg": {}},
                                           {"nme": "x"}, {"milestones": [5, "ten"]}])
     lines = error_lines(tree)
-    assert "extra fields found (kwarg) @ policy.scheduler[0]" in lines
-    assert "extra fields found (nme) @ policy.scheduler[1]" in lines
+    assert "extra fields found (kwarg: did you mean 'kwargs'?) @ policy.scheduler[0]" in lines
+    assert "extra fields found (nme: did you mean 'name'?) @ policy.scheduler[1]" in lines
     assert "required field missing @ policy.scheduler[1].name" in lines
     assert "expected an integer, got 'ten' (str) @ policy.scheduler[2].milestones[1]" in lines
 
@@ -365,40 +370,81 @@ def test_missing_model_name_and_non_mapping_sections():
 
 def test_api_example_line_is_exact():
     lines = error_lines({"model_name": "m", "dtensor_cfg": {"tensor_paralel_size": 2}})
-    assert lines == ["extra fields found (tensor_paralel_size) @ policy.dtensor_cfg"]
+    assert lines == ["extra fields found (tensor_paralel_size: did you mean "
+                     "'tensor_parallel_size'?) @ policy.dtensor_cfg"]
+
+
+def test_lora_with_no_rule_or_only_excludes_loads_as_in_automodel():
+    # Automodel: no rule means target_modules ["*_proj"]; only exclude_modules means "every
+    # linear layer but these" (NeMo-RL's nanov3 LoRA recipes).
+    bare = load_config({"model_name": "m", "dtensor_cfg": {"lora_cfg": {"enabled": True}}})
+    assert bare.dtensor_cfg.lora_cfg == LoRAConfig(match_all_linear=False)
+    nanov3 = load_config({"model_name": "m", "dtensor_cfg": {"lora_cfg": {
+        "enabled": True, "target_modules": [], "exclude_modules": ["*out_proj*"],
+        "match_all_linear": False}}})
+    assert nanov3.dtensor_cfg.lora_cfg is not None
+    assert nanov3.dtensor_cfg.lora_cfg.exclude_modules == ("*out_proj*",)
+    assert "must hold module names, wildcards" in "\n".join(error_lines(
+        {"model_name": "m", "dtensor_cfg": {"lora_cfg": {"target_modules": ["*(x"]}}}))
 
 
 def test_a_disabled_section_still_rejects_a_typo_but_not_its_values():
     cfg = load_config({"model_name": "m", "sequence_packing": {"enabled": False, "train_mb_tokens": "x"}})
     assert not cfg.sequence_packing_enabled
     assert error_lines({"model_name": "m", "sequence_packing": {"enabled": False, "algoritm": "x"}}) == [
-        "extra fields found (algoritm) @ policy.sequence_packing"]
+        "extra fields found (algoritm: did you mean 'algorithm'?) @ policy.sequence_packing"]
 
 
 # --- NeMo-RL keys this worker does not read ----------------------------------------------------
 
 BASE_FOR_IGNORED = {"model_name": "m", "dtensor_cfg": {}, "sequence_packing": {"enabled": False},
+                    "draft": {"enabled": False},
                     "generation": {"colocated": {"enabled": True}}}
 
 
+def _accepted_not_used(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records
+            if r.name == "policyworker" and "accepted, not used" in r.getMessage()]
+
+
 @pytest.mark.parametrize("path", sorted(IGNORED_NEMO_RL_KEYS))
-def test_ignored_nemo_rl_key_warns_once_and_changes_nothing(path):
+def test_ignored_nemo_rl_key_is_listed_once_at_info_and_changes_nothing(path, caplog):
     expected = load_config(BASE_FOR_IGNORED)
-    with pytest.warns(ConfigWarning) as record:
-        cfg = load_config(set_dotted(BASE_FOR_IGNORED, path, {"anything": [1, 2]}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        with caplog.at_level(logging.INFO, logger="policyworker"):
+            cfg = load_config(set_dotted(BASE_FOR_IGNORED, path, {"anything": [1, 2]}))
     assert cfg == expected
-    assert len(record) == 1
-    assert f"policy.{path}" in str(record[0].message)
+    records = _accepted_not_used(caplog)
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    assert f"policy.{path}" in records[0].getMessage()
 
 
-def test_all_ignored_keys_are_listed_in_one_warning():
+def test_all_ignored_keys_are_listed_in_one_record(caplog):
     tree: dict[str, Any] = BASE_FOR_IGNORED
     for path in IGNORED_NEMO_RL_KEYS:
         tree = set_dotted(tree, path, 1)
-    with pytest.warns(ConfigWarning) as record:
+    with caplog.at_level(logging.INFO, logger="policyworker"):
         load_config(tree)
-    assert len(record) == 1
-    assert all(f"policy.{path}" in str(record[0].message) for path in IGNORED_NEMO_RL_KEYS)
+    records = _accepted_not_used(caplog)
+    assert len(records) == 1
+    assert all(f"policy.{path}" in records[0].getMessage() for path in IGNORED_NEMO_RL_KEYS)
+
+
+@pytest.mark.parametrize(("tree", "line"), [
+    ({"generation": {"temperatur": 1.0}},
+     "temperatur: did you mean 'temperature'?"),
+    ({"generation": {"val_top_kk": 1}}, "val_top_kk: did you mean 'val_top_k'?"),
+    ({"draft": {"enabled": False, "loss_wieght": 1}}, "loss_wieght: did you mean 'loss_weight'?"),
+    ({"tokenizer": {"use_fastokenz": True}}, "use_fastokenz: did you mean 'use_fastokens'?"),
+    ({"dtensor_cfg": {"lora_cfg": {"enabled": True, "dims": 3}}}, "dims: did you mean 'dim'?"),
+    ({"quant_cfgg": None}, "quant_cfgg: did you mean 'quant_cfg'?"),
+    ({"zzz_unrelated": 1}, "extra fields found (zzz_unrelated) @ policy"),
+])
+def test_a_key_nemo_rl_does_not_define_is_an_error_with_a_did_you_mean(tree, line):
+    with pytest.raises(ConfigError) as info:
+        load_config({"model_name": "m", **tree})
+    assert line in str(info.value)
 
 
 @settings(max_examples=30)
@@ -452,9 +498,6 @@ def test_known_worker_keys_are_never_in_the_ignore_table():
     ({"scheduler": [{"name": "a.B"}, {"milestones": []}, {"milestones": []}]},
      r"a second \{milestones: \[...\]\} item; keep exactly one @ policy\.scheduler\[2\]"),
     ({"scheduler": []}, r"has no \{name, kwargs\} entry; add one or omit scheduler"),
-    ({"dtensor_cfg": {"lora_cfg": {"match_all_linear": False}}},
-     r"LoRA has nothing to adapt.*; list target_modules or set match_all_linear: true "
-     r"@ policy\.dtensor_cfg\.lora_cfg\.target_modules"),
 ])
 def test_cross_field_rule_message_states_the_fix(patch, phrase):
     with pytest.raises(ConfigError, match=re.compile(phrase, re.M)):

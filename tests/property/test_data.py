@@ -96,12 +96,32 @@ def test_select_then_reorder_is_identity(perm, seed):
     lengths = torch.randint(0, 6, (9,), generator=torch.Generator().manual_seed(seed))
     batch = batch_with_lengths(lengths, 6)
     shuffled = batch.select_indices(perm)
+    assert torch.equal(shuffled["problem_ids"], torch.tensor(perm))
     restored = shuffled.reorder_data(perm)
-    assert restored is not shuffled and torch.equal(shuffled["problem_ids"], torch.tensor(perm))
+    assert restored is shuffled  # in place, as NeMo-RL
     assert all(torch.equal(restored[k], batch[k]) for k in ("input_ids", "sequence_lengths"))
     assert restored["names"] == batch["names"]
-    permuted = batch.reorder_data(inverse_permutation(perm))
+    permuted = batch.copy().reorder_data(inverse_permutation(perm))
     assert torch.equal(permuted["problem_ids"], torch.tensor(perm))
+
+
+def test_reorder_data_is_in_place_like_nemo_rl_and_checks_first():
+    b = BatchedDataDict(x=torch.tensor([10, 20, 30]), names=["a", "b", "c"])
+    b.reorder_data([2, 0, 1])
+    assert b["x"].tolist() == [20, 30, 10] and b["names"] == ["b", "c", "a"]
+    for bad in ([0, 0, 1], [0, 1], [0, 1, 3]):
+        with pytest.raises(ValueError, match=r"needs a permutation of range\(3\)"):
+            b.reorder_data(bad)
+    assert b["x"].tolist() == [20, 30, 10]  # unchanged by the refused calls
+
+
+def test_from_batches_follows_nemo_rl_on_empty_input():
+    assert BatchedDataDict.from_batches([]) == {}
+    a = {"ids": torch.ones(2, 3), "names": ["p", "q"]}
+    out = BatchedDataDict.from_batches([{}, a, {"ids": torch.zeros(0, 5)}])
+    assert out["ids"].shape == (2, 5) and out["names"] == ["p", "q"]
+    with pytest.raises(DataError, match=r"key 'names' is missing from batches \[1\], which have rows"):
+        BatchedDataDict.from_batches([a, {"ids": torch.zeros(1, 3)}])
 
 
 def test_from_batches_pads_sequence_dims_and_keeps_trailing_dims():

@@ -21,6 +21,7 @@ from policyworker.functional.lora import (
     unmatched_entries,
     unmerge_lora_weight,
     validate_target_entries,
+    wildcard_regex,
 )
 from tests.property.strategies import FLOAT_DTYPES, SEEDS, seeded_randn
 
@@ -176,12 +177,69 @@ def test_regex_entry_is_a_full_match(name, cut):
 @given(name=module_names, targets=st.lists(module_names, max_size=3),
        excludes=st.lists(module_names, max_size=2), match_all=st.booleans())
 def test_matches_target_against_oracle(name, targets, excludes, match_all):
+    # Automodel's precedence: match_all_linear, then target_modules, then "all linear but the
+    # excluded"; with no rule at all, target_modules is ["*_proj"]. Excludes always win here.
     excluded = any(_suffix_oracle(name, e) for e in excludes)
     if match_all:
         selected = name.split(".")[-1] != "lm_head"
-    else:
+    elif targets:
         selected = any(_suffix_oracle(name, t) for t in targets)
+    elif excludes:
+        selected = True
+    else:
+        selected = name.endswith("_proj")
     assert matches_target(name, targets, excludes, match_all_linear=match_all) == (selected and not excluded)
+
+
+# (pattern, module name, Automodel's wildcard_match result): the rule of its ModuleMatcher.
+AUTOMODEL_WILDCARD_CASES = [
+    ("*.layers.0.*.linear_qkv", "decoder.layers.0.self_attention.linear_qkv", True),
+    ("*.layers.0.*.linear_qkv", "decoder.layers.1.self_attention.linear_qkv", False),
+    ("*_proj", "model.layers.0.self_attn.q_proj", True),
+    ("*_proj", "model.layers.0.mlp.down_proj", True),
+    ("*_proj", "lm_head", False),
+    ("*_proj", "model.layers.0.self_attn.q_proj_norm", False),
+    ("*out_proj*", "backbone.layers.3.mixer.out_proj", True),
+    ("*out_proj*", "backbone.layers.3.mixer.in_proj", False),
+    ("*.lm_head", "model.lm_head", True),
+    ("*.lm_head", "lm_head", False),
+    ("model.*.q_proj", "model.layers.7.self_attn.q_proj", True),
+    ("*.mlp.*", "model.layers.0.mlp.up_proj", True),
+    ("*.mlp.*", "model.layers.0.self_attn.o_proj", False),
+]
+
+
+@pytest.mark.parametrize(("pattern", "name", "expected"), AUTOMODEL_WILDCARD_CASES)
+def test_wildcards_follow_automodels_table(pattern, name, expected):
+    assert matches_entry(name, pattern) == expected
+    assert (re.match(wildcard_regex(pattern), name) is not None) == expected
+
+
+# (target_modules, exclude_modules, match_all_linear) -> the modules adapted in a small decoder
+DECODER = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj",
+           "model.layers.0.mlp.up_proj", "backbone.layers.0.mixer.out_proj", "lm_head"]
+AUTOMODEL_SELECTION_CASES = [
+    (([], [], False), DECODER[:4]),  # no rule: Automodel's default target "*_proj"
+    (([], ["*out_proj*"], False), [DECODER[0], DECODER[1], DECODER[2], "lm_head"]),  # nanov3
+    (([], [], True), DECODER[:4]),  # all linear but the output head (see matches_target)
+    ((["*_proj"], [], False), DECODER[:4]),
+    ((["q_proj", "up_proj"], [], False), [DECODER[0], DECODER[2]]),
+    ((["*.mlp.*"], [], False), [DECODER[2]]),
+    ((["re:.*\\.self_attn\\..*"], [], False), DECODER[:2]),
+]
+
+
+@pytest.mark.parametrize(("rule", "expected"), AUTOMODEL_SELECTION_CASES)
+def test_selection_follows_automodels_table(rule, expected):
+    targets, excludes, match_all = rule
+    assert [n for n in DECODER if matches_target(n, targets, excludes, match_all_linear=match_all)] == expected
+
+
+@given(name=module_names, stem=st.sampled_from(["proj", "q", "mlp", "layers"]))
+def test_a_star_spans_any_text_of_a_name(name, stem):
+    assert matches_entry(name, "*") is True
+    assert matches_entry(name, f"*{stem}*") == (stem in name)
+    assert matches_entry(name, f"*{stem}") == name.endswith(stem)
 
 
 @given(names=st.lists(module_names, max_size=6), entries=st.lists(module_names, max_size=4))
@@ -201,7 +259,8 @@ def test_examples_of_the_matching_rule():
                               match_all_linear=False)
 
 
-@pytest.mark.parametrize(("entries", "phrase"), [(["q_proj", ""], "non-empty"), (["re:(q"], "not a valid regex")])
+@pytest.mark.parametrize(("entries", "phrase"), [(["q_proj", ""], "non-empty"), (["re:(q"], "not a valid regex"),
+                                               (["*_proj", "*(q"], "not a valid regex")])
 def test_validate_target_entries_names_the_bad_entry(entries, phrase):
     with pytest.raises(ValueError, match=f"lora_cfg.target_modules entry .*{phrase}"):
         validate_target_entries(entries, what="lora_cfg.target_modules")

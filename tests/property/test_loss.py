@@ -449,7 +449,8 @@ def test_masked_mean_is_the_masked_sum_over_factor_plus_eps(seed, n):
     masked_sum = sum(float(v) for v, m in zip(values, mask, strict=True) if m)
     count = float(mask.sum())
     assert masked_mean(values, mask).item() == pytest.approx(masked_sum / (count + 1e-8))
-    assert masked_mean(values, mask, 7.0).item() == pytest.approx(masked_sum / (7.0 + 1e-8))
+    assert masked_mean(values, mask, global_normalization_factor=7.0).item() == pytest.approx(
+        masked_sum / (7.0 + 1e-8))
 
 
 # ------------------------------------------------------------------------ protocol and errors

@@ -1,19 +1,23 @@
-"""Properties of parameter-name handling: wrappers, LoRA names, MoE expert split/fuse."""
+"""Properties of parameter-name handling: wrappers, LoRA names, checkpoint pieces."""
 
+import attrs
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from policyworker.functional.names import (
+    CheckpointPiece,
     canonical_name,
+    check_pieces,
     drop_tied_lm_head,
-    expert_slot,
-    fuse_expert_tensors,
+    from_checkpoint,
     is_lora_param,
     lora_base_name,
     lora_module_name,
-    to_hf_tensors,
+    pieces_by_checkpoint_name,
+    to_checkpoint,
+    whole_piece,
 )
 from tests.property.strategies import SEEDS, seeded_randn
 
@@ -51,72 +55,83 @@ def test_lora_module_name_rejects_plain_names():
         lora_module_name("model.layers.0.q_proj.weight")
 
 
-@given(
-    E=st.integers(1, 4),
-    I=st.integers(1, 5),
-    H=st.integers(1, 5),
-    layer=st.integers(0, 30),
-    seed=SEEDS,
-)
-def test_split_then_fuse_experts_is_identity(E, I, H, layer, seed):
-    prefix = f"model.layers.{layer}.mlp.experts"
-    gate_up = seeded_randn(seed, (E, 2 * I, H))
-    down = seeded_randn(seed + 1, (E, H, I))
-    bias = seeded_randn(seed + 2, (E,))
-    source = [
-        (f"{prefix}.gate_up_proj", gate_up),
-        (f"model.layers.{layer}.mlp.gate.e_score_correction_bias", bias),
-        (f"{prefix}.down_proj", down),
-    ]
-    split = [pair for name, t in source for pair in to_hf_tensors(name, t)]
-    assert len(split) == 3 * E + 1
-    for name, t in split:  # each split tensor is the slot's view of the fused tensor
-        slot = expert_slot(name)
-        if slot is not None:
-            assert torch.equal(slot.view_of(dict(source)[slot.fused_name]), t)
-    fused = fuse_expert_tensors(split)
-    assert [n for n, _ in fused] == [n for n, _ in source]
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fused, source))
-
-
-@given(E=st.integers(1, 3), I=st.integers(1, 4), H=st.integers(1, 4), seed=SEEDS)
-def test_gate_is_the_first_half_of_dim_one(E, I, H, seed):
-    gate_up = seeded_randn(seed, (E, 2 * I, H))
-    pieces = dict(to_hf_tensors("experts.gate_up_proj", gate_up))
-    for e in range(E):
-        assert torch.equal(pieces[f"experts.{e}.gate_proj.weight"], gate_up[e, :I])
-        assert torch.equal(pieces[f"experts.{e}.up_proj.weight"], gate_up[e, I:])
-
-
-def test_non_expert_names_pass_through():
-    t = torch.zeros(2, 3)
-    for name in [
-        "model.layers.0.mlp.shared_experts.gate_proj.weight",
-        "model.embed_tokens.weight",
-        "model.layers.0.mlp.gate.weight",
-    ]:
-        assert to_hf_tensors(name, t) == [(name, t)]
-        assert expert_slot(name) is None
-    assert to_hf_tensors("m.experts.gate_up_proj", torch.zeros(2, 4, 3), split_fused_experts=False)[
-        0
-    ][0] == ("m.experts.gate_up_proj")
-
-
-def test_fuse_rejects_incomplete_experts():
-    pairs = [
-        ("m.experts.0.gate_proj.weight", torch.zeros(1, 2)),
-        ("m.experts.1.gate_proj.weight", torch.zeros(1, 2)),
-        ("m.experts.1.up_proj.weight", torch.zeros(1, 2)),
-    ]
-    with pytest.raises(ValueError, match=r"missing per-expert tensors \['0.up_proj'\]"):
-        fuse_expert_tensors(pairs)
-    with pytest.raises(ValueError, match="appears twice"):
-        fuse_expert_tensors(pairs[:1] * 2)
-
-
 @given(names=st.lists(dotted, max_size=6), tied=st.booleans(), position=st.integers(0, 6))
 def test_drop_tied_lm_head_removes_only_lm_head_and_only_when_tied(names, tied, position):
     names = [n for n in names if n != "lm_head.weight"]
     with_head = names[:position] + ["lm_head.weight"] + names[position:]
     out = drop_tied_lm_head(with_head, tie_word_embeddings=tied)
     assert out == (names if tied else with_head)
+
+
+# ------------------------------------------------------------------ checkpoint pieces (views)
+
+
+@st.composite
+def partitioned_tensors(draw):
+    """A random tensor and a random partition of it into views (what a checkpoint conversion
+    cuts: experts unbound, halves chunked, some transposed), as CheckpointPieces."""
+    shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+    source = seeded_randn(draw(SEEDS), shape)
+    views = [source]
+    for _ in range(draw(st.integers(0, 4))):
+        view = views.pop(draw(st.integers(0, len(views) - 1)))
+        dims = [d for d in range(view.dim()) if view.shape[d] > 1]
+        op = draw(st.sampled_from(["unbind", "chunk", "transpose"]))
+        if op == "transpose" and view.dim() >= 2:
+            a, b = draw(st.permutations(range(view.dim())))[:2]
+            views.append(view.transpose(a, b))
+        elif dims:
+            dim = draw(st.sampled_from(dims))
+            parts = view.unbind(dim) if op == "unbind" else view.chunk(draw(st.integers(2, 3)), dim)
+            views.extend(parts)
+        else:
+            views.append(view)
+    pieces = [
+        CheckpointPiece(f"ckpt.{i}", tuple(v.shape), tuple(v.stride()), v.storage_offset())
+        for i, v in enumerate(views)
+    ]
+    return source, views, pieces
+
+
+@given(case=partitioned_tensors())
+def test_pieces_cut_the_views_and_rebuild_the_source(case):
+    source, views, pieces = case
+    check_pieces("w", source.shape, pieces)
+    cut = to_checkpoint(source, pieces)
+    assert [n for n, _ in cut] == [p.name for p in pieces]
+    for (_, got), want in zip(cut, views, strict=True):
+        assert torch.equal(got, want)
+        assert got.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()  # no copy
+    rebuilt = from_checkpoint(source.shape, pieces, {n: t.clone() for n, t in cut})
+    assert torch.equal(rebuilt, source)
+    located = pieces_by_checkpoint_name({"w": pieces})
+    assert all(located[p.name] == ("w", p) for p in pieces)
+
+
+@given(case=partitioned_tensors())
+def test_a_lost_or_out_of_bounds_piece_is_refused(case):
+    source, _, pieces = case
+    if len(pieces) > 1:
+        with pytest.raises(ValueError, match="hold .* elements"):
+            check_pieces("w", source.shape, pieces[1:])
+    shifted = attrs.evolve(pieces[-1], offset=pieces[-1].offset + source.numel())
+    with pytest.raises(ValueError, match="reaches outside 'w'"):
+        check_pieces("w", source.shape, [*pieces[:-1], shifted])
+
+
+@given(shape=st.lists(st.integers(1, 4), max_size=3).map(tuple), seed=SEEDS)
+def test_a_whole_piece_is_the_tensor_itself(shape, seed):
+    source = seeded_randn(seed, shape)
+    piece = whole_piece("w", shape)
+    assert piece.is_whole(shape) and piece.stride == source.stride()
+    assert torch.equal(piece.view_of(source), source)
+    if len(shape) >= 2 and shape[0] > 1 and shape[1] > 1:
+        transposed = source.transpose(0, 1)
+        with pytest.raises(ValueError, match="needs a contiguous source"):
+            whole_piece("w", transposed.shape).view_of(transposed)
+
+
+def test_one_checkpoint_name_from_two_sources_is_refused():
+    piece = whole_piece("shared", (2,))
+    with pytest.raises(ValueError, match="comes from both 'a' and 'b'"):
+        pieces_by_checkpoint_name({"a": [piece], "b": [piece]})

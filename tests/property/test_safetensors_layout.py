@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from policyworker.functional.safetensors_layout import (
     HFTensor,
     contiguous_runs,
-    hf_layout,
     intersect_boxes,
     plan_safetensors_files,
 )
@@ -59,13 +58,3 @@ def test_contiguous_runs_cover_a_sub_box_exactly_once(dims):
                   for idx in itertools.product(*(range(lo, hi) for lo, hi in sub)))
     assert sorted(covered) == want and len(covered) == len(set(covered))
     assert intersect_boxes(sub, full) == sub
-
-
-def test_layout_drops_a_tied_head_and_lora_tensors_and_keeps_state_order():
-    specs = {"model.embed.weight": ((4, 2), torch.float32),
-             "model.q.lora_A.weight": ((2, 2), torch.float32),
-             "lm_head.weight": ((4, 2), torch.float32)}
-    assert [t.name for t in hf_layout(specs, tie_word_embeddings=True)] == ["model.embed.weight"]
-    untied = hf_layout(specs, tie_word_embeddings=False)
-    assert [t.name for t in untied] == ["model.embed.weight", "lm_head.weight"]
-    assert untied[0].box == ((0, 4), (0, 2)) and untied[0].nbytes == 32

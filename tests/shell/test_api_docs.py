@@ -32,7 +32,9 @@ def test_every_name_policyworker_exports_is_documented():
     import policyworker
 
     documented = {name for _, _, names in api_docs.SECTIONS for name in names}
-    assert set(policyworker.__all__) - documented == {"AutomodelPolicyWorker", "__version__"}
+    assert set(policyworker.__all__) - documented == {*api_docs.ALIASES, "__version__"}
+    for alias, name in api_docs.ALIASES.items():
+        assert getattr(policyworker, alias) is getattr(policyworker, name)
 
 
 def test_check_mode_reports_a_stale_file(tmp_path, capsys):

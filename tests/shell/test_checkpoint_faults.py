@@ -118,7 +118,43 @@ def test_bad_json_and_edited_headers_name_the_file(tiny_model_paths, saved, tmp_
     header = json.loads(raw[8:8 + size])
     name = next(k for k in header if k != "__metadata__")
     header[name]["dtype"] = "F16" if header[name]["dtype"] == "F32" else "F32"
-    edited = json.dumps(header).encode().ljust(size)
+    edited = json.dumps(header, separators=(",", ":")).encode().ljust(size)
     shard.write_bytes(bytes(raw[:8]) + edited + bytes(raw[8 + size:]))
     with pytest.raises(CheckpointError, match=str(shard)):
         worker.load_checkpoint(copy)
+
+
+@pytest.mark.parametrize("target", ["model-*.safetensors", "optim/*.distcp",
+                                    "swapped-header-offsets", "model.safetensors.index.json"])
+def test_a_flipped_byte_anywhere_names_the_file_and_changes_nothing(
+        tiny_model_paths, tmp_path, target):
+    import shutil
+
+    source = _trained(tiny_model_paths["llama"])
+    source.save_checkpoint(tmp_path / "w", tmp_path / "o", is_final_checkpoint=True)
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path, copy, ignore=shutil.ignore_patterns("copy"))
+    if target == "swapped-header-offsets":  # two same-shape tensors trade their bytes
+        shard = _one_file(copy / "w" / "model", "model-*.safetensors")
+        raw = bytearray(shard.read_bytes())
+        (size,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + size])
+        a, b = (k for k in header if k != "__metadata__" and header[k]["shape"] ==
+                header[next(iter(k2 for k2 in header if k2 != "__metadata__"))]["shape"])
+        header[a]["data_offsets"], header[b]["data_offsets"] = (header[b]["data_offsets"],
+                                                                 header[a]["data_offsets"])
+        edited = json.dumps(header, separators=(",", ":")).encode()
+        assert len(edited) <= size
+        raw[8:8 + size] = edited.ljust(size)
+        shard.write_bytes(bytes(raw))
+        victim = shard
+    else:
+        victim = _one_file(copy, target)
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        victim.write_bytes(bytes(raw))
+    worker = _trained(tiny_model_paths["llama"])
+    before = _snapshot(worker)
+    with pytest.raises(CheckpointError, match=rf"{victim}' does not match the digest"):
+        worker.load_checkpoint(copy / "w", copy / "o")
+    assert _same(worker, before)

@@ -18,6 +18,7 @@ from policyworker.demo.task import (
     TargetTokenTask,
     build_train_batch,
     group_advantages,
+    logprob_mismatch,
     reward_rose,
     smoothed_ends,
 )
@@ -92,6 +93,7 @@ def test_parity_is_exact_in_fp32_and_rounding_noise_with_lora_or_low_precision()
     assert 0.0 < parity_tolerance("float32", lora=True) <= 1e-4
     assert 0.0 < parity_tolerance("float32", lora=False, tp_size=2) <= 1e-5
     assert parity_tolerance("bfloat16", lora=False) > parity_tolerance("float16", lora=False) > 0
+    assert 0.0 < parity_tolerance("float32", lora=False, engine="vllm") <= 1e-4
 
 
 def test_rewards_count_target_tokens_and_prompts_depend_only_on_seed_and_step():
@@ -163,6 +165,36 @@ def test_step_and_final_lines_have_the_documented_format():
     assert STEP_RE.match(line)
     assert float(format_dlogp(1.5e-7)) == pytest.approx(1.5e-7)
     assert final_line(0.0625, 1.0) == "reward: 0.0625 -> 1.0000"
+    vllm = step_line(7, reward=0.5, kl=0.01, refit_ms=12.25, max_dlogp=2e-6, mult_prob_error=1.0)
+    assert vllm == ("step=7 reward=0.5000 kl=0.01000 refit_ms=12.2 max_dlogp=2e-06 "
+                    "token_mult_prob_error=1.00000000")
+
+
+@settings(max_examples=50, deadline=None)
+@given(rows=st.integers(1, 4), cols=st.integers(1, 6), seed=st.integers(0, 2**16),
+       scale=st.floats(0.0, 3.0))
+def test_logprob_mismatch_is_one_and_zero_for_equal_logprobs_and_grows_with_the_gap(
+        rows, cols, seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    train = -torch.rand(rows, cols, generator=g) * 5
+    gen = train + torch.randn(rows, cols, generator=g) * scale
+    mask = (torch.rand(rows, cols, generator=g) > 0.3).float()
+    mask[0, 0] = 1.0
+    assert logprob_mismatch(train, train.clone(), mask) == (1.0, 0.0)
+    mult, worst = logprob_mismatch(train, gen, mask)
+    gap = (train - gen).abs()[mask != 0]
+    assert worst == pytest.approx(float(gap.max()), rel=1e-6, abs=1e-6)
+    assert 1.0 <= mult <= float(torch.tensor(worst).double().exp()) + 1e-9
+    # positions outside the mask never count, whatever they hold
+    masked_out = gen.masked_fill(mask != 0, 0.0) + 1e3
+    assert logprob_mismatch(train, torch.where(mask != 0, gen, masked_out), mask) == (mult, worst)
+
+
+def test_logprob_mismatch_rejects_shape_disagreement_and_empty_masks():
+    with pytest.raises(ValueError, match="must have one shape"):
+        logprob_mismatch(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="no token"):
+        logprob_mismatch(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3))
 
 
 class _Tty(io.StringIO):

@@ -48,6 +48,7 @@ from policyworker.shell.checkpoint.commit import (
     recover_checkpoint_commits,
 )
 from policyworker.shell.checkpoint.dcp import _load_dcp_weights, load_optimizer, save_optimizer
+from policyworker.shell.checkpoint.digests import verify_digests
 from policyworker.shell.checkpoint.folders import _model_folder, detect_weights_format
 from policyworker.shell.checkpoint.layout import (
     FORMAT_VERSION,
@@ -271,6 +272,7 @@ def _load(owner: CheckpointOwner, weights_path: Any, optimizer_path: Any, *, loa
                 f"merge the adapter and load the merged weights"
             )
             raise CheckpointError(msg)
+        verify_digests(folder)
         weights_id = _manifest_id(folder)
         if load_weights and fmt == "safetensors":
             commits.append(load_hf_weights(owner.model, folder, parallel=parallel))
@@ -283,6 +285,7 @@ def _load(owner: CheckpointOwner, weights_path: Any, optimizer_path: Any, *, loa
         ref_folder = folder.parent / REFERENCE_DIR if folder.name == MODEL_DIR else None
         ref = owner.reference_state
         if ref is not None and ref_folder is not None and ref_folder.is_dir():
+            verify_digests(ref_folder)
             commits.append(load_hf_weights(owner.model, ref_folder, parallel=parallel, state=ref))
             saver.last_reference = None
     if optimizer_path is not None:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from policyworker.functional.names import canonical_name
+from policyworker.shell.checkpoint.digests import verify_digests
 from policyworker.shell.checkpoint.folders import _interrupted_hint
 from policyworker.shell.checkpoint.layout import OPTIM_DIR, CheckpointError, _model_state
 
@@ -219,6 +220,7 @@ def load_optimizer(
         )
         raise ValueError(msg)
     folder = _optim_folder(optimizer_path)
+    verify_digests(folder)
     keys = _dcp_keys(folder)
     rank = 0 if parallel is None else parallel.rank
     request: dict[str, Any] = {"extra": io.BytesIO()}

@@ -1,8 +1,9 @@
 """Checkpoint layout: folder and file names, and which box of each HF tensor this rank writes.
 
-An HF tensor is a box (a region) of one model tensor; the pure math (`hf_layout` names the
-boxes, `plan_safetensors_files` packs them into files) lives in
-`policyworker.functional.safetensors_layout` and is re-exported here; `_locals` says which
+An HF tensor is a box (a region) of one model tensor; `hf_layout` names the boxes (from the
+pieces transformers' save-time conversion writes), the pure math (`plan_safetensors_files`
+packs them into files) lives in `policyworker.functional.safetensors_layout` and is
+re-exported here; `_locals` says which
 part of each box this rank's local shard covers (replicas: the one at coordinate 0). Only
 placements other than Shard/Replicate (e.g. the `_StridedShard` of 2-D TP+FSDP) fall back to a
 per-tensor gather. Nothing here touches a file.
@@ -18,12 +19,18 @@ import attrs
 import torch
 from torch import nn
 
+from policyworker.functional.names import (
+    CheckpointPiece,
+    canonical_name,
+    contiguous_strides,
+    is_lora_param,
+)
 from policyworker.functional.safetensors_layout import (  # re-exported: the layout's names
     MAX_FILE_BYTES,
     Box,
     FilePlan,
     HFTensor,
-    hf_layout,
+    _box_of_view,
     plan_safetensors_files,
 )
 from policyworker.shell.parallel.plans import reshard
@@ -41,6 +48,7 @@ __all__ = [
     "REFERENCE_DIR",
     "hf_layout",
     "plan_safetensors_files",
+    "saved_keys",
 ]
 
 MODEL_DIR = "model"
@@ -53,6 +61,45 @@ FORMAT_VERSION = 1
 
 class CheckpointError(ValueError):
     """A checkpoint folder is missing, incomplete or does not fit the model."""
+
+
+# ------------------------------------------------------------------------------ HF names
+
+
+def saved_keys(specs: Mapping[str, Any], *, tie_word_embeddings: bool) -> dict[str, str]:
+    """`{state key: canonical name}` of what `save_pretrained` saves (no LoRA, no tied head)."""
+    names = {key: canonical_name(key) for key in specs if not is_lora_param(key)}
+    return {k: n for k, n in names.items() if not (tie_word_embeddings and n == "lm_head.weight")}
+
+
+def hf_layout(
+    specs: Mapping[str, tuple[Sequence[int], torch.dtype]], *, tie_word_embeddings: bool,
+    pieces: Mapping[str, Sequence[CheckpointPiece]],
+) -> list[HFTensor]:
+    """The HF checkpoint tensors of a model state `{key: (shape, dtype)}`, in state order.
+
+    Wrapper prefixes are stripped, LoRA adapter tensors skipped, a tied `lm_head.weight`
+    dropped, and each tensor cut into its checkpoint `pieces` (by canonical name; the shell
+    gets them from transformers' own save-time conversion, `refit.hf_names.checkpoint_layout`,
+    as the refit does), each a box of the tensor.
+
+    Raises:
+        CheckpointError: a piece is not a box of its tensor (e.g. a transposed layout).
+    """
+    out: list[HFTensor] = []
+    for key, name in saved_keys(specs, tie_word_embeddings=tie_word_embeddings).items():
+        shape, dtype = tuple(specs[key][0]), specs[key][1]
+        base = torch.empty(shape, dtype=dtype, device="meta")
+        for piece in pieces[name]:
+            trailing = contiguous_strides(shape)[len(shape) - len(piece.shape) :]
+            strides = zip(piece.shape, piece.stride, trailing, strict=True)
+            if len(piece.shape) > len(shape) or any(n > 1 and s != t for n, s, t in strides):
+                msg = (f"checkpoint tensor {piece.name!r} is not a box of {name!r} {list(shape)} "
+                       f"(strides {list(piece.stride)}); the HF writer writes boxes only")
+                raise CheckpointError(msg)
+            box = _box_of_view(piece.view_of(base), shape)
+            out.append(HFTensor(piece.name, key, box, piece.shape, dtype))
+    return out
 
 
 # ------------------------------------------------------------------------------ local pieces

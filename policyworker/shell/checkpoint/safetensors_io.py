@@ -22,7 +22,6 @@ from policyworker.functional.safetensors_layout import (
     FilePlan,
     HFTensor,
     contiguous_runs,
-    hf_layout,
     intersect_boxes,
     itemsize,
     plan_safetensors_files,
@@ -37,10 +36,24 @@ from policyworker.shell.checkpoint.layout import (
     _locals,
     _model_state,
     _specs,
+    hf_layout,
+    saved_keys,
 )
+from policyworker.shell.refit.hf_names import checkpoint_layout
 from policyworker.shell.refit.params import tie_word_embeddings
 
-__all__ = ["load_hf_weights", "save_hf_weights"]
+__all__ = ["load_hf_weights", "model_hf_layout", "save_hf_weights"]
+
+
+def model_hf_layout(
+    model: nn.Module, specs: Mapping[str, tuple[Sequence[int], torch.dtype]]
+) -> list[HFTensor]:
+    """`hf_layout` of `model`'s state `specs`: the names and layout `save_pretrained` writes
+    (transformers' own conversion, the same as the refit stream's)."""
+    tied = tie_word_embeddings(model)
+    saved = saved_keys(specs, tie_word_embeddings=tied)
+    pieces = checkpoint_layout(model, {n: specs[k][0] for k, n in saved.items()})
+    return hf_layout(specs, tie_word_embeddings=tied, pieces=pieces)
 
 
 @attrs.define
@@ -138,7 +151,7 @@ def save_hf_weights(
     """
     live = _model_state(model)
     values = live if state is None else {k: state[k] for k in live if k in state}
-    layout = hf_layout(_specs({k: live[k] for k in values}), tie_word_embeddings=tie_word_embeddings(model))
+    layout = model_hf_layout(model, _specs({k: live[k] for k in values}))
     plans = plan_safetensors_files(layout, max_file_bytes=max_file_bytes)
     locals_ = _locals(live, rank=parallel.rank, world_size=parallel.world_size)
     if state is not None:
@@ -222,7 +235,7 @@ def load_hf_weights(
     folder = pathlib.Path(folder)
     found = validate_hf_folder(folder)
     live = _model_state(model)
-    layout = hf_layout(_specs(live), tie_word_embeddings=tie_word_embeddings(model))
+    layout = model_hf_layout(model, _specs(live))
     _check_names(layout, found, folder)
     locals_ = _locals(live, rank=parallel.rank, world_size=parallel.world_size)
     in_layout = {t.key for t in layout}

@@ -20,7 +20,8 @@ import os
 import attrs
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _set_pg_timeout
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import ProcessGroup, _set_pg_timeout
 
 __all__ = ["ParallelContext", "DEFAULT_COLLECTIVE_TIMEOUT_S"]
 
@@ -41,8 +42,8 @@ class ParallelContext:
     cp_size: int
     tp_size: int
     device: torch.device
-    mesh: object | None = None  # torch DeviceMesh over ("dp", "cp", "tp") when a group exists
-    groups: dict[str, object] = attrs.field(factory=dict)  # axis name -> ProcessGroup
+    mesh: DeviceMesh | None = None  # over ("dp", "cp", "tp") when a process group exists
+    groups: dict[str, ProcessGroup] = attrs.field(factory=dict)  # axis name -> group
     owns_process_group: bool = False
     timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 
@@ -114,7 +115,11 @@ class ParallelContext:
         groups["dp_cp"] = mesh["dp", "cp"]._flatten("dp_cp").get_group()
         groups["cp_tp"] = mesh["cp", "tp"]._flatten("cp_tp").get_group()
         timeout = datetime.timedelta(seconds=timeout_s)
-        groups["world"] = dist.new_group(timeout=timeout)
+        world = dist.new_group(timeout=timeout)
+        if not isinstance(world, ProcessGroup):  # this rank is in the new group, so never None
+            msg = f"torch.distributed.new_group returned {world!r} for the world group"
+            raise RuntimeError(msg)
+        groups["world"] = world
         for group in {id(g): g for g in groups.values()}.values():
             if group is not dist.group.WORLD or owns:
                 _set_pg_timeout(timeout, group)
@@ -163,7 +168,7 @@ class ParallelContext:
         if self.mesh is not None:
             dist.barrier(group=self.groups["world"])
 
-    def replica_group(self) -> object | None:
+    def replica_group(self) -> ProcessGroup | None:
         """The (cp, tp) group: the ranks that hold the same data shard (None when alone)."""
         return self.groups.get("cp_tp")
 
@@ -175,7 +180,7 @@ class ParallelContext:
             "tensor_parallel": self.tp_rank,
         }
 
-    def fsdp_mesh(self) -> object:
+    def fsdp_mesh(self) -> DeviceMesh:
         """The mesh FSDP2 shards parameters over: dp, or dp x cp flattened when cp > 1."""
         if self.mesh is None:
             msg = "fsdp_mesh() needs a process group; this ParallelContext is a single process"

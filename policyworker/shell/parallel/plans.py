@@ -11,7 +11,8 @@ Plan FQNs are relative to the `*ForCausalLM` module; a `*` matches one name comp
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,7 +45,7 @@ __all__ = [
 SUPPORTED_TP_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
-def _style_factories() -> dict[str, object]:
+def _style_factories() -> dict[str, Callable[[], ParallelStyle]]:
     return {
         "colwise": lambda: ColwiseParallel(),
         "rowwise": lambda: RowwiseParallel(),
@@ -179,19 +180,19 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
+def apply_activation_checkpointing(model: Any) -> None:
     """Recompute each decoder layer in backward (non-reentrant; parameter names unchanged)."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _tie_lm_head(model: nn.Module) -> None:
+def _tie_lm_head(model: Any) -> None:
     config = getattr(model, "config", None)
     if getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
         model.lm_head.weight = model.get_input_embeddings().weight
 
 
 def _apply_tp(
-    model: nn.Module,
+    model: Any,
     ctx: ParallelContext,
     *,
     sequence_parallel: bool,
@@ -207,6 +208,9 @@ def _apply_tp(
         from policyworker.shell.lora import lora_tp_plan
 
         plan = lora_tp_plan(plan)
+    if ctx.mesh is None:
+        msg = "tensor parallelism needs a process group; this ParallelContext has no mesh"
+        raise ValueError(msg)
     parallelize_module(model, ctx.mesh["tp"], plan)
     _tie_lm_head(model)
 
@@ -218,7 +222,7 @@ def _lora_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def parallelize_model(
-    model: nn.Module,
+    model: Any,
     ctx: ParallelContext,
     *,
     precision: torch.dtype,
@@ -266,15 +270,16 @@ def parallelize_model(
         else MixedPrecisionPolicy(param_dtype=precision, reduce_dtype=torch.float32)
     )
     fsdp_mesh = ctx.fsdp_mesh()
-    fsdp_kwargs: dict[str, object] = {"mesh": fsdp_mesh, "mp_policy": mp_policy}
+    fsdp_kwargs: dict[str, Any] = {"mesh": fsdp_mesh, "mp_policy": mp_policy}
     if cpu_offload:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if precision != torch.float32:
         # LoRA layers are their own FSDP2 units without a param cast, so the fp32 adapters are
         # gathered and used in fp32 (the frozen base weight is cast by autocast in forward).
+        lora_kwargs: dict[str, Any] = {
+            **fsdp_kwargs, "mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32)}
         for lora_layer in _lora_modules(model):
-            fully_shard(lora_layer, **(fsdp_kwargs | {"mp_policy": MixedPrecisionPolicy(
-                reduce_dtype=torch.float32)}))
+            fully_shard(lora_layer, **lora_kwargs)
     for layer in layers:
         fully_shard(layer, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)

@@ -2,6 +2,8 @@
 
     sender.py       RefitSender: a worker's ZMQ refit (refit info, address, one stream call)
     params.py       the weights to send: HF names, target dtypes, gathered shards, in order
+    hf_names.py     the checkpoint names and layout of a model, asked of transformers; the
+                    supported architectures (others are refused by model_type)
     wire.py         the wire format (JSON headers, manifests, dtype names); nothing is pickled
     zmq_ipc.py      ZMQ + CUDA IPC / shared-memory transport (sender and receiver halves)
     receiver.py     HFWeightReceiver / WeightApplier: the inference side applying a refit

@@ -65,7 +65,7 @@ from policyworker.shell.refit.wire import (
     decode_versioned_json,
     dtype_name,
 )
-from policyworker.shell.refit.watchdog import Watchdog
+from policyworker.shell.refit.watchdog import Watchdog, check_timeout_s
 
 __all__ = [
     "CPU_DEFAULT_BUCKET_BYTES",
@@ -247,9 +247,7 @@ def init_collective(
     if not (isinstance(port, int) and 0 < port < 65536):
         msg = f"port {port!r} must be an int in [1, 65535]; every member must pass the same ip and port"
         raise ValueError(msg)
-    if not timeout_s > 0:
-        msg = f"timeout_s {timeout_s!r} must be > 0 seconds"
-        raise ValueError(msg)
+    check_timeout_s("timeout_s", timeout_s)
     device = torch.device(device) if device is not None else torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(ip, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
@@ -402,9 +400,7 @@ class CollectiveRefit:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high):
                 msg = f"{key} {value!r} must be None (a default) or an int in [1, {high}]"
                 raise ValueError(msg)
-        if refit_timeout_s is not None and not refit_timeout_s > 0:
-            msg = f"refit_timeout_s {refit_timeout_s!r} must be None (no watchdog) or > 0 seconds"
-            raise ValueError(msg)
+        check_timeout_s("refit_timeout_s", refit_timeout_s, none_means="no watchdog")
         specs = _specs_from_refit_info(refit_info)
         self._check_usable()
         header = CollectiveHeader(
@@ -652,6 +648,12 @@ def broadcast_model_weights(
         stream = refit_stream(model, refit_dtype, draft_model)  # one walk: specs and tensors
         info = {s.name: (torch.Size(s.shape), s.dtype) for s in stream.specs}
         sources = ((s.name, s.tensor) for s in stream.sources)
-        return group.broadcast_weights(sources, refit_info=info, buffer_size_bytes=buffer_size_bytes,
-                                       num_buffers=num_buffers, use_legacy_packing=use_legacy_packing,
-                                       refit_timeout_s=refit_timeout_s)
+        try:
+            with torch.no_grad():  # the caller's grad mode comes back on every exit
+                return group.broadcast_weights(
+                    sources, refit_info=info, buffer_size_bytes=buffer_size_bytes,
+                    num_buffers=num_buffers, use_legacy_packing=use_legacy_packing,
+                    refit_timeout_s=refit_timeout_s)
+        finally:
+            sources.close()
+            stream.sources.close()

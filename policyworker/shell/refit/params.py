@@ -4,15 +4,17 @@ One code path feeds every transport and the refit metadata (API.md §5, §7):
 
 ``iter_refit_sources`` walks ``model.state_dict()`` in order (parameters and persistent
 buffers), gathers DTensors, merges LoRA into its base weight (after checking every LoRA module is
-reachable), strips wrapper prefixes, drops a tied ``lm_head.weight``, splits transformers-5 fused
-experts into per-expert checkpoint tensors, and picks each tensor's refit dtype — yielding the
+reachable), strips wrapper prefixes, drops a tied ``lm_head.weight``, renames and cuts each
+tensor into what ``save_pretrained`` writes (the layout transformers gives,
+``hf_names.checkpoint_layout``: e.g. fused MoE experts → per-expert views; an unsupported
+``model_type`` is refused there), and picks each tensor's refit dtype — yielding the
 *uncast* source with that dtype, so a transport can cast straight into its staging buffer. Then
 the draft model's tensors follow as ``draft.<name>``.
 
 ``params_generator`` casts and makes each tensor contiguous; ``refit_info`` records the same
 walk's ``(shape, dtype)`` (no gather, no copy).
 
-The per-key decisions (names, dtypes, LoRA merges, expert splits) are compiled once per model
+The per-key decisions (names, dtypes, LoRA merges, checkpoint pieces) are compiled once per model
 over meta stand-ins and cached while the model's ``state_dict`` keys, shapes and dtypes are
 unchanged, so a refit costs one ``state_dict`` walk plus one pass over the live tensors
 (``refit_stream`` hands a transport the specs and the sources of that single walk).
@@ -21,7 +23,7 @@ unchanged, so a refit costs one ``state_dict`` walk plus one pass over the live 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -31,7 +33,13 @@ from torch import nn
 from policyworker.functional.buckets import TensorSpec
 from policyworker.functional.dtypes import refit_tensor_dtype
 from policyworker.functional.lora import assert_lora_modules_reachable, merge_lora_weight
-from policyworker.functional.names import canonical_name, is_lora_param, to_hf_tensors
+from policyworker.functional.names import (
+    CheckpointPiece,
+    canonical_name,
+    is_lora_param,
+    to_checkpoint,
+)
+from policyworker.shell.refit.hf_names import checkpoint_layout
 
 __all__ = [
     "DRAFT_PREFIX",
@@ -103,8 +111,9 @@ class _Entry:
     key: str  # the raw state-dict key
     name: str  # canonical name (wrappers stripped)
     lora: str | None  # raw name of the LoRA module merged into this weight, if any
-    split: bool  # to_hf_tensors splits it into several HF tensors (fused experts)
-    outputs: tuple[TensorSpec, ...]  # (prefixed HF name, shape, wire dtype) per piece
+    # the checkpoint views cut from it (None: sent whole, under outputs[0]'s name)
+    pieces: tuple[CheckpointPiece, ...] | None
+    outputs: tuple[TensorSpec, ...]  # (prefixed checkpoint name, shape, wire dtype) per piece
 
 
 @attrs.frozen(eq=False)
@@ -132,27 +141,31 @@ def _compile_walk(
     model: nn.Module, state: Mapping[str, torch.Tensor], target_dtype: torch.dtype, *,
     keep_fp32: tuple[str, ...], prefix: str, tied: bool,
 ) -> _Walk:
-    """Names, dtypes and LoRA/expert handling of every key, decided once over meta stand-ins."""
+    """Names, dtypes and LoRA/layout handling of every key, decided once over meta stand-ins."""
     lora = _lora_modules(model)
     if lora:
         assert_lora_modules_reachable(lora, state.keys())
-    entries: list[_Entry] = []
+    kept: list[tuple[str, str, torch.Tensor]] = []  # (key, canonical name, meta stand-in)
     for key, value in state.items():
-        if is_lora_param(key):
-            continue
         name = canonical_name(key)
-        if tied and name == "lm_head.weight":
+        if is_lora_param(key) or (tied and name == "lm_head.weight"):
             continue
-        meta = _materialize(value, meta=True)  # a merged LoRA weight keeps W's shape and dtype
-        pieces = to_hf_tensors(name, meta)
-        split = not (len(pieces) == 1 and pieces[0][1] is meta)
+        # a merged LoRA weight keeps W's shape and dtype
+        kept.append((key, name, _materialize(value, meta=True)))
+    layout = checkpoint_layout(model, {name: meta.shape for _, name, meta in kept})
+    entries: list[_Entry] = []
+    for key, name, meta in kept:
+        pieces = layout[name]
+        split = not (len(pieces) == 1 and pieces[0].is_whole(meta.shape))
         outputs = tuple(
-            TensorSpec(prefix + hf_name, tuple(piece.shape),
-                       refit_tensor_dtype(hf_name, piece, target_dtype, keep_fp32=keep_fp32))
-            for hf_name, piece in pieces
+            # keep_fp32 patterns name the in-memory modules, so they match the in-memory name
+            TensorSpec(prefix + piece.name, piece.shape, refit_tensor_dtype(
+                name, piece.view_of(meta), target_dtype, keep_fp32=keep_fp32))
+            for piece in pieces
         )
         base = key.removesuffix(".weight") if key.endswith(".weight") else None
-        entries.append(_Entry(key, name, base if base in lora else None, split, outputs))
+        entries.append(_Entry(key, name, base if base in lora else None,
+                              pieces if split else None, outputs))
     signature = tuple((k, v.shape, v.dtype) for k, v in state.items())
     return _Walk(signature, tuple(entries), tuple(s for e in entries for s in e.outputs))
 
@@ -180,10 +193,10 @@ def _iter_walk(model: nn.Module, state: Mapping[str, torch.Tensor], walk: _Walk)
             lora_a = _materialize(module.lora_A.weight, meta=False)
             lora_b = _materialize(module.lora_B.weight, meta=False)
             full = merge_lora_weight(full, lora_a, lora_b, float(module.scale))
-        if entry.split:
-            pieces = to_hf_tensors(entry.name, full)
-            for spec, (_, piece) in zip(entry.outputs, pieces, strict=True):
-                yield RefitSource(spec.name, piece, spec.dtype)
+        if entry.pieces is not None:
+            views = to_checkpoint(full, entry.pieces)
+            for spec, (_, view) in zip(entry.outputs, views, strict=True):
+                yield RefitSource(spec.name, view, spec.dtype)
         else:
             spec = entry.outputs[0]
             yield RefitSource(spec.name, full, spec.dtype)
@@ -201,7 +214,7 @@ class RefitStream:
 
     specs: tuple[TensorSpec, ...]
     key: tuple[Any, ...]
-    sources: Iterator[RefitSource]
+    sources: Generator[RefitSource, None, None]  # close it when stopping early
 
 
 def _models(model: nn.Module, draft_model: nn.Module | None, keep_fp32: Sequence[str] | None
@@ -233,10 +246,12 @@ def refit_stream(
     walks = tuple(w for _, _, w in parts)
     specs = walks[0].specs if len(walks) == 1 else _joined_specs(walks)
 
-    def sources() -> Iterator[RefitSource]:
-        with torch.no_grad():
-            for module, state, walk in parts:
-                yield from _iter_walk(module, state, walk)
+    # No ``torch.no_grad()`` around the yields: grad mode is thread state, and a generator left
+    # suspended inside one (a refit that fails midway) would leave autograd off in the caller's
+    # thread. Every source is detached (``_materialize``), so nothing here records a graph.
+    def sources() -> Generator[RefitSource, None, None]:
+        for module, state, walk in parts:
+            yield from _iter_walk(module, state, walk)
 
     return RefitStream(specs, walks, sources())
 

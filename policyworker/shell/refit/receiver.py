@@ -2,8 +2,9 @@
 
 ``HFWeightReceiver(target, *, address, refit_info, atomic=False, timeout_s=120.0)`` serves ZMQ
 refits (``receive()``) into ``target``: a Hugging Face ``nn.Module`` (tensors are copied by name
-into its live state; per-expert checkpoint tensors land in their slice of transformers-5 fused
-experts; a tied ``lm_head`` follows the embedding) or a bare ``load_weights(iterable)`` callable
+into its live state at the place transformers' checkpoint conversion gives them, e.g. a
+per-expert tensor in its slice of a fused MoE tensor; a tied ``lm_head`` follows the
+embedding) or a bare ``load_weights(iterable)`` callable
 (vLLM style; the tensors it is given are only valid during the call, it must copy them).
 
 Other transports reuse the same validation and apply path through ``begin_refit`` /
@@ -27,8 +28,15 @@ from torch import nn
 
 from policyworker.errors import RefitError
 from policyworker.functional.buckets import TensorSpec
-from policyworker.functional.names import canonical_name, expert_slot
-from policyworker.shell.refit.wire import ProtocolError, check_manifest, dtype_name
+from policyworker.functional.names import canonical_name, is_lora_param, pieces_by_checkpoint_name
+from policyworker.shell.refit.hf_names import checkpoint_layout
+from policyworker.shell.refit.params import tie_word_embeddings
+from policyworker.shell.refit.wire import (
+    ProtocolError,
+    check_manifest,
+    dtype_name,
+    max_message_bytes,
+)
 from policyworker.shell.refit.zmq_ipc import (
     RefitServer,
     ZmqIpcReceiver,
@@ -37,6 +45,7 @@ from policyworker.shell.refit.zmq_ipc import (
     grouped_copy_,
     run_copy_groups,
 )
+from policyworker.shell.refit.watchdog import check_timeout_s
 
 __all__ = ["HFWeightReceiver", "PreparedBatch", "RefitReport", "WeightApplier"]
 
@@ -56,16 +65,24 @@ class RefitReport:
 
 
 def _module_destinations(module: nn.Module, expected: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
-    """The live tensor (or fused-expert slice) each HF name is written into."""
+    """The live tensor (or the piece of one, e.g. an expert of a fused MoE tensor) each
+    checkpoint name is written into: the module's own checkpoint layout, as transformers
+    saves it."""
     state = {canonical_name(k): v for k, v in module.state_dict(keep_vars=True).items()}
+    saved = {n: v for n, v in state.items() if not is_lora_param(n)}
+    if tie_word_embeddings(module):
+        saved.pop("lm_head.weight", None)  # follows the embedding, as save_pretrained leaves it out
+    layout = checkpoint_layout(module, {n: v.shape for n, v in saved.items()})
+    located = pieces_by_checkpoint_name(layout)
     dests: dict[str, torch.Tensor] = {}
     problems: list[str] = []
     for name, (shape, _) in expected.items():
-        slot = expert_slot(name)
-        if name in state:
+        if name in located:
+            source, piece = located[name]
+            live = state[source]
+            dest = live if piece.is_whole(live.shape) else piece.view_of(live.detach())
+        elif name in state:  # e.g. a tied lm_head.weight sent anyway
             dest = state[name]
-        elif slot is not None and slot.fused_name in state:
-            dest = slot.view_of(state[slot.fused_name])
         else:
             problems.append(f"{name!r}: no such parameter or buffer")
             continue
@@ -128,6 +145,11 @@ class WeightApplier:
         self._index: dict[str, int] = {}
         self._sizes: tuple[int, ...] = ()
         self._dest_list: list[torch.Tensor] | None = None
+
+    def manifest_specs(self) -> list[TensorSpec]:
+        """The manifest ``refit_info`` announces (what a sender's BEGIN should carry)."""
+        return [TensorSpec(name, tuple(shape), dtype)
+                for name, (shape, dtype) in self.expected.items()]
 
     def begin(self, manifest: Sequence[TensorSpec]) -> None:
         if self._session is not None:
@@ -275,9 +297,7 @@ class HFWeightReceiver:
         atomic: bool = False,
         timeout_s: float = 120.0,
     ) -> None:
-        if not timeout_s > 0:
-            msg = f"timeout_s {timeout_s} must be > 0 seconds; every receiver wait is bounded"
-            raise ValueError(msg)
+        check_timeout_s("timeout_s", timeout_s)
         if not refit_info:
             msg = "refit_info is empty; pass the trainer's prepare_refit_info() result"
             raise ValueError(msg)
@@ -285,7 +305,9 @@ class HFWeightReceiver:
         self.refit_info = self.applier.expected
         self.address = address
         self._server = RefitServer(self.applier)
-        self._socket = ZmqIpcReceiver(address, timeout_s=timeout_s) if address is not None else None
+        cap = max_message_bytes(tuple(self.applier.manifest_specs()))  # nothing larger is read
+        self._socket = (ZmqIpcReceiver(address, timeout_s=timeout_s, max_message_bytes=cap)
+                        if address is not None else None)
 
     @classmethod
     def socketless(
@@ -362,8 +384,8 @@ class HFWeightReceiver:
         return self.commit_refit(num_buckets=1)
 
     def close(self) -> None:
-        """Release the staging buffers and close the socket."""
-        self._server.release_buffers()
+        """Close from any thread: a ``receive()`` waiting in another one raises
+        ``ReceiverClosedError`` (see ``ZmqIpcReceiver.close``)."""
         if self._socket is not None:
             self._socket.close()
-            self._socket = None
+        self._server.release_buffers()

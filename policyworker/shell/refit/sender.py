@@ -8,12 +8,14 @@ sources (``params.iter_refit_sources``), each cast straight into its staging slo
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from policyworker.errors import RefitError
 from policyworker.functional.buckets import (
     IpcBucket,
     default_ipc_buffer_bytes_from,
@@ -22,7 +24,13 @@ from policyworker.functional.buckets import (
     split_ipc_budget,
 )
 from policyworker.shell.refit.params import refit_info, refit_stream
-from policyworker.shell.refit.zmq_ipc import CudaStaging, ShmStaging, ZmqIpcSender
+from policyworker.shell.refit.watchdog import check_timeout_s
+from policyworker.shell.refit.zmq_ipc import (
+    CudaStaging,
+    ShmStaging,
+    ZmqIpcSender,
+    shm_free_bytes,
+)
 
 __all__ = ["CPU_DEFAULT_BUFFER_BYTES", "CUDA_DEFAULT_BUFFER_CAP_BYTES", "RefitSender"]
 
@@ -43,9 +51,7 @@ def check_stream_args(
     if isinstance(buffer_size_bytes, bool) or not isinstance(buffer_size_bytes, int) or buffer_size_bytes < 0:
         msg = f"buffer_size_bytes {buffer_size_bytes!r} must be an int >= 0 (0 = pick a default)"
         raise ValueError(msg)
-    if not timeout_s > 0:
-        msg = f"timeout_s {timeout_s} must be > 0 seconds"
-        raise ValueError(msg)
+    check_timeout_s("timeout_s", timeout_s)
     if keep_staging is not None and not isinstance(keep_staging, bool):
         msg = f"keep_staging {keep_staging!r} must be True, False or None (None = the constructor's setting)"
         raise ValueError(msg)
@@ -74,6 +80,8 @@ class RefitSender:
         self.rank = rank
         self.device = torch.device(device)
         self._sender: ZmqIpcSender | None = None
+        self._closed = False
+        self._creating = threading.Lock()  # two threads asking for the address get one sender
         self._stats_key: Any = None
         self._stats: tuple[int, int] = (0, 0)
         self._plan_key: Any = None
@@ -84,9 +92,14 @@ class RefitSender:
         return refit_info(self._model_fn(), self.refit_dtype, self._draft_model_fn())
 
     def _zmq(self) -> ZmqIpcSender:
-        if self._sender is None:
-            self._sender = ZmqIpcSender(rank=self.rank)
-        return self._sender
+        with self._creating:
+            if self._closed:
+                msg = (f"refit rank {self.rank}: this refit sender was closed (the worker was shut "
+                       "down); it opens no new address and streams no refit")
+                raise RefitError(msg)
+            if self._sender is None:
+                self._sender = ZmqIpcSender(rank=self.rank)
+            return self._sender
 
     def get_zmq_address(self) -> str:
         """The ``ipc://`` address (in a private 0700 folder) a receiver connects to."""
@@ -104,7 +117,10 @@ class RefitSender:
         """One colocated refit; returns the receiver's report (version, tensors, bytes, buckets).
 
         ``buffer_size_bytes`` is the total for the two ping-pong buffers (each gets half); 0 picks
-        a default from free memory (CUDA: at most 1 GiB per buffer) or 64 MiB per buffer (CPU).
+        a default from free memory (CUDA: at most 1 GiB per buffer) or 64 MiB per buffer (CPU:
+        at most a quarter of the free shared memory each). CPU staging files are reserved in
+        full when made: a shared-memory folder too small for them raises ``StagingSpaceError``
+        naming the size and the fix instead of the SIGBUS a sparse mapping would bring.
 
         ``keep_staging`` (default: the constructor's, False): by default both staging buffers
         are freed before COMPLETE, so a colocated engine gets that memory back right after the
@@ -119,6 +135,17 @@ class RefitSender:
         """
         check_stream_args(buffer_size_bytes, kv_scales, timeout_s, keep_staging)
         stream = refit_stream(self._model_fn(), self.refit_dtype, self._draft_model_fn())
+        try:
+            with torch.no_grad():  # a plain function's context: the caller's grad mode comes back
+                return self._stream(stream, buffer_size_bytes, timeout_s, keep_staging,
+                                    wrap_sources)
+        finally:
+            if wrap_sources is None:  # a wrapper's owner drains or closes the stream itself
+                stream.sources.close()
+
+    def _stream(self, stream: Any, buffer_size_bytes: int, timeout_s: float,
+                keep_staging: bool | None,
+                wrap_sources: Callable[[Iterator[Any]], Iterator[Any]] | None) -> dict[str, Any]:
         specs = stream.specs
         sources = stream.sources if wrap_sources is None else wrap_sources(stream.sources)
         cuda = self.device.type == "cuda"
@@ -130,8 +157,11 @@ class RefitSender:
             free, _ = torch.cuda.mem_get_info(self.device)
             per_buffer = default_ipc_buffer_bytes_from(*self._stats, cap_bytes=CUDA_DEFAULT_BUFFER_CAP_BYTES,
                                                        free_bytes=free)
-        else:
-            per_buffer = default_ipc_buffer_bytes_from(*self._stats, cap_bytes=CPU_DEFAULT_BUFFER_BYTES)
+        else:  # two buffers in at most half the free shared memory (a receiver maps them too)
+            free = shm_free_bytes()
+            cap = (CPU_DEFAULT_BUFFER_BYTES if free is None
+                   else min(CPU_DEFAULT_BUFFER_BYTES, free // 4))
+            per_buffer = default_ipc_buffer_bytes_from(*self._stats, cap_bytes=max(cap, 1))
         if (stream.key, per_buffer) != self._plan_key:  # the plan is reused while nothing changed
             self._plan_key, self._plan = (stream.key, per_buffer), plan_ipc_buckets(specs, per_buffer)
         plan = self._plan
@@ -152,6 +182,9 @@ class RefitSender:
             self._sender.release_staging()
 
     def close(self) -> None:
-        if self._sender is not None:
-            self._sender.close()
-            self._sender = None
+        """Close the socket and staging for good: later refit calls raise ``RefitError``."""
+        with self._creating:
+            self._closed = True
+            sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.close()

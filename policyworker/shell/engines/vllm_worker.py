@@ -1,0 +1,224 @@
+"""Inside vLLM's worker: our ZMQ refit receiver as a weight-transfer backend and a worker extension.
+
+Imported only in vLLM's processes (it imports vLLM): by vLLM's factory when the engine was built
+with ``weight_transfer_config={"backend": "policyworker_zmq"}``, and by vLLM's worker when
+``worker_extension_cls`` names ``PolicyWorkerVllmExtension`` (importing it also registers the
+backend, so either setting alone is enough). See ``vllm.py`` for the trainer side.
+
+vLLM's ``model.load_weights`` cannot write into a running engine's processed parameters (they
+lose their ``weight_loader``); vLLM's layerwise reload restores loadable parameters, routes every
+checkpoint tensor through the model's own name mapping (stacked qkv / gate_up, experts), runs the
+post-load processing and copies the results back into the tensors the kernels hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import vllm
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.model_loader.reload import (
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+)
+
+from policyworker.errors import RefitError
+from policyworker.shell.engines.vllm import check_vllm_version, decode_refit_info, register_backend
+from policyworker.shell.refit.receiver import HFWeightReceiver
+
+__all__ = ["PolicyWorkerVllmExtension", "PolicyWorkerZmqEngine", "ZmqInitInfo", "ZmqUpdateInfo",
+           "layerwise_loader", "receiver_for"]
+
+
+def _cpu_moe_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """(layer, experts) of every MoE layer run by vLLM's unquantized CPU experts kernel."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    found = []
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            found.append((module, experts))
+    return found
+
+
+def _check_cpu_moe_repack(found: list[tuple[torch.nn.Module, Any]]) -> None:
+    for _, experts in found:
+        size = experts.moe_config.intermediate_size_per_partition
+        padded = experts._padded_intermediate_size(experts.moe_config)
+        if padded != size:
+            msg = (f"vLLM {vllm.__version__}'s CPU MoE kernel pads moe intermediate size {size} "
+                   f"to {padded}; its weight updates cannot be repacked in place. Use a moe "
+                   f"intermediate size that is a multiple of {experts._intermediate_alignment()}")
+            raise ValueError(msg)
+
+
+def layerwise_loader(model: torch.nn.Module, model_config: Any):
+    """A ``load_weights(pairs)`` that loads one complete version through vLLM's layerwise reload
+    and checks that it covered every parameter of the model.
+
+    vLLM 0.32.0's unquantized MoE method skips its experts' ``process_weights_after_loading`` on
+    a weight update (it assumes GPU kernels that read the plain layout); the CPU experts kernel
+    reads weights prepacked by that step, so an update left raw weights under a packed-layout
+    kernel (garbage output, found by tests/engines/test_vllm_moe.py). The loader runs that prepack
+    itself after the reload (same shape, new storage: there are no captured graphs on CPU).
+
+    vLLM processes each layer as soon as its tensors have arrived, so a ``load_weights`` that
+    fails midway (a name this model does not map) would leave the earlier layers on the new
+    version: the loader snapshots the serving tensors first and copies them back on any failure.
+    """
+    expected = {name for name, _ in model.named_parameters()}
+    cpu_moe = _cpu_moe_experts(model)
+    _check_cpu_moe_repack(cpu_moe)
+
+    def load(pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            snapshot = {name: t.detach().clone() for name, t in _serving_tensors(model)}
+        try:
+            initialize_layerwise_reload(model)
+            try:
+                loaded = model.load_weights(iter(pairs))
+            finally:
+                finalize_layerwise_reload(model, model_config)
+                for layer, experts in cpu_moe:
+                    experts.process_weights_after_loading(layer)
+            missing = sorted(expected - set(loaded or ()))
+            if loaded is not None and missing:
+                msg = (f"the refit left {len(missing)} vLLM parameter(s) without a value: "
+                       f"{missing[:10]}; the trainer's names do not match this vLLM model's "
+                       f"checkpoint names")
+                raise RefitError(msg)
+        except BaseException:
+            with torch.no_grad():
+                for name, tensor in _serving_tensors(model):
+                    tensor.copy_(snapshot[name])
+            raise
+
+    return load
+
+
+def _serving_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return [(name, t.data if isinstance(t, torch.nn.Parameter) else t) for name, t in named]
+
+
+def receiver_for(model: torch.nn.Module, model_config: Any, init: dict[str, Any]
+                 ) -> HFWeightReceiver:
+    """The atomic receiver of one trainer (``init``: address, refit_info, timeout_s)."""
+    for key in ("address", "refit_info"):
+        if key not in init:
+            msg = (f"init_info has no {key!r} (keys: {sorted(init)}); build it with "
+                   f"policyworker.shell.engines.vllm.VllmRefit")
+            raise ValueError(msg)
+    return HFWeightReceiver(layerwise_loader(model, model_config), address=init["address"],
+                            refit_info=decode_refit_info(init["refit_info"]), atomic=True,
+                            timeout_s=float(init.get("timeout_s", 120.0)))
+
+
+def _check_single_worker(world_size: int) -> None:
+    if world_size != 1:
+        msg = (f"the policyworker_zmq backend serves one vLLM worker (tensor_parallel_size * "
+               f"pipeline_parallel_size == 1), this engine has {world_size}; a ZMQ refit has "
+               f"one receiver")
+        raise ValueError(msg)
+
+
+def _summary(report: Any) -> dict[str, Any]:
+    return {"version": report.version, "num_tensors": report.num_tensors,
+            "num_bytes": report.num_bytes, "num_buckets": report.num_buckets,
+            "receive_seconds": report.seconds}
+
+
+@dataclass
+class ZmqInitInfo(WeightTransferInitInfo):
+    """What ``init_weight_transfer_engine`` carries: the trainer's ZMQ address and metadata."""
+
+    address: str = ""
+    refit_info: dict[str, list[Any]] = field(default_factory=dict)
+    timeout_s: float = 120.0
+
+
+@dataclass
+class ZmqUpdateInfo(WeightTransferUpdateInfo):
+    """``update_weights`` needs nothing: the stream itself announces its manifest."""
+
+
+class PolicyWorkerZmqEngine(WeightTransferEngine[ZmqInitInfo, ZmqUpdateInfo]):
+    """vLLM weight-transfer backend ``policyworker_zmq``: each ``update_weights`` serves one
+    complete ZMQ refit, applied at its COMPLETE through the layerwise reload (see module doc)."""
+
+    init_info_cls = ZmqInitInfo
+    update_info_cls = ZmqUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device,
+                 model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        _check_single_worker(self.parallel_config.world_size)
+        self._receiver: HFWeightReceiver | None = None
+        self._completed: list[dict[str, Any]] | None = None
+
+    def init_transfer_engine(self, init_info: ZmqInitInfo) -> None:
+        self.shutdown()
+        self._receiver = receiver_for(self.model, self.model_config, vars(init_info))
+
+    def start_weight_update(self) -> None:
+        if self._receiver is None:
+            msg = ("start_weight_update before init_weight_transfer_engine; connect the "
+                   "trainer first")
+            raise RuntimeError(msg)
+        self._completed = []
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # No device sync: the receiver's COMPLETE already waited for its copies.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: ZmqUpdateInfo) -> None:
+        assert self._receiver is not None and self._completed is not None
+        self._completed.append(_summary(self._receiver.receive()))
+
+    def finish_weight_update(self) -> None:
+        if not self._completed:
+            msg = ("finish_weight_update without a completed refit in this session; call "
+                   "update_weights while the trainer streams")
+            raise RuntimeError(msg)
+        self._completed = None
+
+    def shutdown(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
+
+
+class PolicyWorkerVllmExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``); reached by ``collective_rpc``."""
+
+    def policyworker_connect(self, init_info: dict[str, Any]) -> None:
+        _check_single_worker(self.vllm_config.parallel_config.world_size)
+        self.policyworker_close()
+        model = self.model_runner.get_model()
+        self._policyworker_receiver = receiver_for(model, self.vllm_config.model_config, init_info)
+
+    def policyworker_receive(self) -> dict[str, Any]:
+        receiver = getattr(self, "_policyworker_receiver", None)
+        if receiver is None:
+            raise RuntimeError("policyworker_receive before policyworker_connect")
+        return _summary(receiver.receive())
+
+    def policyworker_close(self) -> None:
+        receiver = getattr(self, "_policyworker_receiver", None)
+        if receiver is not None:
+            receiver.close()
+            self._policyworker_receiver = None
+
+
+check_vllm_version(vllm.__version__)
+register_backend()

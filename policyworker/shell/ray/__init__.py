@@ -1,0 +1,16 @@
+"""PolicyWorker as a group of Ray actors (extra "ray"); see `group.py` for the design.
+
+    actor.py   the version gate, placement groups, the actor that holds one rank's worker
+    group.py   RayWorkerGroup: start, sharded / every-rank / rank-0 calls, failure, shutdown
+"""
+
+from policyworker.shell.ray.actor import (
+    RAY_SUPPORTED,
+    WorkerGroupOptions,
+    import_ray,
+    make_placement_group,
+)
+from policyworker.shell.ray.group import RayWorkerGroup
+
+__all__ = ["RAY_SUPPORTED", "RayWorkerGroup", "WorkerGroupOptions", "import_ray",
+           "make_placement_group"]
