@@ -103,7 +103,7 @@ def reference_model(state: WorkerState) -> Iterator[None]:
         with torch.no_grad():
             for k, t in live.items():
                 t.copy_(state.reference_state[k])
-        state.sampling = (sampling[0], None, 1.0)
+        state.sampling = sampling.unfiltered()
         with torch.no_grad():
             yield
     finally:
@@ -116,7 +116,7 @@ def reference_model(state: WorkerState) -> Iterator[None]:
 def topk_logits(state: WorkerState, data: Mapping[str, Any], k: int,
                 micro_batch_size: int | None) -> BatchedDataDict:
     """Top-k of temperature-scaled logits at every position (no shift), 0/0 at padding."""
-    temperature = state.sampling[0]
+    temperature = state.sampling.temperature
 
     def per_mb(mb: mbatch.Microbatch) -> tuple[torch.Tensor, torch.Tensor]:
         logits_at, num_positions, vocab = next_token.logit_chunks(state, mb)

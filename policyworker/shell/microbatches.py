@@ -14,6 +14,7 @@ import torch
 
 from policyworker.data import validate_batch
 from policyworker.functional import batch_checks, batching
+from policyworker.functional.microbatching import plan_microbatches
 from policyworker.functional.packing import pack, packed_position_ids, unpack
 from policyworker.shell import model as model_lib
 from policyworker.shell.state import WorkerState
@@ -67,20 +68,7 @@ def validate(state: WorkerState, data: Mapping[str, Any], *,
 def plan(state: WorkerState, lengths: torch.Tensor, *, seq_len: int, mbs: int,
          purpose: Literal["train", "logprob"]) -> list[batching.MicrobatchPlan]:
     """Fixed / dynamic / packed plans for this rank, plus dummies up to the all-rank max."""
-    cfg = state.cfg
-    if cfg.dynamic_batching is not None:
-        dyn = cfg.dynamic_batching
-        budget = dyn.train_mb_tokens if purpose == "train" else dyn.logprob_tokens
-        plans = batching.dynamic_microbatches(lengths, max_tokens=budget, seq_len=seq_len,
-                                              sequence_length_round=dyn.sequence_length_round)
-    elif cfg.sequence_packing is not None:
-        sp = cfg.sequence_packing
-        budget = sp.train_mb_tokens if purpose == "train" else sp.logprob_tokens
-        plans = batching.packed_microbatches(
-            lengths, capacity=budget, algorithm=sp.algorithm,
-            pad_multiple=cfg.make_sequence_length_divisible_by)
-    else:
-        plans = batching.fixed_microbatches(int(lengths.shape[0]), mbs, seq_len=seq_len)
+    plans = plan_microbatches(state.cfg, lengths, seq_len=seq_len, mbs=mbs, purpose=purpose)
     max_count = state.parallel.all_reduce_int(len(plans), op="max", axis="world")
     return plans + batching.dummy_microbatches(
         plans, batching.num_dummy_microbatches(len(plans), max_count))

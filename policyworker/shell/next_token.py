@@ -14,12 +14,13 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import DTensor
 
-from policyworker.functional.logprobs import default_chunk_size, sampling_filters_active
+from policyworker.functional.logprobs import default_chunk_size
+from policyworker.functional.sampling import Sampling
 from policyworker.functional.tokens import counted_tokens
 from policyworker.shell import model as model_lib
 from policyworker.shell.microbatches import Microbatch, forward, hidden_states
 from policyworker.shell.parallel import collectives
-from policyworker.shell.state import Sampling, WorkerState
+from policyworker.shell.state import WorkerState
 
 __all__ = ["filtering", "inference_chunk", "inference_logprobs", "logit_chunks",
            "logprobs_any", "rows_of_next", "sampling_for", "training_logprobs", "valid_mask"]
@@ -29,14 +30,12 @@ _INFERENCE_CHUNK_TOKENS = 2048
 
 def sampling_for(state: WorkerState, filtered: bool) -> Sampling:
     """The sampling filters logprobs are taken under (`filtered=False`: temperature only)."""
-    temperature, top_k, top_p = state.sampling
-    return (temperature, top_k, top_p) if filtered else (temperature, None, 1.0)
+    return state.sampling if filtered else state.sampling.unfiltered()
 
 
 def filtering(state: WorkerState) -> bool:
     """Whether top-k or top-p filtering is on (then filtered-out tokens get -inf logprobs)."""
-    _, top_k, top_p = state.sampling
-    return sampling_filters_active(top_k, top_p)
+    return state.sampling.filters_active
 
 
 def valid_mask(data: Mapping[str, Any], seq_len: int) -> torch.Tensor:
@@ -46,20 +45,18 @@ def valid_mask(data: Mapping[str, Any], seq_len: int) -> torch.Tensor:
 
 
 def logprobs_any(state: WorkerState, logits: torch.Tensor, ids: torch.Tensor, *,
-                 temperature: float, top_k: int | None, top_p: float,
-                 chunk_size: int) -> torch.Tensor:
+                 sampling: Sampling, chunk_size: int) -> torch.Tensor:
     """Next-token logprobs of plain or vocab-sharded (TP) logits.
 
     Top-k/top-p under TP move whole rows between ranks, which needs `rows * positions`
     divisible by tp; otherwise this block's logits are gathered over the vocab first (one
     [rows, positions, V] block, differentiable) and scored as plain logits.
     """
-    if (isinstance(logits, DTensor) and sampling_filters_active(top_k, top_p)
+    if (isinstance(logits, DTensor) and sampling.filters_active
             and ids.numel() % state.parallel.tp_size != 0):
         logits = logits.full_tensor()
     return collectives.next_token_logprobs_any(
-        logits, ids, state.parallel, temperature=temperature, top_k=top_k, top_p=top_p,
-        chunk_size=chunk_size)
+        logits, ids, state.parallel, **sampling.as_kwargs(), chunk_size=chunk_size)
 
 
 def rows_of_next(mb: Microbatch, lp: torch.Tensor) -> torch.Tensor:
@@ -73,10 +70,9 @@ def rows_of_next(mb: Microbatch, lp: torch.Tensor) -> torch.Tensor:
 def training_logprobs(state: WorkerState, mb: Microbatch, logits: torch.Tensor, *,
                       filtered: bool) -> torch.Tensor:
     """[b, w-1] next-token logprobs of microbatch `mb` from its logits (differentiable)."""
-    temperature, top_k, top_p = sampling_for(state, filtered)
     chunk = state.cfg.logprob_chunk_size or default_chunk_size(logits.shape[-1])
-    lp = logprobs_any(state, logits, mb.input_ids, temperature=temperature, top_k=top_k,
-                      top_p=top_p, chunk_size=chunk)
+    lp = logprobs_any(state, logits, mb.input_ids, sampling=sampling_for(state, filtered),
+                      chunk_size=chunk)
     return rows_of_next(mb, lp)
 
 
@@ -115,12 +111,11 @@ def inference_chunk(state: WorkerState, vocab: int, *, rows: int) -> int:
 def inference_logprobs(state: WorkerState, mb: Microbatch) -> torch.Tensor:
     """[b, w-1] filtered next-token logprobs, chunk by chunk over positions (no grad)."""
     logits_at, num_positions, vocab = logit_chunks(state, mb)
-    temperature, top_k, top_p = sampling_for(state, True)
     chunk = inference_chunk(state, vocab, rows=mb.input_ids.shape[0])
     parts = [torch.zeros(mb.input_ids.shape[0], 0, device=state.device)]
     for start in range(0, num_positions - 1, chunk):
         stop = min(start + chunk, num_positions - 1)
         parts.append(logprobs_any(
             state, logits_at(start, stop + 1), mb.input_ids[:, start:stop + 1],
-            temperature=temperature, top_k=top_k, top_p=top_p, chunk_size=chunk))
+            sampling=state.sampling, chunk_size=chunk))
     return rows_of_next(mb, torch.cat(parts, dim=1))

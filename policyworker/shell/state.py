@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from policyworker.config import PolicyConfig, validate_for_world
 from policyworker.functional.dtypes import precision_dtype
+from policyworker.functional.sampling import Sampling
 from policyworker.shell import model as model_lib
 from policyworker.shell.checkpoint.saver import AsyncSaver
 from policyworker.shell.draft import DraftTrainer
@@ -36,11 +37,7 @@ if TYPE_CHECKING:
     from policyworker.shell.refit.sender import RefitSender
     from policyworker.shell.refit.sglang import SGLangColocatedSender
 
-__all__ = ["RefitState", "Sampling", "WorkerState"]
-
-# (temperature, top_k, top_p) of the generation config: the filters logprobs are computed under.
-Sampling = tuple[float, int | None, float]
-
+__all__ = ["RefitState", "WorkerState"]
 
 @attrs.define(kw_only=True, eq=False)
 class RefitState:
@@ -101,14 +98,12 @@ class WorkerState:
         fusion_report = fuse_elementwise(model, mode=dcfg.fusion, autocast_dtype=dtype)
         optimizer = build_optimizer(model, cfg.optimizer) if (
             init_optimizer and cfg.optimizer is not None) else None
-        gen = cfg.generation
-        sampling = (gen.temperature, gen.top_k, gen.top_p) if gen is not None else (1.0, None, 1.0)
         state = cls(
             cfg=cfg, parallel=parallel, device=device, dtype=dtype, model=model,
             tokenizer=tokenizer, lora_module_names=lora_module_names,
             fusion_report=fusion_report, optimizer=optimizer,
             scheduler=build_scheduler(optimizer, cfg.scheduler) if optimizer else None,
-            sampling=sampling, moe=MoeRouting(model, cfg, parallel),
+            sampling=Sampling.of_generation(cfg.generation), moe=MoeRouting(model, cfg, parallel),
             draft=DraftTrainer(model, cfg, device=device, parallel=parallel,
                                build_optimizer=build_optimizer if init_optimizer else None))
         state.reference_state = state.snapshot() if init_reference_model else None
@@ -217,8 +212,8 @@ def _hf_weights_folder(weights_path: str | None) -> str | None:
     """The HF folder to build the model from when `weights_path` holds safetensors weights."""
     if weights_path is None:
         return None
-    from policyworker.shell.checkpoint import safetensors_io
+    from policyworker.shell.checkpoint import folders
 
-    if safetensors_io.detect_weights_format(weights_path) != "safetensors":
+    if folders.detect_weights_format(weights_path) != "safetensors":
         return None  # DCP / PEFT: built from model_name, then loaded by the checkpoint module
-    return str(safetensors_io._model_folder(weights_path))
+    return str(folders._model_folder(weights_path))

@@ -188,8 +188,8 @@ def _loss(state: WorkerState, mb: mbatch.Microbatch, loss_fn, gvs, gvt):
             # gather is differentiable (each TP rank gets its vocab shard's gradient back).
             logits = logits.full_tensor()
         logits = mb.unpack_rows(logits)
-        if state.sampling[0] != 1.0:
-            logits = logits / state.sampling[0]
+        if state.sampling.temperature != 1.0:
+            logits = logits / state.sampling.temperature
         if kind == LossInputType.LOGIT:
             return loss_fn(data=mb.data, global_valid_seqs=gvs, global_valid_toks=gvt,
                            logits=logits)

@@ -26,6 +26,7 @@ import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import attrs
 import torch
 
 from policyworker.config import PolicyConfig, load_config
@@ -93,7 +94,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
     @property
     def _sampling(self) -> tuple[float, int | None, float]:
         """(temperature, top_k, top_p) logprobs are computed under right now."""
-        return self.state.sampling
+        return attrs.astuple(self.state.sampling)
 
     # ------------------------------------------------------------------------------ train
 

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from policyworker.functional.loss import NLLLoss
 from policyworker.functional.names import CheckpointPiece, whole_piece
+from policyworker.functional.safetensors_layout import contiguous_runs
 from policyworker.shell import checkpoint as ck
 from policyworker.shell.checkpoint import api as ck_api
 from policyworker.shell.checkpoint import commit as ck_commit
-from policyworker.shell.checkpoint import layout as ck_layout
 from policyworker.shell.worker import PolicyWorker
 from tests.shell import checkpoint_crash_child as child
 from tests.shell.conftest import make_batch, make_config
@@ -532,7 +532,7 @@ def test_contiguous_runs_of_a_block_tiling_rebuild_the_tensor(data):
     for block in itertools.product(*(list(zip(e[:-1], e[1:], strict=True)) for e in edges)):
         block = tuple(block)
         piece = full[tuple(slice(a, b) for a, b in block)].contiguous()
-        for offset, idx, n in ck_layout._contiguous_runs(block, full_box):
+        for offset, idx, n in contiguous_runs(block, full_box):
             src = piece[idx] if idx else piece
             out[offset : offset + n] = src.reshape(-1)[:n]
     assert torch.equal(out, full.reshape(-1))

@@ -1,6 +1,7 @@
 """Checkpoints: HF safetensors weights, DCP optimizer state, an atomic commit across ranks.
 
     layout.py           folder and file names, the HF tensor boxes, safetensors file plans
+    folders.py          what a folder holds: complete safetensors files, the weights format
     safetensors_io.py   staging, `pwrite`, validation and loading of HF safetensors weights
     dcp.py              optimizer, scheduler and RNG state (and DCP weights) via torch DCP
     commit.py           fsync, commit records, renames, recovery of interrupted commits
@@ -8,8 +9,8 @@
     api.py              save_checkpoint / load_checkpoint / finalize_async_save on a worker's
                         state (`CheckpointOwner`)
 
-Dependencies run down this list's reverse: api -> saver -> dcp -> safetensors_io -> commit
--> layout. The names below are the package's public surface (docs/checkpoints.md).
+Dependencies run down this list's reverse: api -> saver -> dcp -> safetensors_io -> folders
+-> commit -> layout. The names below are the package's public surface (docs/checkpoints.md).
 """
 
 from policyworker.shell.checkpoint.api import (
@@ -21,6 +22,7 @@ from policyworker.shell.checkpoint.api import (
 )
 from policyworker.shell.checkpoint.commit import COMMIT_RECORD_PREFIX, recover_checkpoint_commits
 from policyworker.shell.checkpoint.dcp import load_optimizer, save_optimizer
+from policyworker.shell.checkpoint.folders import detect_weights_format, validate_hf_folder
 from policyworker.shell.checkpoint.layout import (
     INDEX_FILE,
     MANIFEST_FILE,
@@ -33,12 +35,7 @@ from policyworker.shell.checkpoint.layout import (
     hf_layout,
     plan_safetensors_files,
 )
-from policyworker.shell.checkpoint.safetensors_io import (
-    detect_weights_format,
-    load_hf_weights,
-    save_hf_weights,
-    validate_hf_folder,
-)
+from policyworker.shell.checkpoint.safetensors_io import load_hf_weights, save_hf_weights
 from policyworker.shell.checkpoint.saver import FINALIZE_TIMEOUT_S, AsyncSaver
 
 __all__ = [

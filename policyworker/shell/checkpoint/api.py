@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -49,6 +49,7 @@ from policyworker.shell.checkpoint.commit import (
 )
 from policyworker.shell.checkpoint.dcp import _load_dcp_weights, load_optimizer, save_optimizer
 from policyworker.shell.checkpoint.digests import verify_digests
+from policyworker.shell.checkpoint.folders import _model_folder, detect_weights_format
 from policyworker.shell.checkpoint.layout import (
     FORMAT_VERSION,
     INDEX_FILE,
@@ -58,12 +59,7 @@ from policyworker.shell.checkpoint.layout import (
     REFERENCE_DIR,
     CheckpointError,
 )
-from policyworker.shell.checkpoint.safetensors_io import (
-    _model_folder,
-    detect_weights_format,
-    load_hf_weights,
-    save_hf_weights,
-)
+from policyworker.shell.checkpoint.safetensors_io import load_hf_weights, save_hf_weights
 from policyworker.shell.checkpoint.saver import FINALIZE_TIMEOUT_S, AsyncSaver, _checkpoint_group
 
 __all__ = [
@@ -127,6 +123,42 @@ def save_checkpoint(
     Raises:
         ValueError: optimizer_path without an optimizer, or tokenizer_path without a tokenizer.
     """
+    _check_save_args(owner, optimizer_path, tokenizer_path)
+    saver, parallel = owner.saver, owner.parallel
+    saver.finalize(parallel)
+    token = _shared_token(parallel)
+    group = _checkpoint_group(saver)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "checkpoint_id": token,
+        "world_size": parallel.world_size,
+        "dp_size": parallel.dp_size,
+        "tp_size": parallel.tp_size,
+    }
+    lora, ref = _lora(owner), owner.reference_state
+    weights = pathlib.Path(weights_path)
+    reference = weights / REFERENCE_DIR if ref is not None and not lora else None
+    optim = pathlib.Path(optimizer_path) / OPTIM_DIR if optimizer_path is not None else None
+    tokenizer = pathlib.Path(tokenizer_path) if tokenizer_path is not None else None
+    finals = [f for f in (weights / MODEL_DIR, optim, tokenizer, reference) if f is not None]
+    _on_rank0(parallel, "prepare the checkpoint folders", lambda: _prepare_folders(finals))
+    commits = [(_tmp_for(f, token), f) for f in finals]
+    tmp = dict(zip(finals, (t for t, _ in commits), strict=True))
+    jobs = _model_jobs(owner, tmp[finals[0]], meta, lora=lora)
+    if reference is not None:
+        jobs += _save_reference(owner, saver, ref, reference, tmp[reference])
+    if optim is not None:
+        jobs.append(save_optimizer(owner.model, owner.optimizer, owner.scheduler, tmp[optim],
+                                   parallel=parallel, group=group, meta=meta))
+    if tokenizer is not None and parallel.rank == 0:
+        owner.tokenizer.save_pretrained(tmp[tokenizer])
+    saver.start(jobs, commits, background=not is_final_checkpoint)
+    if is_final_checkpoint:
+        saver.finalize(parallel)
+
+
+def _check_save_args(owner: CheckpointOwner, optimizer_path: Any, tokenizer_path: Any) -> None:
+    """Refuse to save state the owner does not have, before any folder changes."""
     if optimizer_path is not None and owner.optimizer is None:
         msg = (
             "save_checkpoint(optimizer_path=...) but the worker has no optimizer "
@@ -139,84 +171,40 @@ def save_checkpoint(
             "folder without tokenizer files); pass tokenizer_path=None"
         )
         raise ValueError(msg)
-    saver, parallel = owner.saver, owner.parallel
-    saver.finalize(parallel)
-    token = _shared_token(parallel)
-    group = _checkpoint_group(saver)
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "checkpoint_id": token,
-        "world_size": parallel.world_size,
-        "dp_size": parallel.dp_size,
-        "tp_size": parallel.tp_size,
-    }
-    finals = [pathlib.Path(weights_path) / MODEL_DIR]
-    if optimizer_path is not None:
-        finals.append(pathlib.Path(optimizer_path) / OPTIM_DIR)
-    if tokenizer_path is not None:
-        finals.append(pathlib.Path(tokenizer_path))
-    lora, ref = _lora(owner), owner.reference_state
-    if ref is not None and not lora:
-        finals.append(pathlib.Path(weights_path) / REFERENCE_DIR)
 
-    def prepare() -> None:  # finish a committed save first: cleanup would delete its folders
+
+def _prepare_folders(finals: Sequence[pathlib.Path]) -> None:
+    """Rank 0: finish a committed save first (cleanup would delete its folders), then clear
+    what interrupted saves left next to the final folders."""
+    for final in finals:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    parents = sorted({f.parent for f in finals})
+    recover_checkpoint_commits(parents)
+    with _locked(parents):
         for final in finals:
-            final.parent.mkdir(parents=True, exist_ok=True)
-        parents = sorted({f.parent for f in finals})
-        recover_checkpoint_commits(parents)
-        with _locked(parents):
-            for final in finals:
-                _clear_stale(final)
+            _clear_stale(final)
 
-    _on_rank0(parallel, "prepare the checkpoint folders", prepare)
-    commits = [(_tmp_for(f, token), f) for f in finals]
-    tmp = dict(zip(finals, (t for t, _ in commits), strict=True))
-    jobs = []
-    model_tmp = tmp[finals[0]]
-    if lora:
-        from policyworker.shell.lora import save_peft_adapter
 
-        cfg = getattr(owner, "cfg", None)
-        save_peft_adapter(
-            owner.model,
-            model_tmp,
-            lora_cfg=getattr(getattr(cfg, "dtensor_cfg", None), "lora_cfg", None),
-            base_model_name_or_path=getattr(cfg, "model_name", None),
-            write=parallel.rank == 0,
-        )
-        if parallel.rank == 0:
-            _write_json(model_tmp / MANIFEST_FILE, {**meta, "kind": "peft"})
-    else:
-        jobs.append(
-            save_hf_weights(
-                owner.model, model_tmp, parallel=parallel, manifest={**meta, "kind": "hf"}
-            )
-        )
-    if ref is not None and not lora:
-        jobs += _save_reference(
-            owner,
-            saver,
-            ref,
-            pathlib.Path(weights_path) / REFERENCE_DIR,
-            tmp[pathlib.Path(weights_path) / REFERENCE_DIR],
-        )
-    if optimizer_path is not None:
-        jobs.append(
-            save_optimizer(
-                owner.model,
-                owner.optimizer,
-                owner.scheduler,
-                tmp[pathlib.Path(optimizer_path) / OPTIM_DIR],
-                parallel=parallel,
-                group=group,
-                meta=meta,
-            )
-        )
-    if tokenizer_path is not None and parallel.rank == 0:
-        owner.tokenizer.save_pretrained(tmp[pathlib.Path(tokenizer_path)])
-    saver.start(jobs, commits, background=not is_final_checkpoint)
-    if is_final_checkpoint:
-        saver.finalize(parallel)
+def _model_jobs(owner: CheckpointOwner, model_tmp: pathlib.Path, meta: Mapping[str, Any], *,
+                lora: bool) -> list[Callable[[], None]]:
+    """The model's write jobs: HF safetensors, or (LoRA runs) a PEFT adapter written now."""
+    if not lora:
+        manifest = {**meta, "kind": "hf"}
+        return [save_hf_weights(owner.model, model_tmp, parallel=owner.parallel,
+                                manifest=manifest)]
+    from policyworker.shell.lora import save_peft_adapter
+
+    cfg = getattr(owner, "cfg", None)
+    save_peft_adapter(
+        owner.model,
+        model_tmp,
+        lora_cfg=getattr(getattr(cfg, "dtensor_cfg", None), "lora_cfg", None),
+        base_model_name_or_path=getattr(cfg, "model_name", None),
+        write=owner.parallel.rank == 0,
+    )
+    if owner.parallel.rank == 0:
+        _write_json(model_tmp / MANIFEST_FILE, {**meta, "kind": "peft"})
+    return []
 
 
 def _save_reference(

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from policyworker.functional.names import canonical_name
 from policyworker.shell.checkpoint.digests import verify_digests
+from policyworker.shell.checkpoint.folders import _interrupted_hint
 from policyworker.shell.checkpoint.layout import OPTIM_DIR, CheckpointError, _model_state
-from policyworker.shell.checkpoint.safetensors_io import _interrupted_hint
 
 __all__ = ["load_optimizer", "save_optimizer"]
 

@@ -2,7 +2,12 @@
 
     context.py      ParallelContext: dp/cp/tp sizes, coordinates, groups, device, reductions
     plans.py        FSDP2 + tensor-parallel plans, activation checkpointing, reshard
-    collectives.py  logprobs / top-k / grad norm over vocab- and sequence-sharded tensors
+    collectives.py  one import for the collectives over shards, which live in:
+      vocab_logprobs.py   logprobs of vocab-sharded logits (with top-k/top-p: rows exchanged)
+      topk.py             exact top-k over vocab shards
+      context_parallel.py the sequence over CP ranks: forward, gathers, logprobs
+      grads.py            grad norm and clipping of sharded parameters
+      groups.py           the group helpers they share
 
 `policyworker.shell.parallel` was once the plans module: its names stay importable from here.
 """

@@ -4,7 +4,7 @@ layout NeMo-RL's DTensor worker uses: column/row-parallel projections, vocab-par
 Order (torchtitan's): tensor parallel on `ctx.mesh["tp"]` first, then FSDP2 `fully_shard` per
 decoder layer and on the root over the dp mesh (dp x cp flattened when cp > 1). Under TP the
 lm_head is vocab-parallel: logits leave the model as a DTensor sharded on the vocab dim, which
-`policyworker.shell.parallel.collectives.next_token_logprobs_any` consumes without gathering the vocab.
+`shell.parallel.collectives.next_token_logprobs_any` consumes without gathering the vocab.
 
 Plan FQNs are relative to the `*ForCausalLM` module; a `*` matches one name component
 (`model.layers.*.mlp.up_proj`), as in `torch.distributed.tensor.parallel.parallelize_module`.

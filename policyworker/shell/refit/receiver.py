@@ -381,6 +381,8 @@ class HFWeightReceiver:
             raise
 
     def abort_refit(self, reason: str) -> None:
+        """Drop the refit in progress (the caller reports `reason`); an in-place receiver's model
+        stays marked stale if anything was written."""
         self.applier.abort(reason)
 
     def release_buffers(self) -> None:
