@@ -243,7 +243,8 @@ SHELL_LAYERS = {
 }
 MECHANISM_ROOMS = ("policyworker.shell.parallel", "policyworker.shell.refit",
                    "policyworker.shell.checkpoint", "policyworker.shell.engines")
-MECHANISM_MODULES = {"model", "attention", "fusion", "lora", "optim", "config_io", "ipc_logits"}
+MECHANISM_MODULES = {"model", "attention", "fusion", "lora", "optim", "config_io", "ipc_logits",
+                     "moe", "draft", "logs"}
 LAYER_NAMES = {5: "actors", 4: "facade", 3: "behaviours", 2: "worker mechanisms",
                1: "mechanisms", 0: "core"}
 
