@@ -913,12 +913,22 @@ def _known_keys(cls: Any, path: str) -> list[str]:
     return names
 
 
+def _closest_key(key: str, known: list[str]) -> str | None:
+    """The known key a typo most likely meant: difflib's closest, else the longest known key the
+    typo starts or ends with (a short key plus a suffix, `dim_v2`, scores low in difflib)."""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    stems = [k for k in known if len(k) >= 2 and (key.startswith(k) or key.endswith(k))]
+    return max(stems, key=len) if stems else None
+
+
 def _unknown_keys_message(exc: ForbiddenExtraKeysError, path: str) -> str:
     known = _known_keys(exc.cl, path)
     parts: list[str] = []
     for key in sorted(map(str, exc.extra_fields)):
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        parts.append(f"{key}: did you mean {close[0]!r}?" if close else key)
+        close = _closest_key(key, known)
+        parts.append(f"{key}: did you mean {close!r}?" if close else key)
     return f"extra fields found ({', '.join(parts)})"
 
 
