@@ -208,9 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:32s} {seconds:9.3f} {gbps:7.2f}")
     print(f"load bit-exact: {results['load_exact']}")
     share = results["digest_share_of_sync_save"]
-    print(f"per-file digests: {results['digest_s']:.3f} s at save = {100 * share:.1f} % of the "
-          f"sync save (target < 5 %: {'met' if share < 0.05 else 'missed'}); "
-          f"verify at load {results['verify_s']:.3f} s")
+    print(
+        f"per-file digests: {results['digest_s']:.3f} s at save = {100 * share:.1f} % of the "
+        f"sync save (target < 5 %: {'met' if share < 0.05 else 'missed'}); "
+        f"verify at load {results['verify_s']:.3f} s"
+    )
     pathlib.Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.json}")
     return 0 if results["load_exact"] else 1

@@ -24,12 +24,27 @@ if str(REPO) not in sys.path:
 
 BF16_PEAK_FLOPS = 790e12  # measured bf16 matmul ceiling of one H200 here (KINDS.md)
 
-QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                  num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                  max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512,
-            tie_word_embeddings=True)
+QWEN25_15B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
 
 
 def device() -> torch.device:
@@ -57,8 +72,9 @@ def rl_lengths(num_rows: int, *, low: int, high: int, seed: int) -> list[int]:
     return torch.randint(low, high + 1, (num_rows,), generator=gen).tolist()
 
 
-def make_batch(lengths: Sequence[int], *, vocab: int, seed: int, seq_len: int | None = None
-               ) -> dict[str, torch.Tensor]:
+def make_batch(
+    lengths: Sequence[int], *, vocab: int, seed: int, seq_len: int | None = None
+) -> dict[str, torch.Tensor]:
     """Right-padded random ids with token/sample masks for `lengths` (CPU tensors)."""
     seq_len = seq_len or max(lengths)
     gen = torch.Generator().manual_seed(seed)
@@ -67,8 +83,12 @@ def make_batch(lengths: Sequence[int], *, vocab: int, seed: int, seq_len: int | 
     ids = torch.randint(0, vocab, (len(lengths), seq_len), generator=gen) * valid
     token_mask = valid.float()
     token_mask[:, 0] = 0
-    return {"input_ids": ids, "input_lengths": lengths_t, "token_mask": token_mask,
-            "sample_mask": torch.ones(len(lengths))}
+    return {
+        "input_ids": ids,
+        "input_lengths": lengths_t,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(len(lengths)),
+    }
 
 
 def release() -> None:

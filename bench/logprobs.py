@@ -23,11 +23,20 @@ from pathlib import Path
 
 import torch
 import transformers
-
 from common import (  # noqa: I001  (bench/ is run as a script folder)
-    device, gib, is_oom, make_batch, peak_extra_bytes, print_table, ratio, release,
-    save_random_model, timed, write_results,
+    device,
+    gib,
+    is_oom,
+    make_batch,
+    peak_extra_bytes,
+    print_table,
+    ratio,
+    release,
+    save_random_model,
+    timed,
+    write_results,
 )
+
 from policyworker.shell.fusion import FUSION_MODES
 from policyworker.shell.model import autocast_context
 from policyworker.shell.worker import PolicyWorker
@@ -56,15 +65,23 @@ def measure(fn, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--small", action="store_true", help="tiny model, short rows, CPU-friendly")
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384])
     parser.add_argument("--row-len", type=int, default=4096)
-    parser.add_argument("--chunk", type=int, default=None, help="logprob_chunk_size (default: by vocab)")
+    parser.add_argument(
+        "--chunk", type=int, default=None, help="logprob_chunk_size (default: by vocab)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precision", default=None)
-    parser.add_argument("--fuse", choices=FUSION_MODES, default=None,
-                        help="dtensor_cfg.fusion for the worker (default: layer on CUDA, none on CPU)")
+    parser.add_argument(
+        "--fuse",
+        choices=FUSION_MODES,
+        default=None,
+        help="dtensor_cfg.fusion for the worker (default: layer on CUDA, none on CPU)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.small:
@@ -76,13 +93,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_path = str(Path(tmp) / "model")
         num_params = save_random_model(Path(model_path), small=args.small)
-        worker = PolicyWorker({"model_name": model_path, "precision": args.precision,
-                               "logprob_chunk_size": args.chunk, "logprob_batch_size": 1024,
-                               "dtensor_cfg": {"fusion": args.fuse}},
-                              init_optimizer=False, init_reference_model=False)
+        worker = PolicyWorker(
+            {
+                "model_name": model_path,
+                "precision": args.precision,
+                "logprob_chunk_size": args.chunk,
+                "logprob_batch_size": 1024,
+                "dtensor_cfg": {"fusion": args.fuse},
+            },
+            init_optimizer=False,
+            init_reference_model=False,
+        )
         print(f"fusion: {worker.fusion_report}")
-        plain = transformers.AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, attn_implementation="sdpa").to(worker.device).eval()
+        plain = (
+            transformers.AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=torch.float32, attn_implementation="sdpa"
+            )
+            .to(worker.device)
+            .eval()
+        )
         vocab = worker.model.config.vocab_size
         for tokens in args.tokens:
             num_rows = max(1, tokens // args.row_len)
@@ -99,19 +128,41 @@ def main() -> None:
                 want = plain_logprobs(plain, ids, worker.dtype)
                 ours["max_abs_diff_vs_plain"] = float((got - want).abs().max())
             results.append({"tokens": real, "ours": ours, "baseline": base})
-            rows.append({"metric": f"{real} tok: tokens/s", "ours": ours.get("tokens_per_s"),
-                         "baseline": base.get("tokens_per_s"), "limit": ">= baseline",
-                         "ratio": ratio(ours.get("tokens_per_s"), base.get("tokens_per_s"))})
-            rows.append({"metric": f"{real} tok: extra peak GiB", "ours": ours.get("extra_peak_gib"),
-                         "baseline": "OOM" if base["oom"] else base.get("extra_peak_gib"),
-                         "limit": f"<= {MEMORY_LIMIT:.0%} of baseline",
-                         "ratio": ratio(ours.get("extra_peak_gib"), base.get("extra_peak_gib"))})
-    print_table(f"get_logprobs, {num_params / 1e9:.2f}B params, rows of {args.row_len}, "
-                f"{args.precision}, fusion={args.fuse}", rows)
-    write_results("logprobs", {"num_params": num_params, "args": vars(args), "results": results,
-                               "memory_limit_fraction": MEMORY_LIMIT, "rows": rows,
-                               "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-                               else "cpu"}, args.out)
+            rows.append(
+                {
+                    "metric": f"{real} tok: tokens/s",
+                    "ours": ours.get("tokens_per_s"),
+                    "baseline": base.get("tokens_per_s"),
+                    "limit": ">= baseline",
+                    "ratio": ratio(ours.get("tokens_per_s"), base.get("tokens_per_s")),
+                }
+            )
+            rows.append(
+                {
+                    "metric": f"{real} tok: extra peak GiB",
+                    "ours": ours.get("extra_peak_gib"),
+                    "baseline": "OOM" if base["oom"] else base.get("extra_peak_gib"),
+                    "limit": f"<= {MEMORY_LIMIT:.0%} of baseline",
+                    "ratio": ratio(ours.get("extra_peak_gib"), base.get("extra_peak_gib")),
+                }
+            )
+    print_table(
+        f"get_logprobs, {num_params / 1e9:.2f}B params, rows of {args.row_len}, "
+        f"{args.precision}, fusion={args.fuse}",
+        rows,
+    )
+    write_results(
+        "logprobs",
+        {
+            "num_params": num_params,
+            "args": vars(args),
+            "results": results,
+            "memory_limit_fraction": MEMORY_LIMIT,
+            "rows": rows,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -30,11 +30,26 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from policyworker.functional.lora import merge_lora_weight  # noqa: E402
 from policyworker.shell.lora import apply_lora, lora_modules, lora_parameters  # noqa: E402
 
-SHAPE_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
-                  tie_word_embeddings=True)
-SHAPE_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, tie_word_embeddings=True)
+SHAPE_1P5B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+SHAPE_SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
 LORA_CFG = {"match_all_linear": True, "dim": 16, "alpha": 32}
 
 
@@ -55,7 +70,9 @@ def _build(shape: dict, device: torch.device) -> torch.nn.Module:
 def _train_tokens_per_s(model, params, *, device, batch, seq, steps, warmup) -> dict:
     optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=True)
     vocab = model.config.vocab_size
-    tokens = torch.randint(0, vocab, (batch, seq), device=device, generator=torch.Generator(device).manual_seed(0))
+    tokens = torch.randint(
+        0, vocab, (batch, seq), device=device, generator=torch.Generator(device).manual_seed(0)
+    )
     times = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -73,10 +90,16 @@ def _train_tokens_per_s(model, params, *, device, batch, seq, steps, warmup) -> 
         if step >= warmup:
             times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    peak = (
+        torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    )
     del optimizer
-    return {"step_s": step_s, "tokens_per_s": batch * seq / step_s, "peak_mem_gib": peak,
-            "trainable_params": sum(p.numel() for p in params)}
+    return {
+        "step_s": step_s,
+        "tokens_per_s": batch * seq / step_s,
+        "peak_mem_gib": peak,
+        "trainable_params": sum(p.numel() for p in params),
+    }
 
 
 def _refit_s(model, *, device, merge: bool, repeats: int) -> float:
@@ -90,7 +113,9 @@ def _refit_s(model, *, device, merge: bool, repeats: int) -> float:
         for key, tensor in state.items():
             module = modules.get(key.removesuffix(".weight")) if key.endswith(".weight") else None
             if module is not None:
-                tensor = merge_lora_weight(tensor, module.lora_A.weight, module.lora_B.weight, module.scale)
+                tensor = merge_lora_weight(
+                    tensor, module.lora_A.weight, module.lora_B.weight, module.scale
+                )
             out = tensor.to(torch.bfloat16)
             del out
         _sync(device)
@@ -98,14 +123,36 @@ def _refit_s(model, *, device, merge: bool, repeats: int) -> float:
     return statistics.median(times)
 
 
-def run(*, small: bool, device: torch.device, batch: int, seq: int, steps: int, warmup: int, repeats: int) -> dict:
+def run(
+    *,
+    small: bool,
+    device: torch.device,
+    batch: int,
+    seq: int,
+    steps: int,
+    warmup: int,
+    repeats: int,
+) -> dict:
     shape = SHAPE_SMALL if small else SHAPE_1P5B
-    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                     "shape": shape, "batch": batch, "seq": seq, "steps": steps, "lora_cfg": LORA_CFG,
-                     "torch": torch.__version__}
+    results: dict = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "shape": shape,
+        "batch": batch,
+        "seq": seq,
+        "steps": steps,
+        "lora_cfg": LORA_CFG,
+        "torch": torch.__version__,
+    }
     model = _build(shape, device)
-    results["full_ft"] = _train_tokens_per_s(model, [p for p in model.parameters()], device=device, batch=batch,
-                                             seq=seq, steps=steps, warmup=warmup)
+    results["full_ft"] = _train_tokens_per_s(
+        model,
+        [p for p in model.parameters()],
+        device=device,
+        batch=batch,
+        seq=seq,
+        steps=steps,
+        warmup=warmup,
+    )
     results["full_refit_s"] = _refit_s(model, device=device, merge=False, repeats=repeats)
     del model
     gc.collect()
@@ -114,35 +161,80 @@ def run(*, small: bool, device: torch.device, batch: int, seq: int, steps: int, 
     model = _build(shape, device)
     names = apply_lora(model, LORA_CFG)
     results["lora_modules"] = len(names)
-    results["lora"] = _train_tokens_per_s(model, lora_parameters(model), device=device, batch=batch, seq=seq,
-                                          steps=steps, warmup=warmup)
+    results["lora"] = _train_tokens_per_s(
+        model,
+        lora_parameters(model),
+        device=device,
+        batch=batch,
+        seq=seq,
+        steps=steps,
+        warmup=warmup,
+    )
     results["lora_refit_s"] = _refit_s(model, device=device, merge=True, repeats=repeats)
     results["lora_refit_no_merge_s"] = _refit_s(model, device=device, merge=False, repeats=repeats)
     for module in lora_modules(model).values():  # same model, adapter matmuls in bf16
         module.compute_dtype = torch.bfloat16 if device.type == "cuda" else None
-    results["lora_bf16_adapters"] = _train_tokens_per_s(model, lora_parameters(model), device=device, batch=batch,
-                                                        seq=seq, steps=steps, warmup=warmup)
-    results["speedup_tokens_per_s"] = results["lora"]["tokens_per_s"] / results["full_ft"]["tokens_per_s"]
+    results["lora_bf16_adapters"] = _train_tokens_per_s(
+        model,
+        lora_parameters(model),
+        device=device,
+        batch=batch,
+        seq=seq,
+        steps=steps,
+        warmup=warmup,
+    )
+    results["speedup_tokens_per_s"] = (
+        results["lora"]["tokens_per_s"] / results["full_ft"]["tokens_per_s"]
+    )
     results["merge_overhead_ratio"] = results["lora_refit_s"] / results["lora_refit_no_merge_s"]
     return results
 
 
 def _table(r: dict) -> str:
     rows = [
-        ("train step", "full fine-tuning", f"{r['full_ft']['tokens_per_s']:,.0f} tok/s",
-         f"{r['full_ft']['step_s'] * 1e3:.1f} ms", f"{r['full_ft']['peak_mem_gib']:.1f} GiB"),
-        ("train step", f"LoRA ({r['lora_modules']} modules)", f"{r['lora']['tokens_per_s']:,.0f} tok/s",
-         f"{r['lora']['step_s'] * 1e3:.1f} ms", f"{r['lora']['peak_mem_gib']:.1f} GiB"),
-        ("train step", "LoRA, bf16 adapter matmuls", f"{r['lora_bf16_adapters']['tokens_per_s']:,.0f} tok/s",
-         f"{r['lora_bf16_adapters']['step_s'] * 1e3:.1f} ms", f"{r['lora_bf16_adapters']['peak_mem_gib']:.1f} GiB"),
-        ("refit tensors", "full weights (cast to bf16)", "", f"{r['full_refit_s'] * 1e3:.1f} ms", ""),
+        (
+            "train step",
+            "full fine-tuning",
+            f"{r['full_ft']['tokens_per_s']:,.0f} tok/s",
+            f"{r['full_ft']['step_s'] * 1e3:.1f} ms",
+            f"{r['full_ft']['peak_mem_gib']:.1f} GiB",
+        ),
+        (
+            "train step",
+            f"LoRA ({r['lora_modules']} modules)",
+            f"{r['lora']['tokens_per_s']:,.0f} tok/s",
+            f"{r['lora']['step_s'] * 1e3:.1f} ms",
+            f"{r['lora']['peak_mem_gib']:.1f} GiB",
+        ),
+        (
+            "train step",
+            "LoRA, bf16 adapter matmuls",
+            f"{r['lora_bf16_adapters']['tokens_per_s']:,.0f} tok/s",
+            f"{r['lora_bf16_adapters']['step_s'] * 1e3:.1f} ms",
+            f"{r['lora_bf16_adapters']['peak_mem_gib']:.1f} GiB",
+        ),
+        (
+            "refit tensors",
+            "full weights (cast to bf16)",
+            "",
+            f"{r['full_refit_s'] * 1e3:.1f} ms",
+            "",
+        ),
         ("refit tensors", "LoRA, merged + cast", "", f"{r['lora_refit_s'] * 1e3:.1f} ms", ""),
-        ("refit tensors", "LoRA model, cast only", "", f"{r['lora_refit_no_merge_s'] * 1e3:.1f} ms", ""),
+        (
+            "refit tensors",
+            "LoRA model, cast only",
+            "",
+            f"{r['lora_refit_no_merge_s'] * 1e3:.1f} ms",
+            "",
+        ),
     ]
     lines = [f"{'what':<14} {'variant':<30} {'throughput':>18} {'time':>12} {'peak mem':>10}"]
     lines += [f"{a:<14} {b:<30} {c:>18} {d:>12} {e:>10}" for a, b, c, d, e in rows]
-    lines.append(f"LoRA / full tokens/s = {r['speedup_tokens_per_s']:.2f}x; merge overhead at refit = "
-                 f"{r['merge_overhead_ratio']:.2f}x of a cast-only pass")
+    lines.append(
+        f"LoRA / full tokens/s = {r['speedup_tokens_per_s']:.2f}x; merge overhead at refit = "
+        f"{r['merge_overhead_ratio']:.2f}x of a cast-only pass"
+    )
     return "\n".join(lines)
 
 
@@ -163,9 +255,15 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda")
     else:
         parser.error("the 1.5B benchmark needs a CUDA device; use --small for the CPU smoke run")
-    results = run(small=args.small, device=device, batch=args.batch or (2 if args.small else 4),
-                  seq=args.seq or (32 if args.small else 2048), steps=args.steps or (2 if args.small else 8),
-                  warmup=1 if args.small else args.warmup, repeats=2 if args.small else args.repeats)
+    results = run(
+        small=args.small,
+        device=device,
+        batch=args.batch or (2 if args.small else 4),
+        seq=args.seq or (32 if args.small else 2048),
+        steps=args.steps or (2 if args.small else 8),
+        warmup=1 if args.small else args.warmup,
+        repeats=2 if args.small else args.repeats,
+    )
     print(_table(results))
     pathlib.Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.json}")

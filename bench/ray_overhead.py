@@ -38,10 +38,14 @@ from common import (  # noqa: E402
 
 
 def worker_config(path: str, *, small: bool, rows: int) -> dict:
-    return {"model_name": path, "precision": "float32" if small else "bfloat16",
-            "train_global_batch_size": rows, "train_micro_batch_size": rows,
-            "logprob_batch_size": rows,
-            "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-6}}}
+    return {
+        "model_name": path,
+        "precision": "float32" if small else "bfloat16",
+        "train_global_batch_size": rows,
+        "train_micro_batch_size": rows,
+        "logprob_batch_size": rows,
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-6}},
+    }
 
 
 def measure(policy, noop, data, loss_fn, *, repeats: int) -> dict[str, float]:
@@ -53,8 +57,9 @@ def measure(policy, noop, data, loss_fn, *, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--small", action="store_true", help="tiny model on CPU (smoke run)")
     parser.add_argument("--rows", type=int, default=None)
     parser.add_argument("--seq", type=int, default=None)
@@ -88,38 +93,68 @@ def main() -> None:
             del worker
             release()
             gpus = 1.0 if device().type == "cuda" else 0.0
-            with RayWorkerGroup(cfg, num_workers=1, gpus_per_worker=gpus,
-                                torch_threads=1 if args.small else None) as group:
+            with RayWorkerGroup(
+                cfg, num_workers=1, gpus_per_worker=gpus, torch_threads=1 if args.small else None
+            ) as group:
                 group_start_s, phases = group.start_seconds, dict(group.start_phases)
-                through_group = measure(group, lambda: group.run("is_alive"), data, NLLLoss(),
-                                        repeats=repeats)
+                through_group = measure(
+                    group, lambda: group.run("is_alive"), data, NLLLoss(), repeats=repeats
+                )
     finally:
         ray.shutdown()
 
     rows_out = [
-        {"metric": "no-op call (is_alive) round trip", "ours": through_group["noop_s"] * 1e3,
-         "baseline": direct["noop_s"] * 1e3, "unit": "ms"},
-        {"metric": f"get_logprobs {rows}x{seq}", "ours": through_group["get_logprobs_s"] * 1e3,
-         "baseline": direct["get_logprobs_s"] * 1e3, "unit": "ms"},
-        {"metric": f"train {rows}x{seq} (one step)", "ours": through_group["train_s"] * 1e3,
-         "baseline": direct["train_s"] * 1e3, "unit": "ms"},
-        {"metric": "start: group (1 worker, fresh process) vs PolicyWorker() here (imports done)",
-         "ours": group_start_s,
-         "baseline": direct_start_s, "unit": "s"},
+        {
+            "metric": "no-op call (is_alive) round trip",
+            "ours": through_group["noop_s"] * 1e3,
+            "baseline": direct["noop_s"] * 1e3,
+            "unit": "ms",
+        },
+        {
+            "metric": f"get_logprobs {rows}x{seq}",
+            "ours": through_group["get_logprobs_s"] * 1e3,
+            "baseline": direct["get_logprobs_s"] * 1e3,
+            "unit": "ms",
+        },
+        {
+            "metric": f"train {rows}x{seq} (one step)",
+            "ours": through_group["train_s"] * 1e3,
+            "baseline": direct["train_s"] * 1e3,
+            "unit": "ms",
+        },
+        {
+            "metric": "start: group (1 worker, fresh process) vs PolicyWorker() here (imports done)",
+            "ours": group_start_s,
+            "baseline": direct_start_s,
+            "unit": "s",
+        },
     ]
     for row in rows_out:
         row["ratio"] = ratio(row["ours"], row["baseline"])
-    print_table(f"Ray group overhead, {num_params / 1e6:.1f}M params on {device().type} "
-                f"(ours = one-worker RayWorkerGroup, baseline = the worker in this process)",
-                rows_out)
+    print_table(
+        f"Ray group overhead, {num_params / 1e6:.1f}M params on {device().type} "
+        f"(ours = one-worker RayWorkerGroup, baseline = the worker in this process)",
+        rows_out,
+    )
     print(f"group start phases (s): {phases}")
-    write_results("ray_overhead", {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "small": args.small, "num_params": num_params, "rows": rows_out, "batch": [rows, seq],
-        "direct": direct, "group": through_group, "group_start_s": group_start_s,
-        "group_start_phases_s": phases, "direct_start_s": direct_start_s,
-        "ray": ray.__version__, "torch": torch.__version__,
-    }, args.out)
+    write_results(
+        "ray_overhead",
+        {
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "small": args.small,
+            "num_params": num_params,
+            "rows": rows_out,
+            "batch": [rows, seq],
+            "direct": direct,
+            "group": through_group,
+            "group_start_s": group_start_s,
+            "group_start_phases_s": phases,
+            "direct_start_s": direct_start_s,
+            "ray": ray.__version__,
+            "torch": torch.__version__,
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

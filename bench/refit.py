@@ -196,12 +196,18 @@ def bench_shape(name: str, device: str, sweep_gib: list[float] = ()) -> list[dic
         try:
             assert child.stdout is not None and child.stdout.readline().strip() == "READY"
             ours = timed(lambda: sender.stream_weights_via_ipc_zmq(timeout_s=300), cuda)
-            keep = timed(lambda: sender.stream_weights_via_ipc_zmq(timeout_s=300, keep_staging=True), cuda)
+            keep = timed(
+                lambda: sender.stream_weights_via_ipc_zmq(timeout_s=300, keep_staging=True), cuda
+            )
             sender.release_staging()
             swept = {}
             for gib in sweep_gib:  # total staging (two buffers), kept between refits
-                swept[f"keep {gib:g}GiB"] = timed(lambda gib=gib: sender.stream_weights_via_ipc_zmq(
-                    buffer_size_bytes=int(gib * (1 << 30)), timeout_s=300, keep_staging=True), cuda)
+                swept[f"keep {gib:g}GiB"] = timed(
+                    lambda gib=gib: sender.stream_weights_via_ipc_zmq(
+                        buffer_size_bytes=int(gib * (1 << 30)), timeout_s=300, keep_staging=True
+                    ),
+                    cuda,
+                )
                 sender.release_staging()
             per_tensor = timed(lambda: per_tensor_stream(sender, model, cuda, 300), cuda)
             child.wait(timeout=300)
@@ -213,7 +219,13 @@ def bench_shape(name: str, device: str, sweep_gib: list[float] = ()) -> list[dic
     ceiling = timed(lambda: copy_ceiling(model, dest, cuda), cuda)
     rows = []
     ceiling_s = statistics.median(ceiling)
-    measured = {"ceiling": ceiling, "ours": ours, "ours-keep": keep, **swept, "per-tensor": per_tensor}
+    measured = {
+        "ceiling": ceiling,
+        "ours": ours,
+        "ours-keep": keep,
+        **swept,
+        "per-tensor": per_tensor,
+    }
     for method, times in measured.items():
         median = statistics.median(times)
         rows.append(
@@ -238,8 +250,13 @@ def main() -> None:
     )
     parser.add_argument("--role", default="sender", choices=["sender", "receiver"])
     parser.add_argument("--spec")
-    parser.add_argument("--sweep-gib", type=float, nargs="*", default=[],
-                        help="also time kept staging of these total sizes (GiB, two buffers)")
+    parser.add_argument(
+        "--sweep-gib",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also time kept staging of these total sizes (GiB, two buffers)",
+    )
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "refit.json"))
     args = parser.parse_args()
     if args.role == "receiver":
@@ -286,11 +303,23 @@ def summary_rows(measurements: list[dict]) -> list[dict]:
             ours = by_key.get((shape, method))
             if ours is None:
                 continue
-            rows.append({"metric": f"{shape} {method} refit ms (limit = copy ceiling)",
-                         "ours": ours["median_ms"], "baseline": baseline["median_ms"],
-                         "limit": ceiling["median_ms"], "unit": "ms"})
-            rows.append({"metric": f"{shape} {method} fraction of the copy ceiling",
-                         "ours": ours["fraction_of_ceiling"], "limit": 0.8, "unit": ""})
+            rows.append(
+                {
+                    "metric": f"{shape} {method} refit ms (limit = copy ceiling)",
+                    "ours": ours["median_ms"],
+                    "baseline": baseline["median_ms"],
+                    "limit": ceiling["median_ms"],
+                    "unit": "ms",
+                }
+            )
+            rows.append(
+                {
+                    "metric": f"{shape} {method} fraction of the copy ceiling",
+                    "ours": ours["fraction_of_ceiling"],
+                    "limit": 0.8,
+                    "unit": "",
+                }
+            )
     return rows
 
 

@@ -81,8 +81,12 @@ def run_receiver(spec_path: str) -> None:
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
-    target = build_module({n: tuple(s) for n, s in spec["shapes"].items()}, dtype=torch.bfloat16,
-                          device="cpu", random=False)
+    target = build_module(
+        {n: tuple(s) for n, s in spec["shapes"].items()},
+        dtype=torch.bfloat16,
+        device="cpu",
+        random=False,
+    )
     info = {n: (s, DTYPES_BY_NAME[d]) for n, (s, d) in spec["refit_info"].items()}
     receiver = HFWeightReceiver(target, address=spec["address"], refit_info=info, timeout_s=120)
     print("READY", flush=True)
@@ -95,7 +99,9 @@ def run_receiver(spec_path: str) -> None:
     print(json.dumps(cpu_ms), flush=True)
 
 
-def copy_ceiling(model: torch.nn.Module, staging: list[torch.Tensor], dest: list[torch.Tensor]) -> None:
+def copy_ceiling(
+    model: torch.nn.Module, staging: list[torch.Tensor], dest: list[torch.Tensor]
+) -> None:
     """Cast every tensor into its staging slot, then into its destination: two grouped launches."""
     sources = list(model.state_dict().values())
     torch._foreach_copy_(staging, sources)
@@ -109,10 +115,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--stage", help="record the headline numbers under this name in the JSON")
-    parser.add_argument("--code", help="a folder holding another policyworker package to measure instead")
-    parser.add_argument("--out", "--json", dest="out", default=str(REPO / "bench" / "results" / "refit_overhead.json"))
-    parser.add_argument("--small", action="store_true",
-                        help="the bench runner's smoke flag: this benchmark is CPU-sized already (20 repeats)")
+    parser.add_argument(
+        "--code", help="a folder holding another policyworker package to measure instead"
+    )
+    parser.add_argument(
+        "--out",
+        "--json",
+        dest="out",
+        default=str(REPO / "bench" / "results" / "refit_overhead.json"),
+    )
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="the bench runner's smoke flag: this benchmark is CPU-sized already (20 repeats)",
+    )
     args = parser.parse_args()
     if args.role == "receiver":
         run_receiver(args.spec)
@@ -120,7 +136,9 @@ def main() -> None:
     if args.small:
         args.repeats = 20
     if args.repeats < 20:
-        parser.error(f"--repeats {args.repeats} must be >= 20 (medians of fewer are too noisy here)")
+        parser.error(
+            f"--repeats {args.repeats} must be >= 20 (medians of fewer are too noisy here)"
+        )
     torch.set_num_threads(1)
     torch.manual_seed(0)
     print(f"policyworker from {Path(policyworker.__file__).parent}")
@@ -135,13 +153,25 @@ def main() -> None:
     has_keep = "keep_staging" in inspect.signature(sender.stream_weights_via_ipc_zmq).parameters
 
     configs: list[tuple[str, Callable[[], Any]]] = [
-        ("ours, ~15 buckets", lambda: sender.stream_weights_via_ipc_zmq(2 * per_buffer, timeout_s=60)),
+        (
+            "ours, ~15 buckets",
+            lambda: sender.stream_weights_via_ipc_zmq(2 * per_buffer, timeout_s=60),
+        ),
     ]
     if has_keep:
-        configs.append(("ours, ~15 buckets, keep_staging", lambda: sender.stream_weights_via_ipc_zmq(
-            2 * per_buffer, timeout_s=60, keep_staging=True)))
+        configs.append(
+            (
+                "ours, ~15 buckets, keep_staging",
+                lambda: sender.stream_weights_via_ipc_zmq(
+                    2 * per_buffer, timeout_s=60, keep_staging=True
+                ),
+            )
+        )
     configs += [
-        ("ours, default buffer (1 bucket)", lambda: sender.stream_weights_via_ipc_zmq(timeout_s=60)),
+        (
+            "ours, default buffer (1 bucket)",
+            lambda: sender.stream_weights_via_ipc_zmq(timeout_s=60),
+        ),
         ("per-tensor", lambda: per_tensor_stream(sender, model, False, 60)),
     ]
     num_refits = len(configs) * (args.repeats + args.warmup) + 1
@@ -150,20 +180,39 @@ def main() -> None:
     order: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps({
-            "shapes": shapes, "address": sender.get_zmq_address(), "num_refits": num_refits,
-            "refit_info": {n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()},
-        }))
+        spec_path.write_text(
+            json.dumps(
+                {
+                    "shapes": shapes,
+                    "address": sender.get_zmq_address(),
+                    "num_refits": num_refits,
+                    "refit_info": {
+                        n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()
+                    },
+                }
+            )
+        )
         child = subprocess.Popen(
-            [sys.executable, __file__, "--role", "receiver", "--spec", str(spec_path),
-             *(["--code", CODE] if CODE else [])],
-            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            [
+                sys.executable,
+                __file__,
+                "--role",
+                "receiver",
+                "--spec",
+                str(spec_path),
+                *(["--code", CODE] if CODE else []),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         try:
             assert child.stdout is not None and child.stdout.readline().strip() == "READY"
             buckets = sender.stream_weights_via_ipc_zmq(2 * per_buffer, timeout_s=60)["num_buckets"]
             order.append("first")
-            for round_ in range(args.warmup + args.repeats):  # interleaved: load drifts hit all alike
+            for round_ in range(
+                args.warmup + args.repeats
+            ):  # interleaved: load drifts hit all alike
                 for name, fn in configs:
                     start, start_cpu = time.perf_counter(), time.process_time()
                     fn()
@@ -183,8 +232,11 @@ def main() -> None:
         results[name] = statistics.median(wall[name])
         results[name + " | sender cpu"] = statistics.median(cpu[name])
         results[name + " | receiver cpu"] = statistics.median(theirs)
-        print(f"{name:<36} wall {results[name]:8.2f} ms   sender cpu {results[name + ' | sender cpu']:8.2f} ms"
-              f"   receiver cpu {results[name + ' | receiver cpu']:8.2f} ms", flush=True)
+        print(
+            f"{name:<36} wall {results[name]:8.2f} ms   sender cpu {results[name + ' | sender cpu']:8.2f} ms"
+            f"   receiver cpu {results[name + ' | receiver cpu']:8.2f} ms",
+            flush=True,
+        )
 
     walks = {
         "metadata walk (refit_specs, meta)": lambda: refit_specs(model, torch.bfloat16),
@@ -194,27 +246,52 @@ def main() -> None:
     try:  # the plan-cache check: state_dict + signature compare, no tensor touched
         from policyworker.shell.refit.params import refit_stream
 
-        walks["refit_stream (state_dict + signature check)"] = lambda: refit_stream(model, torch.bfloat16)
+        walks["refit_stream (state_dict + signature check)"] = lambda: refit_stream(
+            model, torch.bfloat16
+        )
     except ImportError:  # --code of a version without it
         pass
     for name, fn in walks.items():
         results[name], _ = _median_ms(fn, args.repeats, args.warmup)
     staging = [torch.empty(s, dtype=torch.bfloat16) for s in shapes.values()]
     dest = [torch.empty(s, dtype=torch.bfloat16) for s in shapes.values()]
-    results["copy ceiling"], _ = _median_ms(lambda: copy_ceiling(model, staging, dest), args.repeats, args.warmup)
+    results["copy ceiling"], _ = _median_ms(
+        lambda: copy_ceiling(model, staging, dest), args.repeats, args.warmup
+    )
 
     rows = [
-        {"metric": f"refit {what}, {name}", "ours": results[name + suffix],
-         "baseline": results["per-tensor" + suffix], "limit": results["copy ceiling"] if not suffix else None,
-         "ratio": ratio(results[name + suffix], results["per-tensor" + suffix]), "unit": "ms"}
-        for name, _ in configs if name != "per-tensor"
-        for what, suffix in (("wall ms", ""), ("sender cpu ms", " | sender cpu"),
-                             ("receiver cpu ms", " | receiver cpu"))
+        {
+            "metric": f"refit {what}, {name}",
+            "ours": results[name + suffix],
+            "baseline": results["per-tensor" + suffix],
+            "limit": results["copy ceiling"] if not suffix else None,
+            "ratio": ratio(results[name + suffix], results["per-tensor" + suffix]),
+            "unit": "ms",
+        }
+        for name, _ in configs
+        if name != "per-tensor"
+        for what, suffix in (
+            ("wall ms", ""),
+            ("sender cpu ms", " | sender cpu"),
+            ("receiver cpu ms", " | receiver cpu"),
+        )
     ]
-    rows += [{"metric": f"sender {name}", "ours": results[name], "baseline": None, "limit": None, "ratio": None,
-              "unit": "ms"} for name in walks]
-    print_table(f"refit overhead, {SHAPE}: {len(specs)} tensors, {model_bytes / 1e6:.1f} MB bf16, "
-                f"{buckets} buckets of {per_buffer} B (baseline = per-tensor, limit = copy ceiling)", rows)
+    rows += [
+        {
+            "metric": f"sender {name}",
+            "ours": results[name],
+            "baseline": None,
+            "limit": None,
+            "ratio": None,
+            "unit": "ms",
+        }
+        for name in walks
+    ]
+    print_table(
+        f"refit overhead, {SHAPE}: {len(specs)} tensors, {model_bytes / 1e6:.1f} MB bf16, "
+        f"{buckets} buckets of {per_buffer} B (baseline = per-tensor, limit = copy ceiling)",
+        rows,
+    )
 
     out = Path(args.out)
     previous = json.loads(out.read_text()) if out.exists() else {}
@@ -222,9 +299,16 @@ def main() -> None:
     if args.stage:
         stages[args.stage] = {k: round(v, 3) for k, v in results.items()}
     payload = {
-        "device": "cpu", "shape": SHAPE, "num_tensors": len(specs), "model_bytes": model_bytes,
-        "buffer_bytes": per_buffer, "num_buckets": buckets, "repeats": args.repeats,
-        "torch": torch.__version__, "rows": rows, "stages": stages,
+        "device": "cpu",
+        "shape": SHAPE,
+        "num_tensors": len(specs),
+        "model_bytes": model_bytes,
+        "buffer_bytes": per_buffer,
+        "num_buckets": buckets,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "rows": rows,
+        "stages": stages,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2))

@@ -57,11 +57,14 @@ def worker_config(model_path: str, args: argparse.Namespace, *, packed: bool) ->
         "train_micro_batch_size": args.padded_mbs,
         "max_grad_norm": 1.0,
         "logprob_chunk_size": args.chunk,
-        "optimizer": {"name": "torch.optim.AdamW",
-                      "kwargs": {"lr": 1e-6, "weight_decay": 0.01,
-                                 "fused": device().type == "cuda"}},
-        "dtensor_cfg": {"activation_checkpointing": args.activation_checkpointing,
-                        "fusion": args.fuse},
+        "optimizer": {
+            "name": "torch.optim.AdamW",
+            "kwargs": {"lr": 1e-6, "weight_decay": 0.01, "fused": device().type == "cuda"},
+        },
+        "dtensor_cfg": {
+            "activation_checkpointing": args.activation_checkpointing,
+            "fusion": args.fuse,
+        },
     }
     if packed:
         cfg["sequence_packing"] = {"train_mb_tokens": args.mb_tokens}
@@ -73,10 +76,15 @@ def bench_worker(model_path: str, args, data, num_params: int, *, packed: bool) 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    worker = PolicyWorker(worker_config(model_path, args, packed=packed),
-                          init_reference_model=False)
-    fusion = fusion_result(worker, args.fuse, label="packed" if packed else "padded",
-                           seconds=time.perf_counter() - start)
+    worker = PolicyWorker(
+        worker_config(model_path, args, packed=packed), init_reference_model=False
+    )
+    fusion = fusion_result(
+        worker,
+        args.fuse,
+        label="packed" if packed else "padded",
+        seconds=time.perf_counter() - start,
+    )
     tokens = int(data["input_lengths"].sum())
     try:
         seconds, result = timed(lambda: worker.train(data, NLLLoss()), repeats=args.steps)
@@ -87,9 +95,15 @@ def bench_worker(model_path: str, args, data, num_params: int, *, packed: bool) 
         worker.offload_after_refit()
         worker = None  # the last reference, so release() can return its memory
         release()
-    return {"tokens_per_s": tokens / seconds, "mfu": mfu(num_params, tokens, seconds),
-            "step_s": seconds, "peak_gib": gib(peak), "loss": float(result["global_loss"][0]),
-            "attn": "varlen" if packed and device().type == "cuda" else "sdpa", **fusion}
+    return {
+        "tokens_per_s": tokens / seconds,
+        "mfu": mfu(num_params, tokens, seconds),
+        "step_s": seconds,
+        "peak_gib": gib(peak),
+        "loss": float(result["global_loss"][0]),
+        "attn": "varlen" if packed and device().type == "cuda" else "sdpa",
+        **fusion,
+    }
 
 
 def fusion_result(worker: PolicyWorker, mode: str, *, label: str, seconds: float) -> dict:
@@ -121,10 +135,12 @@ def bench_plain_hf(model_path: str, args, lengths: list[int], num_params: int) -
         torch.cuda.reset_peak_memory_stats()
     dev = device()
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=torch.float32, attn_implementation="sdpa").to(dev)
+        model_path, dtype=torch.float32, attn_implementation="sdpa"
+    ).to(dev)
     model.config.use_cache = False
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01,
-                            fused=dev.type == "cuda")
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-6, weight_decay=0.01, fused=dev.type == "cuda"
+    )
     data = make_batch(lengths, vocab=model.config.vocab_size, seed=1, seq_len=args.max_len)
     ids, mask = data["input_ids"].to(dev), data["token_mask"].to(dev)
     dtype = torch.bfloat16 if args.precision == "bfloat16" else torch.float32
@@ -143,8 +159,14 @@ def bench_plain_hf(model_path: str, args, lengths: list[int], num_params: int) -
     tokens = sum(lengths)
     try:
         seconds, loss = timed(step, repeats=args.steps)
-        out = {"tokens_per_s": tokens / seconds, "mfu": mfu(num_params, tokens, seconds),
-               "step_s": seconds, "peak_gib": gib(peak_bytes()), "loss": loss, "oom": False}
+        out = {
+            "tokens_per_s": tokens / seconds,
+            "mfu": mfu(num_params, tokens, seconds),
+            "step_s": seconds,
+            "peak_gib": gib(peak_bytes()),
+            "loss": loss,
+            "oom": False,
+        }
     except RuntimeError as exc:
         if not is_oom(exc):
             raise
@@ -155,26 +177,33 @@ def bench_plain_hf(model_path: str, args, lengths: list[int], num_params: int) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--small", action="store_true", help="tiny model, short rows, CPU-friendly")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--baseline-batch", type=int, default=4)
     parser.add_argument("--min-len", type=int, default=256)
     parser.add_argument("--max-len", type=int, default=4096)
-    parser.add_argument("--mb-tokens", type=int, default=16384,
-                        help="packing capacity per microbatch")
+    parser.add_argument(
+        "--mb-tokens", type=int, default=16384, help="packing capacity per microbatch"
+    )
     parser.add_argument("--padded-mbs", type=int, default=2, help="rows per padded microbatch")
-    parser.add_argument("--chunk", type=int, default=None,
-                        help="logprob_chunk_size (default: by vocab)")
+    parser.add_argument(
+        "--chunk", type=int, default=None, help="logprob_chunk_size (default: by vocab)"
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     parser.add_argument("--precision", default=None)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--skip-baseline-full-batch", action="store_true")
     parser.add_argument("--skip-baseline", action="store_true", help="measure ours only")
     parser.add_argument("--profile", action="store_true", help="print top kernels of a packed step")
-    parser.add_argument("--fuse", choices=FUSION_MODES, default=None,
-                        help="dtensor_cfg.fusion for the worker (default: layer on CUDA, none on CPU)")
+    parser.add_argument(
+        "--fuse",
+        choices=FUSION_MODES,
+        default=None,
+        help="dtensor_cfg.fusion for the worker (default: layer on CUDA, none on CPU)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.small:
@@ -191,37 +220,76 @@ def main() -> None:
         data = make_batch(lengths, vocab=vocab, seed=1, seq_len=args.max_len)
         packed = bench_worker(model_path, args, data, num_params, packed=True)
         padded = bench_worker(model_path, args, data, num_params, packed=False)
-        base_small = {} if args.skip_baseline else bench_plain_hf(
-            model_path, args, lengths[:args.baseline_batch], num_params)
-        base_full = None if args.skip_baseline_full_batch or args.skip_baseline else bench_plain_hf(
-            model_path, args, lengths, num_params)
+        base_small = (
+            {}
+            if args.skip_baseline
+            else bench_plain_hf(model_path, args, lengths[: args.baseline_batch], num_params)
+        )
+        base_full = (
+            None
+            if args.skip_baseline_full_batch or args.skip_baseline
+            else bench_plain_hf(model_path, args, lengths, num_params)
+        )
     rows = [
-        {"metric": f"packed tok/s (b{args.batch}) vs HF (b{args.baseline_batch})",
-         "ours": packed["tokens_per_s"], "baseline": base_small.get("tokens_per_s"),
-         "ratio": ratio(packed["tokens_per_s"], base_small.get("tokens_per_s"))},
-        {"metric": "packed MFU", "ours": packed["mfu"], "baseline": base_small.get("mfu"),
-         "limit": f">= {MFU_TARGET}", "ratio": ratio(packed["mfu"], MFU_TARGET)},
-        {"metric": "padded tok/s", "ours": padded["tokens_per_s"],
-         "baseline": base_small.get("tokens_per_s"),
-         "ratio": ratio(padded["tokens_per_s"], base_small.get("tokens_per_s"))},
+        {
+            "metric": f"packed tok/s (b{args.batch}) vs HF (b{args.baseline_batch})",
+            "ours": packed["tokens_per_s"],
+            "baseline": base_small.get("tokens_per_s"),
+            "ratio": ratio(packed["tokens_per_s"], base_small.get("tokens_per_s")),
+        },
+        {
+            "metric": "packed MFU",
+            "ours": packed["mfu"],
+            "baseline": base_small.get("mfu"),
+            "limit": f">= {MFU_TARGET}",
+            "ratio": ratio(packed["mfu"], MFU_TARGET),
+        },
+        {
+            "metric": "padded tok/s",
+            "ours": padded["tokens_per_s"],
+            "baseline": base_small.get("tokens_per_s"),
+            "ratio": ratio(padded["tokens_per_s"], base_small.get("tokens_per_s")),
+        },
         {"metric": "padded MFU", "ours": padded["mfu"], "baseline": base_small.get("mfu")},
-        {"metric": "peak GiB (packed / HF small batch)", "ours": packed["peak_gib"],
-         "baseline": base_small.get("peak_gib"), "limit": "fits comfortably (< 139)",
-         "ratio": ratio(packed["peak_gib"], base_small.get("peak_gib"))},
+        {
+            "metric": "peak GiB (packed / HF small batch)",
+            "ours": packed["peak_gib"],
+            "baseline": base_small.get("peak_gib"),
+            "limit": "fits comfortably (< 139)",
+            "ratio": ratio(packed["peak_gib"], base_small.get("peak_gib")),
+        },
     ]
     if base_full is not None:
-        rows.append({"metric": f"HF at b{args.batch}", "ours": packed["peak_gib"],
-                     "baseline": "OOM" if base_full["oom"] else base_full["peak_gib"],
-                     "limit": "peak GiB"})
-    print_table(f"train step, {num_params / 1e9:.2f}B params, {args.batch} rows of "
-                f"{args.min_len}..{args.max_len} tokens ({sum(lengths)} real), "
-                f"{args.precision}, fusion={args.fuse}", rows)
-    write_results("train_step", {
-        "num_params": num_params, "lengths": lengths, "args": vars(args),
-        "ours_packed": packed, "ours_padded": padded, "baseline_small_batch": base_small,
-        "baseline_full_batch": base_full, "mfu_target": MFU_TARGET, "rows": rows,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-    }, args.out)
+        rows.append(
+            {
+                "metric": f"HF at b{args.batch}",
+                "ours": packed["peak_gib"],
+                "baseline": "OOM" if base_full["oom"] else base_full["peak_gib"],
+                "limit": "peak GiB",
+            }
+        )
+    print_table(
+        f"train step, {num_params / 1e9:.2f}B params, {args.batch} rows of "
+        f"{args.min_len}..{args.max_len} tokens ({sum(lengths)} real), "
+        f"{args.precision}, fusion={args.fuse}",
+        rows,
+    )
+    write_results(
+        "train_step",
+        {
+            "num_params": num_params,
+            "lengths": lengths,
+            "args": vars(args),
+            "ours_packed": packed,
+            "ours_padded": padded,
+            "baseline_small_batch": base_small,
+            "baseline_full_batch": base_full,
+            "mfu_target": MFU_TARGET,
+            "rows": rows,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -25,23 +25,49 @@ __all__ = ["ALIASES", "SECTIONS", "default_output_path", "main", "public_members
 
 # (section title, intro, names exported by `policyworker`), in document order.
 SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("Worker", "The training side: one per process, every method collective.",
-     ("PolicyWorker",)),
+    ("Worker", "The training side: one per process, every method collective.", ("PolicyWorker",)),
     ("Receiver", "The inference side of a ZMQ refit.", ("HFWeightReceiver",)),
-    ("Losses", "Loss objects `PolicyWorker.train` calls (a NeMo-RL loss ports by its imports).",
-     ("NLLLoss", "ClippedPGLossFn", "DPOLossFn", "DistillationLossFn", "LossFunction",
-      "LossType", "LossInputType")),
+    (
+        "Losses",
+        "Loss objects `PolicyWorker.train` calls (a NeMo-RL loss ports by its imports).",
+        (
+            "NLLLoss",
+            "ClippedPGLossFn",
+            "DPOLossFn",
+            "DistillationLossFn",
+            "LossFunction",
+            "LossType",
+            "LossInputType",
+        ),
+    ),
     ("Data", "The batch container every method takes and returns.", ("BatchedDataDict",)),
-    ("Configuration", "Every key is in [config-reference.md](config-reference.md).",
-     ("load_config", "PolicyConfig")),
-    ("Errors", "One class per kind of failure a caller may want to catch.",
-     ("ConfigError", "DataError", "RefitError", "RefitTimeoutError", "TransportError",
-      "LoRAMergeError", "UnknownParameterError", "UnsupportedModelError")),
+    (
+        "Configuration",
+        "Every key is in [config-reference.md](config-reference.md).",
+        ("load_config", "PolicyConfig"),
+    ),
+    (
+        "Errors",
+        "One class per kind of failure a caller may want to catch.",
+        (
+            "ConfigError",
+            "DataError",
+            "RefitError",
+            "RefitTimeoutError",
+            "TransportError",
+            "LoRAMergeError",
+            "UnknownParameterError",
+            "UnsupportedModelError",
+        ),
+    ),
 )
 
 # Other names for documented objects (NeMo-RL's spellings): listed with them, not twice.
-ALIASES = {"AutomodelPolicyWorker": "PolicyWorker", "AutomodelPolicyWorkerImpl": "PolicyWorker",
-           "NLLLossFn": "NLLLoss"}
+ALIASES = {
+    "AutomodelPolicyWorker": "PolicyWorker",
+    "AutomodelPolicyWorkerImpl": "PolicyWorker",
+    "NLLLossFn": "NLLLoss",
+}
 
 # Classes documented by their docstring only (a Protocol; config fields: config-reference.md).
 _DOC_ONLY = {"LossFunction", "PolicyConfig"}
@@ -91,7 +117,8 @@ def _signature(obj: Callable[..., Any], *, drop_self: bool) -> str:
             text += f" = {p.default!r}" if p.annotation is not p.empty else f"={p.default!r}"
         parts.append(text)
         if p.kind is p.POSITIONAL_ONLY and (
-                i + 1 == len(params) or params[i + 1].kind is not p.POSITIONAL_ONLY):
+            i + 1 == len(params) or params[i + 1].kind is not p.POSITIONAL_ONLY
+        ):
             parts.append("/")
     out = f"({', '.join(parts)})"
     if sig.return_annotation is not sig.empty and _annotation(sig.return_annotation) != "None":
@@ -154,8 +181,9 @@ def default_output_path() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m policyworker.api_docs",
-                                     description="generate docs/api.md")
+    parser = argparse.ArgumentParser(
+        prog="python -m policyworker.api_docs", description="generate docs/api.md"
+    )
     parser.add_argument("--check", action="store_true", help="only check; exit 1 if stale")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)

@@ -32,8 +32,18 @@ from typing import Any
 
 from attrs import asdict, frozen
 
-__all__ = ["ADAPTERS", "BenchRow", "default_bench_dir", "discover", "format_table", "main",
-           "meaningless_on_cpu", "normalize_rows", "row_verdict", "run_benchmarks"]
+__all__ = [
+    "ADAPTERS",
+    "BenchRow",
+    "default_bench_dir",
+    "discover",
+    "format_table",
+    "main",
+    "meaningless_on_cpu",
+    "normalize_rows",
+    "row_verdict",
+    "run_benchmarks",
+]
 
 
 @frozen(kw_only=True)
@@ -65,11 +75,16 @@ def _ratio(ours: float | None, baseline: float | None) -> float | None:
 def _row(bench: str, raw: Mapping[str, Any]) -> BenchRow:
     ours, baseline = _num(raw.get("ours")), _num(raw.get("baseline"))
     ratio, limit = _num(raw.get("ratio")), raw.get("limit")
-    return BenchRow(bench=bench, metric=str(raw.get("metric", "?")), ours=ours, baseline=baseline,
-                    limit=_num(limit),
-                    ratio=ratio if ratio is not None else _ratio(ours, baseline),
-                    unit=str(raw.get("unit", "")),
-                    target=limit if isinstance(limit, str) else "")
+    return BenchRow(
+        bench=bench,
+        metric=str(raw.get("metric", "?")),
+        ours=ours,
+        baseline=baseline,
+        limit=_num(limit),
+        ratio=ratio if ratio is not None else _ratio(ours, baseline),
+        unit=str(raw.get("unit", "")),
+        target=limit if isinstance(limit, str) else "",
+    )
 
 
 def _lora_rows(bench: str, r: Mapping[str, Any]) -> list[BenchRow]:
@@ -77,10 +92,22 @@ def _lora_rows(bench: str, r: Mapping[str, Any]) -> list[BenchRow]:
     lora_tps, full_tps = r["lora"]["tokens_per_s"], r["full_ft"]["tokens_per_s"]
     merged, cast = r["lora_refit_s"] * 1e3, r["lora_refit_no_merge_s"] * 1e3
     return [
-        BenchRow(bench=bench, metric="train tokens/s, LoRA vs full fine-tuning", ours=lora_tps,
-                 baseline=full_tps, ratio=_ratio(lora_tps, full_tps), unit="tok/s"),
-        BenchRow(bench=bench, metric="refit tensors, LoRA merge+cast vs cast only", ours=merged,
-                 baseline=cast, ratio=_ratio(merged, cast), unit="ms"),
+        BenchRow(
+            bench=bench,
+            metric="train tokens/s, LoRA vs full fine-tuning",
+            ours=lora_tps,
+            baseline=full_tps,
+            ratio=_ratio(lora_tps, full_tps),
+            unit="tok/s",
+        ),
+        BenchRow(
+            bench=bench,
+            metric="refit tensors, LoRA merge+cast vs cast only",
+            ours=merged,
+            baseline=cast,
+            ratio=_ratio(merged, cast),
+            unit="ms",
+        ),
     ]
 
 
@@ -88,12 +115,23 @@ def _checkpoint_rows(bench: str, r: Mapping[str, Any]) -> list[BenchRow]:
     """bench/checkpoint.py's own layout: save/load throughput against a raw disk write."""
     disk = r["raw_write_GBps"]
     return [
-        BenchRow(bench=bench, metric="sync save vs raw disk write", ours=r["sync_save_GBps"],
-                 baseline=disk, limit=disk, ratio=_ratio(r["sync_save_GBps"], disk),
-                 unit="GB/s"),
-        BenchRow(bench=bench, metric="async save: time training is blocked vs sync save",
-                 ours=r["async_blocked_s"], baseline=r["sync_save_s"],
-                 ratio=_ratio(r["async_blocked_s"], r["sync_save_s"]), unit="s"),
+        BenchRow(
+            bench=bench,
+            metric="sync save vs raw disk write",
+            ours=r["sync_save_GBps"],
+            baseline=disk,
+            limit=disk,
+            ratio=_ratio(r["sync_save_GBps"], disk),
+            unit="GB/s",
+        ),
+        BenchRow(
+            bench=bench,
+            metric="async save: time training is blocked vs sync save",
+            ours=r["async_blocked_s"],
+            baseline=r["sync_save_s"],
+            ratio=_ratio(r["async_blocked_s"], r["sync_save_s"]),
+            unit="s",
+        ),
         BenchRow(bench=bench, metric="load (cold page cache)", ours=r["load_GBps"], unit="GB/s"),
         BenchRow(bench=bench, metric="load bit-exact (1 = yes)", ours=float(bool(r["load_exact"]))),
     ]
@@ -131,8 +169,10 @@ def normalize_rows(bench: str, result: Any) -> list[BenchRow]:
 
 _RULE = re.compile(r"(<=|>=|<|>)\s*(baseline|[0-9]*\.?[0-9]+)\s*(x|%)?\s*(of baseline)?")
 _COMPARE: dict[str, Callable[[float, float], bool]] = {
-    "<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b,
-    "<": lambda a, b: a < b, ">": lambda a, b: a > b,
+    "<=": lambda a, b: a <= b,
+    ">=": lambda a, b: a >= b,
+    "<": lambda a, b: a < b,
+    ">": lambda a, b: a > b,
 }
 # Figures that mean nothing on a CPU run: MFU is against the GPU's bf16 peak, and peak GiB is
 # CUDA memory (0 without CUDA).
@@ -189,20 +229,33 @@ def format_table(rows: Sequence[BenchRow], *, cpu: bool = False) -> str:
     body = []
     for r in rows:
         if cpu and meaningless_on_cpu(r):
-            body.append((r.bench, r.metric, "n/a", "n/a", r.target or _fmt(r.limit), "n/a",
-                         r.unit, "n/a"))
+            body.append(
+                (r.bench, r.metric, "n/a", "n/a", r.target or _fmt(r.limit), "n/a", r.unit, "n/a")
+            )
             continue
-        ratio = "-" if r.ratio is None else ("n/a" if not math.isfinite(r.ratio)
-                                              else f"{r.ratio:.2f}x")
+        ratio = (
+            "-" if r.ratio is None else ("n/a" if not math.isfinite(r.ratio) else f"{r.ratio:.2f}x")
+        )
         verdict = row_verdict(r)
-        body.append((r.bench, r.metric, _fmt(r.ours), _fmt(r.baseline),
-                     r.target or _fmt(r.limit), ratio, r.unit,
-                     "-" if verdict is None else verdict.replace("fail", "FAIL")))
+        body.append(
+            (
+                r.bench,
+                r.metric,
+                _fmt(r.ours),
+                _fmt(r.baseline),
+                r.target or _fmt(r.limit),
+                ratio,
+                r.unit,
+                "-" if verdict is None else verdict.replace("fail", "FAIL"),
+            )
+        )
     widths = [max(len(str(line[i])) for line in (header, *body)) for i in range(len(header))]
     lines = []
     for j, line in enumerate((header, *body)):
-        cells = [str(c).ljust(w) if i < 2 or i >= 6 else str(c).rjust(w)
-                 for i, (c, w) in enumerate(zip(line, widths, strict=True))]
+        cells = [
+            str(c).ljust(w) if i < 2 or i >= 6 else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(line, widths, strict=True))
+        ]
         lines.append("  ".join(cells).rstrip())
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
@@ -222,15 +275,20 @@ def discover(bench_dir: Path, only: Sequence[str] = ()) -> list[Path]:
     Raises:
         ValueError: a name in `only` has no script.
     """
-    scripts = sorted(p for p in bench_dir.glob("*.py")
-                     if not p.name.startswith("_") and "__main__" in p.read_text())
+    scripts = sorted(
+        p
+        for p in bench_dir.glob("*.py")
+        if not p.name.startswith("_") and "__main__" in p.read_text()
+    )
     if not only:
         return scripts
     by_name = {p.stem: p for p in scripts}
     missing = [n for n in only if n not in by_name]
     if missing:
-        msg = (f"--only {', '.join(missing)}: no such benchmark in {bench_dir}; available: "
-               f"{', '.join(by_name) or 'none'}")
+        msg = (
+            f"--only {', '.join(missing)}: no such benchmark in {bench_dir}; available: "
+            f"{', '.join(by_name) or 'none'}"
+        )
         raise ValueError(msg)
     return [by_name[n] for n in only]
 
@@ -244,15 +302,20 @@ def _hardware() -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
-def run_benchmarks(bench_dir: Path, *, small: bool, only: Sequence[str] = (),
-                   timeout_s: float = 3600.0, out=None) -> tuple[list[BenchRow], dict[str, Any]]:
+def run_benchmarks(
+    bench_dir: Path, *, small: bool, only: Sequence[str] = (), timeout_s: float = 3600.0, out=None
+) -> tuple[list[BenchRow], dict[str, Any]]:
     """Run each script, read its JSON; return (all rows, the summary written to summary.json)."""
     out = out or sys.stdout
     results_dir = bench_dir / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
     root = bench_dir.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p
+        ),
+    }
     rows: list[BenchRow] = []
     runs: dict[str, Any] = {}
     for script in discover(bench_dir, only):
@@ -268,13 +331,22 @@ def run_benchmarks(bench_dir: Path, *, small: bool, only: Sequence[str] = (),
         # The script's own output (its table, progress bars) goes to its log, not between ours.
         with log_path.open("w") as log:
             try:
-                rc = subprocess.run(cmd, cwd=root, env=env, timeout=timeout_s, check=False,
-                                    stdout=log, stderr=subprocess.STDOUT).returncode
+                rc = subprocess.run(
+                    cmd,
+                    cwd=root,
+                    env=env,
+                    timeout=timeout_s,
+                    check=False,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                ).returncode
             except subprocess.TimeoutExpired:
                 rc = 124
         seconds = time.perf_counter() - start
-        out.write(f"{'ok' if rc == 0 else f'FAILED (exit {rc})'} in {seconds:.1f} s "
-                  f"(output: {log_path})\n")
+        out.write(
+            f"{'ok' if rc == 0 else f'FAILED (exit {rc})'} in {seconds:.1f} s "
+            f"(output: {log_path})\n"
+        )
         if rc != 0:
             tail = log_path.read_text(errors="replace").splitlines()[-15:]
             out.write("".join(f"   | {line}\n" for line in tail))
@@ -287,30 +359,46 @@ def run_benchmarks(bench_dir: Path, *, small: bool, only: Sequence[str] = (),
             rc = 1
             out.write(f"{name}: exited 0 but wrote no {json_path}\n")
         rows += bench_rows
-        runs[name] = {"returncode": rc, "seconds": round(seconds, 2),
-                      "rows": [asdict(r) for r in bench_rows]}
+        runs[name] = {
+            "returncode": rc,
+            "seconds": round(seconds, 2),
+            "rows": [asdict(r) for r in bench_rows],
+        }
     summary = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "hardware": _hardware(), "python": platform.python_version(), "small": small,
-        "torch": __import__("torch").__version__, "benchmarks": runs,
+        "hardware": _hardware(),
+        "python": platform.python_version(),
+        "small": small,
+        "torch": __import__("torch").__version__,
+        "benchmarks": runs,
     }
     (results_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return rows, summary
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="policyworker bench",
-                                     description="run bench/*.py and print one table")
+    parser = argparse.ArgumentParser(
+        prog="policyworker bench", description="run bench/*.py and print one table"
+    )
     add_arguments(parser)
     return run_from_args(parser.parse_args(argv), parser)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes on CPU (smoke run)")
-    parser.add_argument("--only", action="append", default=[], metavar="NAME",
-                        help="run only bench/NAME.py (repeatable)")
-    parser.add_argument("--bench-dir", type=Path, default=None,
-                        help="folder of the benchmark scripts (default: the checkout's bench/)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only bench/NAME.py (repeatable)",
+    )
+    parser.add_argument(
+        "--bench-dir",
+        type=Path,
+        default=None,
+        help="folder of the benchmark scripts (default: the checkout's bench/)",
+    )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per script")
 
 
@@ -319,19 +407,27 @@ def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if not bench_dir.is_dir():
         parser.error(f"--bench-dir {bench_dir}: not a folder; run from the repository checkout")
     try:
-        rows, summary = run_benchmarks(bench_dir, small=args.small, only=args.only,
-                                       timeout_s=args.timeout)
+        rows, summary = run_benchmarks(
+            bench_dir, small=args.small, only=args.only, timeout_s=args.timeout
+        )
     except ValueError as exc:
         parser.error(str(exc))
-    print(f"\n{summary['date']}, {summary['hardware']}, torch {summary['torch']}"
-          f"{' (--small)' if args.small else ''}")
+    print(
+        f"\n{summary['date']}, {summary['hardware']}, torch {summary['torch']}"
+        f"{' (--small)' if args.small else ''}"
+    )
     cpu = summary["hardware"].startswith("CPU")
     print(format_table(rows, cpu=cpu) if rows else "(no rows)")
     verdicts = [row_verdict(r) for r in rows if not (cpu and meaningless_on_cpu(r))]
-    print(f"targets: {verdicts.count('pass')} pass, {verdicts.count('fail')} FAIL"
-          + (f", {sum(map(meaningless_on_cpu, rows))} GPU-only figures n/a on CPU" if cpu else "")
-          + (" (targets are set for full-size GPU runs; on CPU they are informational)"
-             if cpu else ""))
+    print(
+        f"targets: {verdicts.count('pass')} pass, {verdicts.count('fail')} FAIL"
+        + (f", {sum(map(meaningless_on_cpu, rows))} GPU-only figures n/a on CPU" if cpu else "")
+        + (
+            " (targets are set for full-size GPU runs; on CPU they are informational)"
+            if cpu
+            else ""
+        )
+    )
     print(f"wrote {bench_dir / 'results' / 'summary.json'}")
     failed = [n for n, r in summary["benchmarks"].items() if r["returncode"] != 0]
     if failed:

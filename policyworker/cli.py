@@ -45,34 +45,74 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="policyworker", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="GRPO loop on a toy task with a separate inference process",
-                          description="GRPO on a toy task: a PolicyWorker trains, a separate "
-                          "inference process samples and receives every update over the ZMQ refit.")
+    demo = sub.add_parser(
+        "demo",
+        help="GRPO loop on a toy task with a separate inference process",
+        description="GRPO on a toy task: a PolicyWorker trains, a separate "
+        "inference process samples and receives every update over the ZMQ refit.",
+    )
     demo.add_argument("--steps", type=_positive_int, default=20, help="RL steps (default 20)")
-    demo.add_argument("--seed", type=_non_negative_int, default=0,
-                      help="model/prompt/sampling seed")
-    demo.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                      help="trainer and inference device; on CUDA the refit uses CUDA IPC")
-    demo.add_argument("--tp", type=_positive_int, default=1,
-                      help="tensor-parallel size (launch with torchrun --nproc-per-node >= tp)")
-    demo.add_argument("--ray", type=_non_negative_int, default=0, metavar="N",
-                      help="run the policy as a Ray group of N CPU workers (extra 'ray'); "
-                      "0 = this process")
+    demo.add_argument(
+        "--seed", type=_non_negative_int, default=0, help="model/prompt/sampling seed"
+    )
+    demo.add_argument(
+        "--device",
+        choices=("cpu", "cuda", "auto"),
+        default="cpu",
+        help="trainer and inference device; on CUDA the refit uses CUDA IPC",
+    )
+    demo.add_argument(
+        "--tp",
+        type=_positive_int,
+        default=1,
+        help="tensor-parallel size (launch with torchrun --nproc-per-node >= tp)",
+    )
+    demo.add_argument(
+        "--ray",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="run the policy as a Ray group of N CPU workers (extra 'ray'); 0 = this process",
+    )
     demo.add_argument("--lora", action="store_true", help="train through dtensor_cfg.lora_cfg")
-    demo.add_argument("--precision", choices=("float32", "bfloat16", "float16"),
-                      default="float32", help="policy.precision (parity is exact in float32)")
-    demo.add_argument("--lr", type=_positive_float, default=None,
-                      help="AdamW learning rate (default 1e-2; 5e-3 with --engine vllm)")
-    demo.add_argument("--plot", metavar="PATH", default=None,
-                      help="write the reward curve as a PNG (needs matplotlib)")
-    demo.add_argument("--no-require-rise", dest="require_rise", action="store_false",
-                      help="exit 0 even if reward did not rise (parity is still checked)")
-    demo.add_argument("--timeout", type=_positive_float, default=120.0,
-                      help="seconds any wait on the inference process may take")
-    demo.add_argument("--engine", choices=("hf", "vllm"), default="hf",
-                      help="who samples the rollouts: our HF inference process (default) or a "
-                      "real vLLM engine refit through vLLM's weight-sync calls (pip install "
-                      "'policyworker[vllm]')")
+    demo.add_argument(
+        "--precision",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="policy.precision (parity is exact in float32)",
+    )
+    demo.add_argument(
+        "--lr",
+        type=_positive_float,
+        default=None,
+        help="AdamW learning rate (default 1e-2; 5e-3 with --engine vllm)",
+    )
+    demo.add_argument(
+        "--plot",
+        metavar="PATH",
+        default=None,
+        help="write the reward curve as a PNG (needs matplotlib)",
+    )
+    demo.add_argument(
+        "--no-require-rise",
+        dest="require_rise",
+        action="store_false",
+        help="exit 0 even if reward did not rise (parity is still checked)",
+    )
+    demo.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=120.0,
+        help="seconds any wait on the inference process may take",
+    )
+    demo.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="who samples the rollouts: our HF inference process (default) or a "
+        "real vLLM engine refit through vLLM's weight-sync calls (pip install "
+        "'policyworker[vllm]')",
+    )
     sub.add_parser("info", help="versions, devices, attention kernels and transports")
     bench = sub.add_parser("bench", help="run bench/*.py and print one table")
     bench_runner.add_arguments(bench)
@@ -88,10 +128,20 @@ def _run_demo(args: argparse.Namespace) -> int:
         if problem:
             print(f"policyworker demo: error: --plot {args.plot}: {problem}", file=sys.stderr)
             return 2
-    opts = DemoOptions(steps=args.steps, seed=args.seed, device=args.device, tp=args.tp,
-                       ray=args.ray, lora=args.lora, precision=args.precision, lr=args.lr,
-                       require_rise=args.require_rise, plot=args.plot, timeout_s=args.timeout,
-                       engine=args.engine)
+    opts = DemoOptions(
+        steps=args.steps,
+        seed=args.seed,
+        device=args.device,
+        tp=args.tp,
+        ray=args.ray,
+        lora=args.lora,
+        precision=args.precision,
+        lr=args.lr,
+        require_rise=args.require_rise,
+        plot=args.plot,
+        timeout_s=args.timeout,
+        engine=args.engine,
+    )
     try:
         result = run_demo(opts)
     except (ValueError, ImportError, UnsupportedEngineError) as exc:  # caller errors (config,
@@ -104,8 +154,10 @@ def _run_demo(args: argparse.Namespace) -> int:
 def _plot_problem(path: str) -> str:
     """Why `--plot path` cannot be written ('' when it can): matplotlib missing, no folder."""
     if not _can_import("matplotlib"):
-        return ("the chart needs matplotlib, which is not installed; "
-                "pip install 'policyworker[plot]' (or pip install matplotlib), or drop --plot")
+        return (
+            "the chart needs matplotlib, which is not installed; "
+            "pip install 'policyworker[plot]' (or pip install matplotlib), or drop --plot"
+        )
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         return f"the folder {folder} does not exist; create it or pick another path"
@@ -153,20 +205,37 @@ def collect_info() -> dict[str, Any]:
 
         zmq_version, libzmq = zmq.pyzmq_version(), zmq.zmq_version()
     return {
-        "versions": {"policyworker": policyworker.__version__, "python": platform.python_version(),
-                     "torch": torch.__version__, "transformers": _version("transformers"),
-                     "attrs": _version("attrs"), "cattrs": _version("cattrs"),
-                     "pyzmq": zmq_version, "safetensors": _version("safetensors")},
-        "devices": {"cuda_count": len(devices), "cuda_names": devices,
-                    "cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()},
-        "attention": {"sdpa": hasattr(torch.nn.functional, "scaled_dot_product_attention"),
-                      "varlen": varlen_imports and cuda, "varlen_module": varlen_imports,
-                      "flex_attention": _can_import("torch.nn.attention.flex_attention"),
-                      "flash_attn_package": _can_import("flash_attn")},
-        "transports": {"zmq": zmq_version is not None, "libzmq": libzmq,
-                       "shared_memory": _shared_memory_ok(), "cuda_ipc": cuda,
-                       "gloo": dist.is_available() and dist.is_gloo_available(),
-                       "nccl": dist.is_available() and dist.is_nccl_available() and cuda},
+        "versions": {
+            "policyworker": policyworker.__version__,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": _version("transformers"),
+            "attrs": _version("attrs"),
+            "cattrs": _version("cattrs"),
+            "pyzmq": zmq_version,
+            "safetensors": _version("safetensors"),
+        },
+        "devices": {
+            "cuda_count": len(devices),
+            "cuda_names": devices,
+            "cpu_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+        },
+        "attention": {
+            "sdpa": hasattr(torch.nn.functional, "scaled_dot_product_attention"),
+            "varlen": varlen_imports and cuda,
+            "varlen_module": varlen_imports,
+            "flex_attention": _can_import("torch.nn.attention.flex_attention"),
+            "flash_attn_package": _can_import("flash_attn"),
+        },
+        "transports": {
+            "zmq": zmq_version is not None,
+            "libzmq": libzmq,
+            "shared_memory": _shared_memory_ok(),
+            "cuda_ipc": cuda,
+            "gloo": dist.is_available() and dist.is_gloo_available(),
+            "nccl": dist.is_available() and dist.is_nccl_available() and cuda,
+        },
     }
 
 
@@ -176,8 +245,11 @@ def _yes(flag: bool, note: str = "") -> str:
 
 def format_info(info: dict[str, Any]) -> str:
     v, d, a, t = info["versions"], info["devices"], info["attention"], info["transports"]
-    gpus = (f"CUDA x{d['cuda_count']}: {', '.join(d['cuda_names'])}" if d["cuda_count"]
-            else "no CUDA device")
+    gpus = (
+        f"CUDA x{d['cuda_count']}: {', '.join(d['cuda_names'])}"
+        if d["cuda_count"]
+        else "no CUDA device"
+    )
     varlen_note = "needs CUDA" if a["varlen_module"] else "torch.nn.attention.varlen missing"
     flex_note = "" if d["cuda_count"] else "forward only on CPU"
     zmq_note = f"pyzmq {v['pyzmq']}, libzmq {t['libzmq']}" if t["zmq"] else "pip install pyzmq"

@@ -90,67 +90,69 @@ LoraAInit = Literal["xavier", "uniform"]
 # did-you-mean. The value says why it is not read (docs/config-reference.md lists them).
 _ENGINE = "inference-engine settings (controller / inference side)"
 _QUANT = "ModelOpt quantization (Megatron backend)"
-IGNORED_NEMO_RL_KEYS: Final[Mapping[str, str]] = MappingProxyType({
-    "megatron_cfg": "Megatron-Core backend settings (this is the DTensor/Automodel worker)",
-    "generation_batch_size": "static-batched HF generation in the controller",
-    "dequantize_base_checkpoint": "Automodel checkpoint-loader option",
-    "pretrained_checkpoint": "restores Megatron checkpoints (Megatron backend only)",
-    "activation_checkpointing_enabled": "legacy spelling; dtensor_cfg.activation_checkpointing "
-                                        "is the key read",
-    "is_vlm": "vision-language models are not supported by this worker",
-    "quant_cfg": _QUANT,
-    "quant_calib_data": _QUANT,
-    "quant_calib_size": _QUANT,
-    "quant_batch_size": _QUANT,
-    "quant_sequence_length": _QUANT,
-    "disable_modelopt_layer_spec": _QUANT,
-    "tokenizer.audio": "multimodal processor options (text-only worker)",
-    "tokenizer.video": "multimodal processor options (text-only worker)",
-    "tokenizer.use_fastokens": "tokenization happens in the controller",
-    "dtensor_cfg.enabled": "selects this worker in NeMo-RL",
-    "dtensor_cfg._v2": "selects this worker in NeMo-RL",
-    "dtensor_cfg.expert_parallel_size": "expert parallelism is not implemented here",
-    "dtensor_cfg.dp_replicate_size": "HSDP replication is not implemented here",
-    "dtensor_cfg.custom_parallel_plan": "Automodel TP plan override",
-    "dtensor_cfg.defer_fsdp_grad_sync": "only affects Automodel's pipelined training",
-    "dtensor_cfg.moe_parallelizer": "Automodel MoE parallelizer options",
-    "dtensor_cfg.automodel_kwargs": "Automodel model-builder options",
-    "dtensor_cfg.clear_cache_every_n_steps": "CUDA cache clearing cadence",
-    "dtensor_cfg.env_vars": "the launcher sets the process environment",
-    "sequence_packing.sequence_length_round": "packing pads with make_sequence_length_divisible_by",
-    "sequence_packing.fuse_loss": "Megatron fused packed loss",
-    "generation.backend": "inference-engine choice (controller side)",
-    "generation.max_new_tokens": "rollout length (inference side)",
-    "generation.model_name": "inference-engine model (controller side)",
-    "generation.stop_token_ids": "rollout stopping (inference side)",
-    "generation.stop_strings": "rollout stopping (inference side)",
-    "generation.bad_words": "rollout sampling (inference side)",
-    "generation.val_temperature": "validation sampling (inference side)",
-    "generation.val_top_k": "validation sampling (inference side)",
-    "generation.val_top_p": "validation sampling (inference side)",
-    "generation.port_range_low": "inference-server ports (controller side)",
-    "generation.port_range_high": "inference-server ports (controller side)",
-    "generation.use_async_rollouts": "rollout scheduling (controller side)",
-    "generation.pad_token_id": "filled in by the controller",
-    "generation._pad_token_id": "filled in by the controller",
-    "generation._mtp_weights_from_refit": "filled in by the controller",
-    "generation._debug_payload_metrics": "filled in by the controller",
-    "generation.refit_cfg": "NIXL / sparse refit transport (this worker refits over ZMQ or NCCL)",
-    "generation.refit_transport": "NIXL / sparse refit transport (this worker refits over ZMQ "
-                                  "or NCCL)",
-    "generation.real_quant_export_cpu_offload": _QUANT,
-    "generation.real_quant": _QUANT,
-    "generation.real_quant_ignore": _QUANT,
-    "generation.quant_cfg": _QUANT,
-    "generation.vllm_cfg": _ENGINE,
-    "generation.vllm_kwargs": _ENGINE,
-    "generation.sglang_cfg": _ENGINE,
-    "generation.trtllm_cfg": _ENGINE,
-    "generation.trtllm_kwargs": _ENGINE,
-    "generation.dynamo_cfg": _ENGINE,
-    "generation.mcore_generation_config": "Megatron inference settings",
-    "generation.colocated.resources": "cluster placement (controller side)",
-})
+IGNORED_NEMO_RL_KEYS: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "megatron_cfg": "Megatron-Core backend settings (this is the DTensor/Automodel worker)",
+        "generation_batch_size": "static-batched HF generation in the controller",
+        "dequantize_base_checkpoint": "Automodel checkpoint-loader option",
+        "pretrained_checkpoint": "restores Megatron checkpoints (Megatron backend only)",
+        "activation_checkpointing_enabled": "legacy spelling; dtensor_cfg.activation_checkpointing "
+        "is the key read",
+        "is_vlm": "vision-language models are not supported by this worker",
+        "quant_cfg": _QUANT,
+        "quant_calib_data": _QUANT,
+        "quant_calib_size": _QUANT,
+        "quant_batch_size": _QUANT,
+        "quant_sequence_length": _QUANT,
+        "disable_modelopt_layer_spec": _QUANT,
+        "tokenizer.audio": "multimodal processor options (text-only worker)",
+        "tokenizer.video": "multimodal processor options (text-only worker)",
+        "tokenizer.use_fastokens": "tokenization happens in the controller",
+        "dtensor_cfg.enabled": "selects this worker in NeMo-RL",
+        "dtensor_cfg._v2": "selects this worker in NeMo-RL",
+        "dtensor_cfg.expert_parallel_size": "expert parallelism is not implemented here",
+        "dtensor_cfg.dp_replicate_size": "HSDP replication is not implemented here",
+        "dtensor_cfg.custom_parallel_plan": "Automodel TP plan override",
+        "dtensor_cfg.defer_fsdp_grad_sync": "only affects Automodel's pipelined training",
+        "dtensor_cfg.moe_parallelizer": "Automodel MoE parallelizer options",
+        "dtensor_cfg.automodel_kwargs": "Automodel model-builder options",
+        "dtensor_cfg.clear_cache_every_n_steps": "CUDA cache clearing cadence",
+        "dtensor_cfg.env_vars": "the launcher sets the process environment",
+        "sequence_packing.sequence_length_round": "packing pads with make_sequence_length_divisible_by",
+        "sequence_packing.fuse_loss": "Megatron fused packed loss",
+        "generation.backend": "inference-engine choice (controller side)",
+        "generation.max_new_tokens": "rollout length (inference side)",
+        "generation.model_name": "inference-engine model (controller side)",
+        "generation.stop_token_ids": "rollout stopping (inference side)",
+        "generation.stop_strings": "rollout stopping (inference side)",
+        "generation.bad_words": "rollout sampling (inference side)",
+        "generation.val_temperature": "validation sampling (inference side)",
+        "generation.val_top_k": "validation sampling (inference side)",
+        "generation.val_top_p": "validation sampling (inference side)",
+        "generation.port_range_low": "inference-server ports (controller side)",
+        "generation.port_range_high": "inference-server ports (controller side)",
+        "generation.use_async_rollouts": "rollout scheduling (controller side)",
+        "generation.pad_token_id": "filled in by the controller",
+        "generation._pad_token_id": "filled in by the controller",
+        "generation._mtp_weights_from_refit": "filled in by the controller",
+        "generation._debug_payload_metrics": "filled in by the controller",
+        "generation.refit_cfg": "NIXL / sparse refit transport (this worker refits over ZMQ or NCCL)",
+        "generation.refit_transport": "NIXL / sparse refit transport (this worker refits over ZMQ "
+        "or NCCL)",
+        "generation.real_quant_export_cpu_offload": _QUANT,
+        "generation.real_quant": _QUANT,
+        "generation.real_quant_ignore": _QUANT,
+        "generation.quant_cfg": _QUANT,
+        "generation.vllm_cfg": _ENGINE,
+        "generation.vllm_kwargs": _ENGINE,
+        "generation.sglang_cfg": _ENGINE,
+        "generation.trtllm_cfg": _ENGINE,
+        "generation.trtllm_kwargs": _ENGINE,
+        "generation.dynamo_cfg": _ENGINE,
+        "generation.mcore_generation_config": "Megatron inference settings",
+        "generation.colocated.resources": "cluster placement (controller side)",
+    }
+)
 
 logger = logging.getLogger("policyworker")
 
@@ -286,7 +288,8 @@ class DTensorConfig:
     attn_implementation: AttnImplementation = "auto"
     fusion: FusionMode = "none"
     moe_router_bias_update_rate: float = field(
-        default=0.0, validator=_Rule(lambda v: v >= 0.0, "must be >= 0 (0 disables the update)"))
+        default=0.0, validator=_Rule(lambda v: v >= 0.0, "must be >= 0 (0 disables the update)")
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.sequence_parallel and self.tensor_parallel_size == 1:
@@ -367,17 +370,32 @@ class SchedulerConfig:
     def __attrs_post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
         if not self.entries:
-            problems.append(("", "scheduler list has no {name, kwargs} entry; add one or omit "
-                                 "scheduler for a constant learning rate"))
+            problems.append(
+                (
+                    "",
+                    "scheduler list has no {name, kwargs} entry; add one or omit "
+                    "scheduler for a constant learning rate",
+                )
+            )
         elif len(self.milestones) != len(self.entries) - 1:
-            problems.append(("", f"{len(self.entries)} schedulers need "
-                                 f"{len(self.entries) - 1} milestones, got "
-                                 f"{list(self.milestones)}; add one {{milestones: [...]}} item "
-                                 "with a step count between each pair of schedulers"))
+            problems.append(
+                (
+                    "",
+                    f"{len(self.entries)} schedulers need "
+                    f"{len(self.entries) - 1} milestones, got "
+                    f"{list(self.milestones)}; add one {{milestones: [...]}} item "
+                    "with a step count between each pair of schedulers",
+                )
+            )
         steps = (0, *self.milestones)
         if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
-            problems.append(("", f"milestones {list(self.milestones)} must be strictly "
-                                 "increasing positive step counts"))
+            problems.append(
+                (
+                    "",
+                    f"milestones {list(self.milestones)} must be strictly "
+                    "increasing positive step counts",
+                )
+            )
         _raise_if_problems(problems, root="policy.scheduler")
 
 
@@ -438,8 +456,12 @@ class DraftConfig:
     loss_weight: float = field(default=0.1, validator=_Rule(lambda v: v >= 0.0, "must be >= 0"))
     num_layers: int | None = field(default=None, validator=_at_least(1))
     aux_layer_indices: tuple[int, ...] | None = field(
-        default=None, validator=_Rule(lambda v: len(v) > 0 and all(i >= 0 for i in v),
-                                      "must list at least one layer index >= 0"))
+        default=None,
+        validator=_Rule(
+            lambda v: len(v) > 0 and all(i >= 0 for i in v),
+            "must list at least one layer index >= 0",
+        ),
+    )
 
 
 @frozen(kw_only=True)
@@ -518,27 +540,56 @@ def _cross_field_problems(cfg: PolicyConfig) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = []
     cp = cfg.dtensor_cfg.context_parallel_size
     if cfg.sequence_packing is not None and cfg.dynamic_batching is not None:
-        problems.append(("sequence_packing", "sequence_packing and dynamic_batching are both "
-                         "enabled but are exclusive; set enabled: false on one of them"))
+        problems.append(
+            (
+                "sequence_packing",
+                "sequence_packing and dynamic_batching are both "
+                "enabled but are exclusive; set enabled: false on one of them",
+            )
+        )
     if cfg.sequence_packing is not None and cp > 1:
-        problems.append(("sequence_packing", f"sequence packing does not support "
-                         f"dtensor_cfg.context_parallel_size > 1 (got {cp}); set "
-                         "context_parallel_size: 1 or disable sequence_packing"))
+        problems.append(
+            (
+                "sequence_packing",
+                f"sequence packing does not support "
+                f"dtensor_cfg.context_parallel_size > 1 (got {cp}); set "
+                "context_parallel_size: 1 or disable sequence_packing",
+            )
+        )
     if cfg.sequence_packing is not None and cfg.reward_model_cfg is not None:
-        problems.append(("sequence_packing", "sequence packing is not supported for reward "
-                         "models (reward_model_cfg is enabled); disable sequence_packing"))
+        problems.append(
+            (
+                "sequence_packing",
+                "sequence packing is not supported for reward "
+                "models (reward_model_cfg is enabled); disable sequence_packing",
+            )
+        )
     if cfg.draft is not None and cfg.sequence_packing is not None:
-        problems.append(("draft", "draft co-training reads unpacked rows; disable "
-                         "sequence_packing or the draft"))
+        problems.append(
+            (
+                "draft",
+                "draft co-training reads unpacked rows; disable sequence_packing or the draft",
+            )
+        )
     gbs, mbs = cfg.train_global_batch_size, cfg.train_micro_batch_size
     if cfg.fixed_microbatching and gbs % mbs != 0:
-        problems.append(("train_global_batch_size", f"train_global_batch_size = {gbs} must be "
-                         f"a multiple of train_micro_batch_size = {mbs}; change one of them"))
+        problems.append(
+            (
+                "train_global_batch_size",
+                f"train_global_batch_size = {gbs} must be "
+                f"a multiple of train_micro_batch_size = {mbs}; change one of them",
+            )
+        )
     seq = cfg.max_total_sequence_length
     if cp > 1 and seq is not None and seq % (2 * cp) != 0:
-        problems.append(("max_total_sequence_length", f"max_total_sequence_length = {seq} must "
-                         f"be divisible by 2 * dtensor_cfg.context_parallel_size = {2 * cp} "
-                         f"(load-balanced CP chunks); use {(seq // (2 * cp) + 1) * 2 * cp}"))
+        problems.append(
+            (
+                "max_total_sequence_length",
+                f"max_total_sequence_length = {seq} must "
+                f"be divisible by 2 * dtensor_cfg.context_parallel_size = {2 * cp} "
+                f"(load-balanced CP chunks); use {(seq // (2 * cp) + 1) * 2 * cp}",
+            )
+        )
     return problems
 
 
@@ -550,12 +601,20 @@ def validate_for_world(cfg: PolicyConfig, *, dp_size: int) -> None:
     gbs, mbs = cfg.train_global_batch_size, cfg.train_micro_batch_size
     unit = dp_size * mbs if cfg.fixed_microbatching else dp_size
     if gbs % unit != 0:
-        what = (f"dp_size * train_micro_batch_size = {dp_size} * {mbs} = {unit}"
-                if cfg.fixed_microbatching else f"dp_size = {dp_size}")
+        what = (
+            f"dp_size * train_micro_batch_size = {dp_size} * {mbs} = {unit}"
+            if cfg.fixed_microbatching
+            else f"dp_size = {dp_size}"
+        )
         raise _RuleViolations(
-            [("train_global_batch_size", f"train_global_batch_size = {gbs} must be a multiple "
-              f"of {what} so every data-parallel rank gets whole microbatches; use "
-              f"{max(unit, gbs // unit * unit)}")],
+            [
+                (
+                    "train_global_batch_size",
+                    f"train_global_batch_size = {gbs} must be a multiple "
+                    f"of {what} so every data-parallel rank gets whole microbatches; use "
+                    f"{max(unit, gbs // unit * unit)}",
+                )
+            ],
             root="policy",
         )
 
@@ -620,10 +679,15 @@ def _structure_dict_or_none_as_empty(value: Any, type_: Any) -> dict[str, Any]:
 
 # Precision spellings that mean a canonical name (as `functional.dtypes.precision_dtype` reads
 # them); the config stores the canonical one, so `precision: bf16` round-trips as "bfloat16".
-PRECISION_ALIASES: Final[Mapping[str, str]] = MappingProxyType({
-    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-    "float": "float32",
-})
+PRECISION_ALIASES: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "bf16": "bfloat16",
+        "fp16": "float16",
+        "half": "float16",
+        "fp32": "float32",
+        "float": "float32",
+    }
+)
 
 
 def _structure_precision(value: Any, type_: Any) -> Any:
@@ -635,7 +699,8 @@ def _structure_precision(value: Any, type_: Any) -> Any:
     except _InvalidValue:
         raise _InvalidValue(
             f"{value!r} is not a precision; use one of {', '.join(get_args(type_))} "
-            f"(aliases: {', '.join(PRECISION_ALIASES)})") from None
+            f"(aliases: {', '.join(PRECISION_ALIASES)})"
+        ) from None
 
 
 def _is_literal(type_: Any) -> bool:
@@ -645,9 +710,7 @@ def _is_literal(type_: Any) -> bool:
 def _structure_literal(value: Any, type_: Any) -> Any:
     choices = get_args(type_)
     if not isinstance(value, str) or value not in choices:
-        raise _InvalidValue(
-            f"{value!r} is not one of {', '.join(repr(c) for c in choices)}"
-        )
+        raise _InvalidValue(f"{value!r} is not one of {', '.join(repr(c) for c in choices)}")
     return value
 
 

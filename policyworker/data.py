@@ -29,7 +29,11 @@ __all__ = [
 MicrobatchOrder = Literal["packer", "largest_first"]
 MICROBATCH_ORDERS: tuple[str, ...] = get_args(MicrobatchOrder)
 _DYNAMIC_KEYS = (
-    "max_tokens_per_microbatch", "sequence_length_round", "input_key", "input_lengths_key")
+    "max_tokens_per_microbatch",
+    "sequence_length_round",
+    "input_key",
+    "input_lengths_key",
+)
 _PACKING_KEYS = ("max_tokens_per_microbatch", "input_key", "input_lengths_key", "algorithm")
 
 Indices = Sequence[int] | torch.Tensor
@@ -38,13 +42,17 @@ Indices = Sequence[int] | torch.Tensor
 def _rows(value: Any, key: str) -> int:
     if isinstance(value, torch.Tensor):
         if value.ndim == 0:
-            raise DataError(f"key {key!r} holds a 0-d tensor, which has no batch dim; store "
-                            "per-row values as a [B] tensor")
+            raise DataError(
+                f"key {key!r} holds a 0-d tensor, which has no batch dim; store "
+                "per-row values as a [B] tensor"
+            )
         return value.shape[0]
     if isinstance(value, list | tuple):
         return len(value)
-    raise DataError(f"key {key!r} holds a {type(value).__name__}; values must be tensors or lists "
-                    "with one entry per row")
+    raise DataError(
+        f"key {key!r} holds a {type(value).__name__}; values must be tensors or lists "
+        "with one entry per row"
+    )
 
 
 def _take(value: Any, indices: list[int]) -> Any:
@@ -58,8 +66,10 @@ def _take(value: Any, indices: list[int]) -> Any:
 def _batch_rows(batch: Mapping[str, Any], index: int) -> int:
     sizes = {_rows(value, key) for key, value in batch.items()}
     if len(sizes) > 1:
-        raise DataError(f"batch {index} has keys with different row counts {sorted(sizes)}; "
-                        "every value needs the same dim 0")
+        raise DataError(
+            f"batch {index} has keys with different row counts {sorted(sizes)}; "
+            "every value needs the same dim 0"
+        )
     return next(iter(sizes), 0)
 
 
@@ -97,7 +107,8 @@ class BatchedDataDict(dict[str, Any]):
         if len(set(sizes.values())) > 1:
             raise DataError(
                 f"Batch sizes are not the same across the rollout batch: {sizes}; every value "
-                "needs the same dim 0")
+                "needs the same dim 0"
+            )
         return next(iter(sizes.values()), 0)
 
     def to(self, device: str | torch.device) -> Self:
@@ -124,7 +135,8 @@ class BatchedDataDict(dict[str, Any]):
         size = self.size
         if not 0 <= start <= end <= size:
             raise ValueError(
-                f"slice [{start}, {end}) must satisfy 0 <= start <= end <= size {size}")
+                f"slice [{start}, {end}) must satisfy 0 <= start <= end <= size {size}"
+            )
         return type(self)({k: v[start:end] for k, v in self.items()})
 
     def select_indices(self, indices: Indices) -> Self:
@@ -147,7 +159,8 @@ class BatchedDataDict(dict[str, Any]):
         if sorted(rows) != list(range(size)):
             raise ValueError(
                 f"reorder_data needs a permutation of range({size}) (one original position per "
-                f"row, each once), got {rows[:16]}{' ...' if len(rows) > 16 else ''}")
+                f"row, each once), got {rows[:16]}{' ...' if len(rows) > 16 else ''}"
+            )
         order = inverse_permutation(rows)
         reordered = {k: _take(v, _ints(order)) for k, v in self.items()}
         self.update(reordered)
@@ -176,8 +189,11 @@ class BatchedDataDict(dict[str, Any]):
         return self
 
     @classmethod
-    def from_batches(cls, batches: Sequence[Mapping[str, Any]],
-                     pad_value_dict: Mapping[str, int | float] | None = None) -> Self:
+    def from_batches(
+        cls,
+        batches: Sequence[Mapping[str, Any]],
+        pad_value_dict: Mapping[str, int | float] | None = None,
+    ) -> Self:
         """Concatenate batches along dim 0; tensors with ndim >= 2 are right-padded on dim 1.
 
         Pad values come from ``pad_value_dict`` (default 0). Lists are concatenated. As in
@@ -192,10 +208,12 @@ class BatchedDataDict(dict[str, Any]):
                 raise DataError(
                     f"key {key!r} is missing from batches {lacking}, which have rows "
                     f"({[rows[i] for i in lacking]}); every batch with rows needs every key "
-                    "(only empty batches may lack keys)")
+                    "(only empty batches may lack keys)"
+                )
         pads = dict(pad_value_dict or {})
-        return cls({k: _concat_values(k, [b[k] for b in batches if k in b], pads.get(k, 0))
-                    for k in keys})
+        return cls(
+            {k: _concat_values(k, [b[k] for b in batches if k in b], pads.get(k, 0)) for k in keys}
+        )
 
     # -- microbatching --------------------------------------------------------------------------
 
@@ -205,17 +223,22 @@ class BatchedDataDict(dict[str, Any]):
         if mbs < 1 or size % mbs:
             raise ValueError(
                 f"Data dict size ({size}) is not a multiple of the microbatch size ({mbs}); pick "
-                "a microbatch size that divides the batch")
+                "a microbatch size that divides the batch"
+            )
         for start in range(0, size, mbs):
             yield self.slice(start, start + mbs)
 
     def _single_gb_plan(self) -> tuple[list[list[int]], list[int]]:
         if self.micro_batch_indices is None or self.micro_batch_lengths is None:
-            raise ValueError("this dict has no microbatch plan; shard it with "
-                             "dynamic_batching_args or sequence_packing_args first")
+            raise ValueError(
+                "this dict has no microbatch plan; shard it with "
+                "dynamic_batching_args or sequence_packing_args first"
+            )
         if len(self.micro_batch_indices) != 1:
-            raise ValueError(f"this dict holds {len(self.micro_batch_indices)} global batches; "
-                             "call get_batch(i) first")
+            raise ValueError(
+                f"this dict holds {len(self.micro_batch_indices)} global batches; "
+                "call get_batch(i) first"
+            )
         return self.micro_batch_indices[0], self.micro_batch_lengths[0]
 
     def make_microbatch_iterator_with_dynamic_shapes(self, sequence_dim: int = 1) -> Iterator[Self]:
@@ -239,15 +262,19 @@ class BatchedDataDict(dict[str, Any]):
         if self.elem_counts_per_gb is not None:
             counts = self.elem_counts_per_gb
             if not 0 <= batch_idx < len(counts):
-                raise ValueError(f"batch_idx {batch_idx} out of range: this shard has "
-                                 f"{len(counts)} global batches")
+                raise ValueError(
+                    f"batch_idx {batch_idx} out of range: this shard has "
+                    f"{len(counts)} global batches"
+                )
             start = sum(counts[:batch_idx])
             batch = self.slice(start, start + counts[batch_idx])
             batch.elem_counts_per_gb = [counts[batch_idx]]
         else:
             if batch_size is None or batch_size < 1:
-                raise ValueError(f"batch_size must be >= 1 for a dict without "
-                                 f"elem_counts_per_gb, got {batch_size}")
+                raise ValueError(
+                    f"batch_size must be >= 1 for a dict without "
+                    f"elem_counts_per_gb, got {batch_size}"
+                )
             batch = self.slice(batch_size * batch_idx, batch_size * (batch_idx + 1))
         if self.micro_batch_indices is not None and self.micro_batch_lengths is not None:
             batch.micro_batch_indices = [_copy.deepcopy(self.micro_batch_indices[batch_idx])]
@@ -279,7 +306,8 @@ class BatchedDataDict(dict[str, Any]):
         ``[2, 3, 6, 7]``.
         """
         total, batch_size = self._check_shard_arguments(
-            shards, batch_size, allow_uneven_shards, dynamic_batching_args, sequence_packing_args)
+            shards, batch_size, allow_uneven_shards, dynamic_batching_args, sequence_packing_args
+        )
         if sequence_packing_args is not None:
             return self._shard_packed(shards, batch_size, sequence_packing_args)
         if dynamic_batching_args is not None:
@@ -287,49 +315,69 @@ class BatchedDataDict(dict[str, Any]):
         shard_size = -(-batch_size // shards)
         result = []
         for r in range(shards):
-            rows = [i for start in range(0, total, batch_size)
-                    for i in range(start + r * shard_size,
-                                   min(start + (r + 1) * shard_size, total))]
+            rows = [
+                i
+                for start in range(0, total, batch_size)
+                for i in range(start + r * shard_size, min(start + (r + 1) * shard_size, total))
+            ]
             result.append(self.select_indices(rows))
         return result
 
-    def _check_shard_arguments(self, shards: int, batch_size: int | None, allow_uneven_shards: bool,
-                               dynamic_args: Mapping[str, Any] | None,
-                               packing_args: Mapping[str, Any] | None) -> tuple[int, int]:
+    def _check_shard_arguments(
+        self,
+        shards: int,
+        batch_size: int | None,
+        allow_uneven_shards: bool,
+        dynamic_args: Mapping[str, Any] | None,
+        packing_args: Mapping[str, Any] | None,
+    ) -> tuple[int, int]:
         if dynamic_args is not None and packing_args is not None:
-            raise ValueError("dynamic_batching_args and sequence_packing_args cannot be passed "
-                             "together; pick one")
+            raise ValueError(
+                "dynamic_batching_args and sequence_packing_args cannot be passed "
+                "together; pick one"
+            )
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
         if allow_uneven_shards and (batch_size is not None or dynamic_args is not None):
-            raise ValueError("allow_uneven_shards=True needs batch_size=None and no "
-                             "dynamic_batching_args (every dynamic shard must be equally long)")
+            raise ValueError(
+                "allow_uneven_shards=True needs batch_size=None and no "
+                "dynamic_batching_args (every dynamic shard must be equally long)"
+            )
         total = self.size
         batch_size = total if batch_size is None else batch_size
         if batch_size < 1 or total % batch_size:
-            raise DataError(f"Total batch size ({total}) is not a multiple of batch_size "
-                            f"({batch_size}); pass a batch_size that divides it")
+            raise DataError(
+                f"Total batch size ({total}) is not a multiple of batch_size "
+                f"({batch_size}); pass a batch_size that divides it"
+            )
         if not allow_uneven_shards and batch_size % shards:
-            raise DataError(f"Batch size ({batch_size}) is not a multiple of shards ({shards}); "
-                            "pass allow_uneven_shards=True or a divisible batch_size")
+            raise DataError(
+                f"Batch size ({batch_size}) is not a multiple of shards ({shards}); "
+                "pass allow_uneven_shards=True or a divisible batch_size"
+            )
         if dynamic_args is not None:
             _require_keys(dynamic_args, _DYNAMIC_KEYS, "dynamic_batching_args")
         if packing_args is not None:
             _require_keys(packing_args, _PACKING_KEYS, "sequence_packing_args")
             order = packing_args.get("microbatch_order", "packer")
             if order not in MICROBATCH_ORDERS:
-                raise ValueError(f"sequence_packing_args['microbatch_order'] must be one of "
-                                 f"{list(MICROBATCH_ORDERS)}, got {order!r}")
+                raise ValueError(
+                    f"sequence_packing_args['microbatch_order'] must be one of "
+                    f"{list(MICROBATCH_ORDERS)}, got {order!r}"
+                )
         for args in (dynamic_args, packing_args):
             if args is not None:
                 for key in (args["input_key"], args["input_lengths_key"]):
                     if key not in self:
-                        raise DataError(f"key {key!r} named in the sharding args is not in the "
-                                        f"batch (keys: {sorted(self)})")
+                        raise DataError(
+                            f"key {key!r} named in the sharding args is not in the "
+                            f"batch (keys: {sorted(self)})"
+                        )
         return total, batch_size
 
-    def _shard_dynamic(self, shards: int, batch_size: int, args: Mapping[str, Any]
-                       ) -> tuple[list[Self], list[int]]:
+    def _shard_dynamic(
+        self, shards: int, batch_size: int, args: Mapping[str, Any]
+    ) -> tuple[list[Self], list[int]]:
         lengths = _ints(self[args["input_lengths_key"]])
         seq_len = self[args["input_key"]].shape[1]
         max_tokens = int(args["max_tokens_per_microbatch"])
@@ -342,14 +390,16 @@ class BatchedDataDict(dict[str, Any]):
             strided = [ordered[r::shards] for r in range(shards)]
             widths = []
             for position in range(batch_size // shards):
-                longest = max((strided[r][position] for r in range(shards)),
-                              key=lambda i: lengths[i])
+                longest = max(
+                    (strided[r][position] for r in range(shards)), key=lambda i: lengths[i]
+                )
                 width = min(round_up(max(lengths[longest], 1), rounding), seq_len)
                 if width > max_tokens:
                     raise DataError(
                         f"row {longest} has {args['input_lengths_key']!r} {lengths[longest]} "
                         f"(width {width} after rounding to {rounding}) > max_tokens_per_microbatch "
-                        f"{max_tokens}; raise max_tokens_per_microbatch or truncate the row")
+                        f"{max_tokens}; raise max_tokens_per_microbatch or truncate the row"
+                    )
                 widths.append(width)
             groups = token_budget_boundaries(widths, max_tokens=max_tokens)
             indices.append([[s, e] for s, e, _ in groups])
@@ -362,8 +412,9 @@ class BatchedDataDict(dict[str, Any]):
             shard.micro_batch_lengths = _copy.deepcopy(widths_per_gb)
         return result, [i for rows in rows_per_shard for i in rows]
 
-    def _shard_packed(self, shards: int, batch_size: int, args: Mapping[str, Any]
-                      ) -> tuple[list[Self], list[int]]:
+    def _shard_packed(
+        self, shards: int, batch_size: int, args: Mapping[str, Any]
+    ) -> tuple[list[Self], list[int]]:
         lengths = _ints(self[args["input_lengths_key"]])
         capacity = int(args["max_tokens_per_microbatch"])
         multiple = int(args.get("sequence_length_pad_multiple", 1))
@@ -374,14 +425,20 @@ class BatchedDataDict(dict[str, Any]):
                     f"row {row} has {args['input_lengths_key']!r} {n} (padded to {p} with "
                     f"sequence_length_pad_multiple {multiple}) > max_tokens_per_microbatch "
                     f"{capacity}; raise max_tokens_per_microbatch to at least the longest padded "
-                    "sequence")
+                    "sequence"
+                )
         rows_per_shard: list[list[int]] = [[] for _ in range(shards)]
         plans: list[tuple[list[list[list[int]]], list[list[int]], list[int]]] = [
-            ([], [], []) for _ in range(shards)]
+            ([], [], []) for _ in range(shards)
+        ]
         for start in range(0, len(lengths), batch_size):
-            bins = pack_into_bins(padded[start:start + batch_size], capacity,
-                                  algorithm=args["algorithm"], min_bin_count=shards,
-                                  bin_count_multiple=shards)
+            bins = pack_into_bins(
+                padded[start : start + batch_size],
+                capacity,
+                algorithm=args["algorithm"],
+                min_bin_count=shards,
+                bin_count_multiple=shards,
+            )
             for r in range(shards):
                 mine = [[start + i for i in b] for b in bins[r::shards]]
                 if args.get("microbatch_order", "packer") == "largest_first":
@@ -404,18 +461,25 @@ def _concat_values(key: str, values: list[Any], pad_value: int | float) -> Any:
     if all(isinstance(v, list | tuple) for v in values):
         return [item for v in values for item in v]
     if not all(isinstance(v, torch.Tensor) for v in values):
-        raise DataError(f"key {key!r} mixes tensors and lists across batches "
-                        f"({[type(v).__name__ for v in values]}); use one type per key")
+        raise DataError(
+            f"key {key!r} mixes tensors and lists across batches "
+            f"({[type(v).__name__ for v in values]}); use one type per key"
+        )
     ndims = {v.ndim for v in values}
     if len(ndims) != 1 or 0 in ndims:
-        raise DataError(f"key {key!r} has tensors of shapes {[tuple(v.shape) for v in values]}; "
-                        "every batch needs the same number of dims (>= 1)")
+        raise DataError(
+            f"key {key!r} has tensors of shapes {[tuple(v.shape) for v in values]}; "
+            "every batch needs the same number of dims (>= 1)"
+        )
     if ndims == {1}:
         return torch.cat(values)
     width = max(v.shape[1] for v in values)
-    padded = [torch.nn.functional.pad(v, (0, 0) * (v.ndim - 2) + (0, width - v.shape[1]),
-                                      value=pad_value) if v.shape[1] < width else v
-              for v in values]
+    padded = [
+        torch.nn.functional.pad(v, (0, 0) * (v.ndim - 2) + (0, width - v.shape[1]), value=pad_value)
+        if v.shape[1] < width
+        else v
+        for v in values
+    ]
     return torch.cat(padded)
 
 
@@ -438,35 +502,49 @@ def validate_batch(
         who = f" ({needed_by} reads them)" if needed_by else ""
         raise DataError(
             f"batch is missing {len(missing)} required key(s) {missing}{who}; it has "
-            f"{sorted(data)}; add every missing key (per-token tensors are [B, S], per-row [B])")
+            f"{sorted(data)}; add every missing key (per-token tensors are [B, S], per-row [B])"
+        )
     _validate_sample_mask(data.get("sample_mask"))
     ids = data.get("input_ids")
     if ids is not None:
         if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
             shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise DataError(
-                f"'input_ids' must be a [B, S] tensor, got {shape}; pass right-padded ids")
+                f"'input_ids' must be a [B, S] tensor, got {shape}; pass right-padded ids"
+            )
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise DataError(f"'input_ids' must hold integer token ids, got dtype {ids.dtype} with "
-                            f"shape {tuple(ids.shape)}; cast with .long()")
+            raise DataError(
+                f"'input_ids' must hold integer token ids, got dtype {ids.dtype} with "
+                f"shape {tuple(ids.shape)}; cast with .long()"
+            )
     lengths = data.get("input_lengths")
     if lengths is not None:
         _validate_lengths_type(lengths)
     batch = {k: _rows(v, k) for k, v in data.items()}
-    sizes = {k: (tuple(v.shape) if isinstance(v, torch.Tensor) else len(v))
-             for k, v in data.items()}
+    sizes = {
+        k: (tuple(v.shape) if isinstance(v, torch.Tensor) else len(v)) for k, v in data.items()
+    }
     if len(set(batch.values())) > 1:
-        raise DataError(f"batch sizes disagree across keys (dim 0): {sizes}; every value needs the "
-                        "same number of rows")
+        raise DataError(
+            f"batch sizes disagree across keys (dim 0): {sizes}; every value needs the "
+            "same number of rows"
+        )
     if ids is not None:
         S = ids.shape[1]
-        bad = {k: s for k, s in sizes.items()
-               if isinstance(data[k], torch.Tensor) and data[k].ndim >= 2
-               and k not in check_dim_skip_keys and data[k].shape[1] != S}
+        bad = {
+            k: s
+            for k, s in sizes.items()
+            if isinstance(data[k], torch.Tensor)
+            and data[k].ndim >= 2
+            and k not in check_dim_skip_keys
+            and data[k].shape[1] != S
+        }
         if bad:
-            raise DataError(f"sequence dim (dim 1) of {bad} disagrees with 'input_ids' "
-                            f"{tuple(ids.shape)}; pad/truncate them to S or list them in "
-                            "check_dim_skip_keys")
+            raise DataError(
+                f"sequence dim (dim 1) of {bad} disagrees with 'input_ids' "
+                f"{tuple(ids.shape)}; pad/truncate them to S or list them in "
+                "check_dim_skip_keys"
+            )
         if lengths is not None:
             _validate_lengths_range(lengths, ids)
 
@@ -476,28 +554,35 @@ def _validate_sample_mask(mask: Any) -> None:
         raise DataError(
             f"'sample_mask' has shape {tuple(mask.shape)}, but it must be [B]: one 0/1 per row "
             f"(0 drops the whole row). Per-token masking belongs in 'token_mask' [B, S]; for a "
-            f"[B, S] mask pass it as token_mask, or sample_mask=mask.amax(dim=1)")
+            f"[B, S] mask pass it as token_mask, or sample_mask=mask.amax(dim=1)"
+        )
 
 
 def check_loss_fn(loss_fn: Any) -> None:
     """Raise ``ValueError`` unless ``loss_fn`` is a loss *instance* (the LossFunction protocol:
     callable, with ``loss_type`` and ``input_type``)."""
     if loss_fn is None:
-        msg = ("train(data, loss_fn): loss_fn is None; pass a loss instance, e.g. "
-               "ClippedPGLossFn({'reference_policy_kl_penalty': 0.01}), NLLLoss() or "
-               "DPOLossFn({...}) from policyworker.functional.loss")
+        msg = (
+            "train(data, loss_fn): loss_fn is None; pass a loss instance, e.g. "
+            "ClippedPGLossFn({'reference_policy_kl_penalty': 0.01}), NLLLoss() or "
+            "DPOLossFn({...}) from policyworker.functional.loss"
+        )
         raise ValueError(msg)
     if isinstance(loss_fn, type):
-        msg = (f"train(data, loss_fn): loss_fn is the class {loss_fn.__name__}, not an instance; "
-               f"pass {loss_fn.__name__}(...) (e.g. {loss_fn.__name__}() or "
-               f"{loss_fn.__name__}(cfg) with NeMo-RL's loss_fn mapping)")
+        msg = (
+            f"train(data, loss_fn): loss_fn is the class {loss_fn.__name__}, not an instance; "
+            f"pass {loss_fn.__name__}(...) (e.g. {loss_fn.__name__}() or "
+            f"{loss_fn.__name__}(cfg) with NeMo-RL's loss_fn mapping)"
+        )
         raise ValueError(msg)
     lacking = [a for a in ("loss_type", "input_type") if not hasattr(loss_fn, a)]
     if lacking or not callable(loss_fn):
         what = f"has no {' or '.join(lacking)}" if lacking else "is not callable"
-        msg = (f"train(data, loss_fn): loss_fn {type(loss_fn).__name__!r} {what}; a loss is "
-               f"callable as loss_fn(data, global_valid_seqs, global_valid_toks, **inputs) and "
-               f"has loss_type (LossType) and input_type (LossInputType) attributes")
+        msg = (
+            f"train(data, loss_fn): loss_fn {type(loss_fn).__name__!r} {what}; a loss is "
+            f"callable as loss_fn(data, global_valid_seqs, global_valid_toks, **inputs) and "
+            f"has loss_type (LossType) and input_type (LossInputType) attributes"
+        )
         raise ValueError(msg)
 
 
@@ -513,13 +598,16 @@ def train_required_keys(loss_fn: Any) -> tuple[str, ...]:
 
 def _validate_lengths_type(lengths: Any) -> None:
     if not isinstance(lengths, torch.Tensor) or lengths.ndim != 1:
-        shape = (tuple(lengths.shape) if isinstance(lengths, torch.Tensor)
-                 else type(lengths).__name__)
+        shape = (
+            tuple(lengths.shape) if isinstance(lengths, torch.Tensor) else type(lengths).__name__
+        )
         raise DataError(
-            f"'input_lengths' must be a [B] tensor, got {shape}; pass one length per row")
+            f"'input_lengths' must be a [B] tensor, got {shape}; pass one length per row"
+        )
     if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
         raise DataError(
-            f"'input_lengths' must hold integers, got dtype {lengths.dtype}; cast with .long()")
+            f"'input_lengths' must hold integers, got dtype {lengths.dtype}; cast with .long()"
+        )
 
 
 def _validate_lengths_range(lengths: torch.Tensor, ids: torch.Tensor) -> None:
@@ -527,5 +615,7 @@ def _validate_lengths_range(lengths: torch.Tensor, ids: torch.Tensor) -> None:
     outside = (lengths > S) | (lengths < 0)
     if bool(outside.any()):
         row = int(outside.nonzero()[0, 0])
-        raise DataError(f"'input_lengths'[{row}] = {int(lengths[row])} is outside [0, S={S}] of "
-                        f"'input_ids' {tuple(ids.shape)}; fix the lengths or pad input_ids wider")
+        raise DataError(
+            f"'input_lengths'[{row}] = {int(lengths[row])} is outside [0, S={S}] of "
+            f"'input_ids' {tuple(ids.shape)}; fix the lengths or pad input_ids wider"
+        )

@@ -107,8 +107,10 @@ def _table(cls: type[Any]) -> list[str]:
     for field in attrs.fields(cls):
         tp = field.type
         if cls is config_mod.PolicyConfig and field.name == "scheduler":
-            kind = ("[SchedulerEntry](#schedulerentry) or a list of them plus one "
-                    "`{milestones: [...]}` \\| null")
+            kind = (
+                "[SchedulerEntry](#schedulerentry) or a list of them plus one "
+                "`{milestones: [...]}` \\| null"
+            )
         else:
             kind = _type_name(tp)
             section = _section_class(tp)
@@ -149,12 +151,18 @@ def render() -> str:
         else:
             lines.append("No keys: present (or `enabled: true`) turns it on.")
         lines.append("")
-    lines += ["## Accepted, not used (NeMo-RL keys this worker does not read)", "",
-              "Dropped with their whole subtree and listed once at INFO (logger `policyworker`).",
-              "",
-              "| key | why it is not read |", "|---|---|"]
-    lines += [f"| `policy.{key}` | {why} |"
-              for key, why in sorted(config_mod.IGNORED_NEMO_RL_KEYS.items())]
+    lines += [
+        "## Accepted, not used (NeMo-RL keys this worker does not read)",
+        "",
+        "Dropped with their whole subtree and listed once at INFO (logger `policyworker`).",
+        "",
+        "| key | why it is not read |",
+        "|---|---|",
+    ]
+    lines += [
+        f"| `policy.{key}` | {why} |"
+        for key, why in sorted(config_mod.IGNORED_NEMO_RL_KEYS.items())
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -163,8 +171,9 @@ def default_output_path() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m policyworker.docs_gen",
-                                     description="generate docs/config-reference.md")
+    parser = argparse.ArgumentParser(
+        prog="python -m policyworker.docs_gen", description="generate docs/config-reference.md"
+    )
     parser.add_argument("--check", action="store_true", help="only check; exit 1 if stale")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)

@@ -11,8 +11,13 @@ import threading
 
 # The shape of the tiny dense decoders the multi-process tests build (Llama / Qwen2 / Qwen3).
 TINY_DECODER_SHAPE = dict(
-    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
 )
 
 
@@ -60,17 +65,33 @@ def tiny_deepseek_v3_config():
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(
-        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16,
-        q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        vocab_size=128,
     )
 
 
 def child_env(root: str | os.PathLike | None = None, **extra: str) -> dict[str, str]:
     """This environment for a child Python: one intra-op thread, the repo first on PYTHONPATH,
     and the caller's PYTHONPATH kept (the device machine carries packages there)."""
-    path = os.pathsep.join(p for p in (str(root or os.getcwd()), os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(
+        p for p in (str(root or os.getcwd()), os.environ.get("PYTHONPATH", "")) if p
+    )
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
 
 
@@ -82,8 +103,13 @@ class JsonCommandChild:
     """
 
     def __init__(self, script: str):
-        self.proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=child_env())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -111,9 +137,18 @@ def tiny_qwen3_moe_config():
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128, num_experts=4,
-        num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
         tie_word_embeddings=False,
     )
 
@@ -123,8 +158,14 @@ def tiny_mixtral_config():
     from transformers import MixtralConfig
 
     return MixtralConfig(
-        hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, num_local_experts=4, num_experts_per_tok=2,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
         tie_word_embeddings=False,
     )
 
@@ -136,8 +177,10 @@ def own_moe_routes(model, routers, data):
 
     ids = data["input_ids"]
     seen = []
-    handles = [r.module.register_forward_hook(lambda _m, _a, out: seen.append(out[2].clone()))
-               for r in routers]
+    handles = [
+        r.module.register_forward_hook(lambda _m, _a, out: seen.append(out[2].clone()))
+        for r in routers
+    ]
     try:
         with torch.no_grad():
             model(input_ids=ids)

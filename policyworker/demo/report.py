@@ -22,12 +22,21 @@ def format_dlogp(value: float) -> str:
     return "0.0" if value == 0.0 else f"{value:.3g}"
 
 
-def step_line(step: int, *, reward: float, kl: float, refit_ms: float, max_dlogp: float,
-              mult_prob_error: float | None = None) -> str:
+def step_line(
+    step: int,
+    *,
+    reward: float,
+    kl: float,
+    refit_ms: float,
+    max_dlogp: float,
+    mult_prob_error: float | None = None,
+) -> str:
     """`step=<n> reward=<float> kl=<float> refit_ms=<float> max_dlogp=<float>` (as in the README),
     then ` token_mult_prob_error=<float>` when given (the vLLM engine's mismatch metric)."""
-    line = (f"step={step} reward={reward:.4f} kl={kl:.5f} refit_ms={refit_ms:.1f} "
-            f"max_dlogp={format_dlogp(max_dlogp)}")
+    line = (
+        f"step={step} reward={reward:.4f} kl={kl:.5f} refit_ms={refit_ms:.1f} "
+        f"max_dlogp={format_dlogp(max_dlogp)}"
+    )
     if mult_prob_error is not None:
         line += f" token_mult_prob_error={mult_prob_error:.8f}"
     return line

@@ -43,8 +43,10 @@ class TargetTokenTask:
 
     def __attrs_post_init__(self) -> None:
         if self.target_token >= self.vocab_size:
-            msg = (f"target_token = {self.target_token} must be < vocab_size = {self.vocab_size}; "
-                   f"pick a token id inside the vocabulary")
+            msg = (
+                f"target_token = {self.target_token} must be < vocab_size = {self.vocab_size}; "
+                f"pick a token id inside the vocabulary"
+            )
             raise ValueError(msg)
 
     @property
@@ -67,14 +69,17 @@ class TargetTokenTask:
     def rewards(self, prompts_NL: torch.Tensor, responses_NR: torch.Tensor) -> torch.Tensor:
         """[N] fp32 reward in [0, 1]: fraction of response tokens equal to `target_token`."""
         if prompts_NL.shape[0] != responses_NR.shape[0]:
-            msg = (f"prompts have {prompts_NL.shape[0]} rows but responses have "
-                   f"{responses_NR.shape[0]}; pass one response per (repeated) prompt")
+            msg = (
+                f"prompts have {prompts_NL.shape[0]} rows but responses have "
+                f"{responses_NR.shape[0]}; pass one response per (repeated) prompt"
+            )
             raise ValueError(msg)
         return (responses_NR == self.target_token).to(torch.float32).mean(dim=1)
 
 
-def group_advantages(rewards_N: torch.Tensor, group_size: int, *, eps: float = 1e-6
-                     ) -> torch.Tensor:
+def group_advantages(
+    rewards_N: torch.Tensor, group_size: int, *, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO advantages: (r - group mean) / (group std + eps); 0 for a group whose rewards tie.
 
     Raises:
@@ -82,8 +87,9 @@ def group_advantages(rewards_N: torch.Tensor, group_size: int, *, eps: float = 1
     """
     n = rewards_N.shape[0]
     if group_size < 1 or n % group_size != 0:
-        msg = (f"{n} rewards do not split into groups of group_size={group_size}; "
-               f"use a divisor of {n}")
+        msg = (
+            f"{n} rewards do not split into groups of group_size={group_size}; use a divisor of {n}"
+        )
         raise ValueError(msg)
     groups_PG = rewards_N.to(torch.float32).reshape(-1, group_size)
     centered = groups_PG - groups_PG.mean(dim=1, keepdim=True)
@@ -91,14 +97,18 @@ def group_advantages(rewards_N: torch.Tensor, group_size: int, *, eps: float = 1
     return (centered / (std + eps)).reshape(n)
 
 
-def build_train_batch(task: TargetTokenTask, prompts_NL: torch.Tensor, responses_NR: torch.Tensor,
-                      advantages_N: torch.Tensor, generation_logprobs_NS: torch.Tensor
-                      ) -> dict[str, torch.Tensor]:
+def build_train_batch(
+    task: TargetTokenTask,
+    prompts_NL: torch.Tensor,
+    responses_NR: torch.Tensor,
+    advantages_N: torch.Tensor,
+    generation_logprobs_NS: torch.Tensor,
+) -> dict[str, torch.Tensor]:
     """The worker's batch: ids, lengths, masks (loss on response tokens only), advantages."""
     input_ids = torch.cat([prompts_NL, responses_NR], dim=1).to(torch.int64)
     n, s = input_ids.shape
     token_mask = torch.zeros(n, s, dtype=torch.float32)
-    token_mask[:, task.prompt_len:] = 1.0
+    token_mask[:, task.prompt_len :] = 1.0
     return {
         "input_ids": input_ids,
         "input_lengths": torch.full((n,), s, dtype=torch.int64),
@@ -117,15 +127,17 @@ def smoothed_ends(values: Sequence[float], window: int) -> tuple[float, float]:
     return math.fsum(values[:w]) / w, math.fsum(values[-w:]) / w
 
 
-def reward_rose(values: Sequence[float], *, window: int = 3, start_max: float = 0.2,
-                end_min: float = 0.8) -> bool:
+def reward_rose(
+    values: Sequence[float], *, window: int = 3, start_max: float = 0.2, end_min: float = 0.8
+) -> bool:
     """True when the smoothed first reward is <= `start_max` and the smoothed last >= `end_min`."""
     first, last = smoothed_ends(values, window)
     return first <= start_max and last >= end_min
 
 
-def logprob_mismatch(train_NS: torch.Tensor, gen_NS: torch.Tensor, mask_NS: torch.Tensor
-                     ) -> tuple[float, float]:
+def logprob_mismatch(
+    train_NS: torch.Tensor, gen_NS: torch.Tensor, mask_NS: torch.Tensor
+) -> tuple[float, float]:
     """(NeMo-RL's `token_mult_prob_error`, max |train - gen|) over the tokens where mask is set.
 
     `token_mult_prob_error` is the mean over valid tokens of exp(|lp_train - lp_gen|): 1.0 for
@@ -135,8 +147,10 @@ def logprob_mismatch(train_NS: torch.Tensor, gen_NS: torch.Tensor, mask_NS: torc
         ValueError: the shapes differ or no token is valid.
     """
     if not train_NS.shape == gen_NS.shape == mask_NS.shape:
-        msg = (f"train {list(train_NS.shape)}, gen {list(gen_NS.shape)} and mask "
-               f"{list(mask_NS.shape)} must have one shape; pass [N, S] tensors of the same rows")
+        msg = (
+            f"train {list(train_NS.shape)}, gen {list(gen_NS.shape)} and mask "
+            f"{list(mask_NS.shape)} must have one shape; pass [N, S] tensors of the same rows"
+        )
         raise ValueError(msg)
     valid = mask_NS != 0
     if not bool(valid.any()):

@@ -25,8 +25,9 @@ _ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 class VllmRollouts:
     """The demo's vLLM engine: `connect(worker)`, then `refit()` / `generate()` per step."""
 
-    def __init__(self, model_dir: str, *, dtype_name: str, max_model_len: int, seed: int,
-                 timeout_s: float) -> None:
+    def __init__(
+        self, model_dir: str, *, dtype_name: str, max_model_len: int, seed: int, timeout_s: float
+    ) -> None:
         from policyworker.shell.engines.vllm import engine_kwargs, require_vllm
 
         require_vllm()
@@ -35,9 +36,15 @@ class VllmRollouts:
         from vllm import LLM
 
         started = time.perf_counter()
-        self.llm = LLM(model=model_dir, dtype=dtype_name, enforce_eager=True,
-                       max_model_len=max_model_len, skip_tokenizer_init=True, seed=seed,
-                       **engine_kwargs())
+        self.llm = LLM(
+            model=model_dir,
+            dtype=dtype_name,
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            skip_tokenizer_init=True,
+            seed=seed,
+            **engine_kwargs(),
+        )
         self.start_s = time.perf_counter() - started
         self.timeout_s = timeout_s
         self._refit: Any = None
@@ -52,8 +59,9 @@ class VllmRollouts:
             raise RuntimeError("refit before connect; call connect(worker) first")
         return self._refit.refit()
 
-    def generate(self, prompts_NL: torch.Tensor, response_len: int, seed: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def generate(
+        self, prompts_NL: torch.Tensor, response_len: int, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """([N, Lr] sampled tokens, [N, Lp + Lr] fp32 logprobs of them, 0 on prompt columns).
 
         Row i samples with seed `seed * 1_000 + i`: the repeated prompts of a GRPO group must
@@ -62,11 +70,23 @@ class VllmRollouts:
         from vllm import SamplingParams
 
         n, lp = prompts_NL.shape
-        params = [SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=response_len,
-                                 min_tokens=response_len, ignore_eos=True, logprobs=0,
-                                 seed=seed * 1_000 + i, detokenize=False) for i in range(n)]
-        outs = self.llm.generate([{"prompt_token_ids": row} for row in prompts_NL.tolist()],
-                                 params, use_tqdm=False)
+        params = [
+            SamplingParams(
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_tokens=response_len,
+                min_tokens=response_len,
+                ignore_eos=True,
+                logprobs=0,
+                seed=seed * 1_000 + i,
+                detokenize=False,
+            )
+            for i in range(n)
+        ]
+        outs = self.llm.generate(
+            [{"prompt_token_ids": row} for row in prompts_NL.tolist()], params, use_tqdm=False
+        )
         responses = torch.zeros(n, response_len, dtype=torch.int64)
         gen_lp = torch.zeros(n, lp + response_len, dtype=torch.float32)
         for i, out in enumerate(outs):
@@ -76,8 +96,9 @@ class VllmRollouts:
                 msg = f"vLLM returned {len(tokens)} tokens for row {i}, asked for {response_len}"
                 raise RuntimeError(msg)
             responses[i] = torch.tensor(tokens)
-            gen_lp[i, lp:] = torch.tensor([d[t].logprob for d, t in
-                                           zip(completion.logprobs, tokens, strict=True)])
+            gen_lp[i, lp:] = torch.tensor(
+                [d[t].logprob for d, t in zip(completion.logprobs, tokens, strict=True)]
+            )
         return responses, gen_lp
 
     def close(self) -> None:

@@ -28,8 +28,14 @@ __all__ = [
 ]
 
 # Float inputs NeMo-RL's losses read (per row [B] or per token [B, S]).
-LOSS_FLOAT_INPUTS = ("advantages", "prev_logprobs", "generation_logprobs",
-                     "reference_policy_logprobs", "token_mask", "sample_mask")
+LOSS_FLOAT_INPUTS = (
+    "advantages",
+    "prev_logprobs",
+    "generation_logprobs",
+    "reference_policy_logprobs",
+    "token_mask",
+    "sample_mask",
+)
 
 
 def first_out_of_range(
@@ -59,7 +65,8 @@ def require_token_ids_in_vocab(input_ids: torch.Tensor, vocab_size: int) -> None
         raise DataError(
             f"'input_ids'[{row}, {col}] = {value} is outside the model's vocabulary "
             f"[0, {vocab_size}); every position is embedded, padding included: pad with a real "
-            f"token id (e.g. 0) and check the tokenizer matches the model")
+            f"token id (e.g. 0) and check the tokenizer matches the model"
+        )
 
 
 def require_nonempty_rows(input_lengths: torch.Tensor) -> None:
@@ -70,7 +77,8 @@ def require_nonempty_rows(input_lengths: torch.Tensor) -> None:
         raise DataError(
             f"'input_lengths' is 0 at row(s) {rows} ({empty.shape[0]} of "
             f"{input_lengths.shape[0]}); a training row needs at least 1 token: drop those "
-            f"rows, or give them length >= 1 and sample_mask 0")
+            f"rows, or give them length >= 1 and sample_mask 0"
+        )
 
 
 def cast_loss_inputs(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -85,8 +93,10 @@ def cast_loss_inputs(data: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(value, torch.Tensor):
             continue
         if value.dtype.is_complex:
-            raise DataError(f"{key!r} has complex dtype {value.dtype}; the loss needs real "
-                            f"numbers: pass a float tensor (e.g. value.real.float())")
+            raise DataError(
+                f"{key!r} has complex dtype {value.dtype}; the loss needs real "
+                f"numbers: pass a float tensor (e.g. value.real.float())"
+            )
         if not value.dtype.is_floating_point:
             out[key] = value.to(torch.float32)
     return out
@@ -124,8 +134,10 @@ def nonfinite_loss_input(data: Mapping[str, Any]) -> str | None:
             where = counted_rows.to(value.device)
         found = first_nonfinite(value, where)
         if found is not None:
-            return (f"{key!r}{list(found)} = {float(value[found])} is not finite at a position "
-                    f"the loss reads; fix the producer of {key!r} or mask that token/row out")
+            return (
+                f"{key!r}{list(found)} = {float(value[found])} is not finite at a position "
+                f"the loss reads; fix the producer of {key!r} or mask that token/row out"
+            )
     return None
 
 
@@ -134,6 +146,8 @@ def batch_size_argument(name: str, value: Any, default: int) -> int:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise DataError(f"train({name}={value!r}) must be a positive int (or None for the "
-                        f"config's value {default}); pass e.g. {name}={default}")
+        raise DataError(
+            f"train({name}={value!r}) must be a positive int (or None for the "
+            f"config's value {default}); pass e.g. {name}={default}"
+        )
     return value

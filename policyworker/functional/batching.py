@@ -54,8 +54,9 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def fixed_microbatches(batch_size: int, micro_batch_size: int, *, seq_len: int
-                       ) -> list[MicrobatchPlan]:
+def fixed_microbatches(
+    batch_size: int, micro_batch_size: int, *, seq_len: int
+) -> list[MicrobatchPlan]:
     """Consecutive rows ``micro_batch_size`` at a time, full width; the last plan may be shorter.
 
     Raises:
@@ -64,14 +65,19 @@ def fixed_microbatches(batch_size: int, micro_batch_size: int, *, seq_len: int
     if micro_batch_size < 1 or batch_size < 0:
         raise ValueError(
             f"micro_batch_size must be >= 1 and batch_size >= 0, got {micro_batch_size} and "
-            f"{batch_size}")
-    return [MicrobatchPlan(rows=tuple(range(start, min(start + micro_batch_size, batch_size))),
-                           width=seq_len)
-            for start in range(0, batch_size, micro_batch_size)]
+            f"{batch_size}"
+        )
+    return [
+        MicrobatchPlan(
+            rows=tuple(range(start, min(start + micro_batch_size, batch_size))), width=seq_len
+        )
+        for start in range(0, batch_size, micro_batch_size)
+    ]
 
 
-def token_budget_boundaries(widths: Sequence[int], *, max_tokens: int
-                            ) -> list[tuple[int, int, int]]:
+def token_budget_boundaries(
+    widths: Sequence[int], *, max_tokens: int
+) -> list[tuple[int, int, int]]:
     """Greedy ``(start, end, width)`` groups of consecutive positions under a token budget.
 
     A group grows while ``(count + 1) * max(width so far, next width) <= max_tokens`` (NeMo-RL's
@@ -85,7 +91,8 @@ def token_budget_boundaries(widths: Sequence[int], *, max_tokens: int
         if width > max_tokens:
             raise ValueError(
                 f"position {position} needs width {width} > max_tokens {max_tokens}; raise "
-                "max_tokens_per_microbatch to at least the longest (rounded) sequence")
+                "max_tokens_per_microbatch to at least the longest (rounded) sequence"
+            )
         if groups:
             start, end, group_width = groups[-1]
             if (end - start + 1) * max(group_width, width) <= max_tokens:
@@ -121,7 +128,8 @@ def dynamic_microbatches(
             raise ValueError(
                 f"row {order[position]} has length {sizes[order[position]]} (width {width} after "
                 f"rounding to {sequence_length_round}) > max_tokens {max_tokens}; raise "
-                "max_tokens_per_microbatch or truncate the row")
+                "max_tokens_per_microbatch or truncate the row"
+            )
     groups = token_budget_boundaries(widths, max_tokens=max_tokens)
     return [MicrobatchPlan(rows=tuple(order[s:e]), width=w) for s, e, w in groups]
 
@@ -147,10 +155,16 @@ def packed_microbatches(
     padded = [round_up(n, pad_multiple) for n in int_list(lengths)]
     if not padded:
         return []
-    bins = pack_into_bins(padded, capacity, algorithm=algorithm, min_bin_count=min_bin_count,
-                          bin_count_multiple=bin_count_multiple)
-    return [MicrobatchPlan(rows=tuple(b), width=sum(padded[i] for i in b), packed=True)
-            for b in bins]
+    bins = pack_into_bins(
+        padded,
+        capacity,
+        algorithm=algorithm,
+        min_bin_count=min_bin_count,
+        bin_count_multiple=bin_count_multiple,
+    )
+    return [
+        MicrobatchPlan(rows=tuple(b), width=sum(padded[i] for i in b), packed=True) for b in bins
+    ]
 
 
 def num_dummy_microbatches(local_count: int, max_count: int) -> int:
@@ -158,7 +172,8 @@ def num_dummy_microbatches(local_count: int, max_count: int) -> int:
     if local_count < 0 or max_count < local_count:
         raise ValueError(
             f"need 0 <= local_count <= max_count, got local_count={local_count}, "
-            f"max_count={max_count}; max_count must be the MAX all-reduce of every rank's count")
+            f"max_count={max_count}; max_count must be the MAX all-reduce of every rank's count"
+        )
     return max_count - local_count
 
 
@@ -169,7 +184,8 @@ def dummy_microbatches(plans: Sequence[MicrobatchPlan], count: int) -> list[Micr
     if count and not plans:
         raise ValueError(
             f"cannot make {count} dummy microbatches from no plans; a rank with no data still "
-            "needs one (e.g. a one-row plan) to keep collectives in lockstep")
+            "needs one (e.g. a one-row plan) to keep collectives in lockstep"
+        )
     return [attrs.evolve(plans[i % len(plans)], is_dummy=True) for i in range(count)]
 
 
@@ -184,7 +200,8 @@ def inverse_permutation(indices: Sequence[int] | torch.Tensor) -> list[int]:
         missing = sorted(set(range(len(values))) - set(values))
         raise ValueError(
             f"indices must be a permutation of 0..{len(values) - 1}; missing {missing[:8]}, got "
-            f"{values[:16]}{'...' if len(values) > 16 else ''}")
+            f"{values[:16]}{'...' if len(values) > 16 else ''}"
+        )
     inverse = [0] * len(values)
     for position, value in enumerate(values):
         inverse[value] = position

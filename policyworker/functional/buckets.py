@@ -108,7 +108,9 @@ def split_ipc_budget(
     return align_up(-(-total_bytes // num_buffers), alignment)
 
 
-def ipc_size_stats(specs: Sequence[TensorSpec], alignment: int = DEFAULT_ALIGNMENT) -> tuple[int, int]:
+def ipc_size_stats(
+    specs: Sequence[TensorSpec], alignment: int = DEFAULT_ALIGNMENT
+) -> tuple[int, int]:
     """``(largest, total)`` aligned bytes of a stream (``alignment`` when it is empty)."""
     sizes = [align_up(s.nbytes, alignment) for s in specs]
     return max(sizes, default=alignment), sum(sizes)
@@ -150,8 +152,14 @@ def default_ipc_buffer_bytes(
     (CPU shared memory) means no free-memory limit.
     """
     largest, total = ipc_size_stats(specs, alignment)
-    return default_ipc_buffer_bytes_from(largest, total, cap_bytes=cap_bytes, free_bytes=free_bytes,
-                                         free_fraction=free_fraction, alignment=alignment)
+    return default_ipc_buffer_bytes_from(
+        largest,
+        total,
+        cap_bytes=cap_bytes,
+        free_bytes=free_bytes,
+        free_fraction=free_fraction,
+        alignment=alignment,
+    )
 
 
 def plan_ipc_buckets(
@@ -330,9 +338,13 @@ def split_views(buffer_uint8: torch.Tensor, layout: SplitLayout) -> list[torch.T
         ValueError: the buffer is shorter than the layout or not aligned for its dtype.
     """
     itemsize = layout.dtype.itemsize
-    if buffer_uint8.numel() < layout.end_bytes or (buffer_uint8.data_ptr() % itemsize and layout.end_bytes):
-        msg = (f"a buffer of {buffer_uint8.numel()} bytes at address {buffer_uint8.data_ptr():#x} cannot hold "
-               f"this layout ({layout.end_bytes} bytes of {layout.dtype}); use unpack_tensors")
+    if buffer_uint8.numel() < layout.end_bytes or (
+        buffer_uint8.data_ptr() % itemsize and layout.end_bytes
+    ):
+        msg = (
+            f"a buffer of {buffer_uint8.numel()} bytes at address {buffer_uint8.data_ptr():#x} cannot hold "
+            f"this layout ({layout.end_bytes} bytes of {layout.dtype}); use unpack_tensors"
+        )
         raise ValueError(msg)
     flat = buffer_uint8[: layout.end_bytes].view(layout.dtype)
     parts = torch.split(flat, list(layout.split_sizes))

@@ -62,12 +62,13 @@ def distillation_topk_logprobs(
     if teacher_topk_indices_BSK.shape != teacher_topk_logits_BSK.shape or tuple(
         teacher_topk_indices_BSK.shape[:2]
     ) != tuple(student_logits_BSV.shape[:2]):
-        msg = (f"teacher_topk_logits {tuple(teacher_topk_logits_BSK.shape)} and "
-               f"teacher_topk_indices {tuple(teacher_topk_indices_BSK.shape)} must both be "
-               f"[B, S, K] with [B, S] = {tuple(student_logits_BSV.shape[:2])} of the student")
+        msg = (
+            f"teacher_topk_logits {tuple(teacher_topk_logits_BSK.shape)} and "
+            f"teacher_topk_indices {tuple(teacher_topk_indices_BSK.shape)} must both be "
+            f"[B, S, K] with [B, S] = {tuple(student_logits_BSV.shape[:2])} of the student"
+        )
         raise ValueError(msg)
-    logits_BSV = student_logits_BSV.to(torch.promote_types(student_logits_BSV.dtype,
-                                                           torch.float32))
+    logits_BSV = student_logits_BSV.to(torch.promote_types(student_logits_BSV.dtype, torch.float32))
     ids_BSK = teacher_topk_indices_BSK.to(device=logits_BSV.device, dtype=torch.int64)
     entropy_BS = None
     if zero_outside_topk:
@@ -78,7 +79,8 @@ def distillation_topk_logprobs(
     else:
         student_BSK = torch.log_softmax(logits_BSV.gather(-1, ids_BSK), dim=-1)
     teacher_BSK = torch.log_softmax(
-        teacher_topk_logits_BSK.to(device=student_BSK.device, dtype=student_BSK.dtype), dim=-1)
+        teacher_topk_logits_BSK.to(device=student_BSK.device, dtype=student_BSK.dtype), dim=-1
+    )
     entropy_BT = None if entropy_BS is None else entropy_BS[:, :-1]
     return student_BSK[:, :-1], teacher_BSK[:, :-1], entropy_BT
 
@@ -96,17 +98,22 @@ class DistillationConfig:
         """Build from a ``loss_fn`` mapping or config object; missing keys take the defaults."""
         if isinstance(cfg, cls):
             return cfg
-        return cls(**read_config_mapping(config_mapping(cfg, "DistillationLossFn"), cls,
-                                         section="loss_fn"))
+        return cls(
+            **read_config_mapping(config_mapping(cfg, "DistillationLossFn"), cls, section="loss_fn")
+        )
 
     def __attrs_post_init__(self) -> None:
         problems: list[str] = []
         if self.kl_type not in ("forward", "reverse", "mixed"):
-            problems.append(f"kl_type must be 'forward', 'reverse' or 'mixed', got "
-                            f"{self.kl_type!r} @ loss_fn.kl_type")
+            problems.append(
+                f"kl_type must be 'forward', 'reverse' or 'mixed', got "
+                f"{self.kl_type!r} @ loss_fn.kl_type"
+            )
         if not 0.0 <= self.mixed_kl_weight <= 1.0:
-            problems.append(f"mixed_kl_weight must be in [0, 1], got {self.mixed_kl_weight} "
-                            "@ loss_fn.mixed_kl_weight")
+            problems.append(
+                f"mixed_kl_weight must be in [0, 1], got {self.mixed_kl_weight} "
+                "@ loss_fn.mixed_kl_weight"
+            )
         if problems:
             raise ConfigError("\n".join(problems))
 
@@ -163,18 +170,20 @@ class DistillationLossFn:
             kl_BT = w * forward_BT + (1.0 - w) * reverse_BT
         if self.zero_outside_topk and self.kl_type != "forward":
             if H_all is None:
-                msg = (f"{owner}: zero_outside_topk with kl_type {self.kl_type!r} needs H_all "
-                       "(the student's full-vocab entropy term)")
+                msg = (
+                    f"{owner}: zero_outside_topk with kl_type {self.kl_type!r} needs H_all "
+                    "(the student's full-vocab entropy term)"
+                )
                 raise ValueError(msg)
             rest_entropy_BT = H_all - (student_p_BTK * student_BTK).sum(-1)
             rest_mass_BT = 1.0 - student_p_BTK.sum(-1)
             correction_BT = rest_entropy_BT - LOG_INFINITESIMAL * rest_mass_BT
-            kl_BT = kl_BT + (correction_BT * (1.0 - w) if self.kl_type == "mixed"
-                             else correction_BT)
+            kl_BT = kl_BT + (
+                correction_BT * (1.0 - w) if self.kl_type == "mixed" else correction_BT
+            )
         kl_BT = sanitize(kl_BT, mask_BT != 0)
         loss = masked_mean(kl_BT, mask_BT, global_normalization_factor=global_valid_toks)
-        return loss, {"loss": float(loss.detach()),
-                      "num_valid_samples": float(sample_mask_B.sum())}
+        return loss, {"loss": float(loss.detach()), "num_valid_samples": float(sample_mask_B.sum())}
 
 
 def distillation_loss_input(

@@ -112,8 +112,10 @@ def encode_refit_info(
     inference process as JSON (or through any RPC) without pickling torch objects.
     ``decode_refit_info`` inverts it.
     """
-    return {name: [[int(d) for d in shape], str(dtype).removeprefix("torch.")]
-            for name, (shape, dtype) in info.items()}
+    return {
+        name: [[int(d) for d in shape], str(dtype).removeprefix("torch.")]
+        for name, (shape, dtype) in info.items()
+    }
 
 
 def decode_refit_info(encoded: Mapping[str, Any]) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -125,14 +127,18 @@ def decode_refit_info(encoded: Mapping[str, Any]) -> dict[str, tuple[torch.Size,
     out: dict[str, tuple[torch.Size, torch.dtype]] = {}
     for name, entry in encoded.items():
         if not isinstance(entry, list | tuple) or len(entry) != 2:
-            msg = (f"refit_info[{name!r}]={entry!r} must be [shape, dtype name] as "
-                   f"encode_refit_info writes it; pass encode_refit_info(prepare_refit_info())")
+            msg = (
+                f"refit_info[{name!r}]={entry!r} must be [shape, dtype name] as "
+                f"encode_refit_info writes it; pass encode_refit_info(prepare_refit_info())"
+            )
             raise ValueError(msg)
         shape, dtype_text = entry
         dtype = getattr(torch, str(dtype_text).removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
-            msg = (f"refit_info[{name!r}] names dtype {dtype_text!r}, which is not a torch dtype; "
-                   f"use a name such as 'bfloat16' or 'float32'")
+            msg = (
+                f"refit_info[{name!r}] names dtype {dtype_text!r}, which is not a torch dtype; "
+                f"use a name such as 'bfloat16' or 'float32'"
+            )
             raise ValueError(msg)
         out[name] = (torch.Size(int(d) for d in shape), dtype)
     return out

@@ -27,8 +27,9 @@ def fp8_e4m3_scale(abs_values_N: torch.Tensor, percentile: float, margin: float)
     return max(amax, _MIN_AMAX) * margin / FP8_E4M3_MAX
 
 
-def kv_scales(samples: dict[tuple[str, str], torch.Tensor], percentile: float, margin: float
-              ) -> dict[str, dict[str, float]]:
+def kv_scales(
+    samples: dict[tuple[str, str], torch.Tensor], percentile: float, margin: float
+) -> dict[str, dict[str, float]]:
     """``{layer: {"k_scale": ..., "v_scale": ...[, "q_scale"]}}`` from samples keyed by
     ``(layer, "k" | "v" | "q")``, layers in sorted order."""
     layers: dict[str, dict[str, float]] = {}

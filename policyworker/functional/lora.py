@@ -55,7 +55,9 @@ def lora_scale(alpha: float, dim: int, use_rslora: bool = False) -> float:
     return float(alpha) / (math.sqrt(dim) if use_rslora else dim)
 
 
-def _check_shapes(lora_a_RI: torch.Tensor, lora_b_OR: torch.Tensor, weight_OI: torch.Tensor | None) -> None:
+def _check_shapes(
+    lora_a_RI: torch.Tensor, lora_b_OR: torch.Tensor, weight_OI: torch.Tensor | None
+) -> None:
     if lora_a_RI.ndim != 2 or lora_b_OR.ndim != 2 or lora_b_OR.shape[1] != lora_a_RI.shape[0]:
         msg = (
             f"LoRA factors must be lora_a [R, I] and lora_b [O, R] with the same R; got lora_a "
@@ -113,7 +115,9 @@ def lora_param_names(module_name: str) -> tuple[str, str]:
     return f"{module_name}.lora_A.weight", f"{module_name}.lora_B.weight"
 
 
-def assert_lora_modules_reachable(lora_module_names: Iterable[str], state_dict_keys: Iterable[str]) -> None:
+def assert_lora_modules_reachable(
+    lora_module_names: Iterable[str], state_dict_keys: Iterable[str]
+) -> None:
     """Raise `LoRAMergeError` naming every LoRA module whose ``<name>.weight`` is not a key.
 
     A LoRA module whose base weight cannot be found would ship the bare base weight at refit: the

@@ -138,9 +138,14 @@ def calculate_kl(
     if kl_type not in ("k1", "k2", "k3"):
         msg = f"kl_type {kl_type!r} must be 'k1', 'k2' or 'k3'"
         raise ValueError(msg)
-    return kl_estimate(logprobs, logprobs_reference, kl_type=kl_type,  # type: ignore[arg-type]
-                       input_clamp=input_clamp_value, output_clamp=output_clamp_value,
-                       weights_BT=importance_sampling_weights)
+    return kl_estimate(
+        logprobs,
+        logprobs_reference,
+        kl_type=kl_type,  # type: ignore[arg-type]
+        input_clamp=input_clamp_value,
+        output_clamp=output_clamp_value,
+        weights_BT=importance_sampling_weights,
+    )
 
 
 # ---------------------------------------------------------------------- clipped policy gradient
@@ -211,16 +216,22 @@ class ClippedPGLossFn:
         kl = self._kl(x, global_valid_seqs, global_valid_toks)
         nll = self._positive_nll(x, data, global_valid_toks)
         loss = actor_loss + kl + self.cfg.positive_example_nll_weight * nll
-        metrics = mismatch_metrics(x.prev_BT, x.gen_BT, x.mask_BT,
-                                   kl_type=self.cfg.reference_policy_kl_type, gvt=global_valid_toks)
+        metrics = mismatch_metrics(
+            x.prev_BT,
+            x.gen_BT,
+            x.mask_BT,
+            kl_type=self.cfg.reference_policy_kl_type,
+            gvt=global_valid_toks,
+        )
         metrics |= ratio_metrics(ratios_BT, clamped_BT, x.mask_BT, global_valid_toks)
         metrics |= is_metrics
         beta = self.reference_policy_kl_penalty
         metrics |= {
             "loss": float(loss.detach()),
             "kl_penalty": float(kl.detach()) / beta if beta != 0 else 0.0,
-            "sampling_importance_ratio": self._sampling_ratio(x, weights, global_valid_seqs,
-                                                              global_valid_toks),
+            "sampling_importance_ratio": self._sampling_ratio(
+                x, weights, global_valid_seqs, global_valid_toks
+            ),
             "num_valid_samples": float(x.sample_mask_B.sum()),
             "approx_entropy": approx_entropy(x.curr_BT, x.gen_BT, x.mask_BT, global_valid_toks),
             "positive_nll_loss": float(nll.detach()),
@@ -268,19 +279,27 @@ class ClippedPGLossFn:
         finite_log_is_BT = torch.nan_to_num(log_is_BT, nan=0.0, posinf=0.0, neginf=0.0)
         seq_mean_B = rowwise_masked_mean(finite_log_is_BT, x.token_mask_BT)
         return truncate_importance_weights(
-            weights, kind=cfg.truncated_importance_sampling_type,
+            weights,
+            kind=cfg.truncated_importance_sampling_type,
             ratio_max=cfg.truncated_importance_sampling_ratio,
             ratio_min=cfg.truncated_importance_sampling_ratio_min,
-            seq_log_ratio_mean_B=seq_mean_B, mask_BT=x.mask_BT, sample_mask_B=x.sample_mask_B,
-            global_valid_toks=gvt, global_valid_seqs=gvs,
+            seq_log_ratio_mean_B=seq_mean_B,
+            mask_BT=x.mask_BT,
+            sample_mask_B=x.sample_mask_B,
+            global_valid_toks=gvt,
+            global_valid_seqs=gvs,
         )
 
-    def _reduce(self, x: "_PGInputs", values_BT: Tensor, gvs: Tensor | float,
-                gvt: Tensor | float) -> Tensor:
+    def _reduce(
+        self, x: "_PGInputs", values_BT: Tensor, gvs: Tensor | float, gvt: Tensor | float
+    ) -> Tensor:
         if self.loss_type == LossType.TOKEN_LEVEL:
             return masked_mean(values_BT, x.mask_BT, global_normalization_factor=gvt)
-        return masked_mean(rowwise_masked_mean(values_BT, x.token_mask_BT), x.sample_mask_B,
-                global_normalization_factor=gvs)
+        return masked_mean(
+            rowwise_masked_mean(values_BT, x.token_mask_BT),
+            x.sample_mask_B,
+            global_normalization_factor=gvs,
+        )
 
     def _kl(self, x: "_PGInputs", gvs: Tensor | float, gvt: Tensor | float) -> Tensor:
         beta = self.reference_policy_kl_penalty
@@ -291,15 +310,16 @@ class ClippedPGLossFn:
         sampler_BT = x.gen_BT if self.cfg.use_on_policy_kl_approximation else curr_BT.detach()
         weights_BT = torch.nan_to_num(torch.exp(curr_BT - sampler_BT), 0.0, 0.0, 0.0)
         kl_BT = beta * kl_estimate(
-            curr_BT, x.ref_BT, kl_type=self.cfg.reference_policy_kl_type,
+            curr_BT,
+            x.ref_BT,
+            kl_type=self.cfg.reference_policy_kl_type,
             input_clamp=self.cfg.kl_input_clamp_value,
-            output_clamp=self.cfg.kl_output_clamp_value, weights_BT=weights_BT,
+            output_clamp=self.cfg.kl_output_clamp_value,
+            weights_BT=weights_BT,
         )
         return self._reduce(x, kl_BT, gvs, gvt)
 
-    def _positive_nll(
-        self, x: "_PGInputs", data: Mapping[str, Any], gvt: Tensor | float
-    ) -> Tensor:
+    def _positive_nll(self, x: "_PGInputs", data: Mapping[str, Any], gvt: Tensor | float) -> Tensor:
         """VAPO term: NLL on rows whose reward is > 0, divided by ``global_valid_toks``."""
         if self.cfg.positive_example_nll_weight == 0:
             return torch.zeros((), dtype=x.curr_BT.dtype, device=x.curr_BT.device)
@@ -308,11 +328,15 @@ class ClippedPGLossFn:
         correct_BT = x.mask_BT * (rewards_B.reshape(-1) > 0).to(x.mask_BT.dtype)[:, None]
         return masked_mean(-x.curr_BT, correct_BT, global_normalization_factor=gvt)
 
-    def _sampling_ratio(self, x: "_PGInputs", weights: Tensor, gvs: Tensor | float,
-                        gvt: Tensor | float) -> float:
+    def _sampling_ratio(
+        self, x: "_PGInputs", weights: Tensor, gvs: Tensor | float, gvt: Tensor | float
+    ) -> float:
         if self.cfg.sequence_level_importance_ratios:
-            return float(masked_mean(weights[:, 0].detach(), x.sample_mask_B,
-                    global_normalization_factor=gvs))
+            return float(
+                masked_mean(
+                    weights[:, 0].detach(), x.sample_mask_B, global_normalization_factor=gvs
+                )
+            )
         return float(masked_mean(weights.detach(), x.mask_BT, global_normalization_factor=gvt))
 
 
@@ -350,15 +374,24 @@ class _PGInputs:
             if "curr_logprobs_unfiltered" in data:
                 unfiltered_BT = require_tensor(data, "curr_logprobs_unfiltered", owner)
                 if unfiltered_BT.shape != curr_BT.shape:
-                    msg = (f"{owner}: data['curr_logprobs_unfiltered'] has shape "
-                           f"{tuple(unfiltered_BT.shape)}, expected {tuple(curr_BT.shape)} "
-                           f"(the shape of next_token_logprobs)")
+                    msg = (
+                        f"{owner}: data['curr_logprobs_unfiltered'] has shape "
+                        f"{tuple(unfiltered_BT.shape)}, expected {tuple(curr_BT.shape)} "
+                        f"(the shape of next_token_logprobs)"
+                    )
                     raise ValueError(msg)
                 curr_unf_BT = sanitize(unfiltered_BT.to(curr_BT.dtype), keep_BT)
-        return cls(curr_BT=curr_BT, prev_BT=prev_BT, gen_BT=per_token("generation_logprobs"),
-                   advantages_BT=per_token("advantages"), token_mask_BT=token_mask_BT,
-                   sample_mask_B=sample_mask_B, mask_BT=mask_BT, ref_BT=ref_BT,
-                   curr_unfiltered_BT=curr_unf_BT)
+        return cls(
+            curr_BT=curr_BT,
+            prev_BT=prev_BT,
+            gen_BT=per_token("generation_logprobs"),
+            advantages_BT=per_token("advantages"),
+            token_mask_BT=token_mask_BT,
+            sample_mask_B=sample_mask_B,
+            mask_BT=mask_BT,
+            ref_BT=ref_BT,
+            curr_unfiltered_BT=curr_unf_BT,
+        )
 
 
 # ----------------------------------------------------------------------------------------- DPO
@@ -407,8 +440,10 @@ class DPOLossFn:
         owner, cfg = "DPOLossFn", self.cfg
         lp_BT = logprobs_input(inputs, owner)
         if lp_BT.shape[0] % 2 != 0:
-            msg = (f"{owner}: batch has {lp_BT.shape[0]} rows; DPO rows are (chosen, rejected) "
-                   f"pairs, so a microbatch must hold an even number of rows")
+            msg = (
+                f"{owner}: batch has {lp_BT.shape[0]} rows; DPO rows are (chosen, rejected) "
+                f"pairs, so a microbatch must hold an even number of rows"
+            )
             raise ValueError(msg)
         _, sample_mask_B, mask_BT = masks_from_data(data, lp_BT, owner)
         ref_BT = next_token_slice(data, "reference_policy_logprobs", lp_BT, owner)
@@ -416,8 +451,9 @@ class DPOLossFn:
         pairs = global_valid_seqs / 2
         chosen_mask, rejected_mask = sample_mask_B[0::2], sample_mask_B[1::2]
         r_chosen, r_rejected = rewards_B[0::2], rewards_B[1::2]
-        per_pair = -torch.nn.functional.logsigmoid(cfg.reference_policy_kl_penalty
-                                                    * (r_chosen - r_rejected))
+        per_pair = -torch.nn.functional.logsigmoid(
+            cfg.reference_policy_kl_penalty * (r_chosen - r_rejected)
+        )
         preference = masked_mean(per_pair, chosen_mask, global_normalization_factor=pairs)
         sft = masked_mean(sft_B[0::2], chosen_mask, global_normalization_factor=pairs)
         loss = cfg.preference_loss_weight * preference + cfg.sft_loss_weight * sft
@@ -426,12 +462,19 @@ class DPOLossFn:
                 "loss": float(loss.detach()),
                 "sft_loss": float(sft.detach()),
                 "preference_loss": float(preference.detach()),
-                "accuracy": float(masked_mean((r_chosen > r_rejected).to(lp_BT.dtype),
-                                              chosen_mask, global_normalization_factor=pairs)),
-                "rewards_chosen_mean": float(masked_mean(r_chosen, chosen_mask,
-                        global_normalization_factor=pairs)),
-                "rewards_rejected_mean": float(masked_mean(r_rejected, rejected_mask,
-                        global_normalization_factor=pairs)),
+                "accuracy": float(
+                    masked_mean(
+                        (r_chosen > r_rejected).to(lp_BT.dtype),
+                        chosen_mask,
+                        global_normalization_factor=pairs,
+                    )
+                ),
+                "rewards_chosen_mean": float(
+                    masked_mean(r_chosen, chosen_mask, global_normalization_factor=pairs)
+                ),
+                "rewards_rejected_mean": float(
+                    masked_mean(r_rejected, rejected_mask, global_normalization_factor=pairs)
+                ),
                 "num_valid_samples": float(sample_mask_B.sum()) / 2,
             }
 

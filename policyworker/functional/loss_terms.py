@@ -149,8 +149,9 @@ def truncate_importance_weights(
             assert ratio_min is not None
             geo_mean_B = torch.exp(seq_log_ratio_mean_B)
             kept_B = ((geo_mean_B >= ratio_min) & (geo_mean_B <= ratio_max)).to(weights.dtype)
-            oob = masked_mean(1.0 - kept_B, sample_mask_B,
-                    global_normalization_factor=global_valid_seqs)
+            oob = masked_mean(
+                1.0 - kept_B, sample_mask_B, global_normalization_factor=global_valid_seqs
+            )
             return weights * kept_B[:, None], {"is_oob_ratio": float(oob)}
         low = 0.0 if ratio_min is None else ratio_min
         kept = (weights >= low) & (weights <= ratio_max)
@@ -240,19 +241,26 @@ def mismatch_metrics(
     """Trainer-vs-sampler mismatch: token_mult_prob_error, gen/policy KL, JS divergence."""
     with torch.no_grad():
         prev_BT = prev_BT.detach()
-        gen_kl_BT = kl_estimate(gen_BT, prev_BT, kl_type=kl_type, input_clamp=None,
-                                output_clamp=None)
-        policy_kl_BT = kl_estimate(prev_BT, gen_BT, kl_type=kl_type, input_clamp=None,
-                                   output_clamp=None)
+        gen_kl_BT = kl_estimate(
+            gen_BT, prev_BT, kl_type=kl_type, input_clamp=None, output_clamp=None
+        )
+        policy_kl_BT = kl_estimate(
+            prev_BT, gen_BT, kl_type=kl_type, input_clamp=None, output_clamp=None
+        )
         mult_BT = torch.exp((gen_BT - prev_BT).abs() * mask_BT)
         return {
-            "token_mult_prob_error": float(masked_mean(mult_BT, mask_BT,
-                    global_normalization_factor=gvt)),
+            "token_mult_prob_error": float(
+                masked_mean(mult_BT, mask_BT, global_normalization_factor=gvt)
+            ),
             "gen_kl_error": float(masked_mean(gen_kl_BT, mask_BT, global_normalization_factor=gvt)),
-            "policy_kl_error": float(masked_mean(policy_kl_BT, mask_BT,
-                    global_normalization_factor=gvt)),
-            "js_divergence_error": float(masked_mean(js_divergence(prev_BT, gen_BT), mask_BT,
-                    global_normalization_factor=gvt)),
+            "policy_kl_error": float(
+                masked_mean(policy_kl_BT, mask_BT, global_normalization_factor=gvt)
+            ),
+            "js_divergence_error": float(
+                masked_mean(
+                    js_divergence(prev_BT, gen_BT), mask_BT, global_normalization_factor=gvt
+                )
+            ),
         }
 
 
@@ -264,10 +272,12 @@ def ratio_metrics(
         r_min, r_max = masked_extremes(ratios_BT, mask_BT)
         c_min, c_max = masked_extremes(clamped_BT, mask_BT)
         return {
-            "probs_ratio": float(masked_mean(ratios_BT.detach(), mask_BT,
-                    global_normalization_factor=gvt)),
-            "probs_ratio_clamped": float(masked_mean(clamped_BT.detach(), mask_BT,
-                    global_normalization_factor=gvt)),
+            "probs_ratio": float(
+                masked_mean(ratios_BT.detach(), mask_BT, global_normalization_factor=gvt)
+            ),
+            "probs_ratio_clamped": float(
+                masked_mean(clamped_BT.detach(), mask_BT, global_normalization_factor=gvt)
+            ),
             "probs_ratio_min": r_min,
             "probs_ratio_max": r_max,
             "probs_ratio_clamped_min": c_min,
@@ -279,17 +289,29 @@ def approx_entropy(curr_BT: Tensor, gen_BT: Tensor, mask_BT: Tensor, gvt: Tensor
     """E_gen[−(π_curr/π_gen) log π_curr]: an entropy estimate from sampled-token logprobs only."""
     with torch.no_grad():
         curr_BT = curr_BT.detach()
-        return float(-masked_mean(torch.exp(curr_BT - gen_BT) * curr_BT, mask_BT,
-                global_normalization_factor=gvt))
+        return float(
+            -masked_mean(
+                torch.exp(curr_BT - gen_BT) * curr_BT, mask_BT, global_normalization_factor=gvt
+            )
+        )
 
 
 # ------------------------------------------------------------------------------ loss configs
 
-_DPO_TRAINER_KEYS = frozenset({
-    # NeMo-RL hands its whole `dpo:` section to DPOLossFn; these keys belong to the trainer.
-    "max_num_epochs", "max_num_steps", "val_period", "val_batches", "val_global_batch_size",
-    "val_micro_batch_size", "val_at_start", "val_at_end", "seed",
-})
+_DPO_TRAINER_KEYS = frozenset(
+    {
+        # NeMo-RL hands its whole `dpo:` section to DPOLossFn; these keys belong to the trainer.
+        "max_num_epochs",
+        "max_num_steps",
+        "val_period",
+        "val_batches",
+        "val_global_batch_size",
+        "val_micro_batch_size",
+        "val_at_start",
+        "val_at_end",
+        "seed",
+    }
+)
 
 
 def config_mapping(cfg: Any, owner: str) -> Mapping[str, Any]:
@@ -309,8 +331,10 @@ def config_mapping(cfg: Any, owner: str) -> Mapping[str, Any]:
             return dumped  # pyright: ignore[reportUnknownVariableType]
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    msg = (f"{owner} config must be a mapping, an attrs/dataclass instance or a pydantic model "
-           f"with its keys, got {type(cfg).__name__}; pass e.g. {owner}({{...}})")
+    msg = (
+        f"{owner} config must be a mapping, an attrs/dataclass instance or a pydantic model "
+        f"with its keys, got {type(cfg).__name__}; pass e.g. {owner}({{...}})"
+    )
     raise ValueError(msg)
 
 
@@ -327,8 +351,9 @@ def read_config_mapping(
         if key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.75)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            problems.append(f"unknown key {key!r} ({hint}accepted keys: {sorted(fields)}) "
-                            f"@ {section}.{key}")
+            problems.append(
+                f"unknown key {key!r} ({hint}accepted keys: {sorted(fields)}) @ {section}.{key}"
+            )
             continue
         kind = fields[key].metadata["kind"]
         if not _has_kind(value, kind):
@@ -396,55 +421,85 @@ class ClippedPGConfig:
         missing keys take the defaults."""
         if isinstance(cfg, cls):
             return cfg
-        values = read_config_mapping(config_mapping(cfg, "ClippedPGLossFn"), cls,
-                                     section="loss_fn")
+        values = read_config_mapping(config_mapping(cfg, "ClippedPGLossFn"), cls, section="loss_fn")
         if values.get("truncated_importance_sampling_ratio") is not None:
             values.setdefault("truncated_importance_sampling_type", "tis")
         return cls(**values)
 
     def __attrs_post_init__(self) -> None:
         p: list[str] = []
-        _check(p, self.reference_policy_kl_type in ("k1", "k2", "k3"),
-               f"reference_policy_kl_type must be 'k1', 'k2' or 'k3', got "
-               f"{self.reference_policy_kl_type!r} @ loss_fn.reference_policy_kl_type")
-        _check(p, self.ratio_clip_c is None or self.ratio_clip_c > 1,
-               f"ratio_clip_c (dual clip) must be > 1 or null, got {self.ratio_clip_c}; "
-               f"3 is the usual value @ loss_fn.ratio_clip_c")
-        _check(p, not (self.sequence_level_importance_ratios and self.token_level_loss),
-               "sequence_level_importance_ratios (GSPO) needs a sequence-level loss; set "
-               "token_level_loss: false @ loss_fn.sequence_level_importance_ratios")
-        _check(p, self.positive_example_nll_weight >= 0,
-               f"positive_example_nll_weight must be >= 0, got {self.positive_example_nll_weight} "
-               f"@ loss_fn.positive_example_nll_weight")
+        _check(
+            p,
+            self.reference_policy_kl_type in ("k1", "k2", "k3"),
+            f"reference_policy_kl_type must be 'k1', 'k2' or 'k3', got "
+            f"{self.reference_policy_kl_type!r} @ loss_fn.reference_policy_kl_type",
+        )
+        _check(
+            p,
+            self.ratio_clip_c is None or self.ratio_clip_c > 1,
+            f"ratio_clip_c (dual clip) must be > 1 or null, got {self.ratio_clip_c}; "
+            f"3 is the usual value @ loss_fn.ratio_clip_c",
+        )
+        _check(
+            p,
+            not (self.sequence_level_importance_ratios and self.token_level_loss),
+            "sequence_level_importance_ratios (GSPO) needs a sequence-level loss; set "
+            "token_level_loss: false @ loss_fn.sequence_level_importance_ratios",
+        )
+        _check(
+            p,
+            self.positive_example_nll_weight >= 0,
+            f"positive_example_nll_weight must be >= 0, got {self.positive_example_nll_weight} "
+            f"@ loss_fn.positive_example_nll_weight",
+        )
         p += self._truncation_problems() + self._cispo_problems()
         if p:
             raise ConfigError("\n".join(p))
 
     def _truncation_problems(self) -> list[str]:
-        kind, hi, lo = (self.truncated_importance_sampling_type,
-                        self.truncated_importance_sampling_ratio,
-                        self.truncated_importance_sampling_ratio_min)
+        kind, hi, lo = (
+            self.truncated_importance_sampling_type,
+            self.truncated_importance_sampling_ratio,
+            self.truncated_importance_sampling_ratio_min,
+        )
         if kind is None:
             return []
         at, p = "@ loss_fn.truncated_importance_sampling_", list[str]()
-        _check(p, kind in ("tis", "icepop", "seq-mask-tis"),
-               f"truncated_importance_sampling_type must be 'tis', 'icepop' or 'seq-mask-tis', "
-               f"got {kind!r} {at}type")
-        _check(p, self.use_importance_sampling_correction,
-               f"truncated importance sampling ({kind}) needs use_importance_sampling_correction: "
-               f"true {at}type")
-        _check(p, hi is not None and hi > 0,
-               f"truncated_importance_sampling_ratio must be a positive number when a "
-               f"truncation type is set, got {hi} {at}ratio")
-        _check(p, lo is None or hi is None or lo <= hi,
-               f"truncated_importance_sampling_ratio_min ({lo}) must be <= "
-               f"truncated_importance_sampling_ratio ({hi}) {at}ratio_min")
-        _check(p, kind == "tis" or lo is not None,
-               f"truncation type {kind!r} needs truncated_importance_sampling_ratio_min "
-               f"{at}ratio_min")
-        _check(p, not (kind == "seq-mask-tis" and self.sequence_level_importance_ratios),
-               f"seq-mask-tis uses token-level weights; it cannot be combined with "
-               f"sequence_level_importance_ratios: true {at}type")
+        _check(
+            p,
+            kind in ("tis", "icepop", "seq-mask-tis"),
+            f"truncated_importance_sampling_type must be 'tis', 'icepop' or 'seq-mask-tis', "
+            f"got {kind!r} {at}type",
+        )
+        _check(
+            p,
+            self.use_importance_sampling_correction,
+            f"truncated importance sampling ({kind}) needs use_importance_sampling_correction: "
+            f"true {at}type",
+        )
+        _check(
+            p,
+            hi is not None and hi > 0,
+            f"truncated_importance_sampling_ratio must be a positive number when a "
+            f"truncation type is set, got {hi} {at}ratio",
+        )
+        _check(
+            p,
+            lo is None or hi is None or lo <= hi,
+            f"truncated_importance_sampling_ratio_min ({lo}) must be <= "
+            f"truncated_importance_sampling_ratio ({hi}) {at}ratio_min",
+        )
+        _check(
+            p,
+            kind == "tis" or lo is not None,
+            f"truncation type {kind!r} needs truncated_importance_sampling_ratio_min {at}ratio_min",
+        )
+        _check(
+            p,
+            not (kind == "seq-mask-tis" and self.sequence_level_importance_ratios),
+            f"seq-mask-tis uses token-level weights; it cannot be combined with "
+            f"sequence_level_importance_ratios: true {at}type",
+        )
         return p
 
     def _cispo_problems(self) -> list[str]:
@@ -459,7 +514,8 @@ class ClippedPGConfig:
         }
         return [
             f"use_cispo cannot be combined with {name}; turn one of them off @ loss_fn.use_cispo"
-            for name, active in conflicts.items() if active
+            for name, active in conflicts.items()
+            if active
         ]
 
 
@@ -482,5 +538,8 @@ class DPOConfig:
         defaults."""
         if isinstance(cfg, cls):
             return cfg
-        return cls(**read_config_mapping(config_mapping(cfg, "DPOLossFn"), cls, section="dpo",
-                                         ignored=_DPO_TRAINER_KEYS))
+        return cls(
+            **read_config_mapping(
+                config_mapping(cfg, "DPOLossFn"), cls, section="dpo", ignored=_DPO_TRAINER_KEYS
+            )
+        )

@@ -48,13 +48,18 @@ def scale_microbatch_metrics(
         ValueError: if ``num_global_batches`` is not a positive int.
     """
     # the annotation is a promise; this value comes from a user's config
-    if isinstance(num_global_batches, bool) or not isinstance(num_global_batches, int) or (  # pyright: ignore[reportUnnecessaryIsInstance]
-        num_global_batches < 1
+    if (
+        isinstance(num_global_batches, bool)
+        or not isinstance(num_global_batches, int)
+        or (  # pyright: ignore[reportUnnecessaryIsInstance]
+            num_global_batches < 1
+        )
     ):
         msg = f"num_global_batches must be a positive int, got {num_global_batches!r}"
         raise ValueError(msg)
     return {
-        key: float(value) if metric_reduction(key) in ("min", "max")
+        key: float(value)
+        if metric_reduction(key) in ("min", "max")
         else float(value) / num_global_batches
         for key, value in metrics.items()
     }

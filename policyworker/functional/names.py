@@ -75,8 +75,10 @@ class CheckpointPiece:
             ValueError: ``source`` is not contiguous (the strides are those of a contiguous one).
         """
         if not source.is_contiguous():
-            msg = (f"checkpoint piece {self.name!r} needs a contiguous source tensor (got strides "
-                   f"{source.stride()}); call .contiguous() first")
+            msg = (
+                f"checkpoint piece {self.name!r} needs a contiguous source tensor (got strides "
+                f"{source.stride()}); call .contiguous() first"
+            )
             raise ValueError(msg)
         return source.as_strided(self.shape, self.stride, source.storage_offset() + self.offset)
 
@@ -87,8 +89,9 @@ def whole_piece(name: str, shape: Sequence[int]) -> CheckpointPiece:
     return CheckpointPiece(name, shape, contiguous_strides(shape), 0)
 
 
-def check_pieces(source_name: str, source_shape: Sequence[int],
-                 pieces: Sequence[CheckpointPiece]) -> None:
+def check_pieces(
+    source_name: str, source_shape: Sequence[int], pieces: Sequence[CheckpointPiece]
+) -> None:
     """Raise ValueError unless ``pieces`` lie inside the source and hold as many elements.
 
     Together with distinct element sets (which the caller's derivation guarantees: they are
@@ -102,27 +105,35 @@ def check_pieces(source_name: str, source_shape: Sequence[int],
         reach = sum((n - 1) * st for n, st in zip(piece.shape, piece.stride, strict=True))
         last = piece.offset + reach
         if piece.numel and (piece.offset < 0 or last >= numel or min(piece.stride, default=0) < 0):
-            msg = (f"checkpoint piece {piece.name!r} (shape {list(piece.shape)}, stride "
-                   f"{list(piece.stride)}, offset {piece.offset}) reaches outside {source_name!r} "
-                   f"of shape {list(source_shape)}")
+            msg = (
+                f"checkpoint piece {piece.name!r} (shape {list(piece.shape)}, stride "
+                f"{list(piece.stride)}, offset {piece.offset}) reaches outside {source_name!r} "
+                f"of shape {list(source_shape)}"
+            )
             raise ValueError(msg)
     total = sum(p.numel for p in pieces)
     if total != numel:
-        msg = (f"the checkpoint pieces of {source_name!r} hold {total} elements, the tensor has "
-               f"{numel}: its checkpoint conversion drops or repeats elements; refit cannot "
-               f"stream it as views")
+        msg = (
+            f"the checkpoint pieces of {source_name!r} hold {total} elements, the tensor has "
+            f"{numel}: its checkpoint conversion drops or repeats elements; refit cannot "
+            f"stream it as views"
+        )
         raise ValueError(msg)
 
 
-def to_checkpoint(source: torch.Tensor,
-                  pieces: Sequence[CheckpointPiece]) -> list[tuple[str, torch.Tensor]]:
+def to_checkpoint(
+    source: torch.Tensor, pieces: Sequence[CheckpointPiece]
+) -> list[tuple[str, torch.Tensor]]:
     """``(checkpoint name, view)`` of each piece of ``source`` (no copy when it is contiguous)."""
     source = source.contiguous()
     return [(piece.name, piece.view_of(source)) for piece in pieces]
 
 
-def from_checkpoint(source_shape: Sequence[int], pieces: Sequence[CheckpointPiece],
-                    tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def from_checkpoint(
+    source_shape: Sequence[int],
+    pieces: Sequence[CheckpointPiece],
+    tensors: Mapping[str, torch.Tensor],
+) -> torch.Tensor:
     """The in-memory tensor rebuilt from its checkpoint tensors (inverse of ``to_checkpoint``).
 
     Raises:
@@ -137,8 +148,10 @@ def from_checkpoint(source_shape: Sequence[int], pieces: Sequence[CheckpointPiec
     for piece in pieces:
         given = tensors[piece.name]
         if tuple(given.shape) != piece.shape:
-            msg = (f"checkpoint tensor {piece.name!r} has shape {list(given.shape)}, its piece "
-                   f"says {list(piece.shape)}")
+            msg = (
+                f"checkpoint tensor {piece.name!r} has shape {list(given.shape)}, its piece "
+                f"says {list(piece.shape)}"
+            )
             raise ValueError(msg)
         piece.view_of(out).copy_(given)
     return out
@@ -156,8 +169,10 @@ def pieces_by_checkpoint_name(
     for source, pieces in layout.items():
         for piece in pieces:
             if piece.name in out:
-                msg = (f"checkpoint name {piece.name!r} comes from both {out[piece.name][0]!r} and "
-                       f"{source!r}; a checkpoint name must have one source")
+                msg = (
+                    f"checkpoint name {piece.name!r} comes from both {out[piece.name][0]!r} and "
+                    f"{source!r}; a checkpoint name must have one source"
+                )
                 raise ValueError(msg)
             out[piece.name] = (source, piece)
     return out

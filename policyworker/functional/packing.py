@@ -45,7 +45,6 @@ PackingAlgorithm = Literal[
 _ALGORITHMS: tuple[str, ...] = get_args(PackingAlgorithm)
 
 
-
 def int_list(values: Sequence[int] | torch.Tensor) -> list[int]:
     """Python ints of a 1-D tensor (one host sync) or of a sequence."""
     if isinstance(values, torch.Tensor):
@@ -54,17 +53,20 @@ def int_list(values: Sequence[int] | torch.Tensor) -> list[int]:
         return [int(v) for v in as_list]
     return [int(v) for v in values]
 
+
 def _check_lengths(lengths_B: torch.Tensor, seq_len: int | None = None) -> None:
     if lengths_B.ndim != 1 or lengths_B.dtype.is_floating_point or lengths_B.dtype == torch.bool:
         raise ValueError(
             f"lengths_B must be a 1-D integer tensor, got shape {tuple(lengths_B.shape)} and dtype "
-            f"{lengths_B.dtype}; pass one integer length per row")
+            f"{lengths_B.dtype}; pass one integer length per row"
+        )
     if lengths_B.numel() and int(lengths_B.min()) < 0:
         raise ValueError(f"lengths_B must be >= 0, got min {int(lengths_B.min())}")
     if seq_len is not None and lengths_B.numel() and int(lengths_B.max()) > seq_len:
         raise ValueError(
             f"lengths_B must be <= the sequence width {seq_len}, got max {int(lengths_B.max())}; "
-            "fix the lengths or widen the batch")
+            "fix the lengths or widen the batch"
+        )
 
 
 def cu_seqlens_from_lengths(lengths_B: torch.Tensor) -> torch.Tensor:
@@ -82,15 +84,17 @@ def pack(x_BS: torch.Tensor, lengths_B: torch.Tensor) -> tuple[torch.Tensor, tor
     if lengths_B.shape != (x_BS.shape[0],):
         raise ValueError(
             f"lengths_B must have shape [{x_BS.shape[0]}] (one per row of x_BS "
-            f"{tuple(x_BS.shape)}), got {tuple(lengths_B.shape)}")
+            f"{tuple(x_BS.shape)}), got {tuple(lengths_B.shape)}"
+        )
     _check_lengths(lengths_B, x_BS.shape[1])
     positions_S = torch.arange(x_BS.shape[1], device=x_BS.device)
     mask_BS = positions_S[None, :] < lengths_B.to(x_BS.device)[:, None]
     return x_BS[mask_BS], cu_seqlens_from_lengths(lengths_B)
 
 
-def unpack(x_N: torch.Tensor, cu_seqlens: torch.Tensor, *, seq_len: int, pad_value: float | int = 0
-           ) -> torch.Tensor:
+def unpack(
+    x_N: torch.Tensor, cu_seqlens: torch.Tensor, *, seq_len: int, pad_value: float | int = 0
+) -> torch.Tensor:
     """Inverse of :func:`pack`: ``[N, ...] -> [B, seq_len, ...]``, right-padded with pad_value."""
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1 or int(cu_seqlens[0]) != 0:
         raise ValueError(f"cu_seqlens must be 1-D and start at 0, got {int_list(cu_seqlens)}")
@@ -99,9 +103,11 @@ def unpack(x_N: torch.Tensor, cu_seqlens: torch.Tensor, *, seq_len: int, pad_val
     if x_N.ndim < 1 or x_N.shape[0] != int(cu_seqlens[-1]):
         raise ValueError(
             f"x_N has {x_N.shape[0] if x_N.ndim else 0} packed entries but cu_seqlens[-1] is "
-            f"{int(cu_seqlens[-1])}; pass the cu_seqlens that pack() returned with this tensor")
-    out = torch.full((lengths_B.shape[0], seq_len, *x_N.shape[1:]), pad_value, dtype=x_N.dtype,
-                     device=x_N.device)
+            f"{int(cu_seqlens[-1])}; pass the cu_seqlens that pack() returned with this tensor"
+        )
+    out = torch.full(
+        (lengths_B.shape[0], seq_len, *x_N.shape[1:]), pad_value, dtype=x_N.dtype, device=x_N.device
+    )
     mask_BS = torch.arange(seq_len, device=x_N.device)[None, :] < lengths_B.to(x_N.device)[:, None]
     out[mask_BS] = x_N
     return out
@@ -158,8 +164,9 @@ def pack_into_bins(
     return _split_until_count(bins, sizes, min_bin_count, bin_count_multiple)
 
 
-def packing_efficiency(bins: Sequence[Sequence[int]], lengths: Sequence[int] | torch.Tensor,
-                       capacity: int) -> float:
+def packing_efficiency(
+    bins: Sequence[Sequence[int]], lengths: Sequence[int] | torch.Tensor, capacity: int
+) -> float:
     """Real tokens over bin slots: ``sum(lengths in bins) / (len(bins) * capacity)``."""
     sizes = int_list(lengths)
     if not bins:
@@ -167,8 +174,9 @@ def packing_efficiency(bins: Sequence[Sequence[int]], lengths: Sequence[int] | t
     return sum(sizes[i] for b in bins for i in b) / (len(bins) * capacity)
 
 
-def _check_bin_arguments(sizes: list[int], capacity: int, algorithm: str, min_bin_count: int,
-                         bin_count_multiple: int) -> None:
+def _check_bin_arguments(
+    sizes: list[int], capacity: int, algorithm: str, min_bin_count: int, bin_count_multiple: int
+) -> None:
     if algorithm not in _ALGORITHMS:
         raise ValueError(f"algorithm must be one of {list(_ALGORITHMS)}, got {algorithm!r}")
     if capacity < 1:
@@ -176,13 +184,15 @@ def _check_bin_arguments(sizes: list[int], capacity: int, algorithm: str, min_bi
     if min_bin_count < 1 or bin_count_multiple < 1:
         raise ValueError(
             f"min_bin_count and bin_count_multiple must be >= 1, got {min_bin_count} and "
-            f"{bin_count_multiple}")
+            f"{bin_count_multiple}"
+        )
     for index, size in enumerate(sizes):
         if size < 0 or size > capacity:
             raise ValueError(
                 f"sequence {index} has length {size}, outside [0, capacity={capacity}]; raise the "
                 "bin capacity (max_tokens_per_microbatch) to at least the longest sequence or "
-                "truncate that sequence")
+                "truncate that sequence"
+            )
 
 
 def _target_count(count: int, min_bin_count: int, bin_count_multiple: int) -> int:
@@ -195,8 +205,9 @@ def _decreasing(sizes: list[int]) -> list[int]:
     return sorted(range(len(sizes)), key=lambda i: -sizes[i])
 
 
-def _first_fit(sizes: list[int], order: list[int], capacity: int, bins: list[list[int]]
-               ) -> list[list[int]]:
+def _first_fit(
+    sizes: list[int], order: list[int], capacity: int, bins: list[list[int]]
+) -> list[list[int]]:
     """Put each index into the first bin with room (extending ``bins``), else open a new bin."""
     loads = [sum(sizes[i] for i in b) for b in bins]
     for i in order:
@@ -258,15 +269,17 @@ def _modified_first_fit_decreasing(sizes: list[int], capacity: int) -> list[list
     return _first_fit(sizes, [i for i in order if i not in placed], capacity, bins)
 
 
-def _split_until_count(bins: list[list[int]], sizes: list[int], min_bin_count: int,
-                       bin_count_multiple: int) -> list[list[int]]:
+def _split_until_count(
+    bins: list[list[int]], sizes: list[int], min_bin_count: int, bin_count_multiple: int
+) -> list[list[int]]:
     target = _target_count(len(bins), min_bin_count, bin_count_multiple)
     if target > len(sizes):
         raise ValueError(
             f"cannot make {target} bins (min_bin_count={min_bin_count}, bin_count_multiple="
             f"{bin_count_multiple}, {len(bins)} bins after packing) from {len(sizes)} sequences: "
             "every bin needs at least one sequence; pass more sequences or lower "
-            "min_bin_count/bin_count_multiple")
+            "min_bin_count/bin_count_multiple"
+        )
     bins = [list(b) for b in bins]
     while len(bins) < target:
         splittable = [b for b in range(len(bins)) if len(bins[b]) > 1]

@@ -20,15 +20,18 @@ __all__ = [
 def _check_lengths(lengths_B: torch.Tensor, seq_len: int, *, what: str = "lengths_B") -> None:
     if lengths_B.ndim != 1:
         raise ValueError(
-            f"{what} must be 1-D [B], got shape {tuple(lengths_B.shape)}; pass one length per row")
+            f"{what} must be 1-D [B], got shape {tuple(lengths_B.shape)}; pass one length per row"
+        )
     if lengths_B.dtype.is_floating_point or lengths_B.dtype == torch.bool:
         raise ValueError(
-            f"{what} must hold integers, got dtype {lengths_B.dtype}; cast with .long()")
+            f"{what} must hold integers, got dtype {lengths_B.dtype}; cast with .long()"
+        )
     if lengths_B.numel() and (int(lengths_B.min()) < 0 or int(lengths_B.max()) > seq_len):
         raise ValueError(
             f"{what} must lie in [0, {seq_len}] (the sequence width), got min "
             f"{int(lengths_B.min())} and max {int(lengths_B.max())}; fix the lengths or widen "
-            "the batch")
+            "the batch"
+        )
 
 
 def mask_from_lengths(lengths_B: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -66,8 +69,9 @@ def position_ids_from_lengths(
     return torch.where(inside_BS, positions_BS, torch.zeros_like(positions_BS))
 
 
-def _shift_rows(x_BS: torch.Tensor, shift_B: torch.Tensor, keep_BS: torch.Tensor,
-                pad_value: float | int) -> torch.Tensor:
+def _shift_rows(
+    x_BS: torch.Tensor, shift_B: torch.Tensor, keep_BS: torch.Tensor, pad_value: float | int
+) -> torch.Tensor:
     """Row b's element at s moves to ``(s + shift_B[b]) mod S``; entries not kept become pad."""
     S = x_BS.shape[1]
     source_BS = (torch.arange(S, device=x_BS.device)[None, :] - shift_B[:, None]) % S
@@ -77,8 +81,9 @@ def _shift_rows(x_BS: torch.Tensor, shift_B: torch.Tensor, keep_BS: torch.Tensor
     return torch.where(keep, moved, torch.full_like(moved, pad_value))
 
 
-def right_to_left_pad(x_BS: torch.Tensor, lengths_B: torch.Tensor, pad_value: float | int = 0
-                      ) -> torch.Tensor:
+def right_to_left_pad(
+    x_BS: torch.Tensor, lengths_B: torch.Tensor, pad_value: float | int = 0
+) -> torch.Tensor:
     """Move each row's first ``len_b`` entries to the end of the row; pad the front.
 
     Works on ``[B, S]`` and ``[B, S, ...]``; returns a new tensor.
@@ -95,8 +100,9 @@ def right_to_left_pad(x_BS: torch.Tensor, lengths_B: torch.Tensor, pad_value: fl
     return _shift_rows(x_BS, S - lengths_B, keep_BS, pad_value)
 
 
-def left_to_right_pad(x_BS: torch.Tensor, lengths_B: torch.Tensor, pad_value: float | int = 0
-                      ) -> torch.Tensor:
+def left_to_right_pad(
+    x_BS: torch.Tensor, lengths_B: torch.Tensor, pad_value: float | int = 0
+) -> torch.Tensor:
     """Move each row's last ``len_b`` entries to the front of the row; pad the end.
 
     The inverse of :func:`right_to_left_pad` on the real tokens.

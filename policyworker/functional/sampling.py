@@ -28,8 +28,9 @@ class Sampling:
         """The settings of a `GenerationConfig` (None: plain softmax at temperature 1)."""
         if generation is None:
             return cls()
-        return cls(temperature=generation.temperature, top_k=generation.top_k,
-                   top_p=generation.top_p)
+        return cls(
+            temperature=generation.temperature, top_k=generation.top_k, top_p=generation.top_p
+        )
 
     @property
     def filters_active(self) -> bool:

@@ -22,8 +22,12 @@ def mask_within_lengths(token_mask_BS: torch.Tensor, lengths_B: torch.Tensor) ->
     return torch.where(in_len_BS, token_mask_BS, torch.zeros_like(token_mask_BS))
 
 
-def counted_tokens(lengths_B: torch.Tensor, seq_len: int, token_mask_BS: torch.Tensor | None,
-                   sample_mask_B: torch.Tensor | None) -> torch.Tensor:
+def counted_tokens(
+    lengths_B: torch.Tensor,
+    seq_len: int,
+    token_mask_BS: torch.Tensor | None,
+    sample_mask_B: torch.Tensor | None,
+) -> torch.Tensor:
     """bool [B, seq_len]: the tokens that count (inside the length, token and sample masks)."""
     valid_BS = mask_from_lengths(lengths_B.to(torch.int64), seq_len).to(lengths_B.device)
     if token_mask_BS is not None:
@@ -33,8 +37,9 @@ def counted_tokens(lengths_B: torch.Tensor, seq_len: int, token_mask_BS: torch.T
     return valid_BS
 
 
-def valid_token_total(seq_len: int, token_mask_BS: torch.Tensor | None,
-                      sample_mask_B: torch.Tensor) -> torch.Tensor:
+def valid_token_total(
+    seq_len: int, token_mask_BS: torch.Tensor | None, sample_mask_B: torch.Tensor
+) -> torch.Tensor:
     """fp32 scalar: the loss's token normalizer of one rank's batch.
 
     With a token mask (already cut to the lengths by `mask_within_lengths`): the sum of its
@@ -44,8 +49,9 @@ def valid_token_total(seq_len: int, token_mask_BS: torch.Tensor | None,
     sample_B = sample_mask_B.to(torch.float32)
     if token_mask_BS is None:
         return sample_B.sum() * seq_len
-    return (token_mask_BS[:, 1:].to(torch.float32) * sample_B[:, None].to(token_mask_BS.device)
-            ).sum()
+    return (
+        token_mask_BS[:, 1:].to(torch.float32) * sample_B[:, None].to(token_mask_BS.device)
+    ).sum()
 
 
 def last_token_values(values_BS: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:

@@ -35,8 +35,10 @@ def dp_leader_ranks(*, world_size: int, cp_size: int, tp_size: int) -> list[int]
     """
     block = cp_size * tp_size
     if min(world_size, cp_size, tp_size) < 1 or world_size % block:
-        msg = (f"world_size={world_size} must be a positive multiple of cp_size * tp_size = "
-               f"{cp_size} * {tp_size}; choose sizes whose product divides the number of workers")
+        msg = (
+            f"world_size={world_size} must be a positive multiple of cp_size * tp_size = "
+            f"{cp_size} * {tp_size}; choose sizes whose product divides the number of workers"
+        )
         raise ValueError(msg)
     return list(range(0, world_size, block))
 

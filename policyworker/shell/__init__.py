@@ -68,11 +68,14 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder):
         if fullname in MOVED:
             new_name = MOVED[fullname]
             return importlib.machinery.ModuleSpec(
-                fullname, _MovedModuleLoader(new_name), is_package=new_name is None)
+                fullname, _MovedModuleLoader(new_name), is_package=new_name is None
+            )
         parent = fullname.rpartition(".")[0]
         if parent in MOVED:
-            msg = (f"No module named {fullname!r}: {parent} moved (to {MOVED[parent] or 'rooms'}) "
-                   f"and had no such module; see policyworker/shell/__init__.py for the rooms")
+            msg = (
+                f"No module named {fullname!r}: {parent} moved (to {MOVED[parent] or 'rooms'}) "
+                f"and had no such module; see policyworker/shell/__init__.py for the rooms"
+            )
             raise ModuleNotFoundError(msg, name=fullname)
         return None
 

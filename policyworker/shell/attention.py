@@ -75,8 +75,9 @@ def cu_seqlens_from_position_ids(position_ids_BT: torch.Tensor) -> tuple[torch.T
 
 def _document_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths,
-                                   output_size=num_tokens)
+    return torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=cu_seqlens.device), lengths, output_size=num_tokens
+    )
 
 
 @functools.cache
@@ -120,10 +121,12 @@ def _flex_document_attention(q, k, v, cu, scaling):  # q/k/v: [1, H, N, D]
 
         _BLOCK_MASK_CACHE["key"] = key
         _BLOCK_MASK_CACHE["mask"] = create_block_mask(
-            document_causal, None, None, num_tokens, num_tokens, device=q.device)
+            document_causal, None, None, num_tokens, num_tokens, device=q.device
+        )
     gqa = q.shape[1] != k.shape[1]
-    return flex_attention(q, k, v, block_mask=_BLOCK_MASK_CACHE["mask"], scale=scaling,
-                          enable_gqa=gqa)
+    return flex_attention(
+        q, k, v, block_mask=_BLOCK_MASK_CACHE["mask"], scale=scaling, enable_gqa=gqa
+    )
 
 
 def varlen_attention_forward(
@@ -143,9 +146,11 @@ def varlen_attention_forward(
     from ``position_ids``. The kernel is always causal within a document.
     """
     if attention_mask is not None:
-        msg = (f"attention_mask of shape {tuple(attention_mask.shape)} was passed to "
-               f"{VARLEN_ATTN_NAME}, which takes document boundaries from position_ids; "
-               f"pass attention_mask=None with packed position_ids")
+        msg = (
+            f"attention_mask of shape {tuple(attention_mask.shape)} was passed to "
+            f"{VARLEN_ATTN_NAME}, which takes document boundaries from position_ids; "
+            f"pass attention_mask=None with packed position_ids"
+        )
         raise ValueError(msg)
     if dropout != 0.0:
         msg = f"{VARLEN_ATTN_NAME} has no attention dropout (got dropout={dropout}); set it to 0"

@@ -21,9 +21,16 @@ from policyworker.shell.state import WorkerState
 
 __all__ = ["calibrate_qkv_fp8_scales"]
 
-def calibrate_qkv_fp8_scales(state: WorkerState, data: Mapping[str, Any],
-                             micro_batch_size: int | None, *, percentile: float, margin: float,
-                             include_q: bool) -> dict[str, Any]:
+
+def calibrate_qkv_fp8_scales(
+    state: WorkerState,
+    data: Mapping[str, Any],
+    micro_batch_size: int | None,
+    *,
+    percentile: float,
+    margin: float,
+    include_q: bool,
+) -> dict[str, Any]:
     """Per-attention-layer FP8 (e4m3) scales: percentile(|k|, |v|[, |q|]) * margin / 448."""
     projs = ("q_proj", "k_proj", "v_proj") if include_q else ("k_proj", "v_proj")
     samples: dict[tuple[str, str], list[torch.Tensor]] = {}
@@ -35,6 +42,7 @@ def calibrate_qkv_fp8_scales(state: WorkerState, data: Mapping[str, Any],
             valid = current["valid"].reshape(-1)
             flat = out.detach().float().reshape(valid.shape[0], -1)[valid]
             samples.setdefault(key, []).append(flat.abs().reshape(-1).cpu())
+
         return hook
 
     for name, module in state.model.named_modules():
@@ -42,8 +50,10 @@ def calibrate_qkv_fp8_scales(state: WorkerState, data: Mapping[str, Any],
         if leaf in projs:
             handles.append(module.register_forward_hook(sampler((layer, leaf[0]))))
     if not handles:
-        msg = (f"model_type {state.model.config.model_type!r} has no q_proj/k_proj/v_proj "
-               f"modules to calibrate")
+        msg = (
+            f"model_type {state.model.config.model_type!r} has no q_proj/k_proj/v_proj "
+            f"modules to calibrate"
+        )
         raise ValueError(msg)
 
     def per_mb(mb: mbatch.Microbatch) -> torch.Tensor:
@@ -61,17 +71,23 @@ def calibrate_qkv_fp8_scales(state: WorkerState, data: Mapping[str, Any],
     gathered = _gather_samples(state, {key: torch.cat(parts) for key, parts in samples.items()})
     layers = kv_scales(gathered, percentile, margin)
     flat = {f"{layer}.{key}": v for layer, d in layers.items() for key, v in d.items()}
-    return {"format": "fp8_e4m3", "percentile": percentile, "margin": margin,
-            "layers": layers, "kv_scales": flat}
+    return {
+        "format": "fp8_e4m3",
+        "percentile": percentile,
+        "margin": margin,
+        "layers": layers,
+        "kv_scales": flat,
+    }
 
 
-def _gather_samples(state: WorkerState, local: dict[Any, torch.Tensor]
-                    ) -> dict[Any, torch.Tensor]:
+def _gather_samples(state: WorkerState, local: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
     """Concatenate every rank's samples per key (dp ranks hold other rows, TP ranks other
     heads), so the percentile is the single-process one and identical on every rank."""
     if state.parallel.world_size == 1:
         return local
     everyone: list[Any] = [None] * state.parallel.world_size
     dist.all_gather_object(everyone, local, group=state.parallel.groups["world"])
-    return {key: torch.cat([part[key] for part in everyone if key in part])
-            for key in sorted({k for part in everyone for k in part})}
+    return {
+        key: torch.cat([part[key] for part in everyone if key in part])
+        for key in sorted({k for part in everyone for k in part})
+    }

@@ -122,8 +122,10 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     key = key.strip().removeprefix("policy.")
     parts = tuple(key.split("."))
     if not sep or not key or any(not part for part in parts):
-        msg = (f"override {text!r} must look like dotted.key=value "
-               "(e.g. dtensor_cfg.tensor_parallel_size=2)")
+        msg = (
+            f"override {text!r} must look like dotted.key=value "
+            "(e.g. dtensor_cfg.tensor_parallel_size=2)"
+        )
         raise ConfigError(msg)
     try:
         value = _parse_scalar(raw)
@@ -154,8 +156,10 @@ def _set_path(
     if child is None:
         child = {}
     if not isinstance(child, Mapping):
-        msg = (f"override {text!r}: {head!r} holds {child!r}, not a mapping, so it has no key "
-               f"{rest[0]!r}; override {head!r} itself instead")
+        msg = (
+            f"override {text!r}: {head!r} holds {child!r}, not a mapping, so it has no key "
+            f"{rest[0]!r}; override {head!r} itself instead"
+        )
         raise ConfigError(msg)
     below: Mapping[str, Any] = child
     copy[head] = _set_path(below, rest, value, text=text)
@@ -256,8 +260,10 @@ def _evaluate(inner: str, root: Any, path: tuple[str | int, ...], depth: int) ->
     if colon and re.fullmatch(r"[A-Za-z_][\w.]*", name.strip()):
         resolver = _RESOLVERS.get(name.strip())
         if resolver is None:
-            msg = (f"unknown resolver {name.strip()!r} in '${{{inner}}}'; "
-                   f"known: {', '.join(sorted(_RESOLVERS))}")
+            msg = (
+                f"unknown resolver {name.strip()!r} in '${{{inner}}}'; "
+                f"known: {', '.join(sorted(_RESOLVERS))}"
+            )
             raise ConfigError(msg)
         values = [_argument(arg, root, path, depth) for arg in _split_arguments(arguments)]
         return resolver(values)
@@ -296,16 +302,23 @@ def _lookup(
     if dots:
         if dots > len(at):
             where = ".".join(map(str, at))
-            msg = (f"interpolation '${{{reference}}}' at {where!r} goes {dots} levels up, "
-                   f"above the top of the config")
+            msg = (
+                f"interpolation '${{{reference}}}' at {where!r} goes {dots} levels up, "
+                f"above the top of the config"
+            )
             raise ConfigError(msg)
         base: tuple[str | int, ...] = at[: len(at) - dots]
         rest = reference[dots:]
     else:
         base, rest = (), reference
     parts = [part for part in rest.split(".") if part] if rest else []
-    if (not dots and isinstance(root, Mapping) and "policy" not in root and parts
-            and parts[0] == "policy"):
+    if (
+        not dots
+        and isinstance(root, Mapping)
+        and "policy" not in root
+        and parts
+        and parts[0] == "policy"
+    ):
         parts = parts[1:]  # a bare policy mapping referring to itself as `policy.`
     node, path = root, ()
     for key in base:
@@ -347,15 +360,19 @@ def _read_with_defaults(path: pathlib.Path, chain: tuple[pathlib.Path, ...]) -> 
     if isinstance(names, str):
         names = [names]
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        msg = (f"{path}: `defaults:` must be a file path or a list of them, got {names!r}; "
-               "write e.g. `defaults: ../../grpo_math_1B.yaml`")
+        msg = (
+            f"{path}: `defaults:` must be a file path or a list of them, got {names!r}; "
+            "write e.g. `defaults: ../../grpo_math_1B.yaml`"
+        )
         raise ConfigError(msg)
     merged: dict[str, Any] = {}
     for name in names:
         parent = pathlib.Path(name) if name.startswith("/") else path.parent / name
         if not parent.is_file():
-            msg = (f"{path}: `defaults:` names {name!r}, but {parent} is not a file (paths are "
-                   "relative to the file that names them)")
+            msg = (
+                f"{path}: `defaults:` names {name!r}, but {parent} is not a file (paths are "
+                "relative to the file that names them)"
+            )
             raise ConfigError(msg)
         merged = merge_config_layers(merged, _read_with_defaults(parent, (*chain, here)))
     return merge_config_layers(merged, body)
@@ -406,12 +423,12 @@ def read_config_section(
     source = str(path)
     document: dict[str, Any] = read_config_with_defaults(path)
     if section not in document and section == "policy":
-        return select_policy(resolve_subtree(apply_overrides(document, overrides), ()),
-                             source=source)
+        return select_policy(
+            resolve_subtree(apply_overrides(document, overrides), ()), source=source
+        )
     body = document.get(section)
     if not isinstance(body, Mapping):
-        msg = (f"{source}: `{section}:` must be a mapping, got {type(body).__name__} "
-               f"@ {section}")
+        msg = f"{source}: `{section}:` must be a mapping, got {type(body).__name__} @ {section}"
         raise ConfigError(msg)
     document = {**document, section: apply_overrides(body, overrides)}  # type: ignore[arg-type]
     return dict(resolve_subtree(document, (section,)))

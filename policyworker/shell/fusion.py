@@ -116,18 +116,25 @@ def _norm_eps(module: nn.Module) -> float | None:
 
 def _looks_like_rms_norm(module: nn.Module) -> bool:
     weight = module._parameters.get("weight")
-    return (type(module).__name__.endswith("RMSNorm") and weight is not None
-            and weight.ndim == 1 and _norm_eps(module) is not None)
+    return (
+        type(module).__name__.endswith("RMSNorm")
+        and weight is not None
+        and weight.ndim == 1
+        and _norm_eps(module) is not None
+    )
 
 
 def _looks_like_silu_mlp(module: nn.Module) -> bool:
-    if not all(isinstance(getattr(module, n, None), nn.Module)
-               for n in ("gate_proj", "up_proj", "down_proj")):
+    if not all(
+        isinstance(getattr(module, n, None), nn.Module)
+        for n in ("gate_proj", "up_proj", "down_proj")
+    ):
         return False
     act = getattr(module, "act_fn", None)
     hidden_act = getattr(getattr(module, "config", None), "hidden_act", "silu")
     return (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation") and (
-        hidden_act in ("silu", "swish"))
+        hidden_act in ("silu", "swish")
+    )
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -156,8 +163,7 @@ def _mlp_class_matches(module: Any, device: torch.device) -> bool:
     in_features = getattr(module.gate_proj, "in_features", None)  # nn.Linear, LoRA and peft
     if not isinstance(in_features, int):
         return False
-    x = torch.randn(_CHECK_ROWS, in_features, device=device,
-                    dtype=next(module.parameters()).dtype)
+    x = torch.randn(_CHECK_ROWS, in_features, device=device, dtype=next(module.parameters()).dtype)
     torch.manual_seed(0)
     expected = type(module).forward(module, x)
     torch.manual_seed(0)
@@ -165,8 +171,9 @@ def _mlp_class_matches(module: Any, device: torch.device) -> bool:
     return _same(got, expected)
 
 
-def _matching(modules: list[nn.Module],
-              class_matches: Callable[[nn.Module], bool]) -> list[nn.Module]:
+def _matching(
+    modules: list[nn.Module], class_matches: Callable[[nn.Module], bool]
+) -> list[nn.Module]:
     verdict: dict[type, bool] = {}
     for module in modules:
         if type(module) not in verdict:
@@ -185,8 +192,9 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 # ---------------------------------------------------------------------------- public API
 
 
-def fuse_elementwise(model: nn.Module, *, mode: FusionMode = "norm_mlp",
-                     autocast_dtype: torch.dtype | None = None) -> FusionReport:
+def fuse_elementwise(
+    model: nn.Module, *, mode: FusionMode = "norm_mlp", autocast_dtype: torch.dtype | None = None
+) -> FusionReport:
     """Replace module forwards of `model` with compiled fused ones; see the module docstring.
 
     Calling it again with "norm_mlp" or "layer" first restores the earlier fusion, so a module
@@ -216,8 +224,11 @@ def fuse_elementwise(model: nn.Module, *, mode: FusionMode = "norm_mlp",
     except Exception as exc:  # any compile or probe failure: fall back to the eager model
         unfuse_elementwise(model)
         reason = f"{type(exc).__name__}: {_first_line(exc)}"
-        warnings.warn(f"fuse_elementwise(mode={mode!r}) fell back to the unfused model: {reason}",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"fuse_elementwise(mode={mode!r}) fell back to the unfused model: {reason}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return FusionReport(mode=mode, fallback_reason=reason)
 
 
@@ -266,18 +277,26 @@ def _rng_preserved(device: torch.device) -> Iterator[None]:
 # ---------------------------------------------------------------------------- modes
 
 
-def _fuse_norm_mlp(model: nn.Module, *, device: torch.device,
-                   autocast_dtype: torch.dtype) -> FusionReport:
+def _fuse_norm_mlp(
+    model: nn.Module, *, device: torch.device, autocast_dtype: torch.dtype
+) -> FusionReport:
     norms = _matching([m for m in model.modules() if _looks_like_rms_norm(m)], _norm_class_matches)
-    mlps = _matching([m for m in model.modules() if _looks_like_silu_mlp(m)],
-                     lambda m: _mlp_class_matches(m, device))
-    _fuse_and_probe(model, {m: _fused_norm_forward for m in norms}
-                    | {m: _fused_mlp_forward for m in mlps}, device, autocast_dtype)
+    mlps = _matching(
+        [m for m in model.modules() if _looks_like_silu_mlp(m)],
+        lambda m: _mlp_class_matches(m, device),
+    )
+    _fuse_and_probe(
+        model,
+        {m: _fused_norm_forward for m in norms} | {m: _fused_mlp_forward for m in mlps},
+        device,
+        autocast_dtype,
+    )
     return FusionReport(mode="norm_mlp", fused_norms=len(norms), fused_mlps=len(mlps))
 
 
-def _fuse_layers(model: nn.Module, *, device: torch.device,
-                 autocast_dtype: torch.dtype) -> FusionReport:
+def _fuse_layers(
+    model: nn.Module, *, device: torch.device, autocast_dtype: torch.dtype
+) -> FusionReport:
     # One compiled function per layer class: dynamo then reuses one graph for all its layers.
     layers = _decoder_layers(model)
     forwards = {layer: _compiled(type(layer), type(layer).forward) for layer in layers}
@@ -285,8 +304,12 @@ def _fuse_layers(model: nn.Module, *, device: torch.device,
     return FusionReport(mode="layer", fused_layers=len(layers))
 
 
-def _fuse_and_probe(model: nn.Module, forwards: dict[nn.Module, Callable[..., Any]],
-                    device: torch.device, autocast_dtype: torch.dtype) -> None:
+def _fuse_and_probe(
+    model: nn.Module,
+    forwards: dict[nn.Module, Callable[..., Any]],
+    device: torch.device,
+    autocast_dtype: torch.dtype,
+) -> None:
     """Install `forwards`, then check each distinct kind of call against the class forward on
     the inputs the modules got in one tiny eager forward of the whole model.
 
@@ -309,8 +332,9 @@ def _fuse_and_probe(model: nn.Module, forwards: dict[nn.Module, Callable[..., An
                 _probe(module, args, kwargs, autocast_dtype)
 
 
-def _capture_inputs(model: Any, modules: list[nn.Module], device: torch.device
-                    ) -> dict[int, tuple[tuple[Any, ...], dict[str, Any]]]:
+def _capture_inputs(
+    model: Any, modules: list[nn.Module], device: torch.device
+) -> dict[int, tuple[tuple[Any, ...], dict[str, Any]]]:
     """(args, kwargs) of each module's first call in one eager forward of a [2, 3] batch,
     called the way the worker calls a padded microbatch (expanded position ids, no mask)."""
     captured: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
@@ -336,8 +360,9 @@ def _call_signature(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
     return (type(module), params, x.dtype, x.dim(), x.requires_grad, x._base is not None)
 
 
-def _assert_close(module: nn.Module, what: str, got: Any, expected: Any,
-                  compute_dtype: torch.dtype) -> None:
+def _assert_close(
+    module: nn.Module, what: str, got: Any, expected: Any, compute_dtype: torch.dtype
+) -> None:
     """Equal up to a tolerance relative to each tensor's largest magnitude.
 
     Fused kernels reduce in another order (fp32: errors near 1e-7 of the scale) and, under
@@ -350,16 +375,25 @@ def _assert_close(module: nn.Module, what: str, got: Any, expected: Any,
         try:
             torch.testing.assert_close(g, e, rtol=rtol, atol=rtol * max(scale, 1e-6))
         except AssertionError as exc:
-            detail = next((line.strip() for line in str(exc).splitlines()
-                           if line.startswith("Greatest absolute")), "")
-            msg = (f"compiled vs eager {type(module).__name__}: {what} differ by more than "
-                   f"rtol={rtol} of the largest magnitude {scale:.3g} ({detail}); active dropout "
-                   f"inside a compiled layer is one cause (inductor draws other random numbers)")
+            detail = next(
+                (
+                    line.strip()
+                    for line in str(exc).splitlines()
+                    if line.startswith("Greatest absolute")
+                ),
+                "",
+            )
+            msg = (
+                f"compiled vs eager {type(module).__name__}: {what} differ by more than "
+                f"rtol={rtol} of the largest magnitude {scale:.3g} ({detail}); active dropout "
+                f"inside a compiled layer is one cause (inductor draws other random numbers)"
+            )
             raise RuntimeError(msg) from exc
 
 
-def _probe(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-           compute_dtype: torch.dtype) -> None:
+def _probe(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], compute_dtype: torch.dtype
+) -> None:
     """The installed forward matches the class forward in value and in the gradients of the
     first input and the parameters (one random cotangent); raises otherwise."""
     if not (args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()):

@@ -27,20 +27,33 @@ from policyworker.shell.ipc_logits import TeacherLogitsBuffer, logits_record
 from policyworker.shell.parallel import collectives
 from policyworker.shell.state import WorkerState
 
-__all__ = ["full_logits_ipc", "logprobs", "reference_model", "release_ipc_buffer", "run",
-           "scores", "topk_logits"]
+__all__ = [
+    "full_logits_ipc",
+    "logprobs",
+    "reference_model",
+    "release_ipc_buffer",
+    "run",
+    "scores",
+    "topk_logits",
+]
 
 
-def plans(state: WorkerState, data: Mapping[str, Any], micro_batch_size: int | None
-          ) -> list[batching.MicrobatchPlan]:
+def plans(
+    state: WorkerState, data: Mapping[str, Any], micro_batch_size: int | None
+) -> list[batching.MicrobatchPlan]:
     """This rank's inference microbatches (`logprob_batch_size` unless given), with dummies."""
     mbs = micro_batch_size or state.cfg.logprob_batch_size
-    return mbatch.plan(state, data["input_lengths"], seq_len=data["input_ids"].shape[1], mbs=mbs,
-                       purpose="logprob")
+    return mbatch.plan(
+        state, data["input_lengths"], seq_len=data["input_ids"].shape[1], mbs=mbs, purpose="logprob"
+    )
 
 
-def run(state: WorkerState, data: Mapping[str, Any], micro_batch_size: int | None,
-        per_microbatch: Callable[[mbatch.Microbatch], Any]) -> Any:
+def run(
+    state: WorkerState,
+    data: Mapping[str, Any],
+    micro_batch_size: int | None,
+    per_microbatch: Callable[[mbatch.Microbatch], Any],
+) -> Any:
     """Run `per_microbatch(mb) -> [b, w, ...]` (or a tuple of such) over all plans.
 
     Returns [B, S, ...] CPU tensors (a tuple when `per_microbatch` returns one), in input order.
@@ -67,8 +80,13 @@ def run(state: WorkerState, data: Mapping[str, Any], micro_batch_size: int | Non
     return result if len(result) > 1 else result[0]
 
 
-def logprobs(state: WorkerState, data: Mapping[str, Any], micro_batch_size: int | None, *,
-             replay_routes: bool = False) -> BatchedDataDict:
+def logprobs(
+    state: WorkerState,
+    data: Mapping[str, Any],
+    micro_batch_size: int | None,
+    *,
+    replay_routes: bool = False,
+) -> BatchedDataDict:
     """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths; with
     `replay_routes` (and router replay configured) MoE routers follow `routed_experts`."""
     counts = [0]
@@ -83,8 +101,11 @@ def logprobs(state: WorkerState, data: Mapping[str, Any], micro_batch_size: int 
     with state.moe.replaying(replay_routes):
         out = run(state, data, micro_batch_size, per_mb)
     if counts[0]:
-        warnings.warn(f"policy top-k/top-p mismatch: {counts[0]} valid token(s) had -inf "
-                      f"logprob under the sampling filters; they were set to 0", stacklevel=3)
+        warnings.warn(
+            f"policy top-k/top-p mismatch: {counts[0]} valid token(s) had -inf "
+            f"logprob under the sampling filters; they were set to 0",
+            stacklevel=3,
+        )
     return BatchedDataDict(logprobs=out.float())
 
 
@@ -93,8 +114,10 @@ def reference_model(state: WorkerState) -> Iterator[None]:
     """Swap the reference weights in place (filters off, temperature kept); restore the policy
     weights and sampling even on error."""
     if state.reference_state is None:
-        msg = ("use_reference_model() needs reference weights but the worker was built with "
-               "init_reference_model=False")
+        msg = (
+            "use_reference_model() needs reference weights but the worker was built with "
+            "init_reference_model=False"
+        )
         raise ValueError(msg)
     live = state.live_state()
     saved = state.snapshot()
@@ -113,8 +136,9 @@ def reference_model(state: WorkerState) -> Iterator[None]:
                 t.copy_(saved[k])
 
 
-def topk_logits(state: WorkerState, data: Mapping[str, Any], k: int,
-                micro_batch_size: int | None) -> BatchedDataDict:
+def topk_logits(
+    state: WorkerState, data: Mapping[str, Any], k: int, micro_batch_size: int | None
+) -> BatchedDataDict:
     """Top-k of temperature-scaled logits at every position (no shift), 0/0 at padding."""
     temperature = state.sampling.temperature
 
@@ -130,8 +154,10 @@ def topk_logits(state: WorkerState, data: Mapping[str, Any], k: int,
             idx.append(i)
         v, i = mb.unpack_rows(torch.cat(vals, 1)), mb.unpack_rows(torch.cat(idx, 1))
         valid = mask_from_lengths(mb.lengths, mb.width)[..., None].to(v.device)
-        return (torch.where(valid, v, torch.zeros_like(v)),
-                torch.where(valid, i, torch.zeros_like(i)))
+        return (
+            torch.where(valid, v, torch.zeros_like(v)),
+            torch.where(valid, i, torch.zeros_like(i)),
+        )
 
     values, indices = run(state, data, micro_batch_size, per_mb)
     return BatchedDataDict(topk_logits=values.float(), topk_indices=indices.to(torch.int64))
@@ -154,8 +180,9 @@ def scores(state: WorkerState, data: Mapping[str, Any], kind: str) -> BatchedDat
     return BatchedDataDict(scores=out.float())
 
 
-def full_logits_ipc(state: WorkerState, data: Mapping[str, Any],
-                    micro_batch_size: int | None = None) -> dict[str, Any]:
+def full_logits_ipc(
+    state: WorkerState, data: Mapping[str, Any], micro_batch_size: int | None = None
+) -> dict[str, Any]:
     """``PolicyWorker.get_full_logits_ipc``: fp32 logits of every sample into the shared buffer.
 
     Logits are the model's raw output (no temperature), the local vocab shard under tensor
@@ -169,13 +196,17 @@ def full_logits_ipc(state: WorkerState, data: Mapping[str, Any],
     """
     cfg = state.cfg
     if cfg.sequence_packing is not None or cfg.dynamic_batching is not None:
-        msg = ("get_full_logits_ipc needs fixed microbatches; disable sequence_packing and "
-               "dynamic_batching for the teacher worker")
+        msg = (
+            "get_full_logits_ipc needs fixed microbatches; disable sequence_packing and "
+            "dynamic_batching for the teacher worker"
+        )
         raise DataError(msg)
     par = state.parallel
     if par.cp_size > 1:
-        msg = (f"get_full_logits_ipc does not support context parallelism (cp_size="
-               f"{par.cp_size}); run the teacher with context_parallel_size: 1")
+        msg = (
+            f"get_full_logits_ipc does not support context parallelism (cp_size="
+            f"{par.cp_size}); run the teacher with context_parallel_size: 1"
+        )
         raise ValueError(msg)
     mbatch.validate(state, data)
     seq_len = int(data["input_ids"].shape[1])
@@ -197,14 +228,18 @@ def full_logits_ipc(state: WorkerState, data: Mapping[str, Any],
                     continue
                 vocab_local = int(logits.shape[-1])
                 if storage is None:
-                    storage = buffer.ensure((len(planned), rows_per_mb, seq_len, vocab_local),
-                                            torch.float32, state.device)
+                    storage = buffer.ensure(
+                        (len(planned), rows_per_mb, seq_len, vocab_local),
+                        torch.float32,
+                        state.device,
+                    )
                 slot = storage[buf_idx, : len(plan.rows), :seq_len, :vocab_local]
                 slot.zero_()
                 slot[:, : logits.shape[1]].copy_(logits.float())
                 records.extend(
                     logits_record(buffer, storage, par, buf_idx, j, row, seq_len, vocab_local)
-                    for j, row in enumerate(plan.rows))
+                    for j, row in enumerate(plan.rows)
+                )
         if storage is not None and storage.is_cuda:
             torch.cuda.synchronize(storage.device)  # the consumer must never see a partial copy
     finally:

@@ -90,7 +90,11 @@ def lora_settings(lora_cfg: Any) -> LoRASettings:
             raise ValueError(msg)
         values = {k: lora_cfg[k] for k in _SETTING_KEYS if k in lora_cfg and k != "use_triton"}
     else:
-        values = {k: getattr(lora_cfg, k) for k in _SETTING_KEYS if hasattr(lora_cfg, k) and k != "use_triton"}
+        values = {
+            k: getattr(lora_cfg, k)
+            for k in _SETTING_KEYS
+            if hasattr(lora_cfg, k) and k != "use_triton"
+        }
     for key in ("target_modules", "exclude_modules"):
         entries = values.get(key) or ()
         if isinstance(entries, str):
@@ -138,9 +142,15 @@ class LinearLoRA(nn.Linear):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_adapters(dim=dim, alpha=alpha, use_rslora=use_rslora, dropout=dropout,
-                            dropout_position=dropout_position, lora_A_init=lora_A_init,
-                            compute_dtype=compute_dtype)
+        self._init_adapters(
+            dim=dim,
+            alpha=alpha,
+            use_rslora=use_rslora,
+            dropout=dropout,
+            dropout_position=dropout_position,
+            lora_A_init=lora_A_init,
+            compute_dtype=compute_dtype,
+        )
 
     @classmethod
     def from_linear(
@@ -161,9 +171,15 @@ class LinearLoRA(nn.Linear):
         module.in_features, module.out_features = linear.in_features, linear.out_features
         module.weight = linear.weight
         module.bias = linear.bias
-        module._init_adapters(dim=dim, alpha=alpha, use_rslora=use_rslora, dropout=dropout,
-                              dropout_position=dropout_position, lora_A_init=lora_A_init,
-                              compute_dtype=compute_dtype)
+        module._init_adapters(
+            dim=dim,
+            alpha=alpha,
+            use_rslora=use_rslora,
+            dropout=dropout,
+            dropout_position=dropout_position,
+            lora_A_init=lora_A_init,
+            compute_dtype=compute_dtype,
+        )
         return module
 
     def _init_adapters(
@@ -182,8 +198,12 @@ class LinearLoRA(nn.Linear):
         self.dim, self.alpha, self.use_rslora = dim, float(alpha), use_rslora
         self.dropout_position, self.lora_A_init = dropout_position, lora_A_init
         device = self.weight.device
-        self.lora_A = nn.Linear(self.in_features, dim, bias=False, device=device, dtype=torch.float32)
-        self.lora_B = nn.Linear(dim, self.out_features, bias=False, device=device, dtype=torch.float32)
+        self.lora_A = nn.Linear(
+            self.in_features, dim, bias=False, device=device, dtype=torch.float32
+        )
+        self.lora_B = nn.Linear(
+            dim, self.out_features, bias=False, device=device, dtype=torch.float32
+        )
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.weight.requires_grad_(False)
         if self.bias is not None:
@@ -203,7 +223,9 @@ class LinearLoRA(nn.Linear):
         base = F.linear(x, self.weight, self.bias)
         h = self.dropout(x) if self.dropout_position == "pre" else x
         a, b = self.lora_A.weight, self.lora_B.weight
-        acc = self.compute_dtype or torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+        acc = self.compute_dtype or torch.promote_types(
+            torch.promote_types(a.dtype, b.dtype), torch.float32
+        )
         # fp32 adapters: a bf16 autocast would otherwise run both small matmuls in bf16. The scale
         # multiplies the [.., R] intermediate, not the [.., O] output: one full pass less.
         with torch.autocast(device_type=x.device.type, enabled=False):
@@ -213,8 +235,10 @@ class LinearLoRA(nn.Linear):
         return base + delta.to(base.dtype)
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, dim={self.dim}, alpha={self.alpha}, scale={self.scale:g}, "
-                f"dropout_position={self.dropout_position}")
+        return (
+            f"{super().extra_repr()}, dim={self.dim}, alpha={self.alpha}, scale={self.scale:g}, "
+            f"dropout_position={self.dropout_position}"
+        )
 
 
 def _canonical(name: str) -> str:
@@ -241,20 +265,36 @@ def _set_child(model: nn.Module, name: str, child: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, child)
 
 
-def _inject(model: nn.Module, names: Iterable[str], *, dims: Mapping[str, int], s: LoRASettings) -> None:
+def _inject(
+    model: nn.Module, names: Iterable[str], *, dims: Mapping[str, int], s: LoRASettings
+) -> None:
     for name in names:
         linear = model.get_submodule(name)
         assert isinstance(linear, nn.Linear) and not isinstance(linear, LinearLoRA), name
-        _set_child(model, name, LinearLoRA.from_linear(
-            linear, dim=dims[name], alpha=s.alpha, use_rslora=s.use_rslora, dropout=s.dropout,
-            dropout_position=s.dropout_position, lora_A_init=s.lora_A_init))
+        _set_child(
+            model,
+            name,
+            LinearLoRA.from_linear(
+                linear,
+                dim=dims[name],
+                alpha=s.alpha,
+                use_rslora=s.use_rslora,
+                dropout=s.dropout,
+                dropout_position=s.dropout_position,
+                lora_A_init=s.lora_A_init,
+            ),
+        )
     adapters = {id(p) for p in lora_parameters(model)}
     for param in model.parameters():
         param.requires_grad_(id(param) in adapters)
 
 
 def _linear_names(model: nn.Module) -> list[str]:
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, LinearLoRA)]
+    return [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not isinstance(m, LinearLoRA)
+    ]
 
 
 def apply_lora(model: nn.Module, lora_cfg: Any) -> list[str]:
@@ -280,8 +320,13 @@ def apply_lora(model: nn.Module, lora_cfg: Any) -> list[str]:
     candidates = _linear_names(model)
     unmatched = [] if s.match_all_linear else unmatched_entries(candidates, s.target_modules)
     unmatched_excludes = unmatched_entries(candidates, s.exclude_modules)
-    chosen = [n for n in candidates if matches_target(
-        n, s.target_modules, s.exclude_modules, match_all_linear=s.match_all_linear)]
+    chosen = [
+        n
+        for n in candidates
+        if matches_target(
+            n, s.target_modules, s.exclude_modules, match_all_linear=s.match_all_linear
+        )
+    ]
     if unmatched or unmatched_excludes or not chosen:
         sample = candidates[:8] + (["..."] if len(candidates) > 8 else [])
         msg = (
@@ -371,7 +416,11 @@ def _read_adapter(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, torch.T
     if config.get("peft_type") != "LORA":
         msg = f"{config_file}: peft_type {config.get('peft_type')!r} is not 'LORA'; only LoRA adapters load"
         raise ValueError(msg)
-    bad = {k: config[k] for k, ok in _UNSUPPORTED_PEFT.items() if config.get(k, ok) not in (ok, None, {}, False)}
+    bad = {
+        k: config[k]
+        for k, ok in _UNSUPPORTED_PEFT.items()
+        if config.get(k, ok) not in (ok, None, {}, False)
+    }
     if bad:
         msg = f"{config_file}: unsupported PEFT LoRA options {bad}; re-train without them ({_UNSUPPORTED_PEFT})"
         raise ValueError(msg)
@@ -385,16 +434,23 @@ def _read_adapter(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, torch.T
     return config, weights
 
 
-def _check_against_model(modules: Mapping[str, LinearLoRA], weights: Mapping[str, torch.Tensor], where: str) -> None:
+def _check_against_model(
+    modules: Mapping[str, LinearLoRA], weights: Mapping[str, torch.Tensor], where: str
+) -> None:
     expected = {f"{n}.lora_{ab}.weight": (m.dim if ab == "A" else m.out_features, m.in_features if ab == "A" else m.dim)
                 for n, m in modules.items() for ab in ("A", "B")}  # fmt: skip
     missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    wrong = sorted(f"{k}: file {tuple(weights[k].shape)} vs model {expected[k]}"
-                   for k in set(expected) & set(weights) if tuple(weights[k].shape) != expected[k])
+    wrong = sorted(
+        f"{k}: file {tuple(weights[k].shape)} vs model {expected[k]}"
+        for k in set(expected) & set(weights)
+        if tuple(weights[k].shape) != expected[k]
+    )
     if missing or unexpected or wrong:
-        msg = (f"adapter {where!r} does not fit the model's LoRA modules: missing keys {missing}, "
-               f"unexpected keys {unexpected}, shape mismatches {wrong}; load an adapter trained for "
-               "this model and lora_cfg (same target modules and dim)")
+        msg = (
+            f"adapter {where!r} does not fit the model's LoRA modules: missing keys {missing}, "
+            f"unexpected keys {unexpected}, shape mismatches {wrong}; load an adapter trained for "
+            "this model and lora_cfg (same target modules and dim)"
+        )
         raise ValueError(msg)
 
 
@@ -419,9 +475,16 @@ def load_peft_adapter(model: nn.Module, folder: str | pathlib.Path) -> list[str]
         if absent:
             msg = f"adapter {str(path)!r} adapts modules that are not nn.Linear modules of the model: {absent}"
             raise ValueError(msg)
-        s = LoRASettings(alpha=float(config.get("lora_alpha", 8)), use_rslora=bool(config.get("use_rslora", False)),
-                         dropout=float(config.get("lora_dropout") or 0.0))
-        dims = {n: int(weights[f"{n}.lora_A.weight"].shape[0]) for n in names if f"{n}.lora_A.weight" in weights}
+        s = LoRASettings(
+            alpha=float(config.get("lora_alpha", 8)),
+            use_rslora=bool(config.get("use_rslora", False)),
+            dropout=float(config.get("lora_dropout") or 0.0),
+        )
+        dims = {
+            n: int(weights[f"{n}.lora_A.weight"].shape[0])
+            for n in names
+            if f"{n}.lora_A.weight" in weights
+        }
         _inject(model, [n for n in names if n in dims], dims=dims, s=s)
         modules = lora_modules(model)
     _check_against_model(modules, weights, str(path))
@@ -471,8 +534,10 @@ class LoRALinearParallel(ParallelStyle):
         for sub, dim in ((module.lora_A, a_dim), (module.lora_B, b_dim)):
             placement = Shard(dim) if dim is not None else Replicate()
             weight = sub.weight
-            sub.weight = nn.Parameter(distribute_tensor(weight.detach(), device_mesh, [placement]),
-                                      requires_grad=weight.requires_grad)
+            sub.weight = nn.Parameter(
+                distribute_tensor(weight.detach(), device_mesh, [placement]),
+                requires_grad=weight.requires_grad,
+            )
         return module
 
 

@@ -40,7 +40,8 @@ class Microbatch:
         else:
             self.input_ids = data["input_ids"]
             self.position_ids = torch.arange(self.width, device=self.input_ids.device).expand(
-                self.input_ids.shape[0], -1)
+                self.input_ids.shape[0], -1
+            )
             self.cu_seqlens, self.max_seqlen = None, None
 
     def unpack_rows(self, x_1N: torch.Tensor) -> torch.Tensor:
@@ -50,13 +51,20 @@ class Microbatch:
         return unpack(x_1N[0], self.cu_seqlens, seq_len=self.width, pad_value=0)
 
 
-def validate(state: WorkerState, data: Mapping[str, Any], *,
-             required=("input_ids", "input_lengths"), skip=(), needed_by: str = "") -> None:
+def validate(
+    state: WorkerState,
+    data: Mapping[str, Any],
+    *,
+    required=("input_ids", "input_lengths"),
+    skip=(),
+    needed_by: str = "",
+) -> None:
     """Refuse a batch the worker cannot use (missing keys, shapes, mask types, token ids outside
     the model's vocabulary), before any work; `needed_by` names who reads the required keys."""
     state.require_running("a batch call (train, logprobs, top-k, score)")
-    validate_batch(data, required=required, check_dim_skip_keys=tuple(skip or ()),
-                   needed_by=needed_by)
+    validate_batch(
+        data, required=required, check_dim_skip_keys=tuple(skip or ()), needed_by=needed_by
+    )
     for key in ("token_mask", "sample_mask"):
         if key in data and not isinstance(data[key], torch.Tensor):
             msg = f"data[{key!r}] must be a tensor, got {type(data[key]).__name__}"
@@ -65,17 +73,25 @@ def validate(state: WorkerState, data: Mapping[str, Any], *,
         batch_checks.require_token_ids_in_vocab(data["input_ids"], state.vocab_rows)
 
 
-def plan(state: WorkerState, lengths: torch.Tensor, *, seq_len: int, mbs: int,
-         purpose: Literal["train", "logprob"]) -> list[batching.MicrobatchPlan]:
+def plan(
+    state: WorkerState,
+    lengths: torch.Tensor,
+    *,
+    seq_len: int,
+    mbs: int,
+    purpose: Literal["train", "logprob"],
+) -> list[batching.MicrobatchPlan]:
     """Fixed / dynamic / packed plans for this rank, plus dummies up to the all-rank max."""
     plans = plan_microbatches(state.cfg, lengths, seq_len=seq_len, mbs=mbs, purpose=purpose)
     max_count = state.parallel.all_reduce_int(len(plans), op="max", axis="world")
     return plans + batching.dummy_microbatches(
-        plans, batching.num_dummy_microbatches(len(plans), max_count))
+        plans, batching.num_dummy_microbatches(len(plans), max_count)
+    )
 
 
-def load(state: WorkerState, data: Mapping[str, Any], plan: batching.MicrobatchPlan, *,
-         skip=()) -> Microbatch:
+def load(
+    state: WorkerState, data: Mapping[str, Any], plan: batching.MicrobatchPlan, *, skip=()
+) -> Microbatch:
     """The rows of `plan`, cut to its width (sequence dims not in `skip`), on the device."""
     rows = list(plan.rows)
     lengths = data["input_lengths"][rows]
@@ -99,14 +115,24 @@ def load(state: WorkerState, data: Mapping[str, Any], plan: batching.MicrobatchP
 def forward(state: WorkerState, mb: Microbatch) -> torch.Tensor:
     """Logits of the microbatch (a vocab-sharded DTensor under TP)."""
     return model_lib.forward_logits(
-        state.model, mb.input_ids, position_ids=mb.position_ids, autocast_dtype=state.dtype,
-        cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen)
+        state.model,
+        mb.input_ids,
+        position_ids=mb.position_ids,
+        autocast_dtype=state.dtype,
+        cu_seqlens=mb.cu_seqlens,
+        max_seqlen=mb.max_seqlen,
+    )
 
 
 def hidden_states(state: WorkerState, mb: Microbatch) -> torch.Tensor:
     """Last hidden states [b, T, H] (no grad); FSDP2 runs them through the root module, whose
     parameters (embeddings, final norm, head) then stay unsharded until `state.reshard()`."""
     return model_lib.forward_hidden(
-        state.model, mb.input_ids, position_ids=mb.position_ids, autocast_dtype=state.dtype,
-        cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen,
-        through_root=state.parallel.mesh is not None)
+        state.model,
+        mb.input_ids,
+        position_ids=mb.position_ids,
+        autocast_dtype=state.dtype,
+        cu_seqlens=mb.cu_seqlens,
+        max_seqlen=mb.max_seqlen,
+        through_root=state.parallel.mesh is not None,
+    )

@@ -78,8 +78,10 @@ def reward_model_type(cfg: Any) -> str | None:
         return None
     kind = _get(rm, "reward_model_type", "bradley_terry")
     if kind not in _REWARD_CLASSES:
-        msg = (f"reward_model_cfg.reward_model_type={kind!r} is not supported; "
-               f"use one of {sorted(_REWARD_CLASSES)}")
+        msg = (
+            f"reward_model_cfg.reward_model_type={kind!r} is not supported; "
+            f"use one of {sorted(_REWARD_CLASSES)}"
+        )
         raise ValueError(msg)
     return kind
 
@@ -90,17 +92,23 @@ def resolve_attn_implementation(
     """The transformers attention name to load with; ValueError for an unsafe or impossible choice."""
     requested = requested or "auto"
     if requested not in ATTN_IMPLEMENTATIONS:
-        msg = (f"dtensor_cfg.attn_implementation={requested!r} is not supported; "
-               f"use one of {list(ATTN_IMPLEMENTATIONS)}")
+        msg = (
+            f"dtensor_cfg.attn_implementation={requested!r} is not supported; "
+            f"use one of {list(ATTN_IMPLEMENTATIONS)}"
+        )
         raise ValueError(msg)
     if requested == "varlen":
         if device.type != "cuda":
-            msg = (f"dtensor_cfg.attn_implementation='varlen' needs CUDA (device is {device}); "
-                   f"use 'auto' or 'sdpa' on CPU (packing then uses sdpa's position_ids path)")
+            msg = (
+                f"dtensor_cfg.attn_implementation='varlen' needs CUDA (device is {device}); "
+                f"use 'auto' or 'sdpa' on CPU (packing then uses sdpa's position_ids path)"
+            )
             raise ValueError(msg)
         if precision not in (torch.float16, torch.bfloat16):
-            msg = (f"dtensor_cfg.attn_implementation='varlen' runs flash attention, which needs "
-                   f"precision bfloat16 or float16 (got {precision}); use 'auto' or 'sdpa'")
+            msg = (
+                f"dtensor_cfg.attn_implementation='varlen' runs flash attention, which needs "
+                f"precision bfloat16 or float16 (got {precision}); use 'auto' or 'sdpa'"
+            )
             raise ValueError(msg)
         return ensure_varlen_registered()
     if requested == "auto":
@@ -108,15 +116,19 @@ def resolve_attn_implementation(
             return ensure_varlen_registered()
         return "sdpa"
     if packing and requested not in _DOCUMENT_SAFE:
-        msg = (f"dtensor_cfg.attn_implementation={requested!r} would attend across packed "
-               f"documents; use 'auto', 'sdpa' or 'varlen' with sequence_packing")
+        msg = (
+            f"dtensor_cfg.attn_implementation={requested!r} would attend across packed "
+            f"documents; use 'auto', 'sdpa' or 'varlen' with sequence_packing"
+        )
         raise ValueError(msg)
     return requested
 
 
 def load_tokenizer(name: str) -> Any | None:
     """AutoTokenizer for `name`, or None when `name` is a local folder without tokenizer files."""
-    if os.path.isdir(name) and not any(os.path.exists(os.path.join(name, f)) for f in _TOKENIZER_FILES):
+    if os.path.isdir(name) and not any(
+        os.path.exists(os.path.join(name, f)) for f in _TOKENIZER_FILES
+    ):
         return None
     from transformers import AutoTokenizer
 
@@ -133,10 +145,15 @@ def _load_hf_config(source: str, key: str, overrides: dict[str, Any]) -> Any:
     try:
         return transformers.AutoConfig.from_pretrained(source, **overrides)
     except OSError as err:
-        where = ("that folder has no config.json" if os.path.isdir(source) else
-                 "no such local folder, and no Hugging Face Hub model of that id could be read")
-        msg = (f"{key}={source!r}: {where} ({err}); pass a folder that holds config.json and "
-               f"the weights (as save_pretrained writes them), or a Hub model id")
+        where = (
+            "that folder has no config.json"
+            if os.path.isdir(source)
+            else "no such local folder, and no Hugging Face Hub model of that id could be read"
+        )
+        msg = (
+            f"{key}={source!r}: {where} ({err}); pass a folder that holds config.json and "
+            f"the weights (as save_pretrained writes them), or a Hub model id"
+        )
         raise ValueError(msg) from err
 
 
@@ -156,7 +173,8 @@ def load_policy_model(
     packing = section_enabled(_get(cfg, "sequence_packing"))
     requested_attn = _get(cfg.dtensor_cfg, "attn_implementation", "auto")
     attn = resolve_attn_implementation(
-        requested_attn, packing=packing, device=device, precision=precision)
+        requested_attn, packing=packing, device=device, precision=precision
+    )
     source = weights_from or cfg.model_name
     # Every edit below changes how the model runs, never which parameters it has or how they
     # are initialised or trained: the model stays the one the checkpoint describes.
@@ -174,8 +192,9 @@ def load_policy_model(
     # - attn_implementation picks the kernel only (packing safety is verified separately);
     #   dtype=float32 upcasts the stored weights exactly.
     overrides = dict(_get(cfg, "hf_config_overrides") or {})
-    config = _load_hf_config(source, "model_name" if weights_from is None else "weights_from",
-                             overrides)
+    config = _load_hf_config(
+        source, "model_name" if weights_from is None else "weights_from", overrides
+    )
     tokenizer_name = _get(_get(cfg, "tokenizer"), "name") or cfg.model_name
     tokenizer = load_tokenizer(tokenizer_name)
     config.use_cache = False
@@ -184,18 +203,24 @@ def load_policy_model(
     if kind:
         config.num_labels = 1
     attn = attn_the_model_supports(auto_cls, config, attn, requested=requested_attn)
-    model = auto_cls.from_pretrained(source, config=config, dtype=torch.float32,
-                                     attn_implementation=attn)
+    model = auto_cls.from_pretrained(
+        source, config=config, dtype=torch.float32, attn_implementation=attn
+    )
     model.config.use_cache = False
     # Re-tie after loading: a tied checkpoint stores one tensor; this keeps lm_head a view of it.
-    if getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+    if (
+        getattr(model.config, "tie_word_embeddings", False)
+        and model.get_output_embeddings() is not None
+    ):
         model.tie_weights()
     if _get(cfg.dtensor_cfg, "activation_checkpointing", False):  # recompute only, same math
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:  # transformers >= 5.2x name
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
     model.to(device)
     return model, tokenizer
 
@@ -212,13 +237,18 @@ def attn_the_model_supports(auto_cls: Any, config: Any, attn: str, *, requested:
     if getattr(model_cls, "_supports_sdpa", True):
         return attn
     if (requested or "auto") != "auto":
-        msg = (f"dtensor_cfg.attn_implementation={requested!r}: {model_cls.__name__} has no sdpa "
-               f"attention in transformers; use 'auto' (falls back to eager) or 'eager'")
+        msg = (
+            f"dtensor_cfg.attn_implementation={requested!r}: {model_cls.__name__} has no sdpa "
+            f"attention in transformers; use 'auto' (falls back to eager) or 'eager'"
+        )
         raise ValueError(msg)
     if model_cls.__name__ not in _EAGER_FALLBACK_LOGGED:
         _EAGER_FALLBACK_LOGGED.add(model_cls.__name__)
-        log.warning("%s has no sdpa attention in transformers; attn_implementation 'auto' uses "
-                    "'eager' for it", model_cls.__name__)
+        log.warning(
+            "%s has no sdpa attention in transformers; attn_implementation 'auto' uses "
+            "'eager' for it",
+            model_cls.__name__,
+        )
     return "eager"
 
 
@@ -230,11 +260,19 @@ def autocast_context(device: torch.device, dtype: torch.dtype) -> contextlib.Abs
 
 
 def _model_kwargs(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen):
-    kwargs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids,
-                              "attention_mask": attention_mask, "use_cache": False}
+    kwargs: dict[str, Any] = {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "attention_mask": attention_mask,
+        "use_cache": False,
+    }
     if cu_seqlens is not None:  # read by our varlen kernel; ignored (by name) by the others
-        kwargs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
-                      max_length_q=max_seqlen, max_length_k=max_seqlen)
+        kwargs.update(
+            cu_seq_lens_q=cu_seqlens,
+            cu_seq_lens_k=cu_seqlens,
+            max_length_q=max_seqlen,
+            max_length_k=max_seqlen,
+        )
     return kwargs
 
 
@@ -249,8 +287,13 @@ def forward_logits(
     max_seqlen: int | None = None,
 ) -> torch.Tensor:
     """Logits [B, S, V] (or classification logits) of one microbatch under autocast."""
-    kwargs = _model_kwargs(input_ids, position_ids, attention_mask,
-                           cu_seqlens if _uses_varlen(model) else None, max_seqlen)
+    kwargs = _model_kwargs(
+        input_ids,
+        position_ids,
+        attention_mask,
+        cu_seqlens if _uses_varlen(model) else None,
+        max_seqlen,
+    )
     with autocast_context(input_ids.device, autocast_dtype):
         out = model(**kwargs)
     return out.logits if hasattr(out, "logits") else out[0]
@@ -275,8 +318,9 @@ def forward_hidden(
     # Any: a Hugging Face model's base_model_prefix/config are class attributes torch can't type.
     hf_model = cast(Any, model)
     base = getattr(model, hf_model.base_model_prefix)
-    kwargs = _model_kwargs(input_ids, position_ids, None,
-                           cu_seqlens if _uses_varlen(model) else None, max_seqlen)
+    kwargs = _model_kwargs(
+        input_ids, position_ids, None, cu_seqlens if _uses_varlen(model) else None, max_seqlen
+    )
     if not through_root:
         with autocast_context(input_ids.device, autocast_dtype):
             out = base(**kwargs)
@@ -302,11 +346,13 @@ def supports_chunked_lm_head(model: torch.nn.Module) -> bool:
     # Any: a Hugging Face model's methods and class attributes are not on torch's nn.Module.
     hf_model = cast(Any, model)
     config = hf_model.config
-    return (type(model).__name__.endswith("ForCausalLM")
-            and hf_model.get_output_embeddings() is not None
-            and hasattr(model, hf_model.base_model_prefix)
-            and getattr(config, "final_logit_softcapping", None) is None
-            and getattr(config, "logits_scaling", None) in (None, 1, 1.0))
+    return (
+        type(model).__name__.endswith("ForCausalLM")
+        and hf_model.get_output_embeddings() is not None
+        and hasattr(model, hf_model.base_model_prefix)
+        and getattr(config, "final_logit_softcapping", None) is None
+        and getattr(config, "logits_scaling", None) in (None, 1, 1.0)
+    )
 
 
 def _uses_varlen(model: torch.nn.Module) -> bool:
@@ -330,19 +376,26 @@ def check_document_isolation(model: torch.nn.Module, *, autocast_dtype: torch.dt
         outs = []
         for first in (doc_a, (doc_a + 1) % vocab):
             ids = torch.cat([first, doc_b])[None].to(device)
-            outs.append(forward_logits(model, ids, position_ids=position_ids,
-                                       autocast_dtype=autocast_dtype,
-                                       cu_seqlens=torch.tensor([0, 5, 11], dtype=torch.int32,
-                                                               device=device),
-                                       max_seqlen=6)[0, 5:].float())
+            outs.append(
+                forward_logits(
+                    model,
+                    ids,
+                    position_ids=position_ids,
+                    autocast_dtype=autocast_dtype,
+                    cu_seqlens=torch.tensor([0, 5, 11], dtype=torch.int32, device=device),
+                    max_seqlen=6,
+                )[0, 5:].float()
+            )
             if hasattr(outs[-1], "full_tensor"):  # vocab-parallel (TP) logits
                 outs[-1] = outs[-1].full_tensor()
     finally:
         model.train(was_training)
     diff = (outs[0] - outs[1]).abs().max().item()
     if diff > 1e-3 * max(1.0, outs[0].abs().max().item()):
-        msg = (f"attention implementation {hf_config._attn_implementation!r} lets packed "
-               f"documents attend to each other (logits of a document changed by {diff:.3g} "
-               f"when the previous document changed); disable sequence_packing or use "
-               f"attn_implementation 'auto'/'sdpa'")
+        msg = (
+            f"attention implementation {hf_config._attn_implementation!r} lets packed "
+            f"documents attend to each other (logits of a document changed by {diff:.3g} "
+            f"when the previous document changed); disable sequence_packing or use "
+            f"attn_implementation 'auto'/'sdpa'"
+        )
         raise ValueError(msg)

@@ -46,15 +46,22 @@ def split_constructor_kwargs(kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
     """
     unknown = sorted(set(kwargs) - set(NEMO_RL_WORKER_KWARGS) - {"parallel"})
     if unknown:
-        msg = (f"unexpected PolicyWorker keyword arguments {unknown}; accepted: parallel and "
-               f"NeMo-RL's {sorted(NEMO_RL_WORKER_KWARGS)}")
+        msg = (
+            f"unexpected PolicyWorker keyword arguments {unknown}; accepted: parallel and "
+            f"NeMo-RL's {sorted(NEMO_RL_WORKER_KWARGS)}"
+        )
         raise ValueError(msg)
     if kwargs.get("processor") is not None:
-        msg = (f"processor={type(kwargs['processor']).__name__} is not supported (text-only "
-               "worker); pass processor=None")
+        msg = (
+            f"processor={type(kwargs['processor']).__name__} is not supported (text-only "
+            "worker); pass processor=None"
+        )
         raise ValueError(msg)
-    unused = sorted(k for k in kwargs if k in NEMO_RL_WORKER_KWARGS
-                    and NEMO_RL_WORKER_KWARGS[k].startswith("not used"))
+    unused = sorted(
+        k
+        for k in kwargs
+        if k in NEMO_RL_WORKER_KWARGS and NEMO_RL_WORKER_KWARGS[k].startswith("not used")
+    )
     if unused:
         log.info("accepted, not used: PolicyWorker keyword arguments %s", ", ".join(unused))
     return kwargs.get("parallel"), kwargs.get("tokenizer")
@@ -92,8 +99,11 @@ class NeMoRLWorkerSurface:
             "peak_memory_allocated_mb": torch.cuda.max_memory_allocated() / _MIB if cuda else 0.0,
             "peak_memory_reserved_mb": torch.cuda.max_memory_reserved() / _MIB if cuda else 0.0,
             "parameter_sample": _one_trainable_parameter(self.state.model),
-            "env_vars": {k: v for k, v in os.environ.items()
-                         if k.startswith("CUDA") or k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")},
+            "env_vars": {
+                k: v
+                for k, v in os.environ.items()
+                if k.startswith("CUDA") or k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")
+            },
         }
 
     def report_device_id(self) -> str:
@@ -130,8 +140,10 @@ class NeMoRLWorkerSurface:
     def _local_coords(self) -> dict[str, int]:
         """This rank's `tensor_parallel` and `context_parallel` coordinates (NeMo-RL's keys)."""
         coords = self.state.parallel.local_coords()
-        return {"tensor_parallel": coords["tensor_parallel"],
-                "context_parallel": coords["context_parallel"]}
+        return {
+            "tensor_parallel": coords["tensor_parallel"],
+            "context_parallel": coords["context_parallel"],
+        }
 
     def _autocast_context(self) -> contextlib.AbstractContextManager[Any]:
         """The autocast every forward of this worker runs under (`precision` on its device)."""
@@ -149,6 +161,11 @@ class NeMoRLWorkerSurface:
 def _one_trainable_parameter(model: torch.nn.Module) -> dict[str, Any]:
     for name, param in model.named_parameters():
         if param.requires_grad:
-            return {name: {"device": str(param.device), "shape": list(param.shape),
-                           "dtype": str(param.dtype)}}
+            return {
+                name: {
+                    "device": str(param.device),
+                    "shape": list(param.shape),
+                    "dtype": str(param.dtype),
+                }
+            }
     return {}

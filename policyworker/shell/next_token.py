@@ -22,8 +22,17 @@ from policyworker.shell.microbatches import Microbatch, forward, hidden_states
 from policyworker.shell.parallel import collectives
 from policyworker.shell.state import WorkerState
 
-__all__ = ["filtering", "inference_chunk", "inference_logprobs", "logit_chunks",
-           "logprobs_any", "rows_of_next", "sampling_for", "training_logprobs", "valid_mask"]
+__all__ = [
+    "filtering",
+    "inference_chunk",
+    "inference_logprobs",
+    "logit_chunks",
+    "logprobs_any",
+    "rows_of_next",
+    "sampling_for",
+    "training_logprobs",
+    "valid_mask",
+]
 
 _INFERENCE_CHUNK_TOKENS = 2048
 
@@ -40,23 +49,34 @@ def filtering(state: WorkerState) -> bool:
 
 def valid_mask(data: Mapping[str, Any], seq_len: int) -> torch.Tensor:
     """[B, seq_len] bool: the tokens that count (`functional.tokens.counted_tokens`)."""
-    return counted_tokens(data["input_lengths"], seq_len, data.get("token_mask"),
-                          data.get("sample_mask"))
+    return counted_tokens(
+        data["input_lengths"], seq_len, data.get("token_mask"), data.get("sample_mask")
+    )
 
 
-def logprobs_any(state: WorkerState, logits: torch.Tensor, ids: torch.Tensor, *,
-                 sampling: Sampling, chunk_size: int) -> torch.Tensor:
+def logprobs_any(
+    state: WorkerState,
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    sampling: Sampling,
+    chunk_size: int,
+) -> torch.Tensor:
     """Next-token logprobs of plain or vocab-sharded (TP) logits.
 
     Top-k/top-p under TP move whole rows between ranks, which needs `rows * positions`
     divisible by tp; otherwise this block's logits are gathered over the vocab first (one
     [rows, positions, V] block, differentiable) and scored as plain logits.
     """
-    if (isinstance(logits, DTensor) and sampling.filters_active
-            and ids.numel() % state.parallel.tp_size != 0):
+    if (
+        isinstance(logits, DTensor)
+        and sampling.filters_active
+        and ids.numel() % state.parallel.tp_size != 0
+    ):
         logits = logits.full_tensor()
     return collectives.next_token_logprobs_any(
-        logits, ids, state.parallel, **sampling.as_kwargs(), chunk_size=chunk_size)
+        logits, ids, state.parallel, **sampling.as_kwargs(), chunk_size=chunk_size
+    )
 
 
 def rows_of_next(mb: Microbatch, lp: torch.Tensor) -> torch.Tensor:
@@ -67,17 +87,20 @@ def rows_of_next(mb: Microbatch, lp: torch.Tensor) -> torch.Tensor:
     return mb.unpack_rows(full_1N)[:, 1:]
 
 
-def training_logprobs(state: WorkerState, mb: Microbatch, logits: torch.Tensor, *,
-                      filtered: bool) -> torch.Tensor:
+def training_logprobs(
+    state: WorkerState, mb: Microbatch, logits: torch.Tensor, *, filtered: bool
+) -> torch.Tensor:
     """[b, w-1] next-token logprobs of microbatch `mb` from its logits (differentiable)."""
     chunk = state.cfg.logprob_chunk_size or default_chunk_size(logits.shape[-1])
-    lp = logprobs_any(state, logits, mb.input_ids, sampling=sampling_for(state, filtered),
-                      chunk_size=chunk)
+    lp = logprobs_any(
+        state, logits, mb.input_ids, sampling=sampling_for(state, filtered), chunk_size=chunk
+    )
     return rows_of_next(mb, lp)
 
 
-def logit_chunks(state: WorkerState, mb: Microbatch
-                 ) -> tuple[Callable[[int, int], torch.Tensor], int, int]:
+def logit_chunks(
+    state: WorkerState, mb: Microbatch
+) -> tuple[Callable[[int, int], torch.Tensor], int, int]:
     """(logits_at(start, stop), num_positions, vocab) for no-grad inference.
 
     For plain causal LMs only the hidden states are kept and the LM head runs one chunk of
@@ -115,7 +138,13 @@ def inference_logprobs(state: WorkerState, mb: Microbatch) -> torch.Tensor:
     parts = [torch.zeros(mb.input_ids.shape[0], 0, device=state.device)]
     for start in range(0, num_positions - 1, chunk):
         stop = min(start + chunk, num_positions - 1)
-        parts.append(logprobs_any(
-            state, logits_at(start, stop + 1), mb.input_ids[:, start:stop + 1],
-            sampling=state.sampling, chunk_size=chunk))
+        parts.append(
+            logprobs_any(
+                state,
+                logits_at(start, stop + 1),
+                mb.input_ids[:, start : stop + 1],
+                sampling=state.sampling,
+                chunk_size=chunk,
+            )
+        )
     return rows_of_next(mb, torch.cat(parts, dim=1))

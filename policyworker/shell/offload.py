@@ -13,22 +13,31 @@ import torch
 from policyworker.shell.parallel import plans as parallel_lib
 from policyworker.shell.state import WorkerState
 
-__all__ = ["finish_inference", "move_buffers", "move_model", "move_optimizer",
-           "offload_after_refit", "offload_before_refit", "prepare_for_lp_inference",
-           "prepare_for_training"]
+__all__ = [
+    "finish_inference",
+    "move_buffers",
+    "move_model",
+    "move_optimizer",
+    "offload_after_refit",
+    "offload_before_refit",
+    "prepare_for_lp_inference",
+    "prepare_for_training",
+]
 
 log = logging.getLogger(__name__)
 
 
-def move_buffers(state: WorkerState, model: torch.nn.Module, device: str | torch.device
-                 ) -> torch.nn.Module:
+def move_buffers(
+    state: WorkerState, model: torch.nn.Module, device: str | torch.device
+) -> torch.nn.Module:
     """Move `model`'s buffers (not its parameters) to `device`."""
     parallel_lib.move_buffers(model, state.resolve_device(device))
     return model
 
 
-def move_model(state: WorkerState, model: torch.nn.Module, device: str | torch.device
-               ) -> torch.nn.Module:
+def move_model(
+    state: WorkerState, model: torch.nn.Module, device: str | torch.device
+) -> torch.nn.Module:
     """Move `model`'s buffers and parameters to `device`."""
     device = state.resolve_device(device)
     move_buffers(state, model, device)
@@ -83,8 +92,11 @@ def prepare_for_lp_inference(state: WorkerState, keep_train_buffers: bool) -> No
     else:
         to_device(state, state.model)
     state.model.eval()
-    if not keep_train_buffers and state.optimizer is not None and (
-            state.cfg.offload_optimizer_for_logprob):
+    if (
+        not keep_train_buffers
+        and state.optimizer is not None
+        and (state.cfg.offload_optimizer_for_logprob)
+    ):
         move_optimizer(state, "cpu")
     state.release_memory()
 
@@ -108,5 +120,8 @@ def offload_after_refit(state: WorkerState) -> None:
     state.model.eval()
     offload_before_refit(state)
     if state.device.type == "cuda":
-        log.info("after offload_after_refit: %.3f GiB allocated, %.3f GiB reserved",
-                 torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30)
+        log.info(
+            "after offload_after_refit: %.3f GiB allocated, %.3f GiB reserved",
+            torch.cuda.memory_allocated() / 2**30,
+            torch.cuda.memory_reserved() / 2**30,
+        )

@@ -87,16 +87,21 @@ def build_scheduler(optimizer: torch.optim.Optimizer, scheduler_cfg: Any):
         entries = [e for e in scheduler_cfg if _get(e, "milestones") is None]
         milestone_entries = [e for e in scheduler_cfg if _get(e, "milestones") is not None]
         if len(milestone_entries) != 1:
-            msg = (f"scheduler is a list with {len(milestone_entries)} 'milestones' entries; "
-                   f"a list needs exactly one {{milestones: [...]}} entry besides the schedulers")
+            msg = (
+                f"scheduler is a list with {len(milestone_entries)} 'milestones' entries; "
+                f"a list needs exactly one {{milestones: [...]}} entry besides the schedulers"
+            )
             raise ValueError(msg)
         milestones = list(_get(milestone_entries[0], "milestones"))
         if len(milestones) != len(entries) - 1:
-            msg = (f"scheduler.milestones={milestones} has {len(milestones)} entries for "
-                   f"{len(entries)} schedulers; give one milestone fewer than schedulers")
+            msg = (
+                f"scheduler.milestones={milestones} has {len(milestones)} entries for "
+                f"{len(entries)} schedulers; give one milestone fewer than schedulers"
+            )
             raise ValueError(msg)
-        schedulers = [_one_scheduler(optimizer, e, key=f"scheduler[{i}]")
-                      for i, e in enumerate(entries)]
+        schedulers = [
+            _one_scheduler(optimizer, e, key=f"scheduler[{i}]") for i, e in enumerate(entries)
+        ]
         if len(schedulers) == 1:
             return schedulers[0]
         return torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers, milestones=milestones)

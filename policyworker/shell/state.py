@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RefitState", "WorkerState"]
 
+
 @attrs.define(kw_only=True, eq=False)
 class RefitState:
     """The refit transports a worker opened, each created on first use and closed at shutdown."""
@@ -73,18 +74,27 @@ class WorkerState:
     shut_down: bool = False  # set by PolicyWorker.shutdown(): later batch and refit calls raise
 
     @classmethod
-    def build(cls, cfg: PolicyConfig, *, parallel: ParallelContext | None,
-              weights_path: str | None, optimizer_path: str | None, init_optimizer: bool,
-              init_reference_model: bool) -> WorkerState:
+    def build(
+        cls,
+        cfg: PolicyConfig,
+        *,
+        parallel: ParallelContext | None,
+        weights_path: str | None,
+        optimizer_path: str | None,
+        init_optimizer: bool,
+        init_reference_model: bool,
+    ) -> WorkerState:
         """Validate `cfg` for this process group, then load and prepare everything it names."""
         dcfg = cfg.dtensor_cfg
         parallel = parallel or ParallelContext.from_environment(
-            tp_size=dcfg.tensor_parallel_size, cp_size=dcfg.context_parallel_size)
+            tp_size=dcfg.tensor_parallel_size, cp_size=dcfg.context_parallel_size
+        )
         _validate(cfg, parallel)
         device, dtype = parallel.device, precision_dtype(cfg.precision)
         weights_folder = _hf_weights_folder(weights_path)
-        model, tokenizer = model_lib.load_policy_model(cfg, device=device,
-                                                       weights_from=weights_folder)
+        model, tokenizer = model_lib.load_policy_model(
+            cfg, device=device, weights_from=weights_folder
+        )
         lora_module_names: list[str] = []
         if dcfg.lora_cfg is not None:
             from policyworker.shell.lora import apply_lora
@@ -96,31 +106,50 @@ class WorkerState:
             if parallel.mesh is not None:  # the probe's no-grad forward left roots unsharded
                 parallel_lib.reshard(model)
         fusion_report = fuse_elementwise(model, mode=dcfg.fusion, autocast_dtype=dtype)
-        optimizer = build_optimizer(model, cfg.optimizer) if (
-            init_optimizer and cfg.optimizer is not None) else None
+        optimizer = (
+            build_optimizer(model, cfg.optimizer)
+            if (init_optimizer and cfg.optimizer is not None)
+            else None
+        )
         state = cls(
-            cfg=cfg, parallel=parallel, device=device, dtype=dtype, model=model,
-            tokenizer=tokenizer, lora_module_names=lora_module_names,
-            fusion_report=fusion_report, optimizer=optimizer,
+            cfg=cfg,
+            parallel=parallel,
+            device=device,
+            dtype=dtype,
+            model=model,
+            tokenizer=tokenizer,
+            lora_module_names=lora_module_names,
+            fusion_report=fusion_report,
+            optimizer=optimizer,
             scheduler=build_scheduler(optimizer, cfg.scheduler) if optimizer else None,
-            sampling=Sampling.of_generation(cfg.generation), moe=MoeRouting(model, cfg, parallel),
-            draft=DraftTrainer(model, cfg, device=device, parallel=parallel,
-                               build_optimizer=build_optimizer if init_optimizer else None))
+            sampling=Sampling.of_generation(cfg.generation),
+            moe=MoeRouting(model, cfg, parallel),
+            draft=DraftTrainer(
+                model,
+                cfg,
+                device=device,
+                parallel=parallel,
+                build_optimizer=build_optimizer if init_optimizer else None,
+            ),
+        )
         state.reference_state = state.snapshot() if init_reference_model else None
         if weights_path is not None or optimizer_path is not None:
             from policyworker.shell.checkpoint.api import load_checkpoint_at_init
 
-            load_checkpoint_at_init(state, weights_path, optimizer_path,
-                                    weights_loaded=weights_folder is not None)
+            load_checkpoint_at_init(
+                state, weights_path, optimizer_path, weights_loaded=weights_folder is not None
+            )
             state.draft.load_beside(weights_path, optimizer_path)
         return state
 
     def require_running(self, call: str) -> None:
         """RuntimeError after shutdown (the process group and refit sockets are closed)."""
         if self.shut_down:
-            msg = (f"PolicyWorker[rank={self.parallel.rank}] was shut down; {call} needs a live "
-                   "worker (its process group and refit sockets are closed): build a new "
-                   "PolicyWorker")
+            msg = (
+                f"PolicyWorker[rank={self.parallel.rank}] was shut down; {call} needs a live "
+                "worker (its process group and refit sockets are closed): build a new "
+                "PolicyWorker"
+            )
             raise RuntimeError(msg)
 
     def reshard(self) -> None:
@@ -177,19 +206,24 @@ def _validate(cfg: PolicyConfig, parallel: ParallelContext) -> None:
     dcfg = cfg.dtensor_cfg
     validate_for_world(cfg, dp_size=parallel.dp_size)
     if dcfg.cpu_offload and parallel.mesh is None:
-        msg = ("dtensor_cfg.cpu_offload=True needs FSDP2, which needs a process group (this "
-               "is a single process without one); launch with torchrun (even "
-               "--nproc-per-node 1) or set cpu_offload: false")
+        msg = (
+            "dtensor_cfg.cpu_offload=True needs FSDP2, which needs a process group (this "
+            "is a single process without one); launch with torchrun (even "
+            "--nproc-per-node 1) or set cpu_offload: false"
+        )
         raise ValueError(msg)
     if dcfg.fusion != "none" and parallel.mesh is not None:
-        msg = (f"dtensor_cfg.fusion={dcfg.fusion!r} compiles the single-process model; with a "
-               f"process group (world size {parallel.world_size}) FSDP2/TP own the layers, "
-               "so set fusion: none there")
+        msg = (
+            f"dtensor_cfg.fusion={dcfg.fusion!r} compiles the single-process model; with a "
+            f"process group (world size {parallel.world_size}) FSDP2/TP own the layers, "
+            "so set fusion: none there"
+        )
         raise ValueError(msg)
 
 
-def _parallelize(model: torch.nn.Module, cfg: PolicyConfig, parallel: ParallelContext,
-                 dtype: torch.dtype) -> torch.nn.Module:
+def _parallelize(
+    model: torch.nn.Module, cfg: PolicyConfig, parallel: ParallelContext, dtype: torch.dtype
+) -> torch.nn.Module:
     """TP (tp > 1) then FSDP2 over dp when a process group exists; nothing for one process.
 
     LoRA adapters (already injected) follow their base layer's TP sharding and stay fp32
@@ -199,10 +233,13 @@ def _parallelize(model: torch.nn.Module, cfg: PolicyConfig, parallel: ParallelCo
         return model
     dcfg = cfg.dtensor_cfg
     model = parallel_lib.parallelize_model(
-        model, parallel, precision=dtype,
+        model,
+        parallel,
+        precision=dtype,
         activation_checkpointing=dcfg.activation_checkpointing,
         cpu_offload=dcfg.cpu_offload,
-        sequence_parallel=dcfg.sequence_parallel and parallel.tp_size > 1)
+        sequence_parallel=dcfg.sequence_parallel and parallel.tp_size > 1,
+    )
     if dcfg.cpu_offload:
         parallel_lib.move_buffers(model, parallel.device)
     return model

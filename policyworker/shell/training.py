@@ -39,16 +39,28 @@ TRAIN_KEYS = ("input_ids", "input_lengths", "sample_mask")
 log = logging.getLogger(__name__)
 
 
-def check_train_call(state: WorkerState, data: Mapping[str, Any], loss_fn: Any, *,
-                     eval_mode: bool, gbs: int | None, mbs: int | None) -> tuple[int, int]:
+def check_train_call(
+    state: WorkerState,
+    data: Mapping[str, Any],
+    loss_fn: Any,
+    *,
+    eval_mode: bool,
+    gbs: int | None,
+    mbs: int | None,
+) -> tuple[int, int]:
     """Refuse a `train` call this worker cannot run; the global and micro batch sizes to use."""
     if not eval_mode and state.optimizer is None:
         msg = "train() needs an optimizer but the worker was built with init_optimizer=False"
         raise ValueError(msg)
-    if (not eval_mode and state.device.type == "cpu"
-            and state.model.config._attn_implementation == "flex_attention"):
-        msg = ("attn_implementation 'flex_attention' has no backward on CPU; use 'auto' or "
-               "'sdpa' for training on CPU (flex_attention works for inference)")
+    if (
+        not eval_mode
+        and state.device.type == "cpu"
+        and state.model.config._attn_implementation == "flex_attention"
+    ):
+        msg = (
+            "attn_implementation 'flex_attention' has no backward on CPU; use 'auto' or "
+            "'sdpa' for training on CPU (flex_attention works for inference)"
+        )
         raise ValueError(msg)
     gbs = batch_checks.batch_size_argument("gbs", gbs, state.cfg.train_global_batch_size)
     mbs = batch_checks.batch_size_argument("mbs", mbs, state.cfg.train_micro_batch_size)
@@ -60,8 +72,16 @@ def check_train_call(state: WorkerState, data: Mapping[str, Any], loss_fn: Any, 
     return gbs, mbs
 
 
-def train(state: WorkerState, data: Mapping[str, Any], loss_fn: Any, *, eval_mode: bool,
-          gbs: int, mbs: int, skip: tuple[str, ...]) -> dict[str, Any]:
+def train(
+    state: WorkerState,
+    data: Mapping[str, Any],
+    loss_fn: Any,
+    *,
+    eval_mode: bool,
+    gbs: int,
+    mbs: int,
+    skip: tuple[str, ...],
+) -> dict[str, Any]:
     """One optimizer step per whole global batch of `data`; the worker's `train` result."""
     data = batch_checks.cast_loss_inputs(data)
     dp, cp = state.parallel.dp_size, state.parallel.cp_size
@@ -71,13 +91,25 @@ def train(state: WorkerState, data: Mapping[str, Any], loss_fn: Any, *, eval_mod
     grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
     losses, all_mb_metrics = [], {}
     grad_norm, skipped, stepped = None, 0, 0
-    with (grad_ctx, state.moe.replaying(), state.moe.counting(not eval_mode),
-          state.draft.capturing()):
+    with (
+        grad_ctx,
+        state.moe.replaying(),
+        state.moe.counting(not eval_mode),
+        state.draft.capturing(),
+    ):
         for g in range(num_gb):
             rows = slice(g * local_gbs, (g + 1) * local_gbs)
             batch = {k: v[rows] for k, v in data.items()}
-            out = _train_global_batch(state, batch, loss_fn, eval_mode=eval_mode, mbs=mbs,
-                                      num_gb=num_gb, skip=skip, dp_cp=dp * cp)
+            out = _train_global_batch(
+                state,
+                batch,
+                loss_fn,
+                eval_mode=eval_mode,
+                mbs=mbs,
+                num_gb=num_gb,
+                skip=skip,
+                dp_cp=dp * cp,
+            )
             mb_losses, mb_metrics, grad_norm, was_skipped = out
             skipped += int(was_skipped)
             stepped += int(not eval_mode and not was_skipped)
@@ -92,10 +124,16 @@ def train(state: WorkerState, data: Mapping[str, Any], loss_fn: Any, *, eval_mod
     state.empty_cache()
     global_loss = state.parallel.all_reduce(
         torch.tensor(losses, dtype=torch.float32, device=state.parallel._collective_device()),
-        axis="dp").cpu()
-    return {"global_loss": global_loss, "grad_norm": grad_norm,
-            "all_mb_metrics": all_mb_metrics, "rank": state.parallel.rank,
-            "model_dtype": state.dtype, "skipped_steps": skipped}
+        axis="dp",
+    ).cpu()
+    return {
+        "global_loss": global_loss,
+        "grad_norm": grad_norm,
+        "all_mb_metrics": all_mb_metrics,
+        "rank": state.parallel.rank,
+        "model_dtype": state.dtype,
+        "skipped_steps": skipped,
+    }
 
 
 def _num_global_batches(state: WorkerState, data: Mapping[str, Any], gbs: int) -> int:
@@ -104,18 +142,24 @@ def _num_global_batches(state: WorkerState, data: Mapping[str, Any], gbs: int) -
     total = state.parallel.all_reduce_int(size, axis="dp")
     num_gb = total // gbs
     if num_gb == 0:
-        msg = (f"the batch has {total} rows over all data-parallel ranks, fewer than one "
-               f"global batch (gbs={gbs}); pass at least gbs rows or a smaller gbs")
+        msg = (
+            f"the batch has {total} rows over all data-parallel ranks, fewer than one "
+            f"global batch (gbs={gbs}); pass at least gbs rows or a smaller gbs"
+        )
         raise ValueError(msg)
     if total % gbs:
-        log.warning("train(): %d row(s) over all data-parallel ranks are not a whole global "
-                    "batch (gbs=%d) and are not used; pass a multiple of gbs rows",
-                    total % gbs, gbs)
+        log.warning(
+            "train(): %d row(s) over all data-parallel ranks are not a whole global "
+            "batch (gbs=%d) and are not used; pass a multiple of gbs rows",
+            total % gbs,
+            gbs,
+        )
     return num_gb
 
 
-def _global_normalizers(state: WorkerState, batch: Mapping[str, Any]
-                        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+def _global_normalizers(
+    state: WorkerState, batch: Mapping[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """(valid samples, valid tokens) over all dp ranks, and the batch with `token_mask` cut to
     the lengths."""
     seq_len = batch["input_ids"].shape[1]
@@ -130,12 +174,12 @@ def _global_normalizers(state: WorkerState, batch: Mapping[str, Any]
     return gvs.to(state.device), gvt.to(state.device), batch
 
 
-def _train_global_batch(state: WorkerState, batch, loss_fn, *, eval_mode, mbs, num_gb, skip,
-                        dp_cp):
+def _train_global_batch(state: WorkerState, batch, loss_fn, *, eval_mode, mbs, num_gb, skip, dp_cp):
     gvs, gvt, batch = _global_normalizers(state, batch)
     state.draft.begin_global_batch(batch)
-    plans = mbatch.plan(state, batch["input_lengths"], seq_len=batch["input_ids"].shape[1],
-                        mbs=mbs, purpose="train")
+    plans = mbatch.plan(
+        state, batch["input_lengths"], seq_len=batch["input_ids"].shape[1], mbs=mbs, purpose="train"
+    )
     if not eval_mode:
         state.optimizer.zero_grad(set_to_none=True)
     mb_losses, mb_metrics, finite = [], [], True
@@ -165,8 +209,10 @@ def _train_global_batch(state: WorkerState, batch, loss_fn, *, eval_mode, mbs, n
     if float(gvt if loss_fn.loss_type == LossType.TOKEN_LEVEL else gvs) == 0:
         # Nothing in this global batch counts (all tokens/rows masked out): a step would only
         # advance the optimizer's clock (Adam's bias correction, the scheduler).
-        log.warning("train(): a global batch has no valid %s; its optimizer step was skipped",
-                    "tokens" if loss_fn.loss_type == LossType.TOKEN_LEVEL else "rows")
+        log.warning(
+            "train(): a global batch has no valid %s; its optimizer step was skipped",
+            "tokens" if loss_fn.loss_type == LossType.TOKEN_LEVEL else "rows",
+        )
         state.optimizer.zero_grad(set_to_none=True)
         grad_norm, skipped = 0.0, True
     else:
@@ -191,13 +237,20 @@ def _loss(state: WorkerState, mb: mbatch.Microbatch, loss_fn, gvs, gvt):
         if state.sampling.temperature != 1.0:
             logits = logits / state.sampling.temperature
         if kind == LossInputType.LOGIT:
-            return loss_fn(data=mb.data, global_valid_seqs=gvs, global_valid_toks=gvt,
-                           logits=logits)
-        return loss_fn(data=mb.data, global_valid_seqs=gvs, global_valid_toks=gvt,
-                       **distillation_loss_input(logits, mb.data, loss_fn))
+            return loss_fn(
+                data=mb.data, global_valid_seqs=gvs, global_valid_toks=gvt, logits=logits
+            )
+        return loss_fn(
+            data=mb.data,
+            global_valid_seqs=gvs,
+            global_valid_toks=gvt,
+            **distillation_loss_input(logits, mb.data, loss_fn),
+        )
     if kind != LossInputType.LOGPROB:
-        msg = (f"loss input_type {kind!r} is not supported; use LossInputType.LOGPROB, LOGIT or "
-               "DISTILLATION")
+        msg = (
+            f"loss input_type {kind!r} is not supported; use LossInputType.LOGPROB, LOGIT or "
+            "DISTILLATION"
+        )
         raise ValueError(msg)
     data = dict(mb.data)
     lp = next_token.training_logprobs(state, mb, logits, filtered=True)
@@ -206,9 +259,9 @@ def _loss(state: WorkerState, mb: mbatch.Microbatch, loss_fn, gvs, gvt):
         lp, _ = count_and_zero_neg_inf(lp, valid)
         if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
             data["curr_logprobs_unfiltered"] = next_token.training_logprobs(
-                state, mb, logits, filtered=False)
-    return loss_fn(data=data, global_valid_seqs=gvs, global_valid_toks=gvt,
-                   next_token_logprobs=lp)
+                state, mb, logits, filtered=False
+            )
+    return loss_fn(data=data, global_valid_seqs=gvs, global_valid_toks=gvt, next_token_logprobs=lp)
 
 
 def _optimizer_step(state: WorkerState, loss_finite: bool) -> tuple[float, bool]:
@@ -218,8 +271,11 @@ def _optimizer_step(state: WorkerState, loss_finite: bool) -> tuple[float, bool]
     bad = state.parallel.all_reduce_int(bad, op="max", axis="world")
     grad_norm = float(total_norm.item())
     if bad:
-        warnings.warn(f"non-finite loss or grad norm ({grad_norm}); the optimizer step was "
-                      f"skipped (weights and optimizer state unchanged)", stacklevel=4)
+        warnings.warn(
+            f"non-finite loss or grad norm ({grad_norm}); the optimizer step was "
+            f"skipped (weights and optimizer state unchanged)",
+            stacklevel=4,
+        )
         state.optimizer.zero_grad(set_to_none=True)
         return grad_norm, True
     if state.cfg.max_grad_norm is not None:

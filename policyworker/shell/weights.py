@@ -18,8 +18,16 @@ from policyworker.errors import RefitError
 from policyworker.functional.dtypes import precision_dtype
 from policyworker.shell.state import WorkerState
 
-__all__ = ["add_noise", "broadcast", "init_collective", "refit_info", "sglang_sender",
-           "stream_via_zmq", "update_sglang", "zmq_sender"]
+__all__ = [
+    "add_noise",
+    "broadcast",
+    "init_collective",
+    "refit_info",
+    "sglang_sender",
+    "stream_via_zmq",
+    "update_sglang",
+    "zmq_sender",
+]
 
 
 def zmq_sender(state: WorkerState) -> Any:
@@ -28,9 +36,13 @@ def zmq_sender(state: WorkerState) -> Any:
     if state.refit.sender is None:
         from policyworker.shell.refit.sender import RefitSender
 
-        state.refit.sender = RefitSender(lambda: state.model, state.dtype,
-                                         rank=state.parallel.rank, device=state.device,
-                                         draft_model_fn=lambda: state.draft.model)
+        state.refit.sender = RefitSender(
+            lambda: state.model,
+            state.dtype,
+            rank=state.parallel.rank,
+            device=state.device,
+            draft_model_fn=lambda: state.draft.model,
+        )
     return state.refit.sender
 
 
@@ -40,8 +52,9 @@ def refit_info(state: WorkerState) -> dict[str, tuple[torch.Size, torch.dtype]]:
     return zmq_sender(state).prepare_refit_info()
 
 
-def stream_via_zmq(state: WorkerState, buffer_size_bytes: int, kv_scales: Any, *,
-                   timeout_s: float) -> dict[str, Any] | None:
+def stream_via_zmq(
+    state: WorkerState, buffer_size_bytes: int, kv_scales: Any, *, timeout_s: float
+) -> dict[str, Any] | None:
     """One colocated refit over ZMQ + CUDA IPC (shared memory on CPU); the receiver's report.
 
     If rank 0's stream fails it still finishes the gathers, so the others are released, and
@@ -52,8 +65,9 @@ def stream_via_zmq(state: WorkerState, buffer_size_bytes: int, kv_scales: Any, *
 
     state.reshard()
     if state.parallel.world_size == 1:
-        return zmq_sender(state).stream_weights_via_ipc_zmq(buffer_size_bytes, kv_scales,
-                                                            timeout_s=timeout_s)
+        return zmq_sender(state).stream_weights_via_ipc_zmq(
+            buffer_size_bytes, kv_scales, timeout_s=timeout_s
+        )
     check_stream_args(buffer_size_bytes, kv_scales, timeout_s)
     gathers: list[_Draining] = []
 
@@ -65,7 +79,8 @@ def stream_via_zmq(state: WorkerState, buffer_size_bytes: int, kv_scales: Any, *
     try:
         if state.parallel.rank == 0:
             report = zmq_sender(state).stream_weights_via_ipc_zmq(
-                buffer_size_bytes, kv_scales, timeout_s=timeout_s, wrap_sources=drainable)
+                buffer_size_bytes, kv_scales, timeout_s=timeout_s, wrap_sources=drainable
+            )
         else:
             drainable(refit_stream(state.model, state.dtype, state.draft.model).sources)
     except BaseException:
@@ -78,36 +93,57 @@ def stream_via_zmq(state: WorkerState, buffer_size_bytes: int, kv_scales: Any, *
     for sources in gathers:
         sources.drain()
     if state.parallel.all_reduce_int(failed, op="max", axis="world"):
-        msg = (f"refit over ZMQ failed on rank 0 (rank {state.parallel.rank} took part in the "
-               f"weight gathers only); see rank 0's error, then call "
-               f"stream_weights_via_ipc_zmq again on every rank")
+        msg = (
+            f"refit over ZMQ failed on rank 0 (rank {state.parallel.rank} took part in the "
+            f"weight gathers only); see rank 0's error, then call "
+            f"stream_weights_via_ipc_zmq again on every rank"
+        )
         raise RefitError(msg)
     return report
 
 
-def init_collective(state: WorkerState, ip: str, port: int, world_size: int, *,
-                    train_world_size: int) -> None:
+def init_collective(
+    state: WorkerState, ip: str, port: int, world_size: int, *, train_world_size: int
+) -> None:
     """Join the trainer+engine process group that `broadcast` sends over."""
     from policyworker.shell.refit.collective import init_collective as join
 
     state.require_running("init_collective")
-    state.refit.collective = join(ip, port, world_size, train_world_size=train_world_size,
-                                  rank=state.parallel.rank, device=state.device)
+    state.refit.collective = join(
+        ip,
+        port,
+        world_size,
+        train_world_size=train_world_size,
+        rank=state.parallel.rank,
+        device=state.device,
+    )
 
 
-def broadcast(state: WorkerState, kv_scales: Any, refit_timeout_s: float | None, *,
-              buffer_size_bytes: int | None, num_buffers: int | None,
-              use_legacy_packing: bool) -> dict[str, Any]:
+def broadcast(
+    state: WorkerState,
+    kv_scales: Any,
+    refit_timeout_s: float | None,
+    *,
+    buffer_size_bytes: int | None,
+    num_buffers: int | None,
+    use_legacy_packing: bool,
+) -> dict[str, Any]:
     """One refit as packed broadcasts over the group of `init_collective`."""
     from policyworker.shell.refit.collective import broadcast_model_weights
 
     state.require_running("a collective refit")
     state.reshard()
     return broadcast_model_weights(
-        state.refit.collective, state.model, state.dtype, draft_model=state.draft.model,
+        state.refit.collective,
+        state.model,
+        state.dtype,
+        draft_model=state.draft.model,
         kv_scales=kv_scales,
-        refit_timeout_s=refit_timeout_s, buffer_size_bytes=buffer_size_bytes,
-        num_buffers=num_buffers, use_legacy_packing=use_legacy_packing)
+        refit_timeout_s=refit_timeout_s,
+        buffer_size_bytes=buffer_size_bytes,
+        num_buffers=num_buffers,
+        use_legacy_packing=use_legacy_packing,
+    )
 
 
 def sglang_sender(state: WorkerState) -> Any:
@@ -116,21 +152,32 @@ def sglang_sender(state: WorkerState) -> Any:
     if state.refit.sglang is None:
         from policyworker.shell.refit.sglang import SGLangColocatedSender
 
-        state.refit.sglang = SGLangColocatedSender(rank=state.parallel.rank,
-                                                   world_size=state.parallel.world_size)
+        state.refit.sglang = SGLangColocatedSender(
+            rank=state.parallel.rank, world_size=state.parallel.world_size
+        )
     return state.refit.sglang
 
 
-def update_sglang(state: WorkerState, *, rollout_engines: Any, buffer_size_bytes: int,
-                  target_precision: str, sglang_quantization_cfg: Any) -> Any:
+def update_sglang(
+    state: WorkerState,
+    *,
+    rollout_engines: Any,
+    buffer_size_bytes: int,
+    target_precision: str,
+    sglang_quantization_cfg: Any,
+) -> Any:
     """Push the weights, cast to `target_precision`, into colocated SGLang engines."""
     from policyworker.shell.refit.params import params_generator
 
     state.reshard()
     named = params_generator(state.model, precision_dtype(target_precision), state.draft.model)
     return sglang_sender(state).update_weights(
-        named, rollout_engines=rollout_engines, buffer_size_bytes=buffer_size_bytes,
-        target_precision=target_precision, sglang_quantization_cfg=sglang_quantization_cfg)
+        named,
+        rollout_engines=rollout_engines,
+        buffer_size_bytes=buffer_size_bytes,
+        target_precision=target_precision,
+        sglang_quantization_cfg=sglang_quantization_cfg,
+    )
 
 
 def add_noise(state: WorkerState) -> None:
@@ -147,8 +194,9 @@ def add_noise(state: WorkerState) -> None:
             if isinstance(p, DTensor):
                 from torch.distributed.tensor import distribute_tensor
 
-                noise = distribute_tensor(noise.to(p.device, p.dtype), p.device_mesh,
-                                          p.placements, src_data_rank=None)
+                noise = distribute_tensor(
+                    noise.to(p.device, p.dtype), p.device_mesh, p.placements, src_data_rank=None
+                )
             p.add_(noise.to(p.device, p.dtype))
     if state.device.type == "cuda":
         torch.cuda.synchronize()

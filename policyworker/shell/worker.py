@@ -45,8 +45,11 @@ log = logging.getLogger(__name__)
 
 def _state_field(name: str, doc: str) -> property:
     """A worker attribute that reads and writes the field `name` of `worker.state`."""
-    return property(lambda self: getattr(self.state, name),
-                    lambda self, value: setattr(self.state, name, value), doc=doc)
+    return property(
+        lambda self: getattr(self.state, name),
+        lambda self, value: setattr(self.state, name, value),
+        doc=doc,
+    )
 
 
 class PolicyWorker(NeMoRLWorkerSurface):
@@ -84,8 +87,13 @@ class PolicyWorker(NeMoRLWorkerSurface):
         parallel, tokenizer = split_constructor_kwargs(kwargs)
         with quiet_progress_bars():  # transformers' "Loading weights" bars
             self.state = WorkerState.build(
-                cfg, parallel=parallel, weights_path=weights_path, optimizer_path=optimizer_path,
-                init_optimizer=init_optimizer, init_reference_model=init_reference_model)
+                cfg,
+                parallel=parallel,
+                weights_path=weights_path,
+                optimizer_path=optimizer_path,
+                init_optimizer=init_optimizer,
+                init_reference_model=init_reference_model,
+            )
         if tokenizer is not None:
             self.state.tokenizer = tokenizer
         if self.parallel.rank == 0:
@@ -98,9 +106,15 @@ class PolicyWorker(NeMoRLWorkerSurface):
 
     # ------------------------------------------------------------------------------ train
 
-    def train(self, data: Mapping[str, Any], loss_fn: Any, eval_mode: bool = False,
-              gbs: int | None = None, mbs: int | None = None,
-              check_dim_skip_keys: Any = None) -> dict[str, Any]:
+    def train(
+        self,
+        data: Mapping[str, Any],
+        loss_fn: Any,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+        check_dim_skip_keys: Any = None,
+    ) -> dict[str, Any]:
         """Train on every whole global batch of `data` (one optimizer step per global batch).
 
         Returns `global_loss` [num global batches], `grad_norm`, `all_mb_metrics`, `rank`,
@@ -108,26 +122,39 @@ class PolicyWorker(NeMoRLWorkerSurface):
         """
         skip = tuple(check_dim_skip_keys or ())
         check_loss_fn(loss_fn)
-        mbatch.validate(self.state, data, required=train_required_keys(loss_fn), skip=skip,
-                        needed_by=f"train() with {type(loss_fn).__name__}")
+        mbatch.validate(
+            self.state,
+            data,
+            required=train_required_keys(loss_fn),
+            skip=skip,
+            needed_by=f"train() with {type(loss_fn).__name__}",
+        )
         self.state.moe.check_replay_data(data)
-        gbs, mbs = training.check_train_call(self.state, data, loss_fn, eval_mode=eval_mode,
-                                             gbs=gbs, mbs=mbs)
-        return training.train(self.state, data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs,
-                              skip=skip)
+        gbs, mbs = training.check_train_call(
+            self.state, data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
+        )
+        return training.train(
+            self.state, data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, skip=skip
+        )
 
     # ------------------------------------------------------------------------------ inference
 
-    def get_logprobs(self, data: Mapping[str, Any], micro_batch_size: int | None = None,
-                     require_router_replay: bool = True) -> BatchedDataDict:
+    def get_logprobs(
+        self,
+        data: Mapping[str, Any],
+        micro_batch_size: int | None = None,
+        require_router_replay: bool = True,
+    ) -> BatchedDataDict:
         """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths."""
         mbatch.validate(self.state, data)
         self.state.moe.check_replay_data(data, require=require_router_replay)
-        return inference.logprobs(self.state, data, micro_batch_size,
-                                  replay_routes=require_router_replay)
+        return inference.logprobs(
+            self.state, data, micro_batch_size, replay_routes=require_router_replay
+        )
 
-    def get_reference_policy_logprobs(self, data: Mapping[str, Any],
-                                      micro_batch_size: int | None = None) -> BatchedDataDict:
+    def get_reference_policy_logprobs(
+        self, data: Mapping[str, Any], micro_batch_size: int | None = None
+    ) -> BatchedDataDict:
         """Logprobs of the reference weights (filters off, temperature kept)."""
         with self.use_reference_model():
             out = self.get_logprobs(data, micro_batch_size, require_router_replay=False)
@@ -139,8 +166,9 @@ class PolicyWorker(NeMoRLWorkerSurface):
         with inference.reference_model(self.state):
             yield
 
-    def get_topk_logits(self, data: Mapping[str, Any], k: int, micro_batch_size: int | None = None
-                        ) -> BatchedDataDict:
+    def get_topk_logits(
+        self, data: Mapping[str, Any], k: int, micro_batch_size: int | None = None
+    ) -> BatchedDataDict:
         """Top-k of temperature-scaled logits at every position (no shift), 0/0 at padding."""
         mbatch.validate(self.state, data)
         if not isinstance(k, int) or k < 1:
@@ -157,20 +185,31 @@ class PolicyWorker(NeMoRLWorkerSurface):
         mbatch.validate(self.state, data)
         return inference.scores(self.state, data, kind)
 
-    def calibrate_qkv_fp8_scales(self, data: Mapping[str, Any], micro_batch_size: int | None = None,
-                                 percentile: float = 99.9, margin: float = 1.05,
-                                 include_q: bool = False) -> dict[str, Any]:
+    def calibrate_qkv_fp8_scales(
+        self,
+        data: Mapping[str, Any],
+        micro_batch_size: int | None = None,
+        percentile: float = 99.9,
+        margin: float = 1.05,
+        include_q: bool = False,
+    ) -> dict[str, Any]:
         """Per-attention-layer FP8 (e4m3) scales: percentile(|k|, |v|[, |q|]) * margin / 448."""
         mbatch.validate(self.state, data)
         if not 0.0 < percentile <= 100.0 or margin <= 0:
             msg = f"percentile={percentile} must be in (0, 100] and margin={margin} > 0"
             raise ValueError(msg)
         return calibration.calibrate_qkv_fp8_scales(
-            self.state, data, micro_batch_size, percentile=percentile, margin=margin,
-            include_q=include_q)
+            self.state,
+            data,
+            micro_batch_size,
+            percentile=percentile,
+            margin=margin,
+            include_q=include_q,
+        )
 
-    def get_full_logits_ipc(self, data: Mapping[str, Any], micro_batch_size: int | None = None
-                            ) -> dict[str, Any]:
+    def get_full_logits_ipc(
+        self, data: Mapping[str, Any], micro_batch_size: int | None = None
+    ) -> dict[str, Any]:
         """fp32 logits of every sample into a shared buffer: one handle record per input row
         (`per_sample_handles`) and this rank's `dp_rank` (docs/refit-collective.md, "Teacher
         logits over IPC")."""
@@ -182,8 +221,9 @@ class PolicyWorker(NeMoRLWorkerSurface):
 
     # ------------------------------------------------------------------------------ offload
 
-    def move_buffer_to_device(self, model: torch.nn.Module, device: str | torch.device
-                              ) -> torch.nn.Module:
+    def move_buffer_to_device(
+        self, model: torch.nn.Module, device: str | torch.device
+    ) -> torch.nn.Module:
         """Move `model`'s buffers (not its parameters) to `device`; returns `model`."""
         return offload.move_buffers(self.state, model, device)
 
@@ -239,8 +279,9 @@ class PolicyWorker(NeMoRLWorkerSurface):
         """The address rank 0's receiver connects to (every rank has one; only rank 0 sends)."""
         return weights.zmq_sender(self.state).get_zmq_address()
 
-    def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int = 0, kv_scales: Any = None, *,
-                                   timeout_s: float = 120.0) -> dict[str, Any] | None:
+    def stream_weights_via_ipc_zmq(
+        self, buffer_size_bytes: int = 0, kv_scales: Any = None, *, timeout_s: float = 120.0
+    ) -> dict[str, Any] | None:
         """One colocated refit over ZMQ + CUDA IPC (shared memory on CPU); the receiver's report.
 
         Under a process group every rank calls it: all ranks gather the sharded weights together
@@ -248,47 +289,74 @@ class PolicyWorker(NeMoRLWorkerSurface):
         return None. If rank 0's stream fails it still finishes the gathers, so the others are
         released, and every rank raises (rank 0 with the transport's error).
         """
-        return weights.stream_via_zmq(self.state, buffer_size_bytes, kv_scales,
-                                      timeout_s=timeout_s)
+        return weights.stream_via_zmq(self.state, buffer_size_bytes, kv_scales, timeout_s=timeout_s)
 
-    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int
-                        ) -> None:
+    def init_collective(
+        self, ip: str, port: int, world_size: int, *, train_world_size: int
+    ) -> None:
         """Join the trainer+engine process group at `ip:port` for collective refits."""
-        weights.init_collective(self.state, ip, port, world_size,
-                                train_world_size=train_world_size)
+        weights.init_collective(self.state, ip, port, world_size, train_world_size=train_world_size)
 
-    def broadcast_weights_for_collective(self, kv_scales: Any = None,
-                                         refit_timeout_s: float | None = None, *,
-                                         buffer_size_bytes: int | None = None,
-                                         num_buffers: int | None = None,
-                                         use_legacy_packing: bool = False) -> dict[str, Any]:
+    def broadcast_weights_for_collective(
+        self,
+        kv_scales: Any = None,
+        refit_timeout_s: float | None = None,
+        *,
+        buffer_size_bytes: int | None = None,
+        num_buffers: int | None = None,
+        use_legacy_packing: bool = False,
+    ) -> dict[str, Any]:
         """One refit as packed broadcasts over the group of `init_collective`; a report."""
         return weights.broadcast(
-            self.state, kv_scales, refit_timeout_s, buffer_size_bytes=buffer_size_bytes,
-            num_buffers=num_buffers, use_legacy_packing=use_legacy_packing)
+            self.state,
+            kv_scales,
+            refit_timeout_s,
+            buffer_size_bytes=buffer_size_bytes,
+            num_buffers=num_buffers,
+            use_legacy_packing=use_legacy_packing,
+        )
 
     def set_rollout_num_gpus_per_engine(self, num_gpus_per_engine: int) -> None:
         """How many GPUs each colocated SGLang engine spans (before the first update)."""
         weights.sglang_sender(self.state).set_rollout_num_gpus_per_engine(num_gpus_per_engine)
 
-    def update_weights_to_sglang_colocated(self, *, rollout_engines: Any, buffer_size_bytes: int,
-                                           target_precision: str = "bf16",
-                                           sglang_quantization_cfg: Any = None) -> Any:
+    def update_weights_to_sglang_colocated(
+        self,
+        *,
+        rollout_engines: Any,
+        buffer_size_bytes: int,
+        target_precision: str = "bf16",
+        sglang_quantization_cfg: Any = None,
+    ) -> Any:
         """Push the weights, cast to `target_precision`, into colocated SGLang engines."""
         return weights.update_sglang(
-            self.state, rollout_engines=rollout_engines, buffer_size_bytes=buffer_size_bytes,
-            target_precision=target_precision, sglang_quantization_cfg=sglang_quantization_cfg)
+            self.state,
+            rollout_engines=rollout_engines,
+            buffer_size_bytes=buffer_size_bytes,
+            target_precision=target_precision,
+            sglang_quantization_cfg=sglang_quantization_cfg,
+        )
 
     # ------------------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None,
-                        tokenizer_path: str | None = None, *, is_final_checkpoint: bool = False
-                        ) -> None:
+    def save_checkpoint(
+        self,
+        weights_path: str,
+        optimizer_path: str | None = None,
+        tokenizer_path: str | None = None,
+        *,
+        is_final_checkpoint: bool = False,
+    ) -> None:
         """Save weights (HF / PEFT), reference, optimizer and tokenizer; async unless final
         (docs/checkpoints.md)."""
         with quiet_progress_bars():
-            checkpoint.save_checkpoint(self.state, weights_path, optimizer_path, tokenizer_path,
-                                       is_final_checkpoint=is_final_checkpoint)
+            checkpoint.save_checkpoint(
+                self.state,
+                weights_path,
+                optimizer_path,
+                tokenizer_path,
+                is_final_checkpoint=is_final_checkpoint,
+            )
             self.state.draft.save_beside(weights_path, optimizer_path)
 
     def finalize_async_save(self) -> None:
@@ -332,10 +400,12 @@ class PolicyWorker(NeMoRLWorkerSurface):
 
     def __repr__(self) -> str:
         p = self.parallel
-        return (f"{type(self).__name__}(model={self.cfg.model_name!r}, "
-                f"precision={str(self.dtype).removeprefix('torch.')}, device={self.device}, "
-                f"dp×cp×tp={p.dp_size}×{p.cp_size}×{p.tp_size}, rank={p.rank}/{p.world_size}, "
-                f"attention={getattr(self.model.config, '_attn_implementation', '?')!r})")
+        return (
+            f"{type(self).__name__}(model={self.cfg.model_name!r}, "
+            f"precision={str(self.dtype).removeprefix('torch.')}, device={self.device}, "
+            f"dp×cp×tp={p.dp_size}×{p.cp_size}×{p.tp_size}, rank={p.rank}/{p.world_size}, "
+            f"attention={getattr(self.model.config, '_attn_implementation', '?')!r})"
+        )
 
     def shutdown(self) -> bool:
         """Commit a pending asynchronous save, then close the refit transports and the process

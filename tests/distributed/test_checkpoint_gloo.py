@@ -59,7 +59,9 @@ def test_checkpoints_round_trip_exactly_between_dp1_dp2_and_tp2(tmp_path):
 
     for layout in ("dp2", "tp2"):
         fresh = PolicyWorker(_config(path))
-        ck.load_checkpoint(fresh.state, tmp_path / layout / "weights", tmp_path / layout / "optimizer")
+        ck.load_checkpoint(
+            fresh.state, tmp_path / layout / "weights", tmp_path / layout / "optimizer"
+        )
         workers.assert_same_state(
             _single_state(fresh), torch.load(tmp_path / f"{layout}_full.pt", weights_only=False)
         )

@@ -21,9 +21,29 @@ def test_tp2_demo_under_torchrun_keeps_parity_on_every_step():
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
     env = child_env(ROOT)
     run = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "policyworker", "demo",
-         "--tp", "2", "--steps", "3", "--no-require-rise", "--seed", "1"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+        [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "policyworker",
+            "demo",
+            "--tp",
+            "2",
+            "--steps",
+            "3",
+            "--no-require-rise",
+            "--seed",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     dlogps = [float(m) for m in re.findall(r"^step=\d+ .* max_dlogp=(\S+)$", run.stdout, re.M)]
     assert len(dlogps) == 3  # rank 0 alone prints the step lines

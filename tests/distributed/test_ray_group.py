@@ -37,8 +37,9 @@ DEATH_NOTICE_S = 30.0
 def cluster():
     from ray.cluster_utils import Cluster
 
-    nodes = Cluster(initialize_head=True,
-                    head_node_args={"num_cpus": 2, "include_dashboard": False})
+    nodes = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
+    )
     nodes.add_node(num_cpus=2)
     ray.init(address=nodes.address, log_to_driver=False)
     nodes.wait_for_nodes()
@@ -74,8 +75,14 @@ def _group(path, *, tp_size, **options):
     from policyworker.shell.ray import RayWorkerGroup
 
     cfg = workers._worker_config(path, tp_size=tp_size, batching=BATCHING, sampling=SAMPLING)
-    return RayWorkerGroup(cfg, num_workers=2, torch_threads=1, timeout_s=CALL_TIMEOUT_S,
-                          collective_timeout_s=60.0, **options)
+    return RayWorkerGroup(
+        cfg,
+        num_workers=2,
+        torch_threads=1,
+        timeout_s=CALL_TIMEOUT_S,
+        collective_timeout_s=60.0,
+        **options,
+    )
 
 
 def _check_parity(group, want, name):
@@ -87,17 +94,30 @@ def _check_parity(group, want, name):
     got["logprobs_after"] = group.get_logprobs(data)["logprobs"]
     got["reference_logprobs"] = group.get_reference_policy_logprobs(data)["reference_logprobs"]
     for key in ("logprobs", "logprobs_after", "reference_logprobs"):
-        torch.testing.assert_close(got[key], want[key], atol=workers.ATOL, rtol=1e-5,
-                                   msg=lambda m, key=key: f"{name}: {key}: {m}")
-    torch.testing.assert_close(topk["topk_logits"], want["topk_logits"], atol=workers.ATOL,
-                               rtol=1e-5)
+        torch.testing.assert_close(
+            got[key],
+            want[key],
+            atol=workers.ATOL,
+            rtol=1e-5,
+            msg=lambda m, key=key: f"{name}: {key}: {m}",
+        )
+    torch.testing.assert_close(
+        topk["topk_logits"], want["topk_logits"], atol=workers.ATOL, rtol=1e-5
+    )
     assert torch.equal(topk["topk_indices"], want["topk_indices"]), f"{name}: top-k ids"
     for step, (result, loss, norm) in enumerate(
-            zip(results, want["losses"], want["grad_norms"], strict=True)):
-        torch.testing.assert_close(result["global_loss"], loss, atol=workers.ATOL, rtol=1e-5,
-                                   msg=lambda m, s=step: f"{name}: loss of train call {s}: {m}")
-        torch.testing.assert_close(torch.tensor(result["grad_norm"]), torch.tensor(norm),
-                                   atol=workers.ATOL, rtol=1e-4)
+        zip(results, want["losses"], want["grad_norms"], strict=True)
+    ):
+        torch.testing.assert_close(
+            result["global_loss"],
+            loss,
+            atol=workers.ATOL,
+            rtol=1e-5,
+            msg=lambda m, s=step: f"{name}: loss of train call {s}: {m}",
+        )
+        torch.testing.assert_close(
+            torch.tensor(result["grad_norm"]), torch.tensor(norm), atol=workers.ATOL, rtol=1e-4
+        )
         counts = result["all_mb_metrics"]["num_valid_samples"]
         assert sum(counts) == 4, f"{name}: every dp rank's microbatch metrics come back"
 
@@ -117,8 +137,9 @@ def _receive_refit(group, path):
 
     info = group.prepare_refit_info()
     target = workers._load(path)
-    receiver = HFWeightReceiver(target, address=group.get_zmq_address(), refit_info=info,
-                                timeout_s=60.0)
+    receiver = HFWeightReceiver(
+        target, address=group.get_zmq_address(), refit_info=info, timeout_s=60.0
+    )
     errors = []
 
     def serve():
@@ -144,21 +165,29 @@ def _assert_freed(placement_group=None, *, free_cpus=4, timeout_s=DEATH_NOTICE_S
 
     deadline = time.monotonic() + timeout_s
     while True:
-        alive = [a for a in state.actors().values() if a["State"] != "DEAD"
-                 and a["ActorClassName"].endswith("PolicyWorkerActor")]
-        removed = placement_group is None or ray.util.placement_group_table(
-            placement_group)["state"] == "REMOVED"
+        alive = [
+            a
+            for a in state.actors().values()
+            if a["State"] != "DEAD" and a["ActorClassName"].endswith("PolicyWorkerActor")
+        ]
+        removed = (
+            placement_group is None
+            or ray.util.placement_group_table(placement_group)["state"] == "REMOVED"
+        )
         cpus = ray.available_resources().get("CPU", 0)
         if not alive and removed and cpus == free_cpus:
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"after shutdown: live actors {alive}, placement group removed "
-                                 f"{removed}, free CPUs {cpus} (want {free_cpus} of 4)")
+            raise AssertionError(
+                f"after shutdown: live actors {alive}, placement group removed "
+                f"{removed}, free CPUs {cpus} (want {free_cpus} of 4)"
+            )
         time.sleep(0.2)
 
 
 def test_dp2_group_over_two_nodes_matches_one_process_refits_and_fails_loudly(
-        cluster, llama_path, reference, tmp_path):
+    cluster, llama_path, reference, tmp_path
+):
     group = _group(llama_path, tp_size=1, strategy="STRICT_SPREAD")
     try:
         assert group.dp_size == 2 and len(set(group.node_ids)) == 2, group.node_ids
@@ -187,14 +216,20 @@ def test_dp2_group_over_two_nodes_matches_one_process_refits_and_fails_loudly(
 
 
 def test_tp2_group_on_a_shared_placement_group_matches_one_process_and_bounds_a_raise(
-        cluster, llama_path, reference):
+    cluster, llama_path, reference
+):
     from policyworker.errors import WorkerGroupError
     from policyworker.shell.ray import make_placement_group
 
     shared = make_placement_group(2, {"CPU": 1}, strategy="STRICT_PACK", timeout_s=60)
     try:
-        group = _group(llama_path, tp_size=2, cpus_per_worker=0.5, placement_group=shared,
-                       bundle_indices=(1, 0))
+        group = _group(
+            llama_path,
+            tp_size=2,
+            cpus_per_worker=0.5,
+            placement_group=shared,
+            bundle_indices=(1, 0),
+        )
         try:
             print(f"tp2 group start: {group.start_seconds:.1f} s {group.start_phases}")
             assert (group.dp_size, group.tp_size, group.bundle_indices) == (1, 2, (1, 0))
@@ -202,20 +237,27 @@ def test_tp2_group_on_a_shared_placement_group_matches_one_process_and_bounds_a_
             # The caller's own actor on rank 0's bundle lands on rank 0's node (colocation).
             probe = ray.remote(num_cpus=0.5)(lambda: ray.get_runtime_context().get_node_id())
             strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(
-                shared, placement_group_bundle_index=group.bundle_indices[0])
+                shared, placement_group_bundle_index=group.bundle_indices[0]
+            )
             node = ray.get(probe.options(scheduling_strategy=strategy).remote(), timeout=60)
             assert node == group.refit_node_id
             _check_parity(group, reference, "ray tp2")
-            with pytest.raises(WorkerGroupError, match=r"rank \d raised in get_topk_logits: "
-                               r"ValueError: k=0") as failed:
+            with pytest.raises(
+                WorkerGroupError,
+                match=r"rank \d raised in get_topk_logits: "
+                r"ValueError: k=0",
+            ) as failed:
                 group.get_topk_logits(workers._worker_data(), 0)
             assert isinstance(failed.value.__cause__, ValueError)
             assert group.run("is_alive") == [True, True]  # a raise on every rank leaves it usable
             # One rank raises while its peer waits for it in a collective: the call fails within
             # the peers' grace period (not the 60 s collective timeout) and the group closes.
             data, start = workers._worker_data(), time.monotonic()
-            with pytest.raises(WorkerGroupError, match=r"rank 1 raised in get_topk_logits: "
-                               r"ValueError: k=0.*ranks \[0\] are still inside get_topk_logits"):
+            with pytest.raises(
+                WorkerGroupError,
+                match=r"rank 1 raised in get_topk_logits: "
+                r"ValueError: k=0.*ranks \[0\] are still inside get_topk_logits",
+            ):
                 group._call("get_topk_logits", [((data, 5), {}), ((data, 0), {})])
             assert time.monotonic() - start < 30
             with pytest.raises(WorkerGroupError, match=r"unusable \(ranks \[0\] did not finish"):

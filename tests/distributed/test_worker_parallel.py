@@ -44,8 +44,13 @@ def references(llama_path):
 
 
 def test_worker_dp2_and_tp2_match_one_process(llama_path, references, tmp_path):
-    checks = {"zmq_refit": True, "sequence_parallel": True, "cpu_offload": True,
-              "nan_skip": True, "checkpoint": str(tmp_path)}
+    checks = {
+        "zmq_refit": True,
+        "sequence_parallel": True,
+        "cpu_offload": True,
+        "nan_skip": True,
+        "checkpoint": str(tmp_path),
+    }
     run_on_gloo(workers.worker_parity, 2, llama_path, (1, 2), references, checks)
 
 

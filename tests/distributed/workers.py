@@ -533,8 +533,9 @@ def _check_zmq_refit(worker, params):
     target = _load(worker.cfg.model_name) if dist.get_rank() == 0 else None
     errors, thread = [], None
     if target is not None:
-        receiver = HFWeightReceiver(target, address=worker.get_zmq_address(), refit_info=info,
-                                    timeout_s=60.0)
+        receiver = HFWeightReceiver(
+            target, address=worker.get_zmq_address(), refit_info=info, timeout_s=60.0
+        )
 
         def serve():
             try:
@@ -574,8 +575,10 @@ def worker_parity(rank, size, path, tp_sizes, references, extra_checks=()):
                 continue
             torch.manual_seed(0)
             worker = PolicyWorker(
-                _worker_config(path, tp_size=tp_size, batching=batching, sampling=sampling,
-                               extra=extra))
+                _worker_config(
+                    path, tp_size=tp_size, batching=batching, sampling=sampling, extra=extra
+                )
+            )
             p = worker.parallel
             assert f"dp×cp×tp={p.dp_size}×1×{tp_size}, rank={rank}/{size}" in repr(worker)
             assert worker.parallel.tp_size == tp_size and not worker.parallel.owns_process_group
@@ -583,11 +586,18 @@ def worker_parity(rank, size, path, tp_sizes, references, extra_checks=()):
             if "sequence_parallel" in extra_checks and tp_size > 1 and label.startswith("packed"):
                 worker.shutdown()
                 torch.manual_seed(0)
-                worker = PolicyWorker(_worker_config(
-                    path, tp_size=tp_size, batching=batching, sampling=sampling,
-                    extra=extra | {"sequence_parallel": True}))
-                _check_worker_case(worker, f"{label} sequence-parallel", loss_kind,
-                                   references[label])
+                worker = PolicyWorker(
+                    _worker_config(
+                        path,
+                        tp_size=tp_size,
+                        batching=batching,
+                        sampling=sampling,
+                        extra=extra | {"sequence_parallel": True},
+                    )
+                )
+                _check_worker_case(
+                    worker, f"{label} sequence-parallel", loss_kind, references[label]
+                )
             if "zmq_refit" in extra_checks and tp_size == 1 and label == "fixed-nll":
                 _check_zmq_refit(worker, params)
             if "checkpoint" in extra_checks and label == "fixed-nll":
@@ -597,12 +607,19 @@ def worker_parity(rank, size, path, tp_sizes, references, extra_checks=()):
             if "cpu_offload" in extra_checks and tp_size == 1 and label == "fixed-nll":
                 worker.shutdown()
                 torch.manual_seed(0)
-                worker = PolicyWorker(_worker_config(
-                    path, tp_size=1, batching=batching, sampling=sampling,
-                    extra=extra | {"cpu_offload": True, "activation_checkpointing": True}))
+                worker = PolicyWorker(
+                    _worker_config(
+                        path,
+                        tp_size=1,
+                        batching=batching,
+                        sampling=sampling,
+                        extra=extra | {"cpu_offload": True, "activation_checkpointing": True},
+                    )
+                )
                 worker.prepare_for_training()
-                _check_worker_case(worker, f"{label} cpu-offload + recompute", loss_kind,
-                                   references[label])
+                _check_worker_case(
+                    worker, f"{label} cpu-offload + recompute", loss_kind, references[label]
+                )
             worker.shutdown()
             assert dist.is_initialized(), "shutdown destroyed a group the worker did not create"
 

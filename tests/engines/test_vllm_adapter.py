@@ -38,17 +38,27 @@ def test_other_vllm_releases_are_refused_by_name(version):
 
 
 def test_importing_policyworker_and_the_adapter_does_not_import_vllm():
-    code = ("import sys, policyworker, policyworker.shell.engines.vllm, policyworker.cli, "
-            "policyworker.demo.loop; print('vllm' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=child_env(), timeout=120, check=True)
+    code = (
+        "import sys, policyworker, policyworker.shell.engines.vllm, policyworker.cli, "
+        "policyworker.demo.loop; print('vllm' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+        check=True,
+    )
     assert out.stdout.strip() == "False", out.stderr
 
 
 def test_refit_info_travels_as_plain_lists_and_comes_back_equal():
-    info = {"model.embed_tokens.weight": (torch.Size([128, 64]), torch.float32),
-            "model.layers.0.mlp.gate.e_score_correction_bias": (torch.Size([4]), torch.float32),
-            "lm_head.weight": (torch.Size([128, 64]), torch.bfloat16)}
+    info = {
+        "model.embed_tokens.weight": (torch.Size([128, 64]), torch.float32),
+        "model.layers.0.mlp.gate.e_score_correction_bias": (torch.Size([4]), torch.float32),
+        "lm_head.weight": (torch.Size([128, 64]), torch.bfloat16),
+    }
     encoded = encode_refit_info(info)
     assert encoded["lm_head.weight"] == [[128, 64], "bfloat16"]
     assert decode_refit_info(encoded) == info

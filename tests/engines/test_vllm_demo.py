@@ -18,16 +18,36 @@ require_vllm()
 from policyworker.demo.loop import VLLM_FP32_TOLERANCE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-STEP_RE = re.compile(r"^step=(\d+) reward=([0-9.]+) kl=(-?[0-9.]+) refit_ms=([0-9.]+) "
-                     r"max_dlogp=(\S+) token_mult_prob_error=([0-9.]+)$")
+STEP_RE = re.compile(
+    r"^step=(\d+) reward=([0-9.]+) kl=(-?[0-9.]+) refit_ms=([0-9.]+) "
+    r"max_dlogp=(\S+) token_mult_prob_error=([0-9.]+)$"
+)
 
 
 @pytest.mark.slow
 def test_three_step_vllm_demo_runs_with_fp32_parity_on_every_step():
     env = child_env(ROOT, VLLM_CPU_KVCACHE_SPACE="1")
-    run = subprocess.run([sys.executable, "-m", "policyworker", "demo", "--engine", "vllm",
-                          "--steps", "3", "--no-require-rise", "--seed", "1"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900, check=False)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "policyworker",
+            "demo",
+            "--engine",
+            "vllm",
+            "--steps",
+            "3",
+            "--no-require-rise",
+            "--seed",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     steps = [STEP_RE.match(line) for line in run.stdout.splitlines() if line.startswith("step=")]
     assert len(steps) == 3 and all(steps), run.stdout

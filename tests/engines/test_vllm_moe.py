@@ -29,27 +29,53 @@ pytestmark = pytest.mark.slow
 def _qwen3_moe_config():
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(vocab_size=128, hidden_size=128, intermediate_size=256,
-                          moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                          num_key_value_heads=2, head_dim=64, num_experts=4,
-                          num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                          norm_topk_prob=True, max_position_embeddings=128,
-                          tie_word_embeddings=False, bos_token_id=2, eos_token_id=1)
+    return Qwen3MoeConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=2,
+        eos_token_id=1,
+    )
 
 
 def _mixtral_config():
     from transformers import MixtralConfig
 
-    return MixtralConfig(vocab_size=128, hidden_size=128, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                         num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
-                         tie_word_embeddings=False, bos_token_id=2, eos_token_id=1)
+    return MixtralConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=2,
+        eos_token_id=1,
+    )
 
 
-@pytest.mark.parametrize(("kind", "make_config", "expert_name"), [
-    ("qwen3_moe", _qwen3_moe_config, ".mlp.experts.3.down_proj."),
-    ("mixtral", _mixtral_config, ".block_sparse_moe.experts.3.w2."),
-])
+@pytest.mark.parametrize(
+    ("kind", "make_config", "expert_name"),
+    [
+        ("qwen3_moe", _qwen3_moe_config, ".mlp.experts.3.down_proj."),
+        ("mixtral", _mixtral_config, ".block_sparse_moe.experts.3.w2."),
+    ],
+)
 def test_moe_refit_reaches_vllms_experts(tmp_path, kind, make_config, expert_name):
     config = make_config()
     folder = str(tmp_path / kind)
@@ -68,5 +94,6 @@ def test_moe_refit_reaches_vllms_experts(tmp_path, kind, make_config, expert_nam
     for prompt, (tokens, logprobs) in zip(PROMPTS, outs, strict=True):
         greedy, hf_lp = hf_continuation(trained, prompt, tokens)
         assert tokens == greedy
-        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(hf_lp), rtol=0,
-                                   atol=VLLM_FP32_TOLERANCE)
+        torch.testing.assert_close(
+            torch.tensor(logprobs), torch.tensor(hf_lp), rtol=0, atol=VLLM_FP32_TOLERANCE
+        )

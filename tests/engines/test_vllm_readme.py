@@ -28,8 +28,15 @@ def readme_vllm_example() -> str:
 def test_the_readme_vllm_example_trains_refits_and_samples(tmp_path):
     script = tmp_path / "vllm_example.py"
     script.write_text(readme_vllm_example() + "\n")
-    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=child_env(ROOT),
-                         capture_output=True, text=True, timeout=900, check=False)
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=child_env(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     refit = re.search(r"^refit: \{.*'version': 1.*\}$", run.stdout, re.M)
     assert refit, run.stdout

@@ -74,14 +74,16 @@ def _assert_vllm_serves(llm, model: torch.nn.Module, *, max_tokens: int = 6) -> 
     for prompt, (tokens, logprobs) in zip(PROMPTS, outs, strict=True):
         greedy, hf_lp = hf_continuation(model, prompt, tokens)
         assert tokens == greedy
-        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(hf_lp),
-                                   rtol=0, atol=VLLM_FP32_TOLERANCE)
+        torch.testing.assert_close(
+            torch.tensor(logprobs), torch.tensor(hf_lp), rtol=0, atol=VLLM_FP32_TOLERANCE
+        )
     return outs
 
 
 @pytest.mark.parametrize("via", ["weight_transfer", "extension"])
 def test_refit_makes_vllm_generate_exactly_what_hf_generates_with_the_same_weights(
-        llm, model_dir, senders, via):
+    llm, model_dir, senders, via
+):
     model = _other_model(model_dir, seed=11 if via == "weight_transfer" else 12)
     before = generate(llm, PROMPTS, max_tokens=6)
     refit = VllmRefit(llm, senders(model), via=via)
@@ -91,7 +93,8 @@ def test_refit_makes_vllm_generate_exactly_what_hf_generates_with_the_same_weigh
 
 
 def test_a_refit_that_fails_midway_leaves_vllm_serving_the_previous_weights(
-        llm, model_dir, senders):
+    llm, model_dir, senders
+):
     old, new = _other_model(model_dir, seed=21), _other_model(model_dir, seed=22)
     VllmRefit(llm, senders(old)).refit()
     served = _assert_vllm_serves(llm, old)
@@ -112,8 +115,7 @@ def test_a_refit_that_fails_midway_leaves_vllm_serving_the_previous_weights(
     _assert_vllm_serves(llm, new)
 
 
-def test_a_version_vllm_cannot_load_is_rolled_back_to_the_previous_weights(
-        llm, model_dir, senders):
+def test_a_version_vllm_cannot_load_is_rolled_back_to_the_previous_weights(llm, model_dir, senders):
     """vLLM processes each layer once its tensors arrived; a name it does not know, streamed
     after layer 0 is complete, must not leave layer 0 (and the embedding) on the new version."""
     old, new = _other_model(model_dir, seed=41), _other_model(model_dir, seed=42)
@@ -138,8 +140,8 @@ def _mismatch(worker, llm, *, seed: int) -> tuple[float, float]:
     for row, (prompt, (tokens, logprobs)) in enumerate(zip(PROMPTS, outs, strict=True)):
         n = len(prompt) + len(tokens)
         ids[row, :n] = torch.tensor(prompt + tokens)
-        gen[row, len(prompt):n] = torch.tensor(logprobs)
-        mask[row, len(prompt):n] = 1
+        gen[row, len(prompt) : n] = torch.tensor(logprobs)
+        mask[row, len(prompt) : n] = 1
         lengths.append(n)
     data = {"input_ids": ids, "input_lengths": torch.tensor(lengths)}
     train = worker.get_logprobs(data)["logprobs"]
@@ -165,8 +167,14 @@ def test_train_then_refit_keeps_vllm_within_fp32_parity_of_get_logprobs(llm, mod
 def test_a_lora_workers_merged_refit_reaches_vllm(llm, model_dir, senders):
     from policyworker.demo.loop import LORA_FP32_TOLERANCE
 
-    lora = {"lora_cfg": {"target_modules": ["q_proj", "v_proj", "down_proj"], "dim": 4,
-                         "alpha": 8, "match_all_linear": False}}
+    lora = {
+        "lora_cfg": {
+            "target_modules": ["q_proj", "v_proj", "down_proj"],
+            "dim": 4,
+            "alpha": 8,
+            "match_all_linear": False,
+        }
+    }
     worker = PolicyWorker(make_config(model_dir, dtensor_cfg=lora), init_reference_model=False)
     try:
         for seed in range(2):

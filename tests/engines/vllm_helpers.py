@@ -20,9 +20,18 @@ import torch
 # One GiB of KV cache (the default takes a share of RAM on a machine shared by several users);
 # OpenMP threads left unpinned (vLLM would pin its worker to one core and reserve the other).
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-TINY_LLAMA = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-                  bos_token_id=2, eos_token_id=1, tie_word_embeddings=False)
+TINY_LLAMA = dict(
+    vocab_size=128,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    bos_token_id=2,
+    eos_token_id=1,
+    tie_word_embeddings=False,
+)
 PROMPTS = [[3, 17, 42, 9], [5, 6, 7, 8, 99, 100], [120, 4]]
 
 
@@ -32,8 +41,9 @@ def require_vllm() -> None:
         return
     if os.environ.get("CI"):
         raise RuntimeError("vLLM is not installed in CI's venv; `make venv` must install it")
-    pytest.skip("vLLM is not installed in this venv (`make venv` installs it)",
-                allow_module_level=True)
+    pytest.skip(
+        "vLLM is not installed in this venv (`make venv` installs it)", allow_module_level=True
+    )
 
 
 def randomize_(model: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
@@ -63,21 +73,42 @@ def engine(model_dir: str, **extra) -> Iterator[object]:
     with pytest.MonkeyPatch.context() as mp:
         for key, value in ENGINE_ENV.items():
             mp.setenv(key, value)
-        llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=64,
-                  skip_tokenizer_init=True, seed=0, max_num_seqs=32, **engine_kwargs(), **extra)
+        llm = LLM(
+            model=model_dir,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=64,
+            skip_tokenizer_init=True,
+            seed=0,
+            max_num_seqs=32,
+            **engine_kwargs(),
+            **extra,
+        )
         try:
             yield llm
         finally:
             llm.llm_engine.engine_core.shutdown()
 
 
-def generate(llm, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperature: float = 0.0,
-             seed: int | None = None) -> list[tuple[list[int], list[float]]]:
+def generate(
+    llm,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
+) -> list[tuple[list[int], list[float]]]:
     """(token ids, each sampled token's logprob) per prompt."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0,
-                            seed=seed, detokenize=False, ignore_eos=True)
+    params = SamplingParams(
+        temperature=temperature,
+        max_tokens=max_tokens,
+        logprobs=0,
+        seed=seed,
+        detokenize=False,
+        ignore_eos=True,
+    )
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
     result = []
     for out in outs:
@@ -88,8 +119,9 @@ def generate(llm, prompts: Sequence[Sequence[int]], *, max_tokens: int, temperat
 
 
 @torch.no_grad()
-def hf_continuation(model: torch.nn.Module, prompt: Sequence[int], tokens: Sequence[int]
-                    ) -> tuple[list[int], list[float]]:
+def hf_continuation(
+    model: torch.nn.Module, prompt: Sequence[int], tokens: Sequence[int]
+) -> tuple[list[int], list[float]]:
     """(greedy token at each generated position, logprob of each given token): one fp32 forward."""
     ids = torch.tensor([list(prompt) + list(tokens)])
     threads = torch.get_num_threads()

@@ -94,14 +94,18 @@ def test_fsdp2_bf16_mixed_precision_trains_with_fp32_master_weights(
     assert losses[-1] < losses[0]
 
 
-def test_worker_under_a_one_rank_nccl_group_trains_fsdp2_bf16_and_offloads(world_of_one, llama_path):
+def test_worker_under_a_one_rank_nccl_group_trains_fsdp2_bf16_and_offloads(
+    world_of_one, llama_path
+):
     from policyworker.functional.loss import NLLLoss
     from policyworker.shell.worker import PolicyWorker
     from tests.shell.conftest import hf_reference_logprobs, make_batch, make_config
 
     worker = PolicyWorker(make_config(llama_path, precision="bfloat16"))
     assert worker.parallel.mesh is not None and worker.device.type == "cuda"
-    assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in worker.model.parameters())
+    assert all(
+        isinstance(p, DTensor) and p.dtype == torch.float32 for p in worker.model.parameters()
+    )
     data = make_batch(8, 16, seed=41)
     lp = worker.get_logprobs(data)["logprobs"]
     torch.testing.assert_close(lp, hf_reference_logprobs(llama_path, data), atol=0.1, rtol=0.05)

@@ -91,14 +91,20 @@ def test_cuda_ipc_refit_gives_bitwise_identical_logprobs(tmp_path):
         sender.stream_weights_via_ipc_zmq(
             buffer_size_bytes=48 << 10, timeout_s=120
         )  # many buckets; embeddings oversized
-        sender.stream_weights_via_ipc_zmq(buffer_size_bytes=1 << 20, timeout_s=120, keep_staging=True)
-        assert sender._zmq().kept_staging_bytes > 0  # the CUDA buffers stay shared for the next refit
+        sender.stream_weights_via_ipc_zmq(
+            buffer_size_bytes=1 << 20, timeout_s=120, keep_staging=True
+        )
+        assert (
+            sender._zmq().kept_staging_bytes > 0
+        )  # the CUDA buffers stay shared for the next refit
         with torch.no_grad():
             model.lm_head.weight.mul_(1.5)
         cast = {k: v.to(torch.bfloat16).cpu().contiguous() for k, v in model.state_dict().items()}
         save_file(cast, tmp_path / "expected.safetensors")
         # the same kept buffers (the receiver reuses its IPC mappings) carry the changed weights
-        report = sender.stream_weights_via_ipc_zmq(buffer_size_bytes=1 << 20, timeout_s=120, keep_staging=True)
+        report = sender.stream_weights_via_ipc_zmq(
+            buffer_size_bytes=1 << 20, timeout_s=120, keep_staging=True
+        )
         assert report["version"] == 4
         sender.release_staging()
         assert sender._zmq().kept_staging_bytes == 0

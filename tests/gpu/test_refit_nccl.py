@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from policyworker.shell.refit import collective as C
 from policyworker.shell import ipc_logits as L
+from policyworker.shell.refit import collective as C
 from policyworker.shell.refit import sglang as S
 from tests.helpers import child_env
 
@@ -74,8 +74,9 @@ while True:
 class _Child:
     def __init__(self):
         env = child_env()
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )
 
     def send(self, **cmd):
         data = pickle.dumps(cmd)
@@ -105,8 +106,18 @@ def test_cuda_ipc_logits_are_read_and_written_in_place_by_another_process(child)
     storage = buffer.ensure((2, 3, 5, 16), torch.float32, "cuda")
     storage.copy_(torch.randn(2, 3, 5, 16, device="cuda"))
     torch.cuda.synchronize()
-    records = [{"payload_ipc": buffer.handle, "buf_idx": b, "sample_index_in_buf": i, "storage_shape": (2, 3, 5, 16),
-                "actual_shape": (4, 16), "dtype": "float32"} for b in range(2) for i in range(3)]
+    records = [
+        {
+            "payload_ipc": buffer.handle,
+            "buf_idx": b,
+            "sample_index_in_buf": i,
+            "storage_shape": (2, 3, 5, 16),
+            "actual_shape": (4, 16),
+            "dtype": "float32",
+        }
+        for b in range(2)
+        for i in range(3)
+    ]
     child.send(op="logits", records=records)
     values = child.reply()["values"]
     for r, v in zip(records, values, strict=True):
@@ -121,8 +132,11 @@ def test_cuda_ipc_logits_are_read_and_written_in_place_by_another_process(child)
 
 def test_sglang_payload_of_cuda_tensors_round_trips_through_another_process(child):
     g = torch.Generator(device="cuda").manual_seed(0)
-    tensors = {"w": torch.randn(64, 32, device="cuda", generator=g).to(torch.bfloat16),
-               "bias": torch.randn(8, device="cuda", generator=g), "ids": torch.arange(5, device="cuda")}
+    tensors = {
+        "w": torch.randn(64, 32, device="cuda", generator=g).to(torch.bfloat16),
+        "bias": torch.randn(8, device="cuda", generator=g),
+        "ids": torch.arange(5, device="cuda"),
+    }
     info = {n: (torch.Size(t.shape), t.dtype) for n, t in tensors.items()}
     child.send(op="sglang_setup", refit_info=info)
     child.reply()
@@ -134,8 +148,12 @@ def test_sglang_payload_of_cuda_tensors_round_trips_through_another_process(chil
             answers.append(child.reply())
             return answers[-1]["reply"]
 
-    report = S.update_weights_to_sglang_colocated(list(tensors.items()), rollout_engines=[Engine()],
-                                                  buffer_size_bytes=1024, num_gpus_per_engine=1)
+    report = S.update_weights_to_sglang_colocated(
+        list(tensors.items()),
+        rollout_engines=[Engine()],
+        buffer_size_bytes=1024,
+        num_gpus_per_engine=1,
+    )
     assert report["num_calls"] == 3 and all(a["reply"]["success"] for a in answers)
     got = answers[-1]["got"]
     for name, tensor in tensors.items():
@@ -148,15 +166,34 @@ def test_nccl_broadcast_between_two_gpus_in_both_layouts(child):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     g = torch.Generator().manual_seed(1)
-    tensors = {"w": torch.randn(300, 70, generator=g), "s": torch.tensor(2.5), "ids": torch.arange(9),
-               "h": torch.randn(33, generator=g)}
-    info = {"w": (torch.Size([300, 70]), torch.bfloat16), "s": (torch.Size([]), torch.bfloat16),
-            "ids": (torch.Size([9]), torch.int64), "h": (torch.Size([33]), torch.float32)}
+    tensors = {
+        "w": torch.randn(300, 70, generator=g),
+        "s": torch.tensor(2.5),
+        "ids": torch.arange(9),
+        "h": torch.randn(33, generator=g),
+    }
+    info = {
+        "w": (torch.Size([300, 70]), torch.bfloat16),
+        "s": (torch.Size([]), torch.bfloat16),
+        "ids": (torch.Size([9]), torch.int64),
+        "h": (torch.Size([33]), torch.float32),
+    }
     child.send(op="nccl_receive", port=port, refit_info=info, rounds=2)
-    group = C.init_collective("127.0.0.1", port, 2, train_world_size=1, rank=0, device="cuda:0", timeout_s=60)
+    group = C.init_collective(
+        "127.0.0.1", port, 2, train_world_size=1, rank=0, device="cuda:0", timeout_s=60
+    )
     cuda = [(n, t.cuda()) for n, t in tensors.items()]
-    reports = [group.broadcast_weights(cuda, refit_info=info, buffer_size_bytes=20000, num_buffers=2,
-                                       use_legacy_packing=legacy, refit_timeout_s=30) for legacy in (False, True)]
+    reports = [
+        group.broadcast_weights(
+            cuda,
+            refit_info=info,
+            buffer_size_bytes=20000,
+            num_buffers=2,
+            use_legacy_packing=legacy,
+            refit_timeout_s=30,
+        )
+        for legacy in (False, True)
+    ]
     answer = child.reply()
     assert answer["reports"] == [r["num_buckets"] for r in reports]
     for name, tensor in tensors.items():

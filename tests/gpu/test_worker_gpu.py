@@ -37,15 +37,20 @@ def test_varlen_packing_matches_unpacked_logprobs_in_bf16(tiny_model_paths, monk
 
     calls = []
     flash = attention._flash_varlen
-    monkeypatch.setattr(attention, "_flash_varlen",
-                        lambda *a, **kw: calls.append(a[0].dtype) or flash(*a, **kw))
+    monkeypatch.setattr(
+        attention, "_flash_varlen", lambda *a, **kw: calls.append(a[0].dtype) or flash(*a, **kw)
+    )
     path = tiny_model_paths["llama"]
-    packed = PolicyWorker(make_config(path, precision="bfloat16", **PACKED),
-                          init_optimizer=False, init_reference_model=False)
+    packed = PolicyWorker(
+        make_config(path, precision="bfloat16", **PACKED),
+        init_optimizer=False,
+        init_reference_model=False,
+    )
     assert varlen_kernel_available(packed.device)
     assert packed.model.config._attn_implementation == VARLEN_ATTN_NAME
-    plain = PolicyWorker(make_config(path, precision="bfloat16"), init_optimizer=False,
-                         init_reference_model=False)
+    plain = PolicyWorker(
+        make_config(path, precision="bfloat16"), init_optimizer=False, init_reference_model=False
+    )
     data = make_batch(6, 16, seed=32, lengths=[16, 3, 11, 7, 1, 14])
     got, want = packed.get_logprobs(data)["logprobs"], plain.get_logprobs(data)["logprobs"]
     assert calls and set(calls) == {torch.bfloat16}  # the flash varlen kernel ran, in bf16
@@ -58,8 +63,9 @@ def test_varlen_packed_training_matches_unpacked_loss(tiny_model_paths):
     data = make_batch(8, 16, seed=33)
     losses = []
     for extra in (PACKED, {}):
-        worker = PolicyWorker(make_config(path, precision="bfloat16", **extra),
-                              init_reference_model=False)
+        worker = PolicyWorker(
+            make_config(path, precision="bfloat16", **extra), init_reference_model=False
+        )
         losses.append(worker.train(data, NLLLoss())["global_loss"])
     torch.testing.assert_close(losses[0], losses[1], atol=0.02, rtol=0.02)
 
@@ -81,13 +87,18 @@ def _warm_up_cuda_libraries() -> None:
 def test_offload_after_refit_frees_model_and_optimizer_memory(tiny_model_paths):
     _warm_up_cuda_libraries()
     baseline = _allocated()
-    worker = PolicyWorker(make_config(tiny_model_paths["llama"], precision="bfloat16"),
-                          init_reference_model=False)
+    worker = PolicyWorker(
+        make_config(tiny_model_paths["llama"], precision="bfloat16"), init_reference_model=False
+    )
     data = make_batch(4, 16, seed=34)
     worker.train(data, NLLLoss())
     param_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
-    opt_bytes = sum(v.numel() * v.element_size() for s in worker.optimizer.state.values()
-                    for v in s.values() if isinstance(v, torch.Tensor) and v.is_cuda)
+    opt_bytes = sum(
+        v.numel() * v.element_size()
+        for s in worker.optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.is_cuda
+    )
     resident = _allocated() - baseline
     assert resident >= param_bytes + opt_bytes
     worker.offload_before_refit()
@@ -105,12 +116,17 @@ def test_fused_worker_matches_eager_on_packed_bf16_logprobs_and_training(tiny_mo
     data = make_batch(8, 16, seed=34)
     sgd = {"name": "torch.optim.SGD", "kwargs": {"lr": 1e-3}}
     eager = PolicyWorker(make_config(path, precision="bfloat16", optimizer=sgd, **PACKED))
-    fused = PolicyWorker(make_config(path, precision="bfloat16", optimizer=sgd, **PACKED,
-                                     dtensor_cfg={"fusion": mode}))
+    fused = PolicyWorker(
+        make_config(
+            path, precision="bfloat16", optimizer=sgd, **PACKED, dtensor_cfg={"fusion": mode}
+        )
+    )
     report = fused.fusion_report
     assert report.fallback_reason is None and (report.fused_layers or report.fused_mlps)
     got, want = fused.get_logprobs(data)["logprobs"], eager.get_logprobs(data)["logprobs"]
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)  # bf16 compute noise
     for _ in range(2):  # packed [1, N] microbatches of two sizes reuse / recompile the graphs
         loss_fused, loss_eager = fused.train(data, NLLLoss()), eager.train(data, NLLLoss())
-        torch.testing.assert_close(loss_fused["global_loss"], loss_eager["global_loss"], atol=0.02, rtol=0.01)
+        torch.testing.assert_close(
+            loss_fused["global_loss"], loss_eager["global_loss"], atol=0.02, rtol=0.01
+        )

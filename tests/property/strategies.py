@@ -7,7 +7,9 @@ FLOAT_DTYPES = st.sampled_from([torch.float32, torch.float64, torch.bfloat16, to
 SEEDS = st.integers(0, 2**31 - 1)
 
 
-def seeded_randn(seed: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def seeded_randn(
+    seed: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype)
 
@@ -18,7 +20,9 @@ def seeded_randint(seed: int, high: int, shape: tuple[int, ...]) -> torch.Tensor
 
 
 @st.composite
-def right_padded_batches(draw, *, max_batch: int = 6, max_len: int = 32, vocab: int = 1000, min_len: int = 0):
+def right_padded_batches(
+    draw, *, max_batch: int = 6, max_len: int = 32, vocab: int = 1000, min_len: int = 0
+):
     """(tokens_BS, lengths_B) with right padding (pad = -1), lengths in [min_len, S]."""
     seq_len = draw(st.integers(max(1, min_len), max_len))
     lengths = draw(st.lists(st.integers(min_len, seq_len), min_size=1, max_size=max_batch))

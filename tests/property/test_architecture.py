@@ -19,7 +19,14 @@ FORBIDDEN_IMPORTS = (
     "subprocess",
     "socket",
 )
-FORBIDDEN_CALLS = {"getenv", "device_count", "is_available", "get_rank", "get_world_size", "environ"}
+FORBIDDEN_CALLS = {
+    "getenv",
+    "device_count",
+    "is_available",
+    "get_rank",
+    "get_world_size",
+    "environ",
+}
 
 
 def _violations(source: str, filename: str) -> list[str]:
@@ -36,7 +43,9 @@ def _violations(source: str, filename: str) -> list[str]:
                     f"{filename}:{node.lineno} imports {name}; move the effect to policyworker/shell/"
                 )
         if isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_CALLS:
-            problems.append(f"{filename}:{node.lineno} reads runtime state via .{node.attr}; pass it in")
+            problems.append(
+                f"{filename}:{node.lineno} reads runtime state via .{node.attr}; pass it in"
+            )
     return problems
 
 
@@ -47,7 +56,12 @@ def test_core_module_has_no_side_effecting_dependencies(path):
 
 @pytest.mark.parametrize(
     "source",
-    ["import torch.distributed as dist", "from os import environ", "import zmq", "x = torch.cuda.device_count()"],
+    [
+        "import torch.distributed as dist",
+        "from os import environ",
+        "import zmq",
+        "x = torch.cuda.device_count()",
+    ],
 )
 def test_checker_catches_effectful_code(source):
     assert _violations(source, "probe.py")
@@ -87,15 +101,31 @@ EFFECTFUL_NAMES = (
 EFFECTFUL_BUILTINS = {"open", "print", "input", "breakpoint", "exec", "eval", "__import__"}
 # Sampling functions that use the global RNG unless they are handed a `generator=`.
 GLOBAL_RNG_SAMPLERS = {
-    "torch.rand", "torch.randn", "torch.randint", "torch.randperm", "torch.bernoulli",
-    "torch.multinomial", "torch.normal", "torch.poisson", "torch.rand_like", "torch.randn_like",
+    "torch.rand",
+    "torch.randn",
+    "torch.randint",
+    "torch.randperm",
+    "torch.bernoulli",
+    "torch.multinomial",
+    "torch.normal",
+    "torch.poisson",
+    "torch.rand_like",
+    "torch.randn_like",
     "torch.randint_like",
 }
 # The global RNG modules: only a locally seeded generator may be built from them.
 RNG_MODULES = ("random", "numpy.random")
 LOCAL_RNG_CONSTRUCTORS = {"random.Random", "numpy.random.default_rng"}
-GLOBAL_RNG_METHODS = {"uniform_", "normal_", "bernoulli_", "exponential_", "geometric_",
-                      "cauchy_", "log_normal_", "random_"}
+GLOBAL_RNG_METHODS = {
+    "uniform_",
+    "normal_",
+    "bernoulli_",
+    "exponential_",
+    "geometric_",
+    "cauchy_",
+    "log_normal_",
+    "random_",
+}
 
 
 def _module_of(path: pathlib.Path) -> str:
@@ -135,7 +165,8 @@ def effect_violations(source: str, module: str, *, is_package: bool = False) -> 
         if isinstance(node, ast.Import):
             for alias in node.names:
                 aliases[alias.asname or alias.name.split(".")[0]] = (
-                    alias.name if alias.asname else alias.name.split(".")[0])
+                    alias.name if alias.asname else alias.name.split(".")[0]
+                )
                 if _matches(alias.name, EFFECTFUL_NAMES):
                     problems.append(f"line {node.lineno}: imports {alias.name}")
         elif isinstance(node, ast.ImportFrom):
@@ -143,19 +174,29 @@ def effect_violations(source: str, module: str, *, is_package: bool = False) -> 
             for alias in node.names:
                 full = f"{base}.{alias.name}" if base else alias.name
                 aliases[alias.asname or alias.name] = full
-                if _matches(full, EFFECTFUL_NAMES) or _matches(base, EFFECTFUL_NAMES) or (
-                        _matches(full, RNG_MODULES) and full not in LOCAL_RNG_CONSTRUCTORS
-                        and full not in RNG_MODULES):
+                if (
+                    _matches(full, EFFECTFUL_NAMES)
+                    or _matches(base, EFFECTFUL_NAMES)
+                    or (
+                        _matches(full, RNG_MODULES)
+                        and full not in LOCAL_RNG_CONSTRUCTORS
+                        and full not in RNG_MODULES
+                    )
+                ):
                     problems.append(f"line {node.lineno}: imports {full}")
     inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute | ast.Name) and id(node) not in inner and not isinstance(
-                getattr(node, "ctx", None), ast.Store):
+        if (
+            isinstance(node, ast.Attribute | ast.Name)
+            and id(node) not in inner
+            and not isinstance(getattr(node, "ctx", None), ast.Store)
+        ):
             parts = _dotted(node)
             if parts and parts[0] in aliases:
                 full = ".".join([aliases[parts[0]], *parts[1:]])
                 if _matches(full, EFFECTFUL_NAMES) or (
-                        _matches(full, RNG_MODULES) and full not in LOCAL_RNG_CONSTRUCTORS):
+                    _matches(full, RNG_MODULES) and full not in LOCAL_RNG_CONSTRUCTORS
+                ):
                     problems.append(f"line {node.lineno}: uses {full}")
         if isinstance(node, ast.Call):
             parts = _dotted(node.func)
@@ -167,8 +208,11 @@ def effect_violations(source: str, module: str, *, is_package: bool = False) -> 
                 problems.append(f"line {node.lineno}: {full}() without a seed (OS entropy)")
             elif full in GLOBAL_RNG_SAMPLERS and "generator" not in keywords:
                 problems.append(f"line {node.lineno}: {full}() without generator= (global RNG)")
-            elif (isinstance(node.func, ast.Attribute) and node.func.attr in GLOBAL_RNG_METHODS
-                  and "generator" not in keywords):
+            elif (
+                isinstance(node.func, ast.Attribute)
+                and node.func.attr in GLOBAL_RNG_METHODS
+                and "generator" not in keywords
+            ):
                 problems.append(f"line {node.lineno}: .{node.func.attr}() without generator=")
     return sorted(set(problems))
 
@@ -241,12 +285,32 @@ SHELL_LAYERS = {
     "policyworker.shell.microbatches": 2,
     "policyworker.shell.next_token": 2,
 }
-MECHANISM_ROOMS = ("policyworker.shell.parallel", "policyworker.shell.refit",
-                   "policyworker.shell.checkpoint", "policyworker.shell.engines")
-MECHANISM_MODULES = {"model", "attention", "fusion", "lora", "optim", "config_io", "ipc_logits",
-                     "moe", "draft", "logs"}
-LAYER_NAMES = {5: "actors", 4: "facade", 3: "behaviours", 2: "worker mechanisms",
-               1: "mechanisms", 0: "core"}
+MECHANISM_ROOMS = (
+    "policyworker.shell.parallel",
+    "policyworker.shell.refit",
+    "policyworker.shell.checkpoint",
+    "policyworker.shell.engines",
+)
+MECHANISM_MODULES = {
+    "model",
+    "attention",
+    "fusion",
+    "lora",
+    "optim",
+    "config_io",
+    "ipc_logits",
+    "moe",
+    "draft",
+    "logs",
+}
+LAYER_NAMES = {
+    5: "actors",
+    4: "facade",
+    3: "behaviours",
+    2: "worker mechanisms",
+    1: "mechanisms",
+    0: "core",
+}
 
 
 def _layer(module: str) -> int | None:
@@ -287,7 +351,8 @@ def test_every_shell_module_has_a_room_and_layer():
     unplaced = [m for m in _shell_imports() if _layer(m) is None]
     assert unplaced == [], (
         f"{unplaced}: add them to SHELL_LAYERS / MECHANISM_MODULES in "
-        f"tests/property/test_architecture.py (see policyworker/shell/__init__.py)")
+        f"tests/property/test_architecture.py (see policyworker/shell/__init__.py)"
+    )
 
 
 def layer_problems(graph: dict[str, set[str]]) -> list[str]:
@@ -297,21 +362,23 @@ def layer_problems(graph: dict[str, set[str]]) -> list[str]:
         for target in sorted(targets):
             own, theirs = _layer(module), _layer(target)
             if own is not None and theirs is not None and theirs > own:
-                problems.append(f"{module} ({LAYER_NAMES[own]}) imports {target} "
-                                f"({LAYER_NAMES[theirs]})")
+                problems.append(
+                    f"{module} ({LAYER_NAMES[own]}) imports {target} ({LAYER_NAMES[theirs]})"
+                )
     return problems
 
 
 def import_cycle(graph: dict[str, set[str]]) -> list[str]:
     """One cycle of the graph among its own modules ([] when there is none)."""
     # a package's __init__ re-exporting its modules is not a dependency of those modules on it
-    edges = {m: {t for t in ts if t in graph and not t.startswith(m + ".")}
-             for m, ts in graph.items()}
+    edges = {
+        m: {t for t in ts if t in graph and not t.startswith(m + ".")} for m, ts in graph.items()
+    }
     done: set[str] = set()
 
     def visit(node: str, path: list[str]) -> list[str]:
         if node in path:
-            return [*path[path.index(node):], node]
+            return [*path[path.index(node) :], node]
         if node in done:
             return []
         for nxt in sorted(edges[node]):
@@ -343,9 +410,14 @@ def test_layering_checks_catch_upward_imports_and_cycles():
     upward = {**graph, "policyworker.shell.state": {"policyworker.shell.training"}}
     assert layer_problems(upward) == [
         "policyworker.shell.state (worker mechanisms) imports policyworker.shell.training "
-        "(behaviours)"]
-    loop = {"policyworker.shell.refit.wire": {"policyworker.shell.refit.zmq_ipc"},
-            "policyworker.shell.refit.zmq_ipc": {"policyworker.shell.refit.wire"}}
-    assert import_cycle(loop) == ["policyworker.shell.refit.wire",
-                                  "policyworker.shell.refit.zmq_ipc",
-                                  "policyworker.shell.refit.wire"]
+        "(behaviours)"
+    ]
+    loop = {
+        "policyworker.shell.refit.wire": {"policyworker.shell.refit.zmq_ipc"},
+        "policyworker.shell.refit.zmq_ipc": {"policyworker.shell.refit.wire"},
+    }
+    assert import_cycle(loop) == [
+        "policyworker.shell.refit.wire",
+        "policyworker.shell.refit.zmq_ipc",
+        "policyworker.shell.refit.wire",
+    ]

@@ -54,12 +54,20 @@ def test_counted_positions_exclude_column_zero_padding_and_masked(batch, seed):
     gen = torch.Generator().manual_seed(seed)
     token_mask = (torch.rand(tokens_BS.shape, generator=gen) > 0.3).float()
     sample_mask = (torch.rand(tokens_BS.shape[:1], generator=gen) > 0.3).float()
-    data = {"input_ids": tokens_BS.clamp(min=0), "input_lengths": lengths_B,
-            "token_mask": token_mask, "sample_mask": sample_mask}
+    data = {
+        "input_ids": tokens_BS.clamp(min=0),
+        "input_lengths": lengths_B,
+        "token_mask": token_mask,
+        "sample_mask": sample_mask,
+    }
     counted = counted_positions(data)
     columns = torch.arange(tokens_BS.shape[1])[None]
-    expected = ((columns >= 1) & (columns < lengths_B[:, None]) & (token_mask != 0)
-                & (sample_mask != 0)[:, None])
+    expected = (
+        (columns >= 1)
+        & (columns < lengths_B[:, None])
+        & (token_mask != 0)
+        & (sample_mask != 0)[:, None]
+    )
     assert torch.equal(counted, expected)
 
 
@@ -81,8 +89,7 @@ def test_cast_loss_inputs_refuses_complex():
         cast_loss_inputs({"advantages": torch.zeros(2, dtype=torch.complex64)})
 
 
-@given(st.one_of(st.integers(-5, 0), st.floats(allow_nan=True), st.text(max_size=3),
-                 st.booleans()))
+@given(st.one_of(st.integers(-5, 0), st.floats(allow_nan=True), st.text(max_size=3), st.booleans()))
 def test_batch_size_argument_refuses_everything_but_positive_ints(value):
     with pytest.raises(DataError, match="must be a positive int"):
         batch_size_argument("gbs", value, 4)
@@ -97,9 +104,13 @@ def test_batch_size_argument_passes_positive_ints_and_defaults_none(value):
 @given(SEEDS, st.integers(1, 4), st.integers(2, 6))
 def test_finite_inputs_pass_and_one_counted_nan_is_named(seed, b, s):
     gen = torch.Generator().manual_seed(seed)
-    data = {"input_ids": torch.zeros(b, s, dtype=torch.int64),
-            "input_lengths": torch.full((b,), s), "token_mask": torch.ones(b, s),
-            "sample_mask": torch.ones(b), "prev_logprobs": seeded_randn(seed, (b, s))}
+    data = {
+        "input_ids": torch.zeros(b, s, dtype=torch.int64),
+        "input_lengths": torch.full((b,), s),
+        "token_mask": torch.ones(b, s),
+        "sample_mask": torch.ones(b),
+        "prev_logprobs": seeded_randn(seed, (b, s)),
+    }
     assert nonfinite_loss_input(data) is None
     row = int(torch.randint(0, b, (1,), generator=gen))
     col = int(torch.randint(1, s, (1,), generator=gen))

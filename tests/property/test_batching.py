@@ -21,7 +21,8 @@ from tests.property.strategies import SEEDS, seeded_randn
 
 LENGTHS = st.lists(st.integers(0, 64), min_size=1, max_size=24)
 ALGORITHMS = st.sampled_from(
-    ["first_fit_decreasing", "modified_first_fit_decreasing", "first_fit_shuffle", "concatenative"])
+    ["first_fit_decreasing", "modified_first_fit_decreasing", "first_fit_shuffle", "concatenative"]
+)
 
 
 def covered_once(plans, n):
@@ -40,8 +41,9 @@ def test_fixed_plans_cover_rows_in_order_at_full_width(batch_size, mbs, seq_len)
 def test_dynamic_plans_cover_rows_once_and_respect_the_budget(lengths, rounding, slack):
     seq_len = max(lengths) + slack
     max_tokens = max(seq_len, 1) * 3
-    plans = dynamic_microbatches(lengths, max_tokens=max_tokens, sequence_length_round=rounding,
-                                 seq_len=seq_len)
+    plans = dynamic_microbatches(
+        lengths, max_tokens=max_tokens, sequence_length_round=rounding, seq_len=seq_len
+    )
     assert covered_once(plans, len(lengths))
     for plan in plans:
         assert len(plan.rows) * plan.width <= max_tokens
@@ -64,8 +66,9 @@ def test_token_budget_groups_are_maximal(lengths, budget):
 @given(LENGTHS, ALGORITHMS, st.sampled_from([1, 4, 16]))
 def test_packed_plans_cover_rows_once_and_fit_the_capacity(lengths, algorithm, pad_multiple):
     capacity = 64 * 2
-    plans = packed_microbatches(lengths, capacity=capacity, algorithm=algorithm,
-                                pad_multiple=pad_multiple)
+    plans = packed_microbatches(
+        lengths, capacity=capacity, algorithm=algorithm, pad_multiple=pad_multiple
+    )
     assert covered_once(plans, len(lengths)) and all(p.packed for p in plans)
     for plan in plans:
         padded = sum(-(-lengths[r] // pad_multiple) * pad_multiple for r in plan.rows)
@@ -87,7 +90,7 @@ def test_dummy_microbatches_cycle_the_real_plans(sizes, extra):
 @given(st.permutations(list(range(12))), SEEDS)
 def test_reordering_outputs_by_rows_in_input_order_restores_input(perm, seed):
     x = seeded_randn(seed, (12, 3))
-    plans = [MicrobatchPlan(rows=tuple(perm[i:i + 5]), width=3) for i in range(0, 12, 5)]
+    plans = [MicrobatchPlan(rows=tuple(perm[i : i + 5]), width=3) for i in range(0, 12, 5)]
     outputs = torch.cat([x[list(p.rows)] for p in plans])
     assert torch.equal(outputs[rows_in_input_order(plans)], x)
 

@@ -200,14 +200,19 @@ def test_default_buffer_is_aligned_positive_and_fits_the_largest_tensor_when_mem
     assert per_buffer <= max(512, sum(align_up(n) for n in sizes), largest)
 
 
-@given(items=st.lists(shapes, max_size=12), dtype=st.sampled_from(WIRE_DTYPES), seed=SEEDS,
-       alignment=st.sampled_from([8, 512]))
+@given(
+    items=st.lists(shapes, max_size=12),
+    dtype=st.sampled_from(WIRE_DTYPES),
+    seed=SEEDS,
+    alignment=st.sampled_from([8, 512]),
+)
 @settings(max_examples=60)
 def test_split_views_equal_unpack_tensors_and_alias_the_buffer(items, dtype, seed, alignment):
     specs = [TensorSpec(f"t{i}", shape, dtype) for i, shape in enumerate(items)]
     plan = plan_ipc_buckets(specs, 1 << 20, alignment=alignment)
-    buffer = torch.randint(0, 256, (max(1 << 20, 1),), dtype=torch.uint8,
-                           generator=torch.Generator().manual_seed(seed))
+    buffer = torch.randint(
+        0, 256, (max(1 << 20, 1),), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
     for bucket in plan:
         bucket_specs = [specs[i] for i in bucket.indices]
         layout = split_layout(bucket_specs, bucket.offsets)
@@ -224,7 +229,9 @@ def test_split_layout_declines_what_it_cannot_cut_in_one_split():
     f32 = [TensorSpec("a", (3,), torch.float32), TensorSpec("b", (2,), torch.float32)]
     layout = split_layout(f32, [0, 512])
     assert layout is not None and layout.split_sizes == (3, 125, 2) and layout.picks == (0, 2)
-    assert split_layout([f32[0], TensorSpec("c", (2,), torch.int64)], [0, 512]) is None  # mixed dtypes
+    assert (
+        split_layout([f32[0], TensorSpec("c", (2,), torch.int64)], [0, 512]) is None
+    )  # mixed dtypes
     assert split_layout(f32, [0, 2]) is None  # misaligned for float32
     assert split_layout(f32, [0, 8]) is None  # overlapping
     assert split_layout(f32, [512, 0]) is None  # descending

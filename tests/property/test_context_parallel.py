@@ -54,14 +54,18 @@ def test_cp_size_one_is_identity(case):
 def test_shards_balance_causal_work(layout):
     """Head-tail balancing: the sum of positions (~ causal attention cost) is equal on every rank."""
     cp_size, seq_len = layout
-    costs = {int(cp_position_ids(seq_len, cp_rank=r, cp_size=cp_size).sum()) for r in range(cp_size)}
+    costs = {
+        int(cp_position_ids(seq_len, cp_rank=r, cp_size=cp_size).sum()) for r in range(cp_size)
+    }
     assert len(costs) == 1
 
 
 @given(cp_layouts())
 def test_every_position_is_owned_exactly_once(layout):
     cp_size, seq_len = layout
-    owned = torch.cat([cp_position_ids(seq_len, cp_rank=r, cp_size=cp_size) for r in range(cp_size)])
+    owned = torch.cat(
+        [cp_position_ids(seq_len, cp_rank=r, cp_size=cp_size) for r in range(cp_size)]
+    )
     assert torch.equal(owned.sort().values, torch.arange(seq_len))
 
 
@@ -71,7 +75,9 @@ def test_shard_of_position_ids_equals_positions_of_shard(case):
     seq_len = x.shape[dim]
     for r in range(cp_size):
         positions = cp_position_ids(seq_len, cp_rank=r, cp_size=cp_size)
-        assert torch.equal(shard_for_rank(x, cp_rank=r, cp_size=cp_size, dim=dim), x.index_select(dim, positions))
+        assert torch.equal(
+            shard_for_rank(x, cp_rank=r, cp_size=cp_size, dim=dim), x.index_select(dim, positions)
+        )
 
 
 @given(cp_tensors())
@@ -79,7 +85,9 @@ def test_load_balanced_to_contiguous_equals_plain_chunk(case):
     x, cp_size, dim = case
     shards = [shard_for_rank(x, cp_rank=r, cp_size=cp_size, dim=dim) for r in range(cp_size)]
     for r, expected in enumerate(x.chunk(cp_size, dim=dim)):
-        assert torch.equal(load_balanced_to_contiguous(shards, cp_rank=r, cp_size=cp_size, dim=dim), expected)
+        assert torch.equal(
+            load_balanced_to_contiguous(shards, cp_rank=r, cp_size=cp_size, dim=dim), expected
+        )
 
 
 @given(cp_tensors())
@@ -91,7 +99,10 @@ def test_shard_does_not_mutate_input(case):
 
 
 def test_indivisible_sequence_names_the_fix():
-    with pytest.raises(ValueError, match=r"must be divisible by 2 \* cp_size = 4; pad it .*make_sequence_length_divisible_by"):
+    with pytest.raises(
+        ValueError,
+        match=r"must be divisible by 2 \* cp_size = 4; pad it .*make_sequence_length_divisible_by",
+    ):
         shard_for_rank(torch.zeros(1, 6), cp_rank=0, cp_size=2)
 
 

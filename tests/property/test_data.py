@@ -17,9 +17,14 @@ MFFD = "modified_first_fit_decreasing"
 
 
 def packing_args(capacity, *, pad_multiple=1, order="packer", algorithm=MFFD):
-    return {"max_tokens_per_microbatch": capacity, "input_key": "input_ids",
-            "input_lengths_key": "sequence_lengths", "algorithm": algorithm,
-            "sequence_length_pad_multiple": pad_multiple, "microbatch_order": order}
+    return {
+        "max_tokens_per_microbatch": capacity,
+        "input_key": "input_ids",
+        "input_lengths_key": "sequence_lengths",
+        "algorithm": algorithm,
+        "sequence_length_pad_multiple": pad_multiple,
+        "microbatch_order": order,
+    }
 
 
 def batch_with_lengths(lengths, width):
@@ -27,17 +32,27 @@ def batch_with_lengths(lengths, width):
     rows_B = torch.arange(len(lengths))
     ids = torch.arange(width)[None, :].expand(len(lengths), width) + 1000 * rows_B[:, None]
     ids = ids.masked_fill(torch.arange(width)[None, :] >= lengths[:, None], 0)
-    return BatchedDataDict({"input_ids": ids, "sequence_lengths": lengths,
-                            "problem_ids": torch.arange(len(lengths)),
-                            "names": [f"row{i}" for i in range(len(lengths))]})
+    return BatchedDataDict(
+        {
+            "input_ids": ids,
+            "sequence_lengths": lengths,
+            "problem_ids": torch.arange(len(lengths)),
+            "names": [f"row{i}" for i in range(len(lengths))],
+        }
+    )
 
 
 # -- plain sharding ------------------------------------------------------------------------------
 
 
 def test_shard_basics_follow_the_reference():
-    batch = BatchedDataDict({"tensor_data": torch.arange(8), "other": torch.arange(10, 18),
-                             "list_data": list("ABCDEFGH")})
+    batch = BatchedDataDict(
+        {
+            "tensor_data": torch.arange(8),
+            "other": torch.arange(10, 18),
+            "list_data": list("ABCDEFGH"),
+        }
+    )
     first, second = batch.shard_by_batch_size(shards=2, batch_size=4)
     assert first["tensor_data"].tolist() == [0, 1, 4, 5]
     assert second["tensor_data"].tolist() == [2, 3, 6, 7]
@@ -56,34 +71,41 @@ def test_uneven_shards_keep_every_key_even_when_empty():
 
 
 def test_shard_errors_use_the_reference_phrases():
-    with pytest.raises(ValueError,
-                       match=r"Total batch size \(10\) is not a multiple of batch_size \(3\)"):
+    with pytest.raises(
+        ValueError, match=r"Total batch size \(10\) is not a multiple of batch_size \(3\)"
+    ):
         BatchedDataDict({"d": torch.arange(10)}).shard_by_batch_size(shards=2, batch_size=3)
     with pytest.raises(ValueError, match=r"Batch size \(4\) is not a multiple of shards \(3\)"):
         BatchedDataDict({"d": torch.arange(8)}).shard_by_batch_size(shards=3, batch_size=4)
-    with pytest.raises(DataError,
-                       match="Batch sizes are not the same across the rollout batch.*'b': 3"):
+    with pytest.raises(
+        DataError, match="Batch sizes are not the same across the rollout batch.*'b': 3"
+    ):
         BatchedDataDict({"a": torch.arange(4), "b": torch.arange(3)}).shard_by_batch_size(shards=2)
     batch = batch_with_lengths([5, 6, 7, 8], 10)
     with pytest.raises(ValueError, match="cannot be passed together"):
         batch.shard_by_batch_size(2, dynamic_batching_args={}, sequence_packing_args={})
     with pytest.raises(ValueError, match="microbatch_order"):
         batch.shard_by_batch_size(
-            2, sequence_packing_args=packing_args(100, order="smallest_first"))
-    with pytest.raises(ValueError, match=r"row 3 has 'sequence_lengths' 8 \(padded to 8.*"
-                                         r"> max_tokens_per_microbatch 7"):
+            2, sequence_packing_args=packing_args(100, order="smallest_first")
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"row 3 has 'sequence_lengths' 8 \(padded to 8.*"
+        r"> max_tokens_per_microbatch 7",
+    ):
         batch.shard_by_batch_size(2, sequence_packing_args=packing_args(7))
 
 
 @given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 3), SEEDS)
 def test_shards_concatenated_cover_every_row_once_per_global_batch(shards, per_shard, num_gb, seed):
     batch_size = shards * per_shard
-    batch = BatchedDataDict({"rows": torch.randperm(batch_size * num_gb,
-                                                    generator=torch.Generator().manual_seed(seed))})
+    batch = BatchedDataDict(
+        {"rows": torch.randperm(batch_size * num_gb, generator=torch.Generator().manual_seed(seed))}
+    )
     parts = batch.shard_by_batch_size(shards=shards, batch_size=batch_size)
     assert sorted(torch.cat([p["rows"] for p in parts]).tolist()) == sorted(batch["rows"].tolist())
     for gb in range(num_gb):  # global batch gb of every shard comes from chunk gb
-        chunk = set(batch["rows"][gb * batch_size:(gb + 1) * batch_size].tolist())
+        chunk = set(batch["rows"][gb * batch_size : (gb + 1) * batch_size].tolist())
         got = [r for p in parts for r in p.get_batch(gb, per_shard)["rows"].tolist()]
         assert sorted(got) == sorted(chunk)
 
@@ -120,18 +142,31 @@ def test_from_batches_follows_nemo_rl_on_empty_input():
     a = {"ids": torch.ones(2, 3), "names": ["p", "q"]}
     out = BatchedDataDict.from_batches([{}, a, {"ids": torch.zeros(0, 5)}])
     assert out["ids"].shape == (2, 5) and out["names"] == ["p", "q"]
-    with pytest.raises(DataError, match=r"key 'names' is missing from batches \[1\], which have rows"):
+    with pytest.raises(
+        DataError, match=r"key 'names' is missing from batches \[1\], which have rows"
+    ):
         BatchedDataDict.from_batches([a, {"ids": torch.zeros(1, 3)}])
 
 
 def test_from_batches_pads_sequence_dims_and_keeps_trailing_dims():
-    a = BatchedDataDict({"logits": torch.ones(2, 3, 2), "ids": torch.ones(2, 3, dtype=torch.long),
-                         "experts": torch.ones(2, 3, 2, 1, dtype=torch.int32),
-                         "n": torch.tensor([1, 2]), "tags": ["a", "b"]})
-    b = BatchedDataDict({"logits": 2 * torch.ones(1, 5, 2),
-                         "ids": 2 * torch.ones(1, 5, dtype=torch.long),
-                         "experts": 2 * torch.ones(1, 5, 2, 1, dtype=torch.int32),
-                         "n": torch.tensor([3]), "tags": ["c"]})
+    a = BatchedDataDict(
+        {
+            "logits": torch.ones(2, 3, 2),
+            "ids": torch.ones(2, 3, dtype=torch.long),
+            "experts": torch.ones(2, 3, 2, 1, dtype=torch.int32),
+            "n": torch.tensor([1, 2]),
+            "tags": ["a", "b"],
+        }
+    )
+    b = BatchedDataDict(
+        {
+            "logits": 2 * torch.ones(1, 5, 2),
+            "ids": 2 * torch.ones(1, 5, dtype=torch.long),
+            "experts": 2 * torch.ones(1, 5, 2, 1, dtype=torch.int32),
+            "n": torch.tensor([3]),
+            "tags": ["c"],
+        }
+    )
     out = BatchedDataDict.from_batches([a, b], pad_value_dict={"logits": -5.0, "experts": -1})
     assert out["logits"].shape == (3, 5, 2) and (out["logits"][:2, 3:] == -5.0).all()
     assert out["experts"].shape == (3, 5, 2, 1) and (out["experts"][:2, 3:] == -1).all()
@@ -145,8 +180,12 @@ def test_from_batches_pads_sequence_dims_and_keeps_trailing_dims():
 def test_dynamic_sharding_widths_are_rounded_and_within_budget():
     lengths = torch.tensor((2, 8, 4, 16, 28, 32, 2, 32), dtype=torch.int)
     batch = BatchedDataDict({"data": torch.ones(8, 128), "sequence_lengths": lengths})
-    args = {"input_key": "data", "input_lengths_key": "sequence_lengths",
-            "sequence_length_round": 4, "max_tokens_per_microbatch": 32}
+    args = {
+        "input_key": "data",
+        "input_lengths_key": "sequence_lengths",
+        "sequence_length_round": 4,
+        "max_tokens_per_microbatch": 32,
+    }
     shards, order = batch.shard_by_batch_size(shards=2, dynamic_batching_args=args)
     assert sorted(order) == list(range(8))
     for shard in shards:
@@ -159,14 +198,19 @@ def test_dynamic_sharding_widths_are_rounded_and_within_budget():
 
 @settings(max_examples=40)
 @given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 3), st.sampled_from([1, 4]), SEEDS)
-def test_dynamic_shards_share_boundaries_and_restore_input(shards, per_shard, num_gb, rounding,
-                                                           seed):
+def test_dynamic_shards_share_boundaries_and_restore_input(
+    shards, per_shard, num_gb, rounding, seed
+):
     batch_size = shards * per_shard
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 17, (batch_size * num_gb,), generator=generator)
     batch = batch_with_lengths(lengths, 16)
-    args = {"input_key": "input_ids", "input_lengths_key": "sequence_lengths",
-            "sequence_length_round": rounding, "max_tokens_per_microbatch": 40}
+    args = {
+        "input_key": "input_ids",
+        "input_lengths_key": "sequence_lengths",
+        "sequence_length_round": rounding,
+        "max_tokens_per_microbatch": 40,
+    }
     parts, order = batch.shard_by_batch_size(shards, batch_size, dynamic_batching_args=args)
     assert all(p.micro_batch_indices == parts[0].micro_batch_indices for p in parts)
     for gb in range(num_gb):
@@ -187,7 +231,8 @@ def test_largest_first_executes_each_shards_bins_by_decreasing_load():
     batch = batch_with_lengths([46, 24, 55, 88, 11, 14, 73, 17], 100)
     packer, _ = batch.shard_by_batch_size(2, sequence_packing_args=packing_args(100))
     largest, order = batch.shard_by_batch_size(
-        2, sequence_packing_args=packing_args(100, order="largest_first"))
+        2, sequence_packing_args=packing_args(100, order="largest_first")
+    )
     assert [s.micro_batch_lengths[0] for s in largest] == [[99, 96], [87, 46]]
     for p, q in zip(packer, largest, strict=True):
         assert set(p["problem_ids"].tolist()) == set(q["problem_ids"].tolist())
@@ -236,13 +281,19 @@ def test_packing_1024_random_sequences_into_4_global_batches_and_4_shards(pad_mu
     reconstructed = BatchedDataDict.from_batches(shards)
     assert not torch.equal(reconstructed["problem_ids"], batch["problem_ids"])
     restored = reconstructed.reorder_data(order)
-    assert all(torch.equal(restored[k], batch[k])
-               for k in ("input_ids", "sequence_lengths", "problem_ids"))
+    assert all(
+        torch.equal(restored[k], batch[k]) for k in ("input_ids", "sequence_lengths", "problem_ids")
+    )
 
 
 @settings(max_examples=40)
-@given(st.integers(1, 3), st.integers(1, 5), st.integers(1, 3), SEEDS,
-       st.sampled_from(["first_fit_decreasing", MFFD, "first_fit_shuffle", "concatenative"]))
+@given(
+    st.integers(1, 3),
+    st.integers(1, 5),
+    st.integers(1, 3),
+    SEEDS,
+    st.sampled_from(["first_fit_decreasing", MFFD, "first_fit_shuffle", "concatenative"]),
+)
 def test_packed_shards_cover_rows_once_and_fit_capacity(shards, per_shard, num_gb, seed, algorithm):
     batch_size = shards * per_shard
     generator = torch.Generator().manual_seed(seed)
@@ -255,8 +306,11 @@ def test_packed_shards_cover_rows_once_and_fit_capacity(shards, per_shard, num_g
         counts = {len(p.get_batch(gb).micro_batch_indices[0]) for p in parts}
         assert len(counts) == 1  # the bin count is a multiple of the shard count
         for p in parts:
-            for mb, load in zip(p.get_batch(gb).make_microbatch_iterator_for_packable_sequences(),
-                                p.get_batch(gb).micro_batch_lengths[0], strict=True):
+            for mb, load in zip(
+                p.get_batch(gb).make_microbatch_iterator_for_packable_sequences(),
+                p.get_batch(gb).micro_batch_lengths[0],
+                strict=True,
+            ):
                 assert int(mb["sequence_lengths"].sum()) == load <= 48
     restored = BatchedDataDict.from_batches(parts).reorder_data(order)
     assert torch.equal(restored["input_ids"], batch["input_ids"])
@@ -291,29 +345,71 @@ def test_container_methods():
 @given(right_padded_batches(min_len=0))
 def test_validate_accepts_well_formed_batches(batch):
     ids, lengths = batch
-    validate_batch({"input_ids": ids.clamp(min=0), "input_lengths": lengths,
-                    "token_mask": torch.ones_like(ids), "sample_mask": torch.ones(len(lengths)),
-                    "topk": torch.zeros(len(lengths), 3, 2)}, check_dim_skip_keys=("topk",))
+    validate_batch(
+        {
+            "input_ids": ids.clamp(min=0),
+            "input_lengths": lengths,
+            "token_mask": torch.ones_like(ids),
+            "sample_mask": torch.ones(len(lengths)),
+            "topk": torch.zeros(len(lengths), 3, 2),
+        },
+        check_dim_skip_keys=("topk",),
+    )
 
 
-@pytest.mark.parametrize(("data", "phrase"), [
-    ({"input_ids": torch.zeros(2, 4, dtype=torch.long)},
-     r"missing 1 required key\(s\) \['input_lengths'\]"),
-    ({"input_ids": torch.zeros(2, 4), "input_lengths": torch.tensor([1, 2])},
-     "integer token ids.*float32"),
-    ({"input_ids": torch.zeros(2, dtype=torch.long), "input_lengths": torch.tensor([1, 2])},
-     r"\[B, S\].*\(2,\)"),
-    ({"input_ids": torch.zeros(2, 4, dtype=torch.long), "input_lengths": torch.tensor([[1, 2]])},
-     r"\[B\] tensor"),
-    ({"input_ids": torch.zeros(2, 4, dtype=torch.long), "input_lengths": torch.tensor([1, 2, 3])},
-     r"batch sizes disagree.*'input_lengths': \(3,\)"),
-    ({"input_ids": torch.zeros(2, 4, dtype=torch.long), "input_lengths": torch.tensor([1, 2]),
-      "token_mask": torch.ones(2, 5)}, r"'token_mask': \(2, 5\).*\(2, 4\).*check_dim_skip_keys"),
-    ({"input_ids": torch.zeros(2, 4, dtype=torch.long), "input_lengths": torch.tensor([1, 5])},
-     r"'input_lengths'\[1\] = 5 is outside \[0, S=4\]"),
-    ({"input_ids": torch.zeros(2, 4, dtype=torch.long), "input_lengths": torch.tensor([-1, 2])},
-     r"'input_lengths'\[0\] = -1"),
-])
+@pytest.mark.parametrize(
+    ("data", "phrase"),
+    [
+        (
+            {"input_ids": torch.zeros(2, 4, dtype=torch.long)},
+            r"missing 1 required key\(s\) \['input_lengths'\]",
+        ),
+        (
+            {"input_ids": torch.zeros(2, 4), "input_lengths": torch.tensor([1, 2])},
+            "integer token ids.*float32",
+        ),
+        (
+            {"input_ids": torch.zeros(2, dtype=torch.long), "input_lengths": torch.tensor([1, 2])},
+            r"\[B, S\].*\(2,\)",
+        ),
+        (
+            {
+                "input_ids": torch.zeros(2, 4, dtype=torch.long),
+                "input_lengths": torch.tensor([[1, 2]]),
+            },
+            r"\[B\] tensor",
+        ),
+        (
+            {
+                "input_ids": torch.zeros(2, 4, dtype=torch.long),
+                "input_lengths": torch.tensor([1, 2, 3]),
+            },
+            r"batch sizes disagree.*'input_lengths': \(3,\)",
+        ),
+        (
+            {
+                "input_ids": torch.zeros(2, 4, dtype=torch.long),
+                "input_lengths": torch.tensor([1, 2]),
+                "token_mask": torch.ones(2, 5),
+            },
+            r"'token_mask': \(2, 5\).*\(2, 4\).*check_dim_skip_keys",
+        ),
+        (
+            {
+                "input_ids": torch.zeros(2, 4, dtype=torch.long),
+                "input_lengths": torch.tensor([1, 5]),
+            },
+            r"'input_lengths'\[1\] = 5 is outside \[0, S=4\]",
+        ),
+        (
+            {
+                "input_ids": torch.zeros(2, 4, dtype=torch.long),
+                "input_lengths": torch.tensor([-1, 2]),
+            },
+            r"'input_lengths'\[0\] = -1",
+        ),
+    ],
+)
 def test_validate_rejects_bad_batches_naming_key_and_shapes(data, phrase):
     with pytest.raises(DataError, match=phrase):
         validate_batch(data)

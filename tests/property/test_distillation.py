@@ -25,14 +25,16 @@ def _case(seed, b, s, v, k):
 @given(seed=SEEDS, shape=shapes)
 def test_topk_logprobs_normalize_and_match_the_full_softmax(seed, shape):
     student, t_vals, t_ids = _case(seed, *shape)
-    s, t, h = distillation_topk_logprobs(student, t_vals, t_ids, zero_outside_topk=False,
-                                         calculate_entropy=False)
+    s, t, h = distillation_topk_logprobs(
+        student, t_vals, t_ids, zero_outside_topk=False, calculate_entropy=False
+    )
     b, seq, _, _ = shape
     assert s.shape == t.shape == (b, seq - 1, t_ids.shape[-1]) and h is None
     torch.testing.assert_close(s.exp().sum(-1), torch.ones(b, seq - 1, dtype=s.dtype))
     torch.testing.assert_close(t.exp().sum(-1), torch.ones(b, seq - 1, dtype=t.dtype))
-    full, _, entropy = distillation_topk_logprobs(student, t_vals, t_ids, zero_outside_topk=True,
-                                                  calculate_entropy=True)
+    full, _, entropy = distillation_topk_logprobs(
+        student, t_vals, t_ids, zero_outside_topk=True, calculate_entropy=True
+    )
     logp = torch.log_softmax(student, -1)
     torch.testing.assert_close(full, logp.gather(-1, t_ids)[:, :-1])
     assert entropy is not None
@@ -41,26 +43,51 @@ def test_topk_logprobs_normalize_and_match_the_full_softmax(seed, shape):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=SEEDS, shape=shapes, weight=st.floats(0, 1), kind=st.sampled_from(
-    ["forward", "reverse", "mixed"]), zero=st.booleans())
+@given(
+    seed=SEEDS,
+    shape=shapes,
+    weight=st.floats(0, 1),
+    kind=st.sampled_from(["forward", "reverse", "mixed"]),
+    zero=st.booleans(),
+)
 def test_loss_is_non_negative_masked_and_globally_normalized(seed, shape, weight, kind, zero):
     student, t_vals, t_ids = _case(seed, *shape)
     b, seq, _, _ = shape
-    s, t, h = distillation_topk_logprobs(student, t_vals, t_ids, zero_outside_topk=zero,
-                                         calculate_entropy=zero)
+    s, t, h = distillation_topk_logprobs(
+        student, t_vals, t_ids, zero_outside_topk=zero, calculate_entropy=zero
+    )
     gen = torch.Generator().manual_seed(seed + 1)
     token_mask = (torch.rand(b, seq, generator=gen) > 0.3).double()
     data = {"token_mask": token_mask, "sample_mask": torch.ones(b, dtype=torch.float64)}
-    loss_fn = DistillationLossFn({"kl_type": kind, "mixed_kl_weight": weight,
-                                  "zero_outside_topk": zero})
-    loss, metrics = loss_fn(data=data, global_valid_seqs=b, global_valid_toks=7.0,
-                            student_topk_logprobs=s, teacher_topk_logprobs=t, H_all=h)
+    loss_fn = DistillationLossFn(
+        {"kl_type": kind, "mixed_kl_weight": weight, "zero_outside_topk": zero}
+    )
+    loss, metrics = loss_fn(
+        data=data,
+        global_valid_seqs=b,
+        global_valid_toks=7.0,
+        student_topk_logprobs=s,
+        teacher_topk_logprobs=t,
+        H_all=h,
+    )
     assert float(loss) >= -1e-9 and metrics["num_valid_samples"] == b
     # garbage at masked positions cannot reach the loss
     poisoned = torch.where(token_mask[:, 1:, None] == 0, torch.full_like(s, float("nan")), s)
-    again, _ = loss_fn(data=data, global_valid_seqs=b, global_valid_toks=7.0,
-                       student_topk_logprobs=poisoned, teacher_topk_logprobs=t, H_all=h)
+    again, _ = loss_fn(
+        data=data,
+        global_valid_seqs=b,
+        global_valid_toks=7.0,
+        student_topk_logprobs=poisoned,
+        teacher_topk_logprobs=t,
+        H_all=h,
+    )
     torch.testing.assert_close(again, loss)
-    halved, _ = loss_fn(data=data, global_valid_seqs=b, global_valid_toks=14.0,
-                        student_topk_logprobs=s, teacher_topk_logprobs=t, H_all=h)
+    halved, _ = loss_fn(
+        data=data,
+        global_valid_seqs=b,
+        global_valid_toks=14.0,
+        student_topk_logprobs=s,
+        teacher_topk_logprobs=t,
+        H_all=h,
+    )
     torch.testing.assert_close(halved * 2, loss, rtol=1e-6, atol=1e-9)

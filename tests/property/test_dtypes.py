@@ -26,7 +26,9 @@ ALL_DTYPES = [
     torch.bool,
 ]
 TARGETS = [torch.bfloat16, torch.float16, torch.float32]
-components = st.sampled_from(["model", "layers", "3", "mlp", "gate", "gate_proj", "weight", "bias", "experts"])
+components = st.sampled_from(
+    ["model", "layers", "3", "mlp", "gate", "gate_proj", "weight", "bias", "experts"]
+)
 fqns = st.lists(components, min_size=1, max_size=6).map(".".join)
 
 
@@ -51,7 +53,9 @@ def test_precision_names_map_to_dtypes(name, expected):
 
 @pytest.mark.parametrize("name", ["float33", "int8", "", "torch.float64", torch.float64])
 def test_unknown_precision_lists_the_choices(name):
-    with pytest.raises(ValueError, match=r"precision .* is not supported; choose one of float32, bfloat16, float16"):
+    with pytest.raises(
+        ValueError, match=r"precision .* is not supported; choose one of float32, bfloat16, float16"
+    ):
         precision_dtype(name)
 
 
@@ -64,16 +68,58 @@ def test_precision_dtype_is_idempotent_through_its_string(name):
 # (fqn, tensor dtype, default, keep_fp32) -> expected: the table oracle of API §7.
 TABLE = [
     ("model.embed_tokens.weight", torch.float32, torch.bfloat16, (), torch.bfloat16),
-    ("model.layers.0.mlp.gate.e_score_correction_bias", torch.float32, torch.bfloat16, (), torch.float32),
-    ("model.layers.0.mlp.gate.e_score_correction_bias", torch.bfloat16, torch.float16, (), torch.float16),
-    ("model.layers.3.mlp.gate.weight", torch.float32, torch.bfloat16, ("gate.weight",), torch.float32),
-    ("model.layers.3.mlp.gate_proj.weight", torch.float32, torch.bfloat16, ("gate.weight",), torch.bfloat16),
+    (
+        "model.layers.0.mlp.gate.e_score_correction_bias",
+        torch.float32,
+        torch.bfloat16,
+        (),
+        torch.float32,
+    ),
+    (
+        "model.layers.0.mlp.gate.e_score_correction_bias",
+        torch.bfloat16,
+        torch.float16,
+        (),
+        torch.float16,
+    ),
+    (
+        "model.layers.3.mlp.gate.weight",
+        torch.float32,
+        torch.bfloat16,
+        ("gate.weight",),
+        torch.float32,
+    ),
+    (
+        "model.layers.3.mlp.gate_proj.weight",
+        torch.float32,
+        torch.bfloat16,
+        ("gate.weight",),
+        torch.bfloat16,
+    ),
     ("model.layers.3.mlp.gate.weight", torch.float32, torch.bfloat16, ("gate",), torch.float32),
-    ("model.layers.3.mlp.gate_proj.weight", torch.float32, torch.bfloat16, ("gate",), torch.bfloat16),
-    ("model.layers.3.mlp.gate.weight", torch.bfloat16, torch.float16, ("gate.weight",), torch.float16),
+    (
+        "model.layers.3.mlp.gate_proj.weight",
+        torch.float32,
+        torch.bfloat16,
+        ("gate",),
+        torch.bfloat16,
+    ),
+    (
+        "model.layers.3.mlp.gate.weight",
+        torch.bfloat16,
+        torch.float16,
+        ("gate.weight",),
+        torch.float16,
+    ),
     ("gate.weight", torch.float32, torch.bfloat16, ("gate.weight",), torch.float32),
     ("model.layers.3.mlp.gate.weight", torch.float32, torch.float32, (), torch.float32),
-    ("model.layers.0.self_attn.rotary_emb.inv_freq", torch.float64, torch.bfloat16, (), torch.bfloat16),
+    (
+        "model.layers.0.self_attn.rotary_emb.inv_freq",
+        torch.float64,
+        torch.bfloat16,
+        (),
+        torch.bfloat16,
+    ),
     ("position_ids", torch.int64, torch.bfloat16, (), torch.int64),
     ("mask", torch.bool, torch.float16, ("mask",), torch.bool),
     ("model.layers.3.mlp.gate.weight", torch.float32, torch.bfloat16, "gate.weight", torch.float32),
@@ -85,8 +131,12 @@ def test_refit_dtype_table(fqn, dtype, default, keep, expected):
     assert refit_tensor_dtype(fqn, torch.zeros(2, dtype=dtype), default, keep_fp32=keep) == expected
 
 
-@given(fqn=fqns, dtype=st.sampled_from(ALL_DTYPES), default=st.sampled_from(TARGETS),
-       keep=st.lists(fqns, max_size=3))
+@given(
+    fqn=fqns,
+    dtype=st.sampled_from(ALL_DTYPES),
+    default=st.sampled_from(TARGETS),
+    keep=st.lists(fqns, max_size=3),
+)
 def test_refit_dtype_is_idempotent(fqn, dtype, default, keep):
     """Casting to the chosen dtype and asking again gives the same dtype."""
     once = refit_tensor_dtype(fqn, torch.zeros(1, dtype=dtype), default, keep_fp32=keep)
@@ -94,14 +144,22 @@ def test_refit_dtype_is_idempotent(fqn, dtype, default, keep):
     assert twice == once
 
 
-@given(fqn=fqns, dtype=st.sampled_from([torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool]),
-       default=st.sampled_from(TARGETS), keep=st.lists(fqns, max_size=3))
+@given(
+    fqn=fqns,
+    dtype=st.sampled_from([torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool]),
+    default=st.sampled_from(TARGETS),
+    keep=st.lists(fqns, max_size=3),
+)
 def test_integer_and_bool_tensors_are_never_cast(fqn, dtype, default, keep):
     assert refit_tensor_dtype(fqn, torch.zeros(1, dtype=dtype), default, keep_fp32=keep) == dtype
 
 
-@given(fqn=fqns, dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]),
-       default=st.sampled_from(TARGETS), keep=st.lists(fqns, max_size=3))
+@given(
+    fqn=fqns,
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]),
+    default=st.sampled_from(TARGETS),
+    keep=st.lists(fqns, max_size=3),
+)
 def test_floating_tensors_get_default_or_stay_fp32(fqn, dtype, default, keep):
     got = refit_tensor_dtype(fqn, torch.zeros(1, dtype=dtype), default, keep_fp32=keep)
     kept = dtype == torch.float32 and (
@@ -110,8 +168,11 @@ def test_floating_tensors_get_default_or_stay_fp32(fqn, dtype, default, keep):
     assert got == (torch.float32 if kept else default)
 
 
-@given(prefix=st.lists(components, max_size=3), pattern=st.lists(components, min_size=1, max_size=3),
-       suffix=st.lists(components, max_size=3))
+@given(
+    prefix=st.lists(components, max_size=3),
+    pattern=st.lists(components, min_size=1, max_size=3),
+    suffix=st.lists(components, max_size=3),
+)
 def test_pattern_matches_any_dotted_component_window(prefix, pattern, suffix):
     assert name_matches_pattern(".".join(prefix + pattern + suffix), ".".join(pattern))
 
@@ -138,8 +199,10 @@ def test_non_floating_default_dtype_is_rejected():
 
 
 refit_infos = st.dictionaries(
-    fqns, st.tuples(st.lists(st.integers(0, 4096), max_size=4), st.sampled_from(ALL_DTYPES)),
-    max_size=6)
+    fqns,
+    st.tuples(st.lists(st.integers(0, 4096), max_size=4), st.sampled_from(ALL_DTYPES)),
+    max_size=6,
+)
 
 
 @given(info=refit_infos)

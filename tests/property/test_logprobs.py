@@ -9,7 +9,13 @@ from hypothesis import strategies as st
 
 from policyworker.functional import logprobs as lp
 from policyworker.functional.context_parallel import gather_shards, shard_for_rank
-from tests.property.strategies import SEEDS, cp_layouts, right_padded_batches, seeded_randint, seeded_randn
+from tests.property.strategies import (
+    SEEDS,
+    cp_layouts,
+    right_padded_batches,
+    seeded_randint,
+    seeded_randn,
+)
 
 TOP_KS = st.one_of(st.none(), st.integers(1, 12))
 TOP_PS = st.one_of(st.just(1.0), st.floats(0.05, 1.0))
@@ -17,9 +23,15 @@ TEMPERATURES = st.one_of(st.just(1.0), st.floats(0.25, 4.0))
 
 
 @st.composite
-def logits_cases(draw, *, dtypes=(torch.float32, torch.bfloat16), max_len: int = 9, max_vocab: int = 40):
+def logits_cases(
+    draw, *, dtypes=(torch.float32, torch.bfloat16), max_len: int = 9, max_vocab: int = 40
+):
     """(logits_BSV, token_ids_BS): seeded logits at a drawn scale; integer rounding adds ties."""
-    B, S, V = draw(st.integers(1, 3)), draw(st.integers(1, max_len)), draw(st.integers(2, max_vocab))
+    B, S, V = (
+        draw(st.integers(1, 3)),
+        draw(st.integers(1, max_len)),
+        draw(st.integers(2, max_vocab)),
+    )
     seed = draw(SEEDS)
     logits = draw(st.sampled_from([1.0, 3.0, 30.0])) * seeded_randn(seed, (B, S, V))
     if draw(st.booleans()):
@@ -30,7 +42,9 @@ def logits_cases(draw, *, dtypes=(torch.float32, torch.bfloat16), max_len: int =
 
 def reference_logprobs(logits_BSV, token_ids_BS, *, temperature=1.0, top_k=None, top_p=1.0):
     """Plain, unchunked: fp32 cast, /T, filter, log_softmax over the full tensor, gather."""
-    x = lp.apply_sampling_filters(logits_BSV[:, :-1].float() / temperature, top_k=top_k, top_p=top_p)
+    x = lp.apply_sampling_filters(
+        logits_BSV[:, :-1].float() / temperature, top_k=top_k, top_p=top_p
+    )
     return torch.log_softmax(x, dim=-1).gather(-1, token_ids_BS[:, 1:, None])[..., 0]
 
 
@@ -47,7 +61,9 @@ def finite_weighted_sum(values, weights):
 def test_next_token_logprobs_match_plain_log_softmax(case, temperature):
     logits, ids = case
     got = lp.next_token_logprobs(logits, ids, temperature=temperature, chunk_size=None)
-    expected = torch.log_softmax(logits.float() / temperature, -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    expected = torch.log_softmax(logits.float() / temperature, -1)[:, :-1].gather(
+        -1, ids[:, 1:, None]
+    )[..., 0]
     assert got.dtype == torch.float32
     assert got.shape == (ids.shape[0], ids.shape[1] - 1)
     torch.testing.assert_close(got, expected)
@@ -55,16 +71,25 @@ def test_next_token_logprobs_match_plain_log_softmax(case, temperature):
 
 
 @settings(max_examples=60)
-@given(case=logits_cases(), temperature=TEMPERATURES, top_k=TOP_KS, top_p=TOP_PS,
-       chunk_size=st.integers(1, 10), seed=SEEDS)
-def test_chunked_equals_unchunked_forward_and_gradient(case, temperature, top_k, top_p, chunk_size, seed):
+@given(
+    case=logits_cases(),
+    temperature=TEMPERATURES,
+    top_k=TOP_KS,
+    top_p=TOP_PS,
+    chunk_size=st.integers(1, 10),
+    seed=SEEDS,
+)
+def test_chunked_equals_unchunked_forward_and_gradient(
+    case, temperature, top_k, top_p, chunk_size, seed
+):
     """Any chunk size gives the unchunked reference's values and gradients (fp32 out for fp32/bf16 in)."""
     logits, ids = case
     weights = seeded_randn(seed, (ids.shape[0], ids.shape[1] - 1))
     x_ours = logits.clone().requires_grad_()
     x_ref = logits.clone().requires_grad_()
-    got = lp.next_token_logprobs(x_ours, ids, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 chunk_size=chunk_size)
+    got = lp.next_token_logprobs(
+        x_ours, ids, temperature=temperature, top_k=top_k, top_p=top_p, chunk_size=chunk_size
+    )
     expected = reference_logprobs(x_ref, ids, temperature=temperature, top_k=top_k, top_p=top_p)
     torch.testing.assert_close(got, expected)
     finite_weighted_sum(got, weights).backward()
@@ -74,11 +99,17 @@ def test_chunked_equals_unchunked_forward_and_gradient(case, temperature, top_k,
 
 
 @settings(max_examples=40)
-@given(case=logits_cases(), chunks=st.lists(st.integers(1, 10), min_size=2, max_size=3),
-       top_k=TOP_KS, top_p=TOP_PS)
+@given(
+    case=logits_cases(),
+    chunks=st.lists(st.integers(1, 10), min_size=2, max_size=3),
+    top_k=TOP_KS,
+    top_p=TOP_PS,
+)
 def test_result_does_not_depend_on_chunk_size(case, chunks, top_k, top_p):
     logits, ids = case
-    results = [lp.next_token_logprobs(logits, ids, top_k=top_k, top_p=top_p, chunk_size=c) for c in chunks]
+    results = [
+        lp.next_token_logprobs(logits, ids, top_k=top_k, top_p=top_p, chunk_size=c) for c in chunks
+    ]
     for other in results[1:]:
         torch.testing.assert_close(other, results[0])
 
@@ -105,7 +136,9 @@ def test_pad_targets_do_not_crash_or_disturb_valid_positions(case, pad, seed):
 
 
 def test_single_position_gives_empty_fp32():
-    got = lp.next_token_logprobs(torch.randn(3, 1, 7, dtype=torch.bfloat16), torch.zeros(3, 1, dtype=torch.long))
+    got = lp.next_token_logprobs(
+        torch.randn(3, 1, 7, dtype=torch.bfloat16), torch.zeros(3, 1, dtype=torch.long)
+    )
     assert got.shape == (3, 0) and got.dtype == torch.float32
 
 
@@ -121,7 +154,9 @@ def test_saved_tensors_are_only_the_low_precision_inputs():
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = lp.next_token_logprobs(logits, ids, temperature=0.7, top_k=50, top_p=0.9, chunk_size=8)
+        out = lp.next_token_logprobs(
+            logits, ids, temperature=0.7, top_k=50, top_p=0.9, chunk_size=8
+        )
     out.masked_fill(torch.isneginf(out), 0.0).sum().backward()
     fp32_logits_bytes = B * S * V * 4
     assert sum(nbytes for _, _, nbytes in saved) < 0.55 * fp32_logits_bytes
@@ -204,7 +239,9 @@ def test_neg_inf_counted_at_valid_positions_and_zeroed(seed, B, S):
     clean, count = lp.count_and_zero_neg_inf(values, valid)
     assert count == int((torch.isneginf(values) & valid).sum())
     assert bool(torch.isfinite(clean).all())
-    assert torch.equal(clean[valid & torch.isfinite(values)], values[valid & torch.isfinite(values)])
+    assert torch.equal(
+        clean[valid & torch.isfinite(values)], values[valid & torch.isfinite(values)]
+    )
     assert bool((clean[~valid] == 0).all())
     assert torch.equal(values, before)
 
@@ -255,7 +292,13 @@ def test_top_p_keeps_the_smallest_set_with_mass_at_least_p(x, top_k, top_p):
 
 @given(x=filter_rows())
 def test_no_filter_is_identity(x):
-    for kwargs in ({}, {"top_k": None, "top_p": 1.0}, {"top_k": 0}, {"top_k": -1}, {"top_k": x.shape[-1]}):
+    for kwargs in (
+        {},
+        {"top_k": None, "top_p": 1.0},
+        {"top_k": 0},
+        {"top_k": -1},
+        {"top_k": x.shape[-1]},
+    ):
         out = lp.apply_sampling_filters(x, **kwargs)
         assert torch.equal(out, x)
         assert out is not x
@@ -273,14 +316,22 @@ def test_filter_gradient_is_straight_through_on_kept_entries(x, top_k, top_p, se
 
 def test_filters_on_a_hand_example():
     x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 0.0]])
-    assert torch.isfinite(lp.apply_sampling_filters(x, top_k=1)).tolist() == [[False, True, True, False, False]]
-    assert torch.isfinite(lp.apply_sampling_filters(x, top_k=3)).tolist() == [[False, True, True, True, False]]
+    assert torch.isfinite(lp.apply_sampling_filters(x, top_k=1)).tolist() == [
+        [False, True, True, False, False]
+    ]
+    assert torch.isfinite(lp.apply_sampling_filters(x, top_k=3)).tolist() == [
+        [False, True, True, True, False]
+    ]
     # probs ~ [.053, .392, .392, .144, .020]: top-p 0.5 keeps the two 3.0s.
     kept = torch.isfinite(lp.apply_sampling_filters(x, top_p=0.5)).tolist()
     assert kept == [[False, True, True, False, False]]
     # top-p 0.3: one of the tied maxima suffices; the lower id is the one kept.
-    assert torch.isfinite(lp.apply_sampling_filters(x, top_p=0.3)).tolist() == [[False, True, False, False, False]]
-    assert torch.isfinite(lp.apply_sampling_filters(torch.zeros(1, 2), top_p=0.3)).tolist() == [[True, False]]
+    assert torch.isfinite(lp.apply_sampling_filters(x, top_p=0.3)).tolist() == [
+        [False, True, False, False, False]
+    ]
+    assert torch.isfinite(lp.apply_sampling_filters(torch.zeros(1, 2), top_p=0.3)).tolist() == [
+        [True, False]
+    ]
 
 
 # ----------------------------------------------------------------------------- vocab parallel
@@ -292,16 +343,31 @@ def simulated_logprobs(logits_BSV, targets_BS, num_shards):
     ranges = [lp.vocab_range(r, num_shards, V) for r in range(num_shards)]
     shards = [logits_BSV[..., a:b] for a, b in ranges]
     global_max = torch.stack([lp.local_max(s) for s in shards]).amax(0)  # all_reduce(MAX)
-    sum_exp = torch.stack([lp.local_sum_exp(s, global_max) for s in shards]).sum(0)  # all_reduce(SUM)
+    sum_exp = torch.stack([lp.local_sum_exp(s, global_max) for s in shards]).sum(
+        0
+    )  # all_reduce(SUM)
     target = torch.stack(
-        [lp.local_target_logit(s, targets_BS, vocab_start=a) for s, (a, _) in zip(shards, ranges, strict=True)]
+        [
+            lp.local_target_logit(s, targets_BS, vocab_start=a)
+            for s, (a, _) in zip(shards, ranges, strict=True)
+        ]
     ).sum(0)  # all_reduce(SUM)
-    return lp.logprobs_from_partials(target, global_max, sum_exp), (shards, ranges, global_max, sum_exp)
+    return lp.logprobs_from_partials(target, global_max, sum_exp), (
+        shards,
+        ranges,
+        global_max,
+        sum_exp,
+    )
 
 
 vp_cases = st.tuples(
-    st.integers(1, 3), st.integers(1, 5), st.integers(1, 64), st.integers(1, 8), SEEDS,
-    st.sampled_from([1.0, 30.0, 1e4]), st.sampled_from([torch.float64, torch.float32]),
+    st.integers(1, 3),
+    st.integers(1, 5),
+    st.integers(1, 64),
+    st.integers(1, 8),
+    SEEDS,
+    st.sampled_from([1.0, 30.0, 1e4]),
+    st.sampled_from([torch.float64, torch.float32]),
 )
 
 
@@ -325,8 +391,10 @@ def test_sharded_backward_partials_match_autograd(case):
     grad_out = seeded_randn(seed + 2, (B, S), dtype)
     _, (shards, ranges, global_max, sum_exp) = simulated_logprobs(logits, targets, num_shards)
     got = torch.cat(
-        [lp.local_logprob_grad(s, targets, a, global_max, sum_exp, grad_out)
-         for s, (a, _) in zip(shards, ranges, strict=True)],
+        [
+            lp.local_logprob_grad(s, targets, a, global_max, sum_exp, grad_out)
+            for s, (a, _) in zip(shards, ranges, strict=True)
+        ],
         dim=-1,
     )
     leaf = logits.clone().requires_grad_()
@@ -343,8 +411,14 @@ def test_vocab_ranges_tile_the_vocab_like_torch_chunk(V, size):
     assert [b - a for a, b in ranges if b > a] == chunk_sizes
 
 
-@given(V=st.integers(1, 40), size=st.integers(1, 6), rows_per_rank=st.integers(1, 4), seed=SEEDS,
-       top_k=TOP_KS, top_p=TOP_PS)
+@given(
+    V=st.integers(1, 40),
+    size=st.integers(1, 6),
+    rows_per_rank=st.integers(1, 4),
+    seed=SEEDS,
+    top_k=TOP_KS,
+    top_p=TOP_PS,
+)
 def test_filtered_tp_all_to_all_matches_full_vocab(V, size, rows_per_rank, seed, top_k, top_p):
     """Vocab shards -> row blocks (all-to-all) -> filter + logprob per block == full filtered logprobs."""
     N = size * rows_per_rank
@@ -368,7 +442,10 @@ def test_filtered_tp_all_to_all_matches_full_vocab(V, size, rows_per_rank, seed,
 
 
 def test_rows_not_divisible_by_tp_names_the_fix():
-    with pytest.raises(ValueError, match="rows 10 must be divisible by tensor_parallel_size 4.*make_sequence_length_divisible_by"):
+    with pytest.raises(
+        ValueError,
+        match="rows 10 must be divisible by tensor_parallel_size 4.*make_sequence_length_divisible_by",
+    ):
         lp.rows_for_rank(10, 0, 4)
 
 
@@ -382,9 +459,16 @@ def test_large_logits_stay_finite():
     assert math.isfinite(float(got.sum()))
 
 
-@given(B=st.integers(1, 3), cp_and_len=cp_layouts(max_cp=4, max_chunk=3), V=st.integers(2, 30),
-       tp_size=st.integers(1, 4), seed=SEEDS)
-def test_cp_and_vocab_parallel_composition_equals_next_token_logprobs(B, cp_and_len, V, tp_size, seed):
+@given(
+    B=st.integers(1, 3),
+    cp_and_len=cp_layouts(max_cp=4, max_chunk=3),
+    V=st.integers(2, 30),
+    tp_size=st.integers(1, 4),
+    seed=SEEDS,
+)
+def test_cp_and_vocab_parallel_composition_equals_next_token_logprobs(
+    B, cp_and_len, V, tp_size, seed
+):
     """CP shards of (logits, shifted_targets) scored by vocab-parallel partials, gathered, last column dropped."""
     cp_size, S = cp_and_len
     logits = 3 * seeded_randn(seed, (B, S, V))
@@ -410,7 +494,9 @@ def test_shifted_targets_are_next_tokens_then_pad(batch, pad_id):
 
 @settings(max_examples=40)
 @given(case=logits_cases(), top_k=TOP_KS, top_p=TOP_PS, chunk_size=st.integers(1, 10), seed=SEEDS)
-def test_target_logprobs_on_shifted_targets_equal_next_token_logprobs(case, top_k, top_p, chunk_size, seed):
+def test_target_logprobs_on_shifted_targets_equal_next_token_logprobs(
+    case, top_k, top_p, chunk_size, seed
+):
     """Unshifted scoring against shifted_targets == next_token_logprobs, values and gradients."""
     logits, ids = case
     weights = seeded_randn(seed, (ids.shape[0], ids.shape[1] - 1))
@@ -425,8 +511,7 @@ def test_target_logprobs_on_shifted_targets_equal_next_token_logprobs(case, top_
     torch.testing.assert_close(x_target.grad, x_next.grad)
 
 
-@given(top_k=st.one_of(st.none(), st.integers(-1, 12)), top_p=st.floats(0.05, 1.0),
-       seed=SEEDS)
+@given(top_k=st.one_of(st.none(), st.integers(-1, 12)), top_p=st.floats(0.05, 1.0), seed=SEEDS)
 def test_inactive_filters_keep_every_logit(top_k, top_p, seed):
     """When sampling_filters_active says no, the filters are the identity (no mask at all)."""
     logits = seeded_randn(seed, (3, 8))

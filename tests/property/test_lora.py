@@ -28,8 +28,23 @@ from tests.property.strategies import FLOAT_DTYPES, SEEDS, seeded_randn
 dims = st.integers(1, 24)
 ranks = st.integers(1, 8)
 alphas = st.floats(0.5, 64)
-SEGMENTS = st.sampled_from(["model", "layers", "0", "1", "self_attn", "q_proj", "v_proj", "mlp",
-                            "up_proj", "lm_head", "proj", "q", "x"])
+SEGMENTS = st.sampled_from(
+    [
+        "model",
+        "layers",
+        "0",
+        "1",
+        "self_attn",
+        "q_proj",
+        "v_proj",
+        "mlp",
+        "up_proj",
+        "lm_head",
+        "proj",
+        "q",
+        "x",
+    ]
+)
 module_names = st.lists(SEGMENTS, min_size=1, max_size=5).map(".".join)
 
 
@@ -40,9 +55,18 @@ def _factors(seed, d_out, d_in, rank, dtype=torch.float64):
     return W, A, B
 
 
-@given(d_in=dims, d_out=dims, rank=ranks, batch=st.integers(1, 4), alpha=alphas, seed=SEEDS,
-       rslora=st.booleans())
-@example(d_in=1, d_out=8, rank=2, batch=1, alpha=8.0, seed=0, rslora=False)  # the float64 down-cast bug
+@given(
+    d_in=dims,
+    d_out=dims,
+    rank=ranks,
+    batch=st.integers(1, 4),
+    alpha=alphas,
+    seed=SEEDS,
+    rslora=st.booleans(),
+)
+@example(
+    d_in=1, d_out=8, rank=2, batch=1, alpha=8.0, seed=0, rslora=False
+)  # the float64 down-cast bug
 def test_merged_forward_equals_unmerged_forward(d_in, d_out, rank, batch, alpha, seed, rslora):
     W, A, B = _factors(seed, d_out, d_in, rank)
     x = seeded_randn(seed + 3, (batch, d_in), torch.float64)
@@ -57,7 +81,9 @@ def test_merged_forward_equals_unmerged_forward(d_in, d_out, rank, batch, alpha,
 def test_unmerge_inverts_merge(d_in, d_out, rank, alpha, seed):
     W, A, B = _factors(seed, d_out, d_in, rank)
     scale = lora_scale(alpha, rank)
-    torch.testing.assert_close(unmerge_lora_weight(merge_lora_weight(W, A, B, scale), A, B, scale), W)
+    torch.testing.assert_close(
+        unmerge_lora_weight(merge_lora_weight(W, A, B, scale), A, B, scale), W
+    )
 
 
 @given(d_in=dims, d_out=dims, rank=ranks, seed=SEEDS, s1=st.floats(-4, 4), s2=st.floats(-4, 4))
@@ -69,8 +95,15 @@ def test_merge_delta_is_linear_in_scale(d_in, d_out, rank, seed, s1, s2):
     torch.testing.assert_close(d1, lora_delta(A, B, s1, dtype=torch.float64))
 
 
-@given(d_in=dims, d_out=dims, rank=ranks, seed=SEEDS, dtype=FLOAT_DTYPES, ab_dtype=FLOAT_DTYPES,
-       alpha=alphas)
+@given(
+    d_in=dims,
+    d_out=dims,
+    rank=ranks,
+    seed=SEEDS,
+    dtype=FLOAT_DTYPES,
+    ab_dtype=FLOAT_DTYPES,
+    alpha=alphas,
+)
 def test_zero_lora_b_leaves_weight_bit_identical(d_in, d_out, rank, seed, dtype, ab_dtype, alpha):
     W = seeded_randn(seed, (d_out, d_in), dtype)
     A = seeded_randn(seed + 1, (rank, d_in), ab_dtype)
@@ -83,7 +116,9 @@ def test_zero_lora_b_leaves_weight_bit_identical(d_in, d_out, rank, seed, dtype,
 
 @given(d_in=dims, d_out=dims, rank=ranks, seed=SEEDS, dtype=FLOAT_DTYPES, ab_dtype=FLOAT_DTYPES)
 def test_merge_keeps_weight_dtype_and_does_not_mutate(d_in, d_out, rank, seed, dtype, ab_dtype):
-    W, A, B = (t.to(dtype if i == 0 else ab_dtype) for i, t in enumerate(_factors(seed, d_out, d_in, rank)))
+    W, A, B = (
+        t.to(dtype if i == 0 else ab_dtype) for i, t in enumerate(_factors(seed, d_out, d_in, rank))
+    )
     before = W.clone()
     merged = merge_lora_weight(W, A, B, 0.5)
     assert merged.dtype == dtype and merged.shape == W.shape
@@ -91,7 +126,13 @@ def test_merge_keeps_weight_dtype_and_does_not_mutate(d_in, d_out, rank, seed, d
     assert lora_delta(A, B, 0.5, dtype=dtype).dtype == dtype
 
 
-@given(d_in=dims, d_out=dims, rank=ranks, seed=SEEDS, dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+@given(
+    d_in=dims,
+    d_out=dims,
+    rank=ranks,
+    seed=SEEDS,
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+)
 def test_low_precision_merge_rounds_once_from_fp32(d_in, d_out, rank, seed, dtype):
     """bf16/fp16 merges equal the fp32 merge rounded once (accumulation never happens in low precision)."""
     W, A, B = _factors(seed, d_out, d_in, rank, torch.float32)
@@ -100,8 +141,14 @@ def test_low_precision_merge_rounds_once_from_fp32(d_in, d_out, rank, seed, dtyp
     torch.testing.assert_close(merge_lora_weight(W, A, B, 0.25), expected, rtol=0, atol=0)
 
 
-@given(d_in=dims, d_out=dims, rank=ranks, seed=SEEDS, num_shards=st.integers(1, 4),
-       base_dim=st.sampled_from([None, 0, 1]))
+@given(
+    d_in=dims,
+    d_out=dims,
+    rank=ranks,
+    seed=SEEDS,
+    num_shards=st.integers(1, 4),
+    base_dim=st.sampled_from([None, 0, 1]),
+)
 def test_adapter_shards_follow_base_layout(d_in, d_out, rank, seed, num_shards, base_dim):
     """Sharding A/B per lora_shard_dims makes each rank's local B@A the same shard as its W shard."""
     _, A, B = _factors(seed, d_out, d_in, rank)
@@ -144,7 +191,9 @@ def test_mismatched_shapes_are_rejected_with_shapes():
 def test_peft_key_round_trip(name):
     for param in lora_param_names(name):
         key = to_peft_key(param)
-        assert key.startswith("base_model.model.") and key.endswith(("lora_A.weight", "lora_B.weight"))
+        assert key.startswith("base_model.model.") and key.endswith(
+            ("lora_A.weight", "lora_B.weight")
+        )
         assert from_peft_key(key) == param
         assert to_peft_key(from_peft_key(key)) == key
 
@@ -156,7 +205,7 @@ def test_from_peft_key_rejects_foreign_layout():
 
 def _suffix_oracle(name, entry):
     parts, want = name.split("."), entry.split(".")
-    return parts[-len(want):] == want
+    return parts[-len(want) :] == want
 
 
 @given(name=module_names, entry=module_names)
@@ -174,8 +223,12 @@ def test_regex_entry_is_a_full_match(name, cut):
     assert matches_entry(name, "re:" + re.escape(prefix) + ".*")
 
 
-@given(name=module_names, targets=st.lists(module_names, max_size=3),
-       excludes=st.lists(module_names, max_size=2), match_all=st.booleans())
+@given(
+    name=module_names,
+    targets=st.lists(module_names, max_size=3),
+    excludes=st.lists(module_names, max_size=2),
+    match_all=st.booleans(),
+)
 def test_matches_target_against_oracle(name, targets, excludes, match_all):
     # Automodel's precedence: match_all_linear, then target_modules, then "all linear but the
     # excluded"; with no rule at all, target_modules is ["*_proj"]. Excludes always win here.
@@ -188,7 +241,9 @@ def test_matches_target_against_oracle(name, targets, excludes, match_all):
         selected = True
     else:
         selected = name.endswith("_proj")
-    assert matches_target(name, targets, excludes, match_all_linear=match_all) == (selected and not excluded)
+    assert matches_target(name, targets, excludes, match_all_linear=match_all) == (
+        selected and not excluded
+    )
 
 
 # (pattern, module name, Automodel's wildcard_match result): the rule of its ModuleMatcher.
@@ -216,8 +271,13 @@ def test_wildcards_follow_automodels_table(pattern, name, expected):
 
 
 # (target_modules, exclude_modules, match_all_linear) -> the modules adapted in a small decoder
-DECODER = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj",
-           "model.layers.0.mlp.up_proj", "backbone.layers.0.mixer.out_proj", "lm_head"]
+DECODER = [
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.0.self_attn.o_proj",
+    "model.layers.0.mlp.up_proj",
+    "backbone.layers.0.mixer.out_proj",
+    "lm_head",
+]
 AUTOMODEL_SELECTION_CASES = [
     (([], [], False), DECODER[:4]),  # no rule: Automodel's default target "*_proj"
     (([], ["*out_proj*"], False), [DECODER[0], DECODER[1], DECODER[2], "lm_head"]),  # nanov3
@@ -232,7 +292,9 @@ AUTOMODEL_SELECTION_CASES = [
 @pytest.mark.parametrize(("rule", "expected"), AUTOMODEL_SELECTION_CASES)
 def test_selection_follows_automodels_table(rule, expected):
     targets, excludes, match_all = rule
-    assert [n for n in DECODER if matches_target(n, targets, excludes, match_all_linear=match_all)] == expected
+    assert [
+        n for n in DECODER if matches_target(n, targets, excludes, match_all_linear=match_all)
+    ] == expected
 
 
 @given(name=module_names, stem=st.sampled_from(["proj", "q", "mlp", "layers"]))
@@ -255,12 +317,19 @@ def test_examples_of_the_matching_rule():
     assert not matches_entry("model.layers.0.self_attn.q_proj", "re:q_proj")
     assert matches_entry("model.layers.0.self_attn.q_proj", r"re:.*\.layers\.0\..*_proj")
     assert not matches_target("lm_head", [], [], match_all_linear=True)
-    assert not matches_target("model.layers.0.mlp.up_proj", ["up_proj"], ["re:.*layers\\.0\\..*"],
-                              match_all_linear=False)
+    assert not matches_target(
+        "model.layers.0.mlp.up_proj", ["up_proj"], ["re:.*layers\\.0\\..*"], match_all_linear=False
+    )
 
 
-@pytest.mark.parametrize(("entries", "phrase"), [(["q_proj", ""], "non-empty"), (["re:(q"], "not a valid regex"),
-                                               (["*_proj", "*(q"], "not a valid regex")])
+@pytest.mark.parametrize(
+    ("entries", "phrase"),
+    [
+        (["q_proj", ""], "non-empty"),
+        (["re:(q"], "not a valid regex"),
+        (["*_proj", "*(q"], "not a valid regex"),
+    ],
+)
 def test_validate_target_entries_names_the_bad_entry(entries, phrase):
     with pytest.raises(ValueError, match=f"lora_cfg.target_modules entry .*{phrase}"):
         validate_target_entries(entries, what="lora_cfg.target_modules")
@@ -270,7 +339,9 @@ def test_validate_target_entries_names_the_bad_entry(entries, phrase):
 @given(names=st.lists(module_names, min_size=1, max_size=6, unique=True), data=st.data())
 def test_unreachable_lora_modules_are_all_named(names, data):
     dropped = data.draw(st.lists(st.sampled_from(names), unique=True))
-    keys = [f"{n}.weight" for n in names if n not in dropped] + [p for n in names for p in lora_param_names(n)]
+    keys = [f"{n}.weight" for n in names if n not in dropped] + [
+        p for n in names for p in lora_param_names(n)
+    ]
     if not dropped:
         assert_lora_modules_reachable(names, keys)
         return
@@ -286,5 +357,7 @@ def test_unreachable_lora_modules_are_all_named(names, data):
 
 def test_renamed_module_error_points_at_the_close_key():
     keys = ["model.layers.0.self_attn.q_proj.weight"]
-    with pytest.raises(LoRAMergeError, match=r"_orig_mod\.model\.layers\.0\.self_attn\.q_proj.*closest key"):
+    with pytest.raises(
+        LoRAMergeError, match=r"_orig_mod\.model\.layers\.0\.self_attn\.q_proj.*closest key"
+    ):
         assert_lora_modules_reachable(["_orig_mod.model.layers.0.self_attn.q_proj"], keys)

@@ -22,8 +22,13 @@ from policyworker.functional.metrics import combine_packed_sequence_metrics, met
 from tests.property.strategies import SEEDS
 
 F64 = torch.float64
-PER_TOKEN_KEYS = ("token_mask", "advantages", "prev_logprobs", "generation_logprobs",
-                  "reference_policy_logprobs")
+PER_TOKEN_KEYS = (
+    "token_mask",
+    "advantages",
+    "prev_logprobs",
+    "generation_logprobs",
+    "reference_policy_logprobs",
+)
 
 
 # ------------------------------------------------------------------------------- strategies
@@ -47,14 +52,18 @@ def pg_batches(draw, *, max_batch=6, max_len=8, even_rows=False):
     lp = -_randn(g, B, S - 1).abs() - 0.05
     prev = lp + 0.3 * _randn(g, B, S - 1)
     data = {
-        "token_mask": {"random": _bits(g, 0.7, B, S), "all_zero": torch.zeros(B, S, dtype=F64),
-                       "all_one": torch.ones(B, S, dtype=F64)}[mask_mode],
+        "token_mask": {
+            "random": _bits(g, 0.7, B, S),
+            "all_zero": torch.zeros(B, S, dtype=F64),
+            "all_one": torch.ones(B, S, dtype=F64),
+        }[mask_mode],
         "sample_mask": _bits(g, 0.8, B) if mask_mode == "random" else torch.ones(B, dtype=F64),
         "advantages": _randn(g, B, S),
         "prev_logprobs": torch.cat([_randn(g, B, 1), prev], dim=1),
         "generation_logprobs": torch.cat([_randn(g, B, 1), prev + 0.3 * _randn(g, B, S - 1)], 1),
-        "reference_policy_logprobs": torch.cat([_randn(g, B, 1), lp + 0.3 * _randn(g, B, S - 1)],
-                                               1),
+        "reference_policy_logprobs": torch.cat(
+            [_randn(g, B, 1), lp + 0.3 * _randn(g, B, S - 1)], 1
+        ),
         "rewards": _randn(g, B),
     }
     if draw(st.booleans()):
@@ -90,9 +99,11 @@ def pg_configs(draw):
         "positive_example_nll_weight": draw(st.sampled_from([0.0, 0.5])),
     }
     if trunc is not None:
-        cfg |= {"truncated_importance_sampling_type": trunc,
-                "truncated_importance_sampling_ratio": draw(st.sampled_from([1.05, 1.3, 2.0])),
-                "truncated_importance_sampling_ratio_min": draw(st.sampled_from([0.5, 0.95]))}
+        cfg |= {
+            "truncated_importance_sampling_type": trunc,
+            "truncated_importance_sampling_ratio": draw(st.sampled_from([1.05, 1.3, 2.0])),
+            "truncated_importance_sampling_ratio_min": draw(st.sampled_from([0.5, 0.95])),
+        }
     return cfg
 
 
@@ -159,15 +170,22 @@ def test_clipped_pg_microbatch_losses_and_metrics_sum_to_the_batch(batch, cfg, d
     assert_partition_invariant(ClippedPGLossFn(cfg), tensors, lp, parts)
 
 
-@given(batch=pg_batches(even_rows=True), data=st.data(),
-       cfg=st.fixed_dictionaries({
-           "reference_policy_kl_penalty": st.sampled_from([0.05, 0.5]),
-           "sft_loss_weight": st.sampled_from([0.0, 0.3]),
-           "preference_average_log_probs": st.booleans(),
-           "sft_average_log_probs": st.booleans()}))
+@given(
+    batch=pg_batches(even_rows=True),
+    data=st.data(),
+    cfg=st.fixed_dictionaries(
+        {
+            "reference_policy_kl_penalty": st.sampled_from([0.05, 0.5]),
+            "sft_loss_weight": st.sampled_from([0.0, 0.3]),
+            "preference_average_log_probs": st.booleans(),
+            "sft_average_log_probs": st.booleans(),
+        }
+    ),
+)
 @settings(max_examples=50)
 def test_dpo_microbatch_losses_and_metrics_sum_to_the_batch_when_pairs_stay_together(
-        batch, data, cfg):
+    batch, data, cfg
+):
     tensors, lp = batch
     parts = data.draw(partitions(lp.shape[0], group=2))
     assert_partition_invariant(DPOLossFn(cfg), tensors, lp, parts)
@@ -179,11 +197,20 @@ def test_dpo_microbatch_losses_and_metrics_sum_to_the_batch_when_pairs_stay_toge
 def test_ppo_clip_matches_the_hand_computed_value():
     """Ratios [0.5, 1, 1.5], A = [1, -1, 2], ε = 0.2: mean(-0.5, 1, -2.4) = -0.6333…"""
     lp = torch.log(torch.tensor([[0.5, 1.0, 1.5]], dtype=F64))
-    data = {"token_mask": torch.ones(1, 4), "sample_mask": torch.ones(1),
-            "advantages": torch.tensor([[9.0, 1.0, -1.0, 2.0]]),
-            "prev_logprobs": torch.zeros(1, 4), "generation_logprobs": torch.zeros(1, 4)}
-    loss, metrics = call(ClippedPGLossFn({"reference_policy_kl_penalty": 0.0}), data, lp,
-                         torch.tensor(1.0), torch.tensor(3.0))
+    data = {
+        "token_mask": torch.ones(1, 4),
+        "sample_mask": torch.ones(1),
+        "advantages": torch.tensor([[9.0, 1.0, -1.0, 2.0]]),
+        "prev_logprobs": torch.zeros(1, 4),
+        "generation_logprobs": torch.zeros(1, 4),
+    }
+    loss, metrics = call(
+        ClippedPGLossFn({"reference_policy_kl_penalty": 0.0}),
+        data,
+        lp,
+        torch.tensor(1.0),
+        torch.tensor(3.0),
+    )
     assert loss.item() == pytest.approx(-0.633333333, abs=1e-6)
     assert metrics["probs_ratio_clamped_min"] == pytest.approx(0.8)
     assert metrics["probs_ratio_max"] == pytest.approx(1.5)
@@ -213,10 +240,18 @@ def test_dpo_matches_the_closed_form_for_one_pair():
     beta = 0.1
     lp = torch.tensor([[-0.5, -1.0], [-2.0, -0.25]], dtype=F64)
     ref = torch.tensor([[0.0, -1.0, -0.7], [0.0, -1.0, -1.0]], dtype=F64)
-    data = {"token_mask": torch.ones(2, 3), "sample_mask": torch.ones(2),
-            "reference_policy_logprobs": ref}
-    loss, m = call(DPOLossFn({"reference_policy_kl_penalty": beta, "sft_loss_weight": 0.5}),
-                   data, lp, torch.tensor(2.0), torch.tensor(4.0))
+    data = {
+        "token_mask": torch.ones(2, 3),
+        "sample_mask": torch.ones(2),
+        "reference_policy_logprobs": ref,
+    }
+    loss, m = call(
+        DPOLossFn({"reference_policy_kl_penalty": beta, "sft_loss_weight": 0.5}),
+        data,
+        lp,
+        torch.tensor(2.0),
+        torch.tensor(4.0),
+    )
     r_chosen, r_rejected = (-0.5 + 1.0) + (-1.0 + 0.7), (-2.0 + 1.0) + (-0.25 + 1.0)
     preference = -math.log(1 / (1 + math.exp(-beta * (r_chosen - r_rejected))))
     assert m["preference_loss"] == pytest.approx(preference)
@@ -224,7 +259,8 @@ def test_dpo_matches_the_closed_form_for_one_pair():
     assert loss.item() == pytest.approx(preference + 0.5 * 1.5)
     assert (m["accuracy"], m["num_valid_samples"]) == (1.0, 1.0)
     assert (m["rewards_chosen_mean"], m["rewards_rejected_mean"]) == pytest.approx(
-        (r_chosen, r_rejected))
+        (r_chosen, r_rejected)
+    )
 
 
 # ---------------------------------------------------------------- closed forms and identities
@@ -234,8 +270,10 @@ def test_dpo_matches_the_closed_form_for_one_pair():
 @settings(max_examples=50)
 def test_unit_ratio_and_zero_advantage_give_zero_actor_loss(batch, cfg):
     data, lp = batch
-    data = data | {"advantages": torch.zeros_like(data["advantages"]),
-                   "prev_logprobs": torch.cat([data["prev_logprobs"][:, :1], lp], 1)}
+    data = data | {
+        "advantages": torch.zeros_like(data["advantages"]),
+        "prev_logprobs": torch.cat([data["prev_logprobs"][:, :1], lp], 1),
+    }
     cfg = cfg | {"reference_policy_kl_penalty": 0.0, "positive_example_nll_weight": 0.0}
     loss, metrics = call(ClippedPGLossFn(cfg), data, lp, *global_counts(data))
     assert loss.item() == 0.0
@@ -249,7 +287,8 @@ def test_kl_is_zero_when_current_equals_reference(batch, kl_type):
     data, lp = batch
     data = {k: v for k, v in data.items() if k != "curr_logprobs_unfiltered"} | {
         "advantages": torch.zeros_like(data["advantages"]),
-        "reference_policy_logprobs": torch.cat([data["prev_logprobs"][:, :1], lp], 1)}
+        "reference_policy_logprobs": torch.cat([data["prev_logprobs"][:, :1], lp], 1),
+    }
     cfg = {"reference_policy_kl_penalty": 0.3, "reference_policy_kl_type": kl_type}
     loss, metrics = call(ClippedPGLossFn(cfg), data, lp, *global_counts(data))
     assert loss.item() == 0.0
@@ -261,8 +300,11 @@ def _kl_closed_form(kl_type, curr, ref):
     return {"k1": -logr, "k2": logr**2 / 2, "k3": torch.exp(logr) - 1 - logr}[kl_type]
 
 
-@given(seed=SEEDS, kl_type=st.sampled_from(["k1", "k2", "k3"]),
-       clamps=st.sampled_from([(None, None), (20.0, 10.0), (0.5, 0.3)]))
+@given(
+    seed=SEEDS,
+    kl_type=st.sampled_from(["k1", "k2", "k3"]),
+    clamps=st.sampled_from([(None, None), (20.0, 10.0), (0.5, 0.3)]),
+)
 def test_kl_estimators_match_closed_forms_with_clamps(seed, kl_type, clamps):
     g = torch.Generator().manual_seed(seed)
     curr, ref = 2 * _randn(g, 3, 5), 2 * _randn(g, 3, 5)
@@ -273,8 +315,9 @@ def test_kl_estimators_match_closed_forms_with_clamps(seed, kl_type, clamps):
     expected = _kl_closed_form(kl_type, curr, clamped_ref)
     if output_clamp is not None:
         expected = expected.clamp(-output_clamp, output_clamp)
-    got = kl_estimate(curr, ref, kl_type=kl_type, input_clamp=input_clamp,
-                      output_clamp=output_clamp)
+    got = kl_estimate(
+        curr, ref, kl_type=kl_type, input_clamp=input_clamp, output_clamp=output_clamp
+    )
     torch.testing.assert_close(got, expected)
     if kl_type != "k1":
         assert bool((got >= 0).all())
@@ -283,11 +326,16 @@ def test_kl_estimators_match_closed_forms_with_clamps(seed, kl_type, clamps):
 def _kl_only_batch(seed, B=3, S=6):
     g = torch.Generator().manual_seed(seed)
     lp = -_randn(g, B, S - 1).abs()
-    data = {"token_mask": _bits(g, 0.7, B, S), "sample_mask": torch.ones(B, dtype=F64),
-            "advantages": torch.zeros(B, S, dtype=F64), "prev_logprobs": _randn(g, B, S),
-            "generation_logprobs": torch.cat([_randn(g, B, 1), lp + 0.2 * _randn(g, B, S - 1)], 1),
-            "reference_policy_logprobs": torch.cat([_randn(g, B, 1),
-                                                    lp + 0.5 * _randn(g, B, S - 1)], 1)}
+    data = {
+        "token_mask": _bits(g, 0.7, B, S),
+        "sample_mask": torch.ones(B, dtype=F64),
+        "advantages": torch.zeros(B, S, dtype=F64),
+        "prev_logprobs": _randn(g, B, S),
+        "generation_logprobs": torch.cat([_randn(g, B, 1), lp + 0.2 * _randn(g, B, S - 1)], 1),
+        "reference_policy_logprobs": torch.cat(
+            [_randn(g, B, 1), lp + 0.5 * _randn(g, B, S - 1)], 1
+        ),
+    }
     return data, lp
 
 
@@ -297,8 +345,11 @@ def test_kl_loss_and_its_score_function_gradient_match_closed_forms(seed, kl_typ
     beta = 0.2
     data, lp = _kl_only_batch(seed)
     lp = lp.clone().requires_grad_(True)
-    cfg = {"reference_policy_kl_penalty": beta, "reference_policy_kl_type": kl_type,
-           "use_on_policy_kl_approximation": on_policy}
+    cfg = {
+        "reference_policy_kl_penalty": beta,
+        "reference_policy_kl_type": kl_type,
+        "use_on_policy_kl_approximation": on_policy,
+    }
     gvs, gvt = global_counts(data)
     loss, _ = call(ClippedPGLossFn(cfg), data, lp, gvs, gvt)
     loss.backward()
@@ -306,8 +357,9 @@ def test_kl_loss_and_its_score_function_gradient_match_closed_forms(seed, kl_typ
     mask = data["token_mask"][:, 1:]
     w = torch.exp(curr - data["generation_logprobs"][:, 1:]) if on_policy else torch.ones_like(curr)
     k = _kl_closed_form(kl_type, curr, ref)
-    dk = {"k1": torch.ones_like(curr), "k2": -(ref - curr),
-          "k3": 1 - torch.exp(ref - curr)}[kl_type]
+    dk = {"k1": torch.ones_like(curr), "k2": -(ref - curr), "k3": 1 - torch.exp(ref - curr)}[
+        kl_type
+    ]
     torch.testing.assert_close(loss.detach(), beta * (w * k * mask).sum() / (gvt + 1e-8))
     torch.testing.assert_close(lp.grad, beta * w * (k + dk) * mask / (gvt + 1e-8))
 
@@ -318,9 +370,13 @@ def test_ppo_gradient_is_zero_exactly_where_the_clip_is_active(seed, eps):
     B, S = 4, 7
     lp = (-_randn(g, B, S - 1).abs()).requires_grad_(True)
     prev = lp.detach() + 0.4 * _randn(g, B, S - 1)
-    data = {"token_mask": _bits(g, 0.8, B, S), "sample_mask": torch.ones(B, dtype=F64),
-            "advantages": _randn(g, B, S), "generation_logprobs": torch.zeros(B, S, dtype=F64),
-            "prev_logprobs": torch.cat([torch.zeros(B, 1, dtype=F64), prev], 1)}
+    data = {
+        "token_mask": _bits(g, 0.8, B, S),
+        "sample_mask": torch.ones(B, dtype=F64),
+        "advantages": _randn(g, B, S),
+        "generation_logprobs": torch.zeros(B, S, dtype=F64),
+        "prev_logprobs": torch.cat([torch.zeros(B, 1, dtype=F64), prev], 1),
+    }
     cfg = {"reference_policy_kl_penalty": 0.0, "ratio_clip_min": eps[0], "ratio_clip_max": eps[1]}
     gvs, gvt = global_counts(data)
     loss, _ = call(ClippedPGLossFn(cfg), data, lp, gvs, gvt)
@@ -336,14 +392,24 @@ def test_ppo_gradient_is_zero_exactly_where_the_clip_is_active(seed, eps):
 def test_dual_clip_bounds_the_loss_of_negative_advantages_by_c():
     """A = -1 and ratio 5 > c = 3: the term is -A·c = 3 with zero gradient (plain PPO gives 5)."""
     lp = torch.tensor([[math.log(5.0)]], dtype=F64, requires_grad=True)
-    data = {"token_mask": torch.ones(1, 2), "sample_mask": torch.ones(1),
-            "advantages": torch.tensor([[0.0, -1.0]]), "prev_logprobs": torch.zeros(1, 2),
-            "generation_logprobs": torch.zeros(1, 2)}
+    data = {
+        "token_mask": torch.ones(1, 2),
+        "sample_mask": torch.ones(1),
+        "advantages": torch.tensor([[0.0, -1.0]]),
+        "prev_logprobs": torch.zeros(1, 2),
+        "generation_logprobs": torch.zeros(1, 2),
+    }
     one = torch.tensor(1.0)
-    plain, _ = call(ClippedPGLossFn({"reference_policy_kl_penalty": 0.0}), data, lp.detach(),
-                    one, one)
-    dual, _ = call(ClippedPGLossFn({"reference_policy_kl_penalty": 0.0, "ratio_clip_c": 3.0}),
-                   data, lp, one, one)
+    plain, _ = call(
+        ClippedPGLossFn({"reference_policy_kl_penalty": 0.0}), data, lp.detach(), one, one
+    )
+    dual, _ = call(
+        ClippedPGLossFn({"reference_policy_kl_penalty": 0.0, "ratio_clip_c": 3.0}),
+        data,
+        lp,
+        one,
+        one,
+    )
     dual.backward()
     assert plain.item() == pytest.approx(5.0)
     assert dual.item() == pytest.approx(3.0)
@@ -355,12 +421,20 @@ def test_gspo_uses_one_ratio_per_sequence_equal_to_the_geometric_mean(seed):
     g = torch.Generator().manual_seed(seed)
     lp = -_randn(g, 1, 5).abs()
     prev = lp + 0.2 * _randn(g, 1, 5)
-    data = {"token_mask": torch.tensor([[0, 1, 1, 0, 1, 1]], dtype=F64),
-            "sample_mask": torch.ones(1),
-            "advantages": torch.ones(1, 6), "generation_logprobs": torch.zeros(1, 6),
-            "prev_logprobs": torch.cat([torch.zeros(1, 1, dtype=F64), prev], 1)}
-    cfg = {"reference_policy_kl_penalty": 0.0, "token_level_loss": False,
-           "sequence_level_importance_ratios": True, "ratio_clip_min": 10.0, "ratio_clip_max": 10.0}
+    data = {
+        "token_mask": torch.tensor([[0, 1, 1, 0, 1, 1]], dtype=F64),
+        "sample_mask": torch.ones(1),
+        "advantages": torch.ones(1, 6),
+        "generation_logprobs": torch.zeros(1, 6),
+        "prev_logprobs": torch.cat([torch.zeros(1, 1, dtype=F64), prev], 1),
+    }
+    cfg = {
+        "reference_policy_kl_penalty": 0.0,
+        "token_level_loss": False,
+        "sequence_level_importance_ratios": True,
+        "ratio_clip_min": 10.0,
+        "ratio_clip_max": 10.0,
+    }
     loss, m = call(ClippedPGLossFn(cfg), data, lp, torch.tensor(1.0), torch.tensor(4.0))
     keep = data["token_mask"][0, 1:].bool()
     expected = torch.exp((lp - prev)[0, keep].mean()).item()
@@ -380,8 +454,11 @@ def _truncation_reference(w, kind, hi, lo, geo_mean):
     return w if lo <= geo_mean <= hi else 0.0
 
 
-@given(seed=SEEDS, kind=st.sampled_from(["tis", "icepop", "seq-mask-tis"]),
-       bounds=st.sampled_from([(0.8, 1.25), (0.5, 2.0), (None, 1.5)]))
+@given(
+    seed=SEEDS,
+    kind=st.sampled_from(["tis", "icepop", "seq-mask-tis"]),
+    bounds=st.sampled_from([(0.8, 1.25), (0.5, 2.0), (None, 1.5)]),
+)
 def test_truncated_importance_weights_match_a_per_element_reference(seed, kind, bounds):
     lo, hi = bounds
     if kind != "tis" and lo is None:
@@ -392,12 +469,26 @@ def test_truncated_importance_weights_match_a_per_element_reference(seed, kind, 
     mask = _bits(g, 0.8, B, T)
     seq_mean = (log_w * mask).sum(-1) / (mask.sum(-1) + 1e-8)
     got, metrics = truncate_importance_weights(
-        torch.exp(log_w), kind=kind, ratio_max=hi, ratio_min=lo, seq_log_ratio_mean_B=seq_mean,
-        mask_BT=mask, sample_mask_B=torch.ones(B, dtype=F64), global_valid_toks=mask.sum(),
-        global_valid_seqs=float(B))
-    expected = torch.tensor([[_truncation_reference(math.exp(log_w[b, t]), kind, hi, lo,
-                                                    math.exp(seq_mean[b])) for t in range(T)]
-                             for b in range(B)], dtype=F64)
+        torch.exp(log_w),
+        kind=kind,
+        ratio_max=hi,
+        ratio_min=lo,
+        seq_log_ratio_mean_B=seq_mean,
+        mask_BT=mask,
+        sample_mask_B=torch.ones(B, dtype=F64),
+        global_valid_toks=mask.sum(),
+        global_valid_seqs=float(B),
+    )
+    expected = torch.tensor(
+        [
+            [
+                _truncation_reference(math.exp(log_w[b, t]), kind, hi, lo, math.exp(seq_mean[b]))
+                for t in range(T)
+            ]
+            for b in range(B)
+        ],
+        dtype=F64,
+    )
     torch.testing.assert_close(got, expected)
     assert 0.0 <= metrics["is_oob_ratio"] <= 1.0
 
@@ -413,8 +504,10 @@ def _all_losses(cfg):
 @settings(max_examples=40)
 def test_zero_mask_gives_zero_loss_finite_metrics_and_zero_gradient(batch, cfg):
     data, lp = batch
-    data = data | {"token_mask": torch.zeros_like(data["token_mask"]),
-                   "sample_mask": torch.zeros_like(data["sample_mask"])}
+    data = data | {
+        "token_mask": torch.zeros_like(data["token_mask"]),
+        "sample_mask": torch.zeros_like(data["sample_mask"]),
+    }
     lp = lp.clone().masked_fill(torch.ones_like(lp, dtype=torch.bool), -math.inf)
     lp.requires_grad_(True)
     for loss_fn in _all_losses(cfg):
@@ -450,7 +543,8 @@ def test_masked_mean_is_the_masked_sum_over_factor_plus_eps(seed, n):
     count = float(mask.sum())
     assert masked_mean(values, mask).item() == pytest.approx(masked_sum / (count + 1e-8))
     assert masked_mean(values, mask, global_normalization_factor=7.0).item() == pytest.approx(
-        masked_sum / (7.0 + 1e-8))
+        masked_sum / (7.0 + 1e-8)
+    )
 
 
 # ------------------------------------------------------------------------ protocol and errors
@@ -474,29 +568,55 @@ def test_missing_keys_take_nemo_rl_defaults_and_kl_in_reward_zeroes_beta():
     assert (fn.cfg.kl_input_clamp_value, fn.cfg.kl_output_clamp_value) == (20.0, 10.0)
     assert ClippedPGLossFn({"use_kl_in_reward": True}).reference_policy_kl_penalty == 0.0
     assert DPOLossFn({"max_num_epochs": 1, "seed": 42}).reference_policy_kl_penalty == 0.05
-    legacy = ClippedPGLossFn({"use_importance_sampling_correction": True,
-                              "truncated_importance_sampling_ratio": 2.0})
+    legacy = ClippedPGLossFn(
+        {"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": 2.0}
+    )
     assert legacy.cfg.truncated_importance_sampling_type == "tis"
 
 
-@pytest.mark.parametrize(("cfg", "match"), [
-    ({"ratio_clip_mni": 0.2},
-     r"unknown key 'ratio_clip_mni' \(did you mean 'ratio_clip_min'\? accepted keys: "),
-    ({"ratio_clip_min": "0.2"},
-     r"ratio_clip_min must be a number, got '0.2' @ loss_fn.ratio_clip_min"),
-    ({"token_level_loss": 1}, r"token_level_loss must be a bool"),
-    ({"reference_policy_kl_type": "k4"}, r"'k1', 'k2' or 'k3', got 'k4'"),
-    ({"ratio_clip_c": 1.0}, r"ratio_clip_c \(dual clip\) must be > 1"),
-    ({"sequence_level_importance_ratios": True}, r"set token_level_loss: false"),
-    ({"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
-     r"needs use_importance_sampling_correction: true"),
-    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "icepop",
-      "truncated_importance_sampling_ratio": 2.0},
-     r"needs truncated_importance_sampling_ratio_min"),
-    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis"},
-     r"truncated_importance_sampling_ratio must be a positive number"),
-    ({"use_cispo": True, "ratio_clip_c": 3.0}, r"use_cispo cannot be combined with ratio_clip_c"),
-])
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        (
+            {"ratio_clip_mni": 0.2},
+            r"unknown key 'ratio_clip_mni' \(did you mean 'ratio_clip_min'\? accepted keys: ",
+        ),
+        (
+            {"ratio_clip_min": "0.2"},
+            r"ratio_clip_min must be a number, got '0.2' @ loss_fn.ratio_clip_min",
+        ),
+        ({"token_level_loss": 1}, r"token_level_loss must be a bool"),
+        ({"reference_policy_kl_type": "k4"}, r"'k1', 'k2' or 'k3', got 'k4'"),
+        ({"ratio_clip_c": 1.0}, r"ratio_clip_c \(dual clip\) must be > 1"),
+        ({"sequence_level_importance_ratios": True}, r"set token_level_loss: false"),
+        (
+            {
+                "truncated_importance_sampling_type": "tis",
+                "truncated_importance_sampling_ratio": 2.0,
+            },
+            r"needs use_importance_sampling_correction: true",
+        ),
+        (
+            {
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "icepop",
+                "truncated_importance_sampling_ratio": 2.0,
+            },
+            r"needs truncated_importance_sampling_ratio_min",
+        ),
+        (
+            {
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "tis",
+            },
+            r"truncated_importance_sampling_ratio must be a positive number",
+        ),
+        (
+            {"use_cispo": True, "ratio_clip_c": 3.0},
+            r"use_cispo cannot be combined with ratio_clip_c",
+        ),
+    ],
+)
 def test_bad_clipped_pg_configs_raise_config_errors_naming_the_key(cfg, match):
     with pytest.raises(ConfigError, match=match):
         ClippedPGLossFn(cfg)
@@ -516,14 +636,20 @@ def test_bad_data_raises_value_errors_naming_key_and_shape():
     one = torch.tensor(1.0)
     with pytest.raises(ValueError, match=r"data\['prev_logprobs'\], which is missing"):
         call(ClippedPGLossFn({}), data, lp, one, one)
-    with pytest.raises(ValueError,
-                       match=r"data\['token_mask'\] has shape \(2, 3\).*must be \(2, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"data\['token_mask'\] has shape \(2, 3\).*must be \(2, 4\)"
+    ):
         call(NLLLoss(), data | {"token_mask": torch.ones(2, 3)}, lp, one, one)
     with pytest.raises(ValueError, match=r"exactly the keyword input next_token_logprobs"):
         NLLLoss()(data=data, global_valid_seqs=one, global_valid_toks=one, logits=lp)
     with pytest.raises(ValueError, match=r"even number of rows"):
-        call(DPOLossFn({}), data | {"sample_mask": torch.ones(3), "token_mask": torch.ones(3, 4)},
-             torch.zeros(3, 3), one, one)
+        call(
+            DPOLossFn({}),
+            data | {"sample_mask": torch.ones(3), "token_mask": torch.ones(3, 4)},
+            torch.zeros(3, 3),
+            one,
+            one,
+        )
 
 
 @given(seed=SEEDS)
@@ -533,8 +659,12 @@ def test_kl_uses_unfiltered_logprobs_when_present(seed):
     unfiltered = data["reference_policy_logprobs"][:, 1:].clone().requires_grad_(True)
     lp = lp.clone().requires_grad_(True)
     cfg = {"reference_policy_kl_penalty": 0.5, "reference_policy_kl_type": "k2"}
-    loss, metrics = call(ClippedPGLossFn(cfg), data | {"curr_logprobs_unfiltered": unfiltered},
-                         lp, *global_counts(data))
+    loss, metrics = call(
+        ClippedPGLossFn(cfg),
+        data | {"curr_logprobs_unfiltered": unfiltered},
+        lp,
+        *global_counts(data),
+    )
     loss.backward()
     assert loss.item() == 0.0 and metrics["kl_penalty"] == 0.0
     assert bool((lp.grad == 0).all()) and unfiltered.grad is not None

@@ -17,8 +17,12 @@ from policyworker.functional.metrics import (
 )
 from tests.property.strategies import SEEDS
 
-EXTREME_KEYS = ("probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min",
-                "probs_ratio_clamped_max")
+EXTREME_KEYS = (
+    "probs_ratio_min",
+    "probs_ratio_max",
+    "probs_ratio_clamped_min",
+    "probs_ratio_clamped_max",
+)
 MEAN_KEYS = ("lr", "wd", "global_valid_seqs", "global_valid_toks")
 SUM_KEYS = ("loss", "num_valid_samples", "kl_penalty", "accuracy", "is_oob_ratio")
 ALL_KEYS = EXTREME_KEYS + MEAN_KEYS + SUM_KEYS
@@ -73,24 +77,35 @@ def test_aggregation_matches_the_hand_written_rule(all_mb):
 
 
 def test_aggregation_hand_example():
-    got = aggregate_microbatch_metrics({
-        "loss": [0.25, 0.5, -0.125],
-        "probs_ratio_min": [math.inf, 0.75, 0.5],
-        "probs_ratio_clamped_max": [-math.inf, -math.inf],
-        "probs_ratio_max": [1.25, -math.inf, 1.5],
-        "lr": [1e-5, 1e-5, 1e-5],
-        "global_valid_toks": [10.0, 10.0, 12.0],
-        "num_valid_samples": [2.0, 3.0, 0.0],
-        "unused": [],
-    })
-    assert got == pytest.approx({
-        "loss": 0.625, "probs_ratio_min": 0.5, "probs_ratio_clamped_max": -1.0,
-        "probs_ratio_max": 1.5, "lr": 1e-5, "global_valid_toks": 32.0 / 3, "num_valid_samples": 5.0,
-    })
+    got = aggregate_microbatch_metrics(
+        {
+            "loss": [0.25, 0.5, -0.125],
+            "probs_ratio_min": [math.inf, 0.75, 0.5],
+            "probs_ratio_clamped_max": [-math.inf, -math.inf],
+            "probs_ratio_max": [1.25, -math.inf, 1.5],
+            "lr": [1e-5, 1e-5, 1e-5],
+            "global_valid_toks": [10.0, 10.0, 12.0],
+            "num_valid_samples": [2.0, 3.0, 0.0],
+            "unused": [],
+        }
+    )
+    assert got == pytest.approx(
+        {
+            "loss": 0.625,
+            "probs_ratio_min": 0.5,
+            "probs_ratio_clamped_max": -1.0,
+            "probs_ratio_max": 1.5,
+            "lr": 1e-5,
+            "global_valid_toks": 32.0 / 3,
+            "num_valid_samples": 5.0,
+        }
+    )
 
 
-@given(metrics=st.fixed_dictionaries({k: value_strategy(k) for k in ALL_KEYS}),
-       num_global_batches=st.integers(1, 8))
+@given(
+    metrics=st.fixed_dictionaries({k: value_strategy(k) for k in ALL_KEYS}),
+    num_global_batches=st.integers(1, 8),
+)
 def test_scaling_divides_everything_but_the_extremes(metrics, num_global_batches):
     scaled = scale_microbatch_metrics(metrics, num_global_batches)
     assert scaled.keys() == metrics.keys()
@@ -119,14 +134,20 @@ def test_scaled_sums_over_global_batches_are_the_mean_of_per_batch_sums(per_batc
             assert got[key] == pytest.approx(expected, rel=1e-9, abs=1e-6), key
 
 
-@given(per_sequence=st.lists(st.fixed_dictionaries(
-    {k: value_strategy(k) for k in EXTREME_KEYS + SUM_KEYS}), min_size=1, max_size=6),
-    split=st.integers(0, 6))
+@given(
+    per_sequence=st.lists(
+        st.fixed_dictionaries({k: value_strategy(k) for k in EXTREME_KEYS + SUM_KEYS}),
+        min_size=1,
+        max_size=6,
+    ),
+    split=st.integers(0, 6),
+)
 def test_combining_packed_sequences_is_invariant_to_grouping(per_sequence, split):
     """combine(all) == combine([combine(head), combine(tail)]) — how packed losses nest."""
     head, tail = per_sequence[:split], per_sequence[split:]
     nested = combine_packed_sequence_metrics(
-        [combine_packed_sequence_metrics(part) for part in (head, tail) if part])
+        [combine_packed_sequence_metrics(part) for part in (head, tail) if part]
+    )
     flat = combine_packed_sequence_metrics(per_sequence)
     assert nested.keys() == flat.keys()
     for key in flat:
@@ -134,11 +155,13 @@ def test_combining_packed_sequences_is_invariant_to_grouping(per_sequence, split
 
 
 def test_combining_packed_sequences_hand_example():
-    got = combine_packed_sequence_metrics([
-        {"loss": 0.5, "probs_ratio_min": math.inf, "probs_ratio_max": -math.inf},
-        {"loss": 0.25, "probs_ratio_min": 0.9, "probs_ratio_max": 1.1},
-        {"loss": 0.25, "probs_ratio_min": 0.8, "probs_ratio_max": -math.inf},
-    ])
+    got = combine_packed_sequence_metrics(
+        [
+            {"loss": 0.5, "probs_ratio_min": math.inf, "probs_ratio_max": -math.inf},
+            {"loss": 0.25, "probs_ratio_min": 0.9, "probs_ratio_max": 1.1},
+            {"loss": 0.25, "probs_ratio_min": 0.8, "probs_ratio_max": -math.inf},
+        ]
+    )
     assert got == {"loss": 1.0, "probs_ratio_min": 0.8, "probs_ratio_max": 1.1}
     empty = combine_packed_sequence_metrics([{"probs_ratio_clamped_min": math.inf}])
     assert empty == {"probs_ratio_clamped_min": math.inf}
@@ -157,19 +180,27 @@ def test_aggregated_microbatch_metrics_equal_the_whole_batch_metrics(seed, num_m
     g = torch.Generator().manual_seed(seed)
     B, S = 2 * num_microbatches, 5
     lp = -torch.rand(B, S - 1, generator=g, dtype=torch.float64) - 0.1
-    data = {"token_mask": torch.ones(B, S, dtype=torch.float64), "sample_mask": torch.ones(B),
-            "advantages": torch.randn(B, S, generator=g, dtype=torch.float64),
-            "prev_logprobs": torch.cat([torch.zeros(B, 1), lp + 0.3], 1).to(torch.float64),
-            "generation_logprobs": torch.cat([torch.zeros(B, 1), lp], 1).to(torch.float64),
-            "reference_policy_logprobs": torch.cat([torch.zeros(B, 1), lp - 0.2], 1)}
+    data = {
+        "token_mask": torch.ones(B, S, dtype=torch.float64),
+        "sample_mask": torch.ones(B),
+        "advantages": torch.randn(B, S, generator=g, dtype=torch.float64),
+        "prev_logprobs": torch.cat([torch.zeros(B, 1), lp + 0.3], 1).to(torch.float64),
+        "generation_logprobs": torch.cat([torch.zeros(B, 1), lp], 1).to(torch.float64),
+        "reference_policy_logprobs": torch.cat([torch.zeros(B, 1), lp - 0.2], 1),
+    }
     gvs, gvt = torch.tensor(float(B)), torch.tensor(float(B * (S - 1)))
     loss_fn = ClippedPGLossFn({"reference_policy_kl_penalty": 0.1})
-    _, whole = loss_fn(data=data, global_valid_seqs=gvs, global_valid_toks=gvt,
-                       next_token_logprobs=lp)
+    _, whole = loss_fn(
+        data=data, global_valid_seqs=gvs, global_valid_toks=gvt, next_token_logprobs=lp
+    )
     all_mb = {key: [] for key in whole}
     for part in torch.arange(B).chunk(num_microbatches):
-        _, mb = loss_fn(data={k: v[part] for k, v in data.items()}, global_valid_seqs=gvs,
-                        global_valid_toks=gvt, next_token_logprobs=lp[part])
+        _, mb = loss_fn(
+            data={k: v[part] for k, v in data.items()},
+            global_valid_seqs=gvs,
+            global_valid_toks=gvt,
+            next_token_logprobs=lp[part],
+        )
         for key, value in mb.items():
             all_mb[key].append(value)
     got = aggregate_microbatch_metrics(all_mb)
@@ -177,13 +208,22 @@ def test_aggregated_microbatch_metrics_equal_the_whole_batch_metrics(seed, num_m
         assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
 
 
-@given(all_mb=metric_lists(), losses=st.lists(finite_values, min_size=1, max_size=4),
-       grad_norm=st.one_of(st.none(), finite_values), skipped=st.integers(0, 3),
-       prefix=st.sampled_from(["", "train/"]))
+@given(
+    all_mb=metric_lists(),
+    losses=st.lists(finite_values, min_size=1, max_size=4),
+    grad_norm=st.one_of(st.none(), finite_values),
+    skipped=st.integers(0, 3),
+    prefix=st.sampled_from(["", "train/"]),
+)
 def test_flattened_train_result_is_floats_only(all_mb, losses, grad_norm, skipped, prefix):
-    result = {"global_loss": torch.tensor(losses, dtype=torch.float64), "grad_norm": grad_norm,
-              "all_mb_metrics": all_mb, "rank": 0, "model_dtype": torch.bfloat16,
-              "skipped_steps": skipped}
+    result = {
+        "global_loss": torch.tensor(losses, dtype=torch.float64),
+        "grad_norm": grad_norm,
+        "all_mb_metrics": all_mb,
+        "rank": 0,
+        "model_dtype": torch.bfloat16,
+        "skipped_steps": skipped,
+    }
     flat = flatten_train_metrics(result, prefix=prefix)
     assert all(type(v) is float for v in flat.values())
     assert all(k.startswith(prefix) for k in flat)

@@ -13,21 +13,33 @@ MODES = st.sampled_from(["fixed", "dynamic", "packed"])
 def _config(mode: str, budget: int, logprob_budget: int | None):
     cfg = {"model_name": "unused"}
     if mode == "dynamic":
-        cfg["dynamic_batching"] = {"enabled": True, "train_mb_tokens": budget,
-                                   "logprob_mb_tokens": logprob_budget,
-                                   "sequence_length_round": 1}
+        cfg["dynamic_batching"] = {
+            "enabled": True,
+            "train_mb_tokens": budget,
+            "logprob_mb_tokens": logprob_budget,
+            "sequence_length_round": 1,
+        }
     elif mode == "packed":
-        cfg["sequence_packing"] = {"enabled": True, "train_mb_tokens": budget,
-                                   "logprob_mb_tokens": logprob_budget}
+        cfg["sequence_packing"] = {
+            "enabled": True,
+            "train_mb_tokens": budget,
+            "logprob_mb_tokens": logprob_budget,
+        }
     return load_config(cfg)
 
 
 @settings(deadline=None)
-@given(MODES, st.lists(st.integers(0, 16), min_size=1, max_size=12), st.integers(1, 4),
-       st.sampled_from(["train", "logprob"]), st.integers(16, 40),
-       st.one_of(st.none(), st.integers(16, 40)))
-def test_every_row_is_planned_exactly_once_within_its_budget(mode, lengths, mbs, purpose,
-                                                             budget, logprob_budget):
+@given(
+    MODES,
+    st.lists(st.integers(0, 16), min_size=1, max_size=12),
+    st.integers(1, 4),
+    st.sampled_from(["train", "logprob"]),
+    st.integers(16, 40),
+    st.one_of(st.none(), st.integers(16, 40)),
+)
+def test_every_row_is_planned_exactly_once_within_its_budget(
+    mode, lengths, mbs, purpose, budget, logprob_budget
+):
     cfg = _config(mode, budget, logprob_budget)
     lengths_B = torch.tensor(lengths)
     plans = plan_microbatches(cfg, lengths_B, seq_len=16, mbs=mbs, purpose=purpose)

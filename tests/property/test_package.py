@@ -50,10 +50,11 @@ def test_moved_modules_keep_their_old_import_paths():
             assert module is importlib.import_module(new)
             assert module.__spec__.name == new
     from policyworker.shell.params import params_generator
-    from policyworker.shell.parallel import parallelize_model
     from policyworker.shell.receiver import HFWeightReceiver
-    from policyworker.shell.refit import RefitSender
     from policyworker.shell.transports import ipc_logits
+
+    from policyworker.shell.parallel import parallelize_model
+    from policyworker.shell.refit import RefitSender
 
     assert HFWeightReceiver.__module__ == "policyworker.shell.refit.receiver"
     assert params_generator.__module__ == "policyworker.shell.refit.params"

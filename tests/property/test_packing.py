@@ -19,7 +19,8 @@ from tests.property.strategies import SEEDS, right_padded_batches, seeded_randn
 
 PAD = -1
 ALGORITHMS = st.sampled_from(
-    ["first_fit_decreasing", "modified_first_fit_decreasing", "first_fit_shuffle", "concatenative"])
+    ["first_fit_decreasing", "modified_first_fit_decreasing", "first_fit_shuffle", "concatenative"]
+)
 
 
 @st.composite
@@ -76,18 +77,31 @@ def test_packed_position_ids_restart_at_zero_per_sequence(batch):
 
 
 @given(bin_problems(), ALGORITHMS, st.integers(1, 4), st.integers(1, 4), SEEDS)
-def test_bins_hold_every_sequence_once_and_never_exceed_capacity(problem, algorithm, min_bins,
-                                                                 multiple, seed):
+def test_bins_hold_every_sequence_once_and_never_exceed_capacity(
+    problem, algorithm, min_bins, multiple, seed
+):
     lengths, capacity = problem
     natural = len(pack_into_bins(lengths, capacity, algorithm=algorithm, seed=seed))
     target = -(-max(natural, min_bins) // multiple) * multiple
     if target > len(lengths):
         with pytest.raises(ValueError, match=f"cannot make {target} bins"):
-            pack_into_bins(lengths, capacity, algorithm=algorithm, min_bin_count=min_bins,
-                           bin_count_multiple=multiple, seed=seed)
+            pack_into_bins(
+                lengths,
+                capacity,
+                algorithm=algorithm,
+                min_bin_count=min_bins,
+                bin_count_multiple=multiple,
+                seed=seed,
+            )
         return
-    bins = pack_into_bins(lengths, capacity, algorithm=algorithm, min_bin_count=min_bins,
-                          bin_count_multiple=multiple, seed=seed)
+    bins = pack_into_bins(
+        lengths,
+        capacity,
+        algorithm=algorithm,
+        min_bin_count=min_bins,
+        bin_count_multiple=multiple,
+        seed=seed,
+    )
     assert len(bins) == target
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     assert all(b for b in bins)
@@ -96,8 +110,11 @@ def test_bins_hold_every_sequence_once_and_never_exceed_capacity(problem, algori
     assert len(bins) >= -(-sum(lengths) // capacity)
 
 
-@given(bin_problems(), st.sampled_from(["first_fit_decreasing", "modified_first_fit_decreasing",
-                                        "first_fit_shuffle"]), SEEDS)
+@given(
+    bin_problems(),
+    st.sampled_from(["first_fit_decreasing", "modified_first_fit_decreasing", "first_fit_shuffle"]),
+    SEEDS,
+)
 def test_first_fit_family_leaves_at_most_one_bin_half_empty(problem, algorithm, seed):
     """Oracle of first fit: a later bin was opened because its first item did not fit earlier."""
     lengths, capacity = problem
@@ -114,8 +131,11 @@ def test_concatenative_keeps_input_order_and_opens_a_bin_only_when_full(problem)
         assert loads([prev], lengths)[0] + lengths[nxt[0]] > capacity
 
 
-@given(bin_problems(), SEEDS,
-       st.sampled_from(["first_fit_decreasing", "modified_first_fit_decreasing"]))
+@given(
+    bin_problems(),
+    SEEDS,
+    st.sampled_from(["first_fit_decreasing", "modified_first_fit_decreasing"]),
+)
 def test_decreasing_packers_are_invariant_to_input_order(problem, seed, algorithm):
     """The multiset of bin loads does not depend on the order the sequences arrive in."""
     lengths, capacity = problem
@@ -157,17 +177,21 @@ def test_mffd_matches_or_beats_ffd_on_random_lengths():
 
 
 def test_sequence_longer_than_capacity_names_index_length_capacity_and_fix():
-    with pytest.raises(ValueError,
-                       match=r"sequence 1 has length 120, outside \[0, capacity=100\].*raise"):
+    with pytest.raises(
+        ValueError, match=r"sequence 1 has length 120, outside \[0, capacity=100\].*raise"
+    ):
         pack_into_bins([10, 120], 100, algorithm="first_fit_decreasing")
 
 
 def test_unreachable_bin_count_names_the_values():
-    with pytest.raises(ValueError,
-                       match=r"cannot make 4 bins \(min_bin_count=3, bin_count_multiple=2"
-                             r".*from 3 sequences"):
-        pack_into_bins([1, 2, 3], 100, algorithm="first_fit_decreasing", min_bin_count=3,
-                       bin_count_multiple=2)
+    with pytest.raises(
+        ValueError,
+        match=r"cannot make 4 bins \(min_bin_count=3, bin_count_multiple=2"
+        r".*from 3 sequences",
+    ):
+        pack_into_bins(
+            [1, 2, 3], 100, algorithm="first_fit_decreasing", min_bin_count=3, bin_count_multiple=2
+        )
     with pytest.raises(ValueError, match="algorithm must be one of"):
         pack_into_bins([1], 10, algorithm="best_fit")  # type: ignore[arg-type]
 

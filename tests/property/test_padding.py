@@ -33,7 +33,7 @@ def test_left_row_ends_with_the_right_rows_tokens_in_order(batch):
     left_BS = right_to_left_pad(tokens_BS, lengths_B, PAD)
     S = tokens_BS.shape[1]
     for b, n in enumerate(lengths_B.tolist()):
-        assert left_BS[b, S - n:].tolist() == tokens_BS[b, :n].tolist()
+        assert left_BS[b, S - n :].tolist() == tokens_BS[b, :n].tolist()
         assert (left_BS[b, : S - n] == PAD).all()
 
 
@@ -45,7 +45,7 @@ def test_padding_moves_trailing_dims_with_their_token(batch, K, seed):
     x_BSK = seeded_randn(seed, (B, S, K)) * mask_from_lengths(lengths_B, S)[..., None]
     left = right_to_left_pad(x_BSK, lengths_B, 0.0)
     for b, n in enumerate(lengths_B.tolist()):
-        assert torch.equal(left[b, S - n:], x_BSK[b, :n])
+        assert torch.equal(left[b, S - n :], x_BSK[b, :n])
     assert torch.equal(left_to_right_pad(left, lengths_B, 0.0), x_BSK)
 
 

@@ -22,11 +22,14 @@ SHAPES = st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple)
 
 @given(st.lists(st.tuples(SHAPES, DTYPES), min_size=1, max_size=8), st.integers(1, 400))
 def test_files_hold_every_tensor_once_back_to_back_within_the_size_limit(specs, max_bytes):
-    tensors = [HFTensor(f"t{i}", f"t{i}", tuple((0, n) for n in shape), shape, dtype)
-               for i, (shape, dtype) in enumerate(specs)]
+    tensors = [
+        HFTensor(f"t{i}", f"t{i}", tuple((0, n) for n in shape), shape, dtype)
+        for i, (shape, dtype) in enumerate(specs)
+    ]
     plans = plan_safetensors_files(tensors, max_file_bytes=max_bytes)
     assert [p.file for p in plans] == [
-        f"model-{i:05d}-of-{len(plans):05d}.safetensors" for i in range(1, len(plans) + 1)]
+        f"model-{i:05d}-of-{len(plans):05d}.safetensors" for i in range(1, len(plans) + 1)
+    ]
     seen = []
     for plan in plans:
         n = struct.unpack("<Q", plan.header[:8])[0]
@@ -44,8 +47,11 @@ def test_files_hold_every_tensor_once_back_to_back_within_the_size_limit(specs, 
     assert seen == [t.name for t in tensors]
 
 
-@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 5), st.integers(1, 6)),
-                min_size=1, max_size=3))
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 6), st.integers(0, 5), st.integers(1, 6)), min_size=1, max_size=3
+    )
+)
 def test_contiguous_runs_cover_a_sub_box_exactly_once(dims):
     full = tuple((0, n) for n, _, _ in dims)
     sub = tuple((min(a, n - 1), min(min(a, n - 1) + k, n)) for n, a, k in dims)
@@ -53,8 +59,10 @@ def test_contiguous_runs_cover_a_sub_box_exactly_once(dims):
     for offset, _, length in contiguous_runs(sub, full):
         covered += range(offset, offset + length)
     shape = [n for n, _, _ in dims]
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-    want = sorted(sum(i * s for i, s in zip(idx, strides, strict=True))
-                  for idx in itertools.product(*(range(lo, hi) for lo, hi in sub)))
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    want = sorted(
+        sum(i * s for i, s in zip(idx, strides, strict=True))
+        for idx in itertools.product(*(range(lo, hi) for lo, hi in sub))
+    )
     assert sorted(covered) == want and len(covered) == len(set(covered))
     assert intersect_boxes(sub, full) == sub

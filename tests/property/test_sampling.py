@@ -9,9 +9,12 @@ from hypothesis import strategies as st
 from policyworker.functional.logprobs import sampling_filters_active
 from policyworker.functional.sampling import Sampling
 
-SAMPLINGS = st.builds(Sampling, temperature=st.floats(0.1, 4.0),
-                      top_k=st.one_of(st.none(), st.integers(-1, 50)),
-                      top_p=st.floats(0.05, 1.0))
+SAMPLINGS = st.builds(
+    Sampling,
+    temperature=st.floats(0.1, 4.0),
+    top_k=st.one_of(st.none(), st.integers(-1, 50)),
+    top_p=st.floats(0.05, 1.0),
+)
 
 
 @given(SAMPLINGS)

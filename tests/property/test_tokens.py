@@ -34,8 +34,10 @@ def test_a_token_counts_iff_inside_its_length_and_both_masks(batch, seed):
             want = s < lengths_B[b] and token_mask_BS[b, s] != 0 and sample_mask_B[b] != 0
             assert bool(got[b, s]) == bool(want)
     # the masks are optional: leaving one out is the same as passing all ones
-    assert torch.equal(counted_tokens(lengths_B, S, None, None),
-                       counted_tokens(lengths_B, S, torch.ones(B, S), torch.ones(B)))
+    assert torch.equal(
+        counted_tokens(lengths_B, S, None, None),
+        counted_tokens(lengths_B, S, torch.ones(B, S), torch.ones(B)),
+    )
 
 
 @given(right_padded_batches(), SEEDS)
@@ -72,7 +74,8 @@ def test_fp8_scale_maps_the_percentile_sample_to_448_over_margin(n, seed, percen
     # at most the percentile's share of samples lies above the chosen one
     assert sum(v > kth for v in values_N.tolist()) <= n - rank
     assert fp8_e4m3_scale(values_N, 100.0, 1.0) == pytest.approx(
-        float(values_N.max()) / FP8_E4M3_MAX)
+        float(values_N.max()) / FP8_E4M3_MAX
+    )
 
 
 def test_fp8_scales_refuse_bad_arguments_and_floor_empty_samples():

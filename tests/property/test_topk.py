@@ -49,8 +49,10 @@ def test_merged_shard_topk_equals_global_topk(case, num_shards):
 def test_merge_does_not_depend_on_shard_order(case, num_shards, seed):
     logits, k = case
     V = logits.shape[-1]
-    parts = [local_topk(logits[..., a:b], k, vocab_start=a)
-             for a, b in (vocab_range(r, num_shards, V) for r in range(num_shards))]
+    parts = [
+        local_topk(logits[..., a:b], k, vocab_start=a)
+        for a, b in (vocab_range(r, num_shards, V) for r in range(num_shards))
+    ]
     perm = torch.randperm(num_shards, generator=torch.Generator().manual_seed(seed)).tolist()
     straight = merge_topk([p[0] for p in parts], [p[1] for p in parts], k)
     shuffled = merge_topk([parts[i][0] for i in perm], [parts[i][1] for i in perm], k)
@@ -67,8 +69,11 @@ def test_local_topk_takes_all_local_ids_when_k_exceeds_the_shard(case, start):
 
 
 @settings(max_examples=60)
-@given(case=topk_cases(), chunks=st.lists(st.integers(1, 7), min_size=1, max_size=3),
-       temperature=st.one_of(st.just(1.0), st.floats(0.25, 4.0)))
+@given(
+    case=topk_cases(),
+    chunks=st.lists(st.integers(1, 7), min_size=1, max_size=3),
+    temperature=st.one_of(st.just(1.0), st.floats(0.25, 4.0)),
+)
 def test_chunked_topk_logits_equal_unchunked(case, chunks, temperature):
     logits, k = case
     expected_values, expected_indices = oracle_topk(logits.float() / temperature, k)
@@ -83,8 +88,11 @@ def test_ties_prefer_lower_ids():
     logits = torch.tensor([[[1.0, 5.0, 5.0, 2.0, 5.0]]])
     values, indices = topk_logits(logits, 2)
     assert values.tolist() == [[[5.0, 5.0]]] and indices.tolist() == [[[1, 2]]]
-    merged = merge_topk([torch.tensor([5.0, 2.0]), torch.tensor([5.0, 5.0])],
-                        [torch.tensor([4, 3]), torch.tensor([1, 2])], 3)
+    merged = merge_topk(
+        [torch.tensor([5.0, 2.0]), torch.tensor([5.0, 5.0])],
+        [torch.tensor([4, 3]), torch.tensor([1, 2])],
+        3,
+    )
     assert merged[0].tolist() == [5.0, 5.0, 5.0] and merged[1].tolist() == [1, 2, 4]
 
 
@@ -112,7 +120,10 @@ def test_bad_topk_arguments_are_rejected(k, kwargs, match):
 
 def test_merge_rejects_too_few_candidates_and_mismatched_lists():
     with pytest.raises(ValueError, match="k 3 exceeds the 2 candidates"):
-        merge_topk([torch.zeros(1), torch.zeros(1)],
-                   [torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)], 3)
+        merge_topk(
+            [torch.zeros(1), torch.zeros(1)],
+            [torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)],
+            3,
+        )
     with pytest.raises(ValueError, match="one \\(values, indices\\) pair per shard"):
         merge_topk([torch.zeros(1)], [], 1)

@@ -67,8 +67,15 @@ def test_bucket_complete_abort_and_reply_round_trip(tensors, seq, size, keep):
 handles = st.binary(min_size=1, max_size=64)
 
 
-@given(handle=handles, rc=handles, event=st.binary(max_size=64), filled=handles, keep=st.booleans(),
-       consumed=st.binary(max_size=64), ok=st.booleans())
+@given(
+    handle=handles,
+    rc=handles,
+    event=st.binary(max_size=64),
+    filled=handles,
+    keep=st.booleans(),
+    consumed=st.binary(max_size=64),
+    ok=st.booleans(),
+)
 def test_cuda_bucket_and_event_reply_round_trip(handle, rc, event, filled, keep, consumed, ok):
     buffer = CudaBuffer("GPU-0a1b", 4096, 0, 16, True, handle, rc, event, filled, keep)
     bucket = Bucket(3, buffer, (0, 1), (0, 512), 1024)
@@ -93,7 +100,9 @@ def test_manifest_cache_returns_the_same_object_for_the_same_bytes(manifest):
     cache = ManifestCache()
     frames = encode(Begin(0, "shm", 512, tuple(manifest)))
     first = decode_request(frames, manifests=cache).manifest
-    again = decode_request(list(encode(Begin(1, "shm", 512, tuple(manifest)))), manifests=cache).manifest
+    again = decode_request(
+        list(encode(Begin(1, "shm", 512, tuple(manifest)))), manifests=cache
+    ).manifest
     assert first == tuple(manifest) and again is first
     assert cache.sizes == tuple(s.nbytes for s in manifest)
     other = (*manifest, TensorSpec("extra", (2,), torch.int8))
@@ -349,27 +358,52 @@ def test_kept_buffers_stay_mapped_with_their_views_and_others_are_closed():
     staging = ShmStaging(4096)
     try:
         for value in (1, 2):  # the sender keeps the buffer: one mapping, reused, same views
-            pack_tensors([torch.full(s.shape, value, dtype=s.dtype) for s in specs_], plan.offsets, staging.tensor)
-            report = _stream_once(server, specs_, Bucket(0, staging.ref(keep=True), plan.indices, plan.offsets,
-                                                         plan.used_bytes))
+            pack_tensors(
+                [torch.full(s.shape, value, dtype=s.dtype) for s in specs_],
+                plan.offsets,
+                staging.tensor,
+            )
+            report = _stream_once(
+                server,
+                specs_,
+                Bucket(0, staging.ref(keep=True), plan.indices, plan.offsets, plan.used_bytes),
+            )
             assert report.version == value and server.open_buffers == 1
             assert torch.equal(model.a.weight, torch.full((3, 4), float(value)))
             assert torch.equal(model.steps, torch.full((5,), value))
         # the same buffer and offsets under a manifest in another order: views are rebuilt for it
         reordered = specs_[::-1]
         offsets = plan_ipc_buckets(reordered, 4096)[0].offsets
-        pack_tensors([torch.full(s.shape, 7, dtype=s.dtype) for s in reordered], offsets, staging.tensor)
-        _stream_once(server, reordered, Bucket(0, staging.ref(keep=True), (0, 1, 2), offsets, plan.used_bytes))
-        assert torch.equal(model.a.weight, torch.full((3, 4), 7.0)) and torch.equal(model.steps, torch.full((5,), 7))
+        pack_tensors(
+            [torch.full(s.shape, 7, dtype=s.dtype) for s in reordered], offsets, staging.tensor
+        )
+        _stream_once(
+            server,
+            reordered,
+            Bucket(0, staging.ref(keep=True), (0, 1, 2), offsets, plan.used_bytes),
+        )
+        assert torch.equal(model.a.weight, torch.full((3, 4), 7.0)) and torch.equal(
+            model.steps, torch.full((5,), 7)
+        )
         # not kept: closed at COMPLETE; a kept one is closed by a failed refit and by release_buffers
-        _stream_once(server, reordered, Bucket(0, staging.ref(keep=False), (0, 1, 2), offsets, plan.used_bytes))
+        _stream_once(
+            server,
+            reordered,
+            Bucket(0, staging.ref(keep=False), (0, 1, 2), offsets, plan.used_bytes),
+        )
         assert server.open_buffers == 0
-        _stream_once(server, reordered, Bucket(0, staging.ref(keep=True), (0, 1, 2), offsets, plan.used_bytes))
+        _stream_once(
+            server,
+            reordered,
+            Bucket(0, staging.ref(keep=True), (0, 1, 2), offsets, plan.used_bytes),
+        )
         assert server.open_buffers == 1
         server.release_buffers()
         assert server.open_buffers == 0
         server.handle(encode(Begin(0, "shm", 512, tuple(reordered))))
-        server.handle(encode(Bucket(0, staging.ref(keep=True), (0, 1, 2), offsets, plan.used_bytes)))
+        server.handle(
+            encode(Bucket(0, staging.ref(keep=True), (0, 1, 2), offsets, plan.used_bytes))
+        )
         assert server.open_buffers == 1
         reply, outcome = server.handle(encode(Abort("sender failed")))
         assert outcome.error is not None and server.open_buffers == 0

@@ -41,8 +41,10 @@ def test_dp_leaders_reject_a_world_the_block_does_not_divide(world, cp, tp):
         dp_leader_ranks(world_size=world, cp_size=cp, tp_size=tp)
 
 
-@given(st.lists(st.integers(0, 999), min_size=1, max_size=4),
-       st.sampled_from(["", "rc1", ".dev0", "+cpu", "a2"]))
+@given(
+    st.lists(st.integers(0, 999), min_size=1, max_size=4),
+    st.sampled_from(["", "rc1", ".dev0", "+cpu", "a2"]),
+)
 def test_version_tuple_reads_the_release_numbers_and_drops_any_suffix(numbers, suffix):
     text = ".".join(map(str, numbers)) + suffix
     assert version_tuple(text) == tuple(numbers)

@@ -9,9 +9,18 @@ import torch
 torch.set_num_threads(1)
 
 VOCAB = 128
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-               use_cache=True, eos_token_id=1, bos_token_id=2)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    use_cache=True,
+    eos_token_id=1,
+    bos_token_id=2,
+)
 
 
 def _build(kind: str):
@@ -53,7 +62,9 @@ def tiny_tokenizer_model_path(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("tiny_with_tokenizer") / "llama"
     _build("llama").save_pretrained(folder)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", unk_token="t0").save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", unk_token="t0").save_pretrained(
+        folder
+    )
     return str(folder)
 
 
@@ -65,8 +76,10 @@ def tiny_reward_paths(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny_rm")
     cfg = transformers.LlamaConfig(**_COMMON, num_labels=1, pad_token_id=0)
     paths = {}
-    for kind, cls in (("bradley_terry", transformers.LlamaForSequenceClassification),
-                      ("regression", transformers.LlamaForTokenClassification)):
+    for kind, cls in (
+        ("bradley_terry", transformers.LlamaForSequenceClassification),
+        ("regression", transformers.LlamaForTokenClassification),
+    ):
         torch.manual_seed(3)
         folder = root / kind
         cls(cfg).save_pretrained(folder)
@@ -117,7 +130,9 @@ def hf_reference_logprobs(model_path: str, data: dict, *, temperature: float = 1
     """Plain HF fp32 forward + log_softmax with the zero conventions (column 0, >= len)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32
+    ).eval()
     ids = data["input_ids"]
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits.float() / temperature

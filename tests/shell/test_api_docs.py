@@ -23,8 +23,11 @@ def test_every_documented_name_and_public_method_has_a_docstring():
             if not inspect.getdoc(obj):
                 missing.append(name)
             if inspect.isclass(obj) and name not in api_docs._DOC_ONLY:
-                missing += [f"{name}.{member}" for member, value in api_docs.public_members(obj)
-                            if not (inspect.getdoc(value) or "").strip()]
+                missing += [
+                    f"{name}.{member}"
+                    for member, value in api_docs.public_members(obj)
+                    if not (inspect.getdoc(value) or "").strip()
+                ]
     assert missing == []
 
 

@@ -35,8 +35,11 @@ def _two_global_batches():
     return make_batch(8, 10, seed=31, lengths=[10, 6, 8, 4, 10, 3, 9, 5])
 
 
-@pytest.mark.parametrize(("row", "col", "value"), [(0, 2, VOCAB), (5, 9, VOCAB + 7), (6, 9, -1)],
-                         ids=["vocab-in-first-batch", "padding-of-second-batch", "negative"])
+@pytest.mark.parametrize(
+    ("row", "col", "value"),
+    [(0, 2, VOCAB), (5, 9, VOCAB + 7), (6, 9, -1)],
+    ids=["vocab-in-first-batch", "padding-of-second-batch", "negative"],
+)
 def test_token_ids_outside_the_vocabulary_are_refused_before_any_step(worker, row, col, value):
     data = _two_global_batches()
     data["input_ids"][row, col] = value  # rows 5 and 6 are padding at col 9 (lengths 3 and 9)
@@ -65,8 +68,19 @@ def test_complex_advantages_are_refused(worker):
         worker.train(data, ClippedPGLossFn({}))
 
 
-@pytest.mark.parametrize("kwargs", [{"gbs": 0}, {"gbs": -4}, {"gbs": 2.0}, {"gbs": "2"},
-                                    {"gbs": True}, {"mbs": 0}, {"mbs": -1}, {"mbs": 1.5}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"gbs": 0},
+        {"gbs": -4},
+        {"gbs": 2.0},
+        {"gbs": "2"},
+        {"gbs": True},
+        {"mbs": 0},
+        {"mbs": -1},
+        {"mbs": 1.5},
+    ],
+)
 def test_bad_gbs_and_mbs_arguments_are_refused(worker, kwargs):
     before = _weights(worker)
     name = next(iter(kwargs))
@@ -79,7 +93,11 @@ def test_integer_advantages_and_bool_masks_are_cast_not_refused(tiny_model_paths
     data = make_batch(4, 10, seed=33)
     data["advantages"] = torch.randint(-2, 3, (4, 10))
     cast = {**data, "advantages": data["advantages"].float()}
-    as_bool = {**data, "token_mask": data["token_mask"] != 0, "sample_mask": data["sample_mask"] > 0}
+    as_bool = {
+        **data,
+        "token_mask": data["token_mask"] != 0,
+        "sample_mask": data["sample_mask"] > 0,
+    }
     losses = []
     for batch in (cast, data, as_bool):
         w = PolicyWorker(make_config(tiny_model_paths["llama"]), init_reference_model=False)
@@ -88,12 +106,17 @@ def test_integer_advantages_and_bool_masks_are_cast_not_refused(tiny_model_paths
     torch.testing.assert_close(losses[2], losses[1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("key", "value"), [("generation_logprobs", math.nan),
-                                            ("reference_policy_logprobs", math.inf),
-                                            ("reference_policy_logprobs", -math.inf),
-                                            ("prev_logprobs", math.inf),
-                                            ("advantages", math.nan),
-                                            ("token_mask", math.nan)])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("generation_logprobs", math.nan),
+        ("reference_policy_logprobs", math.inf),
+        ("reference_policy_logprobs", -math.inf),
+        ("prev_logprobs", math.inf),
+        ("advantages", math.nan),
+        ("token_mask", math.nan),
+    ],
+)
 def test_non_finite_loss_inputs_where_the_loss_reads_them_skip_that_step(worker, key, value):
     # Some of these left the loss finite (the input was sanitised or its term was off), so the
     # step used to go ahead on garbage; now the global batch holding them takes no step.

@@ -548,11 +548,15 @@ def test_safetensors_plan_is_readable_by_safetensors_and_splits_files():
         "layers.experts.gate_up_proj": ((2, 4, 3), torch.float32),
     }
     fused = torch.empty(2, 4, 3)  # [E, 2I, H]: each expert's gate rows, then its up rows
-    expert_views = [(f"layers.experts.{e}.{part}_proj.weight", fused[e, 2 * h : 2 * h + 2])
-                    for e in range(2) for h, part in enumerate(("gate", "up"))]
+    expert_views = [
+        (f"layers.experts.{e}.{part}_proj.weight", fused[e, 2 * h : 2 * h + 2])
+        for e in range(2)
+        for h, part in enumerate(("gate", "up"))
+    ]
     pieces = {name: [whole_piece(name, shape)] for name, (shape, _) in specs.items()}
     pieces["layers.experts.gate_up_proj"] = [
-        CheckpointPiece(n, tuple(v.shape), v.stride(), v.storage_offset()) for n, v in expert_views]
+        CheckpointPiece(n, tuple(v.shape), v.stride(), v.storage_offset()) for n, v in expert_views
+    ]
     layout = ck.hf_layout(specs, tie_word_embeddings=False, pieces=pieces)
     assert [t.box for t in layout][3:5] == [((0, 1), (0, 2), (0, 3)), ((0, 1), (2, 4), (0, 3))]
     transposed = {**pieces, "a": [CheckpointPiece("a", (4, 3), (1, 4), 0)]}

@@ -34,9 +34,15 @@ def _snapshot(worker):
 def _same(worker, snapshot):
     weights, optim = snapshot
     state = worker.model.state_dict()
-    return (state.keys() == weights.keys() and all(torch.equal(state[k], weights[k]) for k in state)
-            and all(torch.equal(v, optim[id(p)][k])
-                    for p, s in worker.optimizer.state.items() for k, v in s.items()))
+    return (
+        state.keys() == weights.keys()
+        and all(torch.equal(state[k], weights[k]) for k in state)
+        and all(
+            torch.equal(v, optim[id(p)][k])
+            for p, s in worker.optimizer.state.items()
+            for k, v in s.items()
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +57,14 @@ def saved(tiny_model_paths, tmp_path_factory):
 
 
 def test_a_lora_checkpoint_into_a_full_worker_is_refused_before_anything_changes(
-        tiny_model_paths, saved):
+    tiny_model_paths, saved
+):
     worker = _trained(tiny_model_paths["llama"])
     before = _snapshot(worker)
     for optim in (None, saved / "lora_optim"):
-        with pytest.raises(CheckpointError, match="holds a LoRA adapter .* this worker has no LoRA"):
+        with pytest.raises(
+            CheckpointError, match="holds a LoRA adapter .* this worker has no LoRA"
+        ):
             worker.load_checkpoint(saved / "lora", optim)
         assert _same(worker, before)
     with pytest.raises(CheckpointError, match=r"state for 28 parameter\(s\).*\(LoRA adapters\)"):
@@ -75,9 +84,11 @@ def test_a_full_optimizer_checkpoint_into_a_lora_worker_is_a_clear_error(tiny_mo
     assert _same(worker, before)
 
 
-@pytest.mark.parametrize(("weights", "optim"), [("w", "optim"), ("run/model", "run/optim"),
-                                                ("run", "run/optim")],
-                         ids=["optim-named-optim", "weights-named-model", "optim-inside-weights"])
+@pytest.mark.parametrize(
+    ("weights", "optim"),
+    [("w", "optim"), ("run/model", "run/optim"), ("run", "run/optim")],
+    ids=["optim-named-optim", "weights-named-model", "optim-inside-weights"],
+)
 def test_the_paths_a_save_was_given_load_it_back(tiny_model_paths, tmp_path, weights, optim):
     worker = _trained(tiny_model_paths["llama"])
     worker.save_checkpoint(tmp_path / weights, tmp_path / optim, is_final_checkpoint=True)
@@ -115,19 +126,27 @@ def test_bad_json_and_edited_headers_name_the_file(tiny_model_paths, saved, tmp_
     shard = _one_file(copy, "model-*.safetensors")
     raw = bytearray(shard.read_bytes())
     (size,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + size])
+    header = json.loads(raw[8 : 8 + size])
     name = next(k for k in header if k != "__metadata__")
     header[name]["dtype"] = "F16" if header[name]["dtype"] == "F32" else "F32"
     edited = json.dumps(header, separators=(",", ":")).encode().ljust(size)
-    shard.write_bytes(bytes(raw[:8]) + edited + bytes(raw[8 + size:]))
+    shard.write_bytes(bytes(raw[:8]) + edited + bytes(raw[8 + size :]))
     with pytest.raises(CheckpointError, match=str(shard)):
         worker.load_checkpoint(copy)
 
 
-@pytest.mark.parametrize("target", ["model-*.safetensors", "optim/*.distcp",
-                                    "swapped-header-offsets", "model.safetensors.index.json"])
+@pytest.mark.parametrize(
+    "target",
+    [
+        "model-*.safetensors",
+        "optim/*.distcp",
+        "swapped-header-offsets",
+        "model.safetensors.index.json",
+    ],
+)
 def test_a_flipped_byte_anywhere_names_the_file_and_changes_nothing(
-        tiny_model_paths, tmp_path, target):
+    tiny_model_paths, tmp_path, target
+):
     import shutil
 
     source = _trained(tiny_model_paths["llama"])
@@ -138,14 +157,21 @@ def test_a_flipped_byte_anywhere_names_the_file_and_changes_nothing(
         shard = _one_file(copy / "w" / "model", "model-*.safetensors")
         raw = bytearray(shard.read_bytes())
         (size,) = struct.unpack("<Q", raw[:8])
-        header = json.loads(raw[8:8 + size])
-        a, b = (k for k in header if k != "__metadata__" and header[k]["shape"] ==
-                header[next(iter(k2 for k2 in header if k2 != "__metadata__"))]["shape"])
-        header[a]["data_offsets"], header[b]["data_offsets"] = (header[b]["data_offsets"],
-                                                                 header[a]["data_offsets"])
+        header = json.loads(raw[8 : 8 + size])
+        a, b = (
+            k
+            for k in header
+            if k != "__metadata__"
+            and header[k]["shape"]
+            == header[next(iter(k2 for k2 in header if k2 != "__metadata__"))]["shape"]
+        )
+        header[a]["data_offsets"], header[b]["data_offsets"] = (
+            header[b]["data_offsets"],
+            header[a]["data_offsets"],
+        )
         edited = json.dumps(header, separators=(",", ":")).encode()
         assert len(edited) <= size
-        raw[8:8 + size] = edited.ljust(size)
+        raw[8 : 8 + size] = edited.ljust(size)
         shard.write_bytes(bytes(raw))
         victim = shard
     else:

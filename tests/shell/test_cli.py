@@ -24,20 +24,35 @@ def test_info_reports_versions_devices_kernels_and_transports(capsys):
     json.dumps(info)  # plain data
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
-    for word in ("policyworker", "torch", "transformers", "sdpa", "varlen", "flex_attention",
-                 "flash-attn", "zmq", "shared memory", "CUDA IPC", "gloo", "NCCL"):
+    for word in (
+        "policyworker",
+        "torch",
+        "transformers",
+        "sdpa",
+        "varlen",
+        "flex_attention",
+        "flash-attn",
+        "zmq",
+        "shared memory",
+        "CUDA IPC",
+        "gloo",
+        "NCCL",
+    ):
         assert word in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["demo", "--steps", "0"], "--steps: 0 must be >= 1"),
-    (["demo", "--seed", "-1"], "--seed: -1 must be >= 0"),
-    (["demo", "--precision", "fp8"], "invalid choice: 'fp8'"),
-    (["demo", "--device", "tpu"], "invalid choice: 'tpu'"),
-    (["demo", "--lr", "0"], "--lr: 0.0 must be > 0"),
-    (["launch"], "invalid choice: 'launch'"),
-    ([], "the following arguments are required: command"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--steps", "0"], "--steps: 0 must be >= 1"),
+        (["demo", "--seed", "-1"], "--seed: -1 must be >= 0"),
+        (["demo", "--precision", "fp8"], "invalid choice: 'fp8'"),
+        (["demo", "--device", "tpu"], "invalid choice: 'tpu'"),
+        (["demo", "--lr", "0"], "--lr: 0.0 must be > 0"),
+        (["launch"], "invalid choice: 'launch'"),
+        ([], "the following arguments are required: command"),
+    ],
+)
 def test_bad_arguments_exit_2_naming_the_argument(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
@@ -71,8 +86,14 @@ def test_config_reference_lists_every_field_of_every_section():
     from policyworker import config
 
     text = docs_gen.render()
-    for cls in (config.PolicyConfig, config.DTensorConfig, config.LoRAConfig,
-                config.SequencePackingConfig, config.GenerationConfig, config.SchedulerEntry):
+    for cls in (
+        config.PolicyConfig,
+        config.DTensorConfig,
+        config.LoRAConfig,
+        config.SequencePackingConfig,
+        config.GenerationConfig,
+        config.SchedulerEntry,
+    ):
         assert f"## {cls.__name__}" in text
         for field in attrs.fields(cls):
             assert f"| `{field.name}` |" in text, (cls.__name__, field.name)
@@ -81,21 +102,38 @@ def test_config_reference_lists_every_field_of_every_section():
 
 
 def test_rows_in_the_agreed_schema_get_a_ratio_when_missing():
-    rows = bench_runner.normalize_rows("refit", {"rows": [
-        {"metric": "refit 1.5B", "ours": 2.0, "baseline": 4.0, "limit": 1.0, "unit": "s"},
-        {"metric": "given", "ours": 3.0, "baseline": 1.0, "ratio": 2.5, "unit": "x"}]})
+    rows = bench_runner.normalize_rows(
+        "refit",
+        {
+            "rows": [
+                {"metric": "refit 1.5B", "ours": 2.0, "baseline": 4.0, "limit": 1.0, "unit": "s"},
+                {"metric": "given", "ours": 3.0, "baseline": 1.0, "ratio": 2.5, "unit": "x"},
+            ]
+        },
+    )
     assert [r.ratio for r in rows] == [0.5, 2.5]
     assert rows[0].limit == 1.0 and rows[0].unit == "s" and rows[0].bench == "refit"
     assert bench_runner.normalize_rows("x", [{"metric": "m", "ours": 1}])[0].ours == 1.0
 
 
 def test_older_layouts_are_normalized_by_their_adapters_and_unknown_ones_by_leaves():
-    lora = {"lora": {"tokens_per_s": 300.0}, "full_ft": {"tokens_per_s": 100.0},
-            "lora_refit_s": 0.003, "lora_refit_no_merge_s": 0.002, "shape": {"hidden": 64}}
+    lora = {
+        "lora": {"tokens_per_s": 300.0},
+        "full_ft": {"tokens_per_s": 100.0},
+        "lora_refit_s": 0.003,
+        "lora_refit_no_merge_s": 0.002,
+        "shape": {"hidden": 64},
+    }
     rows = bench_runner.normalize_rows("lora", lora)
     assert [round(r.ratio, 6) for r in rows] == [3.0, 1.5] and rows[1].unit == "ms"
-    ckpt = {"raw_write_GBps": 2.0, "sync_save_GBps": 1.0, "async_blocked_s": 0.1,
-            "sync_save_s": 1.0, "load_GBps": 3.0, "load_exact": True}
+    ckpt = {
+        "raw_write_GBps": 2.0,
+        "sync_save_GBps": 1.0,
+        "async_blocked_s": 0.1,
+        "sync_save_s": 1.0,
+        "load_GBps": 3.0,
+        "load_exact": True,
+    }
     rows = bench_runner.normalize_rows("checkpoint", ckpt)
     assert rows[0].ratio == 0.5 and rows[0].limit == 2.0 and rows[-1].ours == 1.0
     generic = bench_runner.normalize_rows("other", {"a": {"b": 1.5}, "c": "text", "d": True})
@@ -103,17 +141,28 @@ def test_older_layouts_are_normalized_by_their_adapters_and_unknown_ones_by_leav
 
 
 def test_table_has_one_line_per_row_under_a_header():
-    rows = [bench_runner.BenchRow(bench="b", metric="m", ours=1234.5, baseline=None, unit="ms"),
-            bench_runner.BenchRow(bench="b", metric="n", ours=2e-5, baseline=1e-5, ratio=2.0)]
+    rows = [
+        bench_runner.BenchRow(bench="b", metric="m", ours=1234.5, baseline=None, unit="ms"),
+        bench_runner.BenchRow(bench="b", metric="n", ours=2e-5, baseline=1e-5, ratio=2.0),
+    ]
     lines = bench_runner.format_table(rows).splitlines()
-    assert lines[0].split() == ["bench", "metric", "ours", "baseline", "limit", "ratio", "unit",
-                                "check"]
+    assert lines[0].split() == [
+        "bench",
+        "metric",
+        "ours",
+        "baseline",
+        "limit",
+        "ratio",
+        "unit",
+        "check",
+    ]
     assert len(lines) == 4 and "1,234" in lines[2] and "2.00x" in lines[3]
 
 
 def _judged(target, ours, baseline=None):
-    row = bench_runner.normalize_rows("b", [{"metric": "m", "ours": ours, "baseline": baseline,
-                                             "limit": target}])[0]
+    row = bench_runner.normalize_rows(
+        "b", [{"metric": "m", "ours": ours, "baseline": baseline, "limit": target}]
+    )[0]
     return bench_runner.row_verdict(row)
 
 
@@ -125,11 +174,20 @@ def test_text_targets_get_a_pass_or_fail_and_cpu_only_figures_are_n_a():
     assert _judged(">= 0.4", 0.42) == "pass" and _judged("fits comfortably (< 139)", 140) == "fail"
     assert _judged("<= 25% of baseline", 0.0, 0.0) == "n/a"  # no ratio without a baseline
     assert _judged("peak GiB", 1.0) is None and _judged(None, 1.0) is None
-    rows = [bench_runner.BenchRow(bench="t", metric="packed MFU", ours=0.0001, baseline=0.0,
-                                  target=">= 0.4", ratio=0.0002),
-            bench_runner.BenchRow(bench="c", metric="load", ours=math.nan, unit="GB/s"),
-            bench_runner.BenchRow(bench="f", metric="train step ms", ours=7.03, baseline=1.0,
-                                  ratio=7.03, target="<= 1.05x")]
+    rows = [
+        bench_runner.BenchRow(
+            bench="t", metric="packed MFU", ours=0.0001, baseline=0.0, target=">= 0.4", ratio=0.0002
+        ),
+        bench_runner.BenchRow(bench="c", metric="load", ours=math.nan, unit="GB/s"),
+        bench_runner.BenchRow(
+            bench="f",
+            metric="train step ms",
+            ours=7.03,
+            baseline=1.0,
+            ratio=7.03,
+            target="<= 1.05x",
+        ),
+    ]
     cpu = bench_runner.format_table(rows, cpu=True).splitlines()
     assert cpu[2].split()[-6:] == ["n/a", "n/a", ">=", "0.4", "n/a", "n/a"]
     assert "nan" not in "\n".join(cpu) and "0.00x" not in "\n".join(cpu)
@@ -141,7 +199,8 @@ def test_text_targets_get_a_pass_or_fail_and_cpu_only_figures_are_n_a():
 def test_runner_runs_each_script_writes_summary_and_reports_failures(tmp_path, capsys):
     bench = tmp_path / "bench"
     bench.mkdir()
-    (bench / "good.py").write_text(textwrap.dedent("""
+    (bench / "good.py").write_text(
+        textwrap.dedent("""
         import argparse, json
         assert __name__ == "__main__"
         p = argparse.ArgumentParser(); p.add_argument("--small", action="store_true")
@@ -149,7 +208,8 @@ def test_runner_runs_each_script_writes_summary_and_reports_failures(tmp_path, c
         a = p.parse_args()
         json.dump({"rows": [{"metric": "m", "ours": 2.0, "baseline": 1.0, "unit": "s",
                              "small": a.small}]}, open(a.json, "w"))
-    """))
+    """)
+    )
     (bench / "bad.py").write_text("if __name__ == '__main__':\n    raise SystemExit(3)\n")
     (bench / "_helper.py").write_text("raise SystemExit('helpers are not benchmarks')\n")
     (bench / "common.py").write_text("raise SystemExit('no __main__ guard: a helper')\n")

@@ -199,24 +199,41 @@ def test_nemo_rl_grpo_policy_block_loads_unchanged(nemo_rl_yaml, caplog):
         cfg = load_config_file(nemo_rl_yaml)
     ignored = [r for r in caplog.records if "accepted, not used" in r.getMessage()]
     assert len(ignored) == 1
-    for path in ("policy.megatron_cfg", "policy.dtensor_cfg._v2", "policy.dtensor_cfg.enabled",
-                 "policy.generation.vllm_cfg", "policy.generation.backend",
-                 "policy.generation_batch_size", "policy.generation.colocated.resources",
-                 "policy.sequence_packing.sequence_length_round"):
+    for path in (
+        "policy.megatron_cfg",
+        "policy.dtensor_cfg._v2",
+        "policy.dtensor_cfg.enabled",
+        "policy.generation.vllm_cfg",
+        "policy.generation.backend",
+        "policy.generation_batch_size",
+        "policy.generation.colocated.resources",
+        "policy.sequence_packing.sequence_length_round",
+    ):
         assert path in ignored[0].getMessage()
     assert cfg.model_name == cfg.tokenizer_name == "Qwen/Qwen2.5-1.5B"
     assert (cfg.train_global_batch_size, cfg.train_micro_batch_size) == (512, 4)
     assert cfg.make_sequence_length_divisible_by == 1
     assert cfg.dynamic_batching_enabled and not cfg.sequence_packing_enabled
     assert cfg.dynamic_batching is not None
-    assert (cfg.dynamic_batching.train_mb_tokens, cfg.dynamic_batching.logprob_mb_tokens) == (2048, 2048)
+    assert (cfg.dynamic_batching.train_mb_tokens, cfg.dynamic_batching.logprob_mb_tokens) == (
+        2048,
+        2048,
+    )
     assert not cfg.lora_enabled
     assert cfg.optimizer is not None
-    assert cfg.optimizer.kwargs == {"lr": 5e-6, "weight_decay": 0.01, "betas": [0.9, 0.999],
-                                    "eps": 1e-8, "foreach": False, "fused": False}
+    assert cfg.optimizer.kwargs == {
+        "lr": 5e-6,
+        "weight_decay": 0.01,
+        "betas": [0.9, 0.999],
+        "eps": 1e-8,
+        "foreach": False,
+        "fused": False,
+    }
     assert cfg.scheduler is not None
-    assert [e.name for e in cfg.scheduler.entries] == ["torch.optim.lr_scheduler.LinearLR",
-                                                       "torch.optim.lr_scheduler.ConstantLR"]
+    assert [e.name for e in cfg.scheduler.entries] == [
+        "torch.optim.lr_scheduler.LinearLR",
+        "torch.optim.lr_scheduler.ConstantLR",
+    ]
     assert cfg.scheduler.milestones == (50,)
     assert cfg.generation is not None and cfg.generation.colocated.enabled
     assert cfg.generation.top_k is None
@@ -241,8 +258,12 @@ def test_overrides_apply_before_interpolation(nemo_rl_yaml):
         warnings.simplefilter("ignore", ConfigWarning)
         cfg = load_config_file(
             nemo_rl_yaml,
-            overrides=["max_total_sequence_length=1024", "policy.dtensor_cfg.tensor_parallel_size=2",
-                       "dtensor_cfg.lora_cfg.enabled=true", "generation.top_k=50"],
+            overrides=[
+                "max_total_sequence_length=1024",
+                "policy.dtensor_cfg.tensor_parallel_size=2",
+                "dtensor_cfg.lora_cfg.enabled=true",
+                "generation.top_k=50",
+            ],
         )
     assert cfg.dynamic_batching is not None and cfg.dynamic_batching.train_mb_tokens == 4096
     assert cfg.dtensor_cfg.tensor_parallel_size == cfg.make_sequence_length_divisible_by == 2
@@ -254,15 +275,20 @@ def test_overrides_apply_before_interpolation(nemo_rl_yaml):
 def test_a_bad_override_is_reported_with_its_path(nemo_rl_yaml):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConfigWarning)
-        with pytest.raises(ConfigError, match=r"extra fields found \(tensor_paralel_size: did you mean "
-                           r"'tensor_parallel_size'\?\) @ policy\.dtensor_cfg$"):
+        with pytest.raises(
+            ConfigError,
+            match=r"extra fields found \(tensor_paralel_size: did you mean "
+            r"'tensor_parallel_size'\?\) @ policy\.dtensor_cfg$",
+        ):
             load_config_file(nemo_rl_yaml, overrides=["dtensor_cfg.tensor_paralel_size=2"])
 
 
 def test_bare_policy_mapping_and_json_files_load(tmp_path):
     bare = tmp_path / "policy.yaml"
-    bare.write_text("model_name: tiny\ntokenizer:\n  name: ${policy.model_name}-tok\n"
-                    "optimizer:\n  name: torch.optim.SGD\n  kwargs: {lr: 5e-3}\n")
+    bare.write_text(
+        "model_name: tiny\ntokenizer:\n  name: ${policy.model_name}-tok\n"
+        "optimizer:\n  name: torch.optim.SGD\n  kwargs: {lr: 5e-3}\n"
+    )
     cfg = load_config_file(bare)
     assert cfg.tokenizer_name == "tiny-tok"
     assert cfg.optimizer is not None and cfg.optimizer.kwargs == {"lr": 5e-3}
@@ -273,13 +299,25 @@ def test_bare_policy_mapping_and_json_files_load(tmp_path):
 
 def test_apply_overrides_is_pure_and_parses_yaml_values():
     original = {"dtensor_cfg": {"tensor_parallel_size": 1}, "model_name": "m"}
-    updated = apply_overrides(original, ["dtensor_cfg.tensor_parallel_size=2",
-                                         "generation.top_k=null", "optimizer.kwargs.betas=[0.9, 0.95]",
-                                         "tokenizer.name=my/tok", "max_grad_norm=1e-1"])
+    updated = apply_overrides(
+        original,
+        [
+            "dtensor_cfg.tensor_parallel_size=2",
+            "generation.top_k=null",
+            "optimizer.kwargs.betas=[0.9, 0.95]",
+            "tokenizer.name=my/tok",
+            "max_grad_norm=1e-1",
+        ],
+    )
     assert original == {"dtensor_cfg": {"tensor_parallel_size": 1}, "model_name": "m"}
-    assert updated == {"dtensor_cfg": {"tensor_parallel_size": 2}, "model_name": "m",
-                       "generation": {"top_k": None}, "optimizer": {"kwargs": {"betas": [0.9, 0.95]}},
-                       "tokenizer": {"name": "my/tok"}, "max_grad_norm": 0.1}
+    assert updated == {
+        "dtensor_cfg": {"tensor_parallel_size": 2},
+        "model_name": "m",
+        "generation": {"top_k": None},
+        "optimizer": {"kwargs": {"betas": [0.9, 0.95]}},
+        "tokenizer": {"name": "my/tok"},
+        "max_grad_norm": 0.1,
+    }
     assert parse_override("policy.a.b=true") == (("a", "b"), True)
 
 
@@ -295,10 +333,24 @@ def test_override_through_a_scalar_says_which_key():
 
 
 def test_interpolation_rules():
-    doc = {"a": {"n": 3, "s": "x"}, "b": "${a.n}", "c": "${mul:${a.n}, 4}", "d": "id-${a.s}-${a.n}",
-           "e": "${max:${c}, 5, 2}", "f": ["${b}"], "g": "${add:1, 2.5}"}
-    assert resolve_interpolations(doc) == {"a": {"n": 3, "s": "x"}, "b": 3, "c": 12, "d": "id-x-3",
-                                           "e": 12, "f": [3], "g": 3.5}
+    doc = {
+        "a": {"n": 3, "s": "x"},
+        "b": "${a.n}",
+        "c": "${mul:${a.n}, 4}",
+        "d": "id-${a.s}-${a.n}",
+        "e": "${max:${c}, 5, 2}",
+        "f": ["${b}"],
+        "g": "${add:1, 2.5}",
+    }
+    assert resolve_interpolations(doc) == {
+        "a": {"n": 3, "s": "x"},
+        "b": 3,
+        "c": 12,
+        "d": "id-x-3",
+        "e": 12,
+        "f": [3],
+        "g": 3.5,
+    }
     with pytest.raises(ConfigError, match=r"refers to 'a\.missing', which does not exist"):
         resolve_interpolations({"a": {}, "b": "${a.missing}"})
     with pytest.raises(ConfigError, match="unknown resolver 'pow'"):
@@ -323,8 +375,14 @@ def test_document_shape_errors(tmp_path):
 def test_yaml_reads_exponent_floats_as_numbers(tmp_path):
     path = tmp_path / "n.yaml"
     path.write_text("a: 1e-8\nb: 5E3\nc: 1.5\nd: 12\ne: '1e-8'\nf: .inf\n")
-    assert read_config_document(path) == {"a": 1e-8, "b": 5e3, "c": 1.5, "d": 12, "e": "1e-8",
-                                          "f": float("inf")}
+    assert read_config_document(path) == {
+        "a": 1e-8,
+        "b": 5e3,
+        "c": 1.5,
+        "d": 12,
+        "e": "1e-8",
+        "f": float("inf"),
+    }
 
 
 def test_config_to_dict_is_what_log_config_writes():
@@ -338,6 +396,9 @@ def test_a_loss_fn_typo_gets_a_did_you_mean(nemo_rl_yaml):
 
     block = read_config_section(nemo_rl_yaml, "loss_fn")
     assert ClippedPGLossFn(block).reference_policy_kl_penalty == 0.01
-    with pytest.raises(ConfigError, match=r"unknown key 'reference_policy_kl_penalti' \(did you "
-                                          r"mean 'reference_policy_kl_penalty'\? accepted keys"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key 'reference_policy_kl_penalti' \(did you "
+        r"mean 'reference_policy_kl_penalty'\? accepted keys",
+    ):
         ClippedPGLossFn({**block, "reference_policy_kl_penalti": 0.1})

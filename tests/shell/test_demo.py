@@ -26,17 +26,35 @@ from policyworker.demo.task import (
 from tests.helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
-STEP_RE = re.compile(r"^step=(\d+) reward=([0-9.]+) kl=(-?[0-9.]+) refit_ms=([0-9.]+) "
-                     r"max_dlogp=(\S+)$")
+STEP_RE = re.compile(
+    r"^step=(\d+) reward=([0-9.]+) kl=(-?[0-9.]+) refit_ms=([0-9.]+) "
+    r"max_dlogp=(\S+)$"
+)
 
 
 @pytest.fixture(scope="module")
 def short_run():
     """One 3-step demo in a fresh interpreter (its own inference process, real ZMQ refit)."""
     env = child_env(ROOT)
-    return subprocess.run([sys.executable, "-m", "policyworker", "demo", "--steps", "3",
-                           "--no-require-rise", "--seed", "1"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240, check=False)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "policyworker",
+            "demo",
+            "--steps",
+            "3",
+            "--no-require-rise",
+            "--seed",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
 
 
 @pytest.mark.slow
@@ -61,8 +79,18 @@ def test_short_demo_reports_the_reward_but_not_a_rise_it_did_not_check(short_run
 
 
 def _result(**kw):
-    base = dict(rewards=(0.1, 0.9), kls=(0.0, 0.1), refit_ms=(1.0, 1.0), max_dlogp=(0.0, 0.0),
-                first=0.1, last=0.9, rose=True, parity_ok=True, require_rise=True, wall_s=1.0)
+    base = dict(
+        rewards=(0.1, 0.9),
+        kls=(0.0, 0.1),
+        refit_ms=(1.0, 1.0),
+        max_dlogp=(0.0, 0.0),
+        first=0.1,
+        last=0.9,
+        rose=True,
+        parity_ok=True,
+        require_rise=True,
+        wall_s=1.0,
+    )
     return DemoResult(**{**base, **kw})
 
 
@@ -98,8 +126,9 @@ def test_parity_is_exact_in_fp32_and_rounding_noise_with_lora_or_low_precision()
 
 
 def test_rewards_count_target_tokens_and_prompts_depend_only_on_seed_and_step():
-    task = TargetTokenTask(vocab_size=8, target_token=3, prompt_len=2, response_len=4,
-                           num_prompts=2, group_size=2)
+    task = TargetTokenTask(
+        vocab_size=8, target_token=3, prompt_len=2, response_len=4, num_prompts=2, group_size=2
+    )
     prompts = task.grouped(task.prompts(seed=0, step=1))
     assert prompts.shape == (4, 2) and torch.equal(prompts[0], prompts[1])
     assert torch.equal(task.prompts(seed=0, step=1), task.prompts(seed=0, step=1))
@@ -111,10 +140,16 @@ def test_rewards_count_target_tokens_and_prompts_depend_only_on_seed_and_step():
 
 
 @settings(max_examples=30, deadline=None)
-@given(groups=st.integers(1, 4), group_size=st.integers(2, 6), seed=st.integers(0, 2**16),
-       scale=st.floats(0.5, 4.0), shift=st.floats(-2.0, 2.0))
+@given(
+    groups=st.integers(1, 4),
+    group_size=st.integers(2, 6),
+    seed=st.integers(0, 2**16),
+    scale=st.floats(0.5, 4.0),
+    shift=st.floats(-2.0, 2.0),
+)
 def test_group_advantages_center_each_group_and_ignore_affine_reward_changes(
-        groups, group_size, seed, scale, shift):
+    groups, group_size, seed, scale, shift
+):
     g = torch.Generator().manual_seed(seed)
     rewards = torch.randint(0, 5, (groups * group_size,), generator=g).float() / 4
     adv = group_advantages(rewards, group_size)
@@ -122,8 +157,11 @@ def test_group_advantages_center_each_group_and_ignore_affine_reward_changes(
     tied = rewards.reshape(groups, group_size).std(1) == 0
     assert bool((adv.reshape(groups, group_size)[tied] == 0).all())
     moved = group_advantages(rewards * scale + shift, group_size)
-    assert torch.allclose(moved[~tied.repeat_interleave(group_size)],
-                          adv[~tied.repeat_interleave(group_size)], atol=1e-3)
+    assert torch.allclose(
+        moved[~tied.repeat_interleave(group_size)],
+        adv[~tied.repeat_interleave(group_size)],
+        atol=1e-3,
+    )
 
 
 def test_group_advantages_reject_partial_groups():
@@ -134,8 +172,13 @@ def test_group_advantages_reject_partial_groups():
 def test_train_batch_masks_only_response_tokens():
     task = TargetTokenTask(prompt_len=3, response_len=2, num_prompts=1, group_size=2)
     prompts = torch.zeros(2, 3, dtype=torch.int64)
-    batch = build_train_batch(task, prompts, torch.ones(2, 2, dtype=torch.int64),
-                              torch.tensor([1.0, -1.0]), torch.zeros(2, 5))
+    batch = build_train_batch(
+        task,
+        prompts,
+        torch.ones(2, 2, dtype=torch.int64),
+        torch.tensor([1.0, -1.0]),
+        torch.zeros(2, 5),
+    )
     assert batch["input_ids"].shape == (2, 5) and batch["input_lengths"].tolist() == [5, 5]
     assert batch["token_mask"].tolist() == [[0, 0, 0, 1, 1]] * 2
     assert batch["advantages"][:, 0].tolist() == [1.0, -1.0]
@@ -167,15 +210,22 @@ def test_step_and_final_lines_have_the_documented_format():
     assert float(format_dlogp(1.5e-7)) == pytest.approx(1.5e-7)
     assert final_line(0.0625, 1.0) == "reward: 0.0625 -> 1.0000"
     vllm = step_line(7, reward=0.5, kl=0.01, refit_ms=12.25, max_dlogp=2e-6, mult_prob_error=1.0)
-    assert vllm == ("step=7 reward=0.5000 kl=0.01000 refit_ms=12.2 max_dlogp=2e-06 "
-                    "token_mult_prob_error=1.00000000")
+    assert vllm == (
+        "step=7 reward=0.5000 kl=0.01000 refit_ms=12.2 max_dlogp=2e-06 "
+        "token_mult_prob_error=1.00000000"
+    )
 
 
 @settings(max_examples=50, deadline=None)
-@given(rows=st.integers(1, 4), cols=st.integers(1, 6), seed=st.integers(0, 2**16),
-       scale=st.floats(0.0, 3.0))
+@given(
+    rows=st.integers(1, 4),
+    cols=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+    scale=st.floats(0.0, 3.0),
+)
 def test_logprob_mismatch_is_one_and_zero_for_equal_logprobs_and_grows_with_the_gap(
-        rows, cols, seed, scale):
+    rows, cols, seed, scale
+):
     g = torch.Generator().manual_seed(seed)
     train = -torch.rand(rows, cols, generator=g) * 5
     gen = train + torch.randn(rows, cols, generator=g) * scale

@@ -69,18 +69,22 @@ def model_paths(tmp_path_factory, tiny_model_paths, tiny_tokenizer_model_path) -
     model = _build("llama")
     model.config.pad_token_id = 0
     model.save_pretrained(folder)
-    return {"no_pad_id": tiny_model_paths["llama"],
-            "no_pad_id_tokenizer_pads_with_eos": tiny_tokenizer_model_path,
-            "pad_id_in_config": str(folder)}
+    return {
+        "no_pad_id": tiny_model_paths["llama"],
+        "no_pad_id_tokenizer_pads_with_eos": tiny_tokenizer_model_path,
+        "pad_id_in_config": str(folder),
+    }
 
 
 @pytest.mark.parametrize("batching", sorted(BATCHINGS))
-@pytest.mark.parametrize("model", ["no_pad_id", "no_pad_id_tokenizer_pads_with_eos",
-                                   "pad_id_in_config"])
+@pytest.mark.parametrize(
+    "model", ["no_pad_id", "no_pad_id_tokenizer_pads_with_eos", "pad_id_in_config"]
+)
 def test_every_token_row_gets_the_plain_hf_embedding_gradient(model_paths, model, batching):
     data = _batch_with_eos_mid_sequence()
-    cfg = make_config(model_paths[model], max_grad_norm=None, train_global_batch_size=4,
-                      **BATCHINGS[batching])
+    cfg = make_config(
+        model_paths[model], max_grad_norm=None, train_global_batch_size=4, **BATCHINGS[batching]
+    )
     worker = PolicyWorker(cfg, init_reference_model=False)
     ours = _worker_embedding_grad(worker, data)
     reference = _plain_hf_embedding_grad(model_paths[model], data)
@@ -92,24 +96,29 @@ def test_every_token_row_gets_the_plain_hf_embedding_gradient(model_paths, model
 
 
 def test_the_model_keeps_the_pad_id_its_checkpoint_describes(model_paths, tmp_path):
-    worker = PolicyWorker(make_config(model_paths["no_pad_id_tokenizer_pads_with_eos"]),
-                          init_reference_model=False)
+    worker = PolicyWorker(
+        make_config(model_paths["no_pad_id_tokenizer_pads_with_eos"]), init_reference_model=False
+    )
     assert worker.model.config.pad_token_id is None
     assert worker.model.get_input_embeddings().padding_idx is None
-    with_pad = PolicyWorker(make_config(model_paths["pad_id_in_config"]),
-                            init_reference_model=False)
+    with_pad = PolicyWorker(
+        make_config(model_paths["pad_id_in_config"]), init_reference_model=False
+    )
     assert with_pad.model.get_input_embeddings().padding_idx == 0  # as plain HF builds it
 
 
 def test_lora_worker_leaves_the_embedding_frozen_and_trains_its_adapters(model_paths):
     # LoRA adapts linear layers only (the embedding is never a LoRA target), so the base
     # embedding must not move and the adapters must: the pad fix does not change that.
-    cfg = make_config(model_paths["no_pad_id"], max_grad_norm=None,
-                      dtensor_cfg={"lora_cfg": {"enabled": True, "dim": 4, "alpha": 8}})
+    cfg = make_config(
+        model_paths["no_pad_id"],
+        max_grad_norm=None,
+        dtensor_cfg={"lora_cfg": {"enabled": True, "dim": 4, "alpha": 8}},
+    )
     worker = PolicyWorker(cfg, init_reference_model=False)
     embedding = worker.model.get_input_embeddings().weight
     before = embedding.detach().clone()
     assert not embedding.requires_grad
     worker.train(_batch_with_eos_mid_sequence(), NLLLoss())
     assert torch.equal(embedding.detach(), before)
-    assert VOCAB == embedding.shape[0]
+    assert embedding.shape[0] == VOCAB

@@ -23,12 +23,16 @@ TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
 def _tiny_model(kind: str) -> torch.nn.Module:
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config}[kind]
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[kind]
     extra = {"head_dim": 8} if kind == "qwen3" else {}
     torch.manual_seed(KINDS.index(kind))
     model = transformers.AutoModelForCausalLM.from_config(
-        cls(**TINY_DECODER_SHAPE, use_cache=False, **extra), attn_implementation="sdpa")
+        cls(**TINY_DECODER_SHAPE, use_cache=False, **extra), attn_implementation="sdpa"
+    )
     with torch.no_grad():  # norm weights off 1, so the weight multiply is checked too
         for p in model.parameters():
             if p.ndim == 1:
@@ -39,8 +43,9 @@ def _tiny_model(kind: str) -> torch.nn.Module:
 
 
 def _token_ids(seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, TINY_DECODER_SHAPE["vocab_size"], (2, 5),
-                         generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        0, TINY_DECODER_SHAPE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -65,16 +70,22 @@ def _assert_same_grads(got: dict, expected: dict) -> None:
     assert got.keys() == expected.keys()
     for name, grad in expected.items():
         scale = float(grad.abs().max())
-        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-5 * max(scale, 1.0),
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            got[name],
+            grad,
+            rtol=1e-5,
+            atol=1e-5 * max(scale, 1.0),
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
 
 
 def _instance_forwards(model: torch.nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if "forward" in m.__dict__]
 
 
-@pytest.fixture(scope="module", params=[(k, m) for k in KINDS for m in MODES],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(
+    scope="module", params=[(k, m) for k in KINDS for m in MODES], ids=lambda p: f"{p[0]}-{p[1]}"
+)
 def fused(request):
     """(model, report, eager logits, eager grads, kind) for one (model kind, mode) pair."""
     kind, mode = request.param
@@ -89,8 +100,11 @@ def test_report_counts_every_norm_mlp_or_layer(fused):
     names = [type(m).__name__ for m in model.modules()]
     assert report.fallback_reason is None
     if report.mode == "norm_mlp":
-        expected = (sum(n.endswith("RMSNorm") for n in names),
-                    sum(n.endswith("MLP") for n in names), 0)
+        expected = (
+            sum(n.endswith("RMSNorm") for n in names),
+            sum(n.endswith("MLP") for n in names),
+            0,
+        )
     else:
         expected = (0, 0, len(model.model.layers))
     assert (report.fused_norms, report.fused_mlps, report.fused_layers) == expected
@@ -106,11 +120,17 @@ def test_fused_model_gives_eager_logits_and_parameter_grads(fused):
 
 def test_fusing_twice_wraps_once_and_reports_the_same(fused):
     model, report, *_ = fused
-    forwards = {n: m.__dict__["forward"].__func__ for n, m in model.named_modules()
-                if "forward" in m.__dict__}
+    forwards = {
+        n: m.__dict__["forward"].__func__
+        for n, m in model.named_modules()
+        if "forward" in m.__dict__
+    }
     assert fuse_elementwise(model, mode=report.mode) == report
-    assert {n: m.__dict__["forward"].__func__ for n, m in model.named_modules()
-            if "forward" in m.__dict__} == forwards
+    assert {
+        n: m.__dict__["forward"].__func__
+        for n, m in model.named_modules()
+        if "forward" in m.__dict__
+    } == forwards
 
 
 def test_unfuse_restores_bit_identical_eager_behaviour(fused):
@@ -141,6 +161,7 @@ def test_compile_failure_falls_back_to_original_forwards_with_a_warning(monkeypa
         def raise_at_first_call(*args, **kw):
             msg = "inductor exploded"
             raise RuntimeError(msg)
+
         return raise_at_first_call
 
     monkeypatch.setattr(fusion, "_COMPILED", {})  # the real compiled functions stay cached
@@ -189,19 +210,30 @@ def test_worker_fusion_config_keeps_logprobs_and_training(tiny_model_paths):
     from tests.shell.conftest import make_batch, make_config
 
     data = make_batch(seed=3)
-    sgd = {"name": "torch.optim.SGD", "kwargs": {"lr": 1e-2}}  # Adam would blow up ~0-gradient noise
+    sgd = {
+        "name": "torch.optim.SGD",
+        "kwargs": {"lr": 1e-2},
+    }  # Adam would blow up ~0-gradient noise
     eager = PolicyWorker(make_config(tiny_model_paths["qwen2"], optimizer=sgd))
-    fused = PolicyWorker(make_config(tiny_model_paths["qwen2"], optimizer=sgd, dtensor_cfg={"fusion": "norm_mlp"}))
+    fused = PolicyWorker(
+        make_config(tiny_model_paths["qwen2"], optimizer=sgd, dtensor_cfg={"fusion": "norm_mlp"})
+    )
     assert eager.fusion_report.mode == "none"
     assert fused.fusion_report.fused_norms == 5 and fused.fusion_report.fallback_reason is None
-    torch.testing.assert_close(fused.get_logprobs(data)["logprobs"], eager.get_logprobs(data)["logprobs"], **TOL)
+    torch.testing.assert_close(
+        fused.get_logprobs(data)["logprobs"], eager.get_logprobs(data)["logprobs"], **TOL
+    )
     want, got = eager.train(data, NLLLoss()), fused.train(data, NLLLoss())
     torch.testing.assert_close(got["global_loss"], want["global_loss"], **TOL)
-    for (name, a), (_, b) in zip(eager.model.named_parameters(), fused.model.named_parameters(), strict=True):
+    for (name, a), (_, b) in zip(
+        eager.model.named_parameters(), fused.model.named_parameters(), strict=True
+    ):
         torch.testing.assert_close(b, a, **TOL, msg=name)
 
 
-def test_worker_fusion_with_a_process_group_is_refused_before_loading(tiny_model_paths, monkeypatch):
+def test_worker_fusion_with_a_process_group_is_refused_before_loading(
+    tiny_model_paths, monkeypatch
+):
     import types
 
     from policyworker.shell import model as model_lib
@@ -214,7 +246,10 @@ def test_worker_fusion_with_a_process_group_is_refused_before_loading(tiny_model
     monkeypatch.setattr(model_lib, "load_policy_model", never)
     two_ranks = types.SimpleNamespace(tp_size=1, cp_size=1, dp_size=2, world_size=2, mesh=object())
     with pytest.raises(ValueError, match=r"dtensor_cfg.fusion='layer'.*world size 2.*fusion: none"):
-        PolicyWorker(make_config(tiny_model_paths["llama"], dtensor_cfg={"fusion": "layer"}), parallel=two_ranks)
+        PolicyWorker(
+            make_config(tiny_model_paths["llama"], dtensor_cfg={"fusion": "layer"}),
+            parallel=two_ranks,
+        )
 
 
 def test_unknown_fusion_mode_in_config_names_the_key():

@@ -34,8 +34,14 @@ views[0][0, 0] = 12345.0  # in place: the producer must see this write
 
 def _consume(records, out):
     env = child_env()
-    proc = subprocess.run([sys.executable, "-c", CONSUMER, str(out)], input=json.dumps(records), text=True,
-                          capture_output=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", CONSUMER, str(out)],
+        input=json.dumps(records),
+        text=True,
+        capture_output=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return load_file(out)
 
@@ -51,14 +57,24 @@ def test_another_process_reads_every_samples_logits_in_place(tiny_model_paths, t
     vocab = worker.model.config.vocab_size
     first = records[0]
     assert first["storage_shape"] == (2, 2, 7, vocab) and first["actual_shape"] == (7, vocab)
-    assert (first["vocab_start_index"], first["vocab_end_index"], first["full_vocab_size"]) == (0, vocab, vocab)
-    assert first["dtype"] == "float32" and not first["vocab_sharded"] and not first["sequence_sharded"]
-    assert len({json.dumps(r["payload_ipc"]) for r in records}) == 1  # one handle for the whole storage
+    assert (first["vocab_start_index"], first["vocab_end_index"], first["full_vocab_size"]) == (
+        0,
+        vocab,
+        vocab,
+    )
+    assert (
+        first["dtype"] == "float32" and not first["vocab_sharded"] and not first["sequence_sharded"]
+    )
+    assert (
+        len({json.dumps(r["payload_ipc"]) for r in records}) == 1
+    )  # one handle for the whole storage
     got = _consume(records, tmp_path / "logits.safetensors")
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = reference(input_ids=data["input_ids"], use_cache=False).logits.float()
-    assert L.open_logits_handle(records[0])[0, 0] == 12345.0  # the consumer wrote into the shared storage
+    assert (
+        L.open_logits_handle(records[0])[0, 0] == 12345.0
+    )  # the consumer wrote into the shared storage
     for r in records:
         local = L.open_logits_handle(r).clone()
         if r["sample_index"] == 0:
@@ -67,9 +83,15 @@ def test_another_process_reads_every_samples_logits_in_place(tiny_model_paths, t
         assert torch.allclose(local, expected[r["sample_index"]], rtol=1e-5, atol=1e-5)
     name = first["payload_ipc"]["name"]
     again = inference.full_logits_ipc(worker.state, data, micro_batch_size=2)["per_sample_handles"]
-    assert again[0]["payload_ipc"] == first["payload_ipc"]  # same request: cached storage and handle
-    bigger = inference.full_logits_ipc(worker.state, make_batch(5, 7, seed=5), micro_batch_size=2)["per_sample_handles"]
-    assert bigger[0]["payload_ipc"]["name"] != name and not os.path.exists(os.path.join(SHM_DIR, name))
+    assert (
+        again[0]["payload_ipc"] == first["payload_ipc"]
+    )  # same request: cached storage and handle
+    bigger = inference.full_logits_ipc(worker.state, make_batch(5, 7, seed=5), micro_batch_size=2)[
+        "per_sample_handles"
+    ]
+    assert bigger[0]["payload_ipc"]["name"] != name and not os.path.exists(
+        os.path.join(SHM_DIR, name)
+    )
     assert bigger[0]["storage_shape"] == (3, 2, 7, vocab)
     L.close_logits_handles()
     inference.release_ipc_buffer(worker.state)
@@ -104,7 +126,13 @@ def test_packing_and_dynamic_batching_are_refused_before_any_forward():
 
 
 def test_a_handle_naming_a_foreign_file_is_refused():
-    record = {"payload_ipc": {"kind": "shm", "name": "../etc/passwd", "size": 4}, "dtype": "float32",
-              "storage_shape": [1], "actual_shape": [1, 1], "buf_idx": 0, "sample_index_in_buf": 0}
+    record = {
+        "payload_ipc": {"kind": "shm", "name": "../etc/passwd", "size": 4},
+        "dtype": "float32",
+        "storage_shape": [1],
+        "actual_shape": [1, 1],
+        "buf_idx": 0,
+        "sample_index_in_buf": 0,
+    }
     with pytest.raises(ValueError, match="does not match"):
         L.open_logits_handle(record)

@@ -9,6 +9,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
 from policyworker.errors import LoRAMergeError
 from policyworker.functional.lora import assert_lora_modules_reachable, merge_lora_weight
 from policyworker.shell.lora import (
@@ -21,8 +22,15 @@ from policyworker.shell.lora import (
     save_peft_adapter,
 )
 
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+)
 ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -53,7 +61,9 @@ def _load(path):
 
 
 def _tokens(seed=0, batch=2, seq=9):
-    return torch.randint(0, TINY["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        0, TINY["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def _logits(model, tokens):
@@ -119,7 +129,9 @@ def test_adapter_path_runs_in_fp32_under_bf16_autocast():
 @pytest.mark.parametrize("position", ["pre", "post"])
 def test_dropout_position(position):
     torch.manual_seed(0)
-    lora = LinearLoRA.from_linear(nn.Linear(16, 8), dim=4, alpha=4.0, dropout=0.5, dropout_position=position)
+    lora = LinearLoRA.from_linear(
+        nn.Linear(16, 8), dim=4, alpha=4.0, dropout=0.5, dropout_position=position
+    )
     with torch.no_grad():
         lora.lora_B.weight.normal_()
     x = torch.randn(3, 16)
@@ -133,7 +145,9 @@ def test_dropout_position(position):
         expected = F.linear(x, lora.weight, lora.bias) + F.dropout(F.linear(F.linear(x, A), B), 0.5)
     torch.testing.assert_close(y, expected)
     lora.eval()
-    torch.testing.assert_close(lora(x), F.linear(x, lora.weight, lora.bias) + F.linear(F.linear(x, A), B))
+    torch.testing.assert_close(
+        lora(x), F.linear(x, lora.weight, lora.bias) + F.linear(F.linear(x, A), B)
+    )
 
 
 def test_zero_b_model_is_bit_identical_to_base(model_dir):
@@ -154,7 +168,9 @@ def test_only_adapters_change_during_training(model_dir):
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     tokens = _tokens(seed=3)
     for _ in range(3):
-        loss = F.cross_entropy(model(input_ids=tokens).logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+        loss = F.cross_entropy(
+            model(input_ids=tokens).logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()
+        )
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -170,7 +186,9 @@ def _merged_copy(model_dir, lora_model):
     assert_lora_modules_reachable(modules, state)
     with torch.no_grad():
         for name, m in modules.items():
-            w = merge_lora_weight(state[f"{name}.weight"], m.lora_A.weight, m.lora_B.weight, m.scale)
+            w = merge_lora_weight(
+                state[f"{name}.weight"], m.lora_A.weight, m.lora_B.weight, m.scale
+            )
             merged.get_submodule(name).weight.copy_(w)
     return merged
 
@@ -181,22 +199,40 @@ def test_merged_base_model_gives_the_lora_logits(model_dir):
     _randomize_b(model)
     lora_logits = _logits(model, tokens)
     assert not torch.allclose(lora_logits, _logits(_load(model_dir), tokens), atol=1e-3)
-    torch.testing.assert_close(_logits(_merged_copy(model_dir, model), tokens), lora_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        _logits(_merged_copy(model_dir, model), tokens), lora_logits, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_peft_loads_our_adapter_folder_with_the_same_logits(model_dir, tmp_path):
     from peft import PeftModel
 
     model, tokens = _load(model_dir), _tokens()
-    apply_lora(model, {"match_all_linear": True, "exclude_modules": ["re:.*layers\\.1\\.mlp\\..*"], "dim": 4,
-                       "alpha": 16, "dropout": 0.1})
+    apply_lora(
+        model,
+        {
+            "match_all_linear": True,
+            "exclude_modules": ["re:.*layers\\.1\\.mlp\\..*"],
+            "dim": 4,
+            "alpha": 16,
+            "dropout": 0.1,
+        },
+    )
     _randomize_b(model)
     model.eval()
-    folder = save_peft_adapter(model, tmp_path / "adapter", lora_cfg=CFG, base_model_name_or_path=model_dir)
+    folder = save_peft_adapter(
+        model, tmp_path / "adapter", lora_cfg=CFG, base_model_name_or_path=model_dir
+    )
     config = json.loads((folder / "adapter_config.json").read_text())
-    assert config["r"] == 4 and config["lora_alpha"] == 16 and "lm_head" not in config["target_modules"]
+    assert (
+        config["r"] == 4
+        and config["lora_alpha"] == 16
+        and "lm_head" not in config["target_modules"]
+    )
     peft_model = PeftModel.from_pretrained(_load(model_dir), str(folder)).eval()
-    torch.testing.assert_close(_logits(peft_model, tokens), _logits(model, tokens), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        _logits(peft_model, tokens), _logits(model, tokens), atol=1e-5, rtol=1e-5
+    )
     # and our own loader reads it back into a fresh model
     fresh = _load(model_dir)
     assert load_peft_adapter(fresh, folder) == sorted(lora_modules(model))
@@ -207,8 +243,13 @@ def test_our_loader_reads_a_folder_written_by_peft(model_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(5)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True,
-                        init_lora_weights=False)
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        use_rslora=True,
+        init_lora_weights=False,
+    )
     peft_model = get_peft_model(_load(model_dir), config).eval()
     peft_model.save_pretrained(tmp_path / "peft")
     tokens = _tokens()
@@ -216,10 +257,15 @@ def test_our_loader_reads_a_folder_written_by_peft(model_dir, tmp_path):
     names = load_peft_adapter(ours, tmp_path / "peft")
     assert len(names) == 6 and all(n.endswith(("q_proj", "v_proj", "down_proj")) for n in names)
     assert all(m.scale == pytest.approx(8 / 2) for m in lora_modules(ours).values())
-    torch.testing.assert_close(_logits(ours.eval(), tokens), _logits(peft_model, tokens), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        _logits(ours.eval(), tokens), _logits(peft_model, tokens), atol=1e-5, rtol=1e-5
+    )
     # loading into a model that already has the same LoRA modules copies in place
     again = _load(model_dir)
-    apply_lora(again, {"target_modules": ["q_proj", "v_proj", "down_proj"], "match_all_linear": False, "dim": 4})
+    apply_lora(
+        again,
+        {"target_modules": ["q_proj", "v_proj", "down_proj"], "match_all_linear": False, "dim": 4},
+    )
     before = lora_parameters(again)
     load_peft_adapter(again, tmp_path / "peft")
     assert [id(p) for p in lora_parameters(again)] == [id(p) for p in before]
@@ -232,11 +278,15 @@ def test_loading_a_mismatched_adapter_names_the_keys(model_dir, tmp_path):
     save_peft_adapter(model, tmp_path / "a", base_model_name_or_path=model_dir)
     other_dim = _load(model_dir)
     apply_lora(other_dim, {"target_modules": ["q_proj"], "match_all_linear": False, "dim": 2})
-    with pytest.raises(ValueError, match=r"shape mismatches \['model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight"):
+    with pytest.raises(
+        ValueError, match=r"shape mismatches \['model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight"
+    ):
         load_peft_adapter(other_dim, tmp_path / "a")
     more = _load(model_dir)
     apply_lora(more, {"target_modules": ["q_proj", "k_proj"], "match_all_linear": False, "dim": 4})
-    with pytest.raises(ValueError, match=r"missing keys \['model\.layers\.0\.self_attn\.k_proj\.lora_A\.weight"):
+    with pytest.raises(
+        ValueError, match=r"missing keys \['model\.layers\.0\.self_attn\.k_proj\.lora_A\.weight"
+    ):
         load_peft_adapter(more, tmp_path / "a")
     with pytest.raises(ValueError, match="has no adapter_config.json"):
         load_peft_adapter(_load(model_dir), tmp_path)
@@ -245,17 +295,31 @@ def test_loading_a_mismatched_adapter_names_the_keys(model_dir, tmp_path):
 def test_renamed_module_raises_lora_merge_error_naming_it(model_dir):
     model = _load(model_dir)
     apply_lora(model, CFG)
-    keys = [k.replace("layers.1.self_attn.o_proj", "layers.1.self_attn.out_proj") for k in model.state_dict()]
-    with pytest.raises(LoRAMergeError, match=r"(?s)1 LoRA module.*'model\.layers\.1\.self_attn\.o_proj': no key"):
+    keys = [
+        k.replace("layers.1.self_attn.o_proj", "layers.1.self_attn.out_proj")
+        for k in model.state_dict()
+    ]
+    with pytest.raises(
+        LoRAMergeError, match=r"(?s)1 LoRA module.*'model\.layers\.1\.self_attn\.o_proj': no key"
+    ):
         assert_lora_modules_reachable(lora_modules(model), keys)
 
 
 def test_matching_rules_with_regex_and_exclude(model_dir):
     model = _load(model_dir)
-    names = apply_lora(model, {"target_modules": [r"re:.*\.layers\.0\.self_attn\.[qk]_proj", "down_proj"],
-                               "exclude_modules": ["layers.1.mlp.down_proj"], "match_all_linear": False})
-    assert names == ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
-                     "model.layers.0.mlp.down_proj"]
+    names = apply_lora(
+        model,
+        {
+            "target_modules": [r"re:.*\.layers\.0\.self_attn\.[qk]_proj", "down_proj"],
+            "exclude_modules": ["layers.1.mlp.down_proj"],
+            "match_all_linear": False,
+        },
+    )
+    assert names == [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.k_proj",
+        "model.layers.0.mlp.down_proj",
+    ]
     assert set(lora_modules(model)) == set(names)
     everything = apply_lora(_load(model_dir), {"match_all_linear": True})
     assert len(everything) == 14 and "lm_head" not in everything
@@ -265,7 +329,9 @@ def test_apply_lora_accepts_the_config_object(model_dir):
     from policyworker.config import LoRAConfig
 
     model = _load(model_dir)
-    names = apply_lora(model, LoRAConfig(target_modules=("v_proj",), match_all_linear=False, dim=2, alpha=4.0))
+    names = apply_lora(
+        model, LoRAConfig(target_modules=("v_proj",), match_all_linear=False, dim=2, alpha=4.0)
+    )
     assert names == ["model.layers.0.self_attn.v_proj", "model.layers.1.self_attn.v_proj"]
     assert all(m.dim == 2 and m.scale == 2.0 for m in lora_modules(model).values())
 
@@ -273,9 +339,17 @@ def test_apply_lora_accepts_the_config_object(model_dir):
 def test_apply_lora_errors_name_the_config(model_dir):
     with pytest.raises(ValueError, match=r"matching no linear module: \['qproj'\]"):
         apply_lora(_load(model_dir), {"target_modules": ["qproj"], "match_all_linear": False})
-    with pytest.raises(ValueError, match=r"target_modules=\['q_proj'\], exclude_modules=\['q_proj'\].*selected: 0"):
-        apply_lora(_load(model_dir), {"target_modules": ["q_proj"], "exclude_modules": ["q_proj"],
-                                      "match_all_linear": False})
+    with pytest.raises(
+        ValueError, match=r"target_modules=\['q_proj'\], exclude_modules=\['q_proj'\].*selected: 0"
+    ):
+        apply_lora(
+            _load(model_dir),
+            {
+                "target_modules": ["q_proj"],
+                "exclude_modules": ["q_proj"],
+                "match_all_linear": False,
+            },
+        )
     with pytest.raises(ValueError, match=r"unknown lora_cfg key\(s\) \['rank'\]"):
         apply_lora(_load(model_dir), {"rank": 8})
     model = _load(model_dir)
@@ -288,10 +362,14 @@ def test_apply_lora_errors_name_the_config(model_dir):
 
 # ---- tensor parallel on gloo: tp=2 with LoRA == tp=1 ---------------------------------------------
 
+
 class _GatedMLP(nn.Module):
     def __init__(self, hidden, inner):
         super().__init__()
-        self.gate_proj, self.up_proj = nn.Linear(hidden, inner, bias=False), nn.Linear(hidden, inner)
+        self.gate_proj, self.up_proj = (
+            nn.Linear(hidden, inner, bias=False),
+            nn.Linear(hidden, inner),
+        )
         self.down_proj = nn.Linear(inner, hidden)
 
     def forward(self, x):
@@ -317,23 +395,39 @@ class _TinyTransformerMLP(nn.Module):
 def _tp_rank(rank, world_size, init_file):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
     try:
         torch.manual_seed(0)
         reference = _TinyTransformerMLP()
-        apply_lora(reference, {"match_all_linear": True, "exclude_modules": ["head"], "dim": 4, "alpha": 8})
+        apply_lora(
+            reference, {"match_all_linear": True, "exclude_modules": ["head"], "dim": 4, "alpha": 8}
+        )
         _randomize_b(reference)
         model = copy.deepcopy(reference)
-        plan = {"layers.*.gate_proj": ColwiseParallel(), "layers.*.up_proj": ColwiseParallel(),
-                "layers.*.down_proj": RowwiseParallel()}
+        plan = {
+            "layers.*.gate_proj": ColwiseParallel(),
+            "layers.*.up_proj": ColwiseParallel(),
+            "layers.*.down_proj": RowwiseParallel(),
+        }
         parallelize_module(model, init_device_mesh("cpu", (world_size,)), lora_tp_plan(plan))
         up, down = model.layers[0].up_proj, model.layers[0].down_proj
-        assert [p.dim for p in up.weight.placements] == [0] and up.lora_B.weight.placements[0].dim == 0
+        assert [p.dim for p in up.weight.placements] == [0] and up.lora_B.weight.placements[
+            0
+        ].dim == 0
         assert up.lora_A.weight.placements[0].is_replicate() and isinstance(up, LinearLoRA)
-        assert down.lora_A.weight.placements[0].dim == 1 and down.lora_B.weight.placements[0].is_replicate()
+        assert (
+            down.lora_A.weight.placements[0].dim == 1
+            and down.lora_B.weight.placements[0].is_replicate()
+        )
         tokens = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(2))
         logits = []
         for m in (reference, model):
@@ -341,15 +435,29 @@ def _tp_rank(rank, world_size, init_file):
             F.cross_entropy(out[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
             logits.append(out.detach())
         torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
-        for (name, ref), got in zip(lora_modules(reference).items(), lora_modules(model).values(), strict=True):
-            for ref_p, got_p in ((ref.lora_A.weight, got.lora_A.weight), (ref.lora_B.weight, got.lora_B.weight)):
-                torch.testing.assert_close(got_p.grad.full_tensor(), ref_p.grad, atol=1e-5, rtol=1e-5, msg=name)
-            merged = merge_lora_weight(got.weight.full_tensor(), got.lora_A.weight.full_tensor(),
-                                       got.lora_B.weight.full_tensor(), got.scale)
-            torch.testing.assert_close(merged, merge_lora_weight(ref.weight, ref.lora_A.weight,
-                                                                 ref.lora_B.weight, ref.scale))
+        for (name, ref), got in zip(
+            lora_modules(reference).items(), lora_modules(model).values(), strict=True
+        ):
+            for ref_p, got_p in (
+                (ref.lora_A.weight, got.lora_A.weight),
+                (ref.lora_B.weight, got.lora_B.weight),
+            ):
+                torch.testing.assert_close(
+                    got_p.grad.full_tensor(), ref_p.grad, atol=1e-5, rtol=1e-5, msg=name
+                )
+            merged = merge_lora_weight(
+                got.weight.full_tensor(),
+                got.lora_A.weight.full_tensor(),
+                got.lora_B.weight.full_tensor(),
+                got.scale,
+            )
+            torch.testing.assert_close(
+                merged,
+                merge_lora_weight(ref.weight, ref.lora_A.weight, ref.lora_B.weight, ref.scale),
+            )
         assert {n for n, p in model.named_parameters() if p.requires_grad} == {
-            n for n, p in reference.named_parameters() if p.requires_grad}
+            n for n, p in reference.named_parameters() if p.requires_grad
+        }
     finally:
         dist.destroy_process_group()
 

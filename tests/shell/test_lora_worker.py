@@ -10,8 +10,14 @@ from policyworker.shell.refit.params import params_generator
 from policyworker.shell.worker import PolicyWorker
 from tests.shell.conftest import make_batch, make_config
 
-LORA = {"lora_cfg": {"target_modules": ["q_proj", "v_proj", "down_proj"], "dim": 4, "alpha": 8,
-                     "match_all_linear": False}}
+LORA = {
+    "lora_cfg": {
+        "target_modules": ["q_proj", "v_proj", "down_proj"],
+        "dim": 4,
+        "alpha": 8,
+        "match_all_linear": False,
+    }
+}
 
 
 def _trained_lora_worker(model_path: str) -> PolicyWorker:
@@ -44,8 +50,9 @@ def test_hf_model_loading_the_merged_refit_stream_reproduces_the_lora_worker(tin
     missing, unexpected = receiver.load_state_dict(stream, strict=False)
     assert not missing and not unexpected  # the tiny Llama is untied: every HF key is streamed
     data = make_batch(4, 10, seed=11)
-    torch.testing.assert_close(_logprobs(receiver, data), worker.get_logprobs(data)["logprobs"],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _logprobs(receiver, data), worker.get_logprobs(data)["logprobs"], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_peft_loading_the_saved_adapter_folder_gives_the_worker_logits(tiny_model_paths, tmp_path):
@@ -57,5 +64,6 @@ def test_peft_loading_the_saved_adapter_folder_gives_the_worker_logits(tiny_mode
     base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, str(tmp_path / "weights" / "model")).eval()
     data = make_batch(4, 10, seed=12)
-    torch.testing.assert_close(_logprobs(peft_model, data), worker.get_logprobs(data)["logprobs"],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _logprobs(peft_model, data), worker.get_logprobs(data)["logprobs"], rtol=1e-5, atol=1e-5
+    )

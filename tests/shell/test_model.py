@@ -17,34 +17,47 @@ CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
 
 
-@pytest.mark.parametrize(("requested", "packing", "device", "precision", "expected"), [
-    ("auto", False, CPU, torch.float32, "sdpa"),
-    ("auto", True, CPU, torch.bfloat16, "sdpa"),
-    ("auto", True, CUDA, torch.bfloat16, attention.VARLEN_ATTN_NAME),
-    ("auto", True, CUDA, torch.float32, "sdpa"),
-    ("auto", False, CUDA, torch.bfloat16, "sdpa"),
-    ("varlen", False, CUDA, torch.float16, attention.VARLEN_ATTN_NAME),
-    ("eager", True, CPU, torch.float32, "eager"),
-    ("flex_attention", True, CPU, torch.float32, "flex_attention"),
-])
+@pytest.mark.parametrize(
+    ("requested", "packing", "device", "precision", "expected"),
+    [
+        ("auto", False, CPU, torch.float32, "sdpa"),
+        ("auto", True, CPU, torch.bfloat16, "sdpa"),
+        ("auto", True, CUDA, torch.bfloat16, attention.VARLEN_ATTN_NAME),
+        ("auto", True, CUDA, torch.float32, "sdpa"),
+        ("auto", False, CUDA, torch.bfloat16, "sdpa"),
+        ("varlen", False, CUDA, torch.float16, attention.VARLEN_ATTN_NAME),
+        ("eager", True, CPU, torch.float32, "eager"),
+        ("flex_attention", True, CPU, torch.float32, "flex_attention"),
+    ],
+)
 def test_attention_selection(requested, packing, device, precision, expected):
-    assert resolve_attn_implementation(requested, packing=packing, device=device,
-                                       precision=precision) == expected
+    assert (
+        resolve_attn_implementation(requested, packing=packing, device=device, precision=precision)
+        == expected
+    )
 
 
-@pytest.mark.parametrize(("requested", "device", "precision", "match"), [
-    ("varlen", CPU, torch.bfloat16, "needs CUDA"),
-    ("varlen", CUDA, torch.float32, "bfloat16 or float16"),
-    ("flash_attention_2", CPU, torch.float32, "not supported"),
-])
+@pytest.mark.parametrize(
+    ("requested", "device", "precision", "match"),
+    [
+        ("varlen", CPU, torch.bfloat16, "needs CUDA"),
+        ("varlen", CUDA, torch.float32, "bfloat16 or float16"),
+        ("flash_attention_2", CPU, torch.float32, "not supported"),
+    ],
+)
 def test_impossible_attention_is_a_value_error(requested, device, precision, match):
     with pytest.raises(ValueError, match=match):
         resolve_attn_implementation(requested, packing=True, device=device, precision=precision)
 
 
 def test_load_without_tokenizer_keeps_fp32_master_weights_and_tied_embeddings(tiny_model_paths):
-    cfg = load_config(make_config(tiny_model_paths["qwen2"], precision="bfloat16",
-                                  hf_config_overrides={"rms_norm_eps": 1e-5}))
+    cfg = load_config(
+        make_config(
+            tiny_model_paths["qwen2"],
+            precision="bfloat16",
+            hf_config_overrides={"rms_norm_eps": 1e-5},
+        )
+    )
     model, tokenizer = load_policy_model(cfg, device=CPU)
     assert tokenizer is None
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -55,9 +68,12 @@ def test_load_without_tokenizer_keeps_fp32_master_weights_and_tied_embeddings(ti
     assert model.config._attn_implementation == "sdpa"
 
 
-def test_load_with_tokenizer_pads_with_eos_on_the_tokenizer_only_and_checkpoints_activations(tiny_tokenizer_model_path):
-    cfg = load_config(make_config(tiny_tokenizer_model_path,
-                                  dtensor_cfg={"activation_checkpointing": True}))
+def test_load_with_tokenizer_pads_with_eos_on_the_tokenizer_only_and_checkpoints_activations(
+    tiny_tokenizer_model_path,
+):
+    cfg = load_config(
+        make_config(tiny_tokenizer_model_path, dtensor_cfg={"activation_checkpointing": True})
+    )
     model, tokenizer = load_policy_model(cfg, device=CPU)
     assert tokenizer is not None and tokenizer.pad_token == "t1"
     assert tokenizer.pad_token_id == 1 and model.config.pad_token_id is None
@@ -76,13 +92,19 @@ def test_packed_forward_isolates_documents(tiny_model_paths, impl):
 
     name = attention.ensure_varlen_registered() if impl == attention.VARLEN_ATTN_NAME else impl
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        tiny_model_paths["llama"], dtype=torch.float32, attn_implementation=name).eval()
+        tiny_model_paths["llama"], dtype=torch.float32, attn_implementation=name
+    ).eval()
     model.config.use_cache = False
     a, b = torch.randint(3, 128, (1, 5)), torch.randint(3, 128, (1, 7))
     pos = torch.cat([torch.arange(5), torch.arange(7)])[None]
     with torch.no_grad():
-        packed = forward_logits(model, torch.cat([a, b], 1), position_ids=pos,
-                                cu_seqlens=torch.tensor([0, 5, 12], dtype=torch.int32), max_seqlen=7)
+        packed = forward_logits(
+            model,
+            torch.cat([a, b], 1),
+            position_ids=pos,
+            cu_seqlens=torch.tensor([0, 5, 12], dtype=torch.int32),
+            max_seqlen=7,
+        )
         alone_a = forward_logits(model, a, position_ids=torch.arange(5)[None])
         alone_b = forward_logits(model, b, position_ids=torch.arange(7)[None])
     torch.testing.assert_close(packed[:, :5], alone_a)
@@ -96,12 +118,14 @@ def test_isolation_probe_rejects_a_kernel_that_attends_across_documents(tiny_mod
 
     def leaky(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=True
+        )
         return out.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register("test_leaky_attention", leaky)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        tiny_model_paths["llama"], dtype=torch.float32, attn_implementation="test_leaky_attention")
+        tiny_model_paths["llama"], dtype=torch.float32, attn_implementation="test_leaky_attention"
+    )
     with pytest.raises(ValueError, match="attend to each other"):
         check_document_isolation(model, autocast_dtype=torch.float32)
 
@@ -118,14 +142,18 @@ def test_varlen_registration_is_idempotent_and_lazy():
 
     assert attention.ensure_varlen_registered() == attention.ensure_varlen_registered()
     assert AttentionInterface._global_mapping[attention.VARLEN_ATTN_NAME] is (
-        attention.varlen_attention_forward)
+        attention.varlen_attention_forward
+    )
     assert not attention.varlen_kernel_available(CPU)
 
 
 def test_reward_models_load_with_one_label(tiny_reward_paths):
-    for kind, cls_name in (("bradley_terry", "LlamaForSequenceClassification"),
-                           ("regression", "LlamaForTokenClassification")):
-        cfg = load_config(make_config(tiny_reward_paths[kind],
-                                      reward_model_cfg={"reward_model_type": kind}))
+    for kind, cls_name in (
+        ("bradley_terry", "LlamaForSequenceClassification"),
+        ("regression", "LlamaForTokenClassification"),
+    ):
+        cfg = load_config(
+            make_config(tiny_reward_paths[kind], reward_model_cfg={"reward_model_type": kind})
+        )
         model, _ = load_policy_model(cfg, device=CPU)
         assert type(model).__name__ == cls_name and model.config.num_labels == 1

@@ -35,7 +35,10 @@ def test_base_document_relative_and_absolute_interpolation():
     assert policy["make_sequence_length_divisible_by"] == 1  # ${.dtensor_cfg.tensor_parallel_size}
     assert policy["dynamic_batching"]["train_mb_tokens"] == 512  # ${mul:${..a}, ${..b}}
     assert (generation["val_temperature"], generation["val_top_p"], generation["val_top_k"]) == (
-        0.7, 1.0, None)  # ${.temperature} ...
+        0.7,
+        1.0,
+        None,
+    )  # ${.temperature} ...
     assert generation["max_new_tokens"] == 256  # ${..max_total_sequence_length}
     assert generation["vllm_cfg"]["max_model_len"] == 256  # ${...max_total_sequence_length}
     assert generation["vllm_cfg"]["precision"] == "float32"
@@ -48,11 +51,20 @@ def test_base_document_loads_and_lists_the_unused_keys_once(caplog):
         cfg = load_config_file(DATA / "base_grpo.yaml")
     records = [r for r in caplog.records if "accepted, not used" in r.getMessage()]
     assert len(records) == 1
-    for key in ("generation.val_temperature", "generation.val_top_k", "generation.val_top_p",
-                "generation.port_range_low", "generation.port_range_high",
-                "generation.refit_cfg", "generation.refit_transport",
-                "generation.real_quant_export_cpu_offload", "tokenizer.use_fastokens",
-                "megatron_cfg", "dtensor_cfg.env_vars", "generation.vllm_cfg"):
+    for key in (
+        "generation.val_temperature",
+        "generation.val_top_k",
+        "generation.val_top_p",
+        "generation.port_range_low",
+        "generation.port_range_high",
+        "generation.refit_cfg",
+        "generation.refit_transport",
+        "generation.real_quant_export_cpu_offload",
+        "tokenizer.use_fastokens",
+        "megatron_cfg",
+        "dtensor_cfg.env_vars",
+        "generation.vllm_cfg",
+    ):
         assert f"policy.{key}" in records[0].getMessage()
     assert "policy.draft" not in records[0].getMessage()  # draft keys are read (DraftConfig)
     assert cfg.dynamic_batching is not None and cfg.dynamic_batching.logprob_tokens == 512
@@ -71,7 +83,8 @@ def test_one_parent_deep_merge_override_marker_and_missing_value():
     assert cfg.sequence_packing is not None and cfg.sequence_packing.train_mb_tokens == 1024
     assert not cfg.dynamic_batching_enabled
     assert cfg.dtensor_cfg.lora_cfg == LoRAConfig(
-        exclude_modules=("*out_proj*",), match_all_linear=False, use_triton=False)
+        exclude_modules=("*out_proj*",), match_all_linear=False, use_triton=False
+    )
 
 
 def test_a_list_of_defaults_two_levels_down():
@@ -87,10 +100,17 @@ def test_a_list_of_defaults_two_levels_down():
 
 
 def test_dotted_overrides_apply_before_relative_interpolation():
-    cfg = load_config_file(DATA / "base_grpo.yaml", overrides=[
-        "train_micro_batch_size=4", "policy.generation.temperature=0.5",
-        "dtensor_cfg.lora_cfg.enabled=true", "dtensor_cfg.lora_cfg.match_all_linear=false",
-        "dtensor_cfg.lora_cfg.target_modules=['*_proj']", "dtensor_cfg.lora_cfg.use_triton=false"])
+    cfg = load_config_file(
+        DATA / "base_grpo.yaml",
+        overrides=[
+            "train_micro_batch_size=4",
+            "policy.generation.temperature=0.5",
+            "dtensor_cfg.lora_cfg.enabled=true",
+            "dtensor_cfg.lora_cfg.match_all_linear=false",
+            "dtensor_cfg.lora_cfg.target_modules=['*_proj']",
+            "dtensor_cfg.lora_cfg.use_triton=false",
+        ],
+    )
     assert cfg.logprob_batch_size == 4 and cfg.train_micro_batch_size == 4
     assert cfg.dynamic_batching is not None and cfg.dynamic_batching.train_mb_tokens == 1024
     assert cfg.generation is not None and cfg.generation.temperature == 0.5
@@ -117,8 +137,11 @@ def test_a_second_policy_block_and_root_relative_references():
 def test_merge_rules_and_errors(tmp_path):
     base = {"a": {"b": 1, "c": [1, 2]}, "d": {"e": 1}, "keep": "x"}
     over = {"a": {"c": [3], "n": None}, "d": {"_override_": True, "f": 2}, "keep": "???"}
-    assert merge_config_layers(base, over) == {"a": {"b": 1, "c": [3], "n": None},
-                                               "d": {"f": 2}, "keep": "x"}
+    assert merge_config_layers(base, over) == {
+        "a": {"b": 1, "c": [3], "n": None},
+        "d": {"f": 2},
+        "keep": "x",
+    }
     assert base == {"a": {"b": 1, "c": [1, 2]}, "d": {"e": 1}, "keep": "x"}  # pure
     (tmp_path / "loop_a.yaml").write_text("defaults: loop_b.yaml\nx: 1\n")
     (tmp_path / "loop_b.yaml").write_text("defaults: loop_a.yaml\ny: 1\n")
@@ -132,7 +155,9 @@ def test_merge_rules_and_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"refers to 'a\.y', which does not exist"):
         resolve_subtree({"a": {"b": "${.y}"}}, ())
     assert resolve_subtree({"a": {"l": ["${..t}", {"q": "${...t}"}], "t": 3}}, ("a",)) == {
-        "l": [3, {"q": 3}], "t": 3}
+        "l": [3, {"q": 3}],
+        "t": 3,
+    }
 
 
 def _is_dtensor_policy(document: dict) -> bool:

@@ -16,9 +16,20 @@ from policyworker.shell.worker import AutomodelPolicyWorkerImpl, PolicyWorker
 from tests.shell.conftest import make_config
 
 NEMO_RL_GPU_INFO_KEYS = {
-    "rank", "world_size", "local_rank", "local_device_id", "global_device_id", "device_count",
-    "device_name", "memory_allocated_mb", "memory_reserved_mb", "peak_memory_allocated_mb",
-    "peak_memory_reserved_mb", "parameter_sample", "env_vars"}
+    "rank",
+    "world_size",
+    "local_rank",
+    "local_device_id",
+    "global_device_id",
+    "device_count",
+    "device_name",
+    "memory_allocated_mb",
+    "memory_reserved_mb",
+    "peak_memory_allocated_mb",
+    "peak_memory_reserved_mb",
+    "parameter_sample",
+    "env_vars",
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +45,27 @@ def test_nemo_rl_names_exist():
 def test_constructor_takes_the_kwargs_nemo_rl_passes(tiny_model_paths, caplog):
     marker = object()
     with caplog.at_level(logging.INFO, logger="policyworker"):
-        w = PolicyWorker(make_config(tiny_model_paths["llama"]), init_reference_model=False,
-                         worker_sharding_annotations=object(), pre_init_communication_queue=None,
-                         skip_weight_load=False, tokenizer=marker, processor=None)
+        w = PolicyWorker(
+            make_config(tiny_model_paths["llama"]),
+            init_reference_model=False,
+            worker_sharding_annotations=object(),
+            pre_init_communication_queue=None,
+            skip_weight_load=False,
+            tokenizer=marker,
+            processor=None,
+        )
     assert w.tokenizer is marker
     line = next(r.getMessage() for r in caplog.records if "keyword arguments" in r.getMessage())
     assert "worker_sharding_annotations" in line and "skip_weight_load" in line
 
 
-@pytest.mark.parametrize(("kwargs", "phrase"), [
-    ({"bogus": 1}, r"unexpected PolicyWorker keyword arguments \['bogus'\]"),
-    ({"processor": object()}, "processor=object is not supported"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "phrase"),
+    [
+        ({"bogus": 1}, r"unexpected PolicyWorker keyword arguments \['bogus'\]"),
+        ({"processor": object()}, "processor=object is not supported"),
+    ],
+)
 def test_constructor_refuses_other_kwargs_before_building(kwargs, phrase):
     with pytest.raises(ValueError, match=phrase):
         PolicyWorker({"model_name": "/nonexistent/model"}, **kwargs)
@@ -61,7 +81,7 @@ def test_base_worker_methods_report_this_process(worker):
     info = worker.get_gpu_info()
     assert set(info) == NEMO_RL_GPU_INFO_KEYS
     assert (info["rank"], info["world_size"], info["device_name"]) == (0, 1, "cpu")
-    (name, sample), = info["parameter_sample"].items()
+    ((name, sample),) = info["parameter_sample"].items()
     assert sample["shape"] == list(dict(worker.model.named_parameters())[name].shape)
     assert worker.report_device_id() == f"CPU-{socket.gethostname()}-{os.getpid()}"
     free = worker.get_free_memory_bytes()
@@ -115,8 +135,9 @@ def _engine_for(worker, seed):
     engine_model = type(worker.model)(worker.model.config)
     torch.manual_seed(seed)
     engine_model.apply(engine_model._init_weights)
-    return engine_model, S.SGLangReceiverAdapter(engine_model,
-                                                 refit_info=refit_info(worker.model, torch.float32))
+    return engine_model, S.SGLangReceiverAdapter(
+        engine_model, refit_info=refit_info(worker.model, torch.float32)
+    )
 
 
 @pytest.mark.parametrize("as_handle", [False, True], ids=["plain-engine", "actor-handle"])
@@ -124,8 +145,9 @@ def test_sglang_refit_reaches_plain_engines_and_actor_handles(worker, as_handle)
     engine_model, adapter = _engine_for(worker, seed=3)
     worker.set_rollout_num_gpus_per_engine(1)
     engine = _HandleOf(adapter) if as_handle else adapter
-    worker.update_weights_to_sglang_colocated(rollout_engines=[engine], buffer_size_bytes=1 << 16,
-                                              target_precision="fp32")
+    worker.update_weights_to_sglang_colocated(
+        rollout_engines=[engine], buffer_size_bytes=1 << 16, target_precision="fp32"
+    )
     for name, tensor in worker.model.state_dict().items():
         torch.testing.assert_close(engine_model.state_dict()[name], tensor, rtol=0, atol=0)
 
@@ -160,9 +182,9 @@ def test_sglang_refit_into_a_real_ray_actor(worker):
         info = refit_info(worker.model, torch.float32)
         actor = ray.remote(_ModelEngine).remote(engine_model, info)
         worker.set_rollout_num_gpus_per_engine(1)
-        worker.update_weights_to_sglang_colocated(rollout_engines=[actor],
-                                                  buffer_size_bytes=1 << 16,
-                                                  target_precision="fp32")
+        worker.update_weights_to_sglang_colocated(
+            rollout_engines=[actor], buffer_size_bytes=1 << 16, target_precision="fp32"
+        )
         received = ray.get(actor.state.remote(), timeout=120)
         for name, tensor in worker.model.state_dict().items():
             torch.testing.assert_close(received[name], tensor, rtol=0, atol=0)

@@ -26,14 +26,19 @@ def test_torch_string_kwargs_are_resolved():
     from policyworker.shell.optim import _resolve_kwargs
 
     assert _resolve_kwargs({"dtype": "torch.float16", "lr": 1}, key="optimizer.kwargs") == {
-        "dtype": torch.float16, "lr": 1}
+        "dtype": torch.float16,
+        "lr": 1,
+    }
 
 
-@pytest.mark.parametrize(("cfg", "match"), [
-    ({"name": "torch.optim.NoSuchOptimizer"}, "optimizer.name"),
-    ({"name": "AdamW"}, "optimizer.name"),
-    ({"name": "torch.optim.AdamW", "kwargs": {"nonsense": 1}}, "optimizer.kwargs"),
-])
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        ({"name": "torch.optim.NoSuchOptimizer"}, "optimizer.name"),
+        ({"name": "AdamW"}, "optimizer.name"),
+        ({"name": "torch.optim.AdamW", "kwargs": {"nonsense": 1}}, "optimizer.kwargs"),
+    ],
+)
 def test_bad_optimizer_config_names_the_key(cfg, match):
     with pytest.raises(ValueError, match=match):
         build_optimizer(_model(), cfg)
@@ -50,15 +55,33 @@ def test_constant_scheduler_when_absent():
 
 def test_dict_and_milestone_list_schedulers_from_the_config():
     opt = build_optimizer(_model(), {"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}})
-    single = load_config({"model_name": "x", "scheduler": {
-        "name": "torch.optim.lr_scheduler.StepLR", "kwargs": {"step_size": 1, "gamma": 0.5}}})
+    single = load_config(
+        {
+            "model_name": "x",
+            "scheduler": {
+                "name": "torch.optim.lr_scheduler.StepLR",
+                "kwargs": {"step_size": 1, "gamma": 0.5},
+            },
+        }
+    )
     assert isinstance(build_scheduler(opt, single.scheduler), torch.optim.lr_scheduler.StepLR)
     opt = build_optimizer(_model(), {"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}})
-    seq = load_config({"model_name": "x", "scheduler": [
-        {"name": "torch.optim.lr_scheduler.LinearLR",
-         "kwargs": {"start_factor": 0.5, "end_factor": 1.0, "total_iters": 2}},
-        {"name": "torch.optim.lr_scheduler.ConstantLR", "kwargs": {"factor": 1.0, "total_iters": 1}},
-        {"milestones": [2]}]})
+    seq = load_config(
+        {
+            "model_name": "x",
+            "scheduler": [
+                {
+                    "name": "torch.optim.lr_scheduler.LinearLR",
+                    "kwargs": {"start_factor": 0.5, "end_factor": 1.0, "total_iters": 2},
+                },
+                {
+                    "name": "torch.optim.lr_scheduler.ConstantLR",
+                    "kwargs": {"factor": 1.0, "total_iters": 1},
+                },
+                {"milestones": [2]},
+            ],
+        }
+    )
     sched = build_scheduler(opt, seq.scheduler)
     assert isinstance(sched, torch.optim.lr_scheduler.SequentialLR)
     lrs = []
@@ -72,7 +95,8 @@ def test_dict_and_milestone_list_schedulers_from_the_config():
 def test_raw_list_scheduler_needs_one_milestones_entry():
     opt = build_optimizer(_model(), {"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}})
     with pytest.raises(ValueError, match="milestones"):
-        build_scheduler(opt, [{"name": "torch.optim.lr_scheduler.StepLR",
-                               "kwargs": {"step_size": 1}}])
+        build_scheduler(
+            opt, [{"name": "torch.optim.lr_scheduler.StepLR", "kwargs": {"step_size": 1}}]
+        )
     with pytest.raises(ValueError, match="scheduler.name"):
         build_scheduler(opt, {"name": "torch.optim.lr_scheduler.Nope"})

@@ -171,8 +171,12 @@ def test_refit_stream_reuses_its_compiled_walk_until_the_signature_changes():
         nn.init.normal_(block.q_proj.lora_B.weight)
     merged = dict((s.name, s.tensor) for s in refit_stream(block, torch.float32).sources)
     q = block.q_proj
-    torch.testing.assert_close(merged["q_proj.weight"], q.weight + 2.0 * (q.lora_B.weight @ q.lora_A.weight))
+    torch.testing.assert_close(
+        merged["q_proj.weight"], q.weight + 2.0 * (q.lora_B.weight @ q.lora_A.weight)
+    )
     block.norm = nn.LayerNorm(7)  # a new shape: the walk is compiled again
     changed = refit_stream(block, torch.bfloat16)
-    assert changed.key != first.key and dict((s.name, s.shape) for s in changed.specs)["norm.weight"] == (7,)
+    assert changed.key != first.key and dict((s.name, s.shape) for s in changed.specs)[
+        "norm.weight"
+    ] == (7,)
     assert [s.name for s in changed.specs] == list(refit_info(block, torch.bfloat16))

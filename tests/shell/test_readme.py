@@ -33,18 +33,28 @@ def test_the_quickstart_runs_as_written(tmp_path):
     assert len(quick) == 1 and "HFWeightReceiver" in quick[0]
     script = tmp_path / "quickstart.py"
     script.write_text("import torch\ntorch.set_num_threads(1)\n" + quick[0])
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300, env=child_env(ROOT), cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(ROOT),
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "loss [" in done.stdout
 
 
 def test_every_other_readme_block_is_executed_by_a_test():
-    tests = [p.read_text() for p in (ROOT / "tests").rglob("*.py")
-             if p.name != pathlib.Path(__file__).name]
+    tests = [
+        p.read_text()
+        for p in (ROOT / "tests").rglob("*.py")
+        if p.name != pathlib.Path(__file__).name
+    ]
     for heading, marker, _ in _python_blocks():
         if heading == "Quickstart":
             continue
         names = [n for n in (marker.removeprefix("<!-- ").removesuffix(" -->"), heading) if n]
         assert any(name in text for name in names for text in tests), (
-            f"the README block under '## {heading}' {marker} is executed by no test; add one")
+            f"the README block under '## {heading}' {marker} is executed by no test; add one"
+        )

@@ -21,10 +21,10 @@ from torch import nn
 
 from policyworker.errors import RefitError, RefitTimeoutError
 from policyworker.functional.buckets import TensorSpec
-from policyworker.shell.refit.params import refit_info
 from policyworker.shell.refit import collective as C
-from policyworker.shell.refit.wire import DTYPES_BY_NAME, ProtocolError, RefitRejected
+from policyworker.shell.refit.params import refit_info
 from policyworker.shell.refit.watchdog import Watchdog
+from policyworker.shell.refit.wire import DTYPES_BY_NAME, ProtocolError, RefitRejected
 from tests.helpers import (
     JsonCommandChild,
     eager_model,
@@ -114,7 +114,9 @@ def _init(children, *, timeout_s=30.0):
     port, world = _free_port(), len(children) + 1
     for rank, child in enumerate(children, start=1):
         child.send(op="init", port=port, world=world, rank=rank, timeout_s=timeout_s)
-    group = C.init_collective("127.0.0.1", port, world, train_world_size=1, rank=0, timeout_s=timeout_s)
+    group = C.init_collective(
+        "127.0.0.1", port, world, train_world_size=1, rank=0, timeout_s=timeout_s
+    )
     for child in children:
         assert child.reply()["ok"]
     return group
@@ -135,8 +137,12 @@ IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
 
 def _receive_all(children, tmp_path, **cmd):
     for i, child in enumerate(children):
-        child.send(op="receive", batch=str(tmp_path / "batch.safetensors"), out=str(tmp_path / f"out{i}.safetensors"),
-                   **cmd)
+        child.send(
+            op="receive",
+            batch=str(tmp_path / "batch.safetensors"),
+            out=str(tmp_path / f"out{i}.safetensors"),
+            **cmd,
+        )
 
 
 def _answers(children, tmp_path):
@@ -150,7 +156,13 @@ def _setup_models(children, tmp_path, info, *, dtype, atomic=(False, False)):
     write_refit_info(info, tmp_path / "info.json")
     save_file({"input_ids": IDS}, tmp_path / "batch.safetensors")
     for child, at in zip(children, atomic, strict=False):
-        child.send(op="setup", config_dir=str(tmp_path), dtype=dtype, refit_info=str(tmp_path / "info.json"), atomic=at)
+        child.send(
+            op="setup",
+            config_dir=str(tmp_path),
+            dtype=dtype,
+            refit_info=str(tmp_path / "info.json"),
+            atomic=at,
+        )
     for child in children:
         assert child.reply()["ok"]
 
@@ -171,8 +183,13 @@ def test_fp32_refit_gives_bitwise_identical_logprobs_on_every_inference_rank(rig
     _setup_models(children, tmp_path, info, dtype="float32", atomic=(True, False))
     for version in (1, 2):
         _receive_all(children, tmp_path, refit_timeout_s=30)
-        report = group.broadcast_weights(_sources(model, torch.float32), refit_info=info, buffer_size_bytes=4096,
-                                         num_buffers=3, refit_timeout_s=30)
+        report = group.broadcast_weights(
+            _sources(model, torch.float32),
+            refit_info=info,
+            buffer_size_bytes=4096,
+            num_buffers=3,
+            refit_timeout_s=30,
+        )
         answers, outs = _answers(children, tmp_path)
         assert report["num_buckets"] > 3 and report["num_buffers"] == 3
         for answer, out in zip(answers, outs, strict=True):
@@ -189,8 +206,12 @@ def test_bf16_refit_of_fp32_master_equals_the_trainers_bf16_cast_in_legacy_layou
     info = refit_info(model, torch.bfloat16)
     _setup_models(children, tmp_path, info, dtype="bfloat16")
     _receive_all(children, tmp_path)
-    report = group.broadcast_weights(_sources(model, torch.bfloat16), refit_info=info, buffer_size_bytes=3000,
-                                     use_legacy_packing=True)
+    report = group.broadcast_weights(
+        _sources(model, torch.bfloat16),
+        refit_info=info,
+        buffer_size_bytes=3000,
+        use_legacy_packing=True,
+    )
     answers, outs = _answers(children, tmp_path)
     assert report["layout"] == "legacy" and sum(report["bucket_bytes"]) == report["num_bytes"]
     expected = single_thread_logprobs(copy.deepcopy(model).to(torch.bfloat16), IDS)
@@ -205,7 +226,9 @@ def test_deepseek_router_bias_stays_fp32_through_a_bf16_refit(rig, tmp_path):
     model = eager_model(cfg, 2)
     bias = model.model.layers[1].mlp.gate.e_score_correction_bias
     with torch.no_grad():
-        bias.copy_(1.0 + 1e-3 * torch.arange(4, dtype=torch.float32))  # steps a bf16 cast would erase
+        bias.copy_(
+            1.0 + 1e-3 * torch.arange(4, dtype=torch.float32)
+        )  # steps a bf16 cast would erase
     info = refit_info(model, torch.bfloat16)
     name = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert info[name][1] == torch.float32
@@ -213,7 +236,9 @@ def test_deepseek_router_bias_stays_fp32_through_a_bf16_refit(rig, tmp_path):
     children[1].send(op="setup_capture", refit_info=str(tmp_path / "info.json"))
     assert children[1].reply()["ok"]
     _receive_all(children, tmp_path)
-    group.broadcast_weights(_sources(model, torch.bfloat16), refit_info=info, buffer_size_bytes=2048)
+    group.broadcast_weights(
+        _sources(model, torch.bfloat16), refit_info=info, buffer_size_bytes=2048
+    )
     (_, _), (model_out, captured) = _answers(children, tmp_path)
     assert model_out[name].dtype == torch.float32 and torch.equal(model_out[name], bias)
     assert model_out["model.layers.1.mlp.gate.weight"].dtype == torch.float32
@@ -237,7 +262,10 @@ def test_receivers_plan_from_the_header_whatever_their_local_defaults(rig, tmp_p
         report = group.broadcast_weights(list(tensors.items()), refit_info=info, **kwargs)
         answers, outs = _answers(children, tmp_path)
         for answer, out in zip(answers, outs, strict=True):
-            assert (answer["target_bytes"], answer["num_buffers"]) == (report["target_bytes"], report["num_buffers"])
+            assert (answer["target_bytes"], answer["num_buffers"]) == (
+                report["target_bytes"],
+                report["num_buffers"],
+            )
             assert answer["num_buckets"] == report["num_buckets"]
             assert all(torch.equal(out[k], v) for k, v in tensors.items())
     assert report["target_bytes"] == 3000 and report["num_buckets"] == 2  # w (16 KiB) alone, then b
@@ -269,16 +297,25 @@ def test_legacy_packing_round_trip_and_reference_bucket_counts(rig, tmp_path):
         "i32": torch.arange(-5, 4, dtype=torch.int32),
     }
     for legacy in (True, False):
-        report, outs = _capture_round(children, group, tmp_path, tensors, buffer_size_bytes=2000,
-                                      use_legacy_packing=legacy)
+        report, outs = _capture_round(
+            children, group, tmp_path, tensors, buffer_size_bytes=2000, use_legacy_packing=legacy
+        )
         for out in outs:
             for key, value in tensors.items():
                 assert out[key].dtype == value.dtype and torch.equal(out[key], value), key
-    report, outs = _capture_round(children, group, tmp_path, {"big": torch.ones(1000, 1000)}, buffer_size_bytes=100,
-                                  use_legacy_packing=True)
+    report, outs = _capture_round(
+        children,
+        group,
+        tmp_path,
+        {"big": torch.ones(1000, 1000)},
+        buffer_size_bytes=100,
+        use_legacy_packing=True,
+    )
     assert report["bucket_bytes"] == [4_000_000]
     many = {f"t{i}": torch.full((10, 10), float(i)) for i in range(20)}
-    report, outs = _capture_round(children, group, tmp_path, many, buffer_size_bytes=2000, use_legacy_packing=True)
+    report, outs = _capture_round(
+        children, group, tmp_path, many, buffer_size_bytes=2000, use_legacy_packing=True
+    )
     assert report["num_buckets"] > 1 and sum(report["bucket_bytes"]) == 20 * 400
     assert all(torch.equal(outs[1][k], v) for k, v in many.items())
 
@@ -286,13 +323,19 @@ def test_legacy_packing_round_trip_and_reference_bucket_counts(rig, tmp_path):
 def test_fp32_master_sent_as_bf16_is_cast_straight_into_the_bucket(rig, tmp_path):
     children, group = rig["children"], rig["group"]
     tensors = {"w": torch.randn(9, 13), "keep": torch.randn(4)}
-    report, outs = _capture_round(children, group, tmp_path, tensors, {"w": torch.bfloat16}, buffer_size_bytes=600)
+    report, outs = _capture_round(
+        children, group, tmp_path, tensors, {"w": torch.bfloat16}, buffer_size_bytes=600
+    )
     for out in outs:
-        assert out["w"].dtype == torch.bfloat16 and torch.equal(out["w"], tensors["w"].to(torch.bfloat16))
+        assert out["w"].dtype == torch.bfloat16 and torch.equal(
+            out["w"], tensors["w"].to(torch.bfloat16)
+        )
         assert out["keep"].dtype == torch.float32 and torch.equal(out["keep"], tensors["keep"])
 
 
-def test_a_rejected_manifest_stops_every_rank_before_any_write_and_the_group_stays_usable(rig, tmp_path):
+def test_a_rejected_manifest_stops_every_rank_before_any_write_and_the_group_stays_usable(
+    rig, tmp_path
+):
     children, group = rig["children"], rig["group"]
     tensors = {"a": torch.randn(4), "b": torch.randn(6)}
     write_refit_info({"a": ([4], "float32"), "b": ([5], "float32")}, tmp_path / "bad.json")
@@ -320,14 +363,21 @@ def test_receivers_that_never_join_raise_refit_timeout_within_the_deadline(rig):
     group = rig["group"]
     tensors = [("a", torch.randn(4))]
     start = time.monotonic()
-    with pytest.raises(RefitTimeoutError, match=r"rank 0/3: no progress within 2 s in phase 'header[a-z ]*' with 2 peers"):
-        group.broadcast_weights(tensors, refit_info={"a": (torch.Size([4]), torch.float32)}, refit_timeout_s=2.0)
+    with pytest.raises(
+        RefitTimeoutError,
+        match=r"rank 0/3: no progress within 2 s in phase 'header[a-z ]*' with 2 peers",
+    ):
+        group.broadcast_weights(
+            tensors, refit_info={"a": (torch.Size([4]), torch.float32)}, refit_timeout_s=2.0
+        )
     assert time.monotonic() - start < 2.0 + 5.0
     with pytest.raises(RefitError, match="is broken"):
         group.broadcast_weights(tensors, refit_info={"a": (torch.Size([4]), torch.float32)})
 
 
-def test_an_inference_rank_killed_mid_broadcast_raises_refit_timeout_then_a_new_group_refits(rig, tmp_path):
+def test_an_inference_rank_killed_mid_broadcast_raises_refit_timeout_then_a_new_group_refits(
+    rig, tmp_path
+):
     children = rig["children"]
     group = _init(children, timeout_s=20.0)
     tensors = {f"t{i}": torch.randn(256) for i in range(12)}
@@ -337,15 +387,24 @@ def test_an_inference_rank_killed_mid_broadcast_raises_refit_timeout_then_a_new_
         child.send(op="setup_capture", refit_info=str(tmp_path / "info.json"))
         assert child.reply()["ok"]
     children[0].send(op="receive", out=str(tmp_path / "o0.safetensors"), refit_timeout_s=4.0)
-    children[1].send(op="receive", out=str(tmp_path / "o1.safetensors"), refit_timeout_s=4.0, die_after_buckets=2)
+    children[1].send(
+        op="receive", out=str(tmp_path / "o1.safetensors"), refit_timeout_s=4.0, die_after_buckets=2
+    )
     start = time.monotonic()
     with pytest.raises(RefitTimeoutError, match=r"rank 0/3: .* in phase '(bucket|apply status).*"):
-        group.broadcast_weights(list(tensors.items()), refit_info=info, buffer_size_bytes=1024, num_buffers=2,
-                                refit_timeout_s=4.0)
+        group.broadcast_weights(
+            list(tensors.items()),
+            refit_info=info,
+            buffer_size_bytes=1024,
+            num_buffers=2,
+            refit_timeout_s=4.0,
+        )
     assert time.monotonic() - start < 4.0 + 5.0
     survivor, dead = children[0].reply(timeout=30), children[1].reply(timeout=30)
     assert dead["returncode"] == 3
-    assert not survivor["ok"] and survivor["error"].startswith(("RefitTimeoutError", "RefitPeerLostError"))
+    assert not survivor["ok"] and survivor["error"].startswith(
+        ("RefitTimeoutError", "RefitPeerLostError")
+    )
     rig["children"] = children = children[:1]
     group = _init(children)  # recovery: a new group without the dead rank
     _, outs = _capture_round(children, group, tmp_path, tensors, refit_timeout_s=10.0)
@@ -359,14 +418,22 @@ def test_an_inference_rank_killed_mid_broadcast_raises_refit_timeout_then_a_new_
 def _specs(draw):
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.int8]
     n = draw(st.integers(1, 12))
-    return [TensorSpec(f"t{i}", tuple(draw(st.lists(st.integers(0, 40), max_size=3))), draw(st.sampled_from(dtypes)))
-            for i in range(n)]
+    return [
+        TensorSpec(
+            f"t{i}",
+            tuple(draw(st.lists(st.integers(0, 40), max_size=3))),
+            draw(st.sampled_from(dtypes)),
+        )
+        for i in range(n)
+    ]
 
 
 @settings(max_examples=60)
 @given(specs=_specs(), target=st.integers(1, 5000), legacy=st.booleans())
 def test_plans_cover_every_tensor_once_in_order_within_their_bucket_bytes(specs, target, legacy):
-    plan = C.plan_collective_buckets(specs, layout="legacy" if legacy else "aligned", target_bytes=target)
+    plan = C.plan_collective_buckets(
+        specs, layout="legacy" if legacy else "aligned", target_bytes=target
+    )
     assert [i for b in plan for i in b.indices] == list(range(len(specs)))
     for bucket in plan:
         ends = [o + specs[i].nbytes for i, o in zip(bucket.indices, bucket.offsets, strict=True)]
@@ -380,17 +447,33 @@ def test_plans_cover_every_tensor_once_in_order_within_their_bucket_bytes(specs,
         assert sum(b.nbytes for b in plan) == sum(s.nbytes for s in specs)
 
 
-@given(specs=_specs(), seq=st.integers(0, 100), legacy=st.booleans(), target=st.integers(1, 1 << 40),
-       num_buffers=st.integers(1, 64))
+@given(
+    specs=_specs(),
+    seq=st.integers(0, 100),
+    legacy=st.booleans(),
+    target=st.integers(1, 1 << 40),
+    num_buffers=st.integers(1, 64),
+)
 def test_header_encode_then_decode_is_identity(specs, seq, legacy, target, num_buffers):
-    header = C.CollectiveHeader(seq, "legacy" if legacy else "aligned", target, num_buffers, 512, tuple(specs))
+    header = C.CollectiveHeader(
+        seq, "legacy" if legacy else "aligned", target, num_buffers, 512, tuple(specs)
+    )
     assert C.decode_header(C.encode_header(header)) == header
 
 
-@given(raw=st.one_of(st.binary(max_size=200), st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
-    max_leaves=20).map(lambda v: json.dumps(v).encode())))
+@given(
+    raw=st.one_of(
+        st.binary(max_size=200),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+            lambda inner: (
+                st.lists(inner, max_size=4)
+                | st.dictionaries(st.text(max_size=12), inner, max_size=6)
+            ),
+            max_leaves=20,
+        ).map(lambda v: json.dumps(v).encode()),
+    )
+)
 def test_malformed_headers_raise_protocol_error_and_nothing_else(raw):
     with pytest.raises(ProtocolError):
         C.decode_header(raw)
@@ -399,7 +482,9 @@ def test_malformed_headers_raise_protocol_error_and_nothing_else(raw):
 def test_header_with_a_wrong_version_names_both_versions():
     body = json.loads(C.encode_header(C.CollectiveHeader(1, "aligned", 10, 2, 512, ())))
     body["version"] = 99
-    with pytest.raises(ProtocolError, match=r"version 99.*speaks 'policyworker-collective-refit' version 1"):
+    with pytest.raises(
+        ProtocolError, match=r"version 99.*speaks 'policyworker-collective-refit' version 1"
+    ):
         C.decode_header(json.dumps(body).encode())
 
 
@@ -419,7 +504,9 @@ def test_cpu_offload_cycle_warns_and_moves_back_even_when_the_transfer_raises():
     calls = []
     with pytest.warns(UserWarning, match="cpu_offload adds an onload/offload cycle"):
         with pytest.raises(RuntimeError, match="boom"):
-            with C.cpu_offload_cycle(True, lambda: calls.append("on"), lambda: calls.append("off"), transport="x"):
+            with C.cpu_offload_cycle(
+                True, lambda: calls.append("on"), lambda: calls.append("off"), transport="x"
+            ):
                 calls.append("send")
                 raise RuntimeError("boom")
     assert calls == ["on", "send", "off"]
@@ -436,14 +523,28 @@ def test_argument_errors_name_the_argument_and_the_rule():
         C.init_collective("127.0.0.1", 0, 3, train_world_size=1, rank=0)
     with pytest.raises(ValueError, match="call init_collective"):
         C.broadcast_model_weights(None, nn.Linear(2, 2), torch.float32)
-    group = C.CollectiveRefit(None, store=None, rank=0, world_size=2, train_world_size=1,
-                              device=torch.device("cpu"), timeout_s=1.0)
+    group = C.CollectiveRefit(
+        None,
+        store=None,
+        rank=0,
+        world_size=2,
+        train_world_size=1,
+        device=torch.device("cpu"),
+        timeout_s=1.0,
+    )
     with pytest.raises(ValueError, match="FP8 kvcache"):
         C.broadcast_model_weights(group, nn.Linear(2, 2), torch.float32, kv_scales={"a": 1.0})
-    for kwargs, match in (({"buffer_size_bytes": 0}, "buffer_size_bytes 0"), ({"num_buffers": 65}, "num_buffers 65"),
-                          ({"refit_timeout_s": -1}, "refit_timeout_s -1")):
+    for kwargs, match in (
+        ({"buffer_size_bytes": 0}, "buffer_size_bytes 0"),
+        ({"num_buffers": 65}, "num_buffers 65"),
+        ({"refit_timeout_s": -1}, "refit_timeout_s -1"),
+    ):
         with pytest.raises(ValueError, match=match):
-            group.broadcast_weights([], refit_info={"a": (torch.Size([1]), torch.float32)}, **kwargs)
+            group.broadcast_weights(
+                [], refit_info={"a": (torch.Size([1]), torch.float32)}, **kwargs
+            )
     with pytest.raises(ValueError, match="runs on inference ranks"):
-        C.CollectiveWeightReceiver(lambda pairs: None, group=group, refit_info={"a": (torch.Size([1]), torch.float32)})
+        C.CollectiveWeightReceiver(
+            lambda pairs: None, group=group, refit_info={"a": (torch.Size([1]), torch.float32)}
+        )
     assert DTYPES_BY_NAME["bfloat16"] is torch.bfloat16

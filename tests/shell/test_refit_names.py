@@ -26,8 +26,15 @@ from policyworker.shell.refit.params import params_generator
 from policyworker.shell.refit.sender import RefitSender
 from tests.shell.conftest import make_config
 
-_SHAPE = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+_SHAPE = dict(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+)
 _MOE = dict(num_experts_per_tok=2)
 
 
@@ -36,10 +43,20 @@ def tiny_config(model_type: str) -> transformers.PretrainedConfig:
     T = transformers
     if model_type == "deepseek_v3":
         return T.DeepseekV3Config(
-            **{**_SHAPE, "num_key_value_heads": 2}, **_MOE, moe_intermediate_size=8,
-            first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1, n_group=2,
-            topk_group=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
-            v_head_dim=4)
+            **{**_SHAPE, "num_key_value_heads": 2},
+            **_MOE,
+            moe_intermediate_size=8,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            kv_lora_rank=8,
+            q_lora_rank=8,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=4,
+        )
     builders = {
         "llama": lambda: T.LlamaConfig(**_SHAPE, tie_word_embeddings=False),
         "qwen2": lambda: T.Qwen2Config(**_SHAPE, tie_word_embeddings=True),
@@ -48,8 +65,9 @@ def tiny_config(model_type: str) -> transformers.PretrainedConfig:
         "gemma2": lambda: T.Gemma2Config(**_SHAPE, head_dim=8),
         "gemma3_text": lambda: T.Gemma3TextConfig(**_SHAPE, head_dim=8),
         "phi3": lambda: T.Phi3Config(**_SHAPE, pad_token_id=0, eos_token_id=1, bos_token_id=2),
-        "qwen3_moe": lambda: T.Qwen3MoeConfig(**_SHAPE, **_MOE, head_dim=8, moe_intermediate_size=8,
-                                              num_experts=4),
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(
+            **_SHAPE, **_MOE, head_dim=8, moe_intermediate_size=8, num_experts=4
+        ),
         "mixtral": lambda: T.MixtralConfig(**_SHAPE, **_MOE, num_local_experts=4),
         "gpt_oss": lambda: T.GptOssConfig(**_SHAPE, **_MOE, head_dim=8, num_local_experts=4),
     }
@@ -92,21 +110,32 @@ def refit_table_row(model_type: str, folder) -> dict:
     # from_pretrained of exactly what was streamed (config only from the model, weights from us)
     (folder / "stream").mkdir()
     model.config.save_pretrained(folder / "stream")
-    save_file({n: t.clone() for n, t in streamed.items()},
-              str(folder / "stream" / "model.safetensors"))
+    save_file(
+        {n: t.clone() for n, t in streamed.items()}, str(folder / "stream" / "model.safetensors")
+    )
     loaded, loading = transformers.AutoModelForCausalLM.from_pretrained(
-        folder / "stream", dtype=torch.float32, attn_implementation="eager",
-        output_loading_info=True)
+        folder / "stream",
+        dtype=torch.float32,
+        attn_implementation="eager",
+        output_loading_info=True,
+    )
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=generator)
     delta = (logprobs(loaded.eval(), ids) - logprobs(model, ids)).abs().max().item()
     # a model loaded by from_pretrained converts with the mapping it was loaded with
     reloaded_info = RefitSender(lambda: loaded, torch.float32).prepare_refit_info()
     return {
-        "model": model, "saved": saved, "info": info, "streamed": streamed, "delta": delta,
+        "model": model,
+        "saved": saved,
+        "info": info,
+        "streamed": streamed,
+        "delta": delta,
         "reloaded_info": reloaded_info,
-        "problems": {k: sorted(v) for k, v in loading.items()
-                     if k in ("missing_keys", "unexpected_keys") and v},
+        "problems": {
+            k: sorted(v)
+            for k, v in loading.items()
+            if k in ("missing_keys", "unexpected_keys") and v
+        },
     }
 
 
@@ -116,7 +145,8 @@ def test_stream_equals_save_pretrained_and_reloads_to_the_same_logprobs(model_ty
     saved, info, streamed = row["saved"], row["info"], row["streamed"]
     assert list(info) == list(streamed)  # the announcement is the stream, in order
     assert {n: (tuple(s), d) for n, (s, d) in info.items()} == {
-        n: (tuple(t.shape), t.dtype) for n, t in saved.items()}
+        n: (tuple(t.shape), t.dtype) for n, t in saved.items()
+    }
     for name, tensor in streamed.items():
         assert torch.equal(tensor, saved[name]), name
     assert row["problems"] == {}
@@ -179,8 +209,9 @@ def test_worker_falls_back_to_eager_once_and_announces_the_checkpoint(model_type
     workers[0].model.save_pretrained(tmp_path / "again")
     saved = saved_tensors(tmp_path / "again")
     info = workers[0].prepare_refit_info()
-    assert ({n: tuple(s) for n, (s, _) in info.items()}
-            == {n: tuple(t.shape) for n, t in saved.items()})
+    assert {n: tuple(s) for n, (s, _) in info.items()} == {
+        n: tuple(t.shape) for n, t in saved.items()
+    }
     for worker in workers:
         worker.shutdown()
 
@@ -205,8 +236,11 @@ def test_a_worker_checkpoint_loads_with_from_pretrained(model_type, tmp_path):
             param.mul_(1.5)
     worker.save_checkpoint(str(tmp_path / "ck"), is_final_checkpoint=True)
     loaded, loading = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "ck" / "model", dtype=torch.float32,
-        attn_implementation=worker.model.config._attn_implementation, output_loading_info=True)
+        tmp_path / "ck" / "model",
+        dtype=torch.float32,
+        attn_implementation=worker.model.config._attn_implementation,
+        output_loading_info=True,
+    )
     assert not loading["missing_keys"] and not loading["unexpected_keys"]
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(2))
     assert torch.equal(logprobs(loaded.eval(), ids), logprobs(worker.model.eval(), ids))
@@ -230,8 +264,8 @@ if __name__ == "__main__":  # the architecture table of the closing note
     print("|---|---|---|---|")
     for model_type in SUPPORTED_MODEL_TYPES:
         row = refit_table_row(model_type, pathlib.Path(tempfile.mkdtemp()))
-        same = ({n: (tuple(s), d) for n, (s, d) in row["info"].items()}
-                == {n: (tuple(t.shape), t.dtype) for n, t in row["saved"].items()}
-                and all(torch.equal(t, row["saved"][n]) for n, t in row["streamed"].items()))
+        same = {n: (tuple(s), d) for n, (s, d) in row["info"].items()} == {
+            n: (tuple(t.shape), t.dtype) for n, t in row["saved"].items()
+        } and all(torch.equal(t, row["saved"][n]) for n, t in row["streamed"].items())
         print(f"| {model_type} | {len(row['streamed'])} | {same} | {row['delta']:.1e} |")
     print(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__}))

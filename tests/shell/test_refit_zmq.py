@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from policyworker.errors import RefitError, RefitTimeoutError
+from policyworker.shell.refit import zmq_ipc
 from policyworker.shell.refit.receiver import HFWeightReceiver
 from policyworker.shell.refit.sender import RefitSender
-from policyworker.shell.refit import zmq_ipc
 from policyworker.shell.refit.wire import decode_request
 from tests.helpers import (
     JsonCommandChild,
@@ -150,7 +150,9 @@ def test_bf16_refit_of_fp32_master_equals_the_trainers_bf16_cast(child, tmp_path
     sender = RefitSender(lambda: model, torch.bfloat16)
     try:
         _, got = _refit(child, sender, tmp_path, dtype="bfloat16", config_dir=tmp_path, ids=IDS)
-        assert torch.equal(got["logprobs"], single_thread_logprobs(copy.deepcopy(model).to(torch.bfloat16), IDS))
+        assert torch.equal(
+            got["logprobs"], single_thread_logprobs(copy.deepcopy(model).to(torch.bfloat16), IDS)
+        )
     finally:
         sender.close()
 
@@ -221,8 +223,11 @@ def test_manifest_violation_is_rejected_with_names_and_without_a_timeout_wait(ch
         answer = child.reply()
         assert not answer["ok"] and "'model.ghost.weight': no such parameter" in answer["error"]
         start = time.monotonic()  # the refused receiver answers the next refit with its reason
-        with pytest.raises(RefitError, match=r"rejected begin: the receiver refused refit_info "
-                                             r"when it was built: .*'model\.ghost\.weight'"):
+        with pytest.raises(
+            RefitError,
+            match=r"rejected begin: the receiver refused refit_info "
+            r"when it was built: .*'model\.ghost\.weight'",
+        ):
             sender.stream_weights_via_ipc_zmq(timeout_s=30)
         assert time.monotonic() - start < 5
         good = sender.prepare_refit_info()
@@ -428,7 +433,10 @@ def test_keep_staging_reuses_buffers_and_mappings_and_frees_them_on_release_or_f
     model, target = _Buffers(), _Buffers()
     sender = RefitSender(lambda: model, torch.float32, keep_staging=True)
     receiver = HFWeightReceiver(
-        target, address=sender.get_zmq_address(), refit_info=sender.prepare_refit_info(), timeout_s=30
+        target,
+        address=sender.get_zmq_address(),
+        refit_info=sender.prepare_refit_info(),
+        timeout_s=30,
     )
     zmq = sender._zmq()
 
@@ -463,7 +471,11 @@ def test_keep_staging_reuses_buffers_and_mappings_and_frees_them_on_release_or_f
         assert zmq.kept_staging_bytes == 4096
         sender.release_staging()
         receiver.release_buffers()
-        assert set(files()) == baseline and zmq.kept_staging_bytes == 0 and receiver._server.open_buffers == 0
+        assert (
+            set(files()) == baseline
+            and zmq.kept_staging_bytes == 0
+            and receiver._server.open_buffers == 0
+        )
         refit()
         original = zmq.stream
 
@@ -477,7 +489,9 @@ def test_keep_staging_reuses_buffers_and_mappings_and_frees_them_on_release_or_f
         zmq.stream = failing_stream
         with pytest.raises(OSError, match="disk on fire"):
             refit()
-        assert set(files()) == baseline and zmq.kept_staging_bytes == 0 and zmq.live_staging_bytes == 0
+        assert (
+            set(files()) == baseline and zmq.kept_staging_bytes == 0 and zmq.live_staging_bytes == 0
+        )
         assert receiver._server.open_buffers == 0 and receiver.version == 5
     finally:
         receiver.close()
@@ -486,7 +500,9 @@ def test_keep_staging_reuses_buffers_and_mappings_and_frees_them_on_release_or_f
 
 
 @pytest.mark.parametrize("large_numel", [zmq_ipc.LARGE_COPY_NUMEL, 6])
-def test_grouped_copy_casts_every_pair_whatever_the_mix_of_dtypes_and_layouts(monkeypatch, large_numel):
+def test_grouped_copy_casts_every_pair_whatever_the_mix_of_dtypes_and_layouts(
+    monkeypatch, large_numel
+):
     monkeypatch.setattr(zmq_ipc, "LARGE_COPY_NUMEL", large_numel)
     g = torch.Generator().manual_seed(0)
     srcs = [

@@ -8,8 +8,13 @@ from tests.shell.conftest import hf_reference_logprobs, make_batch, make_config
 
 BATCHING = {
     "fixed": {},
-    "dynamic": {"dynamic_batching": {"train_mb_tokens": 24, "logprob_mb_tokens": 24,
-                                     "sequence_length_round": 4}},
+    "dynamic": {
+        "dynamic_batching": {
+            "train_mb_tokens": 24,
+            "logprob_mb_tokens": 24,
+            "sequence_length_round": 4,
+        }
+    },
     "packed": {"sequence_packing": {"train_mb_tokens": 24, "logprob_mb_tokens": 20}},
 }
 
@@ -17,11 +22,16 @@ BATCHING = {
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("mode", list(BATCHING))
 @pytest.mark.parametrize("chunk", [None, 3])
-def test_logprobs_equal_plain_hf_forward_in_every_batching_mode(tiny_model_paths, kind, mode, chunk):
+def test_logprobs_equal_plain_hf_forward_in_every_batching_mode(
+    tiny_model_paths, kind, mode, chunk
+):
     """Rows of different lengths, any chunk size: allclose to HF fp32 + log_softmax, input order."""
     path = tiny_model_paths[kind]
-    worker = PolicyWorker(make_config(path, logprob_chunk_size=chunk, **BATCHING[mode]),
-                          init_optimizer=False, init_reference_model=False)
+    worker = PolicyWorker(
+        make_config(path, logprob_chunk_size=chunk, **BATCHING[mode]),
+        init_optimizer=False,
+        init_reference_model=False,
+    )
     data = make_batch(5, 12, seed=1, lengths=[12, 3, 9, 1, 6])
     got = worker.get_logprobs(data)["logprobs"]
     assert got.dtype == torch.float32 and got.shape == (5, 12) and got.device.type == "cpu"
@@ -30,11 +40,13 @@ def test_logprobs_equal_plain_hf_forward_in_every_batching_mode(tiny_model_paths
 
 def test_logprobs_chunk_size_one_and_microbatch_override(tiny_model_paths):
     path = tiny_model_paths["llama"]
-    worker = PolicyWorker(make_config(path, logprob_chunk_size=1), init_optimizer=False,
-                          init_reference_model=False)
+    worker = PolicyWorker(
+        make_config(path, logprob_chunk_size=1), init_optimizer=False, init_reference_model=False
+    )
     data = make_batch(3, 10, seed=2)
-    assert torch.allclose(worker.get_logprobs(data, micro_batch_size=3)["logprobs"],
-                          hf_reference_logprobs(path, data))
+    assert torch.allclose(
+        worker.get_logprobs(data, micro_batch_size=3)["logprobs"], hf_reference_logprobs(path, data)
+    )
 
 
 def test_temperature_divides_logits_and_filters_zero_neg_inf(tiny_model_paths):
@@ -57,8 +69,9 @@ def test_topk_equals_torch_topk_on_fp32_hf_logits(tiny_model_paths, mode):
     import transformers
 
     path = tiny_model_paths["qwen3"]
-    worker = PolicyWorker(make_config(path, **BATCHING[mode]), init_optimizer=False,
-                          init_reference_model=False)
+    worker = PolicyWorker(
+        make_config(path, **BATCHING[mode]), init_optimizer=False, init_reference_model=False
+    )
     data = make_batch(4, 10, seed=4, lengths=[10, 4, 7, 2])
     out = worker.get_topk_logits(data, k=5)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -76,16 +89,22 @@ def test_score_matches_hf_reward_head_on_unpadded_rows(tiny_reward_paths, kind):
     import transformers
 
     path = tiny_reward_paths[kind]
-    worker = PolicyWorker(make_config(path, reward_model_cfg={"reward_model_type": kind}),
-                          init_optimizer=False, init_reference_model=False)
+    worker = PolicyWorker(
+        make_config(path, reward_model_cfg={"reward_model_type": kind}),
+        init_optimizer=False,
+        init_reference_model=False,
+    )
     data = make_batch(3, 8, seed=5, lengths=[8, 3, 5])
     scores = worker.score(data)["scores"]
-    cls = (transformers.AutoModelForSequenceClassification if kind == "bradley_terry"
-           else transformers.AutoModelForTokenClassification)
+    cls = (
+        transformers.AutoModelForSequenceClassification
+        if kind == "bradley_terry"
+        else transformers.AutoModelForTokenClassification
+    )
     model = cls.from_pretrained(path, dtype=torch.float32).eval()
     for row, n in enumerate(data["input_lengths"].tolist()):
         with torch.no_grad():
-            expected = model(input_ids=data["input_ids"][row:row + 1, :n]).logits.float()
+            expected = model(input_ids=data["input_ids"][row : row + 1, :n]).logits.float()
         if kind == "bradley_terry":
             assert scores.shape == (3,)
             assert torch.allclose(scores[row], expected[0, 0], atol=1e-6)
@@ -107,6 +126,7 @@ def test_calibrate_qkv_fp8_scales_are_percentile_abs_max_over_448(tiny_model_pat
     handle.remove()
     valid = torch.cat([captured[0][0, :8], captured[0][1, :5]])
     assert out["layers"]["model.layers.1.self_attn"]["k_scale"] == pytest.approx(
-        float(valid.abs().max()) / 448.0, rel=1e-6)
+        float(valid.abs().max()) / 448.0, rel=1e-6
+    )
     assert set(out["layers"]["model.layers.0.self_attn"]) == {"q_scale", "k_scale", "v_scale"}
     assert out["kv_scales"]["model.layers.0.self_attn.v_scale"] > 0

@@ -12,7 +12,9 @@ from tests.shell.conftest import hf_reference_logprobs, make_batch, make_config
 def trained(tiny_model_paths):
     """A worker whose weights moved away from the initial (reference) weights, and its batch."""
     path = tiny_model_paths["qwen3"]
-    worker = PolicyWorker(make_config(path, generation={"temperature": 1.5, "top_k": 3, "top_p": 0.9}))
+    worker = PolicyWorker(
+        make_config(path, generation={"temperature": 1.5, "top_k": 3, "top_p": 0.9})
+    )
     data = make_batch(4, 10, seed=21)
     worker.train(data, NLLLoss())
     return worker, data, path
@@ -64,8 +66,12 @@ def test_offload_state_machine_on_cpu(tiny_model_paths):
     assert worker.model.training
     # parameters are the same objects, so the optimizer still drives the live model
     assert [id(p) for p in worker.model.parameters()] == [id(p) for p in params]
-    assert all(v.device == worker.device for s in worker.optimizer.state.values()
-               for v in s.values() if isinstance(v, torch.Tensor))
+    assert all(
+        v.device == worker.device
+        for s in worker.optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
     worker.move_optimizer_to_device("cuda")
     worker.move_to_cuda(worker.model)
     worker.finish_inference()
@@ -89,9 +95,17 @@ def test_misc_methods(tiny_model_paths):
 
 
 def test_lora_worker_trains_only_adapters_and_refit_info_has_hf_names(tiny_model_paths):
-    cfg = make_config(tiny_model_paths["llama"], precision="bfloat16",
-                      dtensor_cfg={"lora_cfg": {"target_modules": ["q_proj", "v_proj"], "dim": 4,
-                                                 "match_all_linear": False}})
+    cfg = make_config(
+        tiny_model_paths["llama"],
+        precision="bfloat16",
+        dtensor_cfg={
+            "lora_cfg": {
+                "target_modules": ["q_proj", "v_proj"],
+                "dim": 4,
+                "match_all_linear": False,
+            }
+        },
+    )
     worker = PolicyWorker(cfg, init_reference_model=False)
     assert len(worker.lora_module_names) == 4
     trainable = {n for n, p in worker.model.named_parameters() if p.requires_grad}
@@ -112,8 +126,11 @@ def test_constructor_resumes_weights_and_optimizer_from_a_checkpoint(tiny_model_
     first.train(data, NLLLoss())
     first.save_checkpoint(str(tmp_path / "w"), str(tmp_path / "o"), is_final_checkpoint=True)
     first.finalize_async_save()
-    resumed = PolicyWorker(cfg, weights_path=str(tmp_path / "w"), optimizer_path=str(tmp_path / "o"))
+    resumed = PolicyWorker(
+        cfg, weights_path=str(tmp_path / "w"), optimizer_path=str(tmp_path / "o")
+    )
     for name, value in first.model.state_dict().items():
         assert torch.equal(value, resumed.model.state_dict()[name]), name
-    assert torch.equal(first.train(data, NLLLoss())["global_loss"],
-                       resumed.train(data, NLLLoss())["global_loss"])
+    assert torch.equal(
+        first.train(data, NLLLoss())["global_loss"], resumed.train(data, NLLLoss())["global_loss"]
+    )

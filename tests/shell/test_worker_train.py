@@ -32,15 +32,20 @@ def _strategy_losses(path, loss_fn):
     data = make_batch(8, 12, seed=11, lengths=[12, 5, 9, 3, 12, 7, 2, 10])
     out = {}
     for name, extra in STRATEGIES.items():
-        cfg = make_config(path, **{**{"optimizer": {"name": "torch.optim.AdamW",
-                                                    "kwargs": {"lr": 1e-3}}}, **extra})
+        cfg = make_config(
+            path,
+            **{**{"optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-3}}}, **extra},
+        )
         worker = PolicyWorker(cfg, init_reference_model=False)
         out[name] = worker.train(data, loss_fn)["global_loss"]
     return out
 
 
-@pytest.mark.parametrize("loss_fn", [NLLLoss(), ClippedPGLossFn({"reference_policy_kl_penalty": 0.1})],
-                         ids=["nll", "clipped_pg_kl"])
+@pytest.mark.parametrize(
+    "loss_fn",
+    [NLLLoss(), ClippedPGLossFn({"reference_policy_kl_penalty": 0.1})],
+    ids=["nll", "clipped_pg_kl"],
+)
 def test_global_batch_loss_is_independent_of_microbatching_strategy(tiny_model_paths, loss_fn):
     losses = _strategy_losses(tiny_model_paths["llama"], loss_fn)
     assert losses["mbs1"].shape == (2,) and losses["mbs1"].dtype == torch.float32
@@ -58,13 +63,24 @@ def test_loss_falls_over_a_few_steps(tiny_model_paths, kind):
 
 
 def test_result_dict_and_scheduler_step_once_per_call(tiny_model_paths):
-    cfg = make_config(tiny_model_paths["llama"], scheduler={
-        "name": "torch.optim.lr_scheduler.StepLR", "kwargs": {"step_size": 1, "gamma": 0.5}})
+    cfg = make_config(
+        tiny_model_paths["llama"],
+        scheduler={
+            "name": "torch.optim.lr_scheduler.StepLR",
+            "kwargs": {"step_size": 1, "gamma": 0.5},
+        },
+    )
     worker = PolicyWorker(cfg, init_reference_model=False)
     data = make_batch(8, 10, seed=13)
     result = worker.train(data, NLLLoss())
-    assert set(result) == {"global_loss", "grad_norm", "all_mb_metrics", "rank", "model_dtype",
-                           "skipped_steps"}
+    assert set(result) == {
+        "global_loss",
+        "grad_norm",
+        "all_mb_metrics",
+        "rank",
+        "model_dtype",
+        "skipped_steps",
+    }
     assert result["rank"] == 0 and result["model_dtype"] == torch.float32
     assert result["skipped_steps"] == 0 and result["grad_norm"] > 0
     metrics = result["all_mb_metrics"]
@@ -96,19 +112,25 @@ class _NaNFromData:
     def __call__(self, data, global_valid_seqs, global_valid_toks, next_token_logprobs):
         mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
         loss = -(next_token_logprobs * mask).sum() / global_valid_toks + data["poison"].sum()
-        return loss, {"loss": float(loss.detach()), "num_valid_samples": float(data["sample_mask"].sum())}
+        return loss, {
+            "loss": float(loss.detach()),
+            "num_valid_samples": float(data["sample_mask"].sum()),
+        }
 
 
 @pytest.mark.parametrize("poison", ["loss", "advantages"])
 def test_non_finite_step_is_skipped_and_leaves_weights_and_optimizer_state_bit_identical(
-        tiny_model_paths, poison):
+    tiny_model_paths, poison
+):
     worker = PolicyWorker(make_config(tiny_model_paths["llama"]), init_reference_model=False)
     data = make_batch(4, 10, seed=15)
     data["poison"] = torch.zeros(4)
     loss_fn = _NaNFromData() if poison == "loss" else ClippedPGLossFn({})
     worker.train(data, loss_fn)  # creates optimizer state
     weights = _state(worker)
-    opt_state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in worker.optimizer.state.items()}
+    opt_state = {
+        id(p): {k: v.clone() for k, v in s.items()} for p, s in worker.optimizer.state.items()
+    }
     epoch = worker.scheduler.last_epoch
     if poison == "loss":
         data["poison"] = torch.tensor([0.0, float("nan"), 0.0, 0.0])
@@ -147,11 +169,20 @@ def _bad(kind):
     return data
 
 
-@pytest.mark.parametrize(("kind", "match"), [
-    ("missing_lengths", "input_lengths"), ("batch_sizes", "batch sizes disagree"),
-    ("too_long", "input_lengths"), ("float_ids", "input_ids"), ("ndim", "input_ids"),
-    ("missing_token_mask", "token_mask")])
-def test_bad_input_raises_value_error_naming_the_key_and_changes_nothing(tiny_model_paths, kind, match):
+@pytest.mark.parametrize(
+    ("kind", "match"),
+    [
+        ("missing_lengths", "input_lengths"),
+        ("batch_sizes", "batch sizes disagree"),
+        ("too_long", "input_lengths"),
+        ("float_ids", "input_ids"),
+        ("ndim", "input_ids"),
+        ("missing_token_mask", "token_mask"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_the_key_and_changes_nothing(
+    tiny_model_paths, kind, match
+):
     worker = PolicyWorker(make_config(tiny_model_paths["llama"]), init_reference_model=False)
     before = _state(worker)
     with pytest.raises(ValueError, match=match):
@@ -183,8 +214,13 @@ def test_dummy_microbatches_change_neither_loss_nor_update_nor_outputs(tiny_mode
     cfg = load_config(make_config(tiny_model_paths["llama"], **STRATEGIES[mode]))
     data = make_batch(4, 10, seed=17)
     plain = PolicyWorker(cfg, init_reference_model=False)
-    padded = PolicyWorker(cfg, init_reference_model=False, parallel=_OneMoreMicrobatchElsewhere(
-        world_size=1, rank=0, dp_size=1, cp_size=1, tp_size=1, device=torch.device("cpu")))
+    padded = PolicyWorker(
+        cfg,
+        init_reference_model=False,
+        parallel=_OneMoreMicrobatchElsewhere(
+            world_size=1, rank=0, dp_size=1, cp_size=1, tp_size=1, device=torch.device("cpu")
+        ),
+    )
     a, b = plain.train(data, NLLLoss()), padded.train(data, NLLLoss())
     assert torch.equal(a["global_loss"], b["global_loss"])
     assert len(a["all_mb_metrics"]["loss"]) == len(b["all_mb_metrics"]["loss"])

@@ -148,8 +148,17 @@ def save_checkpoint(
     if reference is not None:
         jobs += _save_reference(owner, saver, ref, reference, tmp[reference])
     if optim is not None:
-        jobs.append(save_optimizer(owner.model, owner.optimizer, owner.scheduler, tmp[optim],
-                                   parallel=parallel, group=group, meta=meta))
+        jobs.append(
+            save_optimizer(
+                owner.model,
+                owner.optimizer,
+                owner.scheduler,
+                tmp[optim],
+                parallel=parallel,
+                group=group,
+                meta=meta,
+            )
+        )
     if tokenizer is not None and parallel.rank == 0:
         owner.tokenizer.save_pretrained(tmp[tokenizer])
     saver.start(jobs, commits, background=not is_final_checkpoint)
@@ -185,13 +194,13 @@ def _prepare_folders(finals: Sequence[pathlib.Path]) -> None:
             _clear_stale(final)
 
 
-def _model_jobs(owner: CheckpointOwner, model_tmp: pathlib.Path, meta: Mapping[str, Any], *,
-                lora: bool) -> list[Callable[[], None]]:
+def _model_jobs(
+    owner: CheckpointOwner, model_tmp: pathlib.Path, meta: Mapping[str, Any], *, lora: bool
+) -> list[Callable[[], None]]:
     """The model's write jobs: HF safetensors, or (LoRA runs) a PEFT adapter written now."""
     if not lora:
         manifest = {**meta, "kind": "hf"}
-        return [save_hf_weights(owner.model, model_tmp, parallel=owner.parallel,
-                                manifest=manifest)]
+        return [save_hf_weights(owner.model, model_tmp, parallel=owner.parallel, manifest=manifest)]
     from policyworker.shell.lora import save_peft_adapter
 
     cfg = getattr(owner, "cfg", None)
@@ -250,7 +259,9 @@ def _record_dirs(weights_path: Any, optimizer_path: Any) -> list[pathlib.Path]:
     return dirs
 
 
-def _load(owner: CheckpointOwner, weights_path: Any, optimizer_path: Any, *, load_weights: bool) -> None:
+def _load(
+    owner: CheckpointOwner, weights_path: Any, optimizer_path: Any, *, load_weights: bool
+) -> None:
     saver, parallel = owner.saver, owner.parallel
     saver.finalize(parallel)
     _on_rank0(

@@ -308,8 +308,10 @@ def read_json(path: pathlib.Path) -> Any:
     try:
         return json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
-        msg = (f"checkpoint file {str(path)!r} is not valid JSON ({exc}); it was edited or "
-               f"written in part -- restore it from the save or load another checkpoint")
+        msg = (
+            f"checkpoint file {str(path)!r} is not valid JSON ({exc}); it was edited or "
+            f"written in part -- restore it from the save or load another checkpoint"
+        )
         raise CheckpointError(msg) from exc
 
 

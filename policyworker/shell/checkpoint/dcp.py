@@ -264,16 +264,14 @@ def load_optimizer(
 _STATE_PREFIX = "optim.state."
 
 
-def _require_same_parameters(
-    folder: pathlib.Path, keys: set[str], live: Mapping[str, Any]
-) -> None:
+def _require_same_parameters(folder: pathlib.Path, keys: set[str], live: Mapping[str, Any]) -> None:
     """Refuse optimizer state saved for other parameters (e.g. LoRA adapters vs full weights):
     loading it would leave the optimizer stepping state no parameter owns."""
-    saved = {k[len(_STATE_PREFIX):].rsplit(".", 1)[0] for k in keys if k.startswith(_STATE_PREFIX)}
+    saved = {k[len(_STATE_PREFIX) :].rsplit(".", 1)[0] for k in keys if k.startswith(_STATE_PREFIX)}
     trained = {name for group in live["param_groups"] for name in group["params"]}
     unknown = sorted(saved - trained)
     if unknown:
-        kind = ("LoRA adapters" if any(".lora_" in n for n in unknown) else "other parameters")
+        kind = "LoRA adapters" if any(".lora_" in n for n in unknown) else "other parameters"
         msg = (
             f"optimizer checkpoint {str(folder)!r} holds state for {len(unknown)} parameter(s) "
             f"this worker does not train, e.g. {unknown[:3]} ({kind}); it was saved by a worker "

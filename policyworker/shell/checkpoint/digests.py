@@ -36,14 +36,17 @@ def _piece_digest(path: pathlib.Path, offset: int) -> bytes:
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         view = memoryview(mapped)
         try:
-            return hashlib.sha256(view[offset:offset + _PIECE_BYTES]).digest()
+            return hashlib.sha256(view[offset : offset + _PIECE_BYTES]).digest()
         finally:
             view.release()
 
 
 def _file_digests(folder: pathlib.Path, names: list[str]) -> dict[str, str]:
-    jobs = [(name, offset) for name in names
-            for offset in range(0, max((folder / name).stat().st_size, 1), _PIECE_BYTES)]
+    jobs = [
+        (name, offset)
+        for name in names
+        for offset in range(0, max((folder / name).stat().st_size, 1), _PIECE_BYTES)
+    ]
     workers = max(1, min(len(jobs), os.cpu_count() or 1, 16))
     with ThreadPoolExecutor(workers, thread_name_prefix="checkpoint-digest") as pool:
         pieces = list(pool.map(lambda job: _piece_digest(folder / job[0], job[1]), jobs))
@@ -54,8 +57,11 @@ def _file_digests(folder: pathlib.Path, names: list[str]) -> dict[str, str]:
 
 
 def _listed_files(folder: pathlib.Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                  if p.is_file() and p.name != DIGESTS_FILE)
+    return sorted(
+        str(p.relative_to(folder))
+        for p in folder.rglob("*")
+        if p.is_file() and p.name != DIGESTS_FILE
+    )
 
 
 def write_digests(folder: str | os.PathLike[str]) -> None:
@@ -63,8 +69,9 @@ def write_digests(folder: str | os.PathLike[str]) -> None:
     folder = pathlib.Path(folder)
     names = _listed_files(folder)
     digests = _file_digests(folder, names)
-    files = {name: {"digest": digests[name], "bytes": (folder / name).stat().st_size}
-             for name in names}
+    files = {
+        name: {"digest": digests[name], "bytes": (folder / name).stat().st_size} for name in names
+    }
     body = {"algorithm": _ALGORITHM, "files": files}
     (folder / DIGESTS_FILE).write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
 
@@ -89,18 +96,24 @@ def verify_digests(folder: str | os.PathLike[str]) -> None:
     for name in sorted(expected):
         path = folder / name
         if not path.is_file():
-            msg = (f"checkpoint file {str(path)!r} does not exist (the save listed it in "
-                   f"{DIGESTS_FILE}); the folder lost files -- load another checkpoint")
+            msg = (
+                f"checkpoint file {str(path)!r} does not exist (the save listed it in "
+                f"{DIGESTS_FILE}); the folder lost files -- load another checkpoint"
+            )
             raise CheckpointError(msg)
         if path.stat().st_size != sizes[name]:
-            msg = (f"checkpoint file {str(path)!r} is {path.stat().st_size} bytes but was saved "
-                   f"with {sizes[name]}; it is truncated or was rewritten -- load another "
-                   f"checkpoint")
+            msg = (
+                f"checkpoint file {str(path)!r} is {path.stat().st_size} bytes but was saved "
+                f"with {sizes[name]}; it is truncated or was rewritten -- load another "
+                f"checkpoint"
+            )
             raise CheckpointError(msg)
     actual = _file_digests(folder, sorted(expected))
     for name in sorted(expected):
         if actual[name] != expected[name]:
-            msg = (f"checkpoint file {str(folder / name)!r} does not match the digest recorded "
-                   f"when it was saved: its bytes changed (disk or copy corruption, or an edit) "
-                   f"-- restore it or load another checkpoint")
+            msg = (
+                f"checkpoint file {str(folder / name)!r} does not match the digest recorded "
+                f"when it was saved: its bytes changed (disk or copy corruption, or an edit) "
+                f"-- restore it or load another checkpoint"
+            )
             raise CheckpointError(msg)

@@ -69,13 +69,17 @@ def _check_entries(path: pathlib.Path, header: Mapping[str, Any]) -> None:
             numel = math.prod(int(d) for d in entry["shape"])
             itemsize = _ITEMSIZE_OF[entry["dtype"]]
         except (KeyError, TypeError, ValueError) as exc:
-            msg = (f"checkpoint file {str(path)!r}: tensor {name!r} has an unreadable header "
-                   f"entry {entry!r} ({exc!r}); the file was edited -- load another checkpoint")
+            msg = (
+                f"checkpoint file {str(path)!r}: tensor {name!r} has an unreadable header "
+                f"entry {entry!r} ({exc!r}); the file was edited -- load another checkpoint"
+            )
             raise CheckpointError(msg) from exc
         if stop - start != numel * itemsize:
-            msg = (f"checkpoint file {str(path)!r}: tensor {name!r} is {entry['dtype']} "
-                   f"{entry['shape']} ({numel * itemsize} bytes) but its data holds "
-                   f"{stop - start} bytes; the header was edited -- load another checkpoint")
+            msg = (
+                f"checkpoint file {str(path)!r}: tensor {name!r} is {entry['dtype']} "
+                f"{entry['shape']} ({numel * itemsize} bytes) but its data holds "
+                f"{stop - start} bytes; the header was edited -- load another checkpoint"
+            )
             raise CheckpointError(msg)
 
 
@@ -137,7 +141,8 @@ def detect_weights_format(
         return "safetensors"
     msg = (
         f"no checkpoint at {str(weights_path)!r}: neither it nor its '{MODEL_DIR}' subfolder "
-        f"holds safetensors, DCP (.distcp) or a PEFT adapter" + _interrupted_hint(folder)
+        f"holds safetensors, DCP (.distcp) or a PEFT adapter"
+        + _interrupted_hint(folder)
         + _unfinalized_hint(pathlib.Path(weights_path))
     )
     raise CheckpointError(msg)
@@ -145,11 +150,18 @@ def detect_weights_format(
 
 def _unfinalized_hint(weights_path: pathlib.Path) -> str:
     """A save that is still staged (async, not finalized) leaves `model.tmp-<id>` folders."""
-    staged = sorted(p.name for p in weights_path.glob(f"{MODEL_DIR}.tmp-*")) if (
-        weights_path.is_dir()) else []
-    return (f"; a save into it was never finalized ({staged[0]}): save_checkpoint is "
-            f"asynchronous unless is_final_checkpoint=True, so call "
-            f"worker.finalize_async_save() before loading" if staged else "")
+    staged = (
+        sorted(p.name for p in weights_path.glob(f"{MODEL_DIR}.tmp-*"))
+        if (weights_path.is_dir())
+        else []
+    )
+    return (
+        f"; a save into it was never finalized ({staged[0]}): save_checkpoint is "
+        f"asynchronous unless is_final_checkpoint=True, so call "
+        f"worker.finalize_async_save() before loading"
+        if staged
+        else ""
+    )
 
 
 def _interrupted_hint(folder: pathlib.Path) -> str:

@@ -73,7 +73,9 @@ def saved_keys(specs: Mapping[str, Any], *, tie_word_embeddings: bool) -> dict[s
 
 
 def hf_layout(
-    specs: Mapping[str, tuple[Sequence[int], torch.dtype]], *, tie_word_embeddings: bool,
+    specs: Mapping[str, tuple[Sequence[int], torch.dtype]],
+    *,
+    tie_word_embeddings: bool,
     pieces: Mapping[str, Sequence[CheckpointPiece]],
 ) -> list[HFTensor]:
     """The HF checkpoint tensors of a model state `{key: (shape, dtype)}`, in state order.
@@ -94,8 +96,10 @@ def hf_layout(
             trailing = contiguous_strides(shape)[len(shape) - len(piece.shape) :]
             strides = zip(piece.shape, piece.stride, trailing, strict=True)
             if len(piece.shape) > len(shape) or any(n > 1 and s != t for n, s, t in strides):
-                msg = (f"checkpoint tensor {piece.name!r} is not a box of {name!r} {list(shape)} "
-                       f"(strides {list(piece.stride)}); the HF writer writes boxes only")
+                msg = (
+                    f"checkpoint tensor {piece.name!r} is not a box of {name!r} {list(shape)} "
+                    f"(strides {list(piece.stride)}); the HF writer writes boxes only"
+                )
                 raise CheckpointError(msg)
             box = _box_of_view(piece.view_of(base), shape)
             out.append(HFTensor(piece.name, key, box, piece.shape, dtype))

@@ -62,10 +62,12 @@ def check_vllm_version(version: str) -> None:
     one this adapter was built and tested against."""
     release = str(version).split("+", 1)[0]
     if release not in SUPPORTED_VLLM_VERSIONS:
-        msg = (f"vLLM {version} is not supported by policyworker's vLLM adapter (supported: "
-               f"{', '.join(SUPPORTED_VLLM_VERSIONS)}); its weight-transfer and layerwise-reload "
-               f"APIs change between minor versions. Install a supported one: pip install "
-               f"'policyworker[vllm]'")
+        msg = (
+            f"vLLM {version} is not supported by policyworker's vLLM adapter (supported: "
+            f"{', '.join(SUPPORTED_VLLM_VERSIONS)}); its weight-transfer and layerwise-reload "
+            f"APIs change between minor versions. Install a supported one: pip install "
+            f"'policyworker[vllm]'"
+        )
         raise UnsupportedEngineError(msg)
 
 
@@ -95,14 +97,17 @@ def register_backend() -> bool:
 
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            BACKEND_NAME, "policyworker.shell.engines.vllm_worker", "PolicyWorkerZmqEngine")
+            BACKEND_NAME, "policyworker.shell.engines.vllm_worker", "PolicyWorkerZmqEngine"
+        )
     return True
 
 
 def engine_kwargs() -> dict[str, Any]:
     """The ``vllm.LLM`` / ``EngineArgs`` keywords that enable both ways in."""
-    return {"weight_transfer_config": {"backend": BACKEND_NAME},
-            "worker_extension_cls": EXTENSION_CLS}
+    return {
+        "weight_transfer_config": {"backend": BACKEND_NAME},
+        "worker_extension_cls": EXTENSION_CLS,
+    }
 
 
 def encode_refit_info(info: Mapping[str, tuple[Any, torch.dtype]]) -> dict[str, list[Any]]:
@@ -119,8 +124,10 @@ def decode_refit_info(info: Mapping[str, Any]) -> dict[str, tuple[torch.Size, to
     out = {}
     for name, (shape, dtype) in info.items():
         if dtype not in DTYPES_BY_NAME:
-            msg = (f"refit_info[{name!r}] has dtype {dtype!r}; known: {sorted(DTYPES_BY_NAME)}. "
-                   f"Encode it with encode_refit_info(worker.prepare_refit_info())")
+            msg = (
+                f"refit_info[{name!r}] has dtype {dtype!r}; known: {sorted(DTYPES_BY_NAME)}. "
+                f"Encode it with encode_refit_info(worker.prepare_refit_info())"
+            )
             raise ValueError(msg)
         out[name] = (torch.Size(shape), DTYPES_BY_NAME[dtype])
     return out
@@ -136,11 +143,14 @@ class VllmRefit:
     ``refit()`` (tested here with one trainer process only).
     """
 
-    def __init__(self, llm: Any, sender: Any, *, via: str = "weight_transfer",
-                 timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, llm: Any, sender: Any, *, via: str = "weight_transfer", timeout_s: float = 120.0
+    ) -> None:
         if via not in _VIAS:
-            msg = (f"via={via!r} must be one of {_VIAS} (vLLM's weight-transfer calls or "
-                   f"collective_rpc)")
+            msg = (
+                f"via={via!r} must be one of {_VIAS} (vLLM's weight-transfer calls or "
+                f"collective_rpc)"
+            )
             raise ValueError(msg)
         if not timeout_s > 0:
             msg = f"timeout_s {timeout_s} must be > 0 seconds; every wait of a refit is bounded"
@@ -148,9 +158,11 @@ class VllmRefit:
         require_vllm()
         self.llm, self.sender, self.via, self.timeout_s = llm, sender, via, timeout_s
         self.version = 0
-        init = {"address": sender.get_zmq_address(),
-                "refit_info": encode_refit_info(sender.prepare_refit_info()),
-                "timeout_s": timeout_s}
+        init = {
+            "address": sender.get_zmq_address(),
+            "refit_info": encode_refit_info(sender.prepare_refit_info()),
+            "timeout_s": timeout_s,
+        }
         if via == "weight_transfer":
             llm.init_weight_transfer_engine({"init_info": init})
         else:
@@ -172,7 +184,8 @@ class VllmRefit:
         def send() -> None:
             try:
                 outcome["report"] = self.sender.stream_weights_via_ipc_zmq(
-                    timeout_s=self.timeout_s, **stream_kwargs)
+                    timeout_s=self.timeout_s, **stream_kwargs
+                )
             except BaseException as exc:  # handed to the caller's thread below
                 outcome["error"] = exc
 
@@ -188,13 +201,17 @@ class VllmRefit:
             thread.join(self.timeout_s)
             cause = outcome.get("error")
             sender = f"; the sender failed with {type(cause).__name__}: {cause}" if cause else ""
-            msg = (f"vLLM did not take refit {self.version + 1} ({type(exc).__name__}: {exc}); "
-                   f"it keeps serving version {self.version}{sender}")
+            msg = (
+                f"vLLM did not take refit {self.version + 1} ({type(exc).__name__}: {exc}); "
+                f"it keeps serving version {self.version}{sender}"
+            )
             raise RefitError(msg) from (cause or exc)
         thread.join(self.timeout_s)
         if thread.is_alive():
-            msg = (f"the trainer's stream_weights_via_ipc_zmq did not return within "
-                   f"{self.timeout_s:g} s after vLLM took the refit")
+            msg = (
+                f"the trainer's stream_weights_via_ipc_zmq did not return within "
+                f"{self.timeout_s:g} s after vLLM took the refit"
+            )
             raise RefitTimeoutError(msg)
         if "error" in outcome:
             raise outcome["error"]

@@ -33,8 +33,14 @@ from policyworker.errors import RefitError
 from policyworker.shell.engines.vllm import check_vllm_version, decode_refit_info, register_backend
 from policyworker.shell.refit.receiver import HFWeightReceiver
 
-__all__ = ["PolicyWorkerVllmExtension", "PolicyWorkerZmqEngine", "ZmqInitInfo", "ZmqUpdateInfo",
-           "layerwise_loader", "receiver_for"]
+__all__ = [
+    "PolicyWorkerVllmExtension",
+    "PolicyWorkerZmqEngine",
+    "ZmqInitInfo",
+    "ZmqUpdateInfo",
+    "layerwise_loader",
+    "receiver_for",
+]
 
 
 def _cpu_moe_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
@@ -55,9 +61,11 @@ def _check_cpu_moe_repack(found: list[tuple[torch.nn.Module, Any]]) -> None:
         size = experts.moe_config.intermediate_size_per_partition
         padded = experts._padded_intermediate_size(experts.moe_config)
         if padded != size:
-            msg = (f"vLLM {vllm.__version__}'s CPU MoE kernel pads moe intermediate size {size} "
-                   f"to {padded}; its weight updates cannot be repacked in place. Use a moe "
-                   f"intermediate size that is a multiple of {experts._intermediate_alignment()}")
+            msg = (
+                f"vLLM {vllm.__version__}'s CPU MoE kernel pads moe intermediate size {size} "
+                f"to {padded}; its weight updates cannot be repacked in place. Use a moe "
+                f"intermediate size that is a multiple of {experts._intermediate_alignment()}"
+            )
             raise ValueError(msg)
 
 
@@ -83,8 +91,12 @@ def layerwise_loader(model: torch.nn.Module, model_config: Any):
     def load(pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             snapshot = {name: t.detach().clone() for name, t in _serving_tensors(model)}
-        kernels = [(module, attr, module.__dict__[attr]) for module in model.modules()
-                   for attr in _KERNEL_ATTRS if attr in module.__dict__]
+        kernels = [
+            (module, attr, module.__dict__[attr])
+            for module in model.modules()
+            for attr in _KERNEL_ATTRS
+            if attr in module.__dict__
+        ]
         try:
             initialize_layerwise_reload(model)
             try:
@@ -95,9 +107,11 @@ def layerwise_loader(model: torch.nn.Module, model_config: Any):
                     experts.process_weights_after_loading(layer)
             missing = sorted(expected - set(loaded or ()))
             if loaded is not None and missing:
-                msg = (f"the refit left {len(missing)} vLLM parameter(s) without a value: "
-                       f"{missing[:10]}; the trainer's names do not match this vLLM model's "
-                       f"checkpoint names")
+                msg = (
+                    f"the refit left {len(missing)} vLLM parameter(s) without a value: "
+                    f"{missing[:10]}; the trainer's names do not match this vLLM model's "
+                    f"checkpoint names"
+                )
                 raise RefitError(msg)
         except BaseException:
             with torch.no_grad():
@@ -121,31 +135,44 @@ def _serving_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, t.data if isinstance(t, torch.nn.Parameter) else t) for name, t in named]
 
 
-def receiver_for(model: torch.nn.Module, model_config: Any, init: dict[str, Any]
-                 ) -> HFWeightReceiver:
+def receiver_for(
+    model: torch.nn.Module, model_config: Any, init: dict[str, Any]
+) -> HFWeightReceiver:
     """The atomic receiver of one trainer (``init``: address, refit_info, timeout_s)."""
     for key in ("address", "refit_info"):
         if key not in init:
-            msg = (f"init_info has no {key!r} (keys: {sorted(init)}); build it with "
-                   f"policyworker.shell.engines.vllm.VllmRefit")
+            msg = (
+                f"init_info has no {key!r} (keys: {sorted(init)}); build it with "
+                f"policyworker.shell.engines.vllm.VllmRefit"
+            )
             raise ValueError(msg)
-    return HFWeightReceiver(layerwise_loader(model, model_config), address=init["address"],
-                            refit_info=decode_refit_info(init["refit_info"]), atomic=True,
-                            timeout_s=float(init.get("timeout_s", 120.0)))
+    return HFWeightReceiver(
+        layerwise_loader(model, model_config),
+        address=init["address"],
+        refit_info=decode_refit_info(init["refit_info"]),
+        atomic=True,
+        timeout_s=float(init.get("timeout_s", 120.0)),
+    )
 
 
 def _check_single_worker(world_size: int) -> None:
     if world_size != 1:
-        msg = (f"the policyworker_zmq backend serves one vLLM worker (tensor_parallel_size * "
-               f"pipeline_parallel_size == 1), this engine has {world_size}; a ZMQ refit has "
-               f"one receiver")
+        msg = (
+            f"the policyworker_zmq backend serves one vLLM worker (tensor_parallel_size * "
+            f"pipeline_parallel_size == 1), this engine has {world_size}; a ZMQ refit has "
+            f"one receiver"
+        )
         raise ValueError(msg)
 
 
 def _summary(report: Any) -> dict[str, Any]:
-    return {"version": report.version, "num_tensors": report.num_tensors,
-            "num_bytes": report.num_bytes, "num_buckets": report.num_buckets,
-            "receive_seconds": report.seconds}
+    return {
+        "version": report.version,
+        "num_tensors": report.num_tensors,
+        "num_bytes": report.num_bytes,
+        "num_buckets": report.num_buckets,
+        "receive_seconds": report.seconds,
+    }
 
 
 @dataclass
@@ -170,8 +197,9 @@ class PolicyWorkerZmqEngine(WeightTransferEngine[ZmqInitInfo, ZmqUpdateInfo]):
     update_info_cls = ZmqUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, config: Any, vllm_config: Any, device: torch.device,
-                 model: torch.nn.Module) -> None:
+    def __init__(
+        self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
+    ) -> None:
         super().__init__(config, vllm_config, device, model)
         _check_single_worker(self.parallel_config.world_size)
         self._receiver: HFWeightReceiver | None = None
@@ -183,8 +211,9 @@ class PolicyWorkerZmqEngine(WeightTransferEngine[ZmqInitInfo, ZmqUpdateInfo]):
 
     def start_weight_update(self) -> None:
         if self._receiver is None:
-            msg = ("start_weight_update before init_weight_transfer_engine; connect the "
-                   "trainer first")
+            msg = (
+                "start_weight_update before init_weight_transfer_engine; connect the trainer first"
+            )
             raise RuntimeError(msg)
         self._completed = []
 
@@ -198,8 +227,10 @@ class PolicyWorkerZmqEngine(WeightTransferEngine[ZmqInitInfo, ZmqUpdateInfo]):
 
     def finish_weight_update(self) -> None:
         if not self._completed:
-            msg = ("finish_weight_update without a completed refit in this session; call "
-                   "update_weights while the trainer streams")
+            msg = (
+                "finish_weight_update without a completed refit in this session; call "
+                "update_weights while the trainer streams"
+            )
             raise RuntimeError(msg)
         self._completed = None
 

@@ -14,9 +14,17 @@
 
 from typing import Any
 
-_PLAN_NAMES = ("SUPPORTED_TP_MODEL_TYPES", "TP_STYLE_NAMES", "apply_activation_checkpointing",
-               "check_tp_divisibility", "decoder_layers", "move_buffers", "parallelize_model",
-               "reshard", "tensor_parallel_plan")
+_PLAN_NAMES = (
+    "SUPPORTED_TP_MODEL_TYPES",
+    "TP_STYLE_NAMES",
+    "apply_activation_checkpointing",
+    "check_tp_divisibility",
+    "decoder_layers",
+    "move_buffers",
+    "parallelize_model",
+    "reshard",
+    "tensor_parallel_plan",
+)
 
 
 def __getattr__(name: str) -> Any:

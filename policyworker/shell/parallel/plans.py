@@ -278,7 +278,9 @@ def parallelize_model(
         # LoRA layers are their own FSDP2 units without a param cast, so the fp32 adapters are
         # gathered and used in fp32 (the frozen base weight is cast by autocast in forward).
         lora_kwargs: dict[str, Any] = {
-            **fsdp_kwargs, "mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32)}
+            **fsdp_kwargs,
+            "mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32),
+        }
         for lora_layer in _lora_modules(model):
             fully_shard(lora_layer, **lora_kwargs)
     for layer in layers:

@@ -1,7 +1,7 @@
 """PolicyWorker as a group of Ray actors (extra "ray"); see `group.py` for the design.
 
-    actor.py   the version gate, placement groups, the actor that holds one rank's worker
-    group.py   RayWorkerGroup: start, sharded / every-rank / rank-0 calls, failure, shutdown
+actor.py   the version gate, placement groups, the actor that holds one rank's worker
+group.py   RayWorkerGroup: start, sharded / every-rank / rank-0 calls, failure, shutdown
 """
 
 from policyworker.shell.ray.actor import (
@@ -12,5 +12,10 @@ from policyworker.shell.ray.actor import (
 )
 from policyworker.shell.ray.group import RayWorkerGroup
 
-__all__ = ["RAY_SUPPORTED", "RayWorkerGroup", "WorkerGroupOptions", "import_ray",
-           "make_placement_group"]
+__all__ = [
+    "RAY_SUPPORTED",
+    "RayWorkerGroup",
+    "WorkerGroupOptions",
+    "import_ray",
+    "make_placement_group",
+]

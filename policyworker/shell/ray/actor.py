@@ -18,8 +18,14 @@ from attrs.validators import ge, gt, in_, optional
 from policyworker.errors import WorkerGroupTimeoutError
 from policyworker.functional.worker_group import version_in_range
 
-__all__ = ["RAY_SUPPORTED", "STRATEGIES", "PolicyWorkerActor", "WorkerGroupOptions", "import_ray",
-           "make_placement_group"]
+__all__ = [
+    "RAY_SUPPORTED",
+    "STRATEGIES",
+    "PolicyWorkerActor",
+    "WorkerGroupOptions",
+    "import_ray",
+    "make_placement_group",
+]
 
 RAY_MINIMUM, RAY_BELOW, RAY_TESTED = (2, 40), (3,), "2.60.0"
 RAY_SUPPORTED = f">={'.'.join(map(str, RAY_MINIMUM))},<{RAY_BELOW[0]} (tested with {RAY_TESTED})"
@@ -31,12 +37,16 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError as err:
-        msg = ("policyworker.shell.ray needs Ray, which is not installed; "
-               "pip install 'policyworker[ray]'")
+        msg = (
+            "policyworker.shell.ray needs Ray, which is not installed; "
+            "pip install 'policyworker[ray]'"
+        )
         raise ImportError(msg) from err
     if not version_in_range(ray.__version__, minimum=RAY_MINIMUM, below=RAY_BELOW):
-        msg = (f"ray {ray.__version__} is not supported by policyworker.shell.ray (it needs ray "
-               f"{RAY_SUPPORTED}); pip install 'policyworker[ray]'")
+        msg = (
+            f"ray {ray.__version__} is not supported by policyworker.shell.ray (it needs ray "
+            f"{RAY_SUPPORTED}); pip install 'policyworker[ray]'"
+        )
         raise ImportError(msg)
     return ray
 
@@ -47,7 +57,8 @@ class WorkerGroupOptions:
 
     num_workers: int = field(validator=ge(1))
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = field(
-        default="PACK", validator=in_(STRATEGIES))
+        default="PACK", validator=in_(STRATEGIES)
+    )
     cpus_per_worker: float = field(default=1.0, validator=gt(0))
     gpus_per_worker: float | None = field(default=None, validator=optional(ge(0)))  # None: auto
     torch_threads: int | None = field(default=None, validator=optional(ge(1)))  # None: the CPUs
@@ -55,8 +66,13 @@ class WorkerGroupOptions:
     collective_timeout_s: float = field(default=600.0, validator=gt(0))
 
 
-def make_placement_group(num_bundles: int, bundle: Mapping[str, float], *,
-                         strategy: str = "PACK", timeout_s: float = 600.0) -> Any:
+def make_placement_group(
+    num_bundles: int,
+    bundle: Mapping[str, float],
+    *,
+    strategy: str = "PACK",
+    timeout_s: float = 600.0,
+) -> Any:
     """A ready placement group of `num_bundles` copies of `bundle`; removed again if it is not
     ready within `timeout_s` (the error names the request and what the cluster has)."""
     ray = import_ray()
@@ -69,9 +85,11 @@ def make_placement_group(num_bundles: int, bundle: Mapping[str, float], *,
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(group)
-        msg = (f"a placement group of {num_bundles} x {dict(bundle)} ({strategy}) was not ready "
-               f"within {timeout_s} s; the cluster has {ray.available_resources()} available: "
-               f"free resources, ask for fewer workers or less per worker, or relax the strategy")
+        msg = (
+            f"a placement group of {num_bundles} x {dict(bundle)} ({strategy}) was not ready "
+            f"within {timeout_s} s; the cluster has {ray.available_resources()} available: "
+            f"free resources, ask for fewer workers or less per worker, or relax the strategy"
+        )
         raise WorkerGroupTimeoutError(msg, method="placement_group")
     return group
 
@@ -88,16 +106,26 @@ class PolicyWorkerActor:
     def where(self) -> dict[str, Any]:
         import ray
 
-        return {"node_id": ray.get_runtime_context().get_node_id(),
-                "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+        }
 
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("", 0))
             return int(sock.getsockname()[1])
 
-    def start(self, env: Mapping[str, str], config: Any, worker_kwargs: Mapping[str, Any], *,
-              use_gpu: bool, collective_timeout_s: float) -> dict[str, int]:
+    def start(
+        self,
+        env: Mapping[str, str],
+        config: Any,
+        worker_kwargs: Mapping[str, Any],
+        *,
+        use_gpu: bool,
+        collective_timeout_s: float,
+    ) -> dict[str, int]:
         os.environ.update(env)  # before the process group reads them
         import torch
 
@@ -112,8 +140,10 @@ class PolicyWorkerActor:
             device = torch.device("cuda", 0)
         parallel = ParallelContext.from_environment(
             tp_size=cfg.dtensor_cfg.tensor_parallel_size,
-            cp_size=cfg.dtensor_cfg.context_parallel_size, device=device,
-            timeout_s=collective_timeout_s)
+            cp_size=cfg.dtensor_cfg.context_parallel_size,
+            device=device,
+            timeout_s=collective_timeout_s,
+        )
         self.worker = PolicyWorker(cfg, parallel=parallel, **worker_kwargs)
         return parallel.local_coords()
 

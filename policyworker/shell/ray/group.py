@@ -50,31 +50,47 @@ class RayWorkerGroup:
     every rank and returns the per-rank results.
     """
 
-    def __init__(self, config: Any, *, num_workers: int, strategy: str = "PACK",
-                 cpus_per_worker: float = 1.0, gpus_per_worker: float | None = None,
-                 torch_threads: int | None = None, timeout_s: float = 600.0,
-                 collective_timeout_s: float = 600.0, placement_group: Any = None,
-                 bundle_indices: Sequence[int] | None = None,
-                 worker_kwargs: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        *,
+        num_workers: int,
+        strategy: str = "PACK",
+        cpus_per_worker: float = 1.0,
+        gpus_per_worker: float | None = None,
+        torch_threads: int | None = None,
+        timeout_s: float = 600.0,
+        collective_timeout_s: float = 600.0,
+        placement_group: Any = None,
+        bundle_indices: Sequence[int] | None = None,
+        worker_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         started = time.perf_counter()
         ray = self._ray = import_ray()
         from policyworker.config import load_config, validate_for_world
 
         self.options = WorkerGroupOptions(
-            num_workers=num_workers, strategy=strategy, cpus_per_worker=cpus_per_worker,
-            gpus_per_worker=gpus_per_worker, torch_threads=torch_threads, timeout_s=timeout_s,
-            collective_timeout_s=collective_timeout_s)
+            num_workers=num_workers,
+            strategy=strategy,
+            cpus_per_worker=cpus_per_worker,
+            gpus_per_worker=gpus_per_worker,
+            torch_threads=torch_threads,
+            timeout_s=timeout_s,
+            collective_timeout_s=collective_timeout_s,
+        )
         self.cfg = load_config(config) if isinstance(config, Mapping) else config
         dcfg = self.cfg.dtensor_cfg
         self.tp_size, self.cp_size = dcfg.tensor_parallel_size, dcfg.context_parallel_size
-        self._leaders = dp_leader_ranks(world_size=num_workers, cp_size=self.cp_size,
-                                        tp_size=self.tp_size)
+        self._leaders = dp_leader_ranks(
+            world_size=num_workers, cp_size=self.cp_size, tp_size=self.tp_size
+        )
         self.world_size, self.dp_size = num_workers, len(self._leaders)
         validate_for_world(self.cfg, dp_size=self.dp_size)
         unknown = sorted(set(worker_kwargs or {}) - set(_WORKER_KWARGS))
         if unknown:
-            msg = (f"worker_kwargs {unknown} are not PolicyWorker options; use "
-                   f"{list(_WORKER_KWARGS)}")
+            msg = (
+                f"worker_kwargs {unknown} are not PolicyWorker options; use {list(_WORKER_KWARGS)}"
+            )
             raise ValueError(msg)
         if not ray.is_initialized():
             ray.init()  # no cluster yet: start a local one, as Ray itself would on first use
@@ -85,11 +101,13 @@ class RayWorkerGroup:
         bundle = {"CPU": cpus_per_worker} | ({"GPU": gpus} if gpus else {})
         self.start_phases: dict[str, float] = {}  # seconds: placement_group, actors, workers
         if placement_group is None:
-            placement_group = make_placement_group(num_workers, bundle, strategy=strategy,
-                                                   timeout_s=timeout_s)
+            placement_group = make_placement_group(
+                num_workers, bundle, strategy=strategy, timeout_s=timeout_s
+            )
         self.placement_group = placement_group
-        self.bundle_indices = tuple(range(num_workers) if bundle_indices is None
-                                    else bundle_indices)
+        self.bundle_indices = tuple(
+            range(num_workers) if bundle_indices is None else bundle_indices
+        )
         try:
             self._check_bundles()
             self.start_phases["placement_group"] = time.perf_counter() - started
@@ -107,18 +125,23 @@ class RayWorkerGroup:
             return opts.gpus_per_worker
         cluster_gpus = self._ray.cluster_resources().get("GPU", 0)
         if 0 < cluster_gpus < opts.num_workers:
-            msg = (f"gpus_per_worker=None (auto) found {cluster_gpus:g} GPU(s) in the cluster for "
-                   f"num_workers={opts.num_workers}; pass gpus_per_worker (0 runs on CPU) or "
-                   f"at most {int(cluster_gpus)} workers")
+            msg = (
+                f"gpus_per_worker=None (auto) found {cluster_gpus:g} GPU(s) in the cluster for "
+                f"num_workers={opts.num_workers}; pass gpus_per_worker (0 runs on CPU) or "
+                f"at most {int(cluster_gpus)} workers"
+            )
             raise ValueError(msg)
         return 1.0 if cluster_gpus else 0.0
 
     def _check_bundles(self) -> None:
         count = self.placement_group.bundle_count
         if len(self.bundle_indices) != self.world_size or not all(
-                0 <= i < count for i in self.bundle_indices):
-            msg = (f"bundle_indices={list(self.bundle_indices)} must name {self.world_size} "
-                   f"bundles of the placement group (indices 0..{count - 1}), one per worker")
+            0 <= i < count for i in self.bundle_indices
+        ):
+            msg = (
+                f"bundle_indices={list(self.bundle_indices)} must name {self.world_size} "
+                f"bundles of the placement group (indices 0..{count - 1}), one per worker"
+            )
             raise ValueError(msg)
         ready, _ = self._ray.wait([self.placement_group.ready()], timeout=self.options.timeout_s)
         if not ready:
@@ -134,10 +157,16 @@ class RayWorkerGroup:
         started = time.perf_counter()
         for index in self.bundle_indices:
             strategy = PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=index)
-            self._actors.append(actor_class.options(
-                num_cpus=opts.cpus_per_worker, num_gpus=gpus, scheduling_strategy=strategy,
-                max_restarts=0).remote(threads))
+                self.placement_group, placement_group_bundle_index=index
+            )
+            self._actors.append(
+                actor_class.options(
+                    num_cpus=opts.cpus_per_worker,
+                    num_gpus=gpus,
+                    scheduling_strategy=strategy,
+                    max_restarts=0,
+                ).remote(threads)
+            )
         where = self._collect("where", [a.where.remote() for a in self._actors])
         self.node_ids = tuple(w["node_id"] for w in where)
         self.master_address = where[0]["ip"]
@@ -146,12 +175,23 @@ class RayWorkerGroup:
         local = local_ranks(self.node_ids)
         refs = []
         for rank, actor in enumerate(self._actors):
-            env = {"MASTER_ADDR": self.master_address, "MASTER_PORT": str(port),
-                   "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
-                   "LOCAL_RANK": str(local[rank]),
-                   "LOCAL_WORLD_SIZE": str(self.node_ids.count(self.node_ids[rank]))}
-            refs.append(actor.start.remote(env, config, worker_kwargs, use_gpu=gpus > 0,
-                                           collective_timeout_s=opts.collective_timeout_s))
+            env = {
+                "MASTER_ADDR": self.master_address,
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(local[rank]),
+                "LOCAL_WORLD_SIZE": str(self.node_ids.count(self.node_ids[rank])),
+            }
+            refs.append(
+                actor.start.remote(
+                    env,
+                    config,
+                    worker_kwargs,
+                    use_gpu=gpus > 0,
+                    collective_timeout_s=opts.collective_timeout_s,
+                )
+            )
         self.coords = tuple(self._collect("start", refs))
         self.start_phases["workers"] = time.perf_counter() - started - self.start_phases["actors"]
 
@@ -165,8 +205,9 @@ class RayWorkerGroup:
         results: list[Any] = [None] * len(refs)
         failure: WorkerGroupError | None = None
         while pending:
-            ready, _ = self._ray.wait(list(pending), num_returns=1,
-                                      timeout=max(0.0, deadline - time.monotonic()))
+            ready, _ = self._ray.wait(
+                list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+            )
             if not ready:
                 break
             rank = pending.pop(ready[0])
@@ -174,15 +215,19 @@ class RayWorkerGroup:
                 results[rank] = self._ray.get(ready[0])
             except exceptions.RayActorError as err:
                 self._broken = f"rank {rank} died during {method}"
-                msg = (f"rank {rank} died during {method} ({type(err).__name__}); the group "
-                       f"cannot go on without it: call shutdown() and start a new group")
+                msg = (
+                    f"rank {rank} died during {method} ({type(err).__name__}); the group "
+                    f"cannot go on without it: call shutdown() and start a new group"
+                )
                 raise WorkerGroupError(msg, rank=rank, method=method) from err
             except exceptions.RayTaskError as err:
                 cause = err.cause if isinstance(err.cause, BaseException) else err
                 if failure is None:
                     failure = WorkerGroupError(
                         f"rank {rank} raised in {method}: {type(cause).__name__}: {cause}",
-                        rank=rank, method=method)
+                        rank=rank,
+                        method=method,
+                    )
                     failure.__cause__ = cause
                     deadline = min(deadline, time.monotonic() + _PEER_GRACE_S)
         if pending:
@@ -191,21 +236,26 @@ class RayWorkerGroup:
             if failure is not None:
                 msg = f"{failure}; ranks {ranks} are still inside {method}: call shutdown()"
                 raise WorkerGroupError(msg, rank=failure.rank, method=method) from failure.__cause__
-            msg = (f"{method} did not return on ranks {ranks} within timeout_s="
-                   f"{self.options.timeout_s} s; call shutdown() and start a new group")
+            msg = (
+                f"{method} did not return on ranks {ranks} within timeout_s="
+                f"{self.options.timeout_s} s; call shutdown() and start a new group"
+            )
             raise WorkerGroupTimeoutError(msg, rank=ranks[0], method=method)
         if failure is not None:
             raise failure
         return results
 
-    def _call(self, method: str, per_rank: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]]
-              ) -> list[Any]:
+    def _call(
+        self, method: str, per_rank: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]]
+    ) -> list[Any]:
         if self._broken is not None or not self._actors:
             state = self._broken or "it was shut down"
             msg = f"cannot call {method}: the group is unusable ({state}); start a new group"
             raise WorkerGroupError(msg, method=method)
-        refs = [actor.call.remote(method, args, kwargs)
-                for actor, (args, kwargs) in zip(self._actors, per_rank, strict=True)]
+        refs = [
+            actor.call.remote(method, args, kwargs)
+            for actor, (args, kwargs) in zip(self._actors, per_rank, strict=True)
+        ]
         return self._collect(method, refs)
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -217,8 +267,9 @@ class RayWorkerGroup:
             raise ValueError(msg)
         return self._call(method, [(args, kwargs)] * self.world_size)
 
-    def _sharded(self, method: str, data: Mapping[str, Any], *, batch_size: int | None,
-                 **kwargs: Any) -> tuple[list[Any], Any]:
+    def _sharded(
+        self, method: str, data: Mapping[str, Any], *, batch_size: int | None, **kwargs: Any
+    ) -> tuple[list[Any], Any]:
         """Run `method(shard, **kwargs)` with each dp rank's shard; the dp leaders' results and
         the original row index of every row of the concatenated shards."""
         import torch
@@ -229,15 +280,19 @@ class RayWorkerGroup:
         size, uneven = batch.size, batch_size is None
         shards = batch.shard_by_batch_size(self.dp_size, batch_size, allow_uneven_shards=uneven)
         rows = BatchedDataDict(rows=torch.arange(size)).shard_by_batch_size(
-            self.dp_size, batch_size, allow_uneven_shards=uneven)
+            self.dp_size, batch_size, allow_uneven_shards=uneven
+        )
         if any(shard.size == 0 for shard in shards):
-            msg = (f"data has {size} rows: split over {self.dp_size} data-parallel ranks "
-                   f"(ceil({size} / {self.dp_size}) each) some rank gets none; pass a multiple "
-                   f"of {self.dp_size} rows")
+            msg = (
+                f"data has {size} rows: split over {self.dp_size} data-parallel ranks "
+                f"(ceil({size} / {self.dp_size}) each) some rank gets none; pass a multiple "
+                f"of {self.dp_size} rows"
+            )
             raise ValueError(msg)
         block = self.world_size // self.dp_size
-        results = self._call(method, [((shards[r // block],), kwargs)
-                                      for r in range(self.world_size)])
+        results = self._call(
+            method, [((shards[r // block],), kwargs) for r in range(self.world_size)]
+        )
         return [results[r] for r in self._leaders], torch.cat([s["rows"] for s in rows])
 
     def _in_row_order(self, method: str, data: Mapping[str, Any], **kwargs: Any) -> Any:
@@ -248,32 +303,48 @@ class RayWorkerGroup:
 
     # ------------------------------------------------------------------------------ data
 
-    def train(self, data: Mapping[str, Any], loss_fn: Any, eval_mode: bool = False,
-              gbs: int | None = None, mbs: int | None = None,
-              check_dim_skip_keys: Any = None) -> dict[str, Any]:
+    def train(
+        self,
+        data: Mapping[str, Any],
+        loss_fn: Any,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+        check_dim_skip_keys: Any = None,
+    ) -> dict[str, Any]:
         """One `train` over every global batch: rank 0's result (loss and grad norm are global),
         `all_mb_metrics` holding every dp rank's microbatch metrics (dp order)."""
         gbs = gbs or self.cfg.train_global_batch_size
-        parts, _ = self._sharded("train", data, batch_size=gbs, loss_fn=loss_fn,
-                                 eval_mode=eval_mode, gbs=gbs, mbs=mbs,
-                                 check_dim_skip_keys=check_dim_skip_keys)
+        parts, _ = self._sharded(
+            "train",
+            data,
+            batch_size=gbs,
+            loss_fn=loss_fn,
+            eval_mode=eval_mode,
+            gbs=gbs,
+            mbs=mbs,
+            check_dim_skip_keys=check_dim_skip_keys,
+        )
         keys = dict.fromkeys(k for part in parts for k in part["all_mb_metrics"])
-        metrics = {k: [v for part in parts for v in part["all_mb_metrics"].get(k, [])]
-                   for k in keys}
+        metrics = {
+            k: [v for part in parts for v in part["all_mb_metrics"].get(k, [])] for k in keys
+        }
         return {**parts[0], "all_mb_metrics": metrics}
 
     def get_logprobs(self, data: Mapping[str, Any], micro_batch_size: int | None = None) -> Any:
         return self._in_row_order("get_logprobs", data, micro_batch_size=micro_batch_size)
 
-    def get_reference_policy_logprobs(self, data: Mapping[str, Any],
-                                      micro_batch_size: int | None = None) -> Any:
-        return self._in_row_order("get_reference_policy_logprobs", data,
-                                  micro_batch_size=micro_batch_size)
+    def get_reference_policy_logprobs(
+        self, data: Mapping[str, Any], micro_batch_size: int | None = None
+    ) -> Any:
+        return self._in_row_order(
+            "get_reference_policy_logprobs", data, micro_batch_size=micro_batch_size
+        )
 
-    def get_topk_logits(self, data: Mapping[str, Any], k: int,
-                        micro_batch_size: int | None = None) -> Any:
-        return self._in_row_order("get_topk_logits", data, k=k,
-                                  micro_batch_size=micro_batch_size)
+    def get_topk_logits(
+        self, data: Mapping[str, Any], k: int, micro_batch_size: int | None = None
+    ) -> Any:
+        return self._in_row_order("get_topk_logits", data, k=k, micro_batch_size=micro_batch_size)
 
     def score(self, data: Mapping[str, Any]) -> Any:
         return self._in_row_order("score", data)
@@ -296,14 +367,17 @@ class RayWorkerGroup:
         """Rank 0's refit address (ipc://, on `refit_node_id`)."""
         return self.run("get_zmq_address")[0]
 
-    def stream_weights_via_ipc_zmq(self, buffer_size_bytes: int = 0, kv_scales: Any = None, *,
-                                   timeout_s: float = 120.0) -> dict[str, Any] | None:
+    def stream_weights_via_ipc_zmq(
+        self, buffer_size_bytes: int = 0, kv_scales: Any = None, *, timeout_s: float = 120.0
+    ) -> dict[str, Any] | None:
         """One refit: every rank gathers, rank 0 streams; the receiver's report."""
-        return self.run("stream_weights_via_ipc_zmq", buffer_size_bytes, kv_scales,
-                        timeout_s=timeout_s)[0]
+        return self.run(
+            "stream_weights_via_ipc_zmq", buffer_size_bytes, kv_scales, timeout_s=timeout_s
+        )[0]
 
-    def init_collective(self, ip: str, port: int, world_size: int, *,
-                        train_world_size: int) -> None:
+    def init_collective(
+        self, ip: str, port: int, world_size: int, *, train_world_size: int
+    ) -> None:
         self.run("init_collective", ip, port, world_size, train_world_size=train_world_size)
 
     def broadcast_weights_for_collective(self, *args: Any, **kwargs: Any) -> dict[str, Any]:

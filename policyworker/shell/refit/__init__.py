@@ -16,8 +16,12 @@
 
 from typing import Any
 
-_SENDER_NAMES = ("CPU_DEFAULT_BUFFER_BYTES", "CUDA_DEFAULT_BUFFER_CAP_BYTES", "RefitSender",
-                 "check_stream_args")
+_SENDER_NAMES = (
+    "CPU_DEFAULT_BUFFER_BYTES",
+    "CUDA_DEFAULT_BUFFER_CAP_BYTES",
+    "RefitSender",
+    "check_stream_args",
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -139,8 +139,12 @@ class PlannedBucket:
 def encode_header(header: CollectiveHeader) -> bytes:
     """The JSON bytes of a header."""
     body = {
-        "protocol": PROTOCOL, "version": PROTOCOL_VERSION, "refit_seq": header.refit_seq,
-        "layout": header.layout, "target_bytes": header.target_bytes, "num_buffers": header.num_buffers,
+        "protocol": PROTOCOL,
+        "version": PROTOCOL_VERSION,
+        "refit_seq": header.refit_seq,
+        "layout": header.layout,
+        "target_bytes": header.target_bytes,
+        "num_buffers": header.num_buffers,
         "alignment": header.alignment,
         "manifest": [[s.name, dtype_name(s.dtype), list(s.shape)] for s in header.manifest],
     }
@@ -150,35 +154,60 @@ def encode_header(header: CollectiveHeader) -> bytes:
 def _field_int(body: Mapping[str, Any], key: str, low: int, high: int) -> int:
     value = body.get(key)
     if type(value) is not int or not low <= value <= high:
-        raise ProtocolError(f"collective header field {key!r} must be an int in [{low}, {high}], got {value!r:.40}")
+        raise ProtocolError(
+            f"collective header field {key!r} must be an int in [{low}, {high}], got {value!r:.40}"
+        )
     return value
 
 
 def decode_header(raw: bytes) -> CollectiveHeader:
     """Parse and type-check a header. Raises ``ProtocolError`` with the reason; never evaluates."""
-    body = decode_versioned_json(raw, protocol=PROTOCOL, version=PROTOCOL_VERSION, what="collective header")
+    body = decode_versioned_json(
+        raw, protocol=PROTOCOL, version=PROTOCOL_VERSION, what="collective header"
+    )
     layout = body.get("layout")
     if layout not in ("aligned", "legacy"):
-        raise ProtocolError(f"collective header field 'layout' must be 'aligned' or 'legacy', got {layout!r:.40}")
+        raise ProtocolError(
+            f"collective header field 'layout' must be 'aligned' or 'legacy', got {layout!r:.40}"
+        )
     manifest = body.get("manifest")
     if not isinstance(manifest, list):
-        raise ProtocolError(f"collective header field 'manifest' must be a list, got {type(manifest).__name__}")
+        raise ProtocolError(
+            f"collective header field 'manifest' must be a list, got {type(manifest).__name__}"
+        )
     specs = []
     for i, item in enumerate(manifest):
-        ok = (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and 0 < len(item[0]) <= 1024
-              and item[1] in DTYPES_BY_NAME and isinstance(item[2], list) and len(item[2]) <= 16
-              and all(type(d) is int and 0 <= d <= 1 << 48 for d in item[2]))
+        ok = (
+            isinstance(item, list)
+            and len(item) == 3
+            and isinstance(item[0], str)
+            and 0 < len(item[0]) <= 1024
+            and item[1] in DTYPES_BY_NAME
+            and isinstance(item[2], list)
+            and len(item[2]) <= 16
+            and all(type(d) is int and 0 <= d <= 1 << 48 for d in item[2])
+        )
         if not ok:
-            raise ProtocolError(f"collective header manifest[{i}] must be [name, dtype, shape], got {item!r:.80}")
+            raise ProtocolError(
+                f"collective header manifest[{i}] must be [name, dtype, shape], got {item!r:.80}"
+            )
         specs.append(TensorSpec(item[0], tuple(item[2]), DTYPES_BY_NAME[item[1]]))
     return CollectiveHeader(
-        _field_int(body, "refit_seq", 0, 1 << 62), layout, _field_int(body, "target_bytes", 1, 1 << 48),
-        _field_int(body, "num_buffers", 1, MAX_NUM_BUFFERS), _field_int(body, "alignment", 1, 1 << 20),
-        tuple(specs))
+        _field_int(body, "refit_seq", 0, 1 << 62),
+        layout,
+        _field_int(body, "target_bytes", 1, 1 << 48),
+        _field_int(body, "num_buffers", 1, MAX_NUM_BUFFERS),
+        _field_int(body, "alignment", 1, 1 << 20),
+        tuple(specs),
+    )
 
 
 def plan_collective_buckets(
-    specs: Sequence[TensorSpec], *, layout: Layout, target_bytes: int, alignment: int = DEFAULT_ALIGNMENT
+    specs: Sequence[TensorSpec],
+    *,
+    layout: Layout,
+    target_bytes: int,
+    alignment: int = DEFAULT_ALIGNMENT,
 ) -> list[PlannedBucket]:
     """Bucket plan of a refit; both sides call it with the header's values.
 
@@ -198,8 +227,11 @@ def plan_collective_buckets(
         return planned
     buffer_bytes = align_up(target_bytes, alignment)
     return [
-        PlannedBucket(b.indices, b.offsets,
-                      max(o + specs[i].nbytes for i, o in zip(b.indices, b.offsets, strict=True)))
+        PlannedBucket(
+            b.indices,
+            b.offsets,
+            max(o + specs[i].nbytes for i, o in zip(b.indices, b.offsets, strict=True)),
+        )
         for b in plan_ipc_buckets(specs, buffer_bytes, alignment=alignment)
     ]
 
@@ -208,7 +240,10 @@ def default_bucket_bytes(device: torch.device) -> int:
     """The sender's bucket target when ``buffer_size_bytes`` is None (receivers never compute it)."""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        return max(DEFAULT_ALIGNMENT, min(int(total * CUDA_DEFAULT_BUCKET_FRACTION), CUDA_DEFAULT_BUCKET_CAP_BYTES))
+        return max(
+            DEFAULT_ALIGNMENT,
+            min(int(total * CUDA_DEFAULT_BUCKET_FRACTION), CUDA_DEFAULT_BUCKET_CAP_BYTES),
+        )
     return CPU_DEFAULT_BUCKET_BYTES
 
 
@@ -240,9 +275,15 @@ def init_collective(
     Raises:
         ValueError: a size, rank, port or timeout is out of range.
     """
-    if not (isinstance(world_size, int) and isinstance(train_world_size, int) and 1 <= train_world_size < world_size):
-        msg = (f"train_world_size {train_world_size!r} and world_size {world_size!r} must be ints with "
-               "1 <= train_world_size < world_size (the group needs at least one inference rank)")
+    if not (
+        isinstance(world_size, int)
+        and isinstance(train_world_size, int)
+        and 1 <= train_world_size < world_size
+    ):
+        msg = (
+            f"train_world_size {train_world_size!r} and world_size {world_size!r} must be ints with "
+            "1 <= train_world_size < world_size (the group needs at least one inference rank)"
+        )
         raise ValueError(msg)
     if not (isinstance(rank, int) and 0 <= rank < world_size):
         msg = f"rank {rank!r} must be an int in [0, {world_size}); trainer ranks keep their rank, inference rank i is T + i"
@@ -261,8 +302,15 @@ def init_collective(
         pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     else:
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    return CollectiveRefit(pg, store=store, rank=rank, world_size=world_size, train_world_size=train_world_size,
-                           device=device, timeout_s=timeout_s)
+    return CollectiveRefit(
+        pg,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        train_world_size=train_world_size,
+        device=device,
+        timeout_s=timeout_s,
+    )
 
 
 class _Waits:
@@ -271,7 +319,9 @@ class _Waits:
     def __init__(self, group: CollectiveRefit, refit_timeout_s: float | None) -> None:
         self.group = group
         self.timeout_s = float(refit_timeout_s) if refit_timeout_s is not None else group.timeout_s
-        self.watchdog = Watchdog(refit_timeout_s, group._abort_pg) if refit_timeout_s is not None else None
+        self.watchdog = (
+            Watchdog(refit_timeout_s, group._abort_pg) if refit_timeout_s is not None else None
+        )
         self.last = time.monotonic()
 
     def wait(self, work: Any, phase: str) -> None:
@@ -281,13 +331,17 @@ class _Waits:
         while not work.is_completed():
             fired = self.watchdog is not None and self.watchdog.fired
             if fired or time.monotonic() - self.last > self.timeout_s:
-                raise self.group._fail(RefitTimeoutError, phase, f"no progress within {self.timeout_s:g} s")
+                raise self.group._fail(
+                    RefitTimeoutError, phase, f"no progress within {self.timeout_s:g} s"
+                )
             time.sleep(pause)
             pause = min(2e-3, 2 * pause + 2e-5)
         try:
             work.wait()
         except RuntimeError as exc:
-            raise self.group._fail(RefitPeerLostError, phase, f"a peer's connection dropped ({str(exc)[:300]})") from None
+            raise self.group._fail(
+                RefitPeerLostError, phase, f"a peer's connection dropped ({str(exc)[:300]})"
+            ) from None
         self.last = time.monotonic()
         if self.watchdog is not None:
             self.watchdog.kick()
@@ -296,8 +350,17 @@ class _Waits:
 class CollectiveRefit:
     """One member's handle on the refit group (``init_collective`` builds it)."""
 
-    def __init__(self, pg: Backend, *, store: Any, rank: int, world_size: int, train_world_size: int,
-                 device: torch.device, timeout_s: float) -> None:
+    def __init__(
+        self,
+        pg: Backend,
+        *,
+        store: Any,
+        rank: int,
+        world_size: int,
+        train_world_size: int,
+        device: torch.device,
+        timeout_s: float,
+    ) -> None:
         self.pg: Backend | None = pg  # None once closed
         self.store = store
         self.rank = rank
@@ -329,35 +392,48 @@ class CollectiveRefit:
         self.broken = f"phase {phase!r}: {why}"
         self._abort_pg()
         _BROKEN_GROUPS.append(self.pg)
-        msg = (f"collective refit rank {self.rank}/{self.world_size}: {why} in phase {phase!r} with {self._peers()}. "
-               "The group was aborted: call init_collective on every member (a fresh port) before the next refit.")
+        msg = (
+            f"collective refit rank {self.rank}/{self.world_size}: {why} in phase {phase!r} with {self._peers()}. "
+            "The group was aborted: call init_collective on every member (a fresh port) before the next refit."
+        )
         return cls(msg)
 
     # Any: torch's stubs declare no collectives (broadcast, allreduce) on the c10d Backend class
     # that ProcessGroupGloo/NCCL derive from, though both have them at runtime.
     def _live_pg(self) -> Any:
         if self.pg is None:
-            msg = (f"collective refit group of rank {self.rank} was closed; call init_collective "
-                   "on every member (a fresh port) to build a new one")
+            msg = (
+                f"collective refit group of rank {self.rank} was closed; call init_collective "
+                "on every member (a fresh port) to build a new one"
+            )
             raise RefitError(msg)
         return self.pg
 
     def _check_usable(self) -> None:
         self._live_pg()
         if self.broken is not None:
-            msg = (f"collective refit group of rank {self.rank} is broken ({self.broken}); call init_collective "
-                   "on every member (a fresh port) to build a new one")
+            msg = (
+                f"collective refit group of rank {self.rank} is broken ({self.broken}); call init_collective "
+                "on every member (a fresh port) to build a new one"
+            )
             raise RefitError(msg)
 
     # -- collectives shared by both sides
 
     def _exchange_header(self, waits: _Waits, payload: bytes | None) -> bytes:
-        size = torch.tensor([MAGIC, len(payload) if payload is not None else 0], dtype=torch.int64, device=self.device)
+        size = torch.tensor(
+            [MAGIC, len(payload) if payload is not None else 0],
+            dtype=torch.int64,
+            device=self.device,
+        )
         waits.wait(self._live_pg().broadcast(size, 0), "header size")
         magic, nbytes = (int(v) for v in size.tolist())
         if magic != MAGIC or not 0 < nbytes <= MAX_HEADER_BYTES:
-            raise self._fail(RefitPeerLostError, "header size",
-                             f"the header broadcast carried magic {magic:#x} and {nbytes} bytes, not a refit header")
+            raise self._fail(
+                RefitPeerLostError,
+                "header size",
+                f"the header broadcast carried magic {magic:#x} and {nbytes} bytes, not a refit header",
+            )
         raw = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if payload is not None:
             raw.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
@@ -406,20 +482,31 @@ class CollectiveRefit:
             RefitTimeoutError: no progress within the deadline, or a peer dropped (group broken).
         """
         if not self.is_trainer:
-            msg = (f"broadcast_weights runs on trainer ranks 0..{self.train_world_size - 1}; rank {self.rank} is an "
-                   "inference rank: use CollectiveWeightReceiver(...).receive()")
+            msg = (
+                f"broadcast_weights runs on trainer ranks 0..{self.train_world_size - 1}; rank {self.rank} is an "
+                "inference rank: use CollectiveWeightReceiver(...).receive()"
+            )
             raise ValueError(msg)
-        for key, value, high in (("buffer_size_bytes", buffer_size_bytes, 1 << 48), ("num_buffers", num_buffers, MAX_NUM_BUFFERS)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high):
+        for key, value, high in (
+            ("buffer_size_bytes", buffer_size_bytes, 1 << 48),
+            ("num_buffers", num_buffers, MAX_NUM_BUFFERS),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high
+            ):
                 msg = f"{key} {value!r} must be None (a default) or an int in [1, {high}]"
                 raise ValueError(msg)
         check_timeout_s("refit_timeout_s", refit_timeout_s, none_means="no watchdog")
         specs = _specs_from_refit_info(refit_info)
         self._check_usable()
         header = CollectiveHeader(
-            self.refit_seq + 1, "legacy" if use_legacy_packing else "aligned",
-            buffer_size_bytes or default_bucket_bytes(self.device), num_buffers or DEFAULT_NUM_BUFFERS,
-            DEFAULT_ALIGNMENT, tuple(specs))
+            self.refit_seq + 1,
+            "legacy" if use_legacy_packing else "aligned",
+            buffer_size_bytes or default_bucket_bytes(self.device),
+            num_buffers or DEFAULT_NUM_BUFFERS,
+            DEFAULT_ALIGNMENT,
+            tuple(specs),
+        )
         started = time.monotonic()
         waits = _Waits(self, refit_timeout_s)
         with waits.watchdog or contextlib.nullcontext():
@@ -427,26 +514,47 @@ class CollectiveRefit:
             same = raw == encode_header(header)  # trainer ranks must agree on the manifest too
             rejected = self._agree(waits, not same, "header agreement")
             if rejected:
-                msg = (f"collective refit: rank(s) {rejected} rejected the header of refit {header.refit_seq} "
-                       "(manifest vs their refit_info, or a different trainer-side manifest); nothing was written. "
-                       "See those ranks' errors for the names.")
+                msg = (
+                    f"collective refit: rank(s) {rejected} rejected the header of refit {header.refit_seq} "
+                    "(manifest vs their refit_info, or a different trainer-side manifest); nothing was written. "
+                    "See those ranks' errors for the names."
+                )
                 raise RefitRejected(msg)
-            plan = plan_collective_buckets(specs, layout=header.layout, target_bytes=header.target_bytes,
-                                           alignment=header.alignment)
+            plan = plan_collective_buckets(
+                specs,
+                layout=header.layout,
+                target_bytes=header.target_bytes,
+                alignment=header.alignment,
+            )
             sizes = self._send_buckets(waits, plan, specs, iter(named_tensors), header)
             failed = self._agree(waits, False, "apply status")
         self.refit_seq = header.refit_seq
         if failed:
-            msg = (f"collective refit {header.refit_seq}: rank(s) {failed} failed to apply the weights (in-place "
-                   "receivers are stale, atomic ones kept their previous version); see their errors")
+            msg = (
+                f"collective refit {header.refit_seq}: rank(s) {failed} failed to apply the weights (in-place "
+                "receivers are stale, atomic ones kept their previous version); see their errors"
+            )
             raise RefitRejected(msg)
-        return {"refit_seq": header.refit_seq, "layout": header.layout, "target_bytes": header.target_bytes,
-                "num_buffers": header.num_buffers, "num_buckets": len(plan), "bucket_bytes": sizes,
-                "num_bytes": sum(s.nbytes for s in specs), "num_tensors": len(specs),
-                "seconds": time.monotonic() - started}
+        return {
+            "refit_seq": header.refit_seq,
+            "layout": header.layout,
+            "target_bytes": header.target_bytes,
+            "num_buffers": header.num_buffers,
+            "num_buckets": len(plan),
+            "bucket_bytes": sizes,
+            "num_bytes": sum(s.nbytes for s in specs),
+            "num_tensors": len(specs),
+            "seconds": time.monotonic() - started,
+        }
 
-    def _send_buckets(self, waits: _Waits, plan: Sequence[PlannedBucket], specs: Sequence[TensorSpec],
-                      sources: Iterator[tuple[str, torch.Tensor]], header: CollectiveHeader) -> list[int]:
+    def _send_buckets(
+        self,
+        waits: _Waits,
+        plan: Sequence[PlannedBucket],
+        specs: Sequence[TensorSpec],
+        sources: Iterator[tuple[str, torch.Tensor]],
+        header: CollectiveHeader,
+    ) -> list[int]:
         cuda = self.device.type == "cuda"
         n = header.num_buffers
         slots: list[torch.Tensor | None] = [None] * n
@@ -467,8 +575,14 @@ class CollectiveRefit:
                 if stream is not None:
                     stream.wait_stream(torch.cuda.current_stream(self.device))
                 if self.rank == 0:
-                    _fill(buf, [specs[i] for i in bucket.indices], items, bucket.offsets,
-                          legacy=header.layout == "legacy", stream=stream)
+                    _fill(
+                        buf,
+                        [specs[i] for i in bucket.indices],
+                        items,
+                        bucket.offsets,
+                        legacy=header.layout == "legacy",
+                        stream=stream,
+                    )
                 works[slot] = self._live_pg().broadcast(buf, 0)
             sizes.append(bucket.nbytes)
         for slot, work in enumerate(works):
@@ -478,17 +592,25 @@ class CollectiveRefit:
             if stream is not None:
                 stream.synchronize()
         if next(sources, None) is not None:
-            raise self._fail(RefitPeerLostError, "end of stream",
-                             "the named tensors outlasted refit_info (the sender's stream and metadata disagree)")
+            raise self._fail(
+                RefitPeerLostError,
+                "end of stream",
+                "the named tensors outlasted refit_info (the sender's stream and metadata disagree)",
+            )
         return sizes
 
-    def _next_source(self, sources: Iterator[tuple[str, torch.Tensor]], spec: TensorSpec) -> torch.Tensor:
+    def _next_source(
+        self, sources: Iterator[tuple[str, torch.Tensor]], spec: TensorSpec
+    ) -> torch.Tensor:
         item = next(sources, None)
         if item is None or item[0] != spec.name or tuple(item[1].shape) != spec.shape:
             got = "end of stream" if item is None else f"{item[0]!r} {list(item[1].shape)}"
             # Peers are waiting inside a collective: abort the group so they fail fast too.
-            raise self._fail(RefitPeerLostError, "stream",
-                             f"the named tensors sent {got} where refit_info says {spec.name!r} {list(spec.shape)}")
+            raise self._fail(
+                RefitPeerLostError,
+                "stream",
+                f"the named tensors sent {got} where refit_info says {spec.name!r} {list(spec.shape)}",
+            )
         return item[1]
 
     def close(self) -> None:
@@ -497,18 +619,29 @@ class CollectiveRefit:
         self.store = None
 
 
-def _fill(buf: torch.Tensor, specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor], offsets: Sequence[int],
-          *, legacy: bool, stream: Any) -> None:
+def _fill(
+    buf: torch.Tensor,
+    specs: Sequence[TensorSpec],
+    tensors: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    *,
+    legacy: bool,
+    stream: Any,
+) -> None:
     """Cast each tensor into its slot of the bucket bytes (aligned: straight into a typed view)."""
     for tensor in tensors:
         if stream is not None and tensor.is_cuda:
             tensor.record_stream(stream)  # freed by the caller while this stream may still read it
     if legacy:  # offsets may be misaligned for the dtype: cast first, then copy raw bytes
-        pack_tensors([t.detach().to(s.dtype) for s, t in zip(specs, tensors, strict=True)], offsets, buf)
+        pack_tensors(
+            [t.detach().to(s.dtype) for s, t in zip(specs, tensors, strict=True)], offsets, buf
+        )
         return
     for spec, tensor, offset in zip(specs, tensors, offsets, strict=True):
         if spec.nbytes:
-            buf[offset:offset + spec.nbytes].view(spec.dtype).view(spec.shape).copy_(tensor.detach(), non_blocking=True)
+            buf[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape).copy_(
+                tensor.detach(), non_blocking=True
+            )
 
 
 # ----------------------------------------------------------------------------- receiver
@@ -522,11 +655,19 @@ class CollectiveWeightReceiver:
     from ``refit_info`` and ``atomic``.
     """
 
-    def __init__(self, target: HFWeightReceiver | nn.Module | Callable[..., Any], *, group: CollectiveRefit,
-                 refit_info: Mapping[str, Any] | None = None, atomic: bool = False) -> None:
+    def __init__(
+        self,
+        target: HFWeightReceiver | nn.Module | Callable[..., Any],
+        *,
+        group: CollectiveRefit,
+        refit_info: Mapping[str, Any] | None = None,
+        atomic: bool = False,
+    ) -> None:
         if group.is_trainer:
-            msg = (f"CollectiveWeightReceiver runs on inference ranks >= {group.train_world_size}; rank {group.rank} "
-                   "is a trainer rank: call broadcast_weights there")
+            msg = (
+                f"CollectiveWeightReceiver runs on inference ranks >= {group.train_world_size}; rank {group.rank} "
+                "is a trainer rank: call broadcast_weights there"
+            )
             raise ValueError(msg)
         self.receiver = HFWeightReceiver.socketless(target, refit_info=refit_info, atomic=atomic)
         self.group = group
@@ -567,8 +708,12 @@ class CollectiveWeightReceiver:
                 raise RefitRejected(reason)
             assert header is not None
             self.last_header = header
-            plan = plan_collective_buckets(header.manifest, layout=header.layout, target_bytes=header.target_bytes,
-                                           alignment=header.alignment)
+            plan = plan_collective_buckets(
+                header.manifest,
+                layout=header.layout,
+                target_bytes=header.target_bytes,
+                alignment=header.alignment,
+            )
             reason = self._receive_buckets(waits, plan, header)
             failed = group._agree(waits, reason is not None, "apply status")
             if self.group.device.type == "cuda":
@@ -576,10 +721,15 @@ class CollectiveWeightReceiver:
         group.refit_seq = header.refit_seq
         if failed:
             self.receiver.abort_refit("a rank failed to apply the refit")
-            raise RefitRejected(reason or f"rank(s) {failed} failed to apply refit {header.refit_seq}; not committed")
+            raise RefitRejected(
+                reason
+                or f"rank(s) {failed} failed to apply refit {header.refit_seq}; not committed"
+            )
         return self.receiver.commit_refit(num_buckets=len(plan))
 
-    def _receive_buckets(self, waits: _Waits, plan: Sequence[PlannedBucket], header: CollectiveHeader) -> str | None:
+    def _receive_buckets(
+        self, waits: _Waits, plan: Sequence[PlannedBucket], header: CollectiveHeader
+    ) -> str | None:
         group, n = self.group, header.num_buffers
         slots: list[torch.Tensor | None] = [None] * n
         works: list[Any] = [None] * n
@@ -607,7 +757,9 @@ class CollectiveWeightReceiver:
                     buf = torch.empty(0, dtype=torch.uint8, device=group.device)
                 try:
                     tensors = unpack_tensors(buf, specs, bucket.offsets)
-                    self.receiver.apply_batch([(s.name, t) for s, t in zip(specs, tensors, strict=True)])
+                    self.receiver.apply_batch(
+                        [(s.name, t) for s, t in zip(specs, tensors, strict=True)]
+                    )
                 except (RefitError, ValueError) as exc:
                     reason = f"rank {group.rank} failed to apply bucket {seq}: {exc}"
             if seq + n < len(plan):
@@ -619,8 +771,13 @@ class CollectiveWeightReceiver:
 
 
 @contextlib.contextmanager
-def cpu_offload_cycle(enabled: bool, onload: Callable[[], Any] | None, offload: Callable[[], Any] | None, *,
-                      transport: str) -> Iterator[None]:
+def cpu_offload_cycle(
+    enabled: bool,
+    onload: Callable[[], Any] | None,
+    offload: Callable[[], Any] | None,
+    *,
+    transport: str,
+) -> Iterator[None]:
     """With cpu_offload, move the model to the device for the transfer and back after."""
     if not enabled:
         yield
@@ -628,8 +785,11 @@ def cpu_offload_cycle(enabled: bool, onload: Callable[[], Any] | None, offload: 
     if onload is None or offload is None:
         msg = f"cpu_offload=True needs both onload and offload callables for {transport}; pass the worker's moves"
         raise ValueError(msg)
-    warnings.warn(f"cpu_offload adds an onload/offload cycle around {transport} (the model is moved to the device "
-                  "and back)", stacklevel=3)
+    warnings.warn(
+        f"cpu_offload adds an onload/offload cycle around {transport} (the model is moved to the device "
+        "and back)",
+        stacklevel=3,
+    )
     onload()
     try:
         yield
@@ -657,19 +817,27 @@ def broadcast_model_weights(
         msg = "broadcast_weights_for_collective needs a refit group: call init_collective(ip, port, world_size, ...) first"
         raise ValueError(msg)
     if kv_scales is not None:
-        msg = ("kv_scales: FP8 KV-cache scales are unsupported in this worker (no FP8 kvcache calibration path); "
-               "pass kv_scales=None")
+        msg = (
+            "kv_scales: FP8 KV-cache scales are unsupported in this worker (no FP8 kvcache calibration path); "
+            "pass kv_scales=None"
+        )
         raise ValueError(msg)
-    with cpu_offload_cycle(cpu_offload, onload, offload, transport="broadcast_weights_for_collective"):
+    with cpu_offload_cycle(
+        cpu_offload, onload, offload, transport="broadcast_weights_for_collective"
+    ):
         stream = refit_stream(model, refit_dtype, draft_model)  # one walk: specs and tensors
         info = {s.name: (torch.Size(s.shape), s.dtype) for s in stream.specs}
         sources = ((s.name, s.tensor) for s in stream.sources)
         try:
             with torch.no_grad():  # the caller's grad mode comes back on every exit
                 return group.broadcast_weights(
-                    sources, refit_info=info, buffer_size_bytes=buffer_size_bytes,
-                    num_buffers=num_buffers, use_legacy_packing=use_legacy_packing,
-                    refit_timeout_s=refit_timeout_s)
+                    sources,
+                    refit_info=info,
+                    buffer_size_bytes=buffer_size_bytes,
+                    num_buffers=num_buffers,
+                    use_legacy_packing=use_legacy_packing,
+                    refit_timeout_s=refit_timeout_s,
+                )
         finally:
             sources.close()
             stream.sources.close()

@@ -35,8 +35,17 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "checkpoint_layout", "model_type_of", "requi
 # Each is covered by tests/shell/test_refit_names.py (stream == save_pretrained, logprobs of
 # from_pretrained(stream) == the trainer's).
 SUPPORTED_MODEL_TYPES = (
-    "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3",
-    "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss",
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v3",
+    "gpt_oss",
 )
 
 
@@ -94,7 +103,8 @@ def checkpoint_layout(
     roots = {name: torch.empty(tuple(shape), device="meta") for name, shape in shapes.items()}
     source_of_root = {id(root): name for name, root in roots.items()}
     traced: dict[str, torch.Tensor] = {
-        name: root.as_subclass(_ViewTracer) for name, root in roots.items()}
+        name: root.as_subclass(_ViewTracer) for name, root in roots.items()
+    }
     converted = revert_weight_conversion(cast("PreTrainedModel", module), traced)
     pieces: dict[str, list[CheckpointPiece]] = {name: [] for name in shapes}
     for checkpoint_name, tensor in converted.items():
@@ -106,9 +116,14 @@ def checkpoint_layout(
                 f"views of single tensors only"
             )
             raise ValueError(msg)
-        pieces[source].append(CheckpointPiece(
-            checkpoint_name, tuple(tensor.shape), tuple(tensor.stride()),
-            int(tensor.storage_offset())))
+        pieces[source].append(
+            CheckpointPiece(
+                checkpoint_name,
+                tuple(tensor.shape),
+                tuple(tensor.stride()),
+                int(tensor.storage_offset()),
+            )
+        )
     for name, shape in shapes.items():
         check_pieces(name, shape, pieces[name])
     return {name: tuple(found) for name, found in pieces.items()}

@@ -135,12 +135,19 @@ class _Walk:
 
 
 # model -> {(target dtype, keep_fp32, prefix, tied): walk}; entries die with their model
-_WALKS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], _Walk]] = weakref.WeakKeyDictionary()
+_WALKS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], _Walk]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _compile_walk(
-    model: nn.Module, state: Mapping[str, torch.Tensor], target_dtype: torch.dtype, *,
-    keep_fp32: tuple[str, ...], prefix: str, tied: bool,
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    target_dtype: torch.dtype,
+    *,
+    keep_fp32: tuple[str, ...],
+    prefix: str,
+    tied: bool,
 ) -> _Walk:
     """Names, dtypes and LoRA/layout handling of every key, decided once over meta stand-ins."""
     lora = _lora_modules(model)
@@ -160,20 +167,28 @@ def _compile_walk(
         split = not (len(pieces) == 1 and pieces[0].is_whole(meta.shape))
         outputs = tuple(
             # keep_fp32 patterns name the in-memory modules, so they match the in-memory name
-            TensorSpec(prefix + piece.name, piece.shape, refit_tensor_dtype(
-                name, piece.view_of(meta), target_dtype, keep_fp32=keep_fp32))
+            TensorSpec(
+                prefix + piece.name,
+                piece.shape,
+                refit_tensor_dtype(name, piece.view_of(meta), target_dtype, keep_fp32=keep_fp32),
+            )
             for piece in pieces
         )
         base = key.removesuffix(".weight") if key.endswith(".weight") else None
-        entries.append(_Entry(key, name, base if base in lora else None,
-                              pieces if split else None, outputs))
+        entries.append(
+            _Entry(key, name, base if base in lora else None, pieces if split else None, outputs)
+        )
     signature = tuple((k, v.shape, v.dtype) for k, v in state.items())
     return _Walk(signature, tuple(entries), tuple(s for e in entries for s in e.outputs))
 
 
 def _walk_of(
-    model: nn.Module, state: Mapping[str, torch.Tensor], target_dtype: torch.dtype, *,
-    keep_fp32: tuple[str, ...], prefix: str,
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    target_dtype: torch.dtype,
+    *,
+    keep_fp32: tuple[str, ...],
+    prefix: str,
 ) -> _Walk:
     """The cached walk while the model's key/shape/dtype signature is unchanged, else a new one."""
     tied = tie_word_embeddings(model)
@@ -181,12 +196,16 @@ def _walk_of(
     per_model = _WALKS.setdefault(model, {})
     walk = per_model.get(cache_key)
     if walk is None or not walk.matches(state):
-        walk = _compile_walk(model, state, target_dtype, keep_fp32=keep_fp32, prefix=prefix, tied=tied)
+        walk = _compile_walk(
+            model, state, target_dtype, keep_fp32=keep_fp32, prefix=prefix, tied=tied
+        )
         per_model[cache_key] = walk
     return walk
 
 
-def _iter_walk(model: nn.Module, state: Mapping[str, torch.Tensor], walk: _Walk) -> Iterator[RefitSource]:
+def _iter_walk(
+    model: nn.Module, state: Mapping[str, torch.Tensor], walk: _Walk
+) -> Iterator[RefitSource]:
     for entry in walk.entries:
         full = _materialize(state[entry.key], meta=False)
         if entry.lora is not None:  # merged weight has W's shape and dtype by contract
@@ -219,8 +238,9 @@ class RefitStream:
     sources: Generator[RefitSource, None, None]  # close it when stopping early
 
 
-def _models(model: nn.Module, draft_model: nn.Module | None, keep_fp32: Sequence[str] | None
-            ) -> list[tuple[nn.Module, tuple[str, ...], str]]:
+def _models(
+    model: nn.Module, draft_model: nn.Module | None, keep_fp32: Sequence[str] | None
+) -> list[tuple[nn.Module, tuple[str, ...], str]]:
     keep = keep_fp32_patterns(model) if keep_fp32 is None else tuple(keep_fp32)
     out = [(model, keep, "")]
     if draft_model is not None:
@@ -244,7 +264,9 @@ def refit_stream(
     parts = []
     for module, keep, prefix in _models(model, draft_model, keep_fp32):
         state = module.state_dict(keep_vars=True)
-        parts.append((module, state, _walk_of(module, state, target_dtype, keep_fp32=keep, prefix=prefix)))
+        parts.append(
+            (module, state, _walk_of(module, state, target_dtype, keep_fp32=keep, prefix=prefix))
+        )
     walks = tuple(w for _, _, w in parts)
     specs = walks[0].specs if len(walks) == 1 else _joined_specs(walks)
 
@@ -287,7 +309,9 @@ def iter_refit_sources(
         yield from stream.sources
         return
     for spec in stream.specs:
-        yield RefitSource(spec.name, torch.empty(spec.shape, dtype=spec.dtype, device="meta"), spec.dtype)
+        yield RefitSource(
+            spec.name, torch.empty(spec.shape, dtype=spec.dtype, device="meta"), spec.dtype
+        )
 
 
 def params_generator(

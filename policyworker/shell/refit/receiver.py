@@ -31,6 +31,7 @@ from policyworker.functional.buckets import TensorSpec
 from policyworker.functional.names import canonical_name, is_lora_param, pieces_by_checkpoint_name
 from policyworker.shell.refit.hf_names import checkpoint_layout
 from policyworker.shell.refit.params import tie_word_embeddings
+from policyworker.shell.refit.watchdog import check_timeout_s
 from policyworker.shell.refit.wire import (
     ProtocolError,
     check_manifest,
@@ -50,7 +51,6 @@ from policyworker.shell.refit.zmq_ipc import (
     grouped_copy_,
     run_copy_groups,
 )
-from policyworker.shell.refit.watchdog import check_timeout_s
 
 __all__ = ["HFWeightReceiver", "PreparedBatch", "RefitReport", "WeightApplier"]
 
@@ -69,7 +69,9 @@ class RefitReport:
     seconds: float
 
 
-def _module_destinations(module: nn.Module, expected: Mapping[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
+def _module_destinations(
+    module: nn.Module, expected: Mapping[str, tuple[torch.Size, torch.dtype]]
+) -> dict[str, torch.Tensor]:
     """The live tensor (or the piece of one, e.g. an expert of a fused MoE tensor) each
     checkpoint name is written into: the module's own checkpoint layout, as transformers
     saves it."""
@@ -92,11 +94,14 @@ def _module_destinations(module: nn.Module, expected: Mapping[str, tuple[torch.S
             problems.append(f"{name!r}: no such parameter or buffer")
             continue
         if tuple(dest.shape) != tuple(shape):
-            problems.append(f"{name!r}: module has shape {list(dest.shape)}, refit_info says {list(shape)}")
+            problems.append(
+                f"{name!r}: module has shape {list(dest.shape)}, refit_info says {list(shape)}"
+            )
         dests[name] = dest.data if isinstance(dest, nn.Parameter) else dest
     if problems:
         msg = (
-            f"target module cannot receive {len(problems)} refit tensor(s): " + "; ".join(problems[:20])
+            f"target module cannot receive {len(problems)} refit tensor(s): "
+            + "; ".join(problems[:20])
             + ". Build the receiver's model from the same config as the trainer's, or pass a "
             "load_weights callable that knows these names."
         )
@@ -131,10 +136,14 @@ class _Session:
 class WeightApplier:
     """Validate-then-write of refit batches into a module or a ``load_weights`` callable."""
 
-    def __init__(self, target: nn.Module | LoadWeights, refit_info: Mapping[str, Any], *, atomic: bool) -> None:
+    def __init__(
+        self, target: nn.Module | LoadWeights, refit_info: Mapping[str, Any], *, atomic: bool
+    ) -> None:
         self.expected = expected_from_refit_info(refit_info)
         if isinstance(target, nn.Module):
-            self._dests: dict[str, torch.Tensor] | None = _module_destinations(target, self.expected)
+            self._dests: dict[str, torch.Tensor] | None = _module_destinations(
+                target, self.expected
+            )
             self._load: LoadWeights | None = None
         elif callable(target):
             self._dests, self._load = None, target
@@ -153,8 +162,9 @@ class WeightApplier:
 
     def manifest_specs(self) -> list[TensorSpec]:
         """The manifest ``refit_info`` announces (what a sender's BEGIN should carry)."""
-        return [TensorSpec(name, tuple(shape), dtype)
-                for name, (shape, dtype) in self.expected.items()]
+        return [
+            TensorSpec(name, tuple(shape), dtype) for name, (shape, dtype) in self.expected.items()
+        ]
 
     def begin(self, manifest: Sequence[TensorSpec]) -> None:
         if self._session is not None:
@@ -170,8 +180,9 @@ class WeightApplier:
             self._sizes = tuple(s.nbytes for s in specs)
             self._dest_list = None if self._dests is None else [self._dests[s.name] for s in specs]
             manifest = specs
-        self._session = _Session(tuple(manifest), self._index, self._dest_list, self._sizes,
-                                 bytearray(len(manifest)))
+        self._session = _Session(
+            tuple(manifest), self._index, self._dest_list, self._sizes, bytearray(len(manifest))
+        )
 
     def apply_batch(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Check named tensors against the manifest (all of them first), then write them."""
@@ -186,8 +197,10 @@ class WeightApplier:
             if session.received[index] or index in seen:
                 problems.append(f"duplicate name {name!r}")
             elif tuple(tensor.shape) != want.shape or tensor.dtype != want.dtype:
-                problems.append(f"{name!r} is {dtype_name(tensor.dtype)}{list(tensor.shape)}, manifest says "
-                                f"{dtype_name(want.dtype)}{list(want.shape)}")
+                problems.append(
+                    f"{name!r} is {dtype_name(tensor.dtype)}{list(tensor.shape)}, manifest says "
+                    f"{dtype_name(want.dtype)}{list(want.shape)}"
+                )
             seen.add(index)
             indices.append(index)
         if problems:
@@ -225,8 +238,12 @@ class WeightApplier:
 
     def _check_indices(self, session: _Session, indices: Sequence[int]) -> None:
         count, received = len(session.manifest), session.received
-        if len(set(indices)) != len(indices) or not all(0 <= i < count and not received[i] for i in indices):
-            raise ProtocolError("batch rejected before any write: an index is out of range or repeated")
+        if len(set(indices)) != len(indices) or not all(
+            0 <= i < count and not received[i] for i in indices
+        ):
+            raise ProtocolError(
+                "batch rejected before any write: an index is out of range or repeated"
+            )
 
     def _mark(self, session: _Session, indices: Sequence[int]) -> None:
         received = session.received
@@ -236,7 +253,9 @@ class WeightApplier:
         sizes = session.sizes
         session.num_bytes += sum(sizes[i] for i in indices)
 
-    def _apply(self, session: _Session, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+    def _apply(
+        self, session: _Session, indices: Sequence[int], tensors: Sequence[torch.Tensor]
+    ) -> None:
         with torch.no_grad():
             if self.atomic:
                 for index, tensor in zip(indices, tensors, strict=True):
@@ -248,7 +267,9 @@ class WeightApplier:
                 self._write(session, indices, tensors)
         self._mark(session, indices)
 
-    def _write(self, session: _Session, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+    def _write(
+        self, session: _Session, indices: Sequence[int], tensors: Sequence[torch.Tensor]
+    ) -> None:
         if session.dests is not None:
             # grouped launches for the whole batch: per-tensor launch overhead dominates small tensors
             dests = session.dests
@@ -261,8 +282,12 @@ class WeightApplier:
     def commit(self, *, num_buckets: int = 0) -> RefitReport:
         session = self._require_session()
         if len(session.order) != len(session.manifest):
-            missing = [s.name for s, got in zip(session.manifest, session.received, strict=True) if not got]
-            raise ProtocolError(f"refit incomplete: {len(missing)} tensors never arrived: {missing[:20]}")
+            missing = [
+                s.name for s, got in zip(session.manifest, session.received, strict=True) if not got
+            ]
+            raise ProtocolError(
+                f"refit incomplete: {len(missing)} tensors never arrived: {missing[:20]}"
+            )
         if self.atomic:
             with torch.no_grad():
                 self._write(session, session.order, [session.staged[i] for i in session.order])
@@ -270,8 +295,14 @@ class WeightApplier:
         self.version += 1
         self.stale = False
         names = tuple(session.manifest[i].name for i in session.order)
-        return RefitReport(self.version, names, len(names), session.num_bytes, num_buckets,
-                           time.monotonic() - session.started)
+        return RefitReport(
+            self.version,
+            names,
+            len(names),
+            session.num_bytes,
+            num_buckets,
+            time.monotonic() - session.started,
+        )
 
     def abort(self, reason: str) -> None:
         """Drop the refit in progress; in-place mode stays ``stale`` if anything was written."""
@@ -314,15 +345,21 @@ class HFWeightReceiver:
             self.applier = WeightApplier(target, refit_info, atomic=atomic)
         except ValueError as exc:
             if address is not None:  # tell the sender now, not after its timeout
-                answer_refusal(address, f"the receiver refused refit_info when it was built: "
-                                        f"{exc}", timeout_s=timeout_s)
+                answer_refusal(
+                    address,
+                    f"the receiver refused refit_info when it was built: {exc}",
+                    timeout_s=timeout_s,
+                )
             raise
         self.refit_info = self.applier.expected
         self.address = address
         self._server = RefitServer(self.applier)
         cap = max_message_bytes(tuple(self.applier.manifest_specs()))  # nothing larger is read
-        self._socket = (ZmqIpcReceiver(address, timeout_s=timeout_s, max_message_bytes=cap)
-                        if address is not None else None)
+        self._socket = (
+            ZmqIpcReceiver(address, timeout_s=timeout_s, max_message_bytes=cap)
+            if address is not None
+            else None
+        )
 
     @classmethod
     def socketless(
@@ -337,8 +374,10 @@ class HFWeightReceiver:
         if isinstance(target, HFWeightReceiver):
             return target
         if refit_info is None:
-            msg = ("refit_info is required unless target is an HFWeightReceiver; pass the "
-                   "trainer's prepare_refit_info()")
+            msg = (
+                "refit_info is required unless target is an HFWeightReceiver; pass the "
+                "trainer's prepare_refit_info()"
+            )
             raise ValueError(msg)
         return cls(target, address=None, refit_info=refit_info, atomic=atomic)
 
@@ -392,7 +431,10 @@ class HFWeightReceiver:
         self._server.release_buffers()
 
     def apply_named_tensors(
-        self, pairs: Iterable[tuple[str, torch.Tensor]], *, manifest: Mapping[str, Any] | Sequence[TensorSpec]
+        self,
+        pairs: Iterable[tuple[str, torch.Tensor]],
+        *,
+        manifest: Mapping[str, Any] | Sequence[TensorSpec],
     ) -> RefitReport:
         """One whole refit from an in-process iterable of ``(hf_name, tensor)``."""
         self.begin_refit(manifest)

@@ -48,7 +48,11 @@ def check_stream_args(
             "calibration path); pass kv_scales=None"
         )
         raise ValueError(msg)
-    if isinstance(buffer_size_bytes, bool) or not isinstance(buffer_size_bytes, int) or buffer_size_bytes < 0:
+    if (
+        isinstance(buffer_size_bytes, bool)
+        or not isinstance(buffer_size_bytes, int)
+        or buffer_size_bytes < 0
+    ):
         msg = f"buffer_size_bytes {buffer_size_bytes!r} must be an int >= 0 (0 = pick a default)"
         raise ValueError(msg)
     check_timeout_s("timeout_s", timeout_s)
@@ -94,8 +98,10 @@ class RefitSender:
     def _zmq(self) -> ZmqIpcSender:
         with self._creating:
             if self._closed:
-                msg = (f"refit rank {self.rank}: this refit sender was closed (the worker was shut "
-                       "down); it opens no new address and streams no refit")
+                msg = (
+                    f"refit rank {self.rank}: this refit sender was closed (the worker was shut "
+                    "down); it opens no new address and streams no refit"
+                )
                 raise RefitError(msg)
             if self._sender is None:
                 self._sender = ZmqIpcSender(rank=self.rank)
@@ -137,33 +143,48 @@ class RefitSender:
         stream = refit_stream(self._model_fn(), self.refit_dtype, self._draft_model_fn())
         try:
             with torch.no_grad():  # a plain function's context: the caller's grad mode comes back
-                return self._stream(stream, buffer_size_bytes, timeout_s, keep_staging,
-                                    wrap_sources)
+                return self._stream(
+                    stream, buffer_size_bytes, timeout_s, keep_staging, wrap_sources
+                )
         finally:
             if wrap_sources is None:  # a wrapper's owner drains or closes the stream itself
                 stream.sources.close()
 
-    def _stream(self, stream: Any, buffer_size_bytes: int, timeout_s: float,
-                keep_staging: bool | None,
-                wrap_sources: Callable[[Iterator[Any]], Iterator[Any]] | None) -> dict[str, Any]:
+    def _stream(
+        self,
+        stream: Any,
+        buffer_size_bytes: int,
+        timeout_s: float,
+        keep_staging: bool | None,
+        wrap_sources: Callable[[Iterator[Any]], Iterator[Any]] | None,
+    ) -> dict[str, Any]:
         specs = stream.specs
         sources = stream.sources if wrap_sources is None else wrap_sources(stream.sources)
         cuda = self.device.type == "cuda"
-        if stream.key != self._stats_key:  # (largest, total) aligned bytes: the default size's inputs
+        if (
+            stream.key != self._stats_key
+        ):  # (largest, total) aligned bytes: the default size's inputs
             self._stats_key, self._stats = stream.key, ipc_size_stats(specs)
         if buffer_size_bytes:
             per_buffer = split_ipc_budget(buffer_size_bytes)
         elif cuda:
             free, _ = torch.cuda.mem_get_info(self.device)
-            per_buffer = default_ipc_buffer_bytes_from(*self._stats, cap_bytes=CUDA_DEFAULT_BUFFER_CAP_BYTES,
-                                                       free_bytes=free)
+            per_buffer = default_ipc_buffer_bytes_from(
+                *self._stats, cap_bytes=CUDA_DEFAULT_BUFFER_CAP_BYTES, free_bytes=free
+            )
         else:  # two buffers in at most half the free shared memory (a receiver maps them too)
             free = shm_free_bytes()
-            cap = (CPU_DEFAULT_BUFFER_BYTES if free is None
-                   else min(CPU_DEFAULT_BUFFER_BYTES, free // 4))
+            cap = (
+                CPU_DEFAULT_BUFFER_BYTES
+                if free is None
+                else min(CPU_DEFAULT_BUFFER_BYTES, free // 4)
+            )
             per_buffer = default_ipc_buffer_bytes_from(*self._stats, cap_bytes=max(cap, 1))
         if (stream.key, per_buffer) != self._plan_key:  # the plan is reused while nothing changed
-            self._plan_key, self._plan = (stream.key, per_buffer), plan_ipc_buckets(specs, per_buffer)
+            self._plan_key, self._plan = (
+                (stream.key, per_buffer),
+                plan_ipc_buckets(specs, per_buffer),
+            )
         plan = self._plan
         device = self.device
 
@@ -172,8 +193,14 @@ class RefitSender:
 
         keep = self.keep_staging if keep_staging is None else keep_staging
         return self._zmq().stream(
-            specs, plan, sources, make_staging=make_staging, buffer_bytes=per_buffer, timeout_s=timeout_s,
-            transport="cuda" if cuda else "shm", keep_staging=keep,
+            specs,
+            plan,
+            sources,
+            make_staging=make_staging,
+            buffer_bytes=per_buffer,
+            timeout_s=timeout_s,
+            transport="cuda" if cuda else "shm",
+            keep_staging=keep,
         )
 
     def release_staging(self) -> None:

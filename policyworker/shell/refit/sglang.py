@@ -291,9 +291,16 @@ def update_weights_to_sglang_colocated(
         per_rank = gather(data) if gather is not None and num_gpus_per_engine > 1 else [data]
         if is_src:
             assert per_rank is not None
-            reply = _resolve(_call_engine(
-                engine, "update_weights_from_tensor", serialized_named_tensors=per_rank,
-                load_format=LOAD_FORMAT, flush_cache=last, weight_version=str(weight_version)))
+            reply = _resolve(
+                _call_engine(
+                    engine,
+                    "update_weights_from_tensor",
+                    serialized_named_tensors=per_rank,
+                    load_format=LOAD_FORMAT,
+                    flush_cache=last,
+                    weight_version=str(weight_version),
+                )
+            )
             _check_reply(reply, engine=engine_index, call=num_calls)
             num_calls += 1
         del payload, data, per_rank
@@ -309,11 +316,17 @@ def update_weights_to_sglang_colocated(
             held = [(n, t) for n, t in chunk if t.dtype == dtype]
     if held is not None:
         call(held, last=True)
-    return {"weight_version": weight_version, "num_chunks": num_chunks, "num_calls": num_calls,
-            "num_bytes": num_bytes}
+    return {
+        "weight_version": weight_version,
+        "num_chunks": num_chunks,
+        "num_calls": num_calls,
+        "num_bytes": num_bytes,
+    }
 
 
-def _iter_chunks(named_tensors: NamedTensors, buffer_size_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def _iter_chunks(
+    named_tensors: NamedTensors, buffer_size_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Streaming ``plan_sglang_chunks``: yields each chunk as soon as it is closed."""
     current: list[tuple[str, torch.Tensor]] = []
     used = 0
@@ -400,8 +413,13 @@ class SGLangColocatedSender:
         ``torch.no_grad()``: the caller's grad mode is as it was, whatever happens."""
         try:
             with torch.no_grad():
-                report = self._update(named_tensors, rollout_engines, buffer_size_bytes,
-                                      target_precision, sglang_quantization_cfg)
+                report = self._update(
+                    named_tensors,
+                    rollout_engines,
+                    buffer_size_bytes,
+                    target_precision,
+                    sglang_quantization_cfg,
+                )
         finally:
             close = getattr(named_tensors, "close", None)
             if close is not None:
@@ -409,9 +427,14 @@ class SGLangColocatedSender:
         self.weight_version += 1
         return report
 
-    def _update(self, named_tensors: NamedTensors, rollout_engines: Sequence[Any],
-                buffer_size_bytes: int, target_precision: str,
-                sglang_quantization_cfg: Any) -> dict[str, Any]:
+    def _update(
+        self,
+        named_tensors: NamedTensors,
+        rollout_engines: Sequence[Any],
+        buffer_size_bytes: int,
+        target_precision: str,
+        sglang_quantization_cfg: Any,
+    ) -> dict[str, Any]:
         return update_weights_to_sglang_colocated(
             named_tensors,
             rollout_engines=rollout_engines,

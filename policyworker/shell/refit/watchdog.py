@@ -30,8 +30,10 @@ def check_timeout_s(key: str, value: object, *, none_means: str | None = None) -
     finite = number and math.isfinite(value)  # type: ignore[arg-type]
     if not finite or not value > 0:  # type: ignore[operator]
         also = f", or None ({none_means})" if none_means is not None else ""
-        msg = (f"{key} {value!r} must be > 0 and finite (seconds){also}; every wait is "
-               "bounded: pass a large finite value (e.g. 3600) for a long wait")
+        msg = (
+            f"{key} {value!r} must be > 0 and finite (seconds){also}; every wait is "
+            "bounded: pass a large finite value (e.g. 3600) for a long wait"
+        )
         raise ValueError(msg)
 
 
@@ -42,7 +44,9 @@ class Watchdog:
     ``__exit__``, so no thread outlives the refit it guards.
     """
 
-    def __init__(self, timeout_s: float, on_fire: Callable[[], None], *, name: str = "refit-watchdog") -> None:
+    def __init__(
+        self, timeout_s: float, on_fire: Callable[[], None], *, name: str = "refit-watchdog"
+    ) -> None:
         check_timeout_s("timeout_s", timeout_s)
         self.timeout_s = float(timeout_s)
         self._on_fire = on_fire
@@ -92,6 +96,9 @@ class Watchdog:
         self._thread = None
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.stop()

@@ -63,9 +63,23 @@ SHM_NAME_RE = re.compile(r"^pw-refit-[0-9a-f]{8,64}$")
 DTYPES_BY_NAME: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in (
-        torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-        torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
-        torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.complex64,
+        torch.complex128,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
     )
 }
 
@@ -185,10 +199,18 @@ def max_message_bytes(manifest: Sequence[TensorSpec]) -> int:
 def _buffer_json(buf: ShmBuffer | CudaBuffer) -> tuple[dict[str, Any], list[bytes]]:
     if isinstance(buf, ShmBuffer):
         return {"kind": "shm", "name": buf.name, "size": buf.size, "keep": buf.keep}, []
-    return ({"kind": "cuda", "device_uuid": buf.device_uuid, "size": buf.size,
-             "storage_offset_bytes": buf.storage_offset_bytes, "ref_counter_offset": buf.ref_counter_offset,
-             "event_sync_required": buf.event_sync_required, "keep": buf.keep},
-            [buf.handle, buf.ref_counter_handle, buf.event_handle, buf.filled_event])
+    return (
+        {
+            "kind": "cuda",
+            "device_uuid": buf.device_uuid,
+            "size": buf.size,
+            "storage_offset_bytes": buf.storage_offset_bytes,
+            "ref_counter_offset": buf.ref_counter_offset,
+            "event_sync_required": buf.event_sync_required,
+            "keep": buf.keep,
+        },
+        [buf.handle, buf.ref_counter_handle, buf.event_handle, buf.filled_event],
+    )
 
 
 def encode(message: Request | Reply, *, manifest_frame: bytes | None = None) -> list[bytes]:
@@ -200,20 +222,37 @@ def encode(message: Request | Reply, *, manifest_frame: bytes | None = None) -> 
     header: dict[str, Any] = {"protocol": PROTOCOL, "version": PROTOCOL_VERSION}
     raw: list[bytes] = []
     if isinstance(message, Begin):
-        header.update(kind="begin", rank=message.rank, transport=message.transport, alignment=message.alignment,
-                      num_tensors=len(message.manifest))
+        header.update(
+            kind="begin",
+            rank=message.rank,
+            transport=message.transport,
+            alignment=message.alignment,
+            num_tensors=len(message.manifest),
+        )
         raw = [manifest_frame if manifest_frame is not None else encode_manifest(message.manifest)]
     elif isinstance(message, Bucket):
         buffer, raw = _buffer_json(message.buffer)
-        header.update(kind="bucket", seq=message.seq, buffer=buffer, used_bytes=message.used_bytes,
-                      tensors=list(message.indices), offsets=list(message.offsets))
+        header.update(
+            kind="bucket",
+            seq=message.seq,
+            buffer=buffer,
+            used_bytes=message.used_bytes,
+            tensors=list(message.indices),
+            offsets=list(message.offsets),
+        )
     elif isinstance(message, Complete):
         header.update(kind="complete", num_buckets=message.num_buckets)
     elif isinstance(message, Abort):
         header.update(kind="abort", reason=message.reason)
     else:
-        header.update(kind="reply", ok=message.ok, reply_to=message.reply_to, seq=message.seq,
-                      reason=message.reason, report=message.report)
+        header.update(
+            kind="reply",
+            ok=message.ok,
+            reply_to=message.reply_to,
+            seq=message.seq,
+            reason=message.reason,
+            report=message.report,
+        )
         raw = [message.consumed_event] if message.consumed_event else []
     return [json.dumps(header, separators=(",", ":")).encode(), *raw]
 
@@ -232,7 +271,9 @@ def _int(header: Mapping[str, Any], key: str, *, low: int = 0, high: int = 1 << 
 def _str(header: Mapping[str, Any], key: str, *, max_chars: int = MAX_NAME_CHARS) -> str:
     value = header.get(key)
     if not isinstance(value, str) or len(value) > max_chars:
-        raise _fail(f"header field {key!r} must be a string of at most {max_chars} characters, got {value!r:.80}")
+        raise _fail(
+            f"header field {key!r} must be a string of at most {max_chars} characters, got {value!r:.80}"
+        )
     return value
 
 
@@ -243,10 +284,17 @@ def _spec(item: Any, where: str) -> TensorSpec:
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
         raise _fail(f"{where}: tensor name must be a non-empty string, got {name!r:.80}")
     if not isinstance(dtype, str) or dtype not in DTYPES_BY_NAME:
-        raise _fail(f"{where} ({name!r}): unknown dtype {dtype!r:.40}; expected one of {sorted(DTYPES_BY_NAME)}")
-    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-            or not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)):
-        raise _fail(f"{where} ({name!r}): shape must be a list of at most {MAX_NDIM} non-negative ints, got {shape!r:.80}")
+        raise _fail(
+            f"{where} ({name!r}): unknown dtype {dtype!r:.40}; expected one of {sorted(DTYPES_BY_NAME)}"
+        )
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)
+    ):
+        raise _fail(
+            f"{where} ({name!r}): shape must be a list of at most {MAX_NDIM} non-negative ints, got {shape!r:.80}"
+        )
     return TensorSpec(name, tuple(shape), DTYPES_BY_NAME[dtype])
 
 
@@ -256,7 +304,9 @@ def _header(frames: Sequence[bytes]) -> dict[str, Any]:
     first = bytes(frames[0])
     if len(first) > MAX_HEADER_BYTES:
         raise _fail(f"header frame of {len(first)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
-    return decode_versioned_json(first, protocol=PROTOCOL, version=PROTOCOL_VERSION, what="header frame")
+    return decode_versioned_json(
+        first, protocol=PROTOCOL, version=PROTOCOL_VERSION, what="header frame"
+    )
 
 
 def _json(raw: bytes, what: str) -> Any:
@@ -297,13 +347,22 @@ def _buffer(header: Mapping[str, Any], raw: Sequence[bytes]) -> ShmBuffer | Cuda
         return ShmBuffer(name, size, keep)
     if kind == "cuda":
         if len(raw) != 4 or not all(len(r) <= MAX_HANDLE_BYTES for r in raw) or not raw[3]:
-            raise _fail("a cuda bucket carries 4 raw frames (memory handle, ref counter, storage event, "
-                        f"non-empty filled event) of <= {MAX_HANDLE_BYTES} bytes, got {len(raw)}")
+            raise _fail(
+                "a cuda bucket carries 4 raw frames (memory handle, ref counter, storage event, "
+                f"non-empty filled event) of <= {MAX_HANDLE_BYTES} bytes, got {len(raw)}"
+            )
         sync = buffer.get("event_sync_required")
         if not isinstance(sync, bool):
             raise _fail(f"buffer field 'event_sync_required' must be a bool, got {sync!r:.40}")
-        return CudaBuffer(_str(buffer, "device_uuid", max_chars=80), size, _int(buffer, "storage_offset_bytes"),
-                          _int(buffer, "ref_counter_offset"), sync, *raw, keep=keep)
+        return CudaBuffer(
+            _str(buffer, "device_uuid", max_chars=80),
+            size,
+            _int(buffer, "storage_offset_bytes"),
+            _int(buffer, "ref_counter_offset"),
+            sync,
+            *raw,
+            keep=keep,
+        )
     raise _fail(f"buffer kind {kind!r:.40} is unknown; expected 'shm' or 'cuda'")
 
 
@@ -338,10 +397,15 @@ def _decode_manifest(raw: bytes) -> tuple[TensorSpec, ...]:
 
 def _int_list(header: Mapping[str, Any], key: str) -> tuple[int, ...]:
     values = header.get(key)
-    if (not isinstance(values, list) or len(values) > MAX_TENSORS
-            or not all(type(v) is int and 0 <= v <= 1 << 62 for v in values)):
-        raise _fail(f"bucket field {key!r} must be a list of at most {MAX_TENSORS} non-negative ints, "
-                    f"got {values!r:.80}")
+    if (
+        not isinstance(values, list)
+        or len(values) > MAX_TENSORS
+        or not all(type(v) is int and 0 <= v <= 1 << 62 for v in values)
+    ):
+        raise _fail(
+            f"bucket field {key!r} must be a list of at most {MAX_TENSORS} non-negative ints, "
+            f"got {values!r:.80}"
+        )
     return tuple(values)
 
 
@@ -355,20 +419,32 @@ def decode_request(frames: Sequence[bytes], *, manifests: ManifestCache | None =
     kind = header.get("kind")
     if kind == "begin":
         if len(raw) != 1:
-            raise _fail(f"a begin message carries exactly 1 raw frame (the manifest), got {len(raw)}")
+            raise _fail(
+                f"a begin message carries exactly 1 raw frame (the manifest), got {len(raw)}"
+            )
         specs = manifests.decode(raw[0]) if manifests is not None else _decode_manifest(raw[0])
         count = _int(header, "num_tensors")
         if count != len(specs):
-            raise _fail(f"begin field 'num_tensors' is {count} but the manifest frame lists {len(specs)} tensors")
-        return Begin(_int(header, "rank"), _str(header, "transport", max_chars=16),
-                     _int(header, "alignment", low=1, high=1 << 20), specs)
+            raise _fail(
+                f"begin field 'num_tensors' is {count} but the manifest frame lists {len(specs)} tensors"
+            )
+        return Begin(
+            _int(header, "rank"),
+            _str(header, "transport", max_chars=16),
+            _int(header, "alignment", low=1, high=1 << 20),
+            specs,
+        )
     if kind != "bucket" and raw:
         raise _fail(f"a {kind!r:.20} message carries no raw frames, got {len(raw)}")
     if kind == "bucket":
         indices, offsets = _int_list(header, "tensors"), _int_list(header, "offsets")
         if len(indices) != len(offsets):
-            raise _fail(f"bucket fields 'tensors' ({len(indices)}) and 'offsets' ({len(offsets)}) differ in length")
-        return Bucket(_int(header, "seq"), _buffer(header, raw), indices, offsets, _int(header, "used_bytes"))
+            raise _fail(
+                f"bucket fields 'tensors' ({len(indices)}) and 'offsets' ({len(offsets)}) differ in length"
+            )
+        return Bucket(
+            _int(header, "seq"), _buffer(header, raw), indices, offsets, _int(header, "used_bytes")
+        )
     if kind == "complete":
         return Complete(_int(header, "num_buckets"))
     if kind == "abort":
@@ -386,9 +462,17 @@ def decode_reply(frames: Sequence[bytes]) -> Reply:
         raise _fail("reply field 'report' must be an object")
     raw = frames[1:]
     if len(raw) > 1 or any(len(r) > MAX_HANDLE_BYTES for r in raw):
-        raise _fail(f"a reply carries at most 1 raw frame (an event handle of <= {MAX_HANDLE_BYTES} bytes), got {len(raw)}")
-    return Reply(header["ok"], _str(header, "reply_to", max_chars=16), _int(header, "seq", low=-1),
-                 _str(header, "reason", max_chars=1 << 20), report, bytes(raw[0]) if raw else b"")
+        raise _fail(
+            f"a reply carries at most 1 raw frame (an event handle of <= {MAX_HANDLE_BYTES} bytes), got {len(raw)}"
+        )
+    return Reply(
+        header["ok"],
+        _str(header, "reply_to", max_chars=16),
+        _int(header, "seq", low=-1),
+        _str(header, "reason", max_chars=1 << 20),
+        report,
+        bytes(raw[0]) if raw else b"",
+    )
 
 
 def _first(names: Sequence[str], limit: int = 20) -> str:
@@ -396,7 +480,9 @@ def _first(names: Sequence[str], limit: int = 20) -> str:
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
-def check_manifest(manifest: Sequence[TensorSpec], expected: Mapping[str, tuple[torch.Size, torch.dtype]]) -> list[str]:
+def check_manifest(
+    manifest: Sequence[TensorSpec], expected: Mapping[str, tuple[torch.Size, torch.dtype]]
+) -> list[str]:
     """Problems of an announced manifest against the receiver's refit metadata (empty = fine)."""
     problems: list[str] = []
     seen: set[str] = set()
@@ -417,7 +503,8 @@ def check_manifest(manifest: Sequence[TensorSpec], expected: Mapping[str, tuple[
         f"{s.name!r} sent {dtype_name(s.dtype)}{list(s.shape)} vs refit_info "
         f"{dtype_name(expected[s.name][1])}{list(expected[s.name][0])}"
         for s in manifest
-        if s.name in expected and (s.shape != tuple(expected[s.name][0]) or s.dtype != expected[s.name][1])
+        if s.name in expected
+        and (s.shape != tuple(expected[s.name][0]) or s.dtype != expected[s.name][1])
     ]
     if mismatched:
         problems.append("dtype/shape mismatches: " + "; ".join(mismatched[:20]))
@@ -452,9 +539,13 @@ def check_bucket(
             problems.append(f"duplicate name {manifest[index].name!r} (already received)")
         seen.add(index)
         if offset % alignment or offset < end:
-            problems.append(f"{manifest[index].name!r}: offset {offset} is not {alignment}-aligned after the "
-                            f"previous tensor's end {end}")
+            problems.append(
+                f"{manifest[index].name!r}: offset {offset} is not {alignment}-aligned after the "
+                f"previous tensor's end {end}"
+            )
         end = offset + sizes[index]
         if end > used:
-            problems.append(f"{manifest[index].name!r}: byte range [{offset}, {end}) exceeds used_bytes {used}")
+            problems.append(
+                f"{manifest[index].name!r}: byte range [{offset}, {end}) exceeds used_bytes {used}"
+            )
     return problems

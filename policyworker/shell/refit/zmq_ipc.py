@@ -92,7 +92,8 @@ log = logging.getLogger(__name__)
 # Where CPU staging files live; both sides of a refit must see the same folder (the receiver
 # opens a buffer by name there). POLICYWORKER_SHM_DIR overrides it (tests use a small tmpfs).
 SHM_DIR = os.environ.get("POLICYWORKER_SHM_DIR") or (
-    "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+)
 _ABORT_TIMEOUT_S = 2.0
 _PREFIX = "pw-refit-"  # staging files and socket folders; orphans of dead senders are removed
 IPC_PATH_MAX_BYTES = 107  # sockaddr_un.sun_path holds 108 bytes, one of them the final NUL
@@ -120,10 +121,12 @@ def check_ipc_address(address: str, *, fix: str) -> None:
     constructor fails at once instead of the first refit."""
     if not address.startswith("ipc://"):
         return
-    size = len(os.fsencode(address[len("ipc://"):]))
+    size = len(os.fsencode(address[len("ipc://") :]))
     if size > IPC_PATH_MAX_BYTES:
-        msg = (f"address {address!r}: its socket path is {size} bytes, but a Unix socket path "
-               f"holds at most {IPC_PATH_MAX_BYTES}; {fix}")
+        msg = (
+            f"address {address!r}: its socket path is {size} bytes, but a Unix socket path "
+            f"holds at most {IPC_PATH_MAX_BYTES}; {fix}"
+        )
         raise ValueError(msg)
 
 
@@ -257,7 +260,8 @@ class ShmStaging:
         try:
             _reserve(self._fd, max(nbytes, 1), self.path)
             self.tensor: torch.Tensor | None = torch.from_file(
-                self.path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+                self.path, shared=True, size=max(nbytes, 1), dtype=torch.uint8
+            )
         except BaseException:
             os.unlink(self.path)
             os.close(self._fd)
@@ -268,7 +272,7 @@ class ShmStaging:
         self._owners = [self]  # the objects sharing the file; the last one to close unlinks it
         self.cache: dict[Any, Any] = {}
 
-    def halves(self, nbytes: int) -> tuple["ShmStaging", "ShmStaging"]:
+    def halves(self, nbytes: int) -> tuple[ShmStaging, ShmStaging]:
         """Two buffers of ``nbytes`` over this one's file (which must hold both); consumes self.
         The file is unlinked when both are closed."""
         first, second = _split(self, nbytes)
@@ -323,16 +327,20 @@ class CudaStaging:
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.device = device
-        self.tensor: torch.Tensor | None = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        self.tensor: torch.Tensor | None = torch.empty(
+            max(nbytes, 1), dtype=torch.uint8, device=device
+        )
         self.size = nbytes
-        self.base = 0  # where this buffer starts in its shared allocation (a half starts further in)
+        self.base = (
+            0  # where this buffer starts in its shared allocation (a half starts further in)
+        )
         self.cache: dict[Any, Any] = {}
         self._ref: CudaBuffer | None = None
         self.filled = torch.cuda.Event(interprocess=True)
         self._consumed: torch.cuda.Event | None = None
         self._consumed_handle = b""
 
-    def halves(self, nbytes: int) -> tuple["CudaStaging", "CudaStaging"]:
+    def halves(self, nbytes: int) -> tuple[CudaStaging, CudaStaging]:
         """Two buffers of ``nbytes`` over this one's allocation (one IPC handle, one mapping on the
         receiver, each half with its own filled event); consumes self."""
         whole = self.ref()  # the handle of the whole allocation, computed once and shared
@@ -349,9 +357,17 @@ class CudaStaging:
                 self.tensor.untyped_storage()._share_cuda_()
             )
             uuid = str(torch.cuda.get_device_properties(self.device).uuid)
-            self._ref = CudaBuffer(uuid, int(size), int(offset), int(rc_offset), bool(event_sync),
-                                   bytes(handle), bytes(rc_handle), bytes(event_handle or b""),
-                                   bytes(self.filled.ipc_handle()))
+            self._ref = CudaBuffer(
+                uuid,
+                int(size),
+                int(offset),
+                int(rc_offset),
+                bool(event_sync),
+                bytes(handle),
+                bytes(rc_handle),
+                bytes(event_handle or b""),
+                bytes(self.filled.ipc_handle()),
+            )
         return attrs.evolve(self._ref, keep=keep)
 
     def wait_for_reader(self) -> None:
@@ -400,7 +416,12 @@ def _split(whole: Any, nbytes: int) -> tuple[Any, Any]:
     halves = []
     for base in (0, nbytes):
         half = copy.copy(whole)
-        half.tensor, half.size, half.base, half.cache = whole.tensor[base : base + nbytes], nbytes, base, {}
+        half.tensor, half.size, half.base, half.cache = (
+            whole.tensor[base : base + nbytes],
+            nbytes,
+            base,
+            {},
+        )
         halves.append(half)
     whole.tensor = None
     return halves[0], halves[1]
@@ -423,7 +444,9 @@ def _slots(staging: Staging, bucket: IpcBucket, specs: Sequence[TensorSpec]) -> 
 LARGE_COPY_NUMEL = 1 << 22
 
 
-def grouped_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, non_blocking: bool = False) -> None:
+def grouped_copy_(
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, non_blocking: bool = False
+) -> None:
     """``dsts[k].copy_(srcs[k])`` for every k (casting): large pairs one by one, the rest in as
     few ``_foreach_copy_`` calls as CUDA's multi-tensor fast route allows (see ``copy_groups``)."""
     run_copy_groups(copy_groups(dsts, srcs), non_blocking=non_blocking)
@@ -493,8 +516,10 @@ class ZmqIpcSender:
         self._plan: Sequence[IpcBucket] | None = None  # the plan the staging caches were made for
         self._manifest: tuple[Sequence[TensorSpec], bytes] | None = None  # (specs object, frame)
         try:
-            fix = ("set TMPDIR to a shorter folder (e.g. TMPDIR=/tmp) for the trainer process: "
-                   "the socket lives in a private folder there")
+            fix = (
+                "set TMPDIR to a shorter folder (e.g. TMPDIR=/tmp) for the trainer process: "
+                "the socket lives in a private folder there"
+            )
             check_ipc_address(self.address, fix=fix)
             self._sock()  # bind now: a bad address fails here, not at the first refit
         except BaseException:
@@ -504,9 +529,11 @@ class ZmqIpcSender:
     @contextlib.contextmanager
     def _exclusive(self, call: str) -> Iterator[None]:
         if not self._busy.acquire(blocking=False):
-            msg = (f"refit rank {self.rank}: {call} was called while another thread is streaming a "
-                   "refit on this sender; refits of one worker run one at a time: wait for the "
-                   "other call to return, then call again")
+            msg = (
+                f"refit rank {self.rank}: {call} was called while another thread is streaming a "
+                "refit on this sender; refits of one worker run one at a time: wait for the "
+                "other call to return, then call again"
+            )
             raise RefitError(msg)
         try:
             if self._context is None:
@@ -624,9 +651,14 @@ class ZmqIpcSender:
         return reply
 
     def _begin_frames(self, specs: Sequence[TensorSpec], transport: str) -> list[bytes]:
-        if self._manifest is None or self._manifest[0] is not specs:  # encoded once per specs object
+        if (
+            self._manifest is None or self._manifest[0] is not specs
+        ):  # encoded once per specs object
             self._manifest = (specs, encode_manifest(specs))
-        return encode(Begin(self.rank, transport, DEFAULT_ALIGNMENT, tuple(specs)), manifest_frame=self._manifest[1])
+        return encode(
+            Begin(self.rank, transport, DEFAULT_ALIGNMENT, tuple(specs)),
+            manifest_frame=self._manifest[1],
+        )
 
     def stream(
         self,
@@ -650,9 +682,16 @@ class ZmqIpcSender:
         """
         with self._exclusive("stream_weights_via_ipc_zmq"):
             self._check_one_receiver()
-            return self._stream(specs, plan, sources, make_staging=make_staging,
-                                buffer_bytes=buffer_bytes, timeout_s=timeout_s,
-                                transport=transport, keep_staging=keep_staging)
+            return self._stream(
+                specs,
+                plan,
+                sources,
+                make_staging=make_staging,
+                buffer_bytes=buffer_bytes,
+                timeout_s=timeout_s,
+                transport=transport,
+                keep_staging=keep_staging,
+            )
 
     def _stream(
         self,
@@ -668,8 +707,10 @@ class ZmqIpcSender:
     ) -> dict[str, Any]:
         if any(not s.intact() for s in self._kept):  # e.g. a kept file truncated meanwhile
             self._release_staging()
-        if self._kept and (self._kept_bytes != buffer_bytes or not all(
-                isinstance(s, CudaStaging) == (transport == "cuda") for s in self._kept)):
+        if self._kept and (
+            self._kept_bytes != buffer_bytes
+            or not all(isinstance(s, CudaStaging) == (transport == "cuda") for s in self._kept)
+        ):
             self._release_staging()
         if plan is not self._plan:  # cached slot views / frames belong to one plan object
             for staging in self._kept:
@@ -677,7 +718,9 @@ class ZmqIpcSender:
             self._plan = plan
         ping_pong: list[Staging | None] = [*self._kept, None, None][:2]
         self._kept, self._kept_bytes = [], 0
-        self._staging_refs = [weakref.ref(s.tensor) for s in ping_pong if s is not None and s.tensor is not None]
+        self._staging_refs = [
+            weakref.ref(s.tensor) for s in ping_pong if s is not None and s.tensor is not None
+        ]
         pending: str | None = None  # phase of the request whose reply is still owed
         pending_staging: Staging | None = None  # the buffer that request's bucket is in
         begun = False
@@ -695,7 +738,9 @@ class ZmqIpcSender:
                 return
             whole = make_staging(2 * buffer_bytes)
             ping_pong[:] = whole.halves(buffer_bytes)
-            self._staging_refs.extend(weakref.ref(s.tensor) for s in ping_pong if s is not None and s.tensor is not None)
+            self._staging_refs.extend(
+                weakref.ref(s.tensor) for s in ping_pong if s is not None and s.tensor is not None
+            )
 
         def release() -> None:
             for i, staging in enumerate(ping_pong):
@@ -719,13 +764,22 @@ class ZmqIpcSender:
                 staging.note_consumed(reply.consumed_event)
             return reply
 
-        def prepared(staging: Staging, seq: int, bucket: IpcBucket, keep: bool) -> tuple[list[torch.Tensor], list[bytes]]:
+        def prepared(
+            staging: Staging, seq: int, bucket: IpcBucket, keep: bool
+        ) -> tuple[list[torch.Tensor], list[bytes]]:
             """The bucket's slot views and encoded frames in this buffer (cached with the buffer)."""
             hit = staging.cache.get((seq, keep))
             if hit is None:
                 base = staging.base  # where this half starts in the shared buffer
-                frames = encode(Bucket(seq, staging.ref(keep=keep), bucket.indices,
-                                       tuple(base + o for o in bucket.offsets), base + bucket.used_bytes))
+                frames = encode(
+                    Bucket(
+                        seq,
+                        staging.ref(keep=keep),
+                        bucket.indices,
+                        tuple(base + o for o in bucket.offsets),
+                        base + bucket.used_bytes,
+                    )
+                )
                 hit = staging.cache[(seq, keep)] = (_slots(staging, bucket, specs), frames)
             return hit
 
@@ -733,7 +787,11 @@ class ZmqIpcSender:
             items = [next(sources) for _ in bucket.indices]
             for i, item in zip(bucket.indices, items, strict=True):
                 want = specs[i]
-                if item.name != want.name or item.dtype != want.dtype or item.tensor.shape != want.shape:
+                if (
+                    item.name != want.name
+                    or item.dtype != want.dtype
+                    or item.tensor.shape != want.shape
+                ):
                     msg = f"internal: the params stream sent {item.spec} where prepare_refit_info said {want}"
                     raise RefitError(msg)
             return items
@@ -742,7 +800,7 @@ class ZmqIpcSender:
         try:
             request(self._begin_frames(specs, transport), "begin")
             begun = True  # its reply is settled by the first bucket's request: the receiver checks
-            turn = 0      # the manifest while the first buffer is allocated and filled
+            turn = 0  # the manifest while the first buffer is allocated and filled
             for seq, bucket in enumerate(plan):
                 items = take(bucket)
                 if bucket.oversized:
@@ -769,7 +827,9 @@ class ZmqIpcSender:
                 assert staging is not None
                 slots, frames = prepared(staging, seq, bucket, keep_staging)
                 staging.wait_for_reader()
-                _fill(slots, items)  # queued behind the receiver's reads of this buffer's last bucket
+                _fill(
+                    slots, items
+                )  # queued behind the receiver's reads of this buffer's last bucket
                 del slots, items
                 staging.mark_filled()
                 request(frames, f"bucket {seq}", staging)
@@ -807,9 +867,13 @@ class ZmqIpcSender:
     def _note_wait(self, timeout_s: float) -> None:
         """Log where the sender waits when no receiver is connected yet (REQ is not writable)."""
         if not self._sock().poll(0, zmq.POLLOUT):
-            log.info("refit rank %d: waiting up to %g s for a receiver at %s (build "
-                     "HFWeightReceiver(address=...) there and call receive())",
-                     self.rank, timeout_s, self.address)
+            log.info(
+                "refit rank %d: waiting up to %g s for a receiver at %s (build "
+                "HFWeightReceiver(address=...) there and call receive())",
+                self.rank,
+                timeout_s,
+                self.address,
+            )
 
     def _abort(self, pending: str | None, reason: str) -> None:
         """Tell the receiver the refit is off (best effort, short timeout; rebuild on failure)."""
@@ -868,7 +932,9 @@ class _Mapped:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
-        self.views: dict[tuple[Any, ...], Any] = {}  # (indices, offsets) -> the sink's prepared batch
+        self.views: dict[
+            tuple[Any, ...], Any
+        ] = {}  # (indices, offsets) -> the sink's prepared batch
         self._events: dict[bytes, tuple[torch.cuda.Event, torch.cuda.Event, bytes]] = {}
 
     def wait_filled(self, filled_handle: bytes) -> bytes:
@@ -879,7 +945,9 @@ class _Mapped:
             if len(self._events) >= 64:  # a misbehaving sender must not grow this without bound
                 self._events.clear()
             consumed = torch.cuda.Event(interprocess=True)
-            consumed.record(torch.cuda.current_stream(self.tensor.device))  # before its handle is taken
+            consumed.record(
+                torch.cuda.current_stream(self.tensor.device)
+            )  # before its handle is taken
             filled = torch.cuda.Event.from_ipc_handle(self.tensor.device, filled_handle)
             events = self._events[filled_handle] = (filled, consumed, bytes(consumed.ipc_handle()))
         torch.cuda.current_stream(self.tensor.device).wait_event(events[0])
@@ -918,7 +986,9 @@ class ReceivedBuffers:
                 del self._open[key]
                 raise ProtocolError(f"{problem} (it shrank or went away since it was mapped)")
         if mapped is None:
-            mapped = self._open[key] = _Mapped(_open_shm(ref) if isinstance(ref, ShmBuffer) else _open_cuda(ref))
+            mapped = self._open[key] = _Mapped(
+                _open_shm(ref) if isinstance(ref, ShmBuffer) else _open_cuda(ref)
+            )
         self._used[key] = ref.keep
         return mapped
 
@@ -949,9 +1019,15 @@ def _shm_problem(ref: ShmBuffer) -> str | None:
         info = os.lstat(path)
     except FileNotFoundError:
         return f"shared-memory buffer {ref.name!r} does not exist in {SHM_DIR}"
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size < max(ref.size, 1):
-        return (f"shared-memory buffer {ref.name!r} is not a regular file of this user with >= "
-                f"{ref.size} bytes (it has {info.st_size})")
+    if (
+        not stat.S_ISREG(info.st_mode)
+        or info.st_uid != os.getuid()
+        or info.st_size < max(ref.size, 1)
+    ):
+        return (
+            f"shared-memory buffer {ref.name!r} is not a regular file of this user with >= "
+            f"{ref.size} bytes (it has {info.st_size})"
+        )
     return None
 
 
@@ -966,14 +1042,28 @@ def _open_shm(ref: ShmBuffer) -> torch.Tensor:
 def _open_cuda(ref: CudaBuffer) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+    uuids = [
+        str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
+    ]
     if ref.device_uuid not in uuids:
         msg = f"CUDA buffer on device {ref.device_uuid} is not visible here (visible: {uuids}); colocate the receiver"
         raise ProtocolError(msg)
     index = uuids.index(ref.device_uuid)
     return rebuild_cuda_tensor(
-        torch.Tensor, (ref.size,), (1,), 0, torch.UntypedStorage, torch.uint8, index, ref.handle, ref.size,
-        ref.storage_offset_bytes, False, ref.ref_counter_handle, ref.ref_counter_offset, ref.event_handle or None,
+        torch.Tensor,
+        (ref.size,),
+        (1,),
+        0,
+        torch.UntypedStorage,
+        torch.uint8,
+        index,
+        ref.handle,
+        ref.size,
+        ref.storage_offset_bytes,
+        False,
+        ref.ref_counter_handle,
+        ref.ref_counter_offset,
+        ref.event_handle or None,
         ref.event_sync_required,
     )
 
@@ -1059,8 +1149,11 @@ class RefitServer:
                 self._layouts.clear()
                 self._views_manifest = message.manifest
             self._manifest = message.manifest
-            self._sizes = (self._manifests.sizes if message.manifest is self._manifests.specs
-                           else tuple(s.nbytes for s in message.manifest))
+            self._sizes = (
+                self._manifests.sizes
+                if message.manifest is self._manifests.specs
+                else tuple(s.nbytes for s in message.manifest)
+            )
             self._alignment, self._num_buckets = message.alignment, 0
             self._received, self._count = bytearray(len(message.manifest)), 0
             return encode(Reply(True, "begin")), Outcome()
@@ -1077,10 +1170,18 @@ class RefitServer:
     def _bucket(self, bucket: Bucket) -> tuple[list[bytes], Outcome]:
         manifest = self._manifest
         assert manifest is not None
-        problems = check_bucket(bucket, manifest, self._sizes, self._received, alignment=self._alignment,
-                                buffer_size=bucket.buffer.size)
+        problems = check_bucket(
+            bucket,
+            manifest,
+            self._sizes,
+            self._received,
+            alignment=self._alignment,
+            buffer_size=bucket.buffer.size,
+        )
         if problems:
-            raise ProtocolError(f"bucket {bucket.seq} rejected before any write: " + "; ".join(problems[:20]))
+            raise ProtocolError(
+                f"bucket {bucket.seq} rejected before any write: " + "; ".join(problems[:20])
+            )
         mapped = self._buffers.open(bucket.buffer)
         key = (bucket.indices, bucket.offsets)  # for this manifest (see BEGIN); valid while mapped
         batch = mapped.views.get(key)
@@ -1127,7 +1228,11 @@ class RefitServer:
         self._buffers.finish(ok=True)
         report = self.sink.commit(num_buckets=self._num_buckets)
         self._manifest = None
-        summary = attrs.asdict(report, filter=lambda a, _: a.name != "names") if attrs.has(type(report)) else {}
+        summary = (
+            attrs.asdict(report, filter=lambda a, _: a.name != "names")
+            if attrs.has(type(report))
+            else {}
+        )
         return encode(Reply(True, "complete", report=summary)), Outcome(done=True, report=report)
 
 
@@ -1140,8 +1245,9 @@ class ZmqIpcReceiver:
     its current bucket is applied), and only the thread inside ``serve`` touches the socket.
     """
 
-    def __init__(self, address: str, *, timeout_s: float,
-                 max_message_bytes: int | None = None) -> None:
+    def __init__(
+        self, address: str, *, timeout_s: float, max_message_bytes: int | None = None
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self._max_message_bytes = max_message_bytes
@@ -1166,13 +1272,16 @@ class ZmqIpcReceiver:
         if self._max_message_bytes is not None:
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         self._monitor = sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+        )
         self._dropped = False
         try:
             sock.connect(self.address)
         except zmq.ZMQError as exc:
-            msg = (f"refit receiver cannot connect to {self.address!r}: {exc}; pass the "
-                   "sender's get_zmq_address()")
+            msg = (
+                f"refit receiver cannot connect to {self.address!r}: {exc}; pass the "
+                "sender's get_zmq_address()"
+            )
             raise ValueError(msg) from None
 
     def _close_socket(self) -> None:
@@ -1210,8 +1319,10 @@ class ZmqIpcReceiver:
     def serve(self, server: RefitServer) -> Any:
         """Answer messages until the refit completes (its report) or fails (``RefitError``)."""
         if not self._serving.acquire(blocking=False):
-            msg = (f"refit receiver at {self.address}: receive() is already running in another "
-                   "thread; one receive() at a time per receiver")
+            msg = (
+                f"refit receiver at {self.address}: receive() is already running in another "
+                "thread; one receive() at a time per receiver"
+            )
             raise RefitError(msg)
         try:
             return self._serve(server)
@@ -1221,8 +1332,10 @@ class ZmqIpcReceiver:
             self._serving.release()
 
     def _closed_error(self, phase: str) -> ReceiverClosedError:
-        return ReceiverClosedError(f"refit receiver at {self.address} was closed while receive() "
-                                   f"waited in phase {phase!r}; a refit in progress was dropped")
+        return ReceiverClosedError(
+            f"refit receiver at {self.address} was closed while receive() "
+            f"waited in phase {phase!r}; a refit in progress was dropped"
+        )
 
     def _recv(self, server: RefitServer, phase: str, started: float) -> list[bytes]:
         """The next message, polling in short slices so that close() is noticed."""
@@ -1262,7 +1375,9 @@ class ZmqIpcReceiver:
             except zmq.Again:
                 server.fail("could not send a reply")
                 self._reconnect()  # a REP that owes a reply cannot receive again
-                raise RefitTimeoutError(f"refit receiver: could not reply at {self.address} within {self.timeout_s:g} s") from None
+                raise RefitTimeoutError(
+                    f"refit receiver: could not reply at {self.address} within {self.timeout_s:g} s"
+                ) from None
             if outcome.error is not None:
                 raise outcome.error
             if outcome.done:
@@ -1280,6 +1395,8 @@ class ZmqIpcReceiver:
         # else: the serving thread is applying a bucket; it releases the socket when it returns
 
 
-def expected_from_refit_info(refit_info: Mapping[str, Any]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+def expected_from_refit_info(
+    refit_info: Mapping[str, Any],
+) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Normalise ``{name: (shape, dtype)}`` metadata (shapes as lists or Sizes)."""
     return {name: (torch.Size(shape), dtype) for name, (shape, dtype) in refit_info.items()}
