@@ -184,3 +184,24 @@ def test_a_flipped_byte_anywhere_names_the_file_and_changes_nothing(
     with pytest.raises(CheckpointError, match=rf"{victim}' does not match the digest"):
         worker.load_checkpoint(copy / "w", copy / "o")
     assert _same(worker, before)
+
+
+def test_exiting_with_an_unfinalized_save_says_so(tiny_model_paths, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import child_env
+
+    script = (
+        "import torch\n"
+        "from policyworker.functional.loss import NLLLoss\n"
+        "from policyworker.shell.worker import PolicyWorker\n"
+        "from tests.shell.conftest import make_batch, make_config\n"
+        f"w = PolicyWorker(make_config({tiny_model_paths['llama']!r}), init_reference_model=False)\n"
+        f"w.save_checkpoint({str(tmp_path / 'w')!r})\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=child_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "never finalized" in done.stderr and "model.tmp-" in done.stderr

@@ -3,9 +3,12 @@ that `finalize` commits once every rank's writes landed."""
 
 from __future__ import annotations
 
+import atexit
+import logging
 import pathlib
 import shutil
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +19,13 @@ from policyworker.shell.checkpoint.commit import _all_ranks_max, _commit, _on_ra
 __all__ = ["AsyncSaver", "FINALIZE_TIMEOUT_S"]
 
 FINALIZE_TIMEOUT_S = 3600.0
+log = logging.getLogger(__name__)
+
+
+def _warn_at_exit(saver_ref: weakref.ReferenceType[AsyncSaver]) -> None:
+    saver = saver_ref()
+    if saver is not None:
+        saver.warn_if_pending()
 
 
 # ------------------------------------------------------------------------------ async saver
@@ -30,10 +40,25 @@ class AsyncSaver:
         self._commits: list[tuple[pathlib.Path, pathlib.Path]] = []
         self.group: Any = None  # gloo group for DCP's collectives off the main thread
         self.last_reference: tuple[pathlib.Path, tuple[Any, ...]] | None = None
+        self._exit_hook = False
 
     @property
     def pending(self) -> bool:
         return bool(self._commits)
+
+    def warn_if_pending(self) -> None:
+        """At interpreter exit: a staged save that nobody finalized is not a checkpoint yet.
+
+        Committing here is not safe under a process group (other ranks may be gone), so the
+        exit only says which folders were left staged and how to avoid it."""
+        if self._commits:
+            staged = ", ".join(str(tmp) for tmp, _ in self._commits)
+            log.warning(
+                "exiting with an asynchronous checkpoint save that was never finalized; its "
+                "staged folders (%s) are not a checkpoint. Call worker.finalize_async_save() or "
+                "worker.shutdown() before exit, or save with is_final_checkpoint=True",
+                staged,
+            )
 
     def start(
         self,
@@ -44,6 +69,9 @@ class AsyncSaver:
     ) -> None:
         self._commits = list(commits)
         self._error = None
+        if not self._exit_hook:
+            atexit.register(_warn_at_exit, weakref.ref(self))
+            self._exit_hook = True
 
         def run() -> None:
             try:
