@@ -197,7 +197,8 @@ def test_exiting_with_an_unfinalized_save_says_so(tiny_model_paths, tmp_path):
         "from policyworker.functional.loss import NLLLoss\n"
         "from policyworker.shell.worker import PolicyWorker\n"
         "from tests.shell.conftest import make_batch, make_config\n"
-        f"w = PolicyWorker(make_config({tiny_model_paths['llama']!r}), init_reference_model=False)\n"
+        f"cfg = make_config({tiny_model_paths['llama']!r})\n"
+        "w = PolicyWorker(cfg, init_reference_model=False)\n"
         f"w.save_checkpoint({str(tmp_path / 'w')!r})\n"
     )
     done = subprocess.run(
