@@ -8,6 +8,7 @@ import torch
 from policyworker.functional.loss import NLLLoss
 from policyworker.shell.attention import VARLEN_ATTN_NAME, varlen_kernel_available
 from policyworker.shell.worker import PolicyWorker
+
 # the session fixture tiny_model_paths comes from tests/gpu/conftest.py
 from tests.shell.conftest import (
     hf_reference_logprobs,

@@ -502,13 +502,15 @@ def test_watchdog_fires_without_kicks_and_stays_quiet_while_kicked():
 
 def test_cpu_offload_cycle_warns_and_moves_back_even_when_the_transfer_raises():
     calls = []
-    with pytest.warns(UserWarning, match="cpu_offload adds an onload/offload cycle"):
-        with pytest.raises(RuntimeError, match="boom"):
-            with C.cpu_offload_cycle(
-                True, lambda: calls.append("on"), lambda: calls.append("off"), transport="x"
-            ):
-                calls.append("send")
-                raise RuntimeError("boom")
+    with (
+        pytest.warns(UserWarning, match="cpu_offload adds an onload/offload cycle"),
+        pytest.raises(RuntimeError, match="boom"),
+        C.cpu_offload_cycle(
+            True, lambda: calls.append("on"), lambda: calls.append("off"), transport="x"
+        ),
+    ):
+        calls.append("send")
+        raise RuntimeError("boom")
     assert calls == ["on", "send", "off"]
     with C.cpu_offload_cycle(False, None, None, transport="x"):
         pass

@@ -402,6 +402,7 @@ def test_in_place_receiver_is_stale_after_a_partial_refit():
                 model.state_dict(),
                 model.state_dict().values(),
                 sender.prepare_refit_info().values(),
+                strict=True,
             )
         ],
         manifest=sender.prepare_refit_info(),
