@@ -40,7 +40,10 @@ with torch.no_grad():
     logprobs = torch.log_softmax(model(ids).logits.float(), -1).cpu()
     expected = torch.log_softmax(reference(ids).logits.float(), -1).cpu()
 state = {k: v.cpu().contiguous() for k, v in model.state_dict().items()}
-save_file({"logprobs": logprobs, "expected": expected, "versions": torch.tensor(versions), **state}, cmd["out"])
+save_file(
+    {"logprobs": logprobs, "expected": expected, "versions": torch.tensor(versions), **state},
+    cmd["out"],
+)
 receiver.close()
 """
 

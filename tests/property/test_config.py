@@ -100,7 +100,10 @@ def scheduler_configs(draw) -> SchedulerConfig:
 
 @st.composite
 def batching_sections(draw, *, cp: int, reward: bool):
-    """(mode, sequence_packing, dynamic_batching): packing only where cp == 1 and no reward model."""
+    """(mode, sequence_packing, dynamic_batching).
+
+    Packing only where cp == 1 and no reward model.
+    """
     mode = draw(
         st.sampled_from(["fixed", "dynamic"] + (["packing"] if cp == 1 and not reward else []))
     )

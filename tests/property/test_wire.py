@@ -384,7 +384,8 @@ def test_kept_buffers_stay_mapped_with_their_views_and_others_are_closed():
         assert torch.equal(model.a.weight, torch.full((3, 4), 7.0)) and torch.equal(
             model.steps, torch.full((5,), 7)
         )
-        # not kept: closed at COMPLETE; a kept one is closed by a failed refit and by release_buffers
+        # not kept: closed at COMPLETE; a kept one is closed by a failed refit and by
+        # release_buffers
         _stream_once(
             server,
             reordered,
