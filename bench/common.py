@@ -120,7 +120,10 @@ def timed(fn: Callable[[], Any], *, repeats: int, warmup: int = 1) -> tuple[floa
 
 
 def peak_extra_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
-    """Bytes allocated at the peak of `fn()` beyond what was allocated before it (CUDA; 0 on CPU)."""
+    """Bytes allocated at the peak of `fn()` beyond what was allocated before it.
+
+    CUDA only; 0 on CPU.
+    """
     if not torch.cuda.is_available():
         return 0, fn()
     sync()

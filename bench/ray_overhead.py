@@ -123,7 +123,9 @@ def main() -> None:
             "unit": "ms",
         },
         {
-            "metric": "start: group (1 worker, fresh process) vs PolicyWorker() here (imports done)",
+            "metric": (
+                "start: group (1 worker, fresh process) vs PolicyWorker() here (imports done)"
+            ),
             "ours": group_start_s,
             "baseline": direct_start_s,
             "unit": "s",

@@ -274,7 +274,8 @@ def main() -> None:
     )
     for r in rows:
         print(
-            f"{r['shape']:<14}{r['method']:<14}{r['model_bytes'] / 1e9:>10.3f}{r['median_ms']:>11.2f}"
+            f"{r['shape']:<14}{r['method']:<14}"
+            f"{r['model_bytes'] / 1e9:>10.3f}{r['median_ms']:>11.2f}"
             f"{r['gb_per_s']:>9.1f}{100 * r['fraction_of_ceiling']:>10.0f}%"
         )
     out = Path(args.out)

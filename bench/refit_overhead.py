@@ -233,7 +233,8 @@ def main() -> None:
         results[name + " | sender cpu"] = statistics.median(cpu[name])
         results[name + " | receiver cpu"] = statistics.median(theirs)
         print(
-            f"{name:<36} wall {results[name]:8.2f} ms   sender cpu {results[name + ' | sender cpu']:8.2f} ms"
+            f"{name:<36} wall {results[name]:8.2f} ms   "
+            f"sender cpu {results[name + ' | sender cpu']:8.2f} ms"
             f"   receiver cpu {results[name + ' | receiver cpu']:8.2f} ms",
             flush=True,
         )

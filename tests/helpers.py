@@ -31,7 +31,10 @@ def tiny_qwen2_config(folder, *, tie: bool = True):
 
 
 def eager_model(cfg, seed: int):
-    """A random causal LM of `cfg` with eager attention, in eval mode (same bits in every process)."""
+    """A random causal LM of `cfg` with eager attention, in eval mode.
+
+    Same bits in every process.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -61,7 +64,10 @@ def single_thread_logprobs(model, ids):
 
 
 def tiny_deepseek_v3_config():
-    """A 2-layer DeepSeek-V3 (MLA, 4 routed + 1 shared expert); layer 1 is MoE with an fp32 router."""
+    """A 2-layer DeepSeek-V3 (MLA, 4 routed + 1 shared expert).
+
+    Layer 1 is MoE with an fp32 router.
+    """
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(

@@ -51,7 +51,8 @@ def calibrate_qkv_fp8_scales(
             handles.append(module.register_forward_hook(sampler((layer, leaf[0]))))
     if not handles:
         msg = (
-            f"model_type {state.model.config.model_type!r} has no q_proj/k_proj/v_proj "
+            # nn.Module's __getattr__ types sub-attributes as Tensor | Module; this is an HF model.
+            f"model_type {state.model.config.model_type!r} has no q_proj/k_proj/v_proj "  # pyright: ignore[reportAttributeAccessIssue]
             f"modules to calibrate"
         )
         raise ValueError(msg)

@@ -76,8 +76,10 @@ def run(
     if not outputs:
         raise ValueError("the batch has no rows; pass at least one row")
     order = batching.rows_in_input_order(planned)
-    result = tuple(torch.cat(parts)[order] for parts in zip(*outputs, strict=True))
-    return result if len(result) > 1 else result[0]
+    result: tuple[torch.Tensor, ...] = tuple(
+        torch.cat(parts)[order] for parts in zip(*outputs, strict=True)
+    )
+    return result[0] if len(result) == 1 else result
 
 
 def logprobs(
@@ -170,7 +172,8 @@ def scores(state: WorkerState, data: Mapping[str, Any], kind: str) -> BatchedDat
     def per_mb(mb: mbatch.Microbatch) -> torch.Tensor:
         hidden = mbatch.hidden_states(state, mb)
         with model_lib.autocast_context(state.device, state.dtype):
-            out = state.model.score(hidden)[..., 0].float()
+            # nn.Module's __getattr__ types sub-attributes as Tensor | Module; this is an HF model.
+            out = state.model.score(hidden)[..., 0].float()  # pyright: ignore[reportCallIssue]
         valid = mask_from_lengths(mb.lengths, mb.width).to(out.device)
         return torch.where(valid, out, torch.zeros_like(out))
 
@@ -223,7 +226,8 @@ def full_logits_ipc(
             for buf_idx, plan in enumerate(planned):
                 logits = mbatch.forward(state, mbatch.load(state, data, plan))
                 if hasattr(logits, "to_local"):
-                    logits = logits.to_local()  # vocab-parallel lm_head: this rank's shard
+                    # pyright narrows nothing on hasattr; only a DTensor has to_local.
+                    logits = logits.to_local()  # vocab-parallel lm_head: this rank's shard  # pyright: ignore[reportAttributeAccessIssue]
                 if plan.is_dummy:
                     continue
                 vocab_local = int(logits.shape[-1])

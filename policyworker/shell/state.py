@@ -179,8 +179,10 @@ class WorkerState:
     @property
     def vocab_rows(self) -> int:
         """Rows of the input embedding: every token id fed to the model must be below this."""
-        embedding = self.model.get_input_embeddings()
-        return int(getattr(embedding, "num_embeddings", None) or self.model.config.vocab_size)
+        # An HF model: nn.Module's __getattr__ would type its methods/attributes Tensor | Module.
+        model: Any = self.model
+        embedding = model.get_input_embeddings()
+        return int(getattr(embedding, "num_embeddings", None) or model.config.vocab_size)
 
     def resolve_device(self, device: str | torch.device) -> torch.device:
         """`device`, except that "cuda" on a machine without CUDA means the worker's device."""

@@ -55,7 +55,8 @@ def check_train_call(
     if (
         not eval_mode
         and state.device.type == "cpu"
-        and state.model.config._attn_implementation == "flex_attention"
+        # nn.Module's __getattr__ types sub-attributes as Tensor | Module; this is an HF model.
+        and state.model.config._attn_implementation == "flex_attention"  # pyright: ignore[reportAttributeAccessIssue]
     ):
         msg = (
             "attn_implementation 'flex_attention' has no backward on CPU; use 'auto' or "
@@ -181,7 +182,7 @@ def _train_global_batch(state: WorkerState, batch, loss_fn, *, eval_mode, mbs, n
         state, batch["input_lengths"], seq_len=batch["input_ids"].shape[1], mbs=mbs, purpose="train"
     )
     if not eval_mode:
-        state.optimizer.zero_grad(set_to_none=True)
+        _optimizer(state).zero_grad(set_to_none=True)
     mb_losses, mb_metrics, finite = [], [], True
     untrusted = None if eval_mode else batch_checks.nonfinite_loss_input(batch)
     if untrusted is not None:  # skipped below, by every rank (the flag is all-reduced)
@@ -213,7 +214,7 @@ def _train_global_batch(state: WorkerState, batch, loss_fn, *, eval_mode, mbs, n
             "train(): a global batch has no valid %s; its optimizer step was skipped",
             "tokens" if loss_fn.loss_type == LossType.TOKEN_LEVEL else "rows",
         )
-        state.optimizer.zero_grad(set_to_none=True)
+        _optimizer(state).zero_grad(set_to_none=True)
         grad_norm, skipped = 0.0, True
     else:
         grad_norm, skipped = _optimizer_step(state, finite)
@@ -264,6 +265,14 @@ def _loss(state: WorkerState, mb: mbatch.Microbatch, loss_fn, gvs, gvt):
     return loss_fn(data=data, global_valid_seqs=gvs, global_valid_toks=gvt, next_token_logprobs=lp)
 
 
+def _optimizer(state: WorkerState) -> torch.optim.Optimizer:
+    """The worker's optimizer, for a training (not eval) step."""
+    if state.optimizer is None:  # train() refuses this up front; the check documents the invariant
+        msg = "train() needs an optimizer but the worker was built with init_optimizer=False"
+        raise ValueError(msg)
+    return state.optimizer
+
+
 def _optimizer_step(state: WorkerState, loss_finite: bool) -> tuple[float, bool]:
     """Clip and step, or skip the step on every rank when any rank saw a non-finite value."""
     total_norm = collectives.total_grad_norm(state.model.parameters(), state.parallel)
@@ -276,10 +285,10 @@ def _optimizer_step(state: WorkerState, loss_finite: bool) -> tuple[float, bool]
             f"skipped (weights and optimizer state unchanged)",
             stacklevel=4,
         )
-        state.optimizer.zero_grad(set_to_none=True)
+        _optimizer(state).zero_grad(set_to_none=True)
         return grad_norm, True
     if state.cfg.max_grad_norm is not None:
         params = [p for p in state.model.parameters() if p.grad is not None]
         collectives.clip_grads_(params, state.cfg.max_grad_norm, total_norm)
-    state.optimizer.step()
+    _optimizer(state).step()
     return grad_norm, False

@@ -40,7 +40,10 @@ with torch.no_grad():
     logprobs = torch.log_softmax(model(ids).logits.float(), -1).cpu()
     expected = torch.log_softmax(reference(ids).logits.float(), -1).cpu()
 state = {k: v.cpu().contiguous() for k, v in model.state_dict().items()}
-save_file({"logprobs": logprobs, "expected": expected, "versions": torch.tensor(versions), **state}, cmd["out"])
+save_file(
+    {"logprobs": logprobs, "expected": expected, "versions": torch.tensor(versions), **state},
+    cmd["out"],
+)
 receiver.close()
 """
 
@@ -61,10 +64,11 @@ def test_cuda_ipc_refit_gives_bitwise_identical_logprobs(tmp_path):
     model = AutoModelForCausalLM.from_config(cfg).cuda().eval()  # fp32 master
     sender = RefitSender(lambda: model, torch.bfloat16, device="cuda")
     info = sender.prepare_refit_info()
-    json.dump(
-        {n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()},
-        open(tmp_path / "info.json", "w"),
-    )
+    with open(tmp_path / "info.json", "w") as info_file:
+        json.dump(
+            {n: (list(s), str(d).removeprefix("torch.")) for n, (s, d) in info.items()},
+            info_file,
+        )
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0))
     save_file({"input_ids": ids}, tmp_path / "batch.safetensors")
     cmd = {

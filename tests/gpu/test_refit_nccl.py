@@ -49,8 +49,10 @@ while True:
         elif op == "sglang_setup":
             from policyworker.shell.refit.sglang import SGLangReceiverAdapter
             got = {}
-            adapter = SGLangReceiverAdapter(lambda pairs: got.update({n: t.clone() for n, t in pairs}),
-                                            refit_info=cmd["refit_info"])
+            adapter = SGLangReceiverAdapter(
+                lambda pairs: got.update({n: t.clone() for n, t in pairs}),
+                refit_info=cmd["refit_info"],
+            )
             write({"ok": True})
         elif op == "sglang_call":
             reply = adapter.update_weights_from_tensor(**cmd["kwargs"])
@@ -59,12 +61,18 @@ while True:
         elif op == "nccl_receive":
             from policyworker.shell.refit import collective as C
             torch.cuda.set_device(1)
-            group = C.init_collective("127.0.0.1", cmd["port"], 2, train_world_size=1, rank=1, device="cuda:1",
-                                      timeout_s=60)
+            group = C.init_collective(
+                "127.0.0.1", cmd["port"], 2, train_world_size=1, rank=1, device="cuda:1",
+                timeout_s=60,
+            )
             got = {}
-            receiver = C.CollectiveWeightReceiver(lambda pairs: got.update({n: t.clone() for n, t in pairs}),
-                                                  group=group, refit_info=cmd["refit_info"])
-            reports = [receiver.receive(refit_timeout_s=30).num_buckets for _ in range(cmd["rounds"])]
+            receiver = C.CollectiveWeightReceiver(
+                lambda pairs: got.update({n: t.clone() for n, t in pairs}),
+                group=group, refit_info=cmd["refit_info"],
+            )
+            reports = [
+                receiver.receive(refit_timeout_s=30).num_buckets for _ in range(cmd["rounds"])
+            ]
             write({"ok": True, "reports": reports, "got": {n: t.cpu() for n, t in got.items()}})
     except Exception as exc:
         write({"ok": False, "error": f"{type(exc).__name__}: {exc}"})

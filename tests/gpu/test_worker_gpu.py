@@ -8,11 +8,12 @@ import torch
 from policyworker.functional.loss import NLLLoss
 from policyworker.shell.attention import VARLEN_ATTN_NAME, varlen_kernel_available
 from policyworker.shell.worker import PolicyWorker
-from tests.shell.conftest import (  # noqa: F401  (session fixture)
+
+# the session fixture tiny_model_paths comes from tests/gpu/conftest.py
+from tests.shell.conftest import (
     hf_reference_logprobs,
     make_batch,
     make_config,
-    tiny_model_paths,
 )
 
 pytestmark = pytest.mark.gpu

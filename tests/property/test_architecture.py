@@ -40,7 +40,8 @@ def _violations(source: str, filename: str) -> list[str]:
         for name in names:
             if any(name == f or name.startswith(f + ".") for f in FORBIDDEN_IMPORTS):
                 problems.append(
-                    f"{filename}:{node.lineno} imports {name}; move the effect to policyworker/shell/"
+                    f"{filename}:{node.lineno} imports {name}; "
+                    f"move the effect to policyworker/shell/"
                 )
         if isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_CALLS:
             problems.append(

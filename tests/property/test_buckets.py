@@ -1,5 +1,7 @@
 """Properties of the refit bucket planners and the raw-byte pack/unpack round trip."""
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -72,7 +74,10 @@ def test_ipc_plan_covers_every_tensor_once_in_order_within_the_buffer(sizes, buf
     assert [i for b in plan for i in b.indices] == list(range(len(specs)))
     for bucket in plan:
         assert bucket.names == tuple(specs[i].name for i in bucket.indices)
-        ends = [o + align_up(specs[i].nbytes) for i, o in zip(bucket.indices, bucket.offsets)]
+        ends = [
+            o + align_up(specs[i].nbytes)
+            for i, o in zip(bucket.indices, bucket.offsets, strict=True)
+        ]
         assert all(o % 512 == 0 for o in bucket.offsets)
         assert list(bucket.offsets[1:]) == ends[:-1]  # packed back to back, aligned
         assert bucket.used_bytes == ends[-1]
@@ -81,7 +86,7 @@ def test_ipc_plan_covers_every_tensor_once_in_order_within_the_buffer(sizes, buf
         else:
             assert bucket.used_bytes <= buffer_bytes
     # greedy: a bucket is flushed only when the next tensor did not fit
-    for left, right in zip(plan, plan[1:]):
+    for left, right in itertools.pairwise(plan):
         if not left.oversized and not right.oversized:
             assert left.used_bytes + align_up(specs[right.indices[0]].nbytes) > buffer_bytes
 
@@ -156,7 +161,7 @@ def test_pack_then_unpack_round_trips_raw_bytes_of_any_dtype_and_layout(specs, s
     buffer = torch.zeros(pos + 1, dtype=torch.uint8)
     pack_tensors(tensors, offsets, buffer)
     out = unpack_tensors(buffer, specs, offsets)
-    for t, o, s in zip(tensors, out, specs):
+    for t, o, s in zip(tensors, out, specs, strict=True):
         assert o.dtype == s.dtype and tuple(o.shape) == s.shape
         assert torch.equal(o.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
 
@@ -174,7 +179,7 @@ def test_pack_handles_zero_dim_and_strided_views():
     assert len(plan) == 1
     buffer = torch.empty(plan[0].used_bytes, dtype=torch.uint8)
     pack_tensors(tensors, plan[0].offsets, buffer)
-    for t, o in zip(tensors, unpack_tensors(buffer, specs, plan[0].offsets)):
+    for t, o in zip(tensors, unpack_tensors(buffer, specs, plan[0].offsets), strict=True):
         assert torch.equal(t, o)
 
 

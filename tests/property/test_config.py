@@ -100,7 +100,10 @@ def scheduler_configs(draw) -> SchedulerConfig:
 
 @st.composite
 def batching_sections(draw, *, cp: int, reward: bool):
-    """(mode, sequence_packing, dynamic_batching): packing only where cp == 1 and no reward model."""
+    """(mode, sequence_packing, dynamic_batching).
+
+    Packing only where cp == 1 and no reward model.
+    """
     mode = draw(
         st.sampled_from(["fixed", "dynamic"] + (["packing"] if cp == 1 and not reward else []))
     )
@@ -260,7 +263,8 @@ def error_lines(mapping: Any) -> list[str]:
 @given(cfg=policy_configs())
 def test_unstructure_then_load_is_identity(cfg):
     """Also through JSON text (the provenance record), and with NeMo-RL's `enabled` switches:
-    `{enabled: true, ...}` equals the section without `enabled`, `{enabled: false, ...}` equals absent."""
+    `{enabled: true, ...}` equals the section without `enabled`, `{enabled: false, ...}` equals
+    absent."""
     plain = config_to_dict(cfg)
     assert load_config(converter.unstructure(cfg)) == cfg
     assert load_config(plain) == cfg
@@ -613,29 +617,34 @@ def test_known_worker_keys_are_never_in_the_ignore_table():
                 "sequence_packing": {"train_mb_tokens": 64},
                 "dynamic_batching": {"train_mb_tokens": 64},
             },
-            r"both enabled but are exclusive; set enabled: false on one of them @ policy\.sequence_packing",
+            r"both enabled but are exclusive; set enabled: false on one of them "
+            r"@ policy\.sequence_packing",
         ),
         (
             {
                 "sequence_packing": {"train_mb_tokens": 64},
                 "dtensor_cfg": {"context_parallel_size": 2},
             },
-            r"does not support dtensor_cfg\.context_parallel_size > 1 \(got 2\); set context_parallel_size: 1",
+            r"does not support dtensor_cfg\.context_parallel_size > 1 \(got 2\); "
+            r"set context_parallel_size: 1",
         ),
         (
             {
                 "sequence_packing": {"train_mb_tokens": 64},
                 "reward_model_cfg": {"reward_model_type": "regression"},
             },
-            r"not supported for reward models .*; disable sequence_packing @ policy\.sequence_packing",
+            r"not supported for reward models .*; disable sequence_packing "
+            r"@ policy\.sequence_packing",
         ),
         (
             {"train_global_batch_size": 30, "train_micro_batch_size": 4},
-            r"train_global_batch_size = 30 must be a multiple of train_micro_batch_size = 4; change one",
+            r"train_global_batch_size = 30 must be a multiple of "
+            r"train_micro_batch_size = 4; change one",
         ),
         (
             {"max_total_sequence_length": 10, "dtensor_cfg": {"context_parallel_size": 2}},
-            r"max_total_sequence_length = 10 must be divisible by 2 \* dtensor_cfg\.context_parallel_size = 4 "
+            r"max_total_sequence_length = 10 must be divisible by "
+            r"2 \* dtensor_cfg\.context_parallel_size = 4 "
             r"\(load-balanced CP chunks\); use 12 @ policy\.max_total_sequence_length",
         ),
         (
@@ -652,7 +661,8 @@ def test_known_worker_keys_are_never_in_the_ignore_table():
         ),
         (
             {"scheduler": [{"name": "a.B"}, {"name": "a.C"}, {"milestones": [0]}]},
-            r"milestones \[0\] must be strictly increasing positive step counts @ policy\.scheduler$",
+            r"milestones \[0\] must be strictly increasing positive step counts "
+            r"@ policy\.scheduler$",
         ),
         (
             {"scheduler": [{"name": "a.B"}, {"milestones": []}, {"milestones": []}]},

@@ -52,7 +52,8 @@ def test_cp_size_one_is_identity(case):
 
 @given(cp_layouts())
 def test_shards_balance_causal_work(layout):
-    """Head-tail balancing: the sum of positions (~ causal attention cost) is equal on every rank."""
+    """Head-tail balancing: the sum of positions (~ causal attention cost) is equal on every
+    rank."""
     cp_size, seq_len = layout
     costs = {
         int(cp_position_ids(seq_len, cp_rank=r, cp_size=cp_size).sum()) for r in range(cp_size)

@@ -1,4 +1,7 @@
-"""Properties of policyworker.functional.logprobs: chunked logprobs, sampling filters, vocab-parallel partials."""
+"""Properties of policyworker.functional.logprobs.
+
+Chunked logprobs, sampling filters, vocab-parallel partials.
+"""
 
 import math
 
@@ -82,7 +85,10 @@ def test_next_token_logprobs_match_plain_log_softmax(case, temperature):
 def test_chunked_equals_unchunked_forward_and_gradient(
     case, temperature, top_k, top_p, chunk_size, seed
 ):
-    """Any chunk size gives the unchunked reference's values and gradients (fp32 out for fp32/bf16 in)."""
+    """Any chunk size gives the unchunked reference's values and gradients.
+
+    fp32 out for fp32/bf16 in.
+    """
     logits, ids = case
     weights = seeded_randn(seed, (ids.shape[0], ids.shape[1] - 1))
     x_ours = logits.clone().requires_grad_()
@@ -143,7 +149,10 @@ def test_single_position_gives_empty_fp32():
 
 
 def test_saved_tensors_are_only_the_low_precision_inputs():
-    """[better] memory: the autograd graph holds no fp32 [B, S, V] tensor (B=2, S=64, V=512, bf16 in)."""
+    """[better] memory: the autograd graph holds no fp32 [B, S, V] tensor.
+
+    B=2, S=64, V=512, bf16 in.
+    """
     B, S, V = 2, 64, 512
     logits = seeded_randn(0, (B, S, V), torch.bfloat16).requires_grad_()
     ids = seeded_randint(1, V, (B, S))
@@ -165,7 +174,8 @@ def test_saved_tensors_are_only_the_low_precision_inputs():
 
 
 def test_log_softmax_runs_once_per_chunk_on_chunk_shaped_blocks(monkeypatch):
-    """Chunk 2 over 7 scored positions: log_softmax sees exactly 4 blocks, each at most [B, 2, V]."""
+    """Chunk 2 over 7 scored positions: log_softmax sees exactly 4 blocks, each at most
+    [B, 2, V]."""
     shapes = []
     original = torch.log_softmax
 
@@ -420,7 +430,10 @@ def test_vocab_ranges_tile_the_vocab_like_torch_chunk(V, size):
     top_p=TOP_PS,
 )
 def test_filtered_tp_all_to_all_matches_full_vocab(V, size, rows_per_rank, seed, top_k, top_p):
-    """Vocab shards -> row blocks (all-to-all) -> filter + logprob per block == full filtered logprobs."""
+    """Vocab shards -> row blocks (all-to-all) -> filter + logprob per block.
+
+    Equals the full filtered logprobs.
+    """
     N = size * rows_per_rank
     full = seeded_randn(seed, (N, V))
     targets = seeded_randint(seed + 1, V, (N,))
@@ -444,7 +457,9 @@ def test_filtered_tp_all_to_all_matches_full_vocab(V, size, rows_per_rank, seed,
 def test_rows_not_divisible_by_tp_names_the_fix():
     with pytest.raises(
         ValueError,
-        match="rows 10 must be divisible by tensor_parallel_size 4.*make_sequence_length_divisible_by",
+        match=(
+            "rows 10 must be divisible by tensor_parallel_size 4.*make_sequence_length_divisible_by"
+        ),
     ):
         lp.rows_for_rank(10, 0, 4)
 
@@ -469,7 +484,10 @@ def test_large_logits_stay_finite():
 def test_cp_and_vocab_parallel_composition_equals_next_token_logprobs(
     B, cp_and_len, V, tp_size, seed
 ):
-    """CP shards of (logits, shifted_targets) scored by vocab-parallel partials, gathered, last column dropped."""
+    """CP shards of (logits, shifted_targets) scored by vocab-parallel partials.
+
+    Gathered, last column dropped.
+    """
     cp_size, S = cp_and_len
     logits = 3 * seeded_randn(seed, (B, S, V))
     ids = seeded_randint(seed + 1, V, (B, S))

@@ -134,7 +134,10 @@ def test_merge_keeps_weight_dtype_and_does_not_mutate(d_in, d_out, rank, seed, d
     dtype=st.sampled_from([torch.bfloat16, torch.float16]),
 )
 def test_low_precision_merge_rounds_once_from_fp32(d_in, d_out, rank, seed, dtype):
-    """bf16/fp16 merges equal the fp32 merge rounded once (accumulation never happens in low precision)."""
+    """bf16/fp16 merges equal the fp32 merge rounded once.
+
+    Accumulation never happens in low precision.
+    """
     W, A, B = _factors(seed, d_out, d_in, rank, torch.float32)
     W = W.to(dtype)
     expected = merge_lora_weight(W.float(), A, B, 0.25).to(dtype)
@@ -150,7 +153,8 @@ def test_low_precision_merge_rounds_once_from_fp32(d_in, d_out, rank, seed, dtyp
     base_dim=st.sampled_from([None, 0, 1]),
 )
 def test_adapter_shards_follow_base_layout(d_in, d_out, rank, seed, num_shards, base_dim):
-    """Sharding A/B per lora_shard_dims makes each rank's local B@A the same shard as its W shard."""
+    """Sharding A/B per lora_shard_dims makes each rank's local B@A the same shard as its W
+    shard."""
     _, A, B = _factors(seed, d_out, d_in, rank)
     a_dim, b_dim = lora_shard_dims(base_dim)
     full = B @ A

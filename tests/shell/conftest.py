@@ -1,4 +1,7 @@
-"""Tiny real HF models (Llama / Qwen2 / Qwen3 + reward heads) saved once per session, loaded by path."""
+"""Tiny real HF models (Llama / Qwen2 / Qwen3 + reward heads).
+
+Saved once per session, loaded by path.
+"""
 
 from __future__ import annotations
 

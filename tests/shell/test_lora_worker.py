@@ -1,4 +1,7 @@
-"""LoRA through the PolicyWorker: merged refit stream and PEFT adapter folder reproduce the worker."""
+"""LoRA through the PolicyWorker.
+
+The merged refit stream and the PEFT adapter folder reproduce the worker.
+"""
 
 from __future__ import annotations
 

@@ -54,8 +54,10 @@ for line in sys.stdin:
     cmd = json.loads(line)
     try:
         if cmd["op"] == "init":
-            group = C.init_collective("127.0.0.1", cmd["port"], cmd["world"], train_world_size=1, rank=cmd["rank"],
-                                      timeout_s=cmd.get("timeout_s", 30.0))
+            group = C.init_collective(
+                "127.0.0.1", cmd["port"], cmd["world"], train_world_size=1, rank=cmd["rank"],
+                timeout_s=cmd.get("timeout_s", 30.0),
+            )
             say({"ok": True})
         elif cmd["op"] == "poison_defaults":  # a receiver's local defaults must never matter
             C.CPU_DEFAULT_BUCKET_BYTES, C.DEFAULT_NUM_BUFFERS = 1000, 5
@@ -65,9 +67,12 @@ for line in sys.stdin:
             config = AutoConfig.from_pretrained(cmd["config_dir"])
             config._attn_implementation = "eager"
             torch.manual_seed(1234 + group.rank)  # weights differ from the trainer's
-            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES_BY_NAME[cmd["dtype"]]).eval()
-            receiver = C.CollectiveWeightReceiver(model, group=group, refit_info=load_info(cmd["refit_info"]),
-                                                  atomic=cmd.get("atomic", False))
+            dtype = DTYPES_BY_NAME[cmd["dtype"]]
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+            receiver = C.CollectiveWeightReceiver(
+                model, group=group, refit_info=load_info(cmd["refit_info"]),
+                atomic=cmd.get("atomic", False),
+            )
             say({"ok": True})
         elif cmd["op"] == "setup_capture":
             model, captured = None, {}
@@ -94,12 +99,15 @@ for line in sys.stdin:
                             if k != "lm_head.weight" or not model.config.tie_word_embeddings})
             save_file(out, cmd["out"])
             h = receiver.last_header
-            say({"ok": True, "version": report.version, "num_buckets": report.num_buckets, "stale": receiver.stale,
-                 "target_bytes": h.target_bytes, "num_buffers": h.num_buffers, "layout": h.layout})
+            say({"ok": True, "version": report.version, "num_buckets": report.num_buckets,
+                 "stale": receiver.stale, "target_bytes": h.target_bytes,
+                 "num_buffers": h.num_buffers, "layout": h.layout})
         elif cmd["op"] == "exit":
-            os._exit(0)  # a broken group's stuck collective would block a normal exit until its timeout
+            # a broken group's stuck collective would block a normal exit until its timeout
+            os._exit(0)
     except Exception as exc:
-        say({"ok": False, "error": f"{type(exc).__name__}: {exc}", "stale": receiver.stale if receiver else None})
+        stale = receiver.stale if receiver else None
+        say({"ok": False, "error": f"{type(exc).__name__}: {exc}", "stale": stale})
 """
 
 
@@ -173,7 +181,7 @@ def _sources(model, dtype):
     return ((s.name, s.tensor) for s in iter_refit_sources(model, dtype))
 
 
-# --------------------------------------------------------------------------- two receivers, real processes
+# ------------------------------------------------------------------ two receivers, real processes
 
 
 def test_fp32_refit_gives_bitwise_identical_logprobs_on_every_inference_rank(rig, tmp_path):
@@ -356,7 +364,7 @@ def test_a_rejected_manifest_stops_every_rank_before_any_write_and_the_group_sta
     assert all(torch.equal(out["b"], tensors["b"]) for out in outs)
 
 
-# --------------------------------------------------------------------------- faults (these break the group: last)
+# ------------------------------------------------------------ faults (these break the group: last)
 
 
 def test_receivers_that_never_join_raise_refit_timeout_within_the_deadline(rig):
@@ -502,13 +510,15 @@ def test_watchdog_fires_without_kicks_and_stays_quiet_while_kicked():
 
 def test_cpu_offload_cycle_warns_and_moves_back_even_when_the_transfer_raises():
     calls = []
-    with pytest.warns(UserWarning, match="cpu_offload adds an onload/offload cycle"):
-        with pytest.raises(RuntimeError, match="boom"):
-            with C.cpu_offload_cycle(
-                True, lambda: calls.append("on"), lambda: calls.append("off"), transport="x"
-            ):
-                calls.append("send")
-                raise RuntimeError("boom")
+    with (
+        pytest.warns(UserWarning, match="cpu_offload adds an onload/offload cycle"),
+        pytest.raises(RuntimeError, match="boom"),
+        C.cpu_offload_cycle(
+            True, lambda: calls.append("on"), lambda: calls.append("off"), transport="x"
+        ),
+    ):
+        calls.append("send")
+        raise RuntimeError("boom")
     assert calls == ["on", "send", "off"]
     with C.cpu_offload_cycle(False, None, None, transport="x"):
         pass

@@ -40,13 +40,19 @@ from policyworker.shell.refit.wire import DTYPES_BY_NAME
 def say(obj):
     print("@@" + json.dumps(obj), flush=True)
 
+def load_info(path):
+    with open(path) as f:
+        return {n: (s, DTYPES_BY_NAME[d]) for n, (s, d) in json.load(f).items()}
+
 receiver = model = None
 for line in sys.stdin:
     cmd = json.loads(line)
     try:
         if cmd["op"] == "setup_discard":  # no model: a light process for fault injection
-            info = {n: (s, DTYPES_BY_NAME[d]) for n, (s, d) in json.load(open(cmd["refit_info"])).items()}
-            receiver = HFWeightReceiver(lambda pairs: None, address=cmd["address"], refit_info=info, timeout_s=60.0)
+            info = load_info(cmd["refit_info"])
+            receiver = HFWeightReceiver(
+                lambda pairs: None, address=cmd["address"], refit_info=info, timeout_s=60.0
+            )
             say({"ok": True})
         elif cmd["op"] == "setup":
             from transformers import AutoConfig, AutoModelForCausalLM
@@ -55,10 +61,13 @@ for line in sys.stdin:
             config = AutoConfig.from_pretrained(cmd["config_dir"])
             config._attn_implementation = "eager"
             torch.manual_seed(1234)  # different weights from the trainer's
-            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES_BY_NAME[cmd["dtype"]]).eval()
-            info = {n: (s, DTYPES_BY_NAME[d]) for n, (s, d) in json.load(open(cmd["refit_info"])).items()}
-            receiver = HFWeightReceiver(model, address=cmd["address"], refit_info=info,
-                                        atomic=cmd.get("atomic", False), timeout_s=cmd.get("timeout_s", 60.0))
+            dtype = DTYPES_BY_NAME[cmd["dtype"]]
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+            info = load_info(cmd["refit_info"])
+            receiver = HFWeightReceiver(
+                model, address=cmd["address"], refit_info=info,
+                atomic=cmd.get("atomic", False), timeout_s=cmd.get("timeout_s", 60.0),
+            )
             say({"ok": True})
         elif cmd["op"] == "receive":
             if cmd.get("die_after_buckets") is not None:
@@ -74,15 +83,18 @@ for line in sys.stdin:
             with torch.no_grad():
                 ids = load_file(cmd["batch"])["input_ids"]
                 logprobs = torch.log_softmax(model(ids).logits.float(), -1)
-            state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"
-                     or not model.config.tie_word_embeddings}
+            state = {
+                k: v.contiguous() for k, v in model.state_dict().items()
+                if k != "lm_head.weight" or not model.config.tie_word_embeddings
+            }
             save_file({"logprobs": logprobs, **state}, cmd["out"])
             say({"ok": True, "version": report.version, "num_buckets": report.num_buckets,
                  "stale": receiver.stale})
         elif cmd["op"] == "exit":
             break
     except Exception as exc:
-        say({"ok": False, "error": f"{type(exc).__name__}: {exc}", "stale": receiver.stale if receiver else None})
+        stale = receiver.stale if receiver else None
+        say({"ok": False, "error": f"{type(exc).__name__}: {exc}", "stale": stale})
 """
 
 
@@ -256,7 +268,7 @@ def test_manifest_violation_is_rejected_with_names_and_without_a_timeout_wait(ch
         sender.close()
 
 
-# --------------------------------------------------------------------------- one-process protocol checks
+# ------------------------------------------------------------------ one-process protocol checks
 
 
 class _Buffers(nn.Module):
@@ -402,6 +414,7 @@ def test_in_place_receiver_is_stale_after_a_partial_refit():
                 model.state_dict(),
                 model.state_dict().values(),
                 sender.prepare_refit_info().values(),
+                strict=True,
             )
         ],
         manifest=sender.prepare_refit_info(),

@@ -3,6 +3,7 @@
 import asyncio
 import concurrent.futures
 import copy
+import itertools
 import pickle
 import types
 
@@ -256,9 +257,8 @@ def test_chunks_keep_order_and_close_before_reaching_the_limit(sizes, limit):
     assert [i for c in chunks for i in c] == list(range(len(sizes)))
     for chunk in chunks:
         assert len(chunk) == 1 or sum(sizes[i] for i in chunk) < limit
-    for a, b in zip(
-        chunks, chunks[1:]
-    ):  # a chunk closes only when the next tensor would reach the limit
+    # a chunk closes only when the next tensor would reach the limit
+    for a, b in itertools.pairwise(chunks):
         assert sum(sizes[i] for i in a) + sizes[b[0]] >= limit
 
 

@@ -28,7 +28,9 @@ class _AllGatherCP(torch.autograd.Function):
         return cp_core.gather_shards(parts, cp_size=cp_size, dim=dim)
 
     @staticmethod
-    def backward(ctx, grad_full):
+
+    # autograd passes one grad per forward output; naming it beats base's *grad_outputs
+    def backward(ctx, grad_full):  # pyright: ignore[reportIncompatibleMethodOverride]
         group, cp_rank, cp_size, dim = ctx.settings
         grad = grad_full.contiguous()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
@@ -86,6 +88,13 @@ def context_parallel_forward(
     from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if ctx.mesh is None:
+        msg = (
+            "context parallelism needs a device mesh over ('dp', 'cp', 'tp'), but the parallel "
+            "context has none (no process group); initialise torch.distributed first or set "
+            "context_parallel_size to 1"
+        )
+        raise ValueError(msg)
     ids, positions = input_ids_BS.clone(), position_ids_BS.clone()
     with (
         context_parallel(

@@ -11,7 +11,7 @@ import torch.distributed as dist
 __all__: list[str] = []  # helpers of the modules of this package only
 
 
-def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: Any) -> torch.Tensor:
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group: Any) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(tensor, op=op, group=group)
     return tensor

@@ -58,7 +58,9 @@ class _VocabParallelTargetLogprobs(torch.autograd.Function):
         return out_BS
 
     @staticmethod
-    def backward(ctx, grad_BS):
+
+    # autograd passes one grad per forward output; naming it beats base's *grad_outputs
+    def backward(ctx, grad_BS):  # pyright: ignore[reportIncompatibleMethodOverride]
         logits_BSV, targets_BS, max_BS, sum_exp_BS = ctx.saved_tensors
         vocab_start, temperature, chunk_size = ctx.settings
         grad_BSV = torch.zeros_like(logits_BSV)
@@ -174,7 +176,9 @@ class _VocabShardsToRows(torch.autograd.Function):
         return lp_core.concat_vocab_pieces([p[:, :w] for p, w in zip(recv, widths, strict=True)])
 
     @staticmethod
-    def backward(ctx, grad_rows):
+
+    # autograd passes one grad per forward output; naming it beats base's *grad_outputs
+    def backward(ctx, grad_rows):  # pyright: ignore[reportIncompatibleMethodOverride]
         group, tp_rank, tp_size, vocab_size = ctx.settings
         width = -(-vocab_size // tp_size)
         send = [_pad_last(p, width) for p in lp_core.split_vocab(grad_rows.contiguous(), tp_size)]
@@ -202,7 +206,9 @@ class _GatherRows(torch.autograd.Function):
         return torch.cat(parts, dim=0)
 
     @staticmethod
-    def backward(ctx, grad_N):
+
+    # autograd passes one grad per forward output; naming it beats base's *grad_outputs
+    def backward(ctx, grad_N):  # pyright: ignore[reportIncompatibleMethodOverride]
         tp_rank, num_rows = ctx.settings
         return grad_N[tp_rank * num_rows : (tp_rank + 1) * num_rows], None, None, None
 
