@@ -43,7 +43,9 @@ _positive_float = _bounded(float, 0, inclusive=False)
 def build_parser() -> argparse.ArgumentParser:
     from policyworker import bench_runner
 
-    parser = argparse.ArgumentParser(prog="policyworker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="policyworker", description=(__doc__ or "policyworker").splitlines()[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",

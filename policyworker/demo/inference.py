@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.connection
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -53,10 +53,13 @@ def _quiet_transformers() -> None:
 def _load_model(model_dir: str, device: str, dtype_name: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
+    pretrained = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=_DTYPES[dtype_name], attn_implementation="sdpa"
     )
-    model.config.use_cache = False
+    pretrained.config.use_cache = False
+    # A plain Module to pyright: transformers types `.to` of the auto class as the generate
+    # mixin's, which takes no device.
+    model = cast("torch.nn.Module", pretrained)
     return model.to(device).eval()
 
 

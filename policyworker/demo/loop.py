@@ -83,7 +83,7 @@ TP_FP32_TOLERANCE = 1e-5
 # HF's: same weights, not the same bits. Measured max |lp_train - lp_gen| on the tiny models of
 # the demo and tests (fp32): 1.4e-6 .. 4.8e-6; a wrong or stale weight gives 1e-2 or more.
 VLLM_FP32_TOLERANCE = 1e-4
-DEMO_MODEL = dict(
+DEMO_MODEL: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -287,8 +287,8 @@ def run_demo(
     opts: DemoOptions, *, out: TextIO | None = None, err: TextIO | None = None
 ) -> DemoResult:
     """Run the demo; print the step lines (rank 0) and return the curves and the verdict."""
-    out = out or sys.stdout
-    err = err or sys.stderr
+    out_stream: TextIO = out or sys.stdout
+    err_stream: TextIO = err or sys.stderr
     start = time.perf_counter()
     torch.set_num_threads(1)  # the inference process runs one thread: same kernels, same bits
     import transformers
@@ -299,7 +299,7 @@ def run_demo(
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     if opts.ray:
-        return _run_on_ray(opts, out=out, err=err, start=start)
+        return _run_on_ray(opts, out=out_stream, err=err_stream, start=start)
     device = _resolve_device(opts.device)
     task = opts.task
     infer: Any = None
@@ -324,7 +324,7 @@ def run_demo(
                     max_model_len=max(64, 2 * task.seq_len),
                     timeout_s=opts.timeout_s,
                 )
-                err.write(f"vLLM engine started in {infer.start_s:.1f} s\n")
+                err_stream.write(f"vLLM engine started in {infer.start_s:.1f} s\n")
             elif rank0:  # start it first: its imports overlap the worker's construction
                 infer = InferenceProcess(
                     model_dir,
@@ -341,8 +341,8 @@ def run_demo(
                     opts,
                     parallel=parallel,
                     dp_size=parallel.dp_size,
-                    out=out,
-                    err=err,
+                    out=out_stream,
+                    err=err_stream,
                     start=start,
                 )
             finally:
@@ -524,7 +524,7 @@ def _train(
             agg = aggregate_microbatch_metrics(metrics["all_mb_metrics"])
             kls.append(_reduce(agg.get("kl_penalty", 0.0), parallel, op="sum", axis="dp"))
             rewards.append(float(rewards_N.mean()))
-            if rank0:
+            if bar is not None:  # rank 0 only: the bar exists exactly there
                 bar.clear()
                 out.write(
                     step_line(

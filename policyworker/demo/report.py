@@ -96,12 +96,13 @@ def save_plot(path: str, rewards: Sequence[float], kls: Sequence[float]) -> bool
     One legend names both curves (they share the step axis, each with its own y axis); steps
     are whole numbers, so the x ticks are too.
     """
+    # matplotlib is the optional `plot` extra, absent from the lint environment.
     try:
-        import matplotlib
+        import matplotlib  # pyright: ignore[reportMissingImports]
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
+        import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports]
+        from matplotlib.ticker import MaxNLocator  # pyright: ignore[reportMissingImports]
     except ImportError:
         return False
     steps = list(range(1, len(rewards) + 1))

@@ -33,7 +33,8 @@ class VllmRollouts:
         require_vllm()
         for key, value in _ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
-        from vllm import LLM
+        # vLLM is an optional extra, absent from the lint environment.
+        from vllm import LLM  # pyright: ignore[reportMissingImports]
 
         started = time.perf_counter()
         self.llm = LLM(
@@ -67,7 +68,8 @@ class VllmRollouts:
         Row i samples with seed `seed * 1_000 + i`: the repeated prompts of a GRPO group must
         not share a random stream (equal seeds give equal answers and zero advantages).
         """
-        from vllm import SamplingParams
+        # vLLM is an optional extra, absent from the lint environment.
+        from vllm import SamplingParams  # pyright: ignore[reportMissingImports]
 
         n, lp = prompts_NL.shape
         params = [

@@ -17,7 +17,7 @@ def local_ranks(node_of_rank: Sequence[str]) -> list[int]:
     Example: nodes ``["a", "b", "a", "a"]`` -> ``[0, 0, 1, 2]``.
     """
     seen: dict[str, int] = {}
-    out = []
+    out: list[int] = []
     for node in node_of_rank:
         out.append(seen.get(node, 0))
         seen[node] = out[-1] + 1

@@ -78,7 +78,8 @@ def require_vllm() -> Any:
     except ImportError as exc:
         msg = f"vLLM is not installed ({exc}); pip install 'policyworker[vllm]'"
         raise UnsupportedEngineError(msg) from None
-    check_vllm_version(vllm.__version__)
+    # pyright reads `vllm` as this very module (same folder), which has no __version__.
+    check_vllm_version(vllm.__version__)  # pyright: ignore[reportAttributeAccessIssue]
     return vllm
 
 
@@ -93,7 +94,10 @@ def register_backend() -> bool:
         require_vllm()
     except UnsupportedEngineError:
         return False
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    # vLLM is an optional extra, absent from the lint environment.
+    from vllm.distributed.weight_transfer.factory import (  # pyright: ignore[reportMissingImports]
+        WeightTransferEngineFactory,
+    )
 
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(

@@ -13,18 +13,21 @@ post-load processing and copies the results back into the tensors the kernels ho
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import vllm
-from vllm.distributed.weight_transfer.base import (
+
+# vLLM is an optional extra, absent from the lint environment; pyright resolves the bare
+# `vllm` to our sibling module engines/vllm.py, hence the ignores on vLLM names below.
+from vllm.distributed.weight_transfer.base import (  # pyright: ignore[reportMissingImports]
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from vllm.model_executor.model_loader.reload import (
+from vllm.model_executor.model_loader.reload import (  # pyright: ignore[reportMissingImports]
     finalize_layerwise_reload,
     initialize_layerwise_reload,
 )
@@ -45,7 +48,10 @@ __all__ = [
 
 def _cpu_moe_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
     """(layer, experts) of every MoE layer run by vLLM's unquantized CPU experts kernel."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    # vLLM is an optional extra, absent from the lint environment.
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (  # pyright: ignore[reportMissingImports]
+        CPUUnquantizedExperts,
+    )
 
     found = []
     for module in model.modules():
@@ -61,8 +67,10 @@ def _check_cpu_moe_repack(found: list[tuple[torch.nn.Module, Any]]) -> None:
         size = experts.moe_config.intermediate_size_per_partition
         padded = experts._padded_intermediate_size(experts.moe_config)
         if padded != size:
+            # pyright reads `vllm` as our sibling engines/vllm.py, which has no __version__.
+            version = vllm.__version__  # pyright: ignore[reportAttributeAccessIssue]
             msg = (
-                f"vLLM {vllm.__version__}'s CPU MoE kernel pads moe intermediate size {size} "
+                f"vLLM {version}'s CPU MoE kernel pads moe intermediate size {size} "
                 f"to {padded}; its weight updates cannot be repacked in place. Use a moe "
                 f"intermediate size that is a multiple of {experts._intermediate_alignment()}"
             )
@@ -100,7 +108,8 @@ def layerwise_loader(model: torch.nn.Module, model_config: Any):
         try:
             initialize_layerwise_reload(model)
             try:
-                loaded = model.load_weights(iter(pairs))
+                # vLLM models define load_weights; torch types unknown attributes as Tensor.
+                loaded = model.load_weights(iter(pairs))  # pyright: ignore[reportCallIssue]
             finally:
                 finalize_layerwise_reload(model, model_config)
                 for layer, experts in cpu_moe:
@@ -136,7 +145,7 @@ def _serving_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def receiver_for(
-    model: torch.nn.Module, model_config: Any, init: dict[str, Any]
+    model: torch.nn.Module, model_config: Any, init: Mapping[str, Any]
 ) -> HFWeightReceiver:
     """The atomic receiver of one trainer (``init``: address, refit_info, timeout_s)."""
     for key in ("address", "refit_info"):
@@ -243,6 +252,10 @@ class PolicyWorkerZmqEngine(WeightTransferEngine[ZmqInitInfo, ZmqUpdateInfo]):
 class PolicyWorkerVllmExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``); reached by ``collective_rpc``."""
 
+    # Provided by the vLLM worker class this is mixed into (annotations only, no attributes).
+    vllm_config: Any
+    model_runner: Any
+
     def policyworker_connect(self, init_info: dict[str, Any]) -> None:
         _check_single_worker(self.vllm_config.parallel_config.world_size)
         self.policyworker_close()
@@ -262,5 +275,6 @@ class PolicyWorkerVllmExtension:
             self._policyworker_receiver = None
 
 
-check_vllm_version(vllm.__version__)
+# pyright reads `vllm` as our sibling engines/vllm.py, which has no __version__.
+check_vllm_version(vllm.__version__)  # pyright: ignore[reportAttributeAccessIssue]
 register_backend()

@@ -30,6 +30,7 @@ __all__ = [
 RAY_MINIMUM, RAY_BELOW, RAY_TESTED = (2, 40), (3,), "2.60.0"
 RAY_SUPPORTED = f">={'.'.join(map(str, RAY_MINIMUM))},<{RAY_BELOW[0]} (tested with {RAY_TESTED})"
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 
 def import_ray() -> Any:
@@ -56,9 +57,7 @@ class WorkerGroupOptions:
     """Placement, resources and timeouts of a RayWorkerGroup."""
 
     num_workers: int = field(validator=ge(1))
-    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = field(
-        default="PACK", validator=in_(STRATEGIES)
-    )
+    strategy: PlacementStrategy = field(default="PACK", validator=in_(STRATEGIES))
     cpus_per_worker: float = field(default=1.0, validator=gt(0))
     gpus_per_worker: float | None = field(default=None, validator=optional(ge(0)))  # None: auto
     torch_threads: int | None = field(default=None, validator=optional(ge(1)))  # None: the CPUs

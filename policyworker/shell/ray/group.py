@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from policyworker.errors import WorkerGroupError, WorkerGroupTimeoutError
 from policyworker.functional.worker_group import dp_leader_ranks, local_ranks
 from policyworker.shell.ray.actor import (
+    PlacementStrategy,
     PolicyWorkerActor,
     WorkerGroupOptions,
     import_ray,
@@ -71,7 +72,8 @@ class RayWorkerGroup:
 
         self.options = WorkerGroupOptions(
             num_workers=num_workers,
-            strategy=strategy,
+            # A plain str from callers: the options' in_(STRATEGIES) validator checks it.
+            strategy=cast("PlacementStrategy", strategy),
             cpus_per_worker=cpus_per_worker,
             gpus_per_worker=gpus_per_worker,
             torch_threads=torch_threads,
@@ -104,7 +106,7 @@ class RayWorkerGroup:
             placement_group = make_placement_group(
                 num_workers, bundle, strategy=strategy, timeout_s=timeout_s
             )
-        self.placement_group = placement_group
+        self.placement_group: Any = placement_group  # a Ray PlacementGroup; None once removed
         self.bundle_indices = tuple(
             range(num_workers) if bundle_indices is None else bundle_indices
         )
@@ -278,9 +280,16 @@ class RayWorkerGroup:
 
         batch = BatchedDataDict(data)
         size, uneven = batch.size, batch_size is None
-        shards = batch.shard_by_batch_size(self.dp_size, batch_size, allow_uneven_shards=uneven)
-        rows = BatchedDataDict(rows=torch.arange(size)).shard_by_batch_size(
-            self.dp_size, batch_size, allow_uneven_shards=uneven
+        # Without dynamic batching or packing arguments it returns the plain list of shards.
+        shards = cast(
+            "list[BatchedDataDict]",
+            batch.shard_by_batch_size(self.dp_size, batch_size, allow_uneven_shards=uneven),
+        )
+        rows = cast(
+            "list[BatchedDataDict]",
+            BatchedDataDict(rows=torch.arange(size)).shard_by_batch_size(
+                self.dp_size, batch_size, allow_uneven_shards=uneven
+            ),
         )
         if any(shard.size == 0 for shard in shards):
             msg = (
