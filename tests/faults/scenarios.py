@@ -534,6 +534,12 @@ def oversized_messages(trials: int) -> None:
     big_header = b" " * (256 << 20)
     folder = tempfile.mkdtemp()
     address = f"ipc://{folder}/peer.sock"
+    context = zmq.Context()
+    # A receiver refuses an address with no socket behind it, so one listens while it starts;
+    # each trial below then binds a fresh peer at the same path (ZMQ reconnects by path).
+    placeholder = context.socket(zmq.REQ)
+    placeholder.setsockopt(zmq.LINGER, 0)
+    placeholder.bind(address)
     child = subprocess.Popen(
         [sys.executable, "-c", RECEIVER_CHILD, address],
         env=child_env(),
@@ -543,7 +549,7 @@ def oversized_messages(trials: int) -> None:
     )
     assert child.stdout is not None and child.stdin is not None
     assert child.stdout.readline().startswith("@@ready")
-    context = zmq.Context()
+    placeholder.close(linger=0)
     for trial in range(trials):
         for name, frames in (
             ("16 MiB manifest", [begin, manifest]),

@@ -300,7 +300,11 @@ def _on_rank0(parallel: Any, what: str, fn: Callable[[], None]) -> None:
 
 
 def _write_json(path: pathlib.Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    # A fresh inode (write, then rename): files of an unchanged reference folder are hard links
+    # into the previous checkpoint, which an in-place rewrite would change too.
+    staged = path.with_name(path.name + ".tmp")
+    staged.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(staged, path)
 
 
 def read_json(path: pathlib.Path) -> Any:

@@ -60,7 +60,7 @@ def _listed_files(folder: pathlib.Path) -> list[str]:
     return sorted(
         str(p.relative_to(folder))
         for p in folder.rglob("*")
-        if p.is_file() and p.name != DIGESTS_FILE
+        if p.is_file() and not p.name.startswith(DIGESTS_FILE)
     )
 
 
@@ -73,7 +73,11 @@ def write_digests(folder: str | os.PathLike[str]) -> None:
         name: {"digest": digests[name], "bytes": (folder / name).stat().st_size} for name in names
     }
     body = {"algorithm": _ALGORITHM, "files": files}
-    (folder / DIGESTS_FILE).write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+    # A fresh inode, never an in-place rewrite: an unchanged reference folder is hard-linked
+    # from the previous checkpoint, and truncating a shared file would corrupt that one.
+    staged = folder / f"{DIGESTS_FILE}.tmp"
+    staged.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+    os.replace(staged, folder / DIGESTS_FILE)
 
 
 def verify_digests(folder: str | os.PathLike[str]) -> None:
