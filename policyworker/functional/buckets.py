@@ -251,7 +251,10 @@ def pack_tensors(
         ValueError: the buffer is not 1-D uint8, the lengths differ, or a range does not fit.
     """
     if buffer_uint8.dtype != torch.uint8 or buffer_uint8.dim() != 1:
-        msg = f"buffer must be a 1-D uint8 tensor, got {buffer_uint8.dtype} with shape {tuple(buffer_uint8.shape)}"
+        msg = (
+            f"buffer must be a 1-D uint8 tensor, got {buffer_uint8.dtype} "
+            f"with shape {tuple(buffer_uint8.shape)}"
+        )
         raise ValueError(msg)
     if len(tensors) != len(offsets):
         msg = f"{len(tensors)} tensors but {len(offsets)} offsets; pass one offset per tensor"
@@ -259,7 +262,10 @@ def pack_tensors(
     for tensor, offset in zip(tensors, offsets, strict=True):
         size = tensor_bytes(tensor)
         if offset < 0 or offset + size > buffer_uint8.numel():
-            msg = f"byte range [{offset}, {offset + size}) does not fit a buffer of {buffer_uint8.numel()} bytes"
+            msg = (
+                f"byte range [{offset}, {offset + size}) does not fit a buffer "
+                f"of {buffer_uint8.numel()} bytes"
+            )
             raise ValueError(msg)
         if size:
             buffer_uint8[offset : offset + size].copy_(_as_bytes(tensor.detach()))
@@ -281,8 +287,8 @@ def unpack_tensors(
         size = spec.nbytes
         if offset < 0 or offset + size > buffer_uint8.numel():
             msg = (
-                f"tensor {spec.name!r}: byte range [{offset}, {offset + size}) does not fit a buffer "
-                f"of {buffer_uint8.numel()} bytes"
+                f"tensor {spec.name!r}: byte range [{offset}, {offset + size}) "
+                f"does not fit a buffer of {buffer_uint8.numel()} bytes"
             )
             raise ValueError(msg)
         raw = buffer_uint8[offset : offset + size]
@@ -342,8 +348,9 @@ def split_views(buffer_uint8: torch.Tensor, layout: SplitLayout) -> list[torch.T
         buffer_uint8.data_ptr() % itemsize and layout.end_bytes
     ):
         msg = (
-            f"a buffer of {buffer_uint8.numel()} bytes at address {buffer_uint8.data_ptr():#x} cannot hold "
-            f"this layout ({layout.end_bytes} bytes of {layout.dtype}); use unpack_tensors"
+            f"a buffer of {buffer_uint8.numel()} bytes at address "
+            f"{buffer_uint8.data_ptr():#x} cannot hold this layout "
+            f"({layout.end_bytes} bytes of {layout.dtype}); use unpack_tensors"
         )
         raise ValueError(msg)
     flat = buffer_uint8[: layout.end_bytes].view(layout.dtype)

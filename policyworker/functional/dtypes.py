@@ -4,7 +4,7 @@ All functions are pure: they look at names and dtypes only, never at devices or 
 """
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -126,13 +126,14 @@ def decode_refit_info(encoded: Mapping[str, Any]) -> dict[str, tuple[torch.Size,
     """
     out: dict[str, tuple[torch.Size, torch.dtype]] = {}
     for name, entry in encoded.items():
-        if not isinstance(entry, list | tuple) or len(entry) != 2:
+        pair = cast("Sequence[Any]", entry) if isinstance(entry, list | tuple) else ()
+        if len(pair) != 2:
             msg = (
                 f"refit_info[{name!r}]={entry!r} must be [shape, dtype name] as "
                 f"encode_refit_info writes it; pass encode_refit_info(prepare_refit_info())"
             )
             raise ValueError(msg)
-        shape, dtype_text = entry
+        shape, dtype_text = pair
         dtype = getattr(torch, str(dtype_text).removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
             msg = (

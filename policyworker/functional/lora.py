@@ -111,7 +111,10 @@ def unmerge_lora_weight(
 
 
 def lora_param_names(module_name: str) -> tuple[str, str]:
-    """The state-dict names of a LoRA module's adapters: ``(<m>.lora_A.weight, <m>.lora_B.weight)``."""
+    """The state-dict names of a LoRA module's adapters.
+
+    They are ``(<m>.lora_A.weight, <m>.lora_B.weight)``.
+    """
     return f"{module_name}.lora_A.weight", f"{module_name}.lora_B.weight"
 
 
@@ -148,7 +151,9 @@ def to_peft_key(name: str) -> str:
 
 
 def from_peft_key(key: str) -> str:
-    """PEFT's saved key ``base_model.model.<name>`` -> our name ``<name>`` (inverse of `to_peft_key`).
+    """PEFT's saved key ``base_model.model.<name>`` -> our name ``<name>``.
+
+    The inverse of `to_peft_key`.
 
     Raises:
         ValueError: the key does not start with ``base_model.model.``.

@@ -344,15 +344,16 @@ class ClippedPGLossFn:
 class _PGInputs:
     """The [:, 1:]-aligned tensors of one ClippedPG call, zeroed where ``mask_BT`` is 0."""
 
-    curr_BT: Tensor
-    prev_BT: Tensor
-    gen_BT: Tensor
-    advantages_BT: Tensor
-    token_mask_BT: Tensor
-    sample_mask_B: Tensor
-    mask_BT: Tensor
-    ref_BT: Tensor | None
-    curr_unfiltered_BT: Tensor | None
+    # Shape-suffix names (_BT, _B) are the house convention (STYLE), hence the N815 noqa.
+    curr_BT: Tensor  # noqa: N815
+    prev_BT: Tensor  # noqa: N815
+    gen_BT: Tensor  # noqa: N815
+    advantages_BT: Tensor  # noqa: N815
+    token_mask_BT: Tensor  # noqa: N815
+    sample_mask_B: Tensor  # noqa: N815
+    mask_BT: Tensor  # noqa: N815
+    ref_BT: Tensor | None  # noqa: N815
+    curr_unfiltered_BT: Tensor | None  # noqa: N815
 
     @classmethod
     def read(

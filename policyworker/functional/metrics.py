@@ -10,7 +10,7 @@ worker appends to every microbatch (``lr``, ``wd``, ``global_valid_seqs``,
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, SupportsFloat
+from typing import Any, Literal, SupportsFloat, cast
 
 __all__ = [
     "MEAN_KEYS",
@@ -50,10 +50,9 @@ def scale_microbatch_metrics(
     # the annotation is a promise; this value comes from a user's config
     if (
         isinstance(num_global_batches, bool)
-        or not isinstance(num_global_batches, int)
-        or (  # pyright: ignore[reportUnnecessaryIsInstance]
-            num_global_batches < 1
-        )
+        # a config value may break the annotation, so pyright's "always an int" is not true here
+        or not isinstance(num_global_batches, int)  # pyright: ignore[reportUnnecessaryIsInstance]
+        or num_global_batches < 1
     ):
         msg = f"num_global_batches must be a positive int, got {num_global_batches!r}"
         raise ValueError(msg)
@@ -134,10 +133,11 @@ def _as_float(value: Any) -> float | None:
             return None
         return float(value.detach().double().mean())
     if isinstance(value, Sequence) and not isinstance(value, str | bytes) and value:
-        items = [_as_float(v) for v in value]
-        if any(v is None for v in items):
+        items = [_as_float(v) for v in cast("Sequence[object]", value)]
+        floats = [v for v in items if v is not None]
+        if len(floats) != len(items):
             return None
-        return math.fsum(items) / len(items)  # type: ignore[arg-type]
+        return math.fsum(floats) / len(floats)
     return None
 
 

@@ -179,7 +179,10 @@ def pieces_by_checkpoint_name(
 
 
 def canonical_name(fqn: str) -> str:
-    """``fqn`` without torch.compile / activation-checkpoint / FSDP wrapper fragments or ``module.``."""
+    """``fqn`` without wrapper fragments or ``module.``.
+
+    The fragments are those torch.compile, activation checkpointing and FSDP insert.
+    """
     for fragment in _WRAPPER_FRAGMENTS:
         fqn = fqn.replace(fragment, "")
     return fqn.removeprefix("module.")
@@ -198,7 +201,10 @@ def lora_module_name(fqn: str) -> str:
     """
     match = _LORA_RE.match(fqn)
     if match is None:
-        msg = f"{fqn!r} is not a LoRA adapter name (expected '<module>.lora_A.*' or '<module>.lora_B.*')"
+        msg = (
+            f"{fqn!r} is not a LoRA adapter name "
+            "(expected '<module>.lora_A.*' or '<module>.lora_B.*')"
+        )
         raise ValueError(msg)
     return match["module"]
 
@@ -209,7 +215,10 @@ def lora_base_name(fqn: str) -> str:
 
 
 def drop_tied_lm_head(names: Sequence[str], *, tie_word_embeddings: bool) -> list[str]:
-    """``names`` without ``lm_head.weight`` when the embeddings are tied (as ``save_pretrained``)."""
+    """``names`` without ``lm_head.weight`` when the embeddings are tied.
+
+    This matches what ``save_pretrained`` writes.
+    """
     if not tie_word_embeddings:
         return list(names)
     return [n for n in names if n != "lm_head.weight"]

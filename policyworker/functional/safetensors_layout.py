@@ -24,6 +24,7 @@ import torch
 __all__ = [
     "MAX_FILE_BYTES",
     "Box",
+    "box_of_view",
     "FilePlan",
     "HFTensor",
     "contiguous_runs",
@@ -63,10 +64,11 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _box_of_view(view: torch.Tensor, base_shape: Sequence[int]) -> Box:
+def box_of_view(view: torch.Tensor, base_shape: Sequence[int]) -> Box:
     """The region of a contiguous `base_shape` tensor that `view` (a slice of it) covers."""
     strides = [math.prod(base_shape[d + 1 :]) for d in range(len(base_shape))]
-    rest, start = view.storage_offset(), []
+    rest = int(view.storage_offset())
+    start: list[int] = []
     for s in strides:
         start.append(rest // s if s else 0)
         rest = rest % s if s else rest
@@ -100,7 +102,7 @@ def plan_safetensors_files(
             used = 0
         groups[-1].append(t)
         used += t.nbytes
-    plans = []
+    plans: list[FilePlan] = []
     for i, group in enumerate(groups, start=1):
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         begin = 0

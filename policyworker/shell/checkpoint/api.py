@@ -145,9 +145,9 @@ def save_checkpoint(
     commits = [(_tmp_for(f, token), f) for f in finals]
     tmp = dict(zip(finals, (t for t, _ in commits), strict=True))
     jobs = _model_jobs(owner, tmp[finals[0]], meta, lora=lora)
-    if reference is not None:
+    if reference is not None and ref is not None:  # reference is set only with ref
         jobs += _save_reference(owner, saver, ref, reference, tmp[reference])
-    if optim is not None:
+    if optim is not None and owner.optimizer is not None:  # _check_save_args: both or neither
         jobs.append(
             save_optimizer(
                 owner.model,
@@ -270,7 +270,7 @@ def _load(
         lambda: recover_checkpoint_commits(_record_dirs(weights_path, optimizer_path)),
     )
     group = _checkpoint_group(saver)
-    commits: list[Callable[[], None]] = []
+    commits: list[Callable[[], object]] = []
     weights_id = None
     if weights_path is not None:
         folder = _model_folder(weights_path)

@@ -284,7 +284,7 @@ def _clear_stale(final: pathlib.Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _on_rank0(parallel: Any, what: str, fn: Callable[[], None]) -> None:
+def _on_rank0(parallel: Any, what: str, fn: Callable[[], object]) -> None:
     """Run `fn` on rank 0 while the other ranks wait; every rank raises if it failed."""
     error: Exception | None = None
     if parallel.rank == 0:

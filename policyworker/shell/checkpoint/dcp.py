@@ -26,7 +26,8 @@ __all__ = ["load_optimizer", "save_optimizer"]
 
 def _load_dcp_weights(model: nn.Module, folder: pathlib.Path, *, group: Any) -> Callable[[], None]:
     """Read a DCP weights folder (keys = canonical state names) into staging; returns the commit."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     live = _model_state(model)
     keys = _dcp_keys(folder)
@@ -40,9 +41,9 @@ def _load_dcp_weights(model: nn.Module, folder: pathlib.Path, *, group: Any) -> 
             )
             raise CheckpointError(msg)
         staging[name] = _clone_to(t.detach(), device=None)
-    dcp.load(
+    load(
         staging,
-        storage_reader=dcp.FileSystemReader(str(folder)),
+        storage_reader=FileSystemReader(str(folder)),
         process_group=group,
         no_dist=group is None,
     )
@@ -57,7 +58,7 @@ def _load_dcp_weights(model: nn.Module, folder: pathlib.Path, *, group: Any) -> 
 
 def _dcp_keys(folder: pathlib.Path) -> set[str]:
     """Flattened keys of a DCP folder, after checking every data file it references is complete."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     if not (folder / ".metadata").is_file():
         msg = (
@@ -66,7 +67,7 @@ def _dcp_keys(folder: pathlib.Path) -> set[str]:
         )
         raise CheckpointError(msg)
     try:
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+        metadata = FileSystemReader(str(folder)).read_metadata()
     except Exception as exc:
         msg = (
             f"DCP checkpoint file {str(folder / '.metadata')!r} cannot be read ({exc});"
@@ -158,8 +159,9 @@ def save_optimizer(
     meta: Mapping[str, Any],
 ) -> Callable[[], None]:
     """Stage optimizer + scheduler + this rank's RNG as a DCP state dict; returns the writer job."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     state: dict[str, Any] = {}
     if optimizer.state:  # get_optimizer_state_dict would run a zero step on an empty optimizer
@@ -178,9 +180,9 @@ def save_optimizer(
             warnings.simplefilter(
                 "ignore", UserWarning
             )  # "assuming single process" without a group
-            dcp.save(
+            save(
                 state,
-                storage_writer=dcp.FileSystemWriter(str(folder)),
+                storage_writer=FileSystemWriter(str(folder)),
                 process_group=group,
                 no_dist=group is None,
             )
@@ -207,11 +209,12 @@ def load_optimizer(
         ValueError: `model` is None (optimizer state is keyed by the model's parameter names).
         CheckpointError: the folder is missing or incomplete.
     """
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
         set_optimizer_state_dict,
     )
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     if model is None:
         msg = (
@@ -234,9 +237,9 @@ def load_optimizer(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming single process" without a group
         try:
-            dcp.load(
+            load(
                 request,
-                storage_reader=dcp.FileSystemReader(str(folder)),
+                storage_reader=FileSystemReader(str(folder)),
                 process_group=group,
                 no_dist=group is None,
             )

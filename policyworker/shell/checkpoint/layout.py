@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import torch
@@ -30,10 +30,13 @@ from policyworker.functional.safetensors_layout import (  # re-exported: the lay
     Box,
     FilePlan,
     HFTensor,
-    _box_of_view,
+    box_of_view,
     plan_safetensors_files,
 )
 from policyworker.shell.parallel.plans import reshard
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "CheckpointError",
@@ -101,7 +104,7 @@ def hf_layout(
                     f"(strides {list(piece.stride)}); the HF writer writes boxes only"
                 )
                 raise CheckpointError(msg)
-            box = _box_of_view(piece.view_of(base), shape)
+            box = box_of_view(piece.view_of(base), shape)
             out.append(HFTensor(piece.name, key, box, piece.shape, dtype))
     return out
 
@@ -168,18 +171,19 @@ def _locals(state: Mapping[str, torch.Tensor], *, rank: int, world_size: int) ->
     for i, (key, t) in enumerate(state.items()):
         t = t.detach()
         if hasattr(t, "device_mesh"):
-            found = _dtensor_box(t)
+            dt = cast("DTensor", t)
+            found = _dtensor_box(dt)
             if found is None:  # unusual placement: gather this one tensor
                 out[key] = _Local(
-                    t.full_tensor(),
-                    _full_box(t.shape),
+                    dt.full_tensor(),
+                    _full_box(dt.shape),
                     rank == 0,
-                    t.placements,
-                    t.device_mesh,
+                    dt.placements,
+                    dt.device_mesh,
                     gathered=True,
                 )
             else:
-                out[key] = _Local(t.to_local(), found[0], found[1], t.placements, t.device_mesh)
+                out[key] = _Local(dt.to_local(), found[0], found[1], dt.placements, dt.device_mesh)
         else:
             out[key] = _Local(t, _full_box(t.shape), i % world_size == rank)
     return out

@@ -11,7 +11,7 @@ import copy
 import os
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import torch
@@ -41,6 +41,9 @@ from policyworker.shell.checkpoint.layout import (
 )
 from policyworker.shell.refit.hf_names import checkpoint_layout
 from policyworker.shell.refit.params import tie_word_embeddings
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["load_hf_weights", "model_hf_layout", "save_hf_weights"]
 
@@ -110,7 +113,7 @@ def _write_hf_files(
             for offset, idx, n in piece.runs:
                 block = flat_rows[idx] if idx else flat_rows
                 data = block.reshape(-1)[:n].view(torch.uint8).numpy()
-                _pwrite_all(fds[piece.file], memoryview(data), offset)
+                _pwrite_all(fds[piece.file], data.data, offset)
         for fd in fds.values():
             os.fsync(fd)
     finally:
@@ -166,8 +169,9 @@ def save_hf_weights(
         _write_json(
             folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map}
         )
-        if write_config and getattr(model, "config", None) is not None:
-            config = copy.deepcopy(model.config)
+        model_config: Any = getattr(model, "config", None)
+        if write_config and model_config is not None:
+            config = copy.deepcopy(model_config)
             config.architectures = [_hf_class_name(model)]
             config.save_pretrained(folder)
             gen = getattr(model, "generation_config", None)
@@ -183,7 +187,8 @@ def _as_local(value: torch.Tensor, like: _Local) -> torch.Tensor:
     """A reference/state value as this rank's local block of the live tensor `like`."""
     value = value.detach()
     if hasattr(value, "device_mesh"):
-        return value.full_tensor() if like.gathered else value.to_local()
+        dvalue = cast("DTensor", value)
+        return dvalue.full_tensor() if like.gathered else dvalue.to_local()
     if like.gathered and tuple(value.shape) != tuple(like.tensor.shape):  # a local shard
         from torch.distributed.tensor import DTensor
 
@@ -288,15 +293,16 @@ def load_hf_weights(
 def _copy_into(dest: torch.Tensor, value: torch.Tensor, local: _Local) -> None:
     dest = dest.detach()
     if hasattr(dest, "device_mesh"):
+        ddest = cast("DTensor", dest)
         if local.gathered:  # full value on every rank: keep this rank's part of the placement
             from torch.distributed.tensor import DTensor, Replicate
 
             full = DTensor.from_local(
-                value.to(dest.device),
-                dest.device_mesh,
-                [Replicate()] * dest.device_mesh.ndim,
+                value.to(ddest.device),
+                ddest.device_mesh,
+                [Replicate()] * ddest.device_mesh.ndim,
                 run_check=False,
             )
-            value = full.redistribute(dest.device_mesh, dest.placements).to_local()
-        dest = dest.to_local()
+            value = full.redistribute(ddest.device_mesh, ddest.placements).to_local()
+        dest = ddest.to_local()
     dest.copy_(value)
