@@ -331,7 +331,8 @@ def apply_lora(model: nn.Module, lora_cfg: Any) -> list[str]:
         sample = candidates[:8] + (["..."] if len(candidates) > 8 else [])
         msg = (
             f"lora_cfg selects no usable set of nn.Linear modules: target_modules="
-            f"{list(s.target_modules)}, exclude_modules={list(s.exclude_modules)}, match_all_linear="
+            f"{list(s.target_modules)}, exclude_modules={list(s.exclude_modules)}, "
+            "match_all_linear="
             f"{s.match_all_linear}; entries matching no linear module: "
             f"{unmatched + unmatched_excludes}; selected: {len(chosen)}. Entries match a dotted "
             f"module name or its '.'-suffix, an Automodel wildcard ('*_proj'), or "
@@ -359,7 +360,10 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def _uniform(modules: Mapping[str, LinearLoRA], attr: str) -> Any:
     values = {getattr(m, attr) for m in modules.values()}
     if len(values) != 1:
-        msg = f"LoRA modules disagree on {attr} ({sorted(values)}); one adapter folder needs one value"
+        msg = (
+            f"LoRA modules disagree on {attr} ({sorted(values)}); one adapter folder needs one "
+            "value"
+        )
         raise ValueError(msg)
     return values.pop()
 
@@ -410,11 +414,17 @@ def _read_adapter(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, torch.T
     config_file, weights_file = path / ADAPTER_CONFIG_FILE, path / ADAPTER_WEIGHTS_FILE
     for file in (config_file, weights_file):
         if not file.is_file():
-            msg = f"PEFT adapter folder {str(path)!r} has no {file.name}; expected peft's save_pretrained layout"
+            msg = (
+                f"PEFT adapter folder {str(path)!r} has no {file.name}; expected peft's "
+                "save_pretrained layout"
+            )
             raise ValueError(msg)
     config = json.loads(config_file.read_text())
     if config.get("peft_type") != "LORA":
-        msg = f"{config_file}: peft_type {config.get('peft_type')!r} is not 'LORA'; only LoRA adapters load"
+        msg = (
+            f"{config_file}: peft_type {config.get('peft_type')!r} is not 'LORA'; only LoRA "
+            "adapters load"
+        )
         raise ValueError(msg)
     bad = {
         k: config[k]
@@ -422,13 +432,19 @@ def _read_adapter(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, torch.T
         if config.get(k, ok) not in (ok, None, {}, False)
     }
     if bad:
-        msg = f"{config_file}: unsupported PEFT LoRA options {bad}; re-train without them ({_UNSUPPORTED_PEFT})"
+        msg = (
+            f"{config_file}: unsupported PEFT LoRA options {bad}; re-train without them "
+            f"({_UNSUPPORTED_PEFT})"
+        )
         raise ValueError(msg)
     weights: dict[str, torch.Tensor] = {}
     for key, tensor in load_file(str(weights_file)).items():
         name = from_peft_key(key)
         if not name.endswith((".lora_A.weight", ".lora_B.weight")):
-            msg = f"{weights_file}: key {key!r} is not a LoRA A/B weight; only plain LoRA adapters load"
+            msg = (
+                f"{weights_file}: key {key!r} is not a LoRA A/B weight; only plain LoRA adapters "
+                "load"
+            )
             raise ValueError(msg)
         weights[name] = tensor
     return config, weights
@@ -473,7 +489,10 @@ def load_peft_adapter(model: nn.Module, folder: str | pathlib.Path) -> list[str]
         linears = set(_linear_names(model))
         absent = [n for n in names if n not in linears]
         if absent:
-            msg = f"adapter {str(path)!r} adapts modules that are not nn.Linear modules of the model: {absent}"
+            msg = (
+                f"adapter {str(path)!r} adapts modules that are not nn.Linear modules of the "
+                f"model: {absent}"
+            )
             raise ValueError(msg)
         s = LoRASettings(
             alpha=float(config.get("lora_alpha", 8)),
@@ -550,7 +569,10 @@ def lora_tp_plan(base_plan: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, style in base_plan.items():
         if not isinstance(style, ParallelStyle):
-            msg = f"TP plan entry {key!r} is {type(style).__name__}, not a ParallelStyle; fix the plan"
+            msg = (
+                f"TP plan entry {key!r} is {type(style).__name__}, not a ParallelStyle; fix the "
+                "plan"
+            )
             raise ValueError(msg)
         out[key] = style if isinstance(style, LoRALinearParallel) else LoRALinearParallel(style)
     return out

@@ -148,7 +148,10 @@ class WeightApplier:
         elif callable(target):
             self._dests, self._load = None, target
         else:
-            msg = f"target must be an nn.Module or a load_weights(iterable) callable, got {type(target).__name__}"
+            msg = (
+                "target must be an nn.Module or a load_weights(iterable) callable, got "
+                f"{type(target).__name__}"
+            )
             raise ValueError(msg)
         self.atomic = atomic
         self.version = 0

@@ -383,7 +383,10 @@ class CudaStaging:
     def note_consumed(self, handle: bytes) -> None:
         """Remember the receiver's event from the ACK of this buffer's bucket (opened once per handle)."""
         if not handle:
-            msg = "the receiver's ACK of a CUDA bucket carries no consumed-event handle (protocol mismatch)"
+            msg = (
+                "the receiver's ACK of a CUDA bucket carries no consumed-event handle (protocol "
+                "mismatch)"
+            )
             raise ProtocolError(msg)
         if handle != self._consumed_handle:
             self._consumed = torch.cuda.Event.from_ipc_handle(self.device, handle)
@@ -623,8 +626,10 @@ class ZmqIpcSender:
     def _timeout(self, phase: str, timeout_s: float) -> RefitTimeoutError:
         self._rebuild()
         msg = (
-            f"refit rank {self.rank}: no progress in phase {phase!r} within {timeout_s:g} s at {self.address}; "
-            "the receiver may be dead or unresponsive. The sender rebuilt its socket: start a receiver "
+            f"refit rank {self.rank}: no progress in phase {phase!r} within {timeout_s:g} s at "
+            f"{self.address}; "
+            "the receiver may be dead or unresponsive. The sender rebuilt its socket: start a "
+            "receiver "
             "on this address and call stream_weights_via_ipc_zmq again."
         )
         return RefitTimeoutError(msg)
@@ -792,7 +797,10 @@ class ZmqIpcSender:
                     or item.dtype != want.dtype
                     or item.tensor.shape != want.shape
                 ):
-                    msg = f"internal: the params stream sent {item.spec} where prepare_refit_info said {want}"
+                    msg = (
+                        f"internal: the params stream sent {item.spec} where prepare_refit_info "
+                        f"said {want}"
+                    )
                     raise RefitError(msg)
             return items
 
@@ -1046,7 +1054,10 @@ def _open_cuda(ref: CudaBuffer) -> torch.Tensor:
         str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
     ]
     if ref.device_uuid not in uuids:
-        msg = f"CUDA buffer on device {ref.device_uuid} is not visible here (visible: {uuids}); colocate the receiver"
+        msg = (
+            f"CUDA buffer on device {ref.device_uuid} is not visible here (visible: {uuids}); "
+            "colocate the receiver"
+        )
         raise ProtocolError(msg)
     index = uuids.index(ref.device_uuid)
     return rebuild_cuda_tensor(
