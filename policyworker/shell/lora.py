@@ -63,7 +63,10 @@ _SETTING_KEYS = (
 
 @frozen(kw_only=True)
 class LoRASettings:
-    """The `lora_cfg` values this module reads (defaults equal `policyworker.config.LoRAConfig`'s)."""
+    """The `lora_cfg` values this module reads.
+
+    Defaults equal `policyworker.config.LoRAConfig`'s.
+    """
 
     enabled: bool = True
     target_modules: tuple[str, ...] = ()
@@ -121,8 +124,9 @@ class LinearLoRA(nn.Linear):
     ``lora_A`` [dim, in] (xavier-normal or kaiming-uniform) and ``lora_B`` [out, dim] (zeros) are
     fp32 ``nn.Linear`` submodules; the adapter path is computed in (at least) fp32 with autocast
     off and added in the base output's dtype. ``compute_dtype`` (e.g. bf16) trades that for speed:
-    the fp32 path costs ~20% of a bf16 train step on the 1.5B shape (bench/lora.py). Dropout applies to the input (``"pre"``) or to the
-    adapter output (``"post"``). Works on plain tensors and on DTensors (TP via `lora_tp_plan`).
+    the fp32 path costs ~20% of a bf16 train step on the 1.5B shape (bench/lora.py). Dropout
+    applies to the input (``"pre"``) or to the adapter output (``"post"``). Works on plain tensors
+    and on DTensors (TP via `lora_tp_plan`).
     """
 
     def __init__(
@@ -211,7 +215,10 @@ class LinearLoRA(nn.Linear):
         self.reset_lora_parameters()
 
     def reset_lora_parameters(self) -> None:
-        """A: xavier-normal or kaiming-uniform (nn.Linear's default); B: zeros (so W is unchanged)."""
+        """A: xavier-normal or kaiming-uniform (nn.Linear's default).
+
+        B: zeros (so W is unchanged).
+        """
         with torch.no_grad():
             if self.lora_A_init == "xavier":
                 nn.init.xavier_normal_(self.lora_A.weight)
@@ -376,7 +383,9 @@ def save_peft_adapter(
     base_model_name_or_path: str | None = None,
     write: bool = True,
 ) -> pathlib.Path:
-    """Write a PEFT LoRA adapter folder loadable by ``peft.PeftModel.from_pretrained(base, folder)``.
+    """Write a PEFT LoRA adapter folder.
+
+    The folder loads with ``peft.PeftModel.from_pretrained(base, folder)``.
 
     ``target_modules`` is written as the exact module names, so PEFT adapts exactly these layers.
     With DTensor adapters every rank must call this (gathers); pass ``write=False`` on ranks > 0.
@@ -453,8 +462,11 @@ def _read_adapter(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, torch.T
 def _check_against_model(
     modules: Mapping[str, LinearLoRA], weights: Mapping[str, torch.Tensor], where: str
 ) -> None:
-    expected = {f"{n}.lora_{ab}.weight": (m.dim if ab == "A" else m.out_features, m.in_features if ab == "A" else m.dim)
-                for n, m in modules.items() for ab in ("A", "B")}  # fmt: skip
+    expected = {
+        f"{n}.lora_{ab}.weight": ((m.dim, m.in_features) if ab == "A" else (m.out_features, m.dim))
+        for n, m in modules.items()
+        for ab in ("A", "B")
+    }
     missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
     wrong = sorted(
         f"{k}: file {tuple(weights[k].shape)} vs model {expected[k]}"

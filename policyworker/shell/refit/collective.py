@@ -65,7 +65,7 @@ from policyworker.shell.refit.wire import (
     DTYPES_BY_NAME,
     MAX_HEADER_BYTES,
     ProtocolError,
-    RefitRejected,
+    RefitRejectedError,
     decode_versioned_json,
     dtype_name,
 )
@@ -237,7 +237,10 @@ def plan_collective_buckets(
 
 
 def default_bucket_bytes(device: torch.device) -> int:
-    """The sender's bucket target when ``buffer_size_bytes`` is None (receivers never compute it)."""
+    """The sender's bucket target when ``buffer_size_bytes`` is None.
+
+    Receivers never compute it.
+    """
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         return max(
@@ -489,7 +492,7 @@ class CollectiveRefit:
 
         Raises:
             ValueError: an argument is out of range, or this is an inference rank.
-            RefitRejected: an inference rank rejected the header or failed to apply a bucket.
+            RefitRejectedError: an inference rank rejected the header or failed to apply a bucket.
             RefitTimeoutError: no progress within the deadline, or a peer dropped (group broken).
         """
         if not self.is_trainer:
@@ -533,7 +536,7 @@ class CollectiveRefit:
                     "nothing was written. "
                     "See those ranks' errors for the names."
                 )
-                raise RefitRejected(msg)
+                raise RefitRejectedError(msg)
             plan = plan_collective_buckets(
                 specs,
                 layout=header.layout,
@@ -549,7 +552,7 @@ class CollectiveRefit:
                 "weights (in-place "
                 "receivers are stale, atomic ones kept their previous version); see their errors"
             )
-            raise RefitRejected(msg)
+            raise RefitRejectedError(msg)
         return {
             "refit_seq": header.refit_seq,
             "layout": header.layout,
@@ -723,7 +726,7 @@ class CollectiveWeightReceiver:
                 if reason is None:
                     self.receiver.abort_refit("another rank rejected the header")
                     reason = f"rank(s) {rejected} rejected the header; nothing was written here"
-                raise RefitRejected(reason)
+                raise RefitRejectedError(reason)
             assert header is not None
             self.last_header = header
             plan = plan_collective_buckets(
@@ -739,7 +742,7 @@ class CollectiveWeightReceiver:
         group.refit_seq = header.refit_seq
         if failed:
             self.receiver.abort_refit("a rank failed to apply the refit")
-            raise RefitRejected(
+            raise RefitRejectedError(
                 reason
                 or f"rank(s) {failed} failed to apply refit {header.refit_seq}; not committed"
             )
@@ -834,7 +837,10 @@ def broadcast_model_weights(
     onload: Callable[[], Any] | None = None,
     offload: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
-    """``PolicyWorker.broadcast_weights_for_collective``: the model's refit stream over ``group``."""
+    """``PolicyWorker.broadcast_weights_for_collective``.
+
+    Sends the model's refit stream over ``group``.
+    """
     if group is None:
         msg = (
             "broadcast_weights_for_collective needs a refit group: call init_collective(ip, "

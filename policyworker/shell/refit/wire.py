@@ -39,6 +39,7 @@ __all__ = [
     "ManifestCache",
     "ProtocolError",
     "RefitRejected",
+    "RefitRejectedError",
     "Reply",
     "ShmBuffer",
     "check_bucket",
@@ -88,8 +89,12 @@ class ProtocolError(RefitError):
     """A message broke the wire format or the manifest; the text is the reason sent to the peer."""
 
 
-class RefitRejected(RefitError):
+class RefitRejectedError(RefitError):
     """The peer answered with a rejection; the message carries its reason."""
+
+
+# The public name before the lint pass (N818); callers and tests still import it.
+RefitRejected = RefitRejectedError
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -320,7 +325,10 @@ def _json(raw: bytes, what: str) -> Any:
 
 
 def decode_versioned_json(raw: bytes, *, protocol: str, version: int, what: str) -> dict[str, Any]:
-    """A JSON object whose `protocol` and `version` fields are ours, else `ProtocolError` saying why."""
+    """A JSON object whose `protocol` and `version` fields are ours.
+
+    Otherwise `ProtocolError` saying why.
+    """
     body = _json(raw, what)
     if not isinstance(body, dict):
         raise _fail(f"{what} must be a JSON object, got {type(body).__name__}")

@@ -57,7 +57,7 @@ from policyworker.shell.refit.wire import (
     CudaBuffer,
     ManifestCache,
     ProtocolError,
-    RefitRejected,
+    RefitRejectedError,
     Reply,
     ShmBuffer,
     check_bucket,
@@ -371,21 +371,29 @@ class CudaStaging:
         return attrs.evolve(self._ref, keep=keep)
 
     def wait_for_reader(self) -> None:
-        """Queue (on the current stream) a wait for the receiver's reads of this buffer's last bucket,
-        before writing or freeing it."""
+        """Queue (on the current stream) a wait for the receiver's reads.
+
+        Waits for the reads of this buffer's last bucket, before writing or freeing it.
+        """
         if self._consumed is not None:
             torch.cuda.current_stream(self.device).wait_event(self._consumed)
 
     def mark_filled(self) -> None:
-        """The casts into this buffer are queued on the current stream; the receiver waits on this."""
+        """Record that the casts into this buffer are queued on the current stream.
+
+        The receiver waits on this.
+        """
         self.filled.record(torch.cuda.current_stream(self.device))
 
     def note_consumed(self, handle: bytes) -> None:
-        """Remember the receiver's event from the ACK of this buffer's bucket (opened once per handle)."""
+        """Remember the receiver's event from the ACK of this buffer's bucket.
+
+        The event is opened once per handle.
+        """
         if not handle:
             msg = (
-                "the receiver's ACK of a CUDA bucket carries no consumed-event handle (protocol "
-                "mismatch)"
+                "the receiver's ACK of a CUDA bucket carries no consumed-event handle "
+                "(protocol mismatch)"
             )
             raise ProtocolError(msg)
         if handle != self._consumed_handle:
@@ -652,7 +660,7 @@ class ZmqIpcSender:
         reply = decode_reply(frames)
         if not reply.ok:
             msg = f"refit rank {self.rank}: the receiver rejected {phase}: {reply.reason}"
-            raise RefitRejected(msg)
+            raise RefitRejectedError(msg)
         return reply
 
     def _begin_frames(self, specs: Sequence[TensorSpec], transport: str) -> list[bytes]:
@@ -772,7 +780,10 @@ class ZmqIpcSender:
         def prepared(
             staging: Staging, seq: int, bucket: IpcBucket, keep: bool
         ) -> tuple[list[torch.Tensor], list[bytes]]:
-            """The bucket's slot views and encoded frames in this buffer (cached with the buffer)."""
+            """The bucket's slot views and encoded frames in this buffer.
+
+            Cached with the buffer.
+            """
             hit = staging.cache.get((seq, keep))
             if hit is None:
                 base = staging.base  # where this half starts in the shared buffer
@@ -865,7 +876,7 @@ class ZmqIpcSender:
             self._release_staging()
             # A timeout rebuilt the socket and a rejection already ended the receiver's refit;
             # any other failure (our own) is announced so the receiver stops waiting at once.
-            if begun and not isinstance(exc, (RefitTimeoutError, RefitRejected)):
+            if begun and not isinstance(exc, (RefitTimeoutError, RefitRejectedError)):
                 self._abort(pending, f"{type(exc).__name__}: {exc}")
             raise
         finally:
@@ -962,7 +973,10 @@ class _Mapped:
         return filled_handle
 
     def record_consumed(self, key: bytes) -> bytes:
-        """Record, after the queued reads of the region, the event the sender waits on; its handle."""
+        """Record the event the sender waits on, after the queued reads of the region.
+
+        Returns its handle.
+        """
         _, consumed, handle = self._events[key]
         consumed.record(torch.cuda.current_stream(self.tensor.device))
         return handle
@@ -1089,7 +1103,10 @@ class Outcome:
 
 
 class RefitServer:
-    """The receiver's protocol state machine: frames in, reply frames + outcome out; never raises."""
+    """The receiver's protocol state machine.
+
+    Frames in, reply frames + outcome out; never raises.
+    """
 
     def __init__(self, sink: WeightSink) -> None:
         self.sink = sink
@@ -1142,7 +1159,10 @@ class RefitServer:
             self._gpu_pending = None
 
     def fail(self, reason: str) -> None:
-        """Drop the refit in progress (the sink keeps the previous version or marks itself stale)."""
+        """Drop the refit in progress.
+
+        The sink keeps the previous version or marks itself stale.
+        """
         self._drain_gpu()
         if self._manifest is not None:
             self.sink.abort(reason)
