@@ -14,7 +14,7 @@ import json
 import math
 import pathlib
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ from attrs import frozen
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from policyworker.functional.lora import (
@@ -226,7 +226,8 @@ class LinearLoRA(nn.Linear):
                 nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
             nn.init.zeros_(self.lora_B.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    # nn.Linear calls its argument `input` (a builtin name); every caller passes it positionally
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pyright: ignore[reportIncompatibleMethodOverride]
         base = F.linear(x, self.weight, self.bias)
         h = self.dropout(x) if self.dropout_position == "pre" else x
         a, b = self.lora_A.weight, self.lora_B.weight
@@ -264,7 +265,12 @@ lora_module_map = lora_modules  # the name docs/internals.md uses
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The adapter parameters (A then B of each module, in module order): the optimizer's params."""
-    return [p for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)]
+    # nn.Linear.weight is always an nn.Parameter; torch's stubs declare it as a plain Tensor
+    return [
+        cast(nn.Parameter, p)
+        for m in lora_modules(model).values()
+        for p in (m.lora_A.weight, m.lora_B.weight)
+    ]
 
 
 def _set_child(model: nn.Module, name: str, child: nn.Module) -> None:
@@ -351,8 +357,8 @@ def apply_lora(model: nn.Module, lora_cfg: Any) -> list[str]:
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
-    full_tensor = getattr(tensor, "full_tensor", None)  # DTensor: a collective on every rank
-    return full_tensor() if callable(full_tensor) else tensor
+    # DTensor: a collective on every rank
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -530,9 +536,10 @@ def load_peft_adapter(model: nn.Module, folder: str | pathlib.Path) -> list[str]
 
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    mesh = getattr(param, "device_mesh", None)
-    if mesh is not None:  # DTensor: every rank holds the full tensor; keep only the local shard
-        full = distribute_tensor(full.to(param.device, param.dtype), mesh, param.placements)
+    if isinstance(param, DTensor):  # every rank holds the full tensor; keep only the local shard
+        full = distribute_tensor(
+            full.to(param.device, param.dtype), param.device_mesh, param.placements
+        )
     param.copy_(full)
 
 

@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import attrs
 import torch
@@ -397,7 +397,7 @@ class CudaStaging:
             )
             raise ProtocolError(msg)
         if handle != self._consumed_handle:
-            self._consumed = torch.cuda.Event.from_ipc_handle(self.device, handle)
+            self._consumed = _open_event(self.device, handle)
             self._consumed_handle = handle
 
     def forget_consumed(self) -> None:
@@ -472,7 +472,15 @@ def run_copy_groups(
         if len(dsts) == 1:
             dsts[0].copy_(srcs[0], non_blocking=non_blocking)
         else:
-            torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+            # torch's grouped copy kernel; public API, just missing from torch's export list
+            torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)  # pyright: ignore[reportPrivateImportUsage]
+
+
+def _open_event(device: torch.device, handle: bytes) -> torch.cuda.Event:
+    """The interprocess CUDA event behind ``handle``, opened on ``device``."""
+    # Event.from_ipc_handle builds an instance of the class it is called on (a torch.cuda.Event);
+    # torch's stubs type it as the C base class, so say what it is.
+    return cast(torch.cuda.Event, torch.cuda.Event.from_ipc_handle(device, handle))
 
 
 def copy_groups(
@@ -579,7 +587,8 @@ class ZmqIpcSender:
             torch.cuda.empty_cache()
 
     def _sock(self) -> zmq.Socket[Any]:
-        if self._socket is None:
+        sock = self._socket
+        if sock is None:
             assert self._context is not None
             sock = self._context.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
@@ -588,7 +597,7 @@ class ZmqIpcSender:
             sock.bind(self.address)
             self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
             self._peers = 0
-        return self._socket
+        return sock
 
     def _close_socket(self) -> None:
         if self._monitor is not None:
@@ -606,12 +615,14 @@ class ZmqIpcSender:
 
     def connected_receivers(self) -> int:
         """How many receivers are connected to this sender's address right now."""
+        # the monitor reports plain ints; zmq.Event members hash equal to them
+        peer_delta: dict[int, int] = {zmq.EVENT_ACCEPTED: 1, zmq.EVENT_DISCONNECTED: -1}
         while self._monitor is not None:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
                 break
-            self._peers += {zmq.EVENT_ACCEPTED: 1, zmq.EVENT_DISCONNECTED: -1}.get(event, 0)
+            self._peers += peer_delta.get(event, 0)
         return self._peers
 
     def _check_one_receiver(self) -> None:
@@ -967,7 +978,7 @@ class _Mapped:
             consumed.record(
                 torch.cuda.current_stream(self.tensor.device)
             )  # before its handle is taken
-            filled = torch.cuda.Event.from_ipc_handle(self.tensor.device, filled_handle)
+            filled = _open_event(self.tensor.device, filled_handle)
             events = self._events[filled_handle] = (filled, consumed, bytes(consumed.ipc_handle()))
         torch.cuda.current_stream(self.tensor.device).wait_event(events[0])
         return filled_handle
