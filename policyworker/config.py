@@ -118,7 +118,9 @@ IGNORED_NEMO_RL_KEYS: Final[Mapping[str, str]] = MappingProxyType(
         "dtensor_cfg.automodel_kwargs": "Automodel model-builder options",
         "dtensor_cfg.clear_cache_every_n_steps": "CUDA cache clearing cadence",
         "dtensor_cfg.env_vars": "the launcher sets the process environment",
-        "sequence_packing.sequence_length_round": "packing pads with make_sequence_length_divisible_by",
+        "sequence_packing.sequence_length_round": (
+            "packing pads with make_sequence_length_divisible_by"
+        ),
         "sequence_packing.fuse_loss": "Megatron fused packed loss",
         "generation.backend": "inference-engine choice (controller side)",
         "generation.max_new_tokens": "rollout length (inference side)",
@@ -136,9 +138,12 @@ IGNORED_NEMO_RL_KEYS: Final[Mapping[str, str]] = MappingProxyType(
         "generation._pad_token_id": "filled in by the controller",
         "generation._mtp_weights_from_refit": "filled in by the controller",
         "generation._debug_payload_metrics": "filled in by the controller",
-        "generation.refit_cfg": "NIXL / sparse refit transport (this worker refits over ZMQ or NCCL)",
-        "generation.refit_transport": "NIXL / sparse refit transport (this worker refits over ZMQ "
-        "or NCCL)",
+        "generation.refit_cfg": (
+            "NIXL / sparse refit transport (this worker refits over ZMQ or NCCL)"
+        ),
+        "generation.refit_transport": (
+            "NIXL / sparse refit transport (this worker refits over ZMQ or NCCL)"
+        ),
         "generation.real_quant_export_cpu_offload": _QUANT,
         "generation.real_quant": _QUANT,
         "generation.real_quant_ignore": _QUANT,
@@ -161,11 +166,11 @@ class ConfigWarning(UserWarning):
     """A config is valid but something in it is ignored or has no effect."""
 
 
-class _InvalidValue(ValueError):
+class _InvalidValueError(ValueError):
     """A single value broke a rule; the message already says what, the value and the rule."""
 
 
-class _RuleViolations(ConfigError):
+class _RuleViolationsError(ConfigError):
     """Cross-field rules of one config class failed; `problems` holds (relative path, message)."""
 
     def __init__(self, problems: Sequence[tuple[str, str]], *, root: str) -> None:
@@ -180,7 +185,7 @@ def _join_path(root: str, rel: str) -> str:
 
 def _raise_if_problems(problems: list[tuple[str, str]], *, root: str) -> None:
     if problems:
-        raise _RuleViolations(problems, root=root)
+        raise _RuleViolationsError(problems, root=root)
 
 
 @frozen
@@ -200,7 +205,7 @@ class _Rule:
             ok = False
         if not ok:
             fix = f"; {self.fix}" if self.fix else ""
-            raise _InvalidValue(f"{attribute.name} = {value!r} {self.rule}{fix}")
+            raise _InvalidValueError(f"{attribute.name} = {value!r} {self.rule}{fix}")
 
 
 def _at_least(minimum: int) -> _Rule:
@@ -606,7 +611,7 @@ def validate_for_world(cfg: PolicyConfig, *, dp_size: int) -> None:
             if cfg.fixed_microbatching
             else f"dp_size = {dp_size}"
         )
-        raise _RuleViolations(
+        raise _RuleViolationsError(
             [
                 (
                     "train_global_batch_size",
@@ -641,35 +646,35 @@ def _describe(value: Any) -> str:
 
 def _structure_int(value: Any, _: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _InvalidValue(f"expected an integer, got {_describe(value)}")
+        raise _InvalidValueError(f"expected an integer, got {_describe(value)}")
     return value
 
 
 def _structure_float(value: Any, _: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _InvalidValue(f"expected a number, got {_describe(value)}")
+        raise _InvalidValueError(f"expected a number, got {_describe(value)}")
     return float(value)
 
 
 def _structure_bool(value: Any, _: Any) -> bool:
     if not isinstance(value, bool):
-        raise _InvalidValue(f"expected true or false, got {_describe(value)}")
+        raise _InvalidValueError(f"expected true or false, got {_describe(value)}")
     return value
 
 
 def _structure_str(value: Any, _: Any) -> str:
     if not isinstance(value, str):
-        raise _InvalidValue(f"expected a string, got {_describe(value)}")
+        raise _InvalidValueError(f"expected a string, got {_describe(value)}")
     return value
 
 
 def _structure_any_dict(value: Any, _: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping):
-        raise _InvalidValue(f"expected a mapping, got {_describe(value)}")
+        raise _InvalidValueError(f"expected a mapping, got {_describe(value)}")
     items = cast(Mapping[Any, Any], value)
     bad = [key for key in items if not isinstance(key, str)]
     if bad:
-        raise _InvalidValue(f"mapping keys must be strings, got {bad!r}")
+        raise _InvalidValueError(f"mapping keys must be strings, got {bad!r}")
     return dict(items)
 
 
@@ -696,8 +701,8 @@ def _structure_precision(value: Any, type_: Any) -> Any:
         value = PRECISION_ALIASES.get(key, key)
     try:
         return _structure_literal(value, type_)
-    except _InvalidValue:
-        raise _InvalidValue(
+    except _InvalidValueError:
+        raise _InvalidValueError(
             f"{value!r} is not a precision; use one of {', '.join(get_args(type_))} "
             f"(aliases: {', '.join(PRECISION_ALIASES)})"
         ) from None
@@ -710,7 +715,7 @@ def _is_literal(type_: Any) -> bool:
 def _structure_literal(value: Any, type_: Any) -> Any:
     choices = get_args(type_)
     if not isinstance(value, str) or value not in choices:
-        raise _InvalidValue(f"{value!r} is not one of {', '.join(repr(c) for c in choices)}")
+        raise _InvalidValueError(f"{value!r} is not one of {', '.join(repr(c) for c in choices)}")
     return value
 
 
@@ -721,7 +726,7 @@ def _is_homogeneous_tuple(type_: Any) -> bool:
 
 def _structure_tuple(value: Any, type_: Any) -> tuple[Any, ...]:
     if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
-        raise _InvalidValue(f"expected a list, got {_describe(value)}")
+        raise _InvalidValueError(f"expected a list, got {_describe(value)}")
     element_type = get_args(type_)[0]
     hook = converter.get_structure_hook(element_type)
     items = cast(Sequence[Any], value)
@@ -762,11 +767,11 @@ def _structure_section_factory(type_: Any) -> Callable[[Any, Any], Any]:
         if value is None:
             return None
         if not isinstance(value, Mapping):
-            raise _InvalidValue(f"expected a mapping or null, got {_describe(value)}")
+            raise _InvalidValueError(f"expected a mapping or null, got {_describe(value)}")
         body = cast(Mapping[str, Any], value)
         enabled = body.get("enabled", True)
         if not isinstance(enabled, bool):
-            raise _InvalidValue(f"enabled must be true or false, got {_describe(enabled)}")
+            raise _InvalidValueError(f"enabled must be true or false, got {_describe(enabled)}")
         rest = {k: v for k, v in body.items() if k != "enabled"}
         if enabled:
             return converter.structure(rest, section)
@@ -789,7 +794,7 @@ def _structure_scheduler(value: Any, _: Any) -> SchedulerConfig | None:
     if isinstance(value, Mapping):
         return SchedulerConfig(entries=(converter.structure(value, SchedulerEntry),))
     if isinstance(value, str) or not isinstance(value, list | tuple):
-        raise _InvalidValue(
+        raise _InvalidValueError(
             f"expected a {{name, kwargs}} mapping or a list of them plus one "
             f"{{milestones: [...]}}, got {_describe(value)}"
         )
@@ -801,7 +806,7 @@ def _structure_scheduler(value: Any, _: Any) -> SchedulerConfig | None:
         try:
             if isinstance(item, Mapping) and "milestones" in item:
                 if milestones:
-                    raise _InvalidValue("a second {milestones: [...]} item; keep exactly one")
+                    raise _InvalidValueError("a second {milestones: [...]} item; keep exactly one")
                 milestones.append(converter.structure(item, _Milestones).milestones)
             else:
                 entries.append(converter.structure(item, SchedulerEntry))
@@ -868,7 +873,7 @@ def _structure_attrs_factory(cls: Any) -> Callable[[Any, Any], Any]:
 
     def structure(value: Any, type_: Any) -> Any:
         if not isinstance(value, Mapping):
-            raise _InvalidValue(f"expected a mapping, got {_describe(value)}")
+            raise _InvalidValueError(f"expected a mapping, got {_describe(value)}")
         return generated(cast(Mapping[str, Any], value), type_)
 
     return structure
@@ -957,7 +962,7 @@ def _error_lines(exc: BaseException, path: str, type_: Any) -> list[str]:
         for sub in without:
             lines += _error_lines(sub, path, None)
         return lines
-    if isinstance(exc, _RuleViolations):
+    if isinstance(exc, _RuleViolationsError):
         return [f"{message} @ {_join_path(path, rel)}" for rel, message in exc.problems]
     return [f"{_message(exc, type_, path)} @ {path}"]
 
@@ -1000,7 +1005,11 @@ def _message(exc: BaseException, type_: Any, path: str = "policy") -> str:
         return _unknown_keys_message(exc, path)
     if isinstance(exc, KeyError):
         return "required field missing"
-    if isinstance(exc, ValueError | TypeError) and exc.args and isinstance(exc.args[0], str):
-        if isinstance(exc, _InvalidValue) or type_ is None:
-            return exc.args[0]
+    if (
+        isinstance(exc, ValueError | TypeError)
+        and exc.args
+        and isinstance(exc.args[0], str)
+        and (isinstance(exc, _InvalidValueError) or type_ is None)
+    ):
+        return exc.args[0]
     return cattrs.v.format_exception(exc, type_)

@@ -16,7 +16,10 @@ __all__ = [
 
 
 class ConfigError(ValueError):
-    """A config mapping did not describe a valid config. One line per problem, each with its path."""
+    """A config mapping did not describe a valid config.
+
+    One line per problem, each with its path.
+    """
 
 
 class DataError(ValueError):

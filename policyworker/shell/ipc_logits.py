@@ -150,7 +150,10 @@ def _open_storage(payload: Mapping[str, Any]) -> torch.Tensor:
     if kind == "shm":
         name, size = payload["name"], int(payload["size"])
         if not isinstance(name, str) or not SHM_NAME_RE.match(name):
-            msg = f"logits handle names shared memory {name!r}, which does not match {SHM_NAME_RE.pattern}"
+            msg = (
+                f"logits handle names shared memory {name!r}, which does not match "
+                f"{SHM_NAME_RE.pattern}"
+            )
             raise ValueError(msg)
         key = ("shm", name)
         if key not in _OPENED:
@@ -161,7 +164,10 @@ def _open_storage(payload: Mapping[str, Any]) -> torch.Tensor:
                 or info.st_uid != os.getuid()
                 or info.st_size < max(size, 1)
             ):
-                msg = f"shared-memory logits buffer {name!r} is not a regular file of this user with >= {size} bytes"
+                msg = (
+                    f"shared-memory logits buffer {name!r} is not a regular file of this user "
+                    f"with >= {size} bytes"
+                )
                 raise ValueError(msg)
             _OPENED[key] = torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)[
                 :size
@@ -177,7 +183,10 @@ def _open_storage(payload: Mapping[str, Any]) -> torch.Tensor:
                 for i in range(torch.cuda.device_count())
             ]
             if payload["device_uuid"] not in uuids:
-                msg = f"logits live on GPU {payload['device_uuid']}, not visible here (visible: {uuids}); colocate"
+                msg = (
+                    f"logits live on GPU {payload['device_uuid']}, not visible here (visible: "
+                    f"{uuids}); colocate"
+                )
                 raise ValueError(msg)
             size = int(payload["size"])
             _OPENED[key] = rebuild_cuda_tensor(
@@ -209,7 +218,10 @@ def open_logits_handle(record: Mapping[str, Any]) -> torch.Tensor:
     raw = _open_storage(record["payload_ipc"])
     nbytes = dtype.itemsize * _numel(storage_shape)
     if raw.numel() < nbytes:
-        msg = f"logits storage has {raw.numel()} bytes, the record's storage_shape {list(storage_shape)} needs {nbytes}"
+        msg = (
+            f"logits storage has {raw.numel()} bytes, the record's storage_shape "
+            f"{list(storage_shape)} needs {nbytes}"
+        )
         raise ValueError(msg)
     storage = raw[:nbytes].view(dtype).view(storage_shape)
     seq, vocab = record["actual_shape"]

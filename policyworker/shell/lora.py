@@ -14,7 +14,7 @@ import json
 import math
 import pathlib
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ from attrs import frozen
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from policyworker.functional.lora import (
@@ -63,7 +63,10 @@ _SETTING_KEYS = (
 
 @frozen(kw_only=True)
 class LoRASettings:
-    """The `lora_cfg` values this module reads (defaults equal `policyworker.config.LoRAConfig`'s)."""
+    """The `lora_cfg` values this module reads.
+
+    Defaults equal `policyworker.config.LoRAConfig`'s.
+    """
 
     enabled: bool = True
     target_modules: tuple[str, ...] = ()
@@ -121,8 +124,9 @@ class LinearLoRA(nn.Linear):
     ``lora_A`` [dim, in] (xavier-normal or kaiming-uniform) and ``lora_B`` [out, dim] (zeros) are
     fp32 ``nn.Linear`` submodules; the adapter path is computed in (at least) fp32 with autocast
     off and added in the base output's dtype. ``compute_dtype`` (e.g. bf16) trades that for speed:
-    the fp32 path costs ~20% of a bf16 train step on the 1.5B shape (bench/lora.py). Dropout applies to the input (``"pre"``) or to the
-    adapter output (``"post"``). Works on plain tensors and on DTensors (TP via `lora_tp_plan`).
+    the fp32 path costs ~20% of a bf16 train step on the 1.5B shape (bench/lora.py). Dropout
+    applies to the input (``"pre"``) or to the adapter output (``"post"``). Works on plain tensors
+    and on DTensors (TP via `lora_tp_plan`).
     """
 
     def __init__(
@@ -211,7 +215,10 @@ class LinearLoRA(nn.Linear):
         self.reset_lora_parameters()
 
     def reset_lora_parameters(self) -> None:
-        """A: xavier-normal or kaiming-uniform (nn.Linear's default); B: zeros (so W is unchanged)."""
+        """A: xavier-normal or kaiming-uniform (nn.Linear's default).
+
+        B: zeros (so W is unchanged).
+        """
         with torch.no_grad():
             if self.lora_A_init == "xavier":
                 nn.init.xavier_normal_(self.lora_A.weight)
@@ -219,7 +226,8 @@ class LinearLoRA(nn.Linear):
                 nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
             nn.init.zeros_(self.lora_B.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    # nn.Linear calls its argument `input` (a builtin name); every caller passes it positionally
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pyright: ignore[reportIncompatibleMethodOverride]
         base = F.linear(x, self.weight, self.bias)
         h = self.dropout(x) if self.dropout_position == "pre" else x
         a, b = self.lora_A.weight, self.lora_B.weight
@@ -257,7 +265,12 @@ lora_module_map = lora_modules  # the name docs/internals.md uses
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The adapter parameters (A then B of each module, in module order): the optimizer's params."""
-    return [p for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)]
+    # nn.Linear.weight is always an nn.Parameter; torch's stubs declare it as a plain Tensor
+    return [
+        cast(nn.Parameter, p)
+        for m in lora_modules(model).values()
+        for p in (m.lora_A.weight, m.lora_B.weight)
+    ]
 
 
 def _set_child(model: nn.Module, name: str, child: nn.Module) -> None:
@@ -331,7 +344,8 @@ def apply_lora(model: nn.Module, lora_cfg: Any) -> list[str]:
         sample = candidates[:8] + (["..."] if len(candidates) > 8 else [])
         msg = (
             f"lora_cfg selects no usable set of nn.Linear modules: target_modules="
-            f"{list(s.target_modules)}, exclude_modules={list(s.exclude_modules)}, match_all_linear="
+            f"{list(s.target_modules)}, exclude_modules={list(s.exclude_modules)}, "
+            "match_all_linear="
             f"{s.match_all_linear}; entries matching no linear module: "
             f"{unmatched + unmatched_excludes}; selected: {len(chosen)}. Entries match a dotted "
             f"module name or its '.'-suffix, an Automodel wildcard ('*_proj'), or "
@@ -343,8 +357,8 @@ def apply_lora(model: nn.Module, lora_cfg: Any) -> list[str]:
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
-    full_tensor = getattr(tensor, "full_tensor", None)  # DTensor: a collective on every rank
-    return full_tensor() if callable(full_tensor) else tensor
+    # DTensor: a collective on every rank
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -359,7 +373,10 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def _uniform(modules: Mapping[str, LinearLoRA], attr: str) -> Any:
     values = {getattr(m, attr) for m in modules.values()}
     if len(values) != 1:
-        msg = f"LoRA modules disagree on {attr} ({sorted(values)}); one adapter folder needs one value"
+        msg = (
+            f"LoRA modules disagree on {attr} ({sorted(values)}); one adapter folder needs one "
+            "value"
+        )
         raise ValueError(msg)
     return values.pop()
 
@@ -372,7 +389,9 @@ def save_peft_adapter(
     base_model_name_or_path: str | None = None,
     write: bool = True,
 ) -> pathlib.Path:
-    """Write a PEFT LoRA adapter folder loadable by ``peft.PeftModel.from_pretrained(base, folder)``.
+    """Write a PEFT LoRA adapter folder.
+
+    The folder loads with ``peft.PeftModel.from_pretrained(base, folder)``.
 
     ``target_modules`` is written as the exact module names, so PEFT adapts exactly these layers.
     With DTensor adapters every rank must call this (gathers); pass ``write=False`` on ranks > 0.
@@ -410,11 +429,17 @@ def _read_adapter(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, torch.T
     config_file, weights_file = path / ADAPTER_CONFIG_FILE, path / ADAPTER_WEIGHTS_FILE
     for file in (config_file, weights_file):
         if not file.is_file():
-            msg = f"PEFT adapter folder {str(path)!r} has no {file.name}; expected peft's save_pretrained layout"
+            msg = (
+                f"PEFT adapter folder {str(path)!r} has no {file.name}; expected peft's "
+                "save_pretrained layout"
+            )
             raise ValueError(msg)
     config = json.loads(config_file.read_text())
     if config.get("peft_type") != "LORA":
-        msg = f"{config_file}: peft_type {config.get('peft_type')!r} is not 'LORA'; only LoRA adapters load"
+        msg = (
+            f"{config_file}: peft_type {config.get('peft_type')!r} is not 'LORA'; only LoRA "
+            "adapters load"
+        )
         raise ValueError(msg)
     bad = {
         k: config[k]
@@ -422,13 +447,19 @@ def _read_adapter(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, torch.T
         if config.get(k, ok) not in (ok, None, {}, False)
     }
     if bad:
-        msg = f"{config_file}: unsupported PEFT LoRA options {bad}; re-train without them ({_UNSUPPORTED_PEFT})"
+        msg = (
+            f"{config_file}: unsupported PEFT LoRA options {bad}; re-train without them "
+            f"({_UNSUPPORTED_PEFT})"
+        )
         raise ValueError(msg)
     weights: dict[str, torch.Tensor] = {}
     for key, tensor in load_file(str(weights_file)).items():
         name = from_peft_key(key)
         if not name.endswith((".lora_A.weight", ".lora_B.weight")):
-            msg = f"{weights_file}: key {key!r} is not a LoRA A/B weight; only plain LoRA adapters load"
+            msg = (
+                f"{weights_file}: key {key!r} is not a LoRA A/B weight; only plain LoRA adapters "
+                "load"
+            )
             raise ValueError(msg)
         weights[name] = tensor
     return config, weights
@@ -437,8 +468,11 @@ def _read_adapter(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, torch.T
 def _check_against_model(
     modules: Mapping[str, LinearLoRA], weights: Mapping[str, torch.Tensor], where: str
 ) -> None:
-    expected = {f"{n}.lora_{ab}.weight": (m.dim if ab == "A" else m.out_features, m.in_features if ab == "A" else m.dim)
-                for n, m in modules.items() for ab in ("A", "B")}  # fmt: skip
+    expected = {
+        f"{n}.lora_{ab}.weight": ((m.dim, m.in_features) if ab == "A" else (m.out_features, m.dim))
+        for n, m in modules.items()
+        for ab in ("A", "B")
+    }
     missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
     wrong = sorted(
         f"{k}: file {tuple(weights[k].shape)} vs model {expected[k]}"
@@ -473,7 +507,10 @@ def load_peft_adapter(model: nn.Module, folder: str | pathlib.Path) -> list[str]
         linears = set(_linear_names(model))
         absent = [n for n in names if n not in linears]
         if absent:
-            msg = f"adapter {str(path)!r} adapts modules that are not nn.Linear modules of the model: {absent}"
+            msg = (
+                f"adapter {str(path)!r} adapts modules that are not nn.Linear modules of the "
+                f"model: {absent}"
+            )
             raise ValueError(msg)
         s = LoRASettings(
             alpha=float(config.get("lora_alpha", 8)),
@@ -499,9 +536,10 @@ def load_peft_adapter(model: nn.Module, folder: str | pathlib.Path) -> list[str]
 
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    mesh = getattr(param, "device_mesh", None)
-    if mesh is not None:  # DTensor: every rank holds the full tensor; keep only the local shard
-        full = distribute_tensor(full.to(param.device, param.dtype), mesh, param.placements)
+    if isinstance(param, DTensor):  # every rank holds the full tensor; keep only the local shard
+        full = distribute_tensor(
+            full.to(param.device, param.dtype), param.device_mesh, param.placements
+        )
     param.copy_(full)
 
 
@@ -550,7 +588,10 @@ def lora_tp_plan(base_plan: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, style in base_plan.items():
         if not isinstance(style, ParallelStyle):
-            msg = f"TP plan entry {key!r} is {type(style).__name__}, not a ParallelStyle; fix the plan"
+            msg = (
+                f"TP plan entry {key!r} is {type(style).__name__}, not a ParallelStyle; fix the "
+                "plan"
+            )
             raise ValueError(msg)
         out[key] = style if isinstance(style, LoRALinearParallel) else LoRALinearParallel(style)
     return out

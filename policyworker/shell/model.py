@@ -89,7 +89,10 @@ def reward_model_type(cfg: Any) -> str | None:
 def resolve_attn_implementation(
     requested: str | None, *, packing: bool, device: torch.device, precision: torch.dtype
 ) -> str:
-    """The transformers attention name to load with; ValueError for an unsafe or impossible choice."""
+    """The transformers attention name to load with.
+
+    ValueError for an unsafe or impossible choice.
+    """
     requested = requested or "auto"
     if requested not in ATTN_IMPLEMENTATIONS:
         msg = (

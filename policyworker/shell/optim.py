@@ -57,7 +57,10 @@ def build_optimizer(model: torch.nn.Module, optimizer_cfg: Any) -> torch.optim.O
     kwargs = _resolve_kwargs(_get(optimizer_cfg, "kwargs"), key="optimizer.kwargs")
     params = trainable_parameters(model)
     if not params:
-        msg = "the model has no trainable parameters (every requires_grad is False); nothing to optimize"
+        msg = (
+            "the model has no trainable parameters (every requires_grad is False); nothing to "
+            "optimize"
+        )
         raise ValueError(msg)
     try:
         return cls(params, **kwargs)

@@ -65,7 +65,7 @@ from policyworker.shell.refit.wire import (
     DTYPES_BY_NAME,
     MAX_HEADER_BYTES,
     ProtocolError,
-    RefitRejected,
+    RefitRejectedError,
     decode_versioned_json,
     dtype_name,
 )
@@ -237,7 +237,10 @@ def plan_collective_buckets(
 
 
 def default_bucket_bytes(device: torch.device) -> int:
-    """The sender's bucket target when ``buffer_size_bytes`` is None (receivers never compute it)."""
+    """The sender's bucket target when ``buffer_size_bytes`` is None.
+
+    Receivers never compute it.
+    """
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         return max(
@@ -281,15 +284,22 @@ def init_collective(
         and 1 <= train_world_size < world_size
     ):
         msg = (
-            f"train_world_size {train_world_size!r} and world_size {world_size!r} must be ints with "
+            f"train_world_size {train_world_size!r} and world_size {world_size!r} must be ints "
+            "with "
             "1 <= train_world_size < world_size (the group needs at least one inference rank)"
         )
         raise ValueError(msg)
     if not (isinstance(rank, int) and 0 <= rank < world_size):
-        msg = f"rank {rank!r} must be an int in [0, {world_size}); trainer ranks keep their rank, inference rank i is T + i"
+        msg = (
+            f"rank {rank!r} must be an int in [0, {world_size}); trainer ranks keep their rank, "
+            "inference rank i is T + i"
+        )
         raise ValueError(msg)
     if not (isinstance(port, int) and 0 < port < 65536):
-        msg = f"port {port!r} must be an int in [1, 65535]; every member must pass the same ip and port"
+        msg = (
+            f"port {port!r} must be an int in [1, 65535]; every member must pass the same ip and "
+            "port"
+        )
         raise ValueError(msg)
     check_timeout_s("timeout_s", timeout_s)
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -393,8 +403,10 @@ class CollectiveRefit:
         self._abort_pg()
         _BROKEN_GROUPS.append(self.pg)
         msg = (
-            f"collective refit rank {self.rank}/{self.world_size}: {why} in phase {phase!r} with {self._peers()}. "
-            "The group was aborted: call init_collective on every member (a fresh port) before the next refit."
+            f"collective refit rank {self.rank}/{self.world_size}: {why} in phase {phase!r} with "
+            f"{self._peers()}. "
+            "The group was aborted: call init_collective on every member (a fresh port) before "
+            "the next refit."
         )
         return cls(msg)
 
@@ -413,7 +425,8 @@ class CollectiveRefit:
         self._live_pg()
         if self.broken is not None:
             msg = (
-                f"collective refit group of rank {self.rank} is broken ({self.broken}); call init_collective "
+                f"collective refit group of rank {self.rank} is broken ({self.broken}); call "
+                "init_collective "
                 "on every member (a fresh port) to build a new one"
             )
             raise RefitError(msg)
@@ -432,7 +445,8 @@ class CollectiveRefit:
             raise self._fail(
                 RefitPeerLostError,
                 "header size",
-                f"the header broadcast carried magic {magic:#x} and {nbytes} bytes, not a refit header",
+                f"the header broadcast carried magic {magic:#x} and {nbytes} bytes, not a refit "
+                "header",
             )
         raw = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if payload is not None:
@@ -478,12 +492,13 @@ class CollectiveRefit:
 
         Raises:
             ValueError: an argument is out of range, or this is an inference rank.
-            RefitRejected: an inference rank rejected the header or failed to apply a bucket.
+            RefitRejectedError: an inference rank rejected the header or failed to apply a bucket.
             RefitTimeoutError: no progress within the deadline, or a peer dropped (group broken).
         """
         if not self.is_trainer:
             msg = (
-                f"broadcast_weights runs on trainer ranks 0..{self.train_world_size - 1}; rank {self.rank} is an "
+                f"broadcast_weights runs on trainer ranks 0..{self.train_world_size - 1}; rank "
+                f"{self.rank} is an "
                 "inference rank: use CollectiveWeightReceiver(...).receive()"
             )
             raise ValueError(msg)
@@ -515,11 +530,13 @@ class CollectiveRefit:
             rejected = self._agree(waits, not same, "header agreement")
             if rejected:
                 msg = (
-                    f"collective refit: rank(s) {rejected} rejected the header of refit {header.refit_seq} "
-                    "(manifest vs their refit_info, or a different trainer-side manifest); nothing was written. "
+                    f"collective refit: rank(s) {rejected} rejected the header of refit "
+                    f"{header.refit_seq} "
+                    "(manifest vs their refit_info, or a different trainer-side manifest); "
+                    "nothing was written. "
                     "See those ranks' errors for the names."
                 )
-                raise RefitRejected(msg)
+                raise RefitRejectedError(msg)
             plan = plan_collective_buckets(
                 specs,
                 layout=header.layout,
@@ -531,10 +548,11 @@ class CollectiveRefit:
         self.refit_seq = header.refit_seq
         if failed:
             msg = (
-                f"collective refit {header.refit_seq}: rank(s) {failed} failed to apply the weights (in-place "
+                f"collective refit {header.refit_seq}: rank(s) {failed} failed to apply the "
+                "weights (in-place "
                 "receivers are stale, atomic ones kept their previous version); see their errors"
             )
-            raise RefitRejected(msg)
+            raise RefitRejectedError(msg)
         return {
             "refit_seq": header.refit_seq,
             "layout": header.layout,
@@ -595,7 +613,8 @@ class CollectiveRefit:
             raise self._fail(
                 RefitPeerLostError,
                 "end of stream",
-                "the named tensors outlasted refit_info (the sender's stream and metadata disagree)",
+                "the named tensors outlasted refit_info (the sender's stream and metadata "
+                "disagree)",
             )
         return sizes
 
@@ -609,7 +628,8 @@ class CollectiveRefit:
             raise self._fail(
                 RefitPeerLostError,
                 "stream",
-                f"the named tensors sent {got} where refit_info says {spec.name!r} {list(spec.shape)}",
+                f"the named tensors sent {got} where refit_info says {spec.name!r} "
+                f"{list(spec.shape)}",
             )
         return item[1]
 
@@ -665,7 +685,8 @@ class CollectiveWeightReceiver:
     ) -> None:
         if group.is_trainer:
             msg = (
-                f"CollectiveWeightReceiver runs on inference ranks >= {group.train_world_size}; rank {group.rank} "
+                f"CollectiveWeightReceiver runs on inference ranks >= {group.train_world_size}; "
+                f"rank {group.rank} "
                 "is a trainer rank: call broadcast_weights there"
             )
             raise ValueError(msg)
@@ -705,7 +726,7 @@ class CollectiveWeightReceiver:
                 if reason is None:
                     self.receiver.abort_refit("another rank rejected the header")
                     reason = f"rank(s) {rejected} rejected the header; nothing was written here"
-                raise RefitRejected(reason)
+                raise RefitRejectedError(reason)
             assert header is not None
             self.last_header = header
             plan = plan_collective_buckets(
@@ -721,7 +742,7 @@ class CollectiveWeightReceiver:
         group.refit_seq = header.refit_seq
         if failed:
             self.receiver.abort_refit("a rank failed to apply the refit")
-            raise RefitRejected(
+            raise RefitRejectedError(
                 reason
                 or f"rank(s) {failed} failed to apply refit {header.refit_seq}; not committed"
             )
@@ -783,10 +804,14 @@ def cpu_offload_cycle(
         yield
         return
     if onload is None or offload is None:
-        msg = f"cpu_offload=True needs both onload and offload callables for {transport}; pass the worker's moves"
+        msg = (
+            f"cpu_offload=True needs both onload and offload callables for {transport}; pass the "
+            "worker's moves"
+        )
         raise ValueError(msg)
     warnings.warn(
-        f"cpu_offload adds an onload/offload cycle around {transport} (the model is moved to the device "
+        f"cpu_offload adds an onload/offload cycle around {transport} (the model is moved to the "
+        "device "
         "and back)",
         stacklevel=3,
     )
@@ -812,13 +837,20 @@ def broadcast_model_weights(
     onload: Callable[[], Any] | None = None,
     offload: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
-    """``PolicyWorker.broadcast_weights_for_collective``: the model's refit stream over ``group``."""
+    """``PolicyWorker.broadcast_weights_for_collective``.
+
+    Sends the model's refit stream over ``group``.
+    """
     if group is None:
-        msg = "broadcast_weights_for_collective needs a refit group: call init_collective(ip, port, world_size, ...) first"
+        msg = (
+            "broadcast_weights_for_collective needs a refit group: call init_collective(ip, "
+            "port, world_size, ...) first"
+        )
         raise ValueError(msg)
     if kv_scales is not None:
         msg = (
-            "kv_scales: FP8 KV-cache scales are unsupported in this worker (no FP8 kvcache calibration path); "
+            "kv_scales: FP8 KV-cache scales are unsupported in this worker (no FP8 kvcache "
+            "calibration path); "
             "pass kv_scales=None"
         )
         raise ValueError(msg)

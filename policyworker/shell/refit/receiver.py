@@ -148,7 +148,10 @@ class WeightApplier:
         elif callable(target):
             self._dests, self._load = None, target
         else:
-            msg = f"target must be an nn.Module or a load_weights(iterable) callable, got {type(target).__name__}"
+            msg = (
+                "target must be an nn.Module or a load_weights(iterable) callable, got "
+                f"{type(target).__name__}"
+            )
             raise ValueError(msg)
         self.atomic = atomic
         self.version = 0
@@ -271,7 +274,8 @@ class WeightApplier:
         self, session: _Session, indices: Sequence[int], tensors: Sequence[torch.Tensor]
     ) -> None:
         if session.dests is not None:
-            # grouped launches for the whole batch: per-tensor launch overhead dominates small tensors
+            # grouped launches for the whole batch: per-tensor launch overhead dominates
+            # small tensors
             dests = session.dests
             grouped_copy_([dests[i] for i in indices], tensors)
         else:
@@ -388,11 +392,17 @@ class HFWeightReceiver:
 
     @property
     def stale(self) -> bool:
-        """True after a failed in-place refit wrote some tensors; cleared by the next complete one."""
+        """True after a failed in-place refit wrote some tensors.
+
+        Cleared by the next complete one.
+        """
         return self.applier.stale
 
     def receive(self) -> RefitReport:
-        """Serve one complete ZMQ refit; raises ``RefitError`` (or ``RefitTimeoutError``) otherwise."""
+        """Serve one complete ZMQ refit.
+
+        Raises ``RefitError`` (or ``RefitTimeoutError``) otherwise.
+        """
         if self._socket is None:
             msg = "receive() needs a ZMQ address; this receiver was built with address=None"
             raise ValueError(msg)

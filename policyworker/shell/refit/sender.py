@@ -57,7 +57,10 @@ def check_stream_args(
         raise ValueError(msg)
     check_timeout_s("timeout_s", timeout_s)
     if keep_staging is not None and not isinstance(keep_staging, bool):
-        msg = f"keep_staging {keep_staging!r} must be True, False or None (None = the constructor's setting)"
+        msg = (
+            f"keep_staging {keep_staging!r} must be True, False or None (None = the constructor's "
+            "setting)"
+        )
         raise ValueError(msg)
 
 
@@ -75,7 +78,10 @@ class RefitSender:
         keep_staging: bool = False,
     ) -> None:
         if not isinstance(keep_staging, bool):
-            msg = f"keep_staging {keep_staging!r} must be a bool (True keeps the staging buffers between refits)"
+            msg = (
+                f"keep_staging {keep_staging!r} must be a bool (True keeps the staging buffers "
+                "between refits)"
+            )
             raise ValueError(msg)
         self._model_fn = model_fn
         self.keep_staging = keep_staging

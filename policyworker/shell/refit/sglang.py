@@ -79,7 +79,10 @@ def flatten_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[st
     """One single-dtype bucket: a fresh 1-D tensor of that dtype + per-tensor element ranges."""
     dtypes = {t.dtype for _, t in named_tensors}
     if len(dtypes) != 1:
-        msg = f"a flattened bucket holds one dtype, got {sorted(str(d) for d in dtypes)}; group by dtype first"
+        msg = (
+            f"a flattened bucket holds one dtype, got {sorted(str(d) for d in dtypes)}; group by "
+            "dtype first"
+        )
         raise ValueError(msg)
     metadata, start = [], 0
     for name, tensor in named_tensors:
@@ -115,7 +118,10 @@ def unflatten_bucket(payload: Mapping[str, Any]) -> list[tuple[str, torch.Tensor
         if piece.dtype != meta.dtype:  # a uint8 (multi-dtype) bucket: byte offsets
             piece = piece.view(meta.dtype)
         if piece.numel() != math.prod(meta.shape):
-            msg = f"bucket record {meta.name!r}: {piece.numel()} elements for shape {list(meta.shape)}"
+            msg = (
+                f"bucket record {meta.name!r}: {piece.numel()} elements for shape "
+                f"{list(meta.shape)}"
+            )
             raise RefitError(msg)
         out.append((meta.name, piece.reshape(meta.shape)))
     return out
@@ -207,7 +213,10 @@ def _resolve(result: Any) -> Any:
             asyncio.get_running_loop()
         except RuntimeError:
             return asyncio.run(_await(result))
-        msg = "the engine returned an awaitable inside a running event loop; call this from a worker thread"
+        msg = (
+            "the engine returned an awaitable inside a running event loop; call this from a "
+            "worker thread"
+        )
         raise RuntimeError(msg)
     if hasattr(result, "result") and callable(result.result):
         return result.result()
@@ -226,7 +235,10 @@ def _check_reply(reply: Any, *, engine: int, call: int) -> None:
     elif isinstance(reply, tuple) and reply and isinstance(reply[0], bool):
         success, message = reply[0], str(reply[1]) if len(reply) > 1 else ""
     if not success:
-        msg = f"SGLang engine {engine} rejected weight update call {call}: {message or 'success=False'}"
+        msg = (
+            f"SGLang engine {engine} rejected weight update call {call}: "
+            f"{message or 'success=False'}"
+        )
         raise RefitError(msg)
 
 
@@ -259,7 +271,8 @@ def update_weights_to_sglang_colocated(
     """
     if sglang_quantization_cfg is not None:
         msg = (
-            "sglang_quantization_cfg is not supported by this worker (no on-the-fly quantization of refit "
+            "sglang_quantization_cfg is not supported by this worker (no on-the-fly quantization "
+            "of refit "
             "weights); pass None and let the engine quantize at load"
         )
         raise ValueError(msg)
@@ -276,7 +289,10 @@ def update_weights_to_sglang_colocated(
         raise ValueError(msg)
     _check_layout(world_size, num_gpus_per_engine, len(rollout_engines))
     if num_gpus_per_engine > 1 and gather is None:
-        msg = f"num_gpus_per_engine={num_gpus_per_engine} needs a gather over the engine's trainer ranks"
+        msg = (
+            f"num_gpus_per_engine={num_gpus_per_engine} needs a gather over the engine's trainer "
+            "ranks"
+        )
         raise ValueError(msg)
     engine_index = rank // num_gpus_per_engine
     is_src = rank % num_gpus_per_engine == 0
@@ -350,14 +366,17 @@ def _check_layout(
         or world_size % num_gpus_per_engine
     ):
         msg = (
-            f"num_gpus_per_engine {num_gpus_per_engine!r} must be a positive int dividing the trainer world size "
+            f"num_gpus_per_engine {num_gpus_per_engine!r} must be a positive int dividing the "
+            "trainer world size "
             f"{world_size} (engine i owns trainer ranks [i*n, (i+1)*n))"
         )
         raise ValueError(msg)
     if num_engines is not None and num_engines != world_size // num_gpus_per_engine:
         msg = (
-            f"rollout_engines has {num_engines} engine(s) but world size {world_size} / num_gpus_per_engine "
-            f"{num_gpus_per_engine} = {world_size // num_gpus_per_engine}; pass one handle per engine"
+            f"rollout_engines has {num_engines} engine(s) but world size {world_size} / "
+            "num_gpus_per_engine "
+            f"{num_gpus_per_engine} = {world_size // num_gpus_per_engine}; pass one handle per "
+            "engine"
         )
         raise ValueError(msg)
 
@@ -485,7 +504,10 @@ class SGLangReceiverAdapter:
         self.num_calls += 1
         try:
             if load_format != LOAD_FORMAT:
-                msg = f"load_format {load_format!r} is not supported by this adapter; use {LOAD_FORMAT!r}"
+                msg = (
+                    f"load_format {load_format!r} is not supported by this adapter; use "
+                    f"{LOAD_FORMAT!r}"
+                )
                 raise RefitError(msg)
             pairs = unflatten_bucket(deserialize_payload(serialized_named_tensors[self.tp_rank]))
             if not self._open:

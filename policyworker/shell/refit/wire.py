@@ -39,6 +39,7 @@ __all__ = [
     "ManifestCache",
     "ProtocolError",
     "RefitRejected",
+    "RefitRejectedError",
     "Reply",
     "ShmBuffer",
     "check_bucket",
@@ -88,8 +89,12 @@ class ProtocolError(RefitError):
     """A message broke the wire format or the manifest; the text is the reason sent to the peer."""
 
 
-class RefitRejected(RefitError):
+class RefitRejectedError(RefitError):
     """The peer answered with a rejection; the message carries its reason."""
+
+
+# The public name before the lint pass (N818); callers and tests still import it.
+RefitRejected = RefitRejectedError
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -272,7 +277,8 @@ def _str(header: Mapping[str, Any], key: str, *, max_chars: int = MAX_NAME_CHARS
     value = header.get(key)
     if not isinstance(value, str) or len(value) > max_chars:
         raise _fail(
-            f"header field {key!r} must be a string of at most {max_chars} characters, got {value!r:.80}"
+            f"header field {key!r} must be a string of at most {max_chars} characters, got "
+            f"{value!r:.80}"
         )
     return value
 
@@ -285,7 +291,8 @@ def _spec(item: Any, where: str) -> TensorSpec:
         raise _fail(f"{where}: tensor name must be a non-empty string, got {name!r:.80}")
     if not isinstance(dtype, str) or dtype not in DTYPES_BY_NAME:
         raise _fail(
-            f"{where} ({name!r}): unknown dtype {dtype!r:.40}; expected one of {sorted(DTYPES_BY_NAME)}"
+            f"{where} ({name!r}): unknown dtype {dtype!r:.40}; expected one of "
+            f"{sorted(DTYPES_BY_NAME)}"
         )
     if (
         not isinstance(shape, list)
@@ -293,7 +300,8 @@ def _spec(item: Any, where: str) -> TensorSpec:
         or not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)
     ):
         raise _fail(
-            f"{where} ({name!r}): shape must be a list of at most {MAX_NDIM} non-negative ints, got {shape!r:.80}"
+            f"{where} ({name!r}): shape must be a list of at most {MAX_NDIM} non-negative ints, "
+            f"got {shape!r:.80}"
         )
     return TensorSpec(name, tuple(shape), DTYPES_BY_NAME[dtype])
 
@@ -317,13 +325,17 @@ def _json(raw: bytes, what: str) -> Any:
 
 
 def decode_versioned_json(raw: bytes, *, protocol: str, version: int, what: str) -> dict[str, Any]:
-    """A JSON object whose `protocol` and `version` fields are ours, else `ProtocolError` saying why."""
+    """A JSON object whose `protocol` and `version` fields are ours.
+
+    Otherwise `ProtocolError` saying why.
+    """
     body = _json(raw, what)
     if not isinstance(body, dict):
         raise _fail(f"{what} must be a JSON object, got {type(body).__name__}")
     if body.get("protocol") != protocol or body.get("version") != version:
         raise _fail(
-            f"{what} speaks {body.get('protocol')!r:.40} version {body.get('version')!r:.20}; this peer "
+            f"{what} speaks {body.get('protocol')!r:.40} version {body.get('version')!r:.20}; "
+            "this peer "
             f"speaks {protocol!r} version {version}: install the same policyworker on both sides"
         )
     return body
@@ -426,7 +438,8 @@ def decode_request(frames: Sequence[bytes], *, manifests: ManifestCache | None =
         count = _int(header, "num_tensors")
         if count != len(specs):
             raise _fail(
-                f"begin field 'num_tensors' is {count} but the manifest frame lists {len(specs)} tensors"
+                f"begin field 'num_tensors' is {count} but the manifest frame lists {len(specs)} "
+                "tensors"
             )
         return Begin(
             _int(header, "rank"),
@@ -440,7 +453,8 @@ def decode_request(frames: Sequence[bytes], *, manifests: ManifestCache | None =
         indices, offsets = _int_list(header, "tensors"), _int_list(header, "offsets")
         if len(indices) != len(offsets):
             raise _fail(
-                f"bucket fields 'tensors' ({len(indices)}) and 'offsets' ({len(offsets)}) differ in length"
+                f"bucket fields 'tensors' ({len(indices)}) and 'offsets' ({len(offsets)}) differ "
+                "in length"
             )
         return Bucket(
             _int(header, "seq"), _buffer(header, raw), indices, offsets, _int(header, "used_bytes")
@@ -463,7 +477,8 @@ def decode_reply(frames: Sequence[bytes]) -> Reply:
     raw = frames[1:]
     if len(raw) > 1 or any(len(r) > MAX_HANDLE_BYTES for r in raw):
         raise _fail(
-            f"a reply carries at most 1 raw frame (an event handle of <= {MAX_HANDLE_BYTES} bytes), got {len(raw)}"
+            f"a reply carries at most 1 raw frame (an event handle of <= {MAX_HANDLE_BYTES} "
+            f"bytes), got {len(raw)}"
         )
     return Reply(
         header["ok"],

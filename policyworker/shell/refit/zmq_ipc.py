@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import attrs
 import torch
@@ -57,7 +57,7 @@ from policyworker.shell.refit.wire import (
     CudaBuffer,
     ManifestCache,
     ProtocolError,
-    RefitRejected,
+    RefitRejectedError,
     Reply,
     ShmBuffer,
     check_bucket,
@@ -371,22 +371,33 @@ class CudaStaging:
         return attrs.evolve(self._ref, keep=keep)
 
     def wait_for_reader(self) -> None:
-        """Queue (on the current stream) a wait for the receiver's reads of this buffer's last bucket,
-        before writing or freeing it."""
+        """Queue (on the current stream) a wait for the receiver's reads.
+
+        Waits for the reads of this buffer's last bucket, before writing or freeing it.
+        """
         if self._consumed is not None:
             torch.cuda.current_stream(self.device).wait_event(self._consumed)
 
     def mark_filled(self) -> None:
-        """The casts into this buffer are queued on the current stream; the receiver waits on this."""
+        """Record that the casts into this buffer are queued on the current stream.
+
+        The receiver waits on this.
+        """
         self.filled.record(torch.cuda.current_stream(self.device))
 
     def note_consumed(self, handle: bytes) -> None:
-        """Remember the receiver's event from the ACK of this buffer's bucket (opened once per handle)."""
+        """Remember the receiver's event from the ACK of this buffer's bucket.
+
+        The event is opened once per handle.
+        """
         if not handle:
-            msg = "the receiver's ACK of a CUDA bucket carries no consumed-event handle (protocol mismatch)"
+            msg = (
+                "the receiver's ACK of a CUDA bucket carries no consumed-event handle "
+                "(protocol mismatch)"
+            )
             raise ProtocolError(msg)
         if handle != self._consumed_handle:
-            self._consumed = torch.cuda.Event.from_ipc_handle(self.device, handle)
+            self._consumed = _open_event(self.device, handle)
             self._consumed_handle = handle
 
     def forget_consumed(self) -> None:
@@ -461,7 +472,15 @@ def run_copy_groups(
         if len(dsts) == 1:
             dsts[0].copy_(srcs[0], non_blocking=non_blocking)
         else:
-            torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+            # torch's grouped copy kernel; public API, just missing from torch's export list
+            torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)  # pyright: ignore[reportPrivateImportUsage]
+
+
+def _open_event(device: torch.device, handle: bytes) -> torch.cuda.Event:
+    """The interprocess CUDA event behind ``handle``, opened on ``device``."""
+    # Event.from_ipc_handle builds an instance of the class it is called on (a torch.cuda.Event);
+    # torch's stubs type it as the C base class, so say what it is.
+    return cast(torch.cuda.Event, torch.cuda.Event.from_ipc_handle(device, handle))
 
 
 def copy_groups(
@@ -568,7 +587,8 @@ class ZmqIpcSender:
             torch.cuda.empty_cache()
 
     def _sock(self) -> zmq.Socket[Any]:
-        if self._socket is None:
+        sock = self._socket
+        if sock is None:
             assert self._context is not None
             sock = self._context.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
@@ -577,7 +597,7 @@ class ZmqIpcSender:
             sock.bind(self.address)
             self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
             self._peers = 0
-        return self._socket
+        return sock
 
     def _close_socket(self) -> None:
         if self._monitor is not None:
@@ -595,12 +615,14 @@ class ZmqIpcSender:
 
     def connected_receivers(self) -> int:
         """How many receivers are connected to this sender's address right now."""
+        # the monitor reports plain ints; zmq.Event members hash equal to them
+        peer_delta: dict[int, int] = {zmq.EVENT_ACCEPTED: 1, zmq.EVENT_DISCONNECTED: -1}
         while self._monitor is not None:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
                 break
-            self._peers += {zmq.EVENT_ACCEPTED: 1, zmq.EVENT_DISCONNECTED: -1}.get(event, 0)
+            self._peers += peer_delta.get(event, 0)
         return self._peers
 
     def _check_one_receiver(self) -> None:
@@ -623,8 +645,10 @@ class ZmqIpcSender:
     def _timeout(self, phase: str, timeout_s: float) -> RefitTimeoutError:
         self._rebuild()
         msg = (
-            f"refit rank {self.rank}: no progress in phase {phase!r} within {timeout_s:g} s at {self.address}; "
-            "the receiver may be dead or unresponsive. The sender rebuilt its socket: start a receiver "
+            f"refit rank {self.rank}: no progress in phase {phase!r} within {timeout_s:g} s at "
+            f"{self.address}; "
+            "the receiver may be dead or unresponsive. The sender rebuilt its socket: start a "
+            "receiver "
             "on this address and call stream_weights_via_ipc_zmq again."
         )
         return RefitTimeoutError(msg)
@@ -647,7 +671,7 @@ class ZmqIpcSender:
         reply = decode_reply(frames)
         if not reply.ok:
             msg = f"refit rank {self.rank}: the receiver rejected {phase}: {reply.reason}"
-            raise RefitRejected(msg)
+            raise RefitRejectedError(msg)
         return reply
 
     def _begin_frames(self, specs: Sequence[TensorSpec], transport: str) -> list[bytes]:
@@ -767,7 +791,10 @@ class ZmqIpcSender:
         def prepared(
             staging: Staging, seq: int, bucket: IpcBucket, keep: bool
         ) -> tuple[list[torch.Tensor], list[bytes]]:
-            """The bucket's slot views and encoded frames in this buffer (cached with the buffer)."""
+            """The bucket's slot views and encoded frames in this buffer.
+
+            Cached with the buffer.
+            """
             hit = staging.cache.get((seq, keep))
             if hit is None:
                 base = staging.base  # where this half starts in the shared buffer
@@ -792,7 +819,10 @@ class ZmqIpcSender:
                     or item.dtype != want.dtype
                     or item.tensor.shape != want.shape
                 ):
-                    msg = f"internal: the params stream sent {item.spec} where prepare_refit_info said {want}"
+                    msg = (
+                        f"internal: the params stream sent {item.spec} where prepare_refit_info "
+                        f"said {want}"
+                    )
                     raise RefitError(msg)
             return items
 
@@ -857,7 +887,7 @@ class ZmqIpcSender:
             self._release_staging()
             # A timeout rebuilt the socket and a rejection already ended the receiver's refit;
             # any other failure (our own) is announced so the receiver stops waiting at once.
-            if begun and not isinstance(exc, (RefitTimeoutError, RefitRejected)):
+            if begun and not isinstance(exc, (RefitTimeoutError, RefitRejectedError)):
                 self._abort(pending, f"{type(exc).__name__}: {exc}")
             raise
         finally:
@@ -948,13 +978,16 @@ class _Mapped:
             consumed.record(
                 torch.cuda.current_stream(self.tensor.device)
             )  # before its handle is taken
-            filled = torch.cuda.Event.from_ipc_handle(self.tensor.device, filled_handle)
+            filled = _open_event(self.tensor.device, filled_handle)
             events = self._events[filled_handle] = (filled, consumed, bytes(consumed.ipc_handle()))
         torch.cuda.current_stream(self.tensor.device).wait_event(events[0])
         return filled_handle
 
     def record_consumed(self, key: bytes) -> bytes:
-        """Record, after the queued reads of the region, the event the sender waits on; its handle."""
+        """Record the event the sender waits on, after the queued reads of the region.
+
+        Returns its handle.
+        """
         _, consumed, handle = self._events[key]
         consumed.record(torch.cuda.current_stream(self.tensor.device))
         return handle
@@ -1046,7 +1079,10 @@ def _open_cuda(ref: CudaBuffer) -> torch.Tensor:
         str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
     ]
     if ref.device_uuid not in uuids:
-        msg = f"CUDA buffer on device {ref.device_uuid} is not visible here (visible: {uuids}); colocate the receiver"
+        msg = (
+            f"CUDA buffer on device {ref.device_uuid} is not visible here (visible: {uuids}); "
+            "colocate the receiver"
+        )
         raise ProtocolError(msg)
     index = uuids.index(ref.device_uuid)
     return rebuild_cuda_tensor(
@@ -1078,7 +1114,10 @@ class Outcome:
 
 
 class RefitServer:
-    """The receiver's protocol state machine: frames in, reply frames + outcome out; never raises."""
+    """The receiver's protocol state machine.
+
+    Frames in, reply frames + outcome out; never raises.
+    """
 
     def __init__(self, sink: WeightSink) -> None:
         self.sink = sink
@@ -1131,7 +1170,10 @@ class RefitServer:
             self._gpu_pending = None
 
     def fail(self, reason: str) -> None:
-        """Drop the refit in progress (the sink keeps the previous version or marks itself stale)."""
+        """Drop the refit in progress.
+
+        The sink keeps the previous version or marks itself stale.
+        """
         self._drain_gpu()
         if self._manifest is not None:
             self.sink.abort(reason)
