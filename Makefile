@@ -32,7 +32,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pyright --pythonpath $(PY)
 
-test: venv
+test: venv lint
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -m "not gpu and not multigpu" tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 

@@ -40,7 +40,8 @@ _LAZY = {
     "set_verbosity": "policyworker.shell.logs",
 }
 
-__all__ = sorted([*_LAZY, "__version__"])
+# Derived from _LAZY so the names are listed once; pyright cannot follow a computed __all__.
+__all__ = sorted([*_LAZY, "__version__"])  # pyright: ignore[reportUnsupportedDunderAll]
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -39,7 +39,8 @@ class VllmRollouts:
         started = time.perf_counter()
         self.llm = LLM(
             model=model_dir,
-            dtype=dtype_name,
+            # vLLM types dtype as a Literal of names; ours is one of them ("float32", ...).
+            dtype=cast(Any, dtype_name),
             enforce_eager=True,
             max_model_len=max_model_len,
             skip_tokenizer_init=True,
@@ -98,8 +99,12 @@ class VllmRollouts:
                 msg = f"vLLM returned {len(tokens)} tokens for row {i}, asked for {response_len}"
                 raise RuntimeError(msg)
             responses[i] = torch.tensor(tokens)
+            steps = completion.logprobs or []
+            if len(steps) != len(tokens) or any(step is None for step in steps):
+                msg = f"vLLM returned no logprobs for row {i}; sample with logprobs=0"
+                raise RuntimeError(msg)
             gen_lp[i, lp:] = torch.tensor(
-                [d[t].logprob for d, t in zip(completion.logprobs, tokens, strict=True)]
+                [step[t].logprob for step, t in zip(steps, tokens, strict=True) if step is not None]
             )
         return responses, gen_lp
 
