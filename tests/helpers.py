@@ -196,3 +196,23 @@ def own_moe_routes(model, routers, data):
     routes = torch.stack([s.reshape(*ids.shape, -1) for s in seen], dim=2)
     valid = torch.arange(ids.shape[1])[None] < data["input_lengths"][:, None]
     return torch.where(valid[..., None, None], routes, torch.full_like(routes, -1))
+
+
+def router_weight_dtype(model, dtype):
+    """The dtype a bf16/fp16 refit sends a DeepSeek-V3 router weight in: fp32 when the installed
+    transformers keeps `gate.weight` in fp32 (5.2x lists it; 5.19 keeps only the bias)."""
+    import torch
+
+    from policyworker.shell.refit.params import keep_fp32_patterns
+
+    return torch.float32 if "gate.weight" in keep_fp32_patterns(model) else dtype
+
+
+def hf_built_dtype(config, name: str, dtype):
+    """The dtype transformers gives tensor `name` of a model built from `config` in `dtype`, as
+    the receiving children build theirs (5.2x keeps the DeepSeek-V3 router bias fp32; 5.19
+    builds it in `dtype`)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.state_dict()[name].dtype

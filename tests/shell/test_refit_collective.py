@@ -28,6 +28,8 @@ from policyworker.shell.refit.wire import DTYPES_BY_NAME, ProtocolError, RefitRe
 from tests.helpers import (
     JsonCommandChild,
     eager_model,
+    hf_built_dtype,
+    router_weight_dtype,
     single_thread_logprobs,
     tiny_deepseek_v3_config,
     tiny_qwen2_config,
@@ -248,8 +250,10 @@ def test_deepseek_router_bias_stays_fp32_through_a_bf16_refit(rig, tmp_path):
         _sources(model, torch.bfloat16), refit_info=info, buffer_size_bytes=2048
     )
     (_, _), (model_out, captured) = _answers(children, tmp_path)
-    assert model_out[name].dtype == torch.float32 and torch.equal(model_out[name], bias)
-    assert model_out["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    kept = hf_built_dtype(cfg, name, torch.bfloat16)  # the receiving model's own dtype
+    assert model_out[name].dtype == kept and torch.equal(model_out[name], bias.to(kept))
+    router = model_out["model.layers.1.mlp.gate.weight"]
+    assert router.dtype == router_weight_dtype(model, torch.bfloat16)
     for key, (_, dtype) in info.items():  # the bytes that arrived carry exactly the metadata dtype
         assert captured[key].dtype == dtype, key
 

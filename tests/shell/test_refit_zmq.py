@@ -23,6 +23,8 @@ from policyworker.shell.refit.wire import decode_request
 from tests.helpers import (
     JsonCommandChild,
     eager_model,
+    hf_built_dtype,
+    router_weight_dtype,
     single_thread_logprobs,
     tiny_deepseek_v3_config,
     tiny_qwen2_config,
@@ -182,8 +184,10 @@ def test_deepseek_router_bias_arrives_in_fp32_and_metadata_matches_bytes(child, 
     try:
         _, got = _refit(child, sender, tmp_path, dtype="bfloat16", config_dir=tmp_path, ids=IDS)
         name = "model.layers.1.mlp.gate.e_score_correction_bias"
-        assert got[name].dtype == torch.float32 and torch.equal(got[name], bias)
-        assert got["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+        kept = hf_built_dtype(cfg, name, torch.bfloat16)  # the receiving model's own dtype
+        assert got[name].dtype == kept and torch.equal(got[name], bias.to(kept))
+        router = got["model.layers.1.mlp.gate.weight"]
+        assert router.dtype == router_weight_dtype(model, torch.bfloat16)
         fused = got["model.layers.1.mlp.experts.gate_up_proj"]
         assert fused.dtype == torch.bfloat16
         assert torch.equal(fused, model.model.layers[1].mlp.experts.gate_up_proj.to(torch.bfloat16))

@@ -1199,12 +1199,14 @@ class RefitServer:
             self._alignment, self._num_buckets = message.alignment, 0
             self._received, self._count = bytearray(len(message.manifest)), 0
             return encode(Reply(True, "begin")), Outcome()
-        if self._manifest is None:
-            raise ProtocolError(f"{type(message).__name__.upper()} before BEGIN")
         if isinstance(message, Abort):
+            # Also before BEGIN: a sender whose weights failed while it planned the stream tells
+            # the receiver to stop waiting; nothing was written, the previous weights stay.
             self.fail(f"sender aborted: {message.reason}")
             error = RefitError(f"the sender aborted the refit: {message.reason}")
             return encode(Reply(True, "abort")), Outcome(done=True, error=error)
+        if self._manifest is None:
+            raise ProtocolError(f"{type(message).__name__.upper()} before BEGIN")
         if isinstance(message, Complete):
             return self._complete(message)
         return self._bucket(message)
