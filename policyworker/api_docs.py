@@ -42,6 +42,11 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     ("Data", "The batch container every method takes and returns.", ("BatchedDataDict",)),
     (
+        "Helpers",
+        "Shipping refit_info to the inference process, logging train() results, verbosity.",
+        ("encode_refit_info", "decode_refit_info", "flatten_train_metrics", "set_verbosity"),
+    ),
+    (
         "Configuration",
         "Every key is in [config-reference.md](config-reference.md).",
         ("load_config", "PolicyConfig"),
