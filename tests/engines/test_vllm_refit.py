@@ -111,17 +111,8 @@ def test_a_refit_that_fails_midway_leaves_vllm_serving_the_previous_weights(
         refit.refit(buffer_size_bytes=256 << 10, wrap_sources=dies_after_ten)
     assert "trainer died mid-refit" in str(info.value)
     assert generate(llm, PROMPTS, max_tokens=6) == served  # bit for bit the old version
-    # The next complete refit goes through. Open defect (seen once in three CI-like runs): the
-    # first refit after an aborted one can name a staging file the sender already removed
-    # ("does not exist in /dev/shm"); vLLM rejects it and keeps the old weights. One retry,
-    # on exactly that error, until the sender's staging reuse after an abort is fixed.
-    try:
-        version = refit.refit()["version"]
-    except RefitError as err:
-        if "does not exist in /dev/shm" not in f"{err} {err.__cause__}":
-            raise
-        assert generate(llm, PROMPTS, max_tokens=6) == served
-        version = refit.refit()["version"]
+    # The next complete refit goes through at once (no staging file gone, no stale ABORT).
+    version = refit.refit()["version"]
     assert version == 1
     _assert_vllm_serves(llm, new)
 

@@ -293,6 +293,16 @@ def test_messages_out_of_order_are_rejected(fuzz_setup):
     assert "tensors never sent" in decode_reply(reply).reason
 
 
+def test_an_abort_outside_a_refit_is_answered_and_changes_nothing(fuzz_setup):
+    """A late ABORT of a refit this side already ended must not end the next one."""
+    model, info, specs_, bucket = fuzz_setup
+    server = RefitServer(WeightApplier(model, info, atomic=False))
+    reply, outcome = server.handle(encode(Abort("trainer died")))
+    assert decode_reply(reply).ok and not outcome.done and outcome.error is None
+    assert not server.in_refit
+    assert _stream_once(server, specs_, bucket).version == 1
+
+
 def _manifest_mutations():
     """Ways to break a valid manifest frame (entries are [name, dtype, shape])."""
     return st.sampled_from(

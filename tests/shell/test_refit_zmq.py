@@ -545,3 +545,60 @@ def test_grouped_copy_casts_every_pair_whatever_the_mix_of_dtypes_and_layouts(
         assert torch.equal(dst, src.to(dst.dtype))
     with pytest.raises(ValueError):
         zmq_ipc.grouped_copy_(dsts, srcs[:2])
+
+
+def test_a_sender_failing_while_the_receiver_still_reads_aborts_cleanly_and_retries_at_once(
+    monkeypatch,
+):
+    """The sender's sources fail right after it sent a bucket the receiver has not opened yet.
+
+    The sender must let the receiver finish that bucket before it removes its staging, and must
+    not leave an ABORT queued for the next refit: the receiver ends with the sender's reason and
+    the very next refit goes through.
+    """
+    model, target = _Buffers(), _Buffers()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    sender = RefitSender(lambda: model, torch.float32)
+    receiver = HFWeightReceiver(
+        target,
+        address=sender.get_zmq_address(),
+        refit_info=sender.prepare_refit_info(),
+        atomic=True,
+        timeout_s=30,
+    )
+    original_handle = zmq_ipc.RefitServer.handle
+
+    def slow_to_read_buckets(self, frames):
+        if type(decode_request(frames)).__name__ == "Bucket":
+            time.sleep(0.3)  # the sender has moved on to its next (failing) source meanwhile
+        return original_handle(self, frames)
+
+    monkeypatch.setattr(zmq_ipc.RefitServer, "handle", slow_to_read_buckets)
+    original_stream = sender._zmq().stream
+
+    def failing_stream(specs, plan, sources, **kwargs):
+        def sources_then_fail():
+            yield next(sources)  # bucket 0 ("small") is sent, then the next source fails
+            raise OSError("disk on fire")
+
+        return original_stream(specs, plan, sources_then_fail(), **kwargs)
+
+    sender._zmq().stream = failing_stream
+    thread, box = _serve_in_thread(receiver)
+    try:
+        with pytest.raises(OSError, match="disk on fire"):
+            sender.stream_weights_via_ipc_zmq(buffer_size_bytes=4096, timeout_s=30)
+        thread.join(10)
+        assert isinstance(box.get("error"), RefitError), box
+        assert "sender aborted" in str(box["error"]) and "disk on fire" in str(box["error"])
+        assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+        sender._zmq().stream = original_stream
+        thread, box = _serve_in_thread(receiver)
+        sender.stream_weights_via_ipc_zmq(buffer_size_bytes=4096, timeout_s=30)
+        thread.join(10)
+        assert "error" not in box, box
+        assert box["report"].version == 1
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in target.state_dict().items())
+    finally:
+        receiver.close()
+        sender.close()

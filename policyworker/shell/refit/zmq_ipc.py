@@ -883,12 +883,16 @@ class ZmqIpcSender:
                 staging.forget_consumed()
             return reply.report
         except BaseException as exc:
-            release()
-            self._release_staging()
-            # A timeout rebuilt the socket and a rejection already ended the receiver's refit;
-            # any other failure (our own) is announced so the receiver stops waiting at once.
-            if begun and not isinstance(exc, (RefitTimeoutError, RefitRejectedError)):
-                self._abort(pending, f"{type(exc).__name__}: {exc}")
+            try:
+                # A timeout rebuilt the socket and a rejection already ended the receiver's
+                # refit; any other failure (our own) is announced so the receiver stops waiting
+                # at once. Before the staging goes: the receiver may still be reading the
+                # bucket whose reply is owed.
+                if begun and not isinstance(exc, (RefitTimeoutError, RefitRejectedError)):
+                    self._abort(pending, f"{type(exc).__name__}: {exc}", timeout_s=timeout_s)
+            finally:
+                release()
+                self._release_staging()
             raise
         finally:
             if transport == "cuda":
@@ -905,17 +909,24 @@ class ZmqIpcSender:
                 self.address,
             )
 
-    def _abort(self, pending: str | None, reason: str) -> None:
-        """Tell the receiver the refit is off (best effort, short timeout; rebuild on failure)."""
+    def _abort(self, pending: str | None, reason: str, *, timeout_s: float) -> None:
+        """Tell the receiver the refit is off (best effort; rebuild the socket on failure).
+
+        The reply owed for ``pending`` is awaited first, as long as any reply (the receiver is
+        still reading that bucket). A rejection there means the receiver already ended its refit:
+        no ABORT is sent, so none can wait in its queue for the next refit. The ABORT's own reply
+        gets a short wait: a receiver that is slow to roll back still handles it in this refit.
+        """
         try:
             if pending is not None:
-                self._sock().setsockopt(zmq.RCVTIMEO, _ms(_ABORT_TIMEOUT_S))
-                self._sock().recv_multipart()
+                self._sock().setsockopt(zmq.RCVTIMEO, _ms(timeout_s))
+                if not decode_reply(self._sock().recv_multipart()).ok:
+                    return
             self._sock().setsockopt(zmq.SNDTIMEO, _ms(_ABORT_TIMEOUT_S))
             self._sock().send_multipart(encode(Abort(reason[:4096])))
             self._sock().setsockopt(zmq.RCVTIMEO, _ms(_ABORT_TIMEOUT_S))
             self._sock().recv_multipart()
-        except zmq.ZMQError:
+        except (zmq.ZMQError, ProtocolError):
             self._rebuild()
 
     def close(self) -> None:
@@ -1200,8 +1211,11 @@ class RefitServer:
             self._received, self._count = bytearray(len(message.manifest)), 0
             return encode(Reply(True, "begin")), Outcome()
         if isinstance(message, Abort):
-            # Also before BEGIN: a sender whose weights failed while it planned the stream tells
-            # the receiver to stop waiting; nothing was written, the previous weights stay.
+            if self._manifest is None:
+                # Nothing to abort: a sender sends ABORT only after BEGIN, so this one belongs to
+                # a refit this side already ended (rejected, timed out). Answered and dropped;
+                # the refit this receive() waits for is still to come.
+                return encode(Reply(True, "abort")), Outcome()
             self.fail(f"sender aborted: {message.reason}")
             error = RefitError(f"the sender aborted the refit: {message.reason}")
             return encode(Reply(True, "abort")), Outcome(done=True, error=error)
@@ -1426,7 +1440,7 @@ class ZmqIpcReceiver:
                 raise outcome.error
             if outcome.done:
                 return outcome.report
-            phase = "bucket or complete"
+            phase = "bucket or complete" if server.in_refit else "begin"
 
     def close(self) -> None:
         """Close from any thread; returns within ~2 s even while another thread serves."""
