@@ -8,6 +8,9 @@ of `--repeats`) and the extra peak memory of the call beyond the resident weight
   chunk over the hidden states, so no [T, V] logits tensor is ever materialized.
 - baseline: the same weights in a plain HF model (eager, sdpa, loaded apart from the worker so
   `--fuse` changes only ours), `model(ids).logits.float()` -> `log_softmax` -> gather.
+- liger (when `liger_kernel` is installed): the same plain model's body, then Liger's fused
+  linear-cross-entropy (`reduction="none"`; logprob = -loss) over the hidden states, so its
+  [T, V] logits exist only chunk by chunk too: the field's kernel library on the same shape.
 
 Targets (issue 3): at 16k tokens ours' extra peak <= 25 % of the baseline's, throughput >= it.
 Usage: `python bench/logprobs.py` (CUDA) or `python bench/logprobs.py --small` (CPU smoke);
@@ -50,6 +53,26 @@ def plain_logprobs(model, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
             logits = model(input_ids=ids, use_cache=False).logits
         lp = torch.log_softmax(logits.float()[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
     return lp.cpu()
+
+
+def liger_logprobs(model, ids: torch.Tensor, dtype: torch.dtype, fused_ce) -> torch.Tensor:
+    with torch.no_grad(), autocast_context(ids.device, dtype):
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+        losses = fused_ce(
+            model.lm_head.weight.to(dtype),
+            hidden.reshape(-1, hidden.shape[-1]).to(dtype),
+            ids[:, 1:].reshape(-1),
+        )
+    return (-losses.float()).view(ids.shape[0], -1).cpu()
+
+
+def liger_loss():
+    """Liger's fused linear-cross-entropy per token, or None where it is not installed."""
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    return LigerFusedLinearCrossEntropyLoss(reduction="none")
 
 
 def measure(fn, repeats: int) -> dict:
@@ -113,21 +136,32 @@ def main() -> None:
             .eval()
         )
         vocab = worker.model.config.vocab_size
+        fused_ce = liger_loss() if worker.device.type == "cuda" else None  # Liger is Triton-only
         for tokens in args.tokens:
             num_rows = max(1, tokens // args.row_len)
             data = make_batch([args.row_len] * num_rows, vocab=vocab, seed=tokens)
             ids = data["input_ids"].to(worker.device)
             ours = measure(lambda data=data: worker.get_logprobs(data), args.repeats)
             base = measure(lambda ids=ids: plain_logprobs(plain, ids, worker.dtype), args.repeats)
+            liger = (
+                {"oom": False, "not_installed": True}
+                if fused_ce is None
+                else measure(
+                    lambda ids=ids: liger_logprobs(plain, ids, worker.dtype, fused_ce), args.repeats
+                )
+            )
             real = num_rows * args.row_len
-            for r in (ours, base):
-                if not r["oom"]:
+            for r in (ours, base, liger):
+                if not r["oom"] and "seconds" in r:
                     r["tokens_per_s"] = real / r["seconds"]
             if not ours["oom"] and not base["oom"]:
                 got = worker.get_logprobs(data)["logprobs"][:, 1:]
                 want = plain_logprobs(plain, ids, worker.dtype)
                 ours["max_abs_diff_vs_plain"] = float((got - want).abs().max())
-            results.append({"tokens": real, "ours": ours, "baseline": base})
+                if "seconds" in liger:
+                    lig = liger_logprobs(plain, ids, worker.dtype, fused_ce)
+                    liger["max_abs_diff_vs_plain"] = float((lig - want).abs().max())
+            results.append({"tokens": real, "ours": ours, "baseline": base, "liger": liger})
             rows.append(
                 {
                     "metric": f"{real} tok: tokens/s",
@@ -137,6 +171,25 @@ def main() -> None:
                     "ratio": ratio(ours.get("tokens_per_s"), base.get("tokens_per_s")),
                 }
             )
+            if "seconds" in liger:
+                rows.append(
+                    {
+                        "metric": f"{real} tok: tokens/s vs Liger fused linear-CE",
+                        "ours": ours.get("tokens_per_s"),
+                        "baseline": liger.get("tokens_per_s"),
+                        "limit": "> Liger",
+                        "ratio": ratio(ours.get("tokens_per_s"), liger.get("tokens_per_s")),
+                    }
+                )
+                rows.append(
+                    {
+                        "metric": f"{real} tok: extra peak GiB vs Liger",
+                        "ours": ours.get("extra_peak_gib"),
+                        "baseline": liger.get("extra_peak_gib"),
+                        "limit": "(memory of the field's fused kernel)",
+                        "ratio": ratio(ours.get("extra_peak_gib"), liger.get("extra_peak_gib")),
+                    }
+                )
             rows.append(
                 {
                     "metric": f"{real} tok: extra peak GiB",
