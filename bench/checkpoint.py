@@ -6,7 +6,9 @@ process (`policyworker.shell.checkpoint` on a worker-shaped object; no reference
 
 Reported, all against the same folder on the same disk in the same run:
 - raw disk write: the same byte count written with `os.write` in 64 MiB blocks, then fsync;
-- sync save (`is_final_checkpoint=True`): seconds blocked and GB/s;
+- sync save (`is_final_checkpoint=True`): seconds blocked and GB/s, with the default
+  `checkpoint.layout.WRITER_THREADS` writer threads and again with one (the single-writer path
+  this replaced: its baseline in the same run);
 - async save: seconds until `save_checkpoint` returns (staging: the loop is blocked this long)
   and seconds until `finalize_async_save` returns (files fsynced and renamed into place);
 - load: `load_checkpoint` into a fresh model and optimizer after the files were evicted from the
@@ -31,6 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from policyworker.shell import checkpoint as ck  # noqa: E402
 from policyworker.shell.checkpoint import digests  # noqa: E402
+from policyworker.shell.checkpoint import layout as ck_layout  # noqa: E402
 from policyworker.shell.parallel.context import ParallelContext  # noqa: E402
 
 SHAPE_1P5B = dict(
@@ -120,6 +123,18 @@ def run(shape: dict, device: torch.device, root: pathlib.Path) -> dict:
     sync_s = time.perf_counter() - t0
     files = _files(weights, optim)
     nbytes = sum(f.stat().st_size for f in files)
+    writer_threads = ck_layout.WRITER_THREADS
+    scratch_w, scratch_o = root / "one-writer-weights", root / "one-writer-optimizer"
+    ck_layout.WRITER_THREADS = 1
+    try:
+        t0 = time.perf_counter()
+        ck.save_checkpoint(worker, scratch_w, scratch_o, is_final_checkpoint=True)
+        one_writer_s = time.perf_counter() - t0
+    finally:
+        ck_layout.WRITER_THREADS = writer_threads
+    _evict(_files(scratch_w, scratch_o))
+    shutil.rmtree(scratch_w)
+    shutil.rmtree(scratch_o)
     raw_s = _raw_write(root / "raw.bin", nbytes)
     # The save above already wrote and checked digests; time that part alone (warm page cache,
     # as it runs in the save right after the writes).
@@ -162,6 +177,9 @@ def run(shape: dict, device: torch.device, root: pathlib.Path) -> dict:
         "raw_write_GBps": gb / raw_s,
         "sync_save_s": sync_s,
         "sync_save_GBps": gb / sync_s,
+        "writer_threads": writer_threads,
+        "sync_save_one_writer_s": one_writer_s,
+        "sync_save_one_writer_GBps": gb / one_writer_s,
         "async_blocked_s": async_blocked_s,
         "async_total_s": async_total_s,
         "async_save_GBps": gb / async_total_s,
@@ -198,7 +216,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = [
         ("raw disk write + fsync", results["raw_write_s"], results["raw_write_GBps"]),
-        ("sync save (blocked)", results["sync_save_s"], results["sync_save_GBps"]),
+        (
+            f"sync save, {results['writer_threads']} writers",
+            results["sync_save_s"],
+            results["sync_save_GBps"],
+        ),
+        (
+            "sync save, 1 writer (baseline)",
+            results["sync_save_one_writer_s"],
+            results["sync_save_one_writer_GBps"],
+        ),
         ("async save: blocked (staging)", results["async_blocked_s"], float("nan")),
         ("async save: until finalized", results["async_total_s"], results["async_save_GBps"]),
         ("load (cold page cache)", results["load_s"], results["load_GBps"]),

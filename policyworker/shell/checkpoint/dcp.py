@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from policyworker.functional.names import canonical_name
+from policyworker.shell.checkpoint import layout as checkpoint_layout_settings
 from policyworker.shell.checkpoint.digests import verify_digests
 from policyworker.shell.checkpoint.folders import _interrupted_hint
 from policyworker.shell.checkpoint.layout import OPTIM_DIR, CheckpointError, _model_state
@@ -182,7 +183,9 @@ def save_optimizer(
             )  # "assuming single process" without a group
             save(
                 state,
-                storage_writer=FileSystemWriter(str(folder)),
+                storage_writer=FileSystemWriter(
+                    str(folder), thread_count=max(1, checkpoint_layout_settings.WRITER_THREADS)
+                ),
                 process_group=group,
                 no_dist=group is None,
             )

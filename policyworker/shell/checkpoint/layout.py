@@ -12,6 +12,7 @@ per-tensor gather. Nothing here touches a file.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -60,6 +61,9 @@ REFERENCE_DIR = "reference"
 INDEX_FILE = "model.safetensors.index.json"
 MANIFEST_FILE = "policyworker_checkpoint.json"
 FORMAT_VERSION = 1
+# Files are written by this many threads per rank (pwrite and DCP's writer release the GIL): one
+# thread leaves a fast disk idle while it copies and syncs. Read at each save (bench/ varies it).
+WRITER_THREADS = min(8, os.cpu_count() or 1)
 
 
 class CheckpointError(ValueError):
