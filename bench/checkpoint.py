@@ -12,7 +12,9 @@ Reported, all against the same folder on the same disk in the same run:
 - async save: seconds until `save_checkpoint` returns (staging: the loop is blocked this long)
   and seconds until `finalize_async_save` returns (files fsynced and renamed into place);
 - load: `load_checkpoint` into a fresh model and optimizer after the files were evicted from the
-  page cache (`posix_fadvise(DONTNEED)`), GB/s; the loaded weights are checked bit-exact.
+  page cache (`posix_fadvise(DONTNEED)`), GB/s; the loaded weights are checked bit-exact;
+- raw disk read: the same files, evicted the same way, read with `os.read` in 64 MiB blocks
+  (the load's physical baseline).
 
     python bench/checkpoint.py            # on a GPU: prints a table, writes bench_checkpoint.json
     python bench/checkpoint.py --small    # CPU smoke run on a tiny shape (seconds)
@@ -114,6 +116,19 @@ def _raw_write(path: pathlib.Path, nbytes: int) -> float:
     return seconds
 
 
+def _raw_read(files: list[pathlib.Path]) -> float:
+    _evict(files)
+    t0 = time.perf_counter()
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while os.read(fd, BLOCK):
+                pass
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
 def run(shape: dict, device: torch.device, root: pathlib.Path) -> dict:
     worker = _Worker(shape, device, seed=0)
     _sync(device)
@@ -147,6 +162,7 @@ def run(shape: dict, device: torch.device, root: pathlib.Path) -> dict:
     for folder in folders:
         digests.verify_digests(folder)
     verify_s = time.perf_counter() - t0
+    raw_read_s = _raw_read(files)
     _evict(files)
     fresh = _Worker(shape, device, seed=1)
     _sync(device)
@@ -185,6 +201,8 @@ def run(shape: dict, device: torch.device, root: pathlib.Path) -> dict:
         "async_save_GBps": gb / async_total_s,
         "load_s": load_s,
         "load_GBps": gb / load_s,
+        "raw_read_s": raw_read_s,
+        "raw_read_GBps": gb / raw_read_s,
         "load_exact": exact,
         "digest_s": digest_s,
         "digest_share_of_sync_save": digest_s / sync_s,
@@ -228,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         ("async save: blocked (staging)", results["async_blocked_s"], float("nan")),
         ("async save: until finalized", results["async_total_s"], results["async_save_GBps"]),
+        ("raw disk read (cold page cache)", results["raw_read_s"], results["raw_read_GBps"]),
         ("load (cold page cache)", results["load_s"], results["load_GBps"]),
     ]
     print(f"{'':32s} {'seconds':>9s} {'GB/s':>7s}")
