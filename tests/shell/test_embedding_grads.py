@@ -90,9 +90,12 @@ def test_every_token_row_gets_the_plain_hf_embedding_gradient(model_paths, model
     reference = _plain_hf_embedding_grad(model_paths[model], data)
     present = torch.unique(data["input_ids"])
     assert EOS in present.tolist() and 0 in present.tolist()  # EOS mid-row, 0 as padding
-    torch.testing.assert_close(ours[present], reference[present], rtol=1e-5, atol=1e-7)
+    # fp32 summation-order noise only: packing reorders the per-token sums (measured <= 3.1e-7
+    # here, thread-count dependent); the frozen-row bug this guards against was off by ~1.2.
+    tolerance = {"rtol": 1e-5, "atol": 1e-6 if batching == "packed" else 1e-7}
+    torch.testing.assert_close(ours[present], reference[present], **tolerance)
     assert reference[EOS].norm() > 0 and ours[EOS].norm() > 0  # EOS trains
-    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-7)  # rows not present: 0
+    torch.testing.assert_close(ours, reference, **tolerance)  # rows not present: 0
 
 
 def test_the_model_keeps_the_pad_id_its_checkpoint_describes(model_paths, tmp_path):
