@@ -5,7 +5,12 @@
     hf_names.py     the checkpoint names and layout of a model, asked of transformers; the
                     supported architectures (others are refused by model_type)
     wire.py         the wire format (JSON headers, manifests, dtype names); nothing is pickled
-    zmq_ipc.py      ZMQ + CUDA IPC / shared-memory transport (sender and receiver halves)
+    zmq_ipc.py      ZMQ + CUDA IPC / shared-memory transport: names the five modules below
+    ipc_files.py    socket folders, /dev/shm staging files, orphan removal, OS limits
+    staging.py      ping-pong staging buffers (shm / CUDA) and the grouped copies
+    zmq_sender.py   ZmqIpcSender: the trainer's REQ socket and the sending state machine
+    refit_server.py RefitServer: the receiver's state machine (no socket) and its buffers
+    zmq_receiver.py ZmqIpcReceiver: the receiver's REP socket loop
     receiver.py     HFWeightReceiver / WeightApplier: the inference side applying a refit
     collective.py   packed broadcast over a trainer+engine process group
     sglang.py       colocated SGLang updates (serialized named tensors per engine)

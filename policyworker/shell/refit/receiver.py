@@ -31,6 +31,8 @@ from policyworker.functional.buckets import TensorSpec
 from policyworker.functional.names import canonical_name, is_lora_param, pieces_by_checkpoint_name
 from policyworker.shell.refit.hf_names import checkpoint_layout
 from policyworker.shell.refit.params import tie_word_embeddings
+from policyworker.shell.refit.refit_server import RefitServer
+from policyworker.shell.refit.staging import copy_groups, grouped_copy_, run_copy_groups
 from policyworker.shell.refit.watchdog import check_timeout_s
 from policyworker.shell.refit.wire import (
     ProtocolError,
@@ -43,14 +45,7 @@ from policyworker.shell.refit.zmq_checks import (
     cancel_refusal,
     check_receiver_address,
 )
-from policyworker.shell.refit.zmq_ipc import (
-    RefitServer,
-    ZmqIpcReceiver,
-    copy_groups,
-    expected_from_refit_info,
-    grouped_copy_,
-    run_copy_groups,
-)
+from policyworker.shell.refit.zmq_receiver import ZmqIpcReceiver, expected_from_refit_info
 
 __all__ = ["HFWeightReceiver", "PreparedBatch", "RefitReport", "WeightApplier"]
 
