@@ -13,13 +13,15 @@
     zmq_sender.py   ZmqIpcSender: the trainer's REQ socket and the sending state machine
     refit_server.py RefitServer: the receiver's state machine (no socket) and its buffers
     zmq_receiver.py ZmqIpcReceiver: the receiver's REP socket loop
-    receiver.py     HFWeightReceiver / WeightApplier: the inference side applying a refit
+    receiver.py     HFWeightReceiver: the inference side applying a refit (ZMQ and in-process)
+    weight_applier.py  WeightApplier: check every batch against the manifest, then write it
     collective.py   packed broadcast over a trainer+engine process group: building the group,
                     the worker glue, and every name of the three modules below
     collective_plan.py      the header both sides agree on, its codec, the bucket plan
     collective_group.py     CollectiveRefit: the group, bounded waits, the trainer's broadcast
     collective_receiver.py  CollectiveWeightReceiver: the inference side
     sglang.py       colocated SGLang updates (serialized named tensors per engine)
+    sglang_payload.py  SGLang's flattened_bucket payload: build, read, safe unpickling
     watchdog.py     a deadline that names the phase which ran past it
 
 `policyworker.shell.refit` was once the sender module: its names stay importable from here.
