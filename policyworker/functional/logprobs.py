@@ -28,6 +28,7 @@ from policyworker.functional.packing import int_list
 from policyworker.functional.sampling import PLAIN_SAMPLING, Sampling, sampling_keep_mask
 
 __all__ = [
+    "check_logits_and_ids",
     "count_and_zero_neg_inf",
     "default_chunk_size",
     "logprobs_with_leading_zero",
@@ -182,7 +183,14 @@ def target_logprobs(
     return _chunked_logprobs(logits_BSV, targets_BS, sampling, chunk_size)
 
 
-def _check_scoring_args(logits_BSV: torch.Tensor, ids_BS: torch.Tensor, ids_name: str) -> None:
+def check_logits_and_ids(
+    logits_BSV: torch.Tensor, ids_BS: torch.Tensor, *, ids_name: str = "token_ids"
+) -> None:
+    """Raise ``ValueError`` unless logits are ``[B, S, V]`` and ids ``[B, S]`` (same B and S).
+
+    Raises:
+        ValueError: the shapes disagree; the message names both shapes.
+    """
     shapes_ok = logits_BSV.dim() == 3 and ids_BS.dim() == 2
     if not shapes_ok or logits_BSV.shape[:2] != ids_BS.shape:
         msg = (
@@ -190,6 +198,10 @@ def _check_scoring_args(logits_BSV: torch.Tensor, ids_BS: torch.Tensor, ids_name
             f"{tuple(ids_BS.shape)} must be [B, S] with the same B and S"
         )
         raise ValueError(msg)
+
+
+def _check_scoring_args(logits_BSV: torch.Tensor, ids_BS: torch.Tensor, ids_name: str) -> None:
+    check_logits_and_ids(logits_BSV, ids_BS, ids_name=ids_name)
     if not logits_BSV.is_floating_point():
         msg = f"logits dtype {logits_BSV.dtype} must be floating point"
         raise ValueError(msg)

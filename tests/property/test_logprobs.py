@@ -554,3 +554,17 @@ def test_inactive_filters_keep_every_logit(top_k, top_p, seed):
     if not sp.sampling_filters_active(top_k, top_p):
         assert sp.sampling_keep_mask(logits, top_k=top_k, top_p=top_p) is None
         assert torch.equal(sp.apply_sampling_filters(logits, top_k=top_k, top_p=top_p), logits)
+
+
+@given(
+    logits_shape=st.lists(st.integers(1, 4), min_size=2, max_size=4),
+    ids_shape=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+)
+def test_logits_and_ids_are_accepted_exactly_when_b_and_s_agree(logits_shape, ids_shape):
+    """[B, S, V] logits with [B, S] ids pass; any other pair of shapes names both shapes."""
+    logits, ids = torch.zeros(logits_shape), torch.zeros(ids_shape, dtype=torch.long)
+    if len(logits_shape) == 3 and len(ids_shape) == 2 and logits_shape[:2] == ids_shape:
+        lp.check_logits_and_ids(logits, ids)
+        return
+    with pytest.raises(ValueError, match=r"must be \[B, S, V\] and token_ids .* must be \[B, S\]"):
+        lp.check_logits_and_ids(logits, ids)

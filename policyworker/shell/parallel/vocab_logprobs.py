@@ -87,19 +87,6 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return x if temperature == 1.0 else x / temperature
 
 
-def _check_logits_targets(logits_BSV: torch.Tensor, token_ids_BS: torch.Tensor) -> None:
-    if (
-        logits_BSV.dim() != 3
-        or token_ids_BS.dim() != 2
-        or logits_BSV.shape[:2] != token_ids_BS.shape
-    ):
-        msg = (
-            f"logits {tuple(logits_BSV.shape)} must be [B, S, V] and token_ids "
-            f"{tuple(token_ids_BS.shape)} must be [B, S] with the same B and S"
-        )
-        raise ValueError(msg)
-
-
 def vocab_parallel_target_logprobs(
     logits_local_BSV: torch.Tensor,
     targets_BS: torch.Tensor,
@@ -116,7 +103,7 @@ def vocab_parallel_target_logprobs(
     sum-exp and target logit), so fp32 memory is one [B, chunk, V_local] block. `tp_group=None`
     means the shard is the whole vocab. Targets outside [0, V) score a meaningless finite value.
     """
-    _check_logits_targets(logits_local_BSV, targets_BS)
+    lp_core.check_logits_and_ids(logits_local_BSV, targets_BS)
     chunk = chunk_size or lp_core.default_chunk_size(vocab_size)
     return _VocabParallelTargetLogprobs.apply(
         logits_local_BSV, targets_BS.to(torch.int64), tp_group, vocab_start, temperature, chunk
@@ -139,7 +126,7 @@ def vocab_parallel_next_token_logprobs(
     Raises:
         ValueError: shapes disagree, or the shard width is not `vocab_range(tp_rank, ...)`'s.
     """
-    _check_logits_targets(logits_local_BSV, token_ids_BS)
+    lp_core.check_logits_and_ids(logits_local_BSV, token_ids_BS)
     start, stop = vp_core.vocab_range(tp_rank, tp_size, vocab_size)
     if logits_local_BSV.shape[-1] != stop - start:
         msg = (
@@ -275,7 +262,7 @@ def target_logprobs_any(
     scored with vocab-parallel partials, or, with top-k/top-p, redistributed to full rows
     (`B*S % tp == 0` required), filtered there and gathered back. Differentiable.
     """
-    _check_logits_targets(logits, targets_BS)
+    lp_core.check_logits_and_ids(logits, targets_BS)
     vocab_size = logits.shape[-1]
     if not isinstance(logits, DTensor):
         if sampling.filters_active:
@@ -333,7 +320,7 @@ def next_token_logprobs_any(
         ValueError: shapes disagree; under TP with top-k/top-p, `B*S` not divisible by tp
             (fix: `make_sequence_length_divisible_by`); DTensor logits not on `ctx`'s tp mesh.
     """
-    _check_logits_targets(logits, token_ids_BS)
+    lp_core.check_logits_and_ids(logits, token_ids_BS)
     if not isinstance(logits, DTensor):
         return lp_core.next_token_logprobs(
             logits,
