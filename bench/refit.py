@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 from policyworker.functional.buckets import IpcBucket, align_up  # noqa: E402
 from policyworker.shell.refit.params import iter_refit_sources, refit_specs  # noqa: E402
 from policyworker.shell.refit.sender import RefitSender  # noqa: E402
-from policyworker.shell.refit.zmq_ipc import CudaStaging, ShmStaging  # noqa: E402
+from policyworker.shell.refit.staging import CudaStaging, ShmStaging  # noqa: E402
 
 SHAPES = {
     # hidden, intermediate, layers, heads, kv_heads, vocab, tied

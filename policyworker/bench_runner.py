@@ -12,6 +12,10 @@ agreed result schema is::
 by a small per-benchmark adapter (`ADAPTERS`), or else every numeric leaf becomes a row of its
 own. The runner writes `bench/results/summary.json` (date, host, torch, every row, exit codes)
 and exits non-zero if any script failed.
+
+Why it is over 400 lines: besides the runner it holds the per-benchmark adapters for results
+written before the schema (``ADAPTERS``) and the table formatting; each piece is short, and they
+are one command's code.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ broadcasts them; each data-parallel rank trains on its slice.
 
 With `--ray N` this process is a Ray driver: the policy is a `RayWorkerGroup` of N CPU workers
 that takes whole batches (the group splits them over its dp ranks), and the same loop runs once.
+
+Why it is over 400 lines: the demo is meant to be read top to bottom as one file, the way
+torchtune's recipes are: the RL loop, its rollout source (plain HF or vLLM), torchrun and Ray
+variants and the per-step checks, in the order they run.
 """
 
 from __future__ import annotations

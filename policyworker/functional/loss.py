@@ -12,6 +12,11 @@ up with ``next_token_logprobs[:, t]`` (the logprob of token ``t + 1``). ``global
 ``global_valid_toks`` are the counts over the whole global batch (all microbatches and
 data-parallel ranks): every loss and additive metric is divided by them, so summing a global
 batch's microbatch losses (or metrics) gives the global-batch mean.
+
+Why it is over 400 lines: it is the table of NeMo-RL's losses, one class each (NLL, clipped
+policy gradient with its KL and importance-sampling options, DPO), and each ``__call__`` reads
+as one formula from inputs to ``(loss, metrics)``; the per-token terms they share already live
+in ``loss_terms``, so what remains would not split without cutting a formula in two.
 """
 
 import enum

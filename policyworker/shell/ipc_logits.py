@@ -10,7 +10,7 @@ sample in place.
   request that fits returns the same storage and the cached handle. On reallocation every dim
   becomes the max of the old and the requested one, so alternating shapes do not thrash.
 - CUDA storages are shared by their CUDA IPC handle (``_share_cuda_()``, computed once); CPU
-  storages live in a 0600 file under /dev/shm mapped shared (``zmq_ipc.ShmStaging``), so CPU
+  storages live in a 0600 file under /dev/shm mapped shared (``staging.ShmStaging``), so CPU
   tests run the real producer and consumer in two processes.
 - ``logits_record(...)`` describes one sample's place in the storage; the worker side that
   fills the storage is ``shell.inference.full_logits_ipc`` (its buffer lives in the WorkerState).
@@ -32,8 +32,9 @@ from typing import Any
 import torch
 
 from policyworker.shell.parallel.context import ParallelContext
+from policyworker.shell.refit.ipc_files import SHM_DIR
+from policyworker.shell.refit.staging import ShmStaging
 from policyworker.shell.refit.wire import DTYPES_BY_NAME, SHM_NAME_RE, dtype_name
-from policyworker.shell.refit.zmq_ipc import SHM_DIR, ShmStaging
 
 __all__ = [
     "TeacherLogitsBuffer",

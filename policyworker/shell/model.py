@@ -10,6 +10,10 @@ verified by a perturbation probe (`check_document_isolation`).
 
 Seams for other modules: a parallelize hook (FSDP2 / TP) would wrap the module returned by
 `load_policy_model`; LoRA injection happens on that module before the optimizer is built.
+
+Why it is over 400 lines: loading, the attention-implementation rule and the packed-document
+isolation probe must agree on one decision (which kernel is document-safe on which device), so
+they are kept in one module.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def logprobs_any(
     ):
         logits = logits.full_tensor()
     return collectives.next_token_logprobs_any(
-        logits, ids, state.parallel, **sampling.as_kwargs(), chunk_size=chunk_size
+        logits, ids, state.parallel, sampling=sampling, chunk_size=chunk_size
     )
 
 

@@ -15,6 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from policyworker.functional import context_parallel as cp_core
 from policyworker.functional import logprobs as lp_core
+from policyworker.functional import vocab_parallel as vp_core
+from policyworker.functional.sampling import Sampling, apply_sampling_filters
 from policyworker.shell.parallel import collectives
 from policyworker.shell.parallel.context import ParallelContext
 from policyworker.shell.parallel.plans import move_buffers, parallelize_model, reshard
@@ -35,12 +37,12 @@ def _close(got, want, what: str, *, atol: float = ATOL, rtol: float = 1e-5) -> N
 
 def _reference_logprobs(logits_BSV, token_ids_BS, *, temperature=1.0, top_k=None, top_p=1.0):
     x = logits_BSV[:, :-1].double() / temperature
-    x = lp_core.apply_sampling_filters(x, top_k=top_k, top_p=top_p)
+    x = apply_sampling_filters(x, top_k=top_k, top_p=top_p)
     return torch.log_softmax(x, -1).gather(-1, token_ids_BS[:, 1:, None])[..., 0]
 
 
 def _vocab_shard(full_BSV, rank, size):
-    start, stop = lp_core.vocab_range(rank, size, full_BSV.shape[-1])
+    start, stop = vp_core.vocab_range(rank, size, full_BSV.shape[-1])
     return full_BSV[..., start:stop]
 
 
@@ -110,7 +112,11 @@ def check_dtensor_logprobs_with_filters(rank, size, ctx, vocab):
         (torch.where(finite, want, 0) * weight).sum().backward()
         local, dt = _dtensor_leaf(logits, tp_mesh, rank, size)
         got = collectives.next_token_logprobs_any(
-            dt, ids, ctx, temperature=0.9, top_k=top_k, top_p=top_p, chunk_size=chunk
+            dt,
+            ids,
+            ctx,
+            sampling=Sampling(temperature=0.9, top_k=top_k, top_p=top_p),
+            chunk_size=chunk,
         )
         assert torch.equal(torch.isfinite(got), finite), f"filtered set differs k={top_k} p={top_p}"
         _close(
@@ -125,7 +131,7 @@ def check_dtensor_logprobs_with_filters(rank, size, ctx, vocab):
     _, dt = _dtensor_leaf(odd, tp_mesh, rank, size)
     try:
         collectives.next_token_logprobs_any(
-            dt, torch.zeros(1, size + 1, dtype=torch.int64), ctx, top_k=3
+            dt, torch.zeros(1, size + 1, dtype=torch.int64), ctx, sampling=Sampling(top_k=3)
         )
     except ValueError as err:
         assert "make_sequence_length_divisible_by" in str(err), err
@@ -137,7 +143,7 @@ def check_distributed_topk(rank, size, ctx, vocab):
     """Top-k over vocab shards == single-process fp32 top-k exactly (values), indices global."""
     g = _gen(21)
     logits = torch.randn(2, 5, vocab, generator=g).to(torch.bfloat16)
-    start, _ = lp_core.vocab_range(rank, size, vocab)
+    start, _ = vp_core.vocab_range(rank, size, vocab)
     for k, chunk in ((1, None), (5, 2), (min(vocab, 3 * (vocab // size) + 1), None)):
         values, indices = collectives.distributed_topk(
             _vocab_shard(logits, rank, size),

@@ -12,8 +12,8 @@ import shutil
 import tempfile
 
 import pytest
-from policyworker.shell.transports import zmq_ipc
 
+from policyworker.shell.refit import ipc_files
 from tests.faults import scenarios
 
 
@@ -35,7 +35,7 @@ def _private_folders():
 @pytest.fixture(autouse=True)
 def private_refit_folders(_private_folders, monkeypatch):
     shm, tmp = _private_folders
-    monkeypatch.setattr(zmq_ipc, "SHM_DIR", shm)
+    monkeypatch.setattr(ipc_files, "SHM_DIR", shm)
     monkeypatch.setattr(tempfile, "tempdir", tmp)
     monkeypatch.setenv("POLICYWORKER_SHM_DIR", shm)
     monkeypatch.setenv("TMPDIR", tmp)

@@ -7,7 +7,9 @@ signal. The fault tier (``tests/faults``) runs these against the working tree; t
 before/after tables came from running the same commands against the code before the fixes.
 
 Only public names that exist before and after the fixes are used, so the same scenario measures
-both (``zmq_ipc.SHM_DIR`` is set directly: the old code has no ``POLICYWORKER_SHM_DIR``).
+both, except ``SHM_DIR``: it is set directly (the old code has no ``POLICYWORKER_SHM_DIR``), in
+``policyworker.shell.refit.ipc_files`` since the ZMQ transport was split (``zmq_ipc.SHM_DIR``
+before).
 """
 
 from __future__ import annotations
@@ -610,12 +612,11 @@ def small_shm(trials: int, folder: str) -> None:
     mounted at ``folder``: the default size (one 256 KiB buffer before the fix), then buffers
     too large for it on purpose (2 x 256 KiB), then the default again."""
     from policyworker.shell.receiver import HFWeightReceiver
-    from policyworker.shell.transports import zmq_ipc
 
     from policyworker.errors import RefitError
-    from policyworker.shell.refit import RefitSender
+    from policyworker.shell.refit import RefitSender, ipc_files
 
-    zmq_ipc.SHM_DIR = folder
+    ipc_files.SHM_DIR = folder
     model = Weights(256, parts=16)
     sender = RefitSender(lambda: model, torch.float32)
     receiver = HFWeightReceiver(
@@ -654,10 +655,9 @@ def truncated_kept_buffer(trials: int) -> None:
     """A keep_staging refit, then its kept staging file is truncated to 0 bytes (e.g. a cleaner
     or another process), then the next refit. Sender and receiver thread share this process."""
     from policyworker.shell.receiver import HFWeightReceiver
-    from policyworker.shell.transports import zmq_ipc
 
     from policyworker.errors import RefitError
-    from policyworker.shell.refit import RefitSender
+    from policyworker.shell.refit import RefitSender, ipc_files
 
     model = Weights(64)
     for trial in range(trials):
@@ -690,7 +690,7 @@ def truncated_kept_buffer(trials: int) -> None:
             trial,
             ok,
             f"{outcomes}; receiver version {receiver.version}; truncated {len(kept)} "
-            f"file(s) in {zmq_ipc.SHM_DIR}",
+            f"file(s) in {ipc_files.SHM_DIR}",
         )
         receiver.close()
         sender.close()
@@ -701,7 +701,6 @@ def truncated_buffer_at_receiver(trials: int) -> None:
     then the file is truncated and the next refit names it again. The receiver must reject it."""
     import zmq
     from policyworker.shell.receiver import HFWeightReceiver
-    from policyworker.shell.transports import zmq_ipc
     from policyworker.shell.transports.wire import (
         Begin,
         Bucket,
@@ -712,6 +711,7 @@ def truncated_buffer_at_receiver(trials: int) -> None:
     )
 
     from policyworker.functional.buckets import TensorSpec
+    from policyworker.shell.refit import ipc_files
 
     spec = TensorSpec("w", (1024,), torch.float32)
     for trial in range(trials):
@@ -723,7 +723,7 @@ def truncated_buffer_at_receiver(trials: int) -> None:
         peer.setsockopt(zmq.RCVTIMEO, 10_000)
         peer.bind(address)
         name = f"pw-refit-{os.urandom(12).hex()}"
-        path = os.path.join(zmq_ipc.SHM_DIR, name)
+        path = os.path.join(ipc_files.SHM_DIR, name)
         with open(path, "wb") as f:
             f.write(torch.arange(1024, dtype=torch.float32).numpy().tobytes())
         got: list[torch.Tensor] = []
@@ -796,13 +796,11 @@ sys.stdin.readline()  # SIGKILLed while waiting here, its staging kept
 def killed_sender_leftovers(trials: int) -> None:
     """A sender keeping its staging is SIGKILLed; the next sender's start removes what it left
     (staging files in the shm folder, its socket folder), and nothing of a live sender."""
-    from policyworker.shell.transports import zmq_ipc
-
-    from policyworker.shell.refit import RefitSender
+    from policyworker.shell.refit import RefitSender, ipc_files
     from tests.helpers import child_env
 
     def ours() -> set[str]:
-        found = {os.path.join(zmq_ipc.SHM_DIR, n) for n in os.listdir(zmq_ipc.SHM_DIR)}
+        found = {os.path.join(ipc_files.SHM_DIR, n) for n in os.listdir(ipc_files.SHM_DIR)}
         found |= {os.path.join(tempfile.gettempdir(), n) for n in os.listdir(tempfile.gettempdir())}
         return {p for p in found if os.path.basename(p).startswith("pw-refit-")}
 

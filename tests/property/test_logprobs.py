@@ -1,4 +1,4 @@
-"""Properties of policyworker.functional.logprobs.
+"""Properties of policyworker.functional.logprobs, .sampling (filters) and .vocab_parallel.
 
 Chunked logprobs, sampling filters, vocab-parallel partials.
 """
@@ -11,7 +11,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from policyworker.functional import logprobs as lp
+from policyworker.functional import sampling as sp
+from policyworker.functional import vocab_parallel as vp
 from policyworker.functional.context_parallel import gather_shards, shard_for_rank
+from policyworker.functional.sampling import Sampling
 from tests.property.strategies import (
     SEEDS,
     cp_layouts,
@@ -45,7 +48,7 @@ def logits_cases(
 
 def reference_logprobs(logits_BSV, token_ids_BS, *, temperature=1.0, top_k=None, top_p=1.0):
     """Plain, unchunked: fp32 cast, /T, filter, log_softmax over the full tensor, gather."""
-    x = lp.apply_sampling_filters(
+    x = sp.apply_sampling_filters(
         logits_BSV[:, :-1].float() / temperature, top_k=top_k, top_p=top_p
     )
     return torch.log_softmax(x, dim=-1).gather(-1, token_ids_BS[:, 1:, None])[..., 0]
@@ -63,7 +66,9 @@ def finite_weighted_sum(values, weights):
 @given(case=logits_cases(), temperature=TEMPERATURES)
 def test_next_token_logprobs_match_plain_log_softmax(case, temperature):
     logits, ids = case
-    got = lp.next_token_logprobs(logits, ids, temperature=temperature, chunk_size=None)
+    got = lp.next_token_logprobs(
+        logits, ids, sampling=Sampling(temperature=temperature), chunk_size=None
+    )
     expected = torch.log_softmax(logits.float() / temperature, -1)[:, :-1].gather(
         -1, ids[:, 1:, None]
     )[..., 0]
@@ -94,7 +99,10 @@ def test_chunked_equals_unchunked_forward_and_gradient(
     x_ours = logits.clone().requires_grad_()
     x_ref = logits.clone().requires_grad_()
     got = lp.next_token_logprobs(
-        x_ours, ids, temperature=temperature, top_k=top_k, top_p=top_p, chunk_size=chunk_size
+        x_ours,
+        ids,
+        sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p),
+        chunk_size=chunk_size,
     )
     expected = reference_logprobs(x_ref, ids, temperature=temperature, top_k=top_k, top_p=top_p)
     torch.testing.assert_close(got, expected)
@@ -114,7 +122,10 @@ def test_chunked_equals_unchunked_forward_and_gradient(
 def test_result_does_not_depend_on_chunk_size(case, chunks, top_k, top_p):
     logits, ids = case
     results = [
-        lp.next_token_logprobs(logits, ids, top_k=top_k, top_p=top_p, chunk_size=c) for c in chunks
+        lp.next_token_logprobs(
+            logits, ids, sampling=Sampling(top_k=top_k, top_p=top_p), chunk_size=c
+        )
+        for c in chunks
     ]
     for other in results[1:]:
         torch.testing.assert_close(other, results[0])
@@ -125,7 +136,8 @@ def test_result_does_not_depend_on_chunk_size(case, chunks, top_k, top_p):
 def test_input_logits_are_not_mutated(case, temperature):
     logits, ids = case
     before = logits.clone()
-    lp.next_token_logprobs(logits, ids, temperature=temperature, top_k=3, top_p=0.9, chunk_size=2)
+    sampling = Sampling(temperature=temperature, top_k=3, top_p=0.9)
+    lp.next_token_logprobs(logits, ids, sampling=sampling, chunk_size=2)
     assert torch.equal(logits, before)
 
 
@@ -164,7 +176,7 @@ def test_saved_tensors_are_only_the_low_precision_inputs():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = lp.next_token_logprobs(
-            logits, ids, temperature=0.7, top_k=50, top_p=0.9, chunk_size=8
+            logits, ids, sampling=Sampling(temperature=0.7, top_k=50, top_p=0.9), chunk_size=8
         )
     out.masked_fill(torch.isneginf(out), 0.0).sum().backward()
     fp32_logits_bytes = B * S * V * 4
@@ -201,7 +213,13 @@ def test_log_softmax_runs_once_per_chunk_on_chunk_shaped_blocks(monkeypatch):
 )
 def test_bad_arguments_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        lp.next_token_logprobs(torch.randn(1, 3, 4), torch.zeros(1, 3, dtype=torch.long), **kwargs)
+        chunk_size = kwargs.pop("chunk_size", None)
+        lp.next_token_logprobs(
+            torch.randn(1, 3, 4),
+            torch.zeros(1, 3, dtype=torch.long),
+            sampling=Sampling(**kwargs),
+            chunk_size=chunk_size,
+        )
 
 
 def test_mismatched_shapes_are_rejected():
@@ -269,7 +287,7 @@ def filter_rows(draw):
 
 @given(x=filter_rows(), k=st.integers(1, 45))
 def test_top_k_keeps_everything_at_or_above_the_kth_and_nothing_below(x, k):
-    out = lp.apply_sampling_filters(x, top_k=k)
+    out = sp.apply_sampling_filters(x, top_k=k)
     kth = torch.topk(x, min(k, x.shape[-1]), dim=-1).values[..., -1:]
     kept = torch.isfinite(out)
     assert torch.equal(kept, x >= kth)  # ties with the k-th are kept
@@ -280,7 +298,7 @@ def test_top_k_keeps_everything_at_or_above_the_kth_and_nothing_below(x, k):
 @given(x=filter_rows(), top_k=TOP_KS, top_p=TOP_PS)
 @example(x=torch.zeros(1, 2), top_k=None, top_p=0.3)
 def test_kept_set_contains_the_max_and_renormalizes(x, top_k, top_p):
-    out = lp.apply_sampling_filters(x, top_k=top_k, top_p=top_p)
+    out = sp.apply_sampling_filters(x, top_k=top_k, top_p=top_p)
     argmax = x.argmax(-1, keepdim=True)
     assert bool(torch.isfinite(out.gather(-1, argmax)).all())
     torch.testing.assert_close(torch.softmax(out, -1).sum(-1), torch.ones(x.shape[0]))
@@ -289,9 +307,9 @@ def test_kept_set_contains_the_max_and_renormalizes(x, top_k, top_p):
 @given(x=filter_rows(), top_k=TOP_KS, top_p=st.floats(0.05, 0.999))
 def test_top_p_keeps_the_smallest_set_with_mass_at_least_p(x, top_k, top_p):
     """Mass is measured on the top-k survivors' renormalized softmax, as vLLM does."""
-    after_k = lp.apply_sampling_filters(x, top_k=top_k)
+    after_k = sp.apply_sampling_filters(x, top_k=top_k)
     probs = torch.softmax(after_k, -1)
-    keep = torch.isfinite(lp.apply_sampling_filters(x, top_k=top_k, top_p=top_p))
+    keep = torch.isfinite(sp.apply_sampling_filters(x, top_k=top_k, top_p=top_p))
     kept_mass = (probs * keep).sum(-1)
     assert bool((kept_mass >= top_p - 1e-5).all())
     smallest_kept = probs.masked_fill(~keep, float("inf")).amin(-1)
@@ -309,7 +327,7 @@ def test_no_filter_is_identity(x):
         {"top_k": -1},
         {"top_k": x.shape[-1]},
     ):
-        out = lp.apply_sampling_filters(x, **kwargs)
+        out = sp.apply_sampling_filters(x, **kwargs)
         assert torch.equal(out, x)
         assert out is not x
 
@@ -317,7 +335,7 @@ def test_no_filter_is_identity(x):
 @given(x=filter_rows(), top_k=TOP_KS, top_p=TOP_PS, seed=SEEDS)
 def test_filter_gradient_is_straight_through_on_kept_entries(x, top_k, top_p, seed):
     x = x.clone().requires_grad_()
-    out = lp.apply_sampling_filters(x, top_k=top_k, top_p=top_p)
+    out = sp.apply_sampling_filters(x, top_k=top_k, top_p=top_p)
     weights = seeded_randn(seed, x.shape)
     keep = torch.isfinite(out)
     out.masked_fill(~keep, 0.0).mul(weights).sum().backward()
@@ -326,20 +344,20 @@ def test_filter_gradient_is_straight_through_on_kept_entries(x, top_k, top_p, se
 
 def test_filters_on_a_hand_example():
     x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 0.0]])
-    assert torch.isfinite(lp.apply_sampling_filters(x, top_k=1)).tolist() == [
+    assert torch.isfinite(sp.apply_sampling_filters(x, top_k=1)).tolist() == [
         [False, True, True, False, False]
     ]
-    assert torch.isfinite(lp.apply_sampling_filters(x, top_k=3)).tolist() == [
+    assert torch.isfinite(sp.apply_sampling_filters(x, top_k=3)).tolist() == [
         [False, True, True, True, False]
     ]
     # probs ~ [.053, .392, .392, .144, .020]: top-p 0.5 keeps the two 3.0s.
-    kept = torch.isfinite(lp.apply_sampling_filters(x, top_p=0.5)).tolist()
+    kept = torch.isfinite(sp.apply_sampling_filters(x, top_p=0.5)).tolist()
     assert kept == [[False, True, True, False, False]]
     # top-p 0.3: one of the tied maxima suffices; the lower id is the one kept.
-    assert torch.isfinite(lp.apply_sampling_filters(x, top_p=0.3)).tolist() == [
+    assert torch.isfinite(sp.apply_sampling_filters(x, top_p=0.3)).tolist() == [
         [False, True, False, False, False]
     ]
-    assert torch.isfinite(lp.apply_sampling_filters(torch.zeros(1, 2), top_p=0.3)).tolist() == [
+    assert torch.isfinite(sp.apply_sampling_filters(torch.zeros(1, 2), top_p=0.3)).tolist() == [
         [True, False]
     ]
 
@@ -350,19 +368,19 @@ def test_filters_on_a_hand_example():
 def simulated_logprobs(logits_BSV, targets_BS, num_shards):
     """The shell's three all-reduces, done by hand over vocab_range shards."""
     V = logits_BSV.shape[-1]
-    ranges = [lp.vocab_range(r, num_shards, V) for r in range(num_shards)]
+    ranges = [vp.vocab_range(r, num_shards, V) for r in range(num_shards)]
     shards = [logits_BSV[..., a:b] for a, b in ranges]
-    global_max = torch.stack([lp.local_max(s) for s in shards]).amax(0)  # all_reduce(MAX)
-    sum_exp = torch.stack([lp.local_sum_exp(s, global_max) for s in shards]).sum(
+    global_max = torch.stack([vp.local_max(s) for s in shards]).amax(0)  # all_reduce(MAX)
+    sum_exp = torch.stack([vp.local_sum_exp(s, global_max) for s in shards]).sum(
         0
     )  # all_reduce(SUM)
     target = torch.stack(
         [
-            lp.local_target_logit(s, targets_BS, vocab_start=a)
+            vp.local_target_logit(s, targets_BS, vocab_start=a)
             for s, (a, _) in zip(shards, ranges, strict=True)
         ]
     ).sum(0)  # all_reduce(SUM)
-    return lp.logprobs_from_partials(target, global_max, sum_exp), (
+    return vp.logprobs_from_partials(target, global_max, sum_exp), (
         shards,
         ranges,
         global_max,
@@ -402,7 +420,7 @@ def test_sharded_backward_partials_match_autograd(case):
     _, (shards, ranges, global_max, sum_exp) = simulated_logprobs(logits, targets, num_shards)
     got = torch.cat(
         [
-            lp.local_logprob_grad(s, targets, a, global_max, sum_exp, grad_out)
+            vp.local_logprob_grad(s, targets, a, global_max, sum_exp, grad_out)
             for s, (a, _) in zip(shards, ranges, strict=True)
         ],
         dim=-1,
@@ -414,7 +432,7 @@ def test_sharded_backward_partials_match_autograd(case):
 
 @given(V=st.integers(0, 200), size=st.integers(1, 8))
 def test_vocab_ranges_tile_the_vocab_like_torch_chunk(V, size):
-    ranges = [lp.vocab_range(r, size, V) for r in range(size)]
+    ranges = [vp.vocab_range(r, size, V) for r in range(size)]
     assert ranges[0][0] == 0 and ranges[-1][1] == V
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
     chunk_sizes = [c.shape[0] for c in torch.arange(V).chunk(size)] if V else []
@@ -437,19 +455,19 @@ def test_filtered_tp_all_to_all_matches_full_vocab(V, size, rows_per_rank, seed,
     N = size * rows_per_rank
     full = seeded_randn(seed, (N, V))
     targets = seeded_randint(seed + 1, V, (N,))
-    vocab_shards = lp.split_vocab(full, size)  # what each TP rank holds
-    sent = [lp.split_rows(shard, size) for shard in vocab_shards]  # sent[src][dst]
-    expected = torch.log_softmax(lp.apply_sampling_filters(full, top_k=top_k, top_p=top_p), -1)
+    vocab_shards = vp.split_vocab(full, size)  # what each TP rank holds
+    sent = [vp.split_rows(shard, size) for shard in vocab_shards]  # sent[src][dst]
+    expected = torch.log_softmax(sp.apply_sampling_filters(full, top_k=top_k, top_p=top_p), -1)
     for rank in range(size):
-        rows = lp.concat_vocab_pieces([sent[src][rank] for src in range(size)])
-        start, stop = lp.rows_for_rank(N, rank, size)
+        rows = vp.concat_vocab_pieces([sent[src][rank] for src in range(size)])
+        start, stop = vp.rows_for_rank(N, rank, size)
         assert torch.equal(rows, full[start:stop])
-        got = torch.log_softmax(lp.apply_sampling_filters(rows, top_k=top_k, top_p=top_p), -1)
+        got = torch.log_softmax(sp.apply_sampling_filters(rows, top_k=top_k, top_p=top_p), -1)
         index = targets[start:stop, None]
         assert torch.equal(got.gather(-1, index), expected[start:stop].gather(-1, index))
     # and back (gradients travel row-parallel -> vocab-parallel): the round trip is exact
-    row_blocks = [full[slice(*lp.rows_for_rank(N, r, size))] for r in range(size)]
-    returned = [lp.split_vocab(block, size) for block in row_blocks]  # returned[src][dst]
+    row_blocks = [full[slice(*vp.rows_for_rank(N, r, size))] for r in range(size)]
+    returned = [vp.split_vocab(block, size) for block in row_blocks]  # returned[src][dst]
     for rank, shard in enumerate(vocab_shards):
         assert torch.equal(torch.cat([returned[src][rank] for src in range(size)], dim=0), shard)
 
@@ -461,7 +479,7 @@ def test_rows_not_divisible_by_tp_names_the_fix():
             "rows 10 must be divisible by tensor_parallel_size 4.*make_sequence_length_divisible_by"
         ),
     ):
-        lp.rows_for_rank(10, 0, 4)
+        vp.rows_for_rank(10, 0, 4)
 
 
 def test_large_logits_stay_finite():
@@ -519,7 +537,7 @@ def test_target_logprobs_on_shifted_targets_equal_next_token_logprobs(
     logits, ids = case
     weights = seeded_randn(seed, (ids.shape[0], ids.shape[1] - 1))
     x_target, x_next = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    kwargs = {"top_k": top_k, "top_p": top_p, "chunk_size": chunk_size}
+    kwargs = {"sampling": Sampling(top_k=top_k, top_p=top_p), "chunk_size": chunk_size}
     got = lp.target_logprobs(x_target, lp.shifted_targets(ids), **kwargs)
     expected = lp.next_token_logprobs(x_next, ids, **kwargs)
     assert got.shape == ids.shape
@@ -533,6 +551,20 @@ def test_target_logprobs_on_shifted_targets_equal_next_token_logprobs(
 def test_inactive_filters_keep_every_logit(top_k, top_p, seed):
     """When sampling_filters_active says no, the filters are the identity (no mask at all)."""
     logits = seeded_randn(seed, (3, 8))
-    if not lp.sampling_filters_active(top_k, top_p):
-        assert lp.sampling_keep_mask(logits, top_k=top_k, top_p=top_p) is None
-        assert torch.equal(lp.apply_sampling_filters(logits, top_k=top_k, top_p=top_p), logits)
+    if not sp.sampling_filters_active(top_k, top_p):
+        assert sp.sampling_keep_mask(logits, top_k=top_k, top_p=top_p) is None
+        assert torch.equal(sp.apply_sampling_filters(logits, top_k=top_k, top_p=top_p), logits)
+
+
+@given(
+    logits_shape=st.lists(st.integers(1, 4), min_size=2, max_size=4),
+    ids_shape=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+)
+def test_logits_and_ids_are_accepted_exactly_when_b_and_s_agree(logits_shape, ids_shape):
+    """[B, S, V] logits with [B, S] ids pass; any other pair of shapes names both shapes."""
+    logits, ids = torch.zeros(logits_shape), torch.zeros(ids_shape, dtype=torch.long)
+    if len(logits_shape) == 3 and len(ids_shape) == 2 and logits_shape[:2] == ids_shape:
+        lp.check_logits_and_ids(logits, ids)
+        return
+    with pytest.raises(ValueError, match=r"must be \[B, S, V\] and token_ids .* must be \[B, S\]"):
+        lp.check_logits_and_ids(logits, ids)

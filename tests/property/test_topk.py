@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policyworker.functional.logprobs import vocab_range
 from policyworker.functional.topk import local_topk, merge_topk, topk_logits
+from policyworker.functional.vocab_parallel import vocab_range
 from tests.property.strategies import SEEDS, seeded_randn
 
 

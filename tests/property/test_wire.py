@@ -11,6 +11,8 @@ from torch import nn
 
 from policyworker.functional.buckets import TensorSpec, pack_tensors, plan_ipc_buckets
 from policyworker.shell.refit.receiver import WeightApplier
+from policyworker.shell.refit.refit_server import RefitServer
+from policyworker.shell.refit.staging import ShmStaging
 from policyworker.shell.refit.wire import (
     DTYPES_BY_NAME,
     PROTOCOL,
@@ -30,7 +32,6 @@ from policyworker.shell.refit.wire import (
     encode,
     encode_manifest,
 )
-from policyworker.shell.refit.zmq_ipc import RefitServer, ShmStaging
 
 names = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=20)
 dtypes = st.sampled_from(sorted(DTYPES_BY_NAME.values(), key=str))

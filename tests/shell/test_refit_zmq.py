@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from policyworker.errors import RefitError, RefitTimeoutError
-from policyworker.shell.refit import zmq_ipc
+from policyworker.shell.refit import ipc_files, staging, zmq_ipc
 from policyworker.shell.refit.receiver import HFWeightReceiver
 from policyworker.shell.refit.sender import RefitSender
 from policyworker.shell.refit.wire import decode_request
@@ -320,7 +320,7 @@ def test_protocol_order_oversized_tensor_and_buffers_freed_before_complete(monke
                     kind,
                     zmq.live_staging_bytes,
                     sorted(
-                        f for f in seen_files if os.path.exists(os.path.join(zmq_ipc.SHM_DIR, f))
+                        f for f in seen_files if os.path.exists(os.path.join(ipc_files.SHM_DIR, f))
                     ),
                 )
             )
@@ -458,7 +458,7 @@ def test_keep_staging_reuses_buffers_and_mappings_and_frees_them_on_release_or_f
     zmq = sender._zmq()
 
     def files():
-        return sorted(f for f in os.listdir(zmq_ipc.SHM_DIR) if f.startswith("pw-refit-"))
+        return sorted(f for f in os.listdir(ipc_files.SHM_DIR) if f.startswith("pw-refit-"))
 
     def refit(**kwargs):
         thread, box = _serve_in_thread(receiver)
@@ -516,11 +516,11 @@ def test_keep_staging_reuses_buffers_and_mappings_and_frees_them_on_release_or_f
     assert set(files()) == baseline
 
 
-@pytest.mark.parametrize("large_numel", [zmq_ipc.LARGE_COPY_NUMEL, 6])
+@pytest.mark.parametrize("large_numel", [staging.LARGE_COPY_NUMEL, 6])
 def test_grouped_copy_casts_every_pair_whatever_the_mix_of_dtypes_and_layouts(
     monkeypatch, large_numel
 ):
-    monkeypatch.setattr(zmq_ipc, "LARGE_COPY_NUMEL", large_numel)
+    monkeypatch.setattr(staging, "LARGE_COPY_NUMEL", large_numel)
     g = torch.Generator().manual_seed(0)
     srcs = [
         torch.randn(4, 3, generator=g),

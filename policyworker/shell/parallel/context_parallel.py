@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from policyworker.functional import context_parallel as cp_core
 from policyworker.functional import logprobs as lp_core
+from policyworker.functional.sampling import PLAIN_SAMPLING, Sampling
 from policyworker.shell.parallel.context import ParallelContext
 from policyworker.shell.parallel.vocab_logprobs import target_logprobs_any
 
@@ -121,21 +122,12 @@ def cp_next_token_logprobs(
     token_ids_BS: torch.Tensor,
     ctx: ParallelContext,
     *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float = 1.0,
+    sampling: Sampling = PLAIN_SAMPLING,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """fp32 [B, S-1] on every CP rank from this rank's head-tail logits shard (full token_ids)."""
     targets = cp_core.shard_for_rank(
         lp_core.shifted_targets(token_ids_BS, pad_id=0), cp_rank=ctx.cp_rank, cp_size=ctx.cp_size
     )
-    local = target_logprobs_any(
-        logits_local,
-        targets,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        chunk_size=chunk_size,
-    )
+    local = target_logprobs_any(logits_local, targets, sampling=sampling, chunk_size=chunk_size)
     return all_gather_cp(local, cp_group=ctx.groups.get("cp"), cp_size=ctx.cp_size)[:, :-1]

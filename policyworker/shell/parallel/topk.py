@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from policyworker.functional import logprobs as lp_core
 from policyworker.functional import topk as topk_core
+from policyworker.functional import vocab_parallel as vp_core
 from policyworker.shell.parallel.groups import _group_size
 from policyworker.shell.parallel.vocab_logprobs import _scaled, _vocab_shard_of
 
@@ -83,7 +83,7 @@ def topk_any(
     if k > vocab_size:
         msg = f"k {k} exceeds the vocab size {vocab_size}; use k <= {vocab_size}"
         raise ValueError(msg)
-    start, _ = lp_core.vocab_range(tp_rank, tp_size, vocab_size)
+    start, _ = vp_core.vocab_range(tp_rank, tp_size, vocab_size)
     return distributed_topk(
         local, k, tp_group=group, vocab_start=start, temperature=temperature, chunk_size=chunk_size
     )

@@ -1,7 +1,7 @@
 """Logprobs of vocab-sharded (tensor-parallel) logits without gathering the vocab.
 
 Plain softmax: each rank's partials (max, sum-exp, target logit) from
-`policyworker.functional.logprobs` are all-reduced over the TP group. With top-k/top-p the
+`policyworker.functional.vocab_parallel` are all-reduced over the TP group. With top-k/top-p the
 filters need whole rows, so the rows are exchanged (all-to-all: every rank gets all vocab
 shards of `rows / tp` rows), scored there, and gathered back. `*_any` accept plain tensors or
 DTensors and pick the right path. Gradients follow `collectives`' convention.
@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from policyworker.functional import logprobs as lp_core
+from policyworker.functional import vocab_parallel as vp_core
+from policyworker.functional.sampling import PLAIN_SAMPLING, Sampling, apply_sampling_filters
 from policyworker.shell.parallel.context import ParallelContext
 from policyworker.shell.parallel.groups import _all_reduce
 
@@ -41,17 +43,17 @@ class _VocabParallelTargetLogprobs(torch.autograd.Function):
         for start in range(0, num_positions, chunk_size):
             stop = min(start + chunk_size, num_positions)
             x = _scaled(logits_BSV[:, start:stop], temperature)
-            global_max = _all_reduce(lp_core.local_max(x).contiguous(), dist.ReduceOp.MAX, group)
+            global_max = _all_reduce(vp_core.local_max(x).contiguous(), dist.ReduceOp.MAX, group)
             sums = torch.stack(
                 [
-                    lp_core.local_sum_exp(x, global_max),
-                    lp_core.local_target_logit(
+                    vp_core.local_sum_exp(x, global_max),
+                    vp_core.local_target_logit(
                         x, targets_BS[:, start:stop], vocab_start=vocab_start
                     ),
                 ]
             )
             _all_reduce(sums, dist.ReduceOp.SUM, group)
-            out_BS[:, start:stop] = lp_core.logprobs_from_partials(sums[1], global_max, sums[0])
+            out_BS[:, start:stop] = vp_core.logprobs_from_partials(sums[1], global_max, sums[0])
             max_BS[:, start:stop], sum_exp_BS[:, start:stop] = global_max, sums[0]
         ctx.save_for_backward(logits_BSV, targets_BS, max_BS, sum_exp_BS)
         ctx.settings = (vocab_start, temperature, chunk_size)
@@ -66,7 +68,7 @@ class _VocabParallelTargetLogprobs(torch.autograd.Function):
         grad_BSV = torch.zeros_like(logits_BSV)
         for start in range(0, targets_BS.shape[1], chunk_size):
             stop = min(start + chunk_size, targets_BS.shape[1])
-            grad = lp_core.local_logprob_grad(
+            grad = vp_core.local_logprob_grad(
                 _scaled(logits_BSV[:, start:stop], temperature),
                 targets_BS[:, start:stop],
                 vocab_start,
@@ -85,19 +87,6 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return x if temperature == 1.0 else x / temperature
 
 
-def _check_logits_targets(logits_BSV: torch.Tensor, token_ids_BS: torch.Tensor) -> None:
-    if (
-        logits_BSV.dim() != 3
-        or token_ids_BS.dim() != 2
-        or logits_BSV.shape[:2] != token_ids_BS.shape
-    ):
-        msg = (
-            f"logits {tuple(logits_BSV.shape)} must be [B, S, V] and token_ids "
-            f"{tuple(token_ids_BS.shape)} must be [B, S] with the same B and S"
-        )
-        raise ValueError(msg)
-
-
 def vocab_parallel_target_logprobs(
     logits_local_BSV: torch.Tensor,
     targets_BS: torch.Tensor,
@@ -114,7 +103,7 @@ def vocab_parallel_target_logprobs(
     sum-exp and target logit), so fp32 memory is one [B, chunk, V_local] block. `tp_group=None`
     means the shard is the whole vocab. Targets outside [0, V) score a meaningless finite value.
     """
-    _check_logits_targets(logits_local_BSV, targets_BS)
+    lp_core.check_logits_and_ids(logits_local_BSV, targets_BS)
     chunk = chunk_size or lp_core.default_chunk_size(vocab_size)
     return _VocabParallelTargetLogprobs.apply(
         logits_local_BSV, targets_BS.to(torch.int64), tp_group, vocab_start, temperature, chunk
@@ -137,8 +126,8 @@ def vocab_parallel_next_token_logprobs(
     Raises:
         ValueError: shapes disagree, or the shard width is not `vocab_range(tp_rank, ...)`'s.
     """
-    _check_logits_targets(logits_local_BSV, token_ids_BS)
-    start, stop = lp_core.vocab_range(tp_rank, tp_size, vocab_size)
+    lp_core.check_logits_and_ids(logits_local_BSV, token_ids_BS)
+    start, stop = vp_core.vocab_range(tp_rank, tp_size, vocab_size)
     if logits_local_BSV.shape[-1] != stop - start:
         msg = (
             f"logits shard has {logits_local_BSV.shape[-1]} vocab entries but tp rank {tp_rank} "
@@ -167,13 +156,13 @@ class _VocabShardsToRows(torch.autograd.Function):
     def forward(ctx, x_NV, group, tp_rank, tp_size, vocab_size):
         ctx.settings = (group, tp_rank, tp_size, vocab_size)
         width = -(-vocab_size // tp_size)
-        send = [_pad_last(p, width) for p in lp_core.split_rows(x_NV, tp_size)]
+        send = [_pad_last(p, width) for p in vp_core.split_rows(x_NV, tp_size)]
         recv = [torch.empty_like(send[0]) for _ in range(tp_size)]
         dist.all_to_all(recv, send, group=group)
         widths = [
-            b - a for a, b in (lp_core.vocab_range(r, tp_size, vocab_size) for r in range(tp_size))
+            b - a for a, b in (vp_core.vocab_range(r, tp_size, vocab_size) for r in range(tp_size))
         ]
-        return lp_core.concat_vocab_pieces([p[:, :w] for p, w in zip(recv, widths, strict=True)])
+        return vp_core.concat_vocab_pieces([p[:, :w] for p, w in zip(recv, widths, strict=True)])
 
     @staticmethod
 
@@ -181,10 +170,10 @@ class _VocabShardsToRows(torch.autograd.Function):
     def backward(ctx, grad_rows):  # pyright: ignore[reportIncompatibleMethodOverride]
         group, tp_rank, tp_size, vocab_size = ctx.settings
         width = -(-vocab_size // tp_size)
-        send = [_pad_last(p, width) for p in lp_core.split_vocab(grad_rows.contiguous(), tp_size)]
+        send = [_pad_last(p, width) for p in vp_core.split_vocab(grad_rows.contiguous(), tp_size)]
         recv = [torch.empty_like(send[0]) for _ in range(tp_size)]
         dist.all_to_all(recv, send, group=group)
-        start, stop = lp_core.vocab_range(tp_rank, tp_size, vocab_size)
+        start, stop = vp_core.vocab_range(tp_rank, tp_size, vocab_size)
         return torch.cat(recv, dim=0)[:, : stop - start], None, None, None, None
 
 
@@ -213,11 +202,11 @@ class _GatherRows(torch.autograd.Function):
         return grad_N[tp_rank * num_rows : (tp_rank + 1) * num_rows], None, None, None
 
 
-def _filtered_row_logprobs(rows_NV, targets_N, *, temperature, top_k, top_p, chunk_size):
+def _filtered_row_logprobs(rows_NV, targets_N, *, sampling, chunk_size):
     out = []
     for start in range(0, rows_NV.shape[0], chunk_size):
-        x = _scaled(rows_NV[start : start + chunk_size], temperature)
-        x = lp_core.apply_sampling_filters(x, top_k=top_k, top_p=top_p)
+        x = _scaled(rows_NV[start : start + chunk_size], sampling.temperature)
+        x = apply_sampling_filters(x, top_k=sampling.top_k, top_p=sampling.top_p)
         index = targets_N[start : start + chunk_size, None].clamp(0, x.shape[-1] - 1)
         out.append(torch.log_softmax(x, dim=-1).gather(-1, index)[:, 0].float())
     return torch.cat(out) if out else rows_NV.new_zeros(0, dtype=torch.float32)
@@ -231,21 +220,17 @@ def _tp_filtered_target_logprobs(
     tp_rank,
     tp_size,
     vocab_size,
-    temperature,
-    top_k,
-    top_p,
+    sampling,
     chunk_size,
 ):
     batch, seq, _ = logits_local_BSV.shape
-    row_start, row_stop = lp_core.rows_for_rank(batch * seq, tp_rank, tp_size)
+    row_start, row_stop = vp_core.rows_for_rank(batch * seq, tp_rank, tp_size)
     rows = _VocabShardsToRows.apply(
         logits_local_BSV.reshape(batch * seq, -1), group, tp_rank, tp_size, vocab_size
     )
     targets = targets_BS.reshape(-1)[row_start:row_stop].to(torch.int64)
     chunk = chunk_size or lp_core.default_chunk_size(vocab_size)
-    mine = _filtered_row_logprobs(
-        rows, targets, temperature=temperature, top_k=top_k, top_p=top_p, chunk_size=chunk
-    )
+    mine = _filtered_row_logprobs(rows, targets, sampling=sampling, chunk_size=chunk)
     return _GatherRows.apply(mine, group, tp_rank, tp_size).reshape(batch, seq)
 
 
@@ -268,9 +253,7 @@ def target_logprobs_any(
     logits: torch.Tensor,
     targets_BS: torch.Tensor,
     *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float = 1.0,
+    sampling: Sampling = PLAIN_SAMPLING,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """fp32 [B,S] `log softmax(filter(logits / T))[targets]` per position; plain or TP logits.
@@ -279,16 +262,14 @@ def target_logprobs_any(
     scored with vocab-parallel partials, or, with top-k/top-p, redistributed to full rows
     (`B*S % tp == 0` required), filtered there and gathered back. Differentiable.
     """
-    _check_logits_targets(logits, targets_BS)
+    lp_core.check_logits_and_ids(logits, targets_BS)
     vocab_size = logits.shape[-1]
     if not isinstance(logits, DTensor):
-        if lp_core.sampling_filters_active(top_k, top_p):
+        if sampling.filters_active:
             rows = _filtered_row_logprobs(
                 logits.reshape(-1, vocab_size),
                 targets_BS.reshape(-1).to(torch.int64),
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
+                sampling=sampling,
                 chunk_size=chunk_size or lp_core.default_chunk_size(vocab_size),
             )
             return rows.reshape(targets_BS.shape)
@@ -298,11 +279,11 @@ def target_logprobs_any(
             tp_group=None,
             vocab_start=0,
             vocab_size=vocab_size,
-            temperature=temperature,
+            temperature=sampling.temperature,
             chunk_size=chunk_size,
         )
     local, group, tp_rank, tp_size = _vocab_shard_of(logits)
-    if lp_core.sampling_filters_active(top_k, top_p):
+    if sampling.filters_active:
         return _tp_filtered_target_logprobs(
             local,
             targets_BS,
@@ -310,19 +291,17 @@ def target_logprobs_any(
             tp_rank=tp_rank,
             tp_size=tp_size,
             vocab_size=vocab_size,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
+            sampling=sampling,
             chunk_size=chunk_size,
         )
-    start, _ = lp_core.vocab_range(tp_rank, tp_size, vocab_size)
+    start, _ = vp_core.vocab_range(tp_rank, tp_size, vocab_size)
     return vocab_parallel_target_logprobs(
         local,
         targets_BS,
         tp_group=group,
         vocab_start=start,
         vocab_size=vocab_size,
-        temperature=temperature,
+        temperature=sampling.temperature,
         chunk_size=chunk_size,
     )
 
@@ -332,9 +311,7 @@ def next_token_logprobs_any(
     token_ids_BS: torch.Tensor,
     ctx: ParallelContext | None = None,
     *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float = 1.0,
+    sampling: Sampling = PLAIN_SAMPLING,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """fp32 [B, S-1] next-token logprobs of plain logits (core) or TP vocab-sharded DTensor logits.
@@ -343,14 +320,12 @@ def next_token_logprobs_any(
         ValueError: shapes disagree; under TP with top-k/top-p, `B*S` not divisible by tp
             (fix: `make_sequence_length_divisible_by`); DTensor logits not on `ctx`'s tp mesh.
     """
-    _check_logits_targets(logits, token_ids_BS)
+    lp_core.check_logits_and_ids(logits, token_ids_BS)
     if not isinstance(logits, DTensor):
         return lp_core.next_token_logprobs(
             logits,
             token_ids_BS,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
+            sampling=sampling,
             chunk_size=chunk_size,
         )
     if ctx is not None and logits.device_mesh.size() != ctx.tp_size:
@@ -360,15 +335,13 @@ def next_token_logprobs_any(
             f"built with"
         )
         raise ValueError(msg)
-    if lp_core.sampling_filters_active(top_k, top_p):
+    if sampling.filters_active:
         # Rows are whole positions, so score all S positions (B*S % tp rule) and drop the last.
         targets = lp_core.shifted_targets(token_ids_BS, pad_id=0)
         full = target_logprobs_any(
             logits,
             targets,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
+            sampling=sampling,
             chunk_size=chunk_size,
         )
         return full[:, :-1]
@@ -380,6 +353,6 @@ def next_token_logprobs_any(
         tp_rank=tp_rank,
         tp_size=tp_size,
         vocab_size=logits.shape[-1],
-        temperature=temperature,
+        temperature=sampling.temperature,
         chunk_size=chunk_size,
     )

@@ -17,6 +17,10 @@ inference actors; `group.bundle_indices[r]` is rank r's bundle, `group.refit_nod
 a ZMQ refit receiver must run on (ipc:// sockets and shared memory are node-local).
 
 Ray narrows CUDA_VISIBLE_DEVICES to an actor's GPU, so a GPU worker's device is cuda:0.
+
+Why it is over 400 lines: ``RayWorkerGroup`` is one class whose placement, environment,
+sharded calls and failure handling all share the actor list and the group's broken state; it
+holds no math (the sharding is ``BatchedDataDict``'s), only the order of Ray effects.
 """
 
 from __future__ import annotations

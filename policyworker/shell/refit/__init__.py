@@ -5,10 +5,23 @@
     hf_names.py     the checkpoint names and layout of a model, asked of transformers; the
                     supported architectures (others are refused by model_type)
     wire.py         the wire format (JSON headers, manifests, dtype names); nothing is pickled
-    zmq_ipc.py      ZMQ + CUDA IPC / shared-memory transport (sender and receiver halves)
-    receiver.py     HFWeightReceiver / WeightApplier: the inference side applying a refit
-    collective.py   packed broadcast over a trainer+engine process group
+    wire_messages.py  the protocol's message records, limits and dtype table
+    wire_checks.py    the manifest and bucket checks a receiver runs before writing
+    zmq_ipc.py      ZMQ + CUDA IPC / shared-memory transport: names the five modules below
+    ipc_files.py    socket folders, /dev/shm staging files, orphan removal, OS limits
+    staging.py      ping-pong staging buffers (shm / CUDA) and the grouped copies
+    zmq_sender.py   ZmqIpcSender: the trainer's REQ socket and the sending state machine
+    refit_server.py RefitServer: the receiver's state machine (no socket) and its buffers
+    zmq_receiver.py ZmqIpcReceiver: the receiver's REP socket loop
+    receiver.py     HFWeightReceiver: the inference side applying a refit (ZMQ and in-process)
+    weight_applier.py  WeightApplier: check every batch against the manifest, then write it
+    collective.py   packed broadcast over a trainer+engine process group: building the group,
+                    the worker glue, and every name of the three modules below
+    collective_plan.py      the header both sides agree on, its codec, the bucket plan
+    collective_group.py     CollectiveRefit: the group, bounded waits, the trainer's broadcast
+    collective_receiver.py  CollectiveWeightReceiver: the inference side
     sglang.py       colocated SGLang updates (serialized named tensors per engine)
+    sglang_payload.py  SGLang's flattened_bucket payload: build, read, safe unpickling
     watchdog.py     a deadline that names the phase which ran past it
 
 `policyworker.shell.refit` was once the sender module: its names stay importable from here.

@@ -14,28 +14,31 @@ Every batch is checked (unexpected, duplicate, dtype/shape against the announced
 was itself checked against ``refit_info``) before any of it is written. ``atomic=True`` stages a
 full version and writes it only on commit, so a failed refit leaves the previous version serving;
 otherwise a failed refit leaves ``stale`` set until the next complete one.
+
+The validate-then-apply path itself is ``weight_applier.WeightApplier``; its names stay
+importable from here.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import attrs
 import torch
 from torch import nn
 
 from policyworker.errors import RefitError
 from policyworker.functional.buckets import TensorSpec
-from policyworker.functional.names import canonical_name, is_lora_param, pieces_by_checkpoint_name
-from policyworker.shell.refit.hf_names import checkpoint_layout
-from policyworker.shell.refit.params import tie_word_embeddings
+from policyworker.shell.refit.refit_server import RefitServer
 from policyworker.shell.refit.watchdog import check_timeout_s
+from policyworker.shell.refit.weight_applier import (
+    LoadWeights,
+    PreparedBatch,
+    RefitReport,
+    WeightApplier,
+    specs_from,
+)
 from policyworker.shell.refit.wire import (
-    ProtocolError,
-    check_manifest,
-    dtype_name,
     max_message_bytes,
 )
 from policyworker.shell.refit.zmq_checks import (
@@ -43,286 +46,9 @@ from policyworker.shell.refit.zmq_checks import (
     cancel_refusal,
     check_receiver_address,
 )
-from policyworker.shell.refit.zmq_ipc import (
-    RefitServer,
-    ZmqIpcReceiver,
-    copy_groups,
-    expected_from_refit_info,
-    grouped_copy_,
-    run_copy_groups,
-)
+from policyworker.shell.refit.zmq_receiver import ZmqIpcReceiver
 
 __all__ = ["HFWeightReceiver", "PreparedBatch", "RefitReport", "WeightApplier"]
-
-LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
-
-
-@attrs.frozen
-class RefitReport:
-    """One completed refit: the receiver's new version, what arrived, how long it took."""
-
-    version: int
-    names: tuple[str, ...]
-    num_tensors: int
-    num_bytes: int
-    num_buckets: int
-    seconds: float
-
-
-def _module_destinations(
-    module: nn.Module, expected: Mapping[str, tuple[torch.Size, torch.dtype]]
-) -> dict[str, torch.Tensor]:
-    """The live tensor (or the piece of one, e.g. an expert of a fused MoE tensor) each
-    checkpoint name is written into: the module's own checkpoint layout, as transformers
-    saves it."""
-    state = {canonical_name(k): v for k, v in module.state_dict(keep_vars=True).items()}
-    saved = {n: v for n, v in state.items() if not is_lora_param(n)}
-    if tie_word_embeddings(module):
-        saved.pop("lm_head.weight", None)  # follows the embedding, as save_pretrained leaves it out
-    layout = checkpoint_layout(module, {n: v.shape for n, v in saved.items()})
-    located = pieces_by_checkpoint_name(layout)
-    dests: dict[str, torch.Tensor] = {}
-    problems: list[str] = []
-    for name, (shape, _) in expected.items():
-        if name in located:
-            source, piece = located[name]
-            live = state[source]
-            dest = live if piece.is_whole(live.shape) else piece.view_of(live.detach())
-        elif name in state:  # e.g. a tied lm_head.weight sent anyway
-            dest = state[name]
-        else:
-            problems.append(f"{name!r}: no such parameter or buffer")
-            continue
-        if tuple(dest.shape) != tuple(shape):
-            problems.append(
-                f"{name!r}: module has shape {list(dest.shape)}, refit_info says {list(shape)}"
-            )
-        dests[name] = dest.data if isinstance(dest, nn.Parameter) else dest
-    if problems:
-        msg = (
-            f"target module cannot receive {len(problems)} refit tensor(s): "
-            + "; ".join(problems[:20])
-            + ". Build the receiver's model from the same config as the trainer's, or pass a "
-            "load_weights callable that knows these names."
-        )
-        raise ValueError(msg)
-    return dests
-
-
-@attrs.frozen(eq=False)
-class PreparedBatch:
-    """``tensors[k]`` is manifest entry ``indices[k]``; ``groups``: the ``(destinations, sources)``
-    lists of each copy launch of an in-place module write (None: no precomputed write)."""
-
-    manifest: tuple[TensorSpec, ...]
-    indices: tuple[int, ...]
-    tensors: list[torch.Tensor]
-    groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None
-
-
-@attrs.define
-class _Session:
-    manifest: tuple[TensorSpec, ...]
-    index: dict[str, int]  # name -> position in the manifest
-    dests: list[torch.Tensor] | None  # the module tensor each manifest entry is written into
-    sizes: tuple[int, ...]  # bytes of each manifest entry
-    received: bytearray
-    order: list[int] = attrs.field(factory=list)  # manifest positions, in arrival order
-    staged: dict[int, torch.Tensor] = attrs.field(factory=dict)
-    num_bytes: int = 0
-    started: float = attrs.field(factory=time.monotonic)
-
-
-class WeightApplier:
-    """Validate-then-write of refit batches into a module or a ``load_weights`` callable."""
-
-    def __init__(
-        self, target: nn.Module | LoadWeights, refit_info: Mapping[str, Any], *, atomic: bool
-    ) -> None:
-        self.expected = expected_from_refit_info(refit_info)
-        if isinstance(target, nn.Module):
-            self._dests: dict[str, torch.Tensor] | None = _module_destinations(
-                target, self.expected
-            )
-            self._load: LoadWeights | None = None
-        elif callable(target):
-            self._dests, self._load = None, target
-        else:
-            msg = (
-                "target must be an nn.Module or a load_weights(iterable) callable, got "
-                f"{type(target).__name__}"
-            )
-            raise ValueError(msg)
-        self.atomic = atomic
-        self.version = 0
-        self.stale = False
-        self._session: _Session | None = None
-        # the last accepted manifest object and what was derived from it (checked once per object)
-        self._accepted: tuple[TensorSpec, ...] | None = None
-        self._index: dict[str, int] = {}
-        self._sizes: tuple[int, ...] = ()
-        self._dest_list: list[torch.Tensor] | None = None
-
-    def manifest_specs(self) -> list[TensorSpec]:
-        """The manifest ``refit_info`` announces (what a sender's BEGIN should carry)."""
-        return [
-            TensorSpec(name, tuple(shape), dtype) for name, (shape, dtype) in self.expected.items()
-        ]
-
-    def begin(self, manifest: Sequence[TensorSpec]) -> None:
-        if self._session is not None:
-            self.abort("a new refit began before the previous one completed")
-        if manifest is not self._accepted:
-            specs = tuple(manifest)
-            problems = check_manifest(specs, self.expected)
-            if problems:
-                raise ProtocolError("manifest rejected before any write: " + " | ".join(problems))
-            # the ZMQ server hands the same tuple object for a byte-identical manifest
-            self._accepted = manifest if isinstance(manifest, tuple) else None
-            self._index = {s.name: i for i, s in enumerate(specs)}
-            self._sizes = tuple(s.nbytes for s in specs)
-            self._dest_list = None if self._dests is None else [self._dests[s.name] for s in specs]
-            manifest = specs
-        self._session = _Session(
-            tuple(manifest), self._index, self._dest_list, self._sizes, bytearray(len(manifest))
-        )
-
-    def apply_batch(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Check named tensors against the manifest (all of them first), then write them."""
-        session = self._require_session()
-        problems, seen, indices = [], set(), []
-        for name, tensor in pairs:
-            index = session.index.get(name)
-            if index is None:
-                problems.append(f"unexpected name {name!r}")
-                continue
-            want = session.manifest[index]
-            if session.received[index] or index in seen:
-                problems.append(f"duplicate name {name!r}")
-            elif tuple(tensor.shape) != want.shape or tensor.dtype != want.dtype:
-                problems.append(
-                    f"{name!r} is {dtype_name(tensor.dtype)}{list(tensor.shape)}, manifest says "
-                    f"{dtype_name(want.dtype)}{list(want.shape)}"
-                )
-            seen.add(index)
-            indices.append(index)
-        if problems:
-            raise ProtocolError("batch rejected before any write: " + "; ".join(problems[:20]))
-        self._apply(session, indices, [t for _, t in pairs])
-
-    def apply_indexed(self, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
-        """Write ``tensors[k]`` as manifest entry ``indices[k]``: views built from the manifest's
-        own specs (the ZMQ server's path, after ``check_bucket``); indices are checked again."""
-        session = self._require_session()
-        self._check_indices(session, indices)
-        self._apply(session, indices, tensors)
-
-    def prepare(self, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> PreparedBatch:
-        """A reusable ``apply_indexed`` of these exact tensors (the ZMQ server caches one per kept
-        bucket): in-place module writes get their copy groups computed once."""
-        session = self._require_session()
-        groups = None
-        if not self.atomic and session.dests is not None:
-            dests = session.dests
-            groups = copy_groups([dests[i] for i in indices], tensors)
-        return PreparedBatch(session.manifest, tuple(indices), list(tensors), groups)
-
-    def apply_prepared(self, batch: PreparedBatch) -> None:
-        """``apply_indexed(batch.indices, batch.tensors)``, with the precomputed copy groups."""
-        session = self._require_session()
-        if batch.groups is None or batch.manifest is not session.manifest or self.atomic:
-            self.apply_indexed(batch.indices, batch.tensors)
-            return
-        self._check_indices(session, batch.indices)
-        self.stale = True
-        with torch.no_grad():
-            run_copy_groups(batch.groups)
-        self._mark(session, batch.indices)
-
-    def _check_indices(self, session: _Session, indices: Sequence[int]) -> None:
-        count, received = len(session.manifest), session.received
-        if len(set(indices)) != len(indices) or not all(
-            0 <= i < count and not received[i] for i in indices
-        ):
-            raise ProtocolError(
-                "batch rejected before any write: an index is out of range or repeated"
-            )
-
-    def _mark(self, session: _Session, indices: Sequence[int]) -> None:
-        received = session.received
-        for index in indices:
-            received[index] = 1
-        session.order.extend(indices)
-        sizes = session.sizes
-        session.num_bytes += sum(sizes[i] for i in indices)
-
-    def _apply(
-        self, session: _Session, indices: Sequence[int], tensors: Sequence[torch.Tensor]
-    ) -> None:
-        with torch.no_grad():
-            if self.atomic:
-                for index, tensor in zip(indices, tensors, strict=True):
-                    like = session.dests[index] if session.dests is not None else tensor
-                    staged = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-                    session.staged[index] = staged.copy_(tensor)
-            else:
-                self.stale = True
-                self._write(session, indices, tensors)
-        self._mark(session, indices)
-
-    def _write(
-        self, session: _Session, indices: Sequence[int], tensors: Sequence[torch.Tensor]
-    ) -> None:
-        if session.dests is not None:
-            # grouped launches for the whole batch: per-tensor launch overhead dominates
-            # small tensors
-            dests = session.dests
-            grouped_copy_([dests[i] for i in indices], tensors)
-        else:
-            assert self._load is not None
-            manifest = session.manifest
-            self._load([(manifest[i].name, t) for i, t in zip(indices, tensors, strict=True)])
-
-    def commit(self, *, num_buckets: int = 0) -> RefitReport:
-        session = self._require_session()
-        if len(session.order) != len(session.manifest):
-            missing = [
-                s.name for s, got in zip(session.manifest, session.received, strict=True) if not got
-            ]
-            raise ProtocolError(
-                f"refit incomplete: {len(missing)} tensors never arrived: {missing[:20]}"
-            )
-        if self.atomic:
-            with torch.no_grad():
-                self._write(session, session.order, [session.staged[i] for i in session.order])
-        self._session = None
-        self.version += 1
-        self.stale = False
-        names = tuple(session.manifest[i].name for i in session.order)
-        return RefitReport(
-            self.version,
-            names,
-            len(names),
-            session.num_bytes,
-            num_buckets,
-            time.monotonic() - session.started,
-        )
-
-    def abort(self, reason: str) -> None:
-        """Drop the refit in progress; in-place mode stays ``stale`` if anything was written."""
-        del reason  # the caller reports it; nothing here depends on why
-        self._session = None
-
-    def _require_session(self) -> _Session:
-        if self._session is None:
-            raise ProtocolError("no refit in progress: call begin (BEGIN) first")
-        return self._session
-
-
-def _specs_from(manifest: Mapping[str, Any] | Sequence[TensorSpec]) -> list[TensorSpec]:
-    if isinstance(manifest, Mapping):
-        return [TensorSpec(name, tuple(shape), dtype) for name, (shape, dtype) in manifest.items()]
-    return list(manifest)
 
 
 class HFWeightReceiver:
@@ -411,7 +137,7 @@ class HFWeightReceiver:
 
     def begin_refit(self, manifest: Mapping[str, Any] | Sequence[TensorSpec]) -> None:
         """Start a refit announced by another transport; checks the manifest against refit_info."""
-        self.applier.begin(_specs_from(manifest))
+        self.applier.begin(specs_from(manifest))
 
     def apply_batch(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Validate a batch of named tensors, then write it (or stage it when atomic)."""

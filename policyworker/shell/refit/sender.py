@@ -23,14 +23,11 @@ from policyworker.functional.buckets import (
     plan_ipc_buckets,
     split_ipc_budget,
 )
+from policyworker.shell.refit.ipc_files import shm_free_bytes
 from policyworker.shell.refit.params import refit_info, refit_stream
+from policyworker.shell.refit.staging import CudaStaging, ShmStaging
 from policyworker.shell.refit.watchdog import check_timeout_s
-from policyworker.shell.refit.zmq_ipc import (
-    CudaStaging,
-    ShmStaging,
-    ZmqIpcSender,
-    shm_free_bytes,
-)
+from policyworker.shell.refit.zmq_sender import ZmqIpcSender
 
 __all__ = ["CPU_DEFAULT_BUFFER_BYTES", "CUDA_DEFAULT_BUFFER_CAP_BYTES", "RefitSender"]
 

@@ -11,26 +11,50 @@ Version 2: BEGIN carries the manifest once, as its own JSON frame (a receiver gi
 their index in that manifest plus a byte offset each (no names, dtypes or shapes repeated), and
 its buffer carries ``keep`` (the sender keeps the buffer for the next refit, so the receiver may
 keep its mapping).
+
+The message records and limits live in ``wire_messages`` and the receiver's checks in
+``wire_checks``; every name stays importable from here.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import attrs
-import torch
-
-from policyworker.errors import RefitError
 from policyworker.functional.buckets import TensorSpec
+from policyworker.shell.refit.wire_checks import check_bucket, check_manifest
+from policyworker.shell.refit.wire_messages import (
+    DTYPES_BY_NAME,
+    MAX_DIM,
+    MAX_HANDLE_BYTES,
+    MAX_HEADER_BYTES,
+    MAX_NAME_CHARS,
+    MAX_NDIM,
+    MAX_TENSORS,
+    PROTOCOL,
+    PROTOCOL_VERSION,
+    SHM_NAME_RE,
+    Abort,
+    Begin,
+    Bucket,
+    Complete,
+    CudaBuffer,
+    ProtocolError,
+    RefitRejected,
+    RefitRejectedError,
+    Reply,
+    Request,
+    ShmBuffer,
+    dtype_name,
+)
 
 __all__ = [
     "DTYPES_BY_NAME",
     "MAX_HEADER_BYTES",
     "PROTOCOL",
     "PROTOCOL_VERSION",
+    "SHM_NAME_RE",
     "Abort",
     "Begin",
     "Bucket",
@@ -46,143 +70,12 @@ __all__ = [
     "check_manifest",
     "decode_reply",
     "decode_request",
+    "decode_versioned_json",
     "dtype_name",
     "encode",
     "encode_manifest",
     "max_message_bytes",
 ]
-
-PROTOCOL = "policyworker-refit"
-PROTOCOL_VERSION = 3
-MAX_HANDLE_BYTES = 4096
-MAX_HEADER_BYTES = 64 << 20
-MAX_NAME_CHARS = 1024
-MAX_NDIM = 16
-MAX_DIM = 1 << 48
-MAX_TENSORS = 1 << 22
-SHM_NAME_RE = re.compile(r"^pw-refit-[0-9a-f]{8,64}$")
-DTYPES_BY_NAME: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float32,
-        torch.float64,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-        torch.complex64,
-        torch.complex128,
-        torch.uint16,
-        torch.uint32,
-        torch.uint64,
-    )
-}
-
-
-class ProtocolError(RefitError):
-    """A message broke the wire format or the manifest; the text is the reason sent to the peer."""
-
-
-class RefitRejectedError(RefitError):
-    """The peer answered with a rejection; the message carries its reason."""
-
-
-# The public name before the lint pass (N818); callers and tests still import it.
-RefitRejected = RefitRejectedError
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The wire name of a dtype ("bfloat16", "int64", ...)."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES_BY_NAME:
-        msg = f"dtype {dtype} cannot travel in a refit; supported: {sorted(DTYPES_BY_NAME)}"
-        raise ValueError(msg)
-    return name
-
-
-@attrs.frozen
-class ShmBuffer:
-    """A CPU staging buffer: a file of ``size`` bytes named ``name`` in the shared-memory folder.
-
-    ``keep``: the sender keeps this buffer for its next refit (the receiver may keep its mapping).
-    """
-
-    name: str
-    size: int
-    keep: bool = False
-
-
-@attrs.frozen
-class CudaBuffer:
-    """A CUDA staging buffer: the fields of ``UntypedStorage._share_cuda_()`` (handles raw), plus
-    ``filled_event``: the IPC handle of the interprocess event the sender records after filling
-    the buffer, which the receiver's stream waits on before reading it (no CPU sync)."""
-
-    device_uuid: str
-    size: int
-    storage_offset_bytes: int
-    ref_counter_offset: int
-    event_sync_required: bool
-    handle: bytes
-    ref_counter_handle: bytes
-    event_handle: bytes
-    filled_event: bytes
-    keep: bool = False
-
-
-@attrs.frozen
-class Begin:
-    rank: int
-    transport: str
-    alignment: int
-    manifest: tuple[TensorSpec, ...]
-
-
-@attrs.frozen
-class Bucket:
-    """Tensors ``manifest[indices[k]]`` staged at byte ``offsets[k]`` of ``buffer``."""
-
-    seq: int
-    buffer: ShmBuffer | CudaBuffer
-    indices: tuple[int, ...]
-    offsets: tuple[int, ...]
-    used_bytes: int
-
-
-@attrs.frozen
-class Complete:
-    num_buckets: int
-
-
-@attrs.frozen
-class Abort:
-    reason: str
-
-
-@attrs.frozen
-class Reply:
-    """The receiver's answer: ``ok`` (an ACK) or a rejection with its ``reason``.
-
-    ``consumed_event``: on a CUDA bucket's ACK, the IPC handle of the receiver's interprocess
-    event recorded after its reads of that buffer were queued; the sender's stream waits on it
-    before it writes the buffer again (empty otherwise).
-    """
-
-    ok: bool
-    reply_to: str
-    seq: int = -1
-    reason: str = ""
-    report: dict[str, Any] = attrs.field(factory=dict)
-    consumed_event: bytes = b""
-
-
-Request = Begin | Bucket | Complete | Abort
 
 
 def _spec_json(spec: TensorSpec) -> list[Any]:
@@ -488,79 +381,3 @@ def decode_reply(frames: Sequence[bytes]) -> Reply:
         report,
         bytes(raw[0]) if raw else b"",
     )
-
-
-def _first(names: Sequence[str], limit: int = 20) -> str:
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
-
-
-def check_manifest(
-    manifest: Sequence[TensorSpec], expected: Mapping[str, tuple[torch.Size, torch.dtype]]
-) -> list[str]:
-    """Problems of an announced manifest against the receiver's refit metadata (empty = fine)."""
-    problems: list[str] = []
-    seen: set[str] = set()
-    duplicates: list[str] = []
-    for spec in manifest:
-        if spec.name in seen:
-            duplicates.append(spec.name)
-        seen.add(spec.name)
-    if duplicates:
-        problems.append(f"duplicate names: {_first(duplicates)}")
-    unexpected = [s.name for s in manifest if s.name not in expected]
-    if unexpected:
-        problems.append(f"unexpected names (not in refit_info): {_first(unexpected)}")
-    missing = [n for n in expected if n not in seen]
-    if missing:
-        problems.append(f"missing names (in refit_info, not sent): {_first(missing)}")
-    mismatched = [
-        f"{s.name!r} sent {dtype_name(s.dtype)}{list(s.shape)} vs refit_info "
-        f"{dtype_name(expected[s.name][1])}{list(expected[s.name][0])}"
-        for s in manifest
-        if s.name in expected
-        and (s.shape != tuple(expected[s.name][0]) or s.dtype != expected[s.name][1])
-    ]
-    if mismatched:
-        problems.append("dtype/shape mismatches: " + "; ".join(mismatched[:20]))
-    return problems
-
-
-def check_bucket(
-    bucket: Bucket,
-    manifest: Sequence[TensorSpec],
-    sizes: Sequence[int],
-    received: bytearray,
-    *,
-    alignment: int,
-    buffer_size: int,
-) -> list[str]:
-    """Problems of one bucket against the announced manifest and its buffer (empty = fine).
-
-    ``sizes[i]`` is ``manifest[i].nbytes``; ``received[i]`` is non-zero once tensor ``i`` arrived.
-    """
-    problems: list[str] = []
-    used = bucket.used_bytes
-    if not used <= buffer_size:
-        problems.append(f"used_bytes {used} exceeds the buffer size {buffer_size}")
-    count = len(manifest)
-    end = 0
-    seen: set[int] = set()
-    for index, offset in zip(bucket.indices, bucket.offsets, strict=True):
-        if index >= count:
-            problems.append(f"tensor index {index} is outside the manifest of {count} tensors")
-            continue
-        if received[index] or index in seen:
-            problems.append(f"duplicate name {manifest[index].name!r} (already received)")
-        seen.add(index)
-        if offset % alignment or offset < end:
-            problems.append(
-                f"{manifest[index].name!r}: offset {offset} is not {alignment}-aligned after the "
-                f"previous tensor's end {end}"
-            )
-        end = offset + sizes[index]
-        if end > used:
-            problems.append(
-                f"{manifest[index].name!r}: byte range [{offset}, {end}) exceeds used_bytes {used}"
-            )
-    return problems

@@ -1,0 +1,388 @@
+"""The receiver's refit state machine, free of sockets: ``RefitServer`` and its buffers.
+
+``RefitServer.handle`` takes the frames of one request (BEGIN, BUCKET, COMPLETE or ABORT) and
+returns the reply frames and an ``Outcome``; the socket loop in ``zmq_receiver`` only moves
+frames. ``ReceivedBuffers`` opens each staging buffer of the sender once (a /dev/shm file or a
+CUDA IPC handle) and caches each bucket's source views; a ``WeightSink`` (the receiver's
+``WeightApplier``) validates and applies the tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from policyworker.errors import RefitError
+from policyworker.functional.buckets import (
+    DEFAULT_ALIGNMENT,
+    SplitLayout,
+    TensorSpec,
+    split_layout,
+    split_views,
+    unpack_tensors,
+)
+from policyworker.shell.refit import ipc_files
+from policyworker.shell.refit.staging import open_event
+from policyworker.shell.refit.wire import (
+    Abort,
+    Begin,
+    Bucket,
+    Complete,
+    CudaBuffer,
+    ManifestCache,
+    ProtocolError,
+    Reply,
+    ShmBuffer,
+    check_bucket,
+    decode_request,
+    encode,
+)
+
+__all__ = ["Outcome", "ReceivedBuffers", "RefitServer", "WeightSink"]
+
+
+class WeightSink(Protocol):
+    """Where a refit lands (``receiver.WeightApplier``): validated first, written second."""
+
+    def begin(self, manifest: Sequence[TensorSpec]) -> None: ...
+    def apply_batch(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None: ...
+    def apply_indexed(self, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> None: ...
+    def prepare(self, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> Any: ...
+    def apply_prepared(self, batch: Any) -> None: ...
+    def commit(self, *, num_buckets: int) -> Any: ...
+    def abort(self, reason: str) -> None: ...
+
+
+class _Mapped:
+    """One opened staging buffer, the source views of the buckets it carried and, for CUDA, per
+    region of the buffer the sender fills (a ping-pong half, named by its filled-event handle):
+    the sender's filled event (opened once) and this side's consumed event."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.views: dict[
+            tuple[Any, ...], Any
+        ] = {}  # (indices, offsets) -> the sink's prepared batch
+        self._events: dict[bytes, tuple[torch.cuda.Event, torch.cuda.Event, bytes]] = {}
+
+    def wait_filled(self, filled_handle: bytes) -> bytes:
+        """Queue, on the current stream, a wait for the sender's casts into this region; the
+        region's key for ``record_consumed``."""
+        events = self._events.get(filled_handle)
+        if events is None:
+            if len(self._events) >= 64:  # a misbehaving sender must not grow this without bound
+                self._events.clear()
+            consumed = torch.cuda.Event(interprocess=True)
+            consumed.record(
+                torch.cuda.current_stream(self.tensor.device)
+            )  # before its handle is taken
+            filled = open_event(self.tensor.device, filled_handle)
+            events = self._events[filled_handle] = (filled, consumed, bytes(consumed.ipc_handle()))
+        torch.cuda.current_stream(self.tensor.device).wait_event(events[0])
+        return filled_handle
+
+    def record_consumed(self, key: bytes) -> bytes:
+        """Record the event the sender waits on, after the queued reads of the region.
+
+        Returns its handle.
+        """
+        _, consumed, handle = self._events[key]
+        consumed.record(torch.cuda.current_stream(self.tensor.device))
+        return handle
+
+
+class ReceivedBuffers:
+    """Receiver-side mappings of the sender's staging buffers, by buffer identity.
+
+    A buffer is opened once; after a complete refit only the mappings of buffers the sender
+    keeps (``keep`` in their reference, used by that refit) stay open; a failed refit closes all.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[Any, _Mapped] = {}
+        self._used: dict[Any, bool] = {}  # key -> keep, for the refit in progress
+
+    @staticmethod
+    def _key(ref: ShmBuffer | CudaBuffer) -> Any:
+        if isinstance(ref, ShmBuffer):
+            return ("shm", ref.name, ref.size)
+        return ("cuda", ref.device_uuid, ref.handle, ref.storage_offset_bytes, ref.size)
+
+    def open(self, ref: ShmBuffer | CudaBuffer) -> _Mapped:
+        key = self._key(ref)
+        mapped = self._open.get(key)
+        if mapped is not None and isinstance(ref, ShmBuffer):
+            problem = _shm_problem(ref)  # a kept file truncated since: reading it would SIGBUS
+            if problem is not None:
+                del self._open[key]
+                raise ProtocolError(f"{problem} (it shrank or went away since it was mapped)")
+        if mapped is None:
+            mapped = self._open[key] = _Mapped(
+                _open_shm(ref) if isinstance(ref, ShmBuffer) else _open_cuda(ref)
+            )
+        self._used[key] = ref.keep
+        return mapped
+
+    def finish(self, *, ok: bool) -> None:
+        """End of a refit: keep only the kept buffers it used (none when it failed)."""
+        keep = {k for k, kept in self._used.items() if kept} if ok else set()
+        self._open = {k: m for k, m in self._open.items() if k in keep}
+        self._used = {}
+
+    def clear(self) -> None:
+        self._open.clear()
+        self._used.clear()
+
+    def forget_views(self) -> None:
+        """Drop the cached bucket views (they were built for another manifest)."""
+        for mapped in self._open.values():
+            mapped.views.clear()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+def _shm_problem(ref: ShmBuffer) -> str | None:
+    """Why the named staging file cannot be read safely through a mapping of ``ref.size``
+    bytes (reading past a file's end is a SIGBUS, not an error); None when it can."""
+    path = os.path.join(
+        ipc_files.SHM_DIR, ref.name
+    )  # the name was checked against a strict pattern
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return f"shared-memory buffer {ref.name!r} does not exist in {ipc_files.SHM_DIR}"
+    if (
+        not stat.S_ISREG(info.st_mode)
+        or info.st_uid != os.getuid()
+        or info.st_size < max(ref.size, 1)
+    ):
+        return (
+            f"shared-memory buffer {ref.name!r} is not a regular file of this user with >= "
+            f"{ref.size} bytes (it has {info.st_size})"
+        )
+    return None
+
+
+def _open_shm(ref: ShmBuffer) -> torch.Tensor:
+    problem = _shm_problem(ref)
+    if problem is not None:
+        raise ProtocolError(problem)
+    path = os.path.join(ipc_files.SHM_DIR, ref.name)
+    return torch.from_file(path, shared=True, size=max(ref.size, 1), dtype=torch.uint8)[: ref.size]
+
+
+def _open_cuda(ref: CudaBuffer) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    uuids = [
+        str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
+    ]
+    if ref.device_uuid not in uuids:
+        msg = (
+            f"CUDA buffer on device {ref.device_uuid} is not visible here (visible: {uuids}); "
+            "colocate the receiver"
+        )
+        raise ProtocolError(msg)
+    index = uuids.index(ref.device_uuid)
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        (ref.size,),
+        (1,),
+        0,
+        torch.UntypedStorage,
+        torch.uint8,
+        index,
+        ref.handle,
+        ref.size,
+        ref.storage_offset_bytes,
+        False,
+        ref.ref_counter_handle,
+        ref.ref_counter_offset,
+        ref.event_handle or None,
+        ref.event_sync_required,
+    )
+
+
+@attrs.frozen
+class Outcome:
+    """What one handled message means for the serving loop."""
+
+    done: bool = False
+    report: Any = None
+    error: RefitError | None = None
+
+
+class RefitServer:
+    """The receiver's protocol state machine.
+
+    Frames in, reply frames + outcome out; never raises.
+    """
+
+    def __init__(self, sink: WeightSink) -> None:
+        self.sink = sink
+        self._manifest: tuple[TensorSpec, ...] | None = None
+        self._views_manifest: tuple[TensorSpec, ...] | None = None
+        self._manifests = ManifestCache()
+        self._sizes: tuple[int, ...] = ()
+        self._alignment = DEFAULT_ALIGNMENT
+        self._received = bytearray()
+        self._count = 0
+        self._buffers = ReceivedBuffers()
+        self._num_buckets = 0
+        self._gpu_pending: torch.device | None = None  # a device with reads queued but not awaited
+        # per (indices, offsets) of this manifest: how to cut a bucket out of a fresh mapping with
+        # one split (None: it needs unpack_tensors); kept across refits that free their staging
+        self._layouts: dict[tuple[Any, ...], SplitLayout | None] = {}
+
+    @property
+    def in_refit(self) -> bool:
+        return self._manifest is not None
+
+    @property
+    def open_buffers(self) -> int:
+        """Staging buffers mapped right now (kept ones stay mapped between refits)."""
+        return len(self._buffers)
+
+    def release_buffers(self) -> None:
+        """Close every kept mapping (the sender's kept staging can then really be freed)."""
+        if self._manifest is None:
+            self._buffers.clear()
+
+    def handle(self, frames: Sequence[bytes]) -> tuple[list[bytes], Outcome]:
+        kind, seq = "unknown", -1
+        try:
+            message = decode_request(frames, manifests=self._manifests)
+            kind = type(message).__name__.lower()
+            if isinstance(message, Bucket):
+                seq = message.seq
+            return self._dispatch(message)
+        except Exception as exc:  # a bad message must be answered, never crash the receiver
+            reason = str(exc) if isinstance(exc, RefitError) else f"{type(exc).__name__}: {exc}"
+            self.fail(reason)
+            error = RefitError(f"refit rejected ({kind}): {reason}")
+            return encode(Reply(False, kind, seq, reason)), Outcome(done=True, error=error)
+
+    def _drain_gpu(self) -> None:
+        """Wait for every queued read of the sender's buffers (before closing their mappings)."""
+        if self._gpu_pending is not None:
+            torch.cuda.current_stream(self._gpu_pending).synchronize()
+            self._gpu_pending = None
+
+    def fail(self, reason: str) -> None:
+        """Drop the refit in progress.
+
+        The sink keeps the previous version or marks itself stale.
+        """
+        self._drain_gpu()
+        if self._manifest is not None:
+            self.sink.abort(reason)
+        self._manifest = None
+        self._received = bytearray()
+        self._buffers.finish(ok=False)
+
+    def _dispatch(self, message: Begin | Bucket | Complete | Abort) -> tuple[list[bytes], Outcome]:
+        if isinstance(message, Begin):
+            if self._manifest is not None:
+                raise ProtocolError("BEGIN while a refit is in progress; finish or abort it first")
+            self.sink.begin(message.manifest)
+            if message.manifest is not self._views_manifest:  # cached views hold its dtypes/shapes
+                self._buffers.forget_views()
+                self._layouts.clear()
+                self._views_manifest = message.manifest
+            self._manifest = message.manifest
+            self._sizes = (
+                self._manifests.sizes
+                if message.manifest is self._manifests.specs
+                else tuple(s.nbytes for s in message.manifest)
+            )
+            self._alignment, self._num_buckets = message.alignment, 0
+            self._received, self._count = bytearray(len(message.manifest)), 0
+            return encode(Reply(True, "begin")), Outcome()
+        if isinstance(message, Abort):
+            if self._manifest is None:
+                # Nothing to abort: a sender sends ABORT only after BEGIN, so this one belongs to
+                # a refit this side already ended (rejected, timed out). Answered and dropped;
+                # the refit this receive() waits for is still to come.
+                return encode(Reply(True, "abort")), Outcome()
+            self.fail(f"sender aborted: {message.reason}")
+            error = RefitError(f"the sender aborted the refit: {message.reason}")
+            return encode(Reply(True, "abort")), Outcome(done=True, error=error)
+        if self._manifest is None:
+            raise ProtocolError(f"{type(message).__name__.upper()} before BEGIN")
+        if isinstance(message, Complete):
+            return self._complete(message)
+        return self._bucket(message)
+
+    def _bucket(self, bucket: Bucket) -> tuple[list[bytes], Outcome]:
+        manifest = self._manifest
+        assert manifest is not None
+        problems = check_bucket(
+            bucket,
+            manifest,
+            self._sizes,
+            self._received,
+            alignment=self._alignment,
+            buffer_size=bucket.buffer.size,
+        )
+        if problems:
+            raise ProtocolError(
+                f"bucket {bucket.seq} rejected before any write: " + "; ".join(problems[:20])
+            )
+        mapped = self._buffers.open(bucket.buffer)
+        key = (bucket.indices, bucket.offsets)  # for this manifest (see BEGIN); valid while mapped
+        batch = mapped.views.get(key)
+        if batch is None:
+            if len(mapped.views) > 4096:  # a misbehaving sender must not grow this without bound
+                mapped.views.clear()
+            buffer = mapped.tensor[: bucket.buffer.size]
+            specs = [manifest[i] for i in bucket.indices]
+            if key not in self._layouts:
+                if len(self._layouts) > 4096:
+                    self._layouts.clear()
+                self._layouts[key] = split_layout(specs, bucket.offsets)
+            layout = self._layouts[key]
+            if layout is not None and buffer.data_ptr() % layout.dtype.itemsize == 0:
+                views = split_views(buffer, layout)
+            else:
+                views = unpack_tensors(buffer, specs, bucket.offsets)
+            batch = self.sink.prepare(bucket.indices, views)
+            if bucket.buffer.keep:
+                mapped.views[key] = batch
+        consumed = b""
+        if isinstance(bucket.buffer, CudaBuffer):
+            region = mapped.wait_filled(bucket.buffer.filled_event)
+            self._gpu_pending = mapped.tensor.device
+            self.sink.apply_prepared(batch)
+            consumed = mapped.record_consumed(region)  # the sender's next write there waits on it
+        else:
+            self.sink.apply_prepared(batch)
+        del batch
+        received = self._received
+        for index in bucket.indices:
+            received[index] = 1
+        self._count += len(bucket.indices)
+        self._num_buckets += 1
+        return encode(Reply(True, "bucket", bucket.seq, consumed_event=consumed)), Outcome()
+
+    def _complete(self, message: Complete) -> tuple[list[bytes], Outcome]:
+        manifest = self._manifest
+        assert manifest is not None
+        if self._count != len(manifest):
+            missing = [s.name for s, got in zip(manifest, self._received, strict=True) if not got]
+            raise ProtocolError(f"COMPLETE with {len(missing)} tensors never sent: {missing[:20]}")
+        self._drain_gpu()  # the new version is in place before anyone is told so
+        self._buffers.finish(ok=True)
+        report = self.sink.commit(num_buckets=self._num_buckets)
+        self._manifest = None
+        summary = (
+            attrs.asdict(report, filter=lambda a, _: a.name != "names")
+            if attrs.has(type(report))
+            else {}
+        )
+        return encode(Reply(True, "complete", report=summary)), Outcome(done=True, report=report)
