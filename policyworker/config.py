@@ -52,6 +52,7 @@ __all__ = [
     "GenerationConfig",
     "LoRAConfig",
     "LoraAInit",
+    "LoraComputeDtype",
     "MicrobatchOrder",
     "OptimizerConfig",
     "PackingAlgorithm",
@@ -82,6 +83,9 @@ MicrobatchOrder = Literal["packer", "largest_first"]
 RewardModelType = Literal["bradley_terry", "regression"]
 DropoutPosition = Literal["pre", "post"]
 LoraAInit = Literal["xavier", "uniform"]
+# dtype of the LoRA adapter matmuls (the adapter parameters stay fp32); shell/lora.py resolves
+# "auto": bfloat16 on CUDA when the base layers compute in bfloat16, else float32
+LoraComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 # NeMo-RL `policy.*` keys this worker accepts and does not read (dotted paths below `policy`):
 # every key NeMo-RL's policy TypedDicts or its example configs define that the classes below do
@@ -237,6 +241,14 @@ _MODULE_PATTERNS = _Rule(
 )
 
 
+_LORA_COMPUTE_DTYPE = _Rule(
+    lambda v: v in get_args(LoraComputeDtype),
+    f"must be one of {', '.join(map(repr, get_args(LoraComputeDtype)))}",
+    "use 'auto' (bfloat16 on CUDA when the base layers compute in bfloat16, else float32) or "
+    "name a dtype, e.g. 'bfloat16'",
+)
+
+
 @frozen(kw_only=True)
 class TokenizerConfig:
     """`policy.tokenizer`. `name` None means `model_name`; `chat_template` "default" keeps the
@@ -258,7 +270,11 @@ class LoRAConfig:
     it, ends with `.<entry>`, or matches it as an Automodel wildcard (`*` is any text, e.g.
     `*_proj`, `*.layers.0.*`); `re:<pattern>` is a full-match regex. `exclude_modules` also
     applies on top of the other two rules. `use_triton` is accepted for NeMo-RL compatibility;
-    this worker has no Triton kernel."""
+    this worker has no Triton kernel. `compute_dtype` (not a NeMo-RL key) is the dtype of the
+    adapter matmuls; the adapter parameters and the refit/export merge stay fp32 whatever it
+    says. `auto` means bfloat16 on CUDA when the base layers compute in bfloat16 (bf16 weights or
+    `precision: bfloat16` autocast over fp32 master weights), float32 otherwise. (Automodel's
+    `lora_dtype` is a different thing: the adapters' storage dtype.)"""
 
     target_modules: tuple[str, ...] = field(default=(), validator=_MODULE_PATTERNS)
     exclude_modules: tuple[str, ...] = field(default=(), validator=_MODULE_PATTERNS)
@@ -272,6 +288,7 @@ class LoRAConfig:
     lora_A_init: LoraAInit = "xavier"  # noqa: N815 (NeMo-RL's key)
     use_rslora: bool = False
     use_triton: bool = False
+    compute_dtype: LoraComputeDtype = field(default="auto", validator=_LORA_COMPUTE_DTYPE)
 
 
 @frozen(kw_only=True)
@@ -708,6 +725,14 @@ def _structure_precision(value: Any, type_: Any) -> Any:
         ) from None
 
 
+def _structure_lora_compute_dtype(value: Any, type_: Any) -> Any:
+    # the precision spellings (bf16, fp32, torch.float32, ...) are accepted here too
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        value = PRECISION_ALIASES.get(key, key)
+    return value  # the field's validator names the value, the rule and the fix
+
+
 def _is_literal(type_: Any) -> bool:
     return get_origin(type_) is Literal
 
@@ -858,6 +883,7 @@ def _with_validator(
 _FIELD_HOOKS: Final[dict[tuple[type[Any], str], Callable[[Any, Any], Any]]] = {
     (PolicyConfig, "hf_config_overrides"): _structure_dict_or_none_as_empty,
     (PolicyConfig, "precision"): _structure_precision,
+    (LoRAConfig, "compute_dtype"): _structure_lora_compute_dtype,
     (PolicyConfig, "scheduler"): _structure_scheduler,
 }
 

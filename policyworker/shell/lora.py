@@ -49,6 +49,7 @@ __all__ = [
     "lora_settings",
     "lora_state_dict",
     "lora_tp_plan",
+    "resolve_compute_dtype",
     "save_peft_adapter",
 ]
 
@@ -57,8 +58,9 @@ ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 _WRAPPER_FRAGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 _SETTING_KEYS = (
     "enabled", "target_modules", "exclude_modules", "match_all_linear", "dim", "alpha", "dropout",
-    "dropout_position", "lora_A_init", "use_rslora", "use_triton",
+    "dropout_position", "lora_A_init", "use_rslora", "use_triton", "compute_dtype",
 )  # fmt: skip
+_COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @frozen(kw_only=True)
@@ -78,6 +80,30 @@ class LoRASettings:
     dropout_position: Literal["pre", "post"] = "post"
     lora_A_init: Literal["xavier", "uniform"] = "xavier"  # noqa: N815 (NeMo-RL's key)
     use_rslora: bool = False
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+def resolve_compute_dtype(
+    setting: str, *, device: torch.device, base_dtype: torch.dtype
+) -> torch.dtype:
+    """The adapter matmul dtype that `lora_cfg.compute_dtype` names on `device`.
+
+    ``"auto"`` is bfloat16 on CUDA when the base layers compute in bfloat16 (``base_dtype``: the
+    base weights' dtype, or the autocast dtype over fp32 master weights), float32 otherwise.
+
+    Raises:
+        ValueError: ``setting`` is not "auto" or a dtype name.
+    """
+    if setting == "auto":
+        cuda_bf16 = device.type == "cuda" and base_dtype == torch.bfloat16
+        return torch.bfloat16 if cuda_bf16 else torch.float32
+    if setting not in _COMPUTE_DTYPES:
+        msg = (
+            f"lora_cfg.compute_dtype {setting!r} must be 'auto' or one of "
+            f"{list(_COMPUTE_DTYPES)}; use 'auto' unless you need a fixed dtype"
+        )
+        raise ValueError(msg)
+    return _COMPUTE_DTYPES[setting]
 
 
 def lora_settings(lora_cfg: Any) -> LoRASettings:
@@ -115,6 +141,8 @@ def lora_settings(lora_cfg: Any) -> LoRASettings:
     if not 0.0 <= settings.dropout < 1.0:
         msg = f"lora_cfg.dropout {settings.dropout!r} must be in [0, 1)"
         raise ValueError(msg)
+    cpu = torch.device("cpu")
+    resolve_compute_dtype(settings.compute_dtype, device=cpu, base_dtype=torch.float32)
     return settings
 
 
@@ -123,8 +151,9 @@ class LinearLoRA(nn.Linear):
 
     ``lora_A`` [dim, in] (xavier-normal or kaiming-uniform) and ``lora_B`` [out, dim] (zeros) are
     fp32 ``nn.Linear`` submodules; the adapter path is computed in (at least) fp32 with autocast
-    off and added in the base output's dtype. ``compute_dtype`` (e.g. bf16) trades that for speed:
-    the fp32 path costs ~20% of a bf16 train step on the 1.5B shape (bench/lora.py). Dropout
+    off and added in the base output's dtype. ``compute_dtype`` (e.g. bf16; `apply_lora` sets it
+    from ``lora_cfg.compute_dtype``) trades that for speed: the fp32 path costs ~20% of a bf16
+    train step on the 1.5B shape (bench/lora.py). The parameters stay fp32 either way. Dropout
     applies to the input (``"pre"``) or to the adapter output (``"post"``). Works on plain tensors
     and on DTensors (TP via `lora_tp_plan`).
     """
@@ -245,7 +274,7 @@ class LinearLoRA(nn.Linear):
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, dim={self.dim}, alpha={self.alpha}, scale={self.scale:g}, "
-            f"dropout_position={self.dropout_position}"
+            f"dropout_position={self.dropout_position}, compute_dtype={self.compute_dtype}"
         )
 
 
@@ -279,7 +308,12 @@ def _set_child(model: nn.Module, name: str, child: nn.Module) -> None:
 
 
 def _inject(
-    model: nn.Module, names: Iterable[str], *, dims: Mapping[str, int], s: LoRASettings
+    model: nn.Module,
+    names: Iterable[str],
+    *,
+    dims: Mapping[str, int],
+    s: LoRASettings,
+    autocast_dtype: torch.dtype | None,
 ) -> None:
     for name in names:
         linear = model.get_submodule(name)
@@ -295,6 +329,11 @@ def _inject(
                 dropout=s.dropout,
                 dropout_position=s.dropout_position,
                 lora_A_init=s.lora_A_init,
+                compute_dtype=resolve_compute_dtype(
+                    s.compute_dtype,
+                    device=linear.weight.device,
+                    base_dtype=autocast_dtype or linear.weight.dtype,
+                ),
             ),
         )
     adapters = {id(p) for p in lora_parameters(model)}
@@ -310,11 +349,15 @@ def _linear_names(model: nn.Module) -> list[str]:
     ]
 
 
-def apply_lora(model: nn.Module, lora_cfg: Any) -> list[str]:
+def apply_lora(
+    model: nn.Module, lora_cfg: Any, *, autocast_dtype: torch.dtype | None = None
+) -> list[str]:
     """Replace the matching ``nn.Linear`` modules by `LinearLoRA` in place; freeze everything else.
 
     ``lora_cfg`` is a `policyworker.config.LoRAConfig` or a mapping with its keys (a mapping
     with ``enabled: false`` changes nothing and returns ``[]``). Call it before TP and FSDP2.
+    ``autocast_dtype`` is the dtype the train step's autocast runs the base layers in (None: no
+    autocast); with ``compute_dtype: auto`` a bfloat16 one on CUDA gives bfloat16 adapters.
 
     Returns:
         The dotted names of the replaced modules, in module order.
@@ -352,7 +395,7 @@ def apply_lora(model: nn.Module, lora_cfg: Any) -> list[str]:
             f"'re:<full-match regex>'; linear modules here: {sample}"
         )
         raise ValueError(msg)
-    _inject(model, chosen, dims=dict.fromkeys(chosen, s.dim), s=s)
+    _inject(model, chosen, dims=dict.fromkeys(chosen, s.dim), s=s, autocast_dtype=autocast_dtype)
     return chosen
 
 
@@ -522,7 +565,7 @@ def load_peft_adapter(model: nn.Module, folder: str | pathlib.Path) -> list[str]
             for n in names
             if f"{n}.lora_A.weight" in weights
         }
-        _inject(model, [n for n in names if n in dims], dims=dims, s=s)
+        _inject(model, [n for n in names if n in dims], dims=dims, s=s, autocast_dtype=None)
         modules = lora_modules(model)
     _check_against_model(modules, weights, str(path))
     alpha, use_rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))

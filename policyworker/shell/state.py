@@ -99,7 +99,7 @@ class WorkerState:
         if dcfg.lora_cfg is not None:
             from policyworker.shell.lora import apply_lora
 
-            lora_module_names = apply_lora(model, dcfg.lora_cfg)
+            lora_module_names = apply_lora(model, dcfg.lora_cfg, autocast_dtype=dtype)
         model = _parallelize(model, cfg, parallel, dtype)
         if cfg.sequence_packing is not None:
             model_lib.check_document_isolation(model, autocast_dtype=dtype)
