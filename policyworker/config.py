@@ -74,8 +74,9 @@ __all__ = [
 
 Precision = Literal["float32", "bfloat16", "float16"]
 AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "varlen"]
-# torch.compile of elementwise work in the training model (shell/fusion.py); "none" runs eager
-FusionMode = Literal["none", "norm_mlp", "layer"]
+# torch.compile of elementwise work in the training model (shell/fusion.py); "none" runs eager,
+# "auto" is "layer" on CUDA in a single process and "none" otherwise
+FusionMode = Literal["auto", "none", "norm_mlp", "layer"]
 PackingAlgorithm = Literal[
     "modified_first_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle", "concatenative"
 ]
@@ -295,8 +296,13 @@ class LoRAConfig:
 class DTensorConfig:
     """`policy.dtensor_cfg`: parallel sizes, memory options, LoRA, the attention kernel and
     `fusion` (not a NeMo-RL key): `layer` runs each decoder layer through one `torch.compile`d
-    graph, `norm_mlp` only RMSNorm and SiLU-gated MLP activations, `none` (default) runs eager.
-    Single process only; a failing compile falls back to eager with a warning.
+    graph, `norm_mlp` only RMSNorm and SiLU-gated MLP activations, `none` runs eager, `auto`
+    (default) is `layer` on CUDA in a single process and `none` otherwise (CPU, or a process
+    group, where FSDP2/TP own the layers). `layer` and `norm_mlp` need a single process. A compile
+    or start-up equality check that fails falls back to eager with one warning; the worker's
+    `fusion_report` and start-up log line say what ran. Compiled graphs are cached on disk in
+    `$TORCHINDUCTOR_CACHE_DIR` (default here: `$XDG_CACHE_HOME/policyworker/torchinductor`, i.e.
+    `~/.cache/policyworker/torchinductor`), so the compile cost is paid once per machine.
     `moe_router_bias_update_rate` (NeMo-RL's `megatron_cfg` key): after each optimizer step every
     `e_score_correction_bias` (DeepSeek-V3-style routers) moves by this much toward balanced
     expert load; 0.0 (default) is off; models without such routers ignore it with one warning."""
@@ -308,7 +314,7 @@ class DTensorConfig:
     cpu_offload: bool = False
     lora_cfg: LoRAConfig | None = None
     attn_implementation: AttnImplementation = "auto"
-    fusion: FusionMode = "none"
+    fusion: FusionMode = "auto"
     moe_router_bias_update_rate: float = field(
         default=0.0, validator=_Rule(lambda v: v >= 0.0, "must be >= 0 (0 disables the update)")
     )

@@ -111,12 +111,16 @@ def test_offload_after_refit_frees_model_and_optimizer_memory(tiny_model_paths):
     assert worker.train(data, NLLLoss())["skipped_steps"] == 0
 
 
-@pytest.mark.parametrize("mode", ["layer", "norm_mlp"])
+@pytest.mark.parametrize("mode", ["layer", "norm_mlp", "auto"])
 def test_fused_worker_matches_eager_on_packed_bf16_logprobs_and_training(tiny_model_paths, mode):
     path = tiny_model_paths["qwen3"]
     data = make_batch(8, 16, seed=34)
     sgd = {"name": "torch.optim.SGD", "kwargs": {"lr": 1e-3}}
-    eager = PolicyWorker(make_config(path, precision="bfloat16", optimizer=sgd, **PACKED))
+    eager = PolicyWorker(
+        make_config(
+            path, precision="bfloat16", optimizer=sgd, **PACKED, dtensor_cfg={"fusion": "none"}
+        )
+    )
     fused = PolicyWorker(
         make_config(
             path, precision="bfloat16", optimizer=sgd, **PACKED, dtensor_cfg={"fusion": mode}
@@ -131,3 +135,11 @@ def test_fused_worker_matches_eager_on_packed_bf16_logprobs_and_training(tiny_mo
         torch.testing.assert_close(
             loss_fused["global_loss"], loss_eager["global_loss"], atol=0.02, rtol=0.01
         )
+
+
+def test_default_worker_fuses_layers_on_cuda(tiny_model_paths):
+    """`fusion: auto` (the default) is `layer` on CUDA in one process, with no fallback."""
+    worker = PolicyWorker(make_config(tiny_model_paths["qwen2"], precision="bfloat16"))
+    report = worker.fusion_report
+    assert (report.requested, report.mode, report.fallback_reason) == ("auto", "layer", None)
+    assert report.fused_layers > 0 and report.summary() == "layer (auto)"
