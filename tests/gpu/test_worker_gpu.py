@@ -143,3 +143,28 @@ def test_default_worker_fuses_layers_on_cuda(tiny_model_paths):
     report = worker.fusion_report
     assert (report.requested, report.mode, report.fallback_reason) == ("auto", "layer", None)
     assert report.fused_layers > 0 and report.summary() == "layer (auto)"
+
+
+def test_async_save_stages_into_pinned_reused_buffers(tiny_model_paths, tmp_path):
+    from policyworker.shell import checkpoint as ck
+
+    path = tiny_model_paths["qwen2"]
+    worker = PolicyWorker(make_config(path, precision="bfloat16"), init_reference_model=False)
+    data = make_batch(8, 16, seed=35)
+    worker.train(data, NLLLoss())
+    ck.save_checkpoint(worker.state, tmp_path / "a", tmp_path / "a")
+    ck.finalize_async_save(worker.state)
+    staging = worker.state.saver.staging
+    arenas = dict(staging._arenas)
+    assert arenas and all(a.registered for a in arenas.values())  # page-locked in place
+    worker.train(data, NLLLoss())
+    before = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+    ck.save_checkpoint(worker.state, tmp_path / "b", tmp_path / "b")
+    assert all(staging._arenas[g] is a for g, a in arenas.items())  # reused, not reallocated
+    worker.train(data, NLLLoss())  # overwrites the weights right after the save returned
+    ck.finalize_async_save(worker.state)
+    fresh = PolicyWorker(make_config(path, precision="bfloat16"), init_reference_model=False)
+    ck.load_checkpoint(fresh.state, tmp_path / "b", tmp_path / "b")
+    assert all(torch.equal(v, before[k]) for k, v in fresh.model.state_dict().items())
+    worker.shutdown()
+    assert staging.nbytes == 0
