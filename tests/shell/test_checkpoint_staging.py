@@ -98,3 +98,30 @@ def test_staging_reuses_a_group_while_its_layout_holds_and_reallocates_when_it_c
     assert third[0] is not first[0] and staging.nbytes == 128
     staging.release()
     assert staging.nbytes == 0 and staging.views("g") == []
+
+
+def test_buffers_are_page_locked_once_and_unlocked_before_they_are_freed(monkeypatch):
+    """With CUDA (faked here), each group's flat buffer is registered in place at allocation
+    and unregistered exactly once when it is reallocated or released."""
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 (the CUDA runtime's name)
+            calls.append(("register", ptr, size))
+            return 0
+
+        def cudaHostUnregister(self, ptr):  # noqa: N802
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", FakeCudart)
+    staging = StagingBuffers()
+    first = staging.stage("g", [("a", torch.ones(16))])
+    staging.stage("g", [("a", torch.ones(16))])  # reused: no second registration
+    ptr = first[0].data_ptr()
+    assert calls == [("register", ptr, 64)]
+    staging.stage("g", [("a", torch.ones(32))])  # new layout: the old buffer is unlocked first
+    assert calls[1] == ("unregister", ptr) and calls[2][0] == "register"
+    staging.release()
+    assert [c[0] for c in calls] == ["register", "unregister", "register", "unregister"]

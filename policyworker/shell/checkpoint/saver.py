@@ -53,14 +53,24 @@ class _Arena:
     layout: tuple[tuple[Hashable, tuple[int, ...], torch.dtype], ...]
     flat: torch.Tensor  # uint8
     views: list[torch.Tensor]
-    registered: bool  # page-locked with cudaHostRegister (unregistered by `release`)
+    unpin: weakref.finalize | None  # set when page-locked: unregisters (once; also at collection)
+
+    @property
+    def registered(self) -> bool:
+        return self.unpin is not None
 
 
-def _register(flat: torch.Tensor) -> bool:
+def _unregister(data_ptr: int) -> None:
+    cudart: Any = torch.cuda.cudart()
+    cudart.cudaHostUnregister(data_ptr)
+
+
+def _register(flat: torch.Tensor) -> weakref.finalize | None:
     """Page-lock `flat` in place (exact size; torch's pinned allocator rounds up to a power of
-    two). False when CUDA is absent or the driver refuses (the buffer stays pageable)."""
+    two); returns its unregister finalizer. None when CUDA is absent or the driver refuses (the
+    buffer stays pageable)."""
     if flat.numel() == 0 or not torch.cuda.is_available():
-        return False
+        return None
     portable = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
     cudart: Any = torch.cuda.cudart()
     code = int(cudart.cudaHostRegister(flat.data_ptr(), flat.numel(), portable))
@@ -71,8 +81,8 @@ def _register(flat: torch.Tensor) -> bool:
             flat.numel(),
             code,
         )
-        return False
-    return True
+        return None
+    return weakref.finalize(flat, _unregister, flat.data_ptr())
 
 
 class StagingBuffers:
@@ -126,9 +136,8 @@ class StagingBuffers:
 
     def _drop(self, group: str) -> None:
         arena = self._arenas.pop(group, None)
-        if arena is not None and arena.registered:
-            cudart: Any = torch.cuda.cudart()
-            cudart.cudaHostUnregister(arena.flat.data_ptr())
+        if arena is not None and arena.unpin is not None:
+            arena.unpin()  # before the memory goes back to the allocator
 
 
 def _allocate(layout: tuple[tuple[Hashable, tuple[int, ...], torch.dtype], ...]) -> _Arena:
@@ -142,7 +151,7 @@ def _allocate(layout: tuple[tuple[Hashable, tuple[int, ...], torch.dtype], ...])
         flat[offset : offset + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
         for offset, (_, shape, dtype) in zip(offsets, layout, strict=True)
     ]
-    return _Arena(layout=layout, flat=flat, views=views, registered=_register(flat))
+    return _Arena(layout=layout, flat=flat, views=views, unpin=_register(flat))
 
 
 def _warn_at_exit(saver_ref: weakref.ReferenceType[AsyncSaver]) -> None:
