@@ -297,6 +297,8 @@ MECHANISM_MODULES = {
     "attention",
     "fusion",
     "lora",
+    "lora_tp",
+    "peft_adapter",
     "optim",
     "config_io",
     "ipc_logits",

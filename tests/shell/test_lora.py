@@ -15,13 +15,12 @@ from policyworker.functional.lora import assert_lora_modules_reachable, merge_lo
 from policyworker.shell.lora import (
     LinearLoRA,
     apply_lora,
-    load_peft_adapter,
     lora_modules,
     lora_parameters,
-    lora_tp_plan,
     resolve_compute_dtype,
-    save_peft_adapter,
 )
+from policyworker.shell.lora_tp import lora_tp_plan
+from policyworker.shell.peft_adapter import load_peft_adapter, save_peft_adapter
 
 TINY = dict(
     hidden_size=32,

@@ -219,7 +219,7 @@ def _model_jobs(
             owner.model, model_tmp, parallel=owner.parallel, manifest=manifest, staging=staging
         )
         return [job]
-    from policyworker.shell.lora import save_peft_adapter
+    from policyworker.shell.peft_adapter import save_peft_adapter
 
     cfg = getattr(owner, "cfg", None)
     save_peft_adapter(
@@ -308,7 +308,7 @@ def _load(
         elif load_weights and fmt == "dcp":
             commits.append(_load_dcp_weights(owner.model, folder, group=group))
         elif load_weights:
-            from policyworker.shell.lora import load_peft_adapter
+            from policyworker.shell.peft_adapter import load_peft_adapter
 
             commits.append(lambda: load_peft_adapter(owner.model, folder))
         ref_folder = folder.parent / REFERENCE_DIR if folder.name == MODEL_DIR else None
