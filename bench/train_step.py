@@ -233,6 +233,8 @@ def main() -> None:
         lengths = rl_lengths(args.batch, low=args.min_len, high=args.max_len, seed=0)
         data = make_batch(lengths, vocab=vocab, seed=1, seq_len=args.max_len)
         packed = bench_worker(model_path, args, data, num_params, packed=True)
+        partial = {"partial": True, "num_params": num_params, "args": vars(args)}
+        write_results("train_step", {**partial, "ours_packed": packed}, args.out)  # if cut short
         other = (
             bench_worker(model_path, args, data, num_params, packed=True, fuse=args.also_fuse)
             if args.also_fuse
