@@ -15,10 +15,10 @@ left() { echo $((420 - ($(date +%s) - start))); }
 timeout 150 python bench/train_step.py $small --fuse auto --also-fuse none --skip-padded \
   --skip-baseline --steps 2 --out "$OUT/train_step.json" 2>&1 | tail -14
 echo "== train_step done at $(($(date +%s) - start)) s"
-timeout 50 python bench/lora.py $small --steps 4 --warmup 1 --repeats 2 \
+timeout 60 python bench/lora.py $small --steps 4 --warmup 1 --repeats 2 \
   --json "$OUT/lora.json" 2>&1 | tail -9
 echo "== lora done at $(($(date +%s) - start)) s"
-timeout 130 python bench/checkpoint.py $small --skip-load --json "$OUT/checkpoint.json" 2>&1 \
+timeout 120 python bench/checkpoint.py $small --skip-load --json "$OUT/checkpoint.json" 2>&1 \
   | tail -10
 echo "== checkpoint done at $(($(date +%s) - start)) s"
 budget=$(left)
