@@ -3,8 +3,10 @@
 Model: a randomly initialised Qwen2 with the 1.5B shape (hidden 1536, 28 layers, 12 heads,
 2 KV heads, MLP 8960, vocab 151936, tied embeddings), fp32 master weights, bf16 autocast,
 sdpa attention. Train step: forward, next-token cross-entropy, backward, AdamW step (plain torch
-loop, no worker). LoRA: every linear layer except lm_head, dim 16, alpha 32; the default fp32
-adapter path, and the same with ``LinearLoRA.compute_dtype = bfloat16`` (adapter matmuls in bf16).
+loop, no worker). LoRA: every linear layer except lm_head, dim 16, alpha 32, with
+``lora_cfg.compute_dtype: float32`` (fp32 adapter matmuls) and with the default ``auto`` as the
+worker resolves it under bf16 autocast (bf16 adapter matmuls on CUDA, fp32 on CPU); the adapter
+parameters are fp32 in both.
 
 Refit cost: producing every refit tensor in bf16 from the fp32 master weights; LoRA modules
 go through ``merge_lora_weight`` (the exact fp32-accumulated merge) before the cast, the
@@ -28,7 +30,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from policyworker.functional.lora import merge_lora_weight  # noqa: E402
-from policyworker.shell.lora import apply_lora, lora_modules, lora_parameters  # noqa: E402
+from policyworker.shell.lora import (  # noqa: E402
+    apply_lora,
+    lora_modules,
+    lora_parameters,
+    resolve_compute_dtype,
+)
 
 SHAPE_1P5B = dict(
     hidden_size=1536,
@@ -159,9 +166,9 @@ def run(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     model = _build(shape, device)
-    names = apply_lora(model, LORA_CFG)
+    names = apply_lora(model, {**LORA_CFG, "compute_dtype": "float32"})
     results["lora_modules"] = len(names)
-    results["lora"] = _train_tokens_per_s(
+    results["lora"] = _train_tokens_per_s(  # compute_dtype: float32
         model,
         lora_parameters(model),
         device=device,
@@ -172,8 +179,11 @@ def run(
     )
     results["lora_refit_s"] = _refit_s(model, device=device, merge=True, repeats=repeats)
     results["lora_refit_no_merge_s"] = _refit_s(model, device=device, merge=False, repeats=repeats)
-    for module in lora_modules(model).values():  # same model, adapter matmuls in bf16
-        module.compute_dtype = torch.bfloat16 if device.type == "cuda" else None
+    # the same model with compute_dtype "auto", resolved as the worker does under bf16 autocast
+    auto = resolve_compute_dtype("auto", device=device, base_dtype=torch.bfloat16)
+    for module in lora_modules(model).values():
+        module.compute_dtype = auto
+    results["lora_auto_compute_dtype"] = str(auto).removeprefix("torch.")
     results["lora_bf16_adapters"] = _train_tokens_per_s(
         model,
         lora_parameters(model),
@@ -185,6 +195,9 @@ def run(
     )
     results["speedup_tokens_per_s"] = (
         results["lora"]["tokens_per_s"] / results["full_ft"]["tokens_per_s"]
+    )
+    results["speedup_default_tokens_per_s"] = (
+        results["lora_bf16_adapters"]["tokens_per_s"] / results["full_ft"]["tokens_per_s"]
     )
     results["merge_overhead_ratio"] = results["lora_refit_s"] / results["lora_refit_no_merge_s"]
     return results
@@ -201,14 +214,14 @@ def _table(r: dict) -> str:
         ),
         (
             "train step",
-            f"LoRA ({r['lora_modules']} modules)",
+            f"LoRA ({r['lora_modules']} modules), fp32",
             f"{r['lora']['tokens_per_s']:,.0f} tok/s",
             f"{r['lora']['step_s'] * 1e3:.1f} ms",
             f"{r['lora']['peak_mem_gib']:.1f} GiB",
         ),
         (
             "train step",
-            "LoRA, bf16 adapter matmuls",
+            f"LoRA, compute_dtype auto ({r['lora_auto_compute_dtype']})",
             f"{r['lora_bf16_adapters']['tokens_per_s']:,.0f} tok/s",
             f"{r['lora_bf16_adapters']['step_s'] * 1e3:.1f} ms",
             f"{r['lora_bf16_adapters']['peak_mem_gib']:.1f} GiB",
@@ -229,10 +242,11 @@ def _table(r: dict) -> str:
             "",
         ),
     ]
-    lines = [f"{'what':<14} {'variant':<30} {'throughput':>18} {'time':>12} {'peak mem':>10}"]
-    lines += [f"{a:<14} {b:<30} {c:>18} {d:>12} {e:>10}" for a, b, c, d, e in rows]
+    lines = [f"{'what':<14} {'variant':<38} {'throughput':>18} {'time':>12} {'peak mem':>10}"]
+    lines += [f"{a:<14} {b:<38} {c:>18} {d:>12} {e:>10}" for a, b, c, d, e in rows]
     lines.append(
-        f"LoRA / full tokens/s = {r['speedup_tokens_per_s']:.2f}x; merge overhead at refit = "
+        f"LoRA / full tokens/s: fp32 adapters {r['speedup_tokens_per_s']:.2f}x, default (auto) "
+        f"{r['speedup_default_tokens_per_s']:.2f}x; merge overhead at refit = "
         f"{r['merge_overhead_ratio']:.2f}x of a cast-only pass"
     )
     return "\n".join(lines)

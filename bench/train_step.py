@@ -12,8 +12,11 @@ real (unpadded) tokens/s, MFU = 6 * N * real tokens / s / 790 TFLOP/s, and peak 
   rows (an out-of-memory there is reported, not raised).
 
 Usage: `python bench/train_step.py` (CUDA) or `python bench/train_step.py --small` (CPU smoke).
-`--fuse norm_mlp|layer` sets `dtensor_cfg.fusion` (torch.compile of the model's elementwise work;
-the compile happens in the worker's init probe and the untimed warm-up step).
+`--fuse auto|none|norm_mlp|layer` sets `dtensor_cfg.fusion` (default `auto`, the config's default:
+`layer` on CUDA, `none` on CPU; the compile happens in the worker's init probe and the untimed
+warm-up step). `--also-fuse none` measures a second packed worker with that mode on the same
+model and batch, as a row beside the first (e.g. the default vs eager); `--skip-padded` skips the
+padded worker.
 Prints a table (ours / baseline / limit / ratio) and writes bench/results/train_step.json.
 """
 
@@ -49,7 +52,9 @@ from policyworker.shell.worker import PolicyWorker
 MFU_TARGET = 0.40
 
 
-def worker_config(model_path: str, args: argparse.Namespace, *, packed: bool) -> dict:
+def worker_config(
+    model_path: str, args: argparse.Namespace, *, packed: bool, fuse: str | None = None
+) -> dict:
     cfg = {
         "model_name": model_path,
         "precision": args.precision,
@@ -63,7 +68,7 @@ def worker_config(model_path: str, args: argparse.Namespace, *, packed: bool) ->
         },
         "dtensor_cfg": {
             "activation_checkpointing": args.activation_checkpointing,
-            "fusion": args.fuse,
+            "fusion": fuse or args.fuse,
         },
     }
     if packed:
@@ -71,18 +76,20 @@ def worker_config(model_path: str, args: argparse.Namespace, *, packed: bool) ->
     return cfg
 
 
-def bench_worker(model_path: str, args, data, num_params: int, *, packed: bool) -> dict:
+def bench_worker(
+    model_path: str, args, data, num_params: int, *, packed: bool, fuse: str | None = None
+) -> dict:
     release()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     worker = PolicyWorker(
-        worker_config(model_path, args, packed=packed), init_reference_model=False
+        worker_config(model_path, args, packed=packed, fuse=fuse), init_reference_model=False
     )
     fusion = fusion_result(
         worker,
-        args.fuse,
-        label="packed" if packed else "padded",
+        fuse or args.fuse,
+        label=("packed" if packed else "padded") + (f", fusion {fuse}" if fuse else ""),
         seconds=time.perf_counter() - start,
     )
     tokens = int(data["input_lengths"].sum())
@@ -202,15 +209,22 @@ def main() -> None:
         "--fuse",
         choices=FUSION_MODES,
         default=None,
-        help="dtensor_cfg.fusion for the worker (default: layer on CUDA, none on CPU)",
+        help="dtensor_cfg.fusion for the worker (default: auto = layer on CUDA, none on CPU)",
     )
+    parser.add_argument(
+        "--also-fuse",
+        choices=FUSION_MODES,
+        default=None,
+        help="also measure a packed worker with this fusion mode (a row beside --fuse)",
+    )
+    parser.add_argument("--skip-padded", action="store_true", help="skip the padded worker")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.small:
         torch.set_num_threads(1)
         args.min_len, args.max_len, args.mb_tokens, args.steps = 8, 64, 256, 1
     args.precision = args.precision or ("bfloat16" if device().type == "cuda" else "float32")
-    args.fuse = args.fuse or ("layer" if device().type == "cuda" else "none")
+    args.fuse = args.fuse or "auto"
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model_path = str(Path(tmp) / "model")
@@ -219,7 +233,16 @@ def main() -> None:
         lengths = rl_lengths(args.batch, low=args.min_len, high=args.max_len, seed=0)
         data = make_batch(lengths, vocab=vocab, seed=1, seq_len=args.max_len)
         packed = bench_worker(model_path, args, data, num_params, packed=True)
-        padded = bench_worker(model_path, args, data, num_params, packed=False)
+        partial = {"partial": True, "num_params": num_params, "args": vars(args)}
+        write_results("train_step", {**partial, "ours_packed": packed}, args.out)  # if cut short
+        other = (
+            bench_worker(model_path, args, data, num_params, packed=True, fuse=args.also_fuse)
+            if args.also_fuse
+            else None
+        )
+        padded = {}
+        if not args.skip_padded:
+            padded = bench_worker(model_path, args, data, num_params, packed=False)
         base_small = (
             {}
             if args.skip_baseline
@@ -246,11 +269,11 @@ def main() -> None:
         },
         {
             "metric": "padded tok/s",
-            "ours": padded["tokens_per_s"],
+            "ours": padded.get("tokens_per_s"),
             "baseline": base_small.get("tokens_per_s"),
-            "ratio": ratio(padded["tokens_per_s"], base_small.get("tokens_per_s")),
+            "ratio": ratio(padded.get("tokens_per_s"), base_small.get("tokens_per_s")),
         },
-        {"metric": "padded MFU", "ours": padded["mfu"], "baseline": base_small.get("mfu")},
+        {"metric": "padded MFU", "ours": padded.get("mfu"), "baseline": base_small.get("mfu")},
         {
             "metric": "peak GiB (packed / HF small batch)",
             "ours": packed["peak_gib"],
@@ -259,6 +282,23 @@ def main() -> None:
             "ratio": ratio(packed["peak_gib"], base_small.get("peak_gib")),
         },
     ]
+    if other is not None:
+        rows.append(
+            {
+                "metric": f"packed tok/s, fusion {args.fuse} vs {args.also_fuse}",
+                "ours": packed["tokens_per_s"],
+                "baseline": other["tokens_per_s"],
+                "ratio": ratio(packed["tokens_per_s"], other["tokens_per_s"]),
+            }
+        )
+        rows.append(
+            {
+                "metric": f"packed MFU, fusion {args.fuse} vs {args.also_fuse}",
+                "ours": packed["mfu"],
+                "baseline": other["mfu"],
+                "limit": ">= 0.50 (issue 17)",
+            }
+        )
     if base_full is not None:
         rows.append(
             {
@@ -281,6 +321,7 @@ def main() -> None:
             "lengths": lengths,
             "args": vars(args),
             "ours_packed": packed,
+            "ours_packed_also_fuse": other,
             "ours_padded": padded,
             "baseline_small_batch": base_small,
             "baseline_full_batch": base_full,

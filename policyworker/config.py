@@ -12,6 +12,14 @@ and so does NeMo-RL's `{enabled: false, ...}` form; both structure to `None`. A 
 without `enabled`, or with `enabled: true`, is enabled and structures to its class (which has no
 `enabled` attribute). The keys of a disabled section are still checked by name (a typo is an
 error) but their values are not read. `PolicyConfig` has `*_enabled` properties for consumers.
+
+Why it is over 400 lines: over 1,000, in fact, because it is the style guide's
+one config module (classes + the converter + `load_config`), and its three parts reference each
+other both ways: the classes' validators are the `_Rule`s here, the converter's field hooks are
+keyed by the classes (`_FIELD_HOOKS`), and `load_config`'s error rendering walks both. Splitting
+the hooks or rules into another module would leave a module of private helpers read only from
+here (or an import cycle), and pyright's strict mode is configured for this path. The
+NeMo-RL ignore table is data, not logic.
 """
 
 import difflib
@@ -52,6 +60,7 @@ __all__ = [
     "GenerationConfig",
     "LoRAConfig",
     "LoraAInit",
+    "LoraComputeDtype",
     "MicrobatchOrder",
     "OptimizerConfig",
     "PackingAlgorithm",
@@ -73,8 +82,9 @@ __all__ = [
 
 Precision = Literal["float32", "bfloat16", "float16"]
 AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "varlen"]
-# torch.compile of elementwise work in the training model (shell/fusion.py); "none" runs eager
-FusionMode = Literal["none", "norm_mlp", "layer"]
+# torch.compile of elementwise work in the training model (shell/fusion.py); "none" runs eager,
+# "auto" is "layer" on CUDA in a single process and "none" otherwise
+FusionMode = Literal["auto", "none", "norm_mlp", "layer"]
 PackingAlgorithm = Literal[
     "modified_first_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle", "concatenative"
 ]
@@ -82,6 +92,9 @@ MicrobatchOrder = Literal["packer", "largest_first"]
 RewardModelType = Literal["bradley_terry", "regression"]
 DropoutPosition = Literal["pre", "post"]
 LoraAInit = Literal["xavier", "uniform"]
+# dtype of the LoRA adapter matmuls (the adapter parameters stay fp32); shell/lora.py resolves
+# "auto": bfloat16 on CUDA when the base layers compute in bfloat16, else float32
+LoraComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 # NeMo-RL `policy.*` keys this worker accepts and does not read (dotted paths below `policy`):
 # every key NeMo-RL's policy TypedDicts or its example configs define that the classes below do
@@ -237,6 +250,14 @@ _MODULE_PATTERNS = _Rule(
 )
 
 
+_LORA_COMPUTE_DTYPE = _Rule(
+    lambda v: v in get_args(LoraComputeDtype),
+    f"must be one of {', '.join(map(repr, get_args(LoraComputeDtype)))}",
+    "use 'auto' (bfloat16 on CUDA when the base layers compute in bfloat16, else float32) or "
+    "name a dtype, e.g. 'bfloat16'",
+)
+
+
 @frozen(kw_only=True)
 class TokenizerConfig:
     """`policy.tokenizer`. `name` None means `model_name`; `chat_template` "default" keeps the
@@ -258,7 +279,11 @@ class LoRAConfig:
     it, ends with `.<entry>`, or matches it as an Automodel wildcard (`*` is any text, e.g.
     `*_proj`, `*.layers.0.*`); `re:<pattern>` is a full-match regex. `exclude_modules` also
     applies on top of the other two rules. `use_triton` is accepted for NeMo-RL compatibility;
-    this worker has no Triton kernel."""
+    this worker has no Triton kernel. `compute_dtype` (not a NeMo-RL key) is the dtype of the
+    adapter matmuls; the adapter parameters and the refit/export merge stay fp32 whatever it
+    says. `auto` means bfloat16 on CUDA when the base layers compute in bfloat16 (bf16 weights or
+    `precision: bfloat16` autocast over fp32 master weights), float32 otherwise. (Automodel's
+    `lora_dtype` is a different thing: the adapters' storage dtype.)"""
 
     target_modules: tuple[str, ...] = field(default=(), validator=_MODULE_PATTERNS)
     exclude_modules: tuple[str, ...] = field(default=(), validator=_MODULE_PATTERNS)
@@ -272,14 +297,20 @@ class LoRAConfig:
     lora_A_init: LoraAInit = "xavier"  # noqa: N815 (NeMo-RL's key)
     use_rslora: bool = False
     use_triton: bool = False
+    compute_dtype: LoraComputeDtype = field(default="auto", validator=_LORA_COMPUTE_DTYPE)
 
 
 @frozen(kw_only=True)
 class DTensorConfig:
     """`policy.dtensor_cfg`: parallel sizes, memory options, LoRA, the attention kernel and
     `fusion` (not a NeMo-RL key): `layer` runs each decoder layer through one `torch.compile`d
-    graph, `norm_mlp` only RMSNorm and SiLU-gated MLP activations, `none` (default) runs eager.
-    Single process only; a failing compile falls back to eager with a warning.
+    graph, `norm_mlp` only RMSNorm and SiLU-gated MLP activations, `none` runs eager, `auto`
+    (default) is `layer` on CUDA in a single process and `none` otherwise (CPU, or a process
+    group, where FSDP2/TP own the layers). `layer` and `norm_mlp` need a single process. A compile
+    or start-up equality check that fails falls back to eager with one warning; the worker's
+    `fusion_report` and start-up log line say what ran. Compiled graphs are cached on disk in
+    `$TORCHINDUCTOR_CACHE_DIR` (default here: `$XDG_CACHE_HOME/policyworker/torchinductor`, i.e.
+    `~/.cache/policyworker/torchinductor`), so the compile cost is paid once per machine.
     `moe_router_bias_update_rate` (NeMo-RL's `megatron_cfg` key): after each optimizer step every
     `e_score_correction_bias` (DeepSeek-V3-style routers) moves by this much toward balanced
     expert load; 0.0 (default) is off; models without such routers ignore it with one warning."""
@@ -291,7 +322,7 @@ class DTensorConfig:
     cpu_offload: bool = False
     lora_cfg: LoRAConfig | None = None
     attn_implementation: AttnImplementation = "auto"
-    fusion: FusionMode = "none"
+    fusion: FusionMode = "auto"
     moe_router_bias_update_rate: float = field(
         default=0.0, validator=_Rule(lambda v: v >= 0.0, "must be >= 0 (0 disables the update)")
     )
@@ -708,6 +739,14 @@ def _structure_precision(value: Any, type_: Any) -> Any:
         ) from None
 
 
+def _structure_lora_compute_dtype(value: Any, type_: Any) -> Any:
+    # the precision spellings (bf16, fp32, torch.float32, ...) are accepted here too
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        value = PRECISION_ALIASES.get(key, key)
+    return value  # the field's validator names the value, the rule and the fix
+
+
 def _is_literal(type_: Any) -> bool:
     return get_origin(type_) is Literal
 
@@ -858,6 +897,7 @@ def _with_validator(
 _FIELD_HOOKS: Final[dict[tuple[type[Any], str], Callable[[Any, Any], Any]]] = {
     (PolicyConfig, "hf_config_overrides"): _structure_dict_or_none_as_empty,
     (PolicyConfig, "precision"): _structure_precision,
+    (LoRAConfig, "compute_dtype"): _structure_lora_compute_dtype,
     (PolicyConfig, "scheduler"): _structure_scheduler,
 }
 

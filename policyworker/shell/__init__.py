@@ -2,7 +2,8 @@
 
     worker.py       PolicyWorker, the facade: the NeMo-RL method surface, one short method each
     model.py        HF load/build, attention choice, forward passes; attention.py, fusion.py,
-                    lora.py and optim.py are the model's parts
+                    lora.py (with lora_tp.py and peft_adapter.py) and optim.py are the
+                    model's parts
     parallel/       ParallelContext (context), FSDP2/TP plans (plans), collectives over shards
     refit/          weights into inference engines: sender, receiver, wire format, ZMQ+IPC and
                     collective transports, SGLang, the watchdog, parameter streams (params)

@@ -1,4 +1,4 @@
-"""Opt-in elementwise fusion for the training model through `torch.compile` (inductor).
+"""Elementwise fusion for the training model through `torch.compile` (inductor).
 
 A bf16-autocast train step over fp32 master weights spends much of its device time in small
 unfused kernels: RMSNorm's fp32 upcast / pow / mean / rsqrt / mul / cast back / weight mul and
@@ -11,12 +11,22 @@ the MLP's SiLU(gate) * up. `fuse_elementwise` replaces module forwards (instance
 - ``"layer"``: every decoder layer (the elements of `nn.ModuleList`s named ``layers``) runs its
   class's forward through one compiled function per class, so all layers share one graph.
 - ``"none"``: nothing.
+- ``"auto"`` (the config's default): ``"layer"`` on CUDA in a single process, ``"none"`` on
+  CPU and under a process group (`resolve_fusion_mode`).
+
+Compiled graphs persist on disk: before compiling, `use_persistent_compile_cache` points
+inductor's caches (FX graph and AOTAutograd, both on by default) at
+``$XDG_CACHE_HOME/policyworker/torchinductor`` (``~/.cache/...``) unless the user set
+``TORCHINDUCTOR_CACHE_DIR``, so a second process on the machine reuses the first one's compiles
+instead of paying the start-up cost again (inductor's own default, a folder in /tmp, does not
+survive a reboot).
 
 Compile errors surface only at the first call, so fusing probes: one tiny eager forward of the
 whole model (train mode, a [2, 3] batch called like a padded microbatch, under `autocast_dtype`)
 records each module's inputs, and each distinct kind of call then runs fused and eager on them,
 values and gradients compared. On any failure every replacement is undone, one warning names
-the reason and the report carries it as `fallback_reason`. The probe's graphs are the ones a
+the reason (a `RuntimeWarning`, and once per reason a WARNING record of the ``policyworker``
+logger) and the report carries it as `fallback_reason`. The probe's graphs are the ones a
 padded train step reuses; a packed [1, N] microbatch (dynamo specialises size-1 dims) and eval
 mode compile one more graph each at first use. Active dropout inside a compiled layer cannot
 match eager (inductor draws other random numbers), so "layer" falls back for such models.
@@ -24,36 +34,51 @@ match eager (inductor draws other random numbers), so "layer" falls back for suc
 
 from __future__ import annotations
 
-import contextlib
-import functools
+import logging
+import os
 import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, get_args
 
+import attrs
 import torch
 import torch.nn.functional as F
 from attrs import frozen
 from torch import nn
 
 from policyworker.config import FusionMode
+from policyworker.shell.fusion_probe import (
+    call_signature,
+    capture_inputs,
+    first_line,
+    probe_against_eager,
+    rng_preserved,
+    training_mode,
+)
 from policyworker.shell.model import autocast_context
 
 __all__ = [
     "FUSION_MODES",
     "FusionReport",
     "fuse_elementwise",
+    "resolve_fusion_mode",
     "rms_norm_reference",
     "silu_mul_reference",
     "unfuse_elementwise",
+    "use_persistent_compile_cache",
 ]
 
 FUSION_MODES: tuple[str, ...] = get_args(FusionMode)  # the config's `dtensor_cfg.fusion` values
+# What "auto" compiles, by device type (in a single process); any other device runs eager.
+_AUTO_MODES: dict[str, FusionMode] = {"cuda": "layer"}
+_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+log = logging.getLogger("policyworker")
+_LOGGED_FALLBACKS: set[str] = set()  # fallback reasons already logged in this process
 # Set on every module whose forward we replaced; unfuse deletes it together with the forward.
 _FUSED_MARKER = "_policyworker_fused"
 # The probe forward's batch: >= 2 so dynamo does not specialise a dim to 1 (that graph would
 # not serve padded batches), and distinct so duck sizing does not tie batch and sequence dims.
-_PROBE_BATCH, _PROBE_SEQ = 2, 3
 _CHECK_ROWS = 3  # rows of the eager class checks
 # Compiled functions, created once per process: a second `torch.compile` of the same function
 # would add cache entries to the same code object and count towards dynamo's recompile limit.
@@ -64,11 +89,59 @@ _COMPILED: dict[object, Callable[..., Any]] = {}
 class FusionReport:
     """What `fuse_elementwise` replaced; all counts are 0 when `fallback_reason` is set."""
 
-    mode: str
+    mode: str  # the mode fused (or tried): "auto" already resolved
     fused_norms: int = 0
     fused_mlps: int = 0
     fused_layers: int = 0
     fallback_reason: str | None = None
+    requested: str | None = None  # the mode asked for ("auto", ...); None: the same as `mode`
+    cache_dir: str | None = None  # inductor's on-disk cache for the compiled graphs
+
+    @property
+    def effective_mode(self) -> str:
+        """What runs: `mode`, or "none" after a fallback."""
+        return "none" if self.fallback_reason is not None else self.mode
+
+    def summary(self) -> str:
+        """One phrase for the start-up log line, e.g. "layer (auto)" or "none (layer fell back:
+        RuntimeError: ...)"."""
+        if self.fallback_reason is not None:
+            return f"none ({self.mode} fell back: {self.fallback_reason})"
+        if self.requested not in (None, self.mode):
+            return f"{self.mode} ({self.requested})"
+        return self.mode
+
+
+def resolve_fusion_mode(
+    mode: FusionMode, *, device: torch.device, distributed: bool = False
+) -> FusionMode:
+    """The mode "auto" stands for: "layer" on CUDA in a single process, else "none".
+
+    Other modes are returned as they are.
+    """
+    if mode != "auto":
+        return mode
+    return "none" if distributed else _AUTO_MODES.get(device.type, "none")
+
+
+def use_persistent_compile_cache() -> str | None:
+    """Point inductor's on-disk caches at a folder that outlives reboots unless the user chose.
+
+    Sets ``TORCHINDUCTOR_CACHE_DIR`` to ``$XDG_CACHE_HOME/policyworker/torchinductor`` (default
+    ``~/.cache/...``) when it is unset and that folder is writable (else inductor's default in
+    /tmp stays). Returns the cache folder in effect (None: inductor's default).
+    """
+    if _CACHE_ENV not in os.environ:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        folder = os.path.join(base, "policyworker", "torchinductor")
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError:
+            return None
+        if not os.access(folder, os.W_OK):
+            return None
+        os.environ[_CACHE_ENV] = folder
+    return os.environ[_CACHE_ENV]
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -193,17 +266,23 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def fuse_elementwise(
-    model: nn.Module, *, mode: FusionMode = "norm_mlp", autocast_dtype: torch.dtype | None = None
+    model: nn.Module,
+    *,
+    mode: FusionMode = "norm_mlp",
+    autocast_dtype: torch.dtype | None = None,
+    distributed: bool = False,
 ) -> FusionReport:
     """Replace module forwards of `model` with compiled fused ones; see the module docstring.
 
     Calling it again with "norm_mlp" or "layer" first restores the earlier fusion, so a module
-    is never wrapped twice; "none" leaves the model as it is.
+    is never wrapped twice; "none" leaves the model as it is. "auto" is resolved by
+    `resolve_fusion_mode` on the model's device.
 
     Args:
         autocast_dtype: the autocast dtype the train step runs under (None or float32: none).
             The probe runs under the same autocast, so its compiled graphs are the ones the
             train step reuses instead of recompiling.
+        distributed: the model is (or will be) sharded by FSDP2/TP: "auto" means "none".
 
     Raises:
         ValueError: `mode` is not one of FUSION_MODES.
@@ -211,25 +290,31 @@ def fuse_elementwise(
     if mode not in FUSION_MODES:
         msg = f"mode={mode!r} is not a fusion mode; use one of {', '.join(map(repr, FUSION_MODES))}"
         raise ValueError(msg)
-    if mode == "none":
-        return FusionReport(mode=mode)
-    unfuse_elementwise(model)
     device = next(model.parameters()).device
+    requested, mode = mode, resolve_fusion_mode(mode, device=device, distributed=distributed)
+    if mode == "none":
+        return FusionReport(mode=mode, requested=requested)
+    unfuse_elementwise(model)
+    cache_dir = use_persistent_compile_cache()
     dtype = autocast_dtype or torch.float32
     try:
-        with _rng_preserved(device), _training_mode(model):
+        with rng_preserved(device), training_mode(model):
             if mode == "norm_mlp":
-                return _fuse_norm_mlp(model, device=device, autocast_dtype=dtype)
-            return _fuse_layers(model, device=device, autocast_dtype=dtype)
+                report = _fuse_norm_mlp(model, device=device, autocast_dtype=dtype)
+            else:
+                report = _fuse_layers(model, device=device, autocast_dtype=dtype)
     except Exception as exc:  # any compile or probe failure: fall back to the eager model
         unfuse_elementwise(model)
-        reason = f"{type(exc).__name__}: {_first_line(exc)}"
-        warnings.warn(
-            f"fuse_elementwise(mode={mode!r}) fell back to the unfused model: {reason}",
-            RuntimeWarning,
-            stacklevel=2,
+        reason = f"{type(exc).__name__}: {first_line(exc)}"
+        message = f"fuse_elementwise(mode={mode!r}) fell back to the unfused model: {reason}"
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        if message not in _LOGGED_FALLBACKS:
+            _LOGGED_FALLBACKS.add(message)
+            log.warning("%s (requested fusion: %s; training runs eager)", message, requested)
+        return FusionReport(
+            mode=mode, fallback_reason=reason, requested=requested, cache_dir=cache_dir
         )
-        return FusionReport(mode=mode, fallback_reason=reason)
+    return attrs.evolve(report, requested=requested, cache_dir=cache_dir)
 
 
 def unfuse_elementwise(model: nn.Module) -> int:
@@ -247,33 +332,6 @@ def _install(module: nn.Module, forward: Callable[..., Any]) -> None:
     module.__dict__[_FUSED_MARKER] = True
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else "(no message)"
-
-
-@contextlib.contextmanager
-def _training_mode(model: nn.Module) -> Iterator[None]:
-    # Dynamo guards on `module.training`: probing in train mode compiles the graphs the train
-    # step reuses (a model fresh from `from_pretrained` is in eval mode).
-    modes = [(m, m.training) for m in model.modules()]
-    model.train()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
-@contextlib.contextmanager
-def _rng_preserved(device: torch.device) -> Iterator[None]:
-    # The probe draws random inputs (and LoRA dropout masks); training must not see that.
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(0)
-        yield
-
-
 # ---------------------------------------------------------------------------- modes
 
 
@@ -285,7 +343,7 @@ def _fuse_norm_mlp(
         [m for m in model.modules() if _looks_like_silu_mlp(m)],
         lambda m: _mlp_class_matches(m, device),
     )
-    _fuse_and_probe(
+    _fuse_andprobe_against_eager(
         model,
         {m: _fused_norm_forward for m in norms} | {m: _fused_mlp_forward for m in mlps},
         device,
@@ -300,11 +358,11 @@ def _fuse_layers(
     # One compiled function per layer class: dynamo then reuses one graph for all its layers.
     layers = _decoder_layers(model)
     forwards = {layer: _compiled(type(layer), type(layer).forward) for layer in layers}
-    _fuse_and_probe(model, forwards, device, autocast_dtype)
+    _fuse_andprobe_against_eager(model, forwards, device, autocast_dtype)
     return FusionReport(mode="layer", fused_layers=len(layers))
 
 
-def _fuse_and_probe(
+def _fuse_andprobe_against_eager(
     model: nn.Module,
     forwards: dict[nn.Module, Callable[..., Any]],
     device: torch.device,
@@ -318,7 +376,7 @@ def _fuse_and_probe(
     way the train step makes them give graphs that the train step reuses.
     """
     with autocast_context(device, autocast_dtype):
-        captured = _capture_inputs(model, list(forwards), device)
+        captured = capture_inputs(model, list(forwards), device)
         for module, forward in forwards.items():
             _install(module, forward)
         probed: set[tuple[Any, ...]] = set()
@@ -326,91 +384,7 @@ def _fuse_and_probe(
             if id(module) not in captured:
                 continue  # not on the probe forward's path (e.g. unused); compiled when first used
             args, kwargs = captured[id(module)]
-            key = _call_signature(module, args)
+            key = call_signature(module, args)
             if key not in probed:
                 probed.add(key)
-                _probe(module, args, kwargs, autocast_dtype)
-
-
-def _capture_inputs(
-    model: Any, modules: list[nn.Module], device: torch.device
-) -> dict[int, tuple[tuple[Any, ...], dict[str, Any]]]:
-    """(args, kwargs) of each module's first call in one eager forward of a [2, 3] batch,
-    called the way the worker calls a padded microbatch (expanded position ids, no mask)."""
-    captured: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        captured.setdefault(id(module), (args, kwargs))
-
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
-    try:
-        vocab = int(model.get_input_embeddings().num_embeddings)
-        ids = torch.randint(0, vocab, (_PROBE_BATCH, _PROBE_SEQ), device=device)
-        position_ids = torch.arange(_PROBE_SEQ, device=device).expand(_PROBE_BATCH, -1)
-        model(input_ids=ids, position_ids=position_ids, attention_mask=None, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return captured
-
-
-def _call_signature(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    x = args[0]
-    params = tuple((p.shape, p.dtype, p.requires_grad) for p in module.parameters())
-    return (type(module), params, x.dtype, x.dim(), x.requires_grad, x._base is not None)
-
-
-def _assert_close(
-    module: nn.Module, what: str, got: Any, expected: Any, compute_dtype: torch.dtype
-) -> None:
-    """Equal up to a tolerance relative to each tensor's largest magnitude.
-
-    Fused kernels reduce in another order (fp32: errors near 1e-7 of the scale) and, under
-    bf16/fp16 autocast, may round an intermediate once where eager rounds it twice. The probe
-    looks for broken compiles, which miss by the size of the values themselves.
-    """
-    rtol = 1e-4 if compute_dtype == torch.float32 else 2e-2
-    for g, e in zip(got, expected, strict=True):
-        scale = float(e.detach().abs().max()) if e.numel() else 0.0
-        try:
-            torch.testing.assert_close(g, e, rtol=rtol, atol=rtol * max(scale, 1e-6))
-        except AssertionError as exc:
-            detail = next(
-                (
-                    line.strip()
-                    for line in str(exc).splitlines()
-                    if line.startswith("Greatest absolute")
-                ),
-                "",
-            )
-            msg = (
-                f"compiled vs eager {type(module).__name__}: {what} differ by more than "
-                f"rtol={rtol} of the largest magnitude {scale:.3g} ({detail}); active dropout "
-                f"inside a compiled layer is one cause (inductor draws other random numbers)"
-            )
-            raise RuntimeError(msg) from exc
-
-
-def _probe(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], compute_dtype: torch.dtype
-) -> None:
-    """The installed forward matches the class forward in value and in the gradients of the
-    first input and the parameters (one random cotangent); raises otherwise."""
-    if not (args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()):
-        msg = f"{type(module).__name__} did not get a float tensor as its first positional input"
-        raise TypeError(msg)
-
-    def run(forward: Callable[..., Any]) -> torch.Tensor:
-        torch.manual_seed(0)  # the same dropout masks (e.g. LoRA's) in the fused and eager runs
-        out = forward(*args, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
-
-    fused = run(module.forward)
-    eager = run(functools.partial(type(module).forward, module))
-    _assert_close(module, "outputs", [fused], [eager], compute_dtype)
-    leaves = [t for t in (args[0], *module.parameters()) if t.requires_grad]
-    if leaves:
-        cotangent = torch.randn_like(eager)
-        grads_fused = torch.autograd.grad(fused, leaves, cotangent, materialize_grads=True)
-        grads_eager = torch.autograd.grad(eager, leaves, cotangent, materialize_grads=True)
-        _assert_close(module, "gradients", grads_fused, grads_eager, compute_dtype)
+                probe_against_eager(module, args, kwargs, autocast_dtype)

@@ -131,8 +131,9 @@ def startup_summary(worker: Any) -> str:
     extras = []
     if worker.lora_module_names:
         extras.append(f"lora on {len(worker.lora_module_names)} modules")
-    if dcfg.fusion != "none":
-        extras.append(f"fusion={dcfg.fusion}")
+    fusion = worker.fusion_report.summary()
+    if fusion != "none":
+        extras.append(f"fusion={fusion}")
     if dcfg.activation_checkpointing:
         extras.append("activation checkpointing")
     optimizer = cfg.optimizer.name if worker.optimizer is not None and cfg.optimizer else "none"

@@ -1,64 +1,48 @@
-"""LoRA on any Hugging Face model: the `LinearLoRA` module, injection, TP plan, PEFT export/import.
+"""LoRA on any Hugging Face model: the `LinearLoRA` module, its `lora_cfg` settings, injection.
 
 `LinearLoRA` IS an `nn.Linear`: the base keeps its `weight`/`bias` state-dict names (the refit
 generator merges `<module>.weight` with `<module>.lora_A.weight` / `<module>.lora_B.weight`
 through `policyworker.functional.lora.merge_lora_weight`). Order of use in the worker:
 `apply_lora(model, cfg)` (before TP and FSDP2) -> `parallelize_module(model, mesh,
-lora_tp_plan(plan))` -> `fully_shard` -> optimizer over `lora_parameters(model)`.
-
-PEFT layout written and read: `adapter_config.json` (peft's `LoraConfig` keys) and
-`adapter_model.safetensors` with keys `base_model.model.<module>.lora_{A,B}.weight`.
+lora_tp_plan(plan))` (`shell.lora_tp`) -> `fully_shard` -> optimizer over
+`lora_parameters(model)`. The PEFT adapter folder (export/import) is `shell.peft_adapter`.
 """
 
-import json
 import math
-import pathlib
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
 from attrs import frozen
-from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import DTensor
 
 from policyworker.functional.lora import (
-    from_peft_key,
     lora_scale,
-    lora_shard_dims,
     matches_target,
-    to_peft_key,
     unmatched_entries,
     validate_target_entries,
 )
 
 __all__ = [
-    "ADAPTER_CONFIG_FILE",
-    "ADAPTER_WEIGHTS_FILE",
     "LinearLoRA",
-    "LoRALinearParallel",
     "LoRASettings",
     "apply_lora",
-    "load_peft_adapter",
     "lora_module_map",
     "lora_modules",
     "lora_parameters",
     "lora_settings",
     "lora_state_dict",
-    "lora_tp_plan",
-    "save_peft_adapter",
+    "resolve_compute_dtype",
 ]
 
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 _WRAPPER_FRAGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 _SETTING_KEYS = (
     "enabled", "target_modules", "exclude_modules", "match_all_linear", "dim", "alpha", "dropout",
-    "dropout_position", "lora_A_init", "use_rslora", "use_triton",
+    "dropout_position", "lora_A_init", "use_rslora", "use_triton", "compute_dtype",
 )  # fmt: skip
+_COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @frozen(kw_only=True)
@@ -78,6 +62,30 @@ class LoRASettings:
     dropout_position: Literal["pre", "post"] = "post"
     lora_A_init: Literal["xavier", "uniform"] = "xavier"  # noqa: N815 (NeMo-RL's key)
     use_rslora: bool = False
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+def resolve_compute_dtype(
+    setting: str, *, device: torch.device, base_dtype: torch.dtype
+) -> torch.dtype:
+    """The adapter matmul dtype that `lora_cfg.compute_dtype` names on `device`.
+
+    ``"auto"`` is bfloat16 on CUDA when the base layers compute in bfloat16 (``base_dtype``: the
+    base weights' dtype, or the autocast dtype over fp32 master weights), float32 otherwise.
+
+    Raises:
+        ValueError: ``setting`` is not "auto" or a dtype name.
+    """
+    if setting == "auto":
+        cuda_bf16 = device.type == "cuda" and base_dtype == torch.bfloat16
+        return torch.bfloat16 if cuda_bf16 else torch.float32
+    if setting not in _COMPUTE_DTYPES:
+        msg = (
+            f"lora_cfg.compute_dtype {setting!r} must be 'auto' or one of "
+            f"{list(_COMPUTE_DTYPES)}; use 'auto' unless you need a fixed dtype"
+        )
+        raise ValueError(msg)
+    return _COMPUTE_DTYPES[setting]
 
 
 def lora_settings(lora_cfg: Any) -> LoRASettings:
@@ -115,6 +123,8 @@ def lora_settings(lora_cfg: Any) -> LoRASettings:
     if not 0.0 <= settings.dropout < 1.0:
         msg = f"lora_cfg.dropout {settings.dropout!r} must be in [0, 1)"
         raise ValueError(msg)
+    cpu = torch.device("cpu")
+    resolve_compute_dtype(settings.compute_dtype, device=cpu, base_dtype=torch.float32)
     return settings
 
 
@@ -123,8 +133,9 @@ class LinearLoRA(nn.Linear):
 
     ``lora_A`` [dim, in] (xavier-normal or kaiming-uniform) and ``lora_B`` [out, dim] (zeros) are
     fp32 ``nn.Linear`` submodules; the adapter path is computed in (at least) fp32 with autocast
-    off and added in the base output's dtype. ``compute_dtype`` (e.g. bf16) trades that for speed:
-    the fp32 path costs ~20% of a bf16 train step on the 1.5B shape (bench/lora.py). Dropout
+    off and added in the base output's dtype. ``compute_dtype`` (e.g. bf16; `apply_lora` sets it
+    from ``lora_cfg.compute_dtype``) trades that for speed: the fp32 path costs ~20% of a bf16
+    train step on the 1.5B shape (bench/lora.py). The parameters stay fp32 either way. Dropout
     applies to the input (``"pre"``) or to the adapter output (``"post"``). Works on plain tensors
     and on DTensors (TP via `lora_tp_plan`).
     """
@@ -245,7 +256,7 @@ class LinearLoRA(nn.Linear):
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, dim={self.dim}, alpha={self.alpha}, scale={self.scale:g}, "
-            f"dropout_position={self.dropout_position}"
+            f"dropout_position={self.dropout_position}, compute_dtype={self.compute_dtype}"
         )
 
 
@@ -279,7 +290,12 @@ def _set_child(model: nn.Module, name: str, child: nn.Module) -> None:
 
 
 def _inject(
-    model: nn.Module, names: Iterable[str], *, dims: Mapping[str, int], s: LoRASettings
+    model: nn.Module,
+    names: Iterable[str],
+    *,
+    dims: Mapping[str, int],
+    s: LoRASettings,
+    autocast_dtype: torch.dtype | None,
 ) -> None:
     for name in names:
         linear = model.get_submodule(name)
@@ -295,6 +311,11 @@ def _inject(
                 dropout=s.dropout,
                 dropout_position=s.dropout_position,
                 lora_A_init=s.lora_A_init,
+                compute_dtype=resolve_compute_dtype(
+                    s.compute_dtype,
+                    device=linear.weight.device,
+                    base_dtype=autocast_dtype or linear.weight.dtype,
+                ),
             ),
         )
     adapters = {id(p) for p in lora_parameters(model)}
@@ -310,11 +331,15 @@ def _linear_names(model: nn.Module) -> list[str]:
     ]
 
 
-def apply_lora(model: nn.Module, lora_cfg: Any) -> list[str]:
+def apply_lora(
+    model: nn.Module, lora_cfg: Any, *, autocast_dtype: torch.dtype | None = None
+) -> list[str]:
     """Replace the matching ``nn.Linear`` modules by `LinearLoRA` in place; freeze everything else.
 
     ``lora_cfg`` is a `policyworker.config.LoRAConfig` or a mapping with its keys (a mapping
     with ``enabled: false`` changes nothing and returns ``[]``). Call it before TP and FSDP2.
+    ``autocast_dtype`` is the dtype the train step's autocast runs the base layers in (None: no
+    autocast); with ``compute_dtype: auto`` a bfloat16 one on CUDA gives bfloat16 adapters.
 
     Returns:
         The dotted names of the replaced modules, in module order.
@@ -352,7 +377,7 @@ def apply_lora(model: nn.Module, lora_cfg: Any) -> list[str]:
             f"'re:<full-match regex>'; linear modules here: {sample}"
         )
         raise ValueError(msg)
-    _inject(model, chosen, dims=dict.fromkeys(chosen, s.dim), s=s)
+    _inject(model, chosen, dims=dict.fromkeys(chosen, s.dim), s=s, autocast_dtype=autocast_dtype)
     return chosen
 
 
@@ -367,231 +392,4 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, m in lora_modules(model).items():
         out[f"{name}.lora_A.weight"] = _full(m.lora_A.weight.detach()).cpu().contiguous()
         out[f"{name}.lora_B.weight"] = _full(m.lora_B.weight.detach()).cpu().contiguous()
-    return out
-
-
-def _uniform(modules: Mapping[str, LinearLoRA], attr: str) -> Any:
-    values = {getattr(m, attr) for m in modules.values()}
-    if len(values) != 1:
-        msg = (
-            f"LoRA modules disagree on {attr} ({sorted(values)}); one adapter folder needs one "
-            "value"
-        )
-        raise ValueError(msg)
-    return values.pop()
-
-
-def save_peft_adapter(
-    model: nn.Module,
-    folder: str | pathlib.Path,
-    *,
-    lora_cfg: Any = None,
-    base_model_name_or_path: str | None = None,
-    write: bool = True,
-) -> pathlib.Path:
-    """Write a PEFT LoRA adapter folder.
-
-    The folder loads with ``peft.PeftModel.from_pretrained(base, folder)``.
-
-    ``target_modules`` is written as the exact module names, so PEFT adapts exactly these layers.
-    With DTensor adapters every rank must call this (gathers); pass ``write=False`` on ranks > 0.
-    """
-    modules = lora_modules(model)
-    if not modules:
-        msg = "save_peft_adapter: the model has no LinearLoRA modules; call apply_lora first"
-        raise ValueError(msg)
-    dropout = lora_settings(lora_cfg).dropout if lora_cfg is not None else 0.0
-    tensors = {to_peft_key(k): v for k, v in lora_state_dict(model).items()}
-    config = {
-        "peft_type": "LORA", "task_type": None, "base_model_name_or_path": base_model_name_or_path,
-        "r": _uniform(modules, "dim"), "lora_alpha": _uniform(modules, "alpha"),
-        "use_rslora": _uniform(modules, "use_rslora"), "lora_dropout": dropout,
-        "target_modules": sorted(modules), "exclude_modules": None, "bias": "none",
-        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
-        "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
-        "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False, "lora_bias": False,
-    }  # fmt: skip
-    path = pathlib.Path(folder)
-    if write:
-        path.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
-        (path / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return path
-
-
-_UNSUPPORTED_PEFT = {  # key -> value that we support
-    "use_dora": False, "bias": "none", "fan_in_fan_out": False, "lora_bias": False,
-    "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
-}  # fmt: skip
-
-
-def _read_adapter(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    config_file, weights_file = path / ADAPTER_CONFIG_FILE, path / ADAPTER_WEIGHTS_FILE
-    for file in (config_file, weights_file):
-        if not file.is_file():
-            msg = (
-                f"PEFT adapter folder {str(path)!r} has no {file.name}; expected peft's "
-                "save_pretrained layout"
-            )
-            raise ValueError(msg)
-    config = json.loads(config_file.read_text())
-    if config.get("peft_type") != "LORA":
-        msg = (
-            f"{config_file}: peft_type {config.get('peft_type')!r} is not 'LORA'; only LoRA "
-            "adapters load"
-        )
-        raise ValueError(msg)
-    bad = {
-        k: config[k]
-        for k, ok in _UNSUPPORTED_PEFT.items()
-        if config.get(k, ok) not in (ok, None, {}, False)
-    }
-    if bad:
-        msg = (
-            f"{config_file}: unsupported PEFT LoRA options {bad}; re-train without them "
-            f"({_UNSUPPORTED_PEFT})"
-        )
-        raise ValueError(msg)
-    weights: dict[str, torch.Tensor] = {}
-    for key, tensor in load_file(str(weights_file)).items():
-        name = from_peft_key(key)
-        if not name.endswith((".lora_A.weight", ".lora_B.weight")):
-            msg = (
-                f"{weights_file}: key {key!r} is not a LoRA A/B weight; only plain LoRA adapters "
-                "load"
-            )
-            raise ValueError(msg)
-        weights[name] = tensor
-    return config, weights
-
-
-def _check_against_model(
-    modules: Mapping[str, LinearLoRA], weights: Mapping[str, torch.Tensor], where: str
-) -> None:
-    expected = {
-        f"{n}.lora_{ab}.weight": ((m.dim, m.in_features) if ab == "A" else (m.out_features, m.dim))
-        for n, m in modules.items()
-        for ab in ("A", "B")
-    }
-    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    wrong = sorted(
-        f"{k}: file {tuple(weights[k].shape)} vs model {expected[k]}"
-        for k in set(expected) & set(weights)
-        if tuple(weights[k].shape) != expected[k]
-    )
-    if missing or unexpected or wrong:
-        msg = (
-            f"adapter {where!r} does not fit the model's LoRA modules: missing keys {missing}, "
-            f"unexpected keys {unexpected}, shape mismatches {wrong}; load an adapter trained for "
-            "this model and lora_cfg (same target modules and dim)"
-        )
-        raise ValueError(msg)
-
-
-def load_peft_adapter(model: nn.Module, folder: str | pathlib.Path) -> list[str]:
-    """Load a PEFT LoRA adapter folder (ours or peft's ``save_pretrained``) into ``model``.
-
-    A model without LoRA modules gets `LinearLoRA` at exactly the adapter's module names (rank
-    from the tensors, alpha/rslora/dropout from the config); a model with LoRA modules must have
-    exactly the adapter's modules and shapes. Values are copied into the existing Parameters (so
-    an optimizer holding them stays valid) and every module's scale is set from the config.
-
-    Returns:
-        The adapted module names, sorted.
-    """
-    path = pathlib.Path(folder)
-    config, weights = _read_adapter(path)
-    names = sorted({k.rsplit(".", 2)[0] for k in weights})
-    modules = lora_modules(model)
-    if not modules:
-        linears = set(_linear_names(model))
-        absent = [n for n in names if n not in linears]
-        if absent:
-            msg = (
-                f"adapter {str(path)!r} adapts modules that are not nn.Linear modules of the "
-                f"model: {absent}"
-            )
-            raise ValueError(msg)
-        s = LoRASettings(
-            alpha=float(config.get("lora_alpha", 8)),
-            use_rslora=bool(config.get("use_rslora", False)),
-            dropout=float(config.get("lora_dropout") or 0.0),
-        )
-        dims = {
-            n: int(weights[f"{n}.lora_A.weight"].shape[0])
-            for n in names
-            if f"{n}.lora_A.weight" in weights
-        }
-        _inject(model, [n for n in names if n in dims], dims=dims, s=s)
-        modules = lora_modules(model)
-    _check_against_model(modules, weights, str(path))
-    alpha, use_rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
-    with torch.no_grad():
-        for name, m in modules.items():
-            for ab, param in (("A", m.lora_A.weight), ("B", m.lora_B.weight)):
-                _copy_full_into(param, weights[f"{name}.lora_{ab}.weight"])
-            m.alpha, m.scale = alpha, lora_scale(alpha, m.dim, use_rslora)
-            m.use_rslora = use_rslora
-    return sorted(modules)
-
-
-def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    if isinstance(param, DTensor):  # every rank holds the full tensor; keep only the local shard
-        full = distribute_tensor(
-            full.to(param.device, param.dtype), param.device_mesh, param.placements
-        )
-    param.copy_(full)
-
-
-class LoRALinearParallel(ParallelStyle):
-    """A TP style for a (possibly LoRA) linear: the base style, plus adapters that follow it.
-
-    On a `LinearLoRA`, the base style shards ``weight``/``bias`` and installs its input/output
-    hooks; then the adapters are distributed by `lora_shard_dims` of the base weight's shard dim:
-    colwise base (W Shard(0)) -> ``lora_A`` Replicate, ``lora_B`` Shard(0); rowwise base
-    (W Shard(1)) -> ``lora_A`` Shard(1), ``lora_B`` Replicate. The adapter path then produces
-    exactly the base's output placement (Shard(-1) resp. Partial, reduced with the base output),
-    so LoRA adds no collective of its own. Any other module is handed to the base style.
-    """
-
-    def __init__(self, base_style: ParallelStyle) -> None:
-        self.base_style = base_style
-        self.src_data_rank = base_style.src_data_rank
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, LinearLoRA):
-            return self.base_style._apply(module, device_mesh)
-        adapters = {k: module._modules.pop(k) for k in ("lora_A", "lora_B", "dropout")}
-        try:
-            self.base_style._apply(module, device_mesh)
-        finally:
-            module._modules.update(adapters)
-        placements = getattr(module.weight, "placements", (Replicate(),))
-        shard_dims = [p.dim for p in placements if isinstance(p, Shard)]
-        a_dim, b_dim = lora_shard_dims(shard_dims[0] if shard_dims else None)
-        for sub, dim in ((module.lora_A, a_dim), (module.lora_B, b_dim)):
-            placement = Shard(dim) if dim is not None else Replicate()
-            weight = sub.weight
-            sub.weight = nn.Parameter(
-                distribute_tensor(weight.detach(), device_mesh, [placement]),
-                requires_grad=weight.requires_grad,
-            )
-        return module
-
-
-def lora_tp_plan(base_plan: Mapping[str, Any]) -> dict[str, Any]:
-    """Wrap every style of a TP plan (fqn pattern -> ParallelStyle) so LoRA adapters follow it.
-
-    Use the result with ``torch.distributed.tensor.parallel.parallelize_module`` after
-    `apply_lora`. Entries on non-LoRA modules behave exactly as the base style.
-    """
-    out: dict[str, Any] = {}
-    for key, style in base_plan.items():
-        if not isinstance(style, ParallelStyle):
-            msg = (
-                f"TP plan entry {key!r} is {type(style).__name__}, not a ParallelStyle; fix the "
-                "plan"
-            )
-            raise ValueError(msg)
-        out[key] = style if isinstance(style, LoRALinearParallel) else LoRALinearParallel(style)
     return out

@@ -99,13 +99,15 @@ class WorkerState:
         if dcfg.lora_cfg is not None:
             from policyworker.shell.lora import apply_lora
 
-            lora_module_names = apply_lora(model, dcfg.lora_cfg)
+            lora_module_names = apply_lora(model, dcfg.lora_cfg, autocast_dtype=dtype)
         model = _parallelize(model, cfg, parallel, dtype)
         if cfg.sequence_packing is not None:
             model_lib.check_document_isolation(model, autocast_dtype=dtype)
             if parallel.mesh is not None:  # the probe's no-grad forward left roots unsharded
                 parallel_lib.reshard(model)
-        fusion_report = fuse_elementwise(model, mode=dcfg.fusion, autocast_dtype=dtype)
+        fusion_report = fuse_elementwise(
+            model, mode=dcfg.fusion, autocast_dtype=dtype, distributed=parallel.mesh is not None
+        )
         optimizer = (
             build_optimizer(model, cfg.optimizer)
             if (init_optimizer and cfg.optimizer is not None)
@@ -214,7 +216,7 @@ def _validate(cfg: PolicyConfig, parallel: ParallelContext) -> None:
             "--nproc-per-node 1) or set cpu_offload: false"
         )
         raise ValueError(msg)
-    if dcfg.fusion != "none" and parallel.mesh is not None:
+    if dcfg.fusion not in ("none", "auto") and parallel.mesh is not None:
         msg = (
             f"dtensor_cfg.fusion={dcfg.fusion!r} compiles the single-process model; with a "
             f"process group (world size {parallel.world_size}) FSDP2/TP own the layers, "

@@ -418,6 +418,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
         if self.state.shut_down:
             return True
         checkpoint.finalize_async_save(self.state)
+        self.state.saver.release_staging()  # the pinned checkpoint staging buffers
         self.state.shut_down = True
         if self.state.refit.sender is not None:
             self.state.refit.sender.close()  # closed for good: it opens no new address

@@ -42,15 +42,18 @@ def test_varlen_packing_matches_unpacked_logprobs_in_bf16(tiny_model_paths, monk
         attention, "_flash_varlen", lambda *a, **kw: calls.append(a[0].dtype) or flash(*a, **kw)
     )
     path = tiny_model_paths["llama"]
+    eager = {"fusion": "none"}  # the patched kernel is counted from eager Python, not a graph
     packed = PolicyWorker(
-        make_config(path, precision="bfloat16", **PACKED),
+        make_config(path, precision="bfloat16", **PACKED, dtensor_cfg=eager),
         init_optimizer=False,
         init_reference_model=False,
     )
     assert varlen_kernel_available(packed.device)
     assert packed.model.config._attn_implementation == VARLEN_ATTN_NAME
     plain = PolicyWorker(
-        make_config(path, precision="bfloat16"), init_optimizer=False, init_reference_model=False
+        make_config(path, precision="bfloat16", dtensor_cfg=eager),
+        init_optimizer=False,
+        init_reference_model=False,
     )
     data = make_batch(6, 16, seed=32, lengths=[16, 3, 11, 7, 1, 14])
     got, want = packed.get_logprobs(data)["logprobs"], plain.get_logprobs(data)["logprobs"]
@@ -111,12 +114,16 @@ def test_offload_after_refit_frees_model_and_optimizer_memory(tiny_model_paths):
     assert worker.train(data, NLLLoss())["skipped_steps"] == 0
 
 
-@pytest.mark.parametrize("mode", ["layer", "norm_mlp"])
+@pytest.mark.parametrize("mode", ["layer", "norm_mlp", "auto"])
 def test_fused_worker_matches_eager_on_packed_bf16_logprobs_and_training(tiny_model_paths, mode):
     path = tiny_model_paths["qwen3"]
     data = make_batch(8, 16, seed=34)
     sgd = {"name": "torch.optim.SGD", "kwargs": {"lr": 1e-3}}
-    eager = PolicyWorker(make_config(path, precision="bfloat16", optimizer=sgd, **PACKED))
+    eager = PolicyWorker(
+        make_config(
+            path, precision="bfloat16", optimizer=sgd, **PACKED, dtensor_cfg={"fusion": "none"}
+        )
+    )
     fused = PolicyWorker(
         make_config(
             path, precision="bfloat16", optimizer=sgd, **PACKED, dtensor_cfg={"fusion": mode}
@@ -131,3 +138,36 @@ def test_fused_worker_matches_eager_on_packed_bf16_logprobs_and_training(tiny_mo
         torch.testing.assert_close(
             loss_fused["global_loss"], loss_eager["global_loss"], atol=0.02, rtol=0.01
         )
+
+
+def test_default_worker_fuses_layers_on_cuda(tiny_model_paths):
+    """`fusion: auto` (the default) is `layer` on CUDA in one process, with no fallback."""
+    worker = PolicyWorker(make_config(tiny_model_paths["qwen2"], precision="bfloat16"))
+    report = worker.fusion_report
+    assert (report.requested, report.mode, report.fallback_reason) == ("auto", "layer", None)
+    assert report.fused_layers > 0 and report.summary() == "layer (auto)"
+
+
+def test_async_save_stages_into_pinned_reused_buffers(tiny_model_paths, tmp_path):
+    from policyworker.shell import checkpoint as ck
+
+    path = tiny_model_paths["qwen2"]
+    worker = PolicyWorker(make_config(path, precision="bfloat16"), init_reference_model=False)
+    data = make_batch(8, 16, seed=35)
+    worker.train(data, NLLLoss())
+    ck.save_checkpoint(worker.state, tmp_path / "a", tmp_path / "a")
+    ck.finalize_async_save(worker.state)
+    staging = worker.state.saver.staging
+    arenas = dict(staging._arenas)
+    assert arenas and all(a.registered for a in arenas.values())  # page-locked in place
+    worker.train(data, NLLLoss())
+    before = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+    ck.save_checkpoint(worker.state, tmp_path / "b", tmp_path / "b")
+    assert all(staging._arenas[g] is a for g, a in arenas.items())  # reused, not reallocated
+    worker.train(data, NLLLoss())  # overwrites the weights right after the save returned
+    ck.finalize_async_save(worker.state)
+    fresh = PolicyWorker(make_config(path, precision="bfloat16"), init_reference_model=False)
+    ck.load_checkpoint(fresh.state, tmp_path / "b", tmp_path / "b")
+    assert all(torch.equal(v, before[k]) for k, v in fresh.model.state_dict().items())
+    worker.shutdown()
+    assert staging.nbytes == 0

@@ -25,6 +25,7 @@ from policyworker.config import (
     DynamicBatchingConfig,
     GenerationConfig,
     LoraAInit,
+    LoraComputeDtype,
     LoRAConfig,
     MicrobatchOrder,
     OptimizerConfig,
@@ -83,6 +84,7 @@ def lora_configs(draw) -> LoRAConfig:
         lora_A_init=draw(one_of_literal(LoraAInit)),
         use_rslora=draw(st.booleans()),
         use_triton=draw(st.booleans()),
+        compute_dtype=draw(one_of_literal(LoraComputeDtype)),
     )
 
 
@@ -390,6 +392,11 @@ BAD_VALUES = [  # (path, value, phrase of the message)
     ("optimizer.name", "AdamW", "must be a dotted import path; write it like torch.optim.AdamW"),
     ("optimizer.kwargs", "lr=1", "expected a mapping"),
     ("draft.model_name", "", "must not be empty"),
+    (
+        "dtensor_cfg.lora_cfg.compute_dtype",
+        "fp8",
+        "compute_dtype = 'fp8' must be one of 'auto', 'float32', 'bfloat16', 'float16'; use 'auto'",
+    ),
 ]
 
 
@@ -501,6 +508,18 @@ def test_precision_aliases_store_the_full_name():
         "'int8' is not a precision; use one of float32, bfloat16, float16 "
         "(aliases: bf16, fp16, half, fp32, float) @ policy.precision"
     ]
+
+
+def test_lora_compute_dtype_defaults_to_auto_and_takes_precision_aliases():
+    def lora(**kw: Any) -> LoRAConfig | None:
+        cfg = load_config({"model_name": "m", "dtensor_cfg": {"lora_cfg": kw}})
+        return cfg.dtensor_cfg.lora_cfg
+
+    assert lora() == LoRAConfig(compute_dtype="auto")
+    assert lora(compute_dtype="bf16") == LoRAConfig(compute_dtype="bfloat16")
+    assert lora(compute_dtype="torch.float32") == LoRAConfig(compute_dtype="float32")
+    with pytest.raises(ValueError, match="compute_dtype = 'int8' must be one of 'auto'"):
+        LoRAConfig(compute_dtype="int8")  # pyright: ignore[reportArgumentType]
 
 
 def test_a_disabled_section_still_rejects_a_typo_but_not_its_values():

@@ -235,3 +235,19 @@ def test_python_dash_m_entry_point_exists(monkeypatch):
     with pytest.raises(SystemExit) as exc:
         runpy.run_module("policyworker", run_name="__main__")
     assert exc.value.code == 0
+
+
+def test_new_layouts_add_the_default_lora_row_and_skip_absent_load_rows():
+    lora = {
+        "lora": {"tokens_per_s": 80.0},
+        "lora_bf16_adapters": {"tokens_per_s": 120.0},
+        "full_ft": {"tokens_per_s": 100.0},
+        "lora_refit_s": 0.003,
+        "lora_refit_no_merge_s": 0.002,
+    }
+    rows = bench_runner.normalize_rows("lora", lora)
+    assert [round(r.ratio, 6) for r in rows] == [1.2, 0.8, 1.5]
+    assert bench_runner.row_verdict(rows[0]) == "pass"
+    ckpt = {"raw_write_GBps": 2.0, "sync_save_GBps": 1.0, "async_blocked_s": 0.2}
+    rows = bench_runner.normalize_rows("checkpoint", {**ckpt, "sync_save_s": 1.0})
+    assert len(rows) == 2 and bench_runner.row_verdict(rows[1]) == "fail"  # 20 % > 10 %

@@ -151,7 +151,7 @@ def test_mode_none_changes_nothing():
 
 
 def test_unknown_mode_is_a_value_error_naming_the_choices():
-    with pytest.raises(ValueError, match=r"mode='fast' .*'none', 'norm_mlp', 'layer'"):
+    with pytest.raises(ValueError, match=r"mode='fast' .*'auto', 'none', 'norm_mlp', 'layer'"):
         fuse_elementwise(_tiny_model("llama"), mode="fast")
 
 
@@ -258,3 +258,99 @@ def test_unknown_fusion_mode_in_config_names_the_key():
 
     with pytest.raises(ConfigError, match=r"policy\.dtensor_cfg\.fusion"):
         load_config({"model_name": "x", "dtensor_cfg": {"fusion": "fast"}})
+
+
+# ---------------------------------------------------------------------------- auto (the default)
+
+
+@pytest.mark.parametrize(
+    ("mode", "device", "distributed", "expected"),
+    [
+        ("auto", "cpu", False, "none"),
+        ("auto", "cuda", False, "layer"),
+        ("auto", "cuda", True, "none"),
+        ("norm_mlp", "cpu", False, "norm_mlp"),
+        ("none", "cuda", False, "none"),
+    ],
+)
+def test_auto_is_layer_on_cuda_in_one_process_and_none_elsewhere(
+    mode, device, distributed, expected
+):
+    got = fusion.resolve_fusion_mode(mode, device=torch.device(device), distributed=distributed)
+    assert got == expected
+
+
+def test_auto_on_cpu_runs_eager_and_reports_the_resolution():
+    model = _tiny_model("llama")
+    report = fuse_elementwise(model, mode="auto")
+    assert (report.mode, report.requested, report.effective_mode) == ("none", "auto", "none")
+    assert report.summary() == "none (auto)" and _instance_forwards(model) == []
+
+
+def test_auto_fallback_logs_once_and_runs_eager(monkeypatch, caplog, tmp_path):
+    def broken_compile(fn, **kwargs):
+        def raise_at_first_call(*args, **kw):
+            msg = "no inductor today"
+            raise RuntimeError(msg)
+
+        return raise_at_first_call
+
+    monkeypatch.setattr(fusion, "_COMPILED", {})
+    monkeypatch.setattr(fusion, "_LOGGED_FALLBACKS", set())
+    monkeypatch.setattr(fusion, "_AUTO_MODES", {"cpu": "layer"})  # CPU stands in for CUDA
+    monkeypatch.setattr(fusion.torch, "compile", broken_compile)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = _tiny_model("qwen2")
+    expected = _logits(model, _token_ids())
+    with caplog.at_level("WARNING", logger="policyworker"), pytest.warns(RuntimeWarning):
+        first = fuse_elementwise(model, mode="auto")
+        second = fuse_elementwise(model, mode="auto")
+    assert first == second
+    assert (first.mode, first.requested, first.effective_mode) == ("layer", "auto", "none")
+    assert first.summary() == "none (layer fell back: RuntimeError: no inductor today)"
+    records = [r for r in caplog.records if "fell back" in r.getMessage()]
+    assert len(records) == 1 and "RuntimeError: no inductor today" in records[0].getMessage()
+    assert _instance_forwards(model) == []
+    assert torch.equal(_logits(model, _token_ids()), expected)
+
+
+def test_persistent_compile_cache_is_set_only_when_the_user_has_not(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = fusion.use_persistent_compile_cache()
+    assert folder == str(tmp_path / "policyworker" / "torchinductor")
+    assert (tmp_path / "policyworker" / "torchinductor").is_dir()
+    import os
+
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == folder
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert fusion.use_persistent_compile_cache() == str(tmp_path / "mine")
+
+
+def test_worker_default_fusion_is_auto_and_the_log_line_says_what_ran(tiny_model_paths, caplog):
+    from policyworker.shell.worker import PolicyWorker
+    from tests.shell.conftest import make_config
+
+    with caplog.at_level("INFO", logger="policyworker"):
+        worker = PolicyWorker(make_config(tiny_model_paths["llama"]), init_reference_model=False)
+    report = worker.fusion_report
+    assert (report.requested, report.mode, report.fallback_reason) == ("auto", "none", None)
+    assert any("fusion=none (auto)" in r.getMessage() for r in caplog.records)
+
+
+def test_worker_auto_fusion_with_a_process_group_is_not_refused(tiny_model_paths, monkeypatch):
+    import types
+
+    from policyworker.shell import model as model_lib
+    from policyworker.shell.worker import PolicyWorker
+    from tests.shell.conftest import make_config
+
+    def loaded(*_a, **_k):
+        raise LookupError("validation passed; the model would load now")
+
+    monkeypatch.setattr(model_lib, "load_policy_model", loaded)
+    two_ranks = types.SimpleNamespace(
+        tp_size=1, cp_size=1, dp_size=2, world_size=2, mesh=object(), device=torch.device("cpu")
+    )
+    with pytest.raises(LookupError, match="validation passed"):
+        PolicyWorker(make_config(tiny_model_paths["llama"]), parallel=two_ranks)

@@ -15,12 +15,12 @@ from policyworker.functional.lora import assert_lora_modules_reachable, merge_lo
 from policyworker.shell.lora import (
     LinearLoRA,
     apply_lora,
-    load_peft_adapter,
     lora_modules,
     lora_parameters,
-    lora_tp_plan,
-    save_peft_adapter,
+    resolve_compute_dtype,
 )
+from policyworker.shell.lora_tp import lora_tp_plan
+from policyworker.shell.peft_adapter import load_peft_adapter, save_peft_adapter
 
 TINY = dict(
     hidden_size=32,
@@ -467,3 +467,86 @@ def test_tp2_lora_matches_single_process():
     """Adapters sharded by lora_tp_plan give tp=1 logits, adapter grads and merged weights."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_tp_rank, args=(2, os.path.join(tmp, "rdzv")), nprocs=2, join=True)
+
+
+# ---------------------------------------------------------------------------- compute dtype
+
+# bf16 keeps 8 mantissa bits (eps 2**-8 ~ 3.9e-3): the input, A and B are each rounded once and
+# the two small matmuls accumulate in fp32 inside the kernel, so the adapter delta is within a
+# few eps of its fp32 value relative to its own largest magnitude. 2e-2 leaves room for that.
+BF16_DELTA_RTOL = 2e-2
+
+
+def test_compute_dtype_key_reaches_every_adapter(model_dir):
+    model = _load(model_dir)
+    names = apply_lora(model, {**CFG, "compute_dtype": "bfloat16"})
+    modules = lora_modules(model)
+    assert sorted(modules) == sorted(names)
+    assert {m.compute_dtype for m in modules.values()} == {torch.bfloat16}
+    assert {p.dtype for p in lora_parameters(model)} == {torch.float32}  # parameters stay fp32
+
+
+def test_auto_compute_dtype_is_float32_on_cpu_even_under_bf16_autocast(model_dir):
+    model = _load(model_dir)
+    apply_lora(model, CFG, autocast_dtype=torch.bfloat16)
+    assert {m.compute_dtype for m in lora_modules(model).values()} == {torch.float32}
+
+
+@pytest.mark.parametrize(
+    ("device", "base_dtype", "expected"),
+    [
+        ("cuda", torch.bfloat16, torch.bfloat16),
+        ("cuda", torch.float32, torch.float32),
+        ("cpu", torch.bfloat16, torch.float32),
+    ],
+)
+def test_auto_compute_dtype_is_bf16_only_on_cuda_with_bf16_base(device, base_dtype, expected):
+    got = resolve_compute_dtype("auto", device=torch.device(device), base_dtype=base_dtype)
+    assert got == expected
+
+
+def test_unknown_compute_dtype_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"compute_dtype 'fp8' must be 'auto' or one of"):
+        apply_lora(nn.Sequential(nn.Linear(4, 4)), {**CFG, "compute_dtype": "fp8"})
+
+
+def test_bf16_compute_on_cpu_stays_within_tolerance_of_fp32():
+    torch.manual_seed(0)
+    base = nn.Linear(64, 48)
+    fp32 = LinearLoRA.from_linear(base, dim=8, alpha=16.0, compute_dtype=torch.float32)
+    bf16 = LinearLoRA.from_linear(base, dim=8, alpha=16.0, compute_dtype=torch.bfloat16)
+    with torch.no_grad():
+        fp32.lora_B.weight.normal_()
+        bf16.lora_A.weight.copy_(fp32.lora_A.weight)
+        bf16.lora_B.weight.copy_(fp32.lora_B.weight)
+    x = torch.randn(5, 64)
+    y32, y16 = fp32(x), bf16(x)
+    assert y16.dtype == torch.float32  # added in the base output's dtype
+    delta32 = y32 - F.linear(x, base.weight, base.bias)
+    scale = float(delta32.detach().abs().max())
+    torch.testing.assert_close(y16, y32, rtol=BF16_DELTA_RTOL, atol=BF16_DELTA_RTOL * scale)
+    assert not torch.equal(y16, y32)  # the bf16 path really ran
+    y16.square().sum().backward()
+    assert bf16.lora_A.weight.grad is not None and bf16.lora_A.weight.grad.dtype == torch.float32
+
+
+def test_merge_with_bf16_compute_is_the_exact_fp32_merge(model_dir):
+    fast, exact = _load(model_dir), _load(model_dir)
+    apply_lora(fast, {**CFG, "compute_dtype": "bfloat16"})
+    apply_lora(exact, {**CFG, "compute_dtype": "float32"})
+    exact.load_state_dict(fast.state_dict())
+    _randomize_b(fast)
+    _randomize_b(exact)
+    state_fast, state_exact = fast.state_dict(), exact.state_dict()
+    for name, m in lora_modules(fast).items():
+        e = lora_modules(exact)[name]
+        merged = merge_lora_weight(
+            state_fast[f"{name}.weight"], m.lora_A.weight, m.lora_B.weight, m.scale
+        )
+        reference = merge_lora_weight(
+            state_exact[f"{name}.weight"], e.lora_A.weight, e.lora_B.weight, e.scale
+        )
+        assert merged.dtype == torch.float32 and torch.equal(merged, reference)
+        w64 = state_fast[f"{name}.weight"].double()
+        a64, b64 = m.lora_A.weight.double(), m.lora_B.weight.double()
+        torch.testing.assert_close(merged, (w64 + m.scale * b64 @ a64).float())

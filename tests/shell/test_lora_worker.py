@@ -70,3 +70,18 @@ def test_peft_loading_the_saved_adapter_folder_gives_the_worker_logits(tiny_mode
     torch.testing.assert_close(
         _logprobs(peft_model, data), worker.get_logprobs(data)["logprobs"], rtol=1e-5, atol=1e-5
     )
+
+
+def test_lora_cfg_compute_dtype_reaches_the_worker_adapters(tiny_model_paths):
+    path = tiny_model_paths["llama"]
+    auto = PolicyWorker(make_config(path, dtensor_cfg=LORA), init_reference_model=False)
+    assert {auto.model.get_submodule(n).compute_dtype for n in auto.lora_module_names} == {
+        torch.float32  # "auto" on CPU
+    }
+    forced = {"lora_cfg": {**LORA["lora_cfg"], "compute_dtype": "bfloat16"}}
+    worker = PolicyWorker(make_config(path, dtensor_cfg=forced), init_reference_model=False)
+    modules = [worker.model.get_submodule(n) for n in worker.lora_module_names]
+    assert {m.compute_dtype for m in modules} == {torch.bfloat16}
+    result = worker.train(make_batch(4, 10, seed=0), NLLLoss())
+    assert result["skipped_steps"] == 0
+    assert {m.lora_A.weight.dtype for m in modules} == {torch.float32}

@@ -17,12 +17,13 @@ rank owns the part of that box its local shard covers (replicas: the one at coor
 (the safetensors header is a pure function of names, shapes and dtypes). Only placements other
 than Shard/Replicate (e.g. the `_StridedShard` of 2-D TP+FSDP) fall back to a per-tensor gather.
 
-Saves are asynchronous: the call returns after staging (a CPU copy of this rank's pieces); a
-background thread writes; `finalize_async_save` waits, agrees over all ranks that every write
-landed, and rank 0 commits: it fsyncs every `<final>.tmp-<token>` folder, writes a commit record
-naming all of them, renames each into place and removes the record. A crash after the record is
-rolled forward by the next load or save (`recover_checkpoint_commits`), so weights and optimizer
-always come from one save.
+Saves are asynchronous: the call returns after staging (a CPU copy of this rank's pieces, into
+pinned buffers the saver keeps and reuses across async saves; see `saver.StagingBuffers` for
+the memory this holds); a background thread writes; `finalize_async_save` waits, agrees over
+all ranks that every write landed, and rank 0 commits: it fsyncs every `<final>.tmp-<token>`
+folder, writes a commit record naming all of them, renames each into place and removes the
+record. A crash after the record is rolled forward by the next load or save
+(`recover_checkpoint_commits`), so weights and optimizer always come from one save.
 """
 
 from __future__ import annotations
@@ -60,7 +61,12 @@ from policyworker.shell.checkpoint.layout import (
     CheckpointError,
 )
 from policyworker.shell.checkpoint.safetensors_io import load_hf_weights, save_hf_weights
-from policyworker.shell.checkpoint.saver import FINALIZE_TIMEOUT_S, AsyncSaver, _checkpoint_group
+from policyworker.shell.checkpoint.saver import (
+    FINALIZE_TIMEOUT_S,
+    AsyncSaver,
+    StagingBuffers,
+    _checkpoint_group,
+)
 
 __all__ = [
     "CheckpointOwner",
@@ -144,7 +150,9 @@ def save_checkpoint(
     _on_rank0(parallel, "prepare the checkpoint folders", lambda: _prepare_folders(finals))
     commits = [(_tmp_for(f, token), f) for f in finals]
     tmp = dict(zip(finals, (t for t, _ in commits), strict=True))
-    jobs = _model_jobs(owner, tmp[finals[0]], meta, lora=lora)
+    # async: copies into the saver's reused (pinned) buffers, waited for below; sync: fresh ones
+    staging = None if is_final_checkpoint else saver.staging
+    jobs = _model_jobs(owner, tmp[finals[0]], meta, lora=lora, staging=staging)
     if reference is not None and ref is not None:  # reference is set only with ref
         jobs += _save_reference(owner, saver, ref, reference, tmp[reference])
     if optim is not None and owner.optimizer is not None:  # _check_save_args: both or neither
@@ -157,10 +165,12 @@ def save_checkpoint(
                 parallel=parallel,
                 group=group,
                 meta=meta,
+                staging=staging,
             )
         )
     if tokenizer is not None and parallel.rank == 0:
         owner.tokenizer.save_pretrained(tmp[tokenizer])
+    saver.staging.wait()  # every copy landed: training may change the weights once we return
     saver.start(jobs, commits, background=not is_final_checkpoint)
     if is_final_checkpoint:
         saver.finalize(parallel)
@@ -195,13 +205,21 @@ def _prepare_folders(finals: Sequence[pathlib.Path]) -> None:
 
 
 def _model_jobs(
-    owner: CheckpointOwner, model_tmp: pathlib.Path, meta: Mapping[str, Any], *, lora: bool
+    owner: CheckpointOwner,
+    model_tmp: pathlib.Path,
+    meta: Mapping[str, Any],
+    *,
+    lora: bool,
+    staging: StagingBuffers | None,
 ) -> list[Callable[[], None]]:
     """The model's write jobs: HF safetensors, or (LoRA runs) a PEFT adapter written now."""
     if not lora:
         manifest = {**meta, "kind": "hf"}
-        return [save_hf_weights(owner.model, model_tmp, parallel=owner.parallel, manifest=manifest)]
-    from policyworker.shell.lora import save_peft_adapter
+        job = save_hf_weights(
+            owner.model, model_tmp, parallel=owner.parallel, manifest=manifest, staging=staging
+        )
+        return [job]
+    from policyworker.shell.peft_adapter import save_peft_adapter
 
     cfg = getattr(owner, "cfg", None)
     save_peft_adapter(
@@ -290,7 +308,7 @@ def _load(
         elif load_weights and fmt == "dcp":
             commits.append(_load_dcp_weights(owner.model, folder, group=group))
         elif load_weights:
-            from policyworker.shell.lora import load_peft_adapter
+            from policyworker.shell.peft_adapter import load_peft_adapter
 
             commits.append(lambda: load_peft_adapter(owner.model, folder))
         ref_folder = folder.parent / REFERENCE_DIR if folder.name == MODEL_DIR else None

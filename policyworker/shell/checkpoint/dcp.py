@@ -10,7 +10,7 @@ import pathlib
 import random
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from policyworker.shell.checkpoint import layout as checkpoint_layout_settings
 from policyworker.shell.checkpoint.digests import verify_digests
 from policyworker.shell.checkpoint.folders import _interrupted_hint
 from policyworker.shell.checkpoint.layout import OPTIM_DIR, CheckpointError, _model_state
+
+if TYPE_CHECKING:
+    from policyworker.shell.checkpoint.saver import StagingBuffers
 
 __all__ = ["load_optimizer", "save_optimizer"]
 
@@ -109,6 +112,30 @@ def _clone_to(t: Any, *, device: str | None = "cpu") -> Any:
     return t.detach().to(device, copy=True) if device else t.detach().clone()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local().detach() if hasattr(t, "device_mesh") else t.detach()  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def _as_like(t: Any, staged: torch.Tensor) -> Any:
+    """`staged` (a CPU copy of `t`'s local data) in `t`'s form: DTensors stay DTensors."""
+    if hasattr(t, "device_mesh"):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            staged, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+    return staged
+
+
+def _staged_tree(obj: Any, staging: StagingBuffers) -> Any:
+    """`obj` with every tensor replaced by its copy in `staging`'s reused "optimizer" buffers
+    (keyed by position in traversal order; copies queued, the caller waits)."""
+    leaves: list[torch.Tensor] = []
+    _tree_map(obj, leaves.append)
+    copies = iter(staging.stage("optimizer", [(i, _local(t)) for i, t in enumerate(leaves)]))
+    return _tree_map(obj, lambda t: _as_like(t, next(copies)))
+
+
 def _tree_map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -158,15 +185,25 @@ def save_optimizer(
     parallel: Any,
     group: Any,
     meta: Mapping[str, Any],
+    staging: StagingBuffers | None = None,
 ) -> Callable[[], None]:
-    """Stage optimizer + scheduler + this rank's RNG as a DCP state dict; returns the writer job."""
+    """Stage optimizer + scheduler + this rank's RNG as a DCP state dict; returns the writer job.
+
+    With `staging` the optimizer tensors are queued into its reused buffers: call
+    `staging.wait()` before the job runs or the optimizer steps.
+    """
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.distributed.checkpoint.state_dict_saver import save
 
     state: dict[str, Any] = {}
     if optimizer.state:  # get_optimizer_state_dict would run a zero step on an empty optimizer
-        state["optim"] = _tree_map(get_optimizer_state_dict(model, optimizer), _clone_to)
+        optim_state = get_optimizer_state_dict(model, optimizer)
+        state["optim"] = (
+            _tree_map(optim_state, _clone_to)
+            if staging is None
+            else _staged_tree(optim_state, staging)
+        )
     extra = {
         "meta": dict(meta),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,

@@ -47,6 +47,8 @@ from policyworker.shell.refit.params import tie_word_embeddings
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
+    from policyworker.shell.checkpoint.saver import StagingBuffers
+
 __all__ = ["load_hf_weights", "model_hf_layout", "save_hf_weights"]
 
 
@@ -71,11 +73,18 @@ class _Piece:
 
 
 def _stage_hf(
-    locals_: Mapping[str, _Local], layout: Sequence[HFTensor], plans: Sequence[FilePlan]
+    locals_: Mapping[str, _Local],
+    layout: Sequence[HFTensor],
+    plans: Sequence[FilePlan],
+    staging: StagingBuffers | None = None,
 ) -> list[_Piece]:
-    """CPU copies of the parts of each HF tensor this rank owns, with their file offsets."""
+    """CPU copies of the parts of each HF tensor this rank owns, with their file offsets.
+
+    With `staging`, the copies go into its reused "weights" buffers (queued; the caller waits);
+    without, into fresh CPU tensors.
+    """
     where = {name: (p.file, off) for p in plans for name, off in p.offsets.items()}
-    pieces = []
+    views, pieces = [], []
     for t in layout:
         local = locals_[t.key]
         if not local.owner:
@@ -86,11 +95,17 @@ def _stage_hf(
         view = local.tensor[
             tuple(slice(a - lb, b - lb) for (a, b), (lb, _) in zip(sub, local.box, strict=True))
         ]
-        cpu = view.to("cpu", copy=True).contiguous()
         file, base = where[t.name]
         size = itemsize(t.dtype)
         runs = [(base + off * size, idx, n) for off, idx, n in contiguous_runs(sub, t.box)]
-        pieces.append(_Piece(file, cpu, runs))
+        views.append(((t.name, sub), view.detach()))
+        pieces.append(_Piece(file, view, runs))
+    if staging is not None:
+        copies = staging.stage("weights", views)
+    else:
+        copies = [view.to("cpu", copy=True).contiguous() for _, view in views]
+    for piece, cpu in zip(pieces, copies, strict=True):
+        piece.tensor = cpu
     return pieces
 
 
@@ -154,11 +169,14 @@ def save_hf_weights(
     max_file_bytes: int = MAX_FILE_BYTES,
     write_config: bool = True,
     manifest: Mapping[str, Any] | None = None,
+    staging: StagingBuffers | None = None,
 ) -> Callable[[], None]:
     """Stage this rank's share of an HF safetensors folder; returns the job that writes it.
 
     `state` (default: the live model state) supplies the values; shapes and placements come from
     the live model. Rank 0 writes config/index/manifest now; every rank's job `pwrite`s its bytes.
+    With `staging` the copies are queued into its reused buffers: call `staging.wait()` before
+    the job runs or the weights change.
     """
     live = _model_state(model)
     values = live if state is None else {k: state[k] for k in live if k in state}
@@ -169,7 +187,7 @@ def save_hf_weights(
         locals_ = {
             k: attrs.evolve(locals_[k], tensor=_as_local(values[k], locals_[k])) for k in values
         }
-    pieces = _stage_hf(locals_, layout, plans)
+    pieces = _stage_hf(locals_, layout, plans, staging)
     folder.mkdir(parents=True, exist_ok=True)
     if parallel.rank == 0:
         weight_map = {name: p.file for p in plans for name in p.offsets}

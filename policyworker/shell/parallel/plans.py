@@ -206,7 +206,7 @@ def _apply_tp(
         check_tp_divisibility(config, ctx.tp_size)
         plan = tensor_parallel_plan(config.model_type, sequence_parallel=sequence_parallel)
     if _lora_modules(model):  # adapters follow their base layer's sharding (shell/lora.py)
-        from policyworker.shell.lora import lora_tp_plan
+        from policyworker.shell.lora_tp import lora_tp_plan
 
         plan = lora_tp_plan(plan)
     if ctx.mesh is None:
