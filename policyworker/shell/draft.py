@@ -252,11 +252,13 @@ class DraftTrainer:
         `draft_loss` and `draft_top1_agreement` (shares of the global batch's) to `metrics`."""
         if self.model is None or "logits" not in self._captured:
             return 0.0
-        cap = self._captured
+        # A packed microbatch is one row of documents: unpack to one row per document, so the
+        # draft's attention, its (t, t+1) shift and its positions stay inside each document.
+        cap = {k: mb.unpack_rows(v) for k, v in self._captured.items()}
         aux = torch.cat([cap[f"aux{i}"] for i in self.aux_layers], dim=-1)[:, :-1]
         logits = self.model(aux.float(), cap["embeds"][:, 1:].float())
         teacher = cap["logits"][:, 1:].float()
-        width = mb.input_ids.shape[1]
+        width = mb.width
         positions = torch.arange(1, width, device=logits.device)[None]
         real = positions < mb.lengths.to(logits.device)[:, None]
         if "sample_mask" in mb.data:

@@ -9,10 +9,11 @@ draft); bad settings raise errors naming the key.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from policyworker.errors import ConfigError
 from policyworker.functional.loss import NLLLoss
 from policyworker.shell.draft import default_aux_layers
 from policyworker.shell.refit.params import DRAFT_PREFIX, params_generator
@@ -128,6 +129,59 @@ def test_draft_weights_and_optimizer_survive_a_checkpoint(tiny_model_paths, tmp_
         PolicyWorker(cfg, weights_path=str(tmp_path / "plain"))
 
 
+def _draft_step(worker, data) -> tuple[float, dict[str, torch.Tensor]]:
+    """One training step: (the global batch's draft loss, the draft's gradients before its step)."""
+    grads: dict[str, torch.Tensor] = {}
+    draft = worker.state.draft
+    finish = draft.finish_step
+
+    def keep_grads(*, applied: bool) -> None:
+        grads.update({n: p.grad.clone() for n, p in draft.model.named_parameters()})
+        finish(applied=applied)
+
+    draft.finish_step = keep_grads
+    try:
+        metrics = worker.train(data, NLLLoss())["all_mb_metrics"]
+    finally:
+        del draft.finish_step
+    return sum(metrics["draft_loss"]), grads
+
+
+# Packing changes only the order of fp32 sums (attention over a packed row, the loss's
+# per-microbatch partial sums): parity is checked at fp32 accumulation noise.
+PACKED_TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def test_packed_draft_training_matches_unpacked(tiny_model_paths):
+    """Under sequence packing the draft sees each document alone (no input or target crosses a
+    document boundary): its loss and gradients match unpacked training."""
+    lengths = [16, 5, 11, 3, 16, 9, 2, 13]
+    data = {**_affine_batch(8, seed=3), "input_lengths": torch.tensor(lengths)}
+    data["token_mask"] = (torch.arange(16)[None] < data["input_lengths"][:, None]).float()
+    results = {}
+    for name, extra in {
+        "unpacked": {},
+        "packed": {"sequence_packing": {"train_mb_tokens": 24}},
+    }.items():
+        torch.manual_seed(0)  # the same fresh draft in both workers
+        worker = _worker(
+            tiny_model_paths["llama"],
+            draft={"loss_weight": 1.0},
+            optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.1}},  # no Adam sign-flips
+            **extra,
+        )
+        results[name] = [_draft_step(worker, data) for _ in range(2)]
+    for (want_loss, want_grads), (got_loss, got_grads) in zip(
+        results["unpacked"], results["packed"], strict=True
+    ):
+        assert want_grads.keys() == got_grads.keys() and want_grads
+        worst = max(float((got_grads[n] - g).abs().max()) for n, g in want_grads.items())
+        print(f"packed - unpacked: draft loss {got_loss - want_loss:.2e}, grads max {worst:.2e}")
+        assert math.isclose(got_loss, want_loss, rel_tol=1e-5), (got_loss, want_loss)
+        for name, grad in want_grads.items():
+            torch.testing.assert_close(got_grads[name], grad, **PACKED_TOL, msg=name)
+
+
 def test_bad_draft_settings_raise_naming_the_key(tiny_model_paths, tiny_reward_paths):
     with pytest.raises(ValueError, match="policy.draft needs a causal LM"):
         PolicyWorker(
@@ -139,5 +193,3 @@ def test_bad_draft_settings_raise_naming_the_key(tiny_model_paths, tiny_reward_p
         )
     with pytest.raises(ValueError, match="aux_layer_indices"):
         _worker(tiny_model_paths["llama"], draft={"aux_layer_indices": [0, 5]})
-    with pytest.raises(ConfigError, match="sequence_packing"):
-        _worker(tiny_model_paths["llama"], draft={}, sequence_packing={"train_mb_tokens": 32})
