@@ -25,7 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 __all__ = ["DraftTrainer", "Eagle3Draft", "default_aux_layers"]
 
@@ -156,13 +159,8 @@ class DraftTrainer:
         self._pairs = 1.0
         if self.cfg is None:
             return
-        if parallel.mesh is not None:
-            msg = (
-                f"policy.draft (draft co-training) runs in a single process for now; this "
-                f"worker has a process group of {parallel.world_size} ranks; remove "
-                f"policy.draft or run one process"
-            )
-            raise ValueError(msg)
+        # The config refuses tp / cp with a draft: it reads whole sequences and full logits.
+        assert parallel.tp_size * parallel.cp_size == 1, (parallel.tp_size, parallel.cp_size)
         layers = _decoder_layers(policy)
         hf: Any = policy  # an HF PreTrainedModel: embeddings and head accessors
         if layers is None or hf.get_output_embeddings() is None:
@@ -180,6 +178,7 @@ class DraftTrainer:
             )
             raise ValueError(msg)
         self.model = self._build(policy).to(device)
+        self._broadcast_from_first_rank()
         self.optimizer = (
             build_optimizer(self.model, cfg.optimizer)
             if build_optimizer is not None and cfg.optimizer
@@ -200,7 +199,10 @@ class DraftTrainer:
             draft = Eagle3Draft(config, num_aux=len(self.aux_layers))
             with torch.no_grad():  # NeMo-RL: no draft LM head given -> start from the policy's
                 hf: Any = policy
-                draft.lm_head.weight.copy_(hf.get_output_embeddings().weight)
+                head = hf.get_output_embeddings().weight
+                draft.lm_head.weight.copy_(
+                    head.full_tensor() if isinstance(head, DTensor) else head
+                )
             return draft
         from transformers import LlamaConfig
 
@@ -217,6 +219,31 @@ class DraftTrainer:
 
         draft.load_state_dict(load_file(str(folder / _DRAFT_WEIGHTS)))
         return draft
+
+    def _broadcast_from_first_rank(self) -> None:
+        """Every dp rank starts from rank 0's draft (a fresh draft's init is per-process)."""
+        if self.parallel.dp_size == 1:
+            return
+        assert self.model is not None
+        params = list(self.model.parameters())
+        flat = parameters_to_vector(params).detach().to(self.parallel._collective_device())
+        dist.broadcast(flat, group=self.parallel.groups["dp"], group_src=0)
+        with torch.no_grad():
+            vector_to_parameters(flat.to(params[0].device), params)
+
+    def _all_reduce_grads(self) -> None:
+        """The draft is replicated: sum its gradients over dp in one flat buffer. Each rank's
+        are dp x its partial (the training loop scales every loss by dp for FSDP2's average)."""
+        dp = self.parallel.dp_size
+        if dp == 1:
+            return
+        assert self.model is not None
+        params = list(self.model.parameters())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.parallel._collective_device())
+        self.parallel.all_reduce(flat, axis="dp").div_(dp)
+        for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p.grad = piece.view_as(p).to(p.device)
 
     # ------------------------------------------------------------------------------ training
 
@@ -278,6 +305,7 @@ class DraftTrainer:
         if applied:
             limit = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
             assert self.model is not None  # an optimizer exists only with a draft
+            self._all_reduce_grads()
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
             if bool(torch.isfinite(norm)):  # a non-finite draft gradient skips the draft's step
                 self.optimizer.step()
@@ -287,9 +315,16 @@ class DraftTrainer:
 
     def save(self, folder: str | Path, optimizer_folder: str | Path | None) -> None:
         """The draft's weights and config in `folder`, its optimizer state in `optimizer_folder`
-        (each written beside its final name, then renamed into place)."""
+        (each written beside its final name, then renamed into place). Rank 0 writes: the
+        draft is replicated over dp."""
         if self.model is None:
             return
+        if self.parallel.rank == 0:
+            self._write(folder, optimizer_folder)
+        self.parallel.barrier()
+
+    def _write(self, folder: str | Path, optimizer_folder: str | Path | None) -> None:
+        assert self.model is not None
         from safetensors.torch import save_file
 
         state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
