@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from policyworker.functional.loss import NLLLoss
+from policyworker.shell import offload
 from policyworker.shell.draft import default_aux_layers
 from policyworker.shell.refit.params import DRAFT_PREFIX, params_generator
 from policyworker.shell.worker import PolicyWorker
@@ -180,6 +181,56 @@ def test_packed_draft_training_matches_unpacked(tiny_model_paths):
         assert math.isclose(got_loss, want_loss, rel_tol=1e-5), (got_loss, want_loss)
         for name, grad in want_grads.items():
             torch.testing.assert_close(got_grads[name], grad, **PACKED_TOL, msg=name)
+
+
+def test_the_draft_and_its_optimizer_follow_the_policy_through_offload(
+    tiny_model_paths, monkeypatch
+):
+    """Every offload step moves the draft (and its optimizer state) where it moves the policy
+    (and its optimizer state). On a CPU box both places are the CPU: the test records the moves
+    (tests/gpu checks the memory)."""
+    worker = _worker(tiny_model_paths["llama"], draft={})
+    data = _affine_batch(8, seed=0)
+    worker.train(data, NLLLoss())
+    draft = worker.state.draft
+    moves: list[tuple[str, str]] = []
+    names = {id(worker.model): "policy", id(draft.model): "draft"}
+    opt_names = {id(worker.optimizer): "policy", id(draft.optimizer): "draft"}
+    move_model, move_state = offload.move_model, offload._move_optimizer_state
+
+    def record_model(state, model, device):
+        moves.append((names.get(id(model), "other"), str(state.resolve_device(device))))
+        return move_model(state, model, device)
+
+    def record_optimizer(optimizer, device):
+        moves.append((f"{opt_names[id(optimizer)]} optimizer", str(device)))
+        move_state(optimizer, device)
+
+    monkeypatch.setattr(offload, "move_model", record_model)
+    monkeypatch.setattr(offload, "_move_optimizer_state", record_optimizer)
+    here = str(worker.device)
+    steps = {
+        worker.offload_before_refit: {("policy optimizer", "cpu"), ("draft optimizer", "cpu")},
+        worker.offload_after_refit: {
+            ("policy", "cpu"),
+            ("draft", "cpu"),
+            ("policy optimizer", "cpu"),
+            ("draft optimizer", "cpu"),
+        },
+        worker.prepare_for_training: {
+            ("policy", here),
+            ("draft", here),
+            ("policy optimizer", here),
+            ("draft optimizer", here),
+        },
+        worker.finish_inference: {("policy", "cpu"), ("draft", "cpu")},
+    }
+    for step, want in steps.items():
+        moves.clear()
+        step()
+        assert set(moves) == want, (step.__name__, moves)
+    worker.prepare_for_training()
+    assert worker.train(data, NLLLoss())["skipped_steps"] == 0
 
 
 def test_bad_draft_settings_raise_naming_the_key(tiny_model_paths, tiny_reward_paths):
