@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from policyworker.shell.checkpoint.api import StageFolder
 
 __all__ = ["DraftTrainer", "Eagle3Draft", "default_aux_layers"]
 
@@ -313,39 +315,49 @@ class DraftTrainer:
 
     # ------------------------------------------------------------------------------ state
 
-    def save(self, folder: str | Path, optimizer_folder: str | Path | None) -> None:
-        """The draft's weights and config in `folder`, its optimizer state in `optimizer_folder`
-        (each written beside its final name, then renamed into place). Rank 0 writes: the
-        draft is replicated over dp."""
+    def checkpoint_folders(
+        self, weights_path: str, optimizer_path: str | None
+    ) -> dict[Path, StageFolder]:
+        """The draft's folders in the policy's (asynchronous) save: `weights_path/draft/`
+        (safetensors + config.json) and `optimizer_path/draft/`; none without a draft."""
         if self.model is None:
-            return
-        if self.parallel.rank == 0:
-            self._write(folder, optimizer_folder)
-        self.parallel.barrier()
+            return {}
+        folders: dict[Path, StageFolder] = {Path(weights_path) / "draft": self._stage_weights}
+        if optimizer_path is not None and self.optimizer is not None:
+            folders[Path(optimizer_path) / "draft"] = self._stage_optimizer
+        return folders
 
-    def _write(self, folder: str | Path, optimizer_folder: str | Path | None) -> None:
-        assert self.model is not None
+    def _stage_weights(self, folder: Path) -> Callable[[], None] | None:
+        """Rank 0 copies the draft (replicated over dp) to the CPU now; the job writes it."""
+        if self.model is None or self.parallel.rank != 0:
+            return None
         from safetensors.torch import save_file
 
-        state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
+        state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         meta = {
             "num_aux": self.model.num_aux,
             "llama": self.model.config.to_dict(),
             "aux_layer_indices": list(self.aux_layers),
         }
-        with _replaced(folder) as tmp:
-            save_file(state, str(tmp / _DRAFT_WEIGHTS))
-            (tmp / "config.json").write_text(json.dumps(meta, indent=1, default=str))
-        if optimizer_folder is not None and self.optimizer is not None:
-            with _replaced(optimizer_folder) as tmp:
-                torch.save(self.optimizer.state_dict(), tmp / _DRAFT_OPTIMIZER)
 
-    def save_beside(self, weights_path: str, optimizer_path: str | None) -> None:
-        """Checkpoint layout: `weights_path/draft/` and `optimizer_path/draft/`."""
-        self.save(
-            Path(weights_path) / "draft",
-            None if optimizer_path is None else Path(optimizer_path) / "draft",
-        )
+        def write() -> None:
+            folder.mkdir(parents=True, exist_ok=True)
+            save_file(state, str(folder / _DRAFT_WEIGHTS))
+            (folder / "config.json").write_text(json.dumps(meta, indent=1, default=str))
+
+        return write
+
+    def _stage_optimizer(self, folder: Path) -> Callable[[], None] | None:
+        """Rank 0 copies the draft's optimizer state to the CPU now; the job writes it."""
+        if self.optimizer is None or self.parallel.rank != 0:
+            return None
+        state = _cpu_copy(self.optimizer.state_dict())
+
+        def write() -> None:
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save(state, folder / _DRAFT_OPTIMIZER)
+
+        return write
 
     def load_beside(self, weights_path: str | None, optimizer_path: str | None) -> None:
         """Load what `save_beside` wrote; a policy checkpoint without a draft folder is an
@@ -377,23 +389,15 @@ class DraftTrainer:
             self.optimizer.load_state_dict(torch.load(path, weights_only=True))
 
 
-@contextlib.contextmanager
-def _replaced(final: str | Path) -> Iterator[Path]:
-    """A fresh folder beside `final` to write into; on success it replaces `final`."""
-    import shutil
-    import uuid
-
-    final = Path(final)
-    tmp = final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+def _cpu_copy(obj: Any) -> Any:
+    """A copy of an optimizer state dict with every tensor copied to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cpu_copy(v) for v in obj]
+    return obj
 
 
 def _decoder_layers(policy: nn.Module) -> nn.ModuleList | None:

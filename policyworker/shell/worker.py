@@ -356,8 +356,8 @@ class PolicyWorker(NeMoRLWorkerSurface):
                 optimizer_path,
                 tokenizer_path,
                 is_final_checkpoint=is_final_checkpoint,
+                extra_folders=self.state.draft.checkpoint_folders(weights_path, optimizer_path),
             )
-            self.state.draft.save_beside(weights_path, optimizer_path)
 
     def finalize_async_save(self) -> None:
         """Block until the last save landed and its folders are renamed into place."""

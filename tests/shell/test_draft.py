@@ -183,6 +183,28 @@ def test_packed_draft_training_matches_unpacked(tiny_model_paths):
             torch.testing.assert_close(got_grads[name], grad, **PACKED_TOL, msg=name)
 
 
+def test_the_draft_is_saved_by_the_policys_async_save(tiny_model_paths, tmp_path):
+    """The draft's folders are staged with the policy's and committed by finalize_async_save
+    (never visible before it); the saved draft is the one at save time, though training went on
+    before the writes were finalized."""
+    worker = _worker(tiny_model_paths["llama"], draft={})
+    worker.train(_affine_batch(8, seed=0), NLLLoss())
+    at_save = {k: v.clone() for k, v in worker.state.draft.model.state_dict().items()}
+    opt_at_save = {k: v.clone() for k, v in worker.state.draft.optimizer.state[0].items()}
+    worker.save_checkpoint(str(tmp_path / "w"), str(tmp_path / "o"))
+    assert not (tmp_path / "w" / "draft").exists() and not (tmp_path / "o" / "draft").exists()
+    worker.train(_affine_batch(8, seed=1), NLLLoss())  # changes the live draft in place
+    worker.finalize_async_save()
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["draft", "model", "reference"]
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["draft", "optim"]
+    restored = PolicyWorker(
+        worker.state.cfg, weights_path=str(tmp_path / "w"), optimizer_path=str(tmp_path / "o")
+    )
+    draft = restored.state.draft
+    assert all(torch.equal(v, at_save[k]) for k, v in draft.model.state_dict().items())
+    assert all(torch.equal(v, opt_at_save[k]) for k, v in draft.optimizer.state[0].items())
+
+
 def test_the_draft_and_its_optimizer_follow_the_policy_through_offload(
     tiny_model_paths, monkeypatch
 ):
