@@ -32,7 +32,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from policyworker.shell.checkpoint.api import StageFolder
 
-__all__ = ["DraftTrainer", "Eagle3Draft", "default_aux_layers"]
+__all__ = ["DraftTrainer", "Eagle3Draft", "default_aux_layers", "eagle3_config"]
 
 _DRAFT_WEIGHTS = "model.safetensors"
 _DRAFT_OPTIMIZER = "optimizer.pt"
@@ -140,6 +140,27 @@ def _draft_config(policy_config: Any, num_layers: int) -> Any:
     )
 
 
+def eagle3_config(draft: Eagle3Draft, aux_layers: tuple[int, ...]) -> dict[str, Any]:
+    """The draft's config.json: a Hugging Face Eagle3 draft config that vLLM loads as a
+    speculative model (`speculative_config={"method": "eagle3", "model": folder}`).
+
+    vLLM numbers its aux hidden states by the layer they enter (id k = the output of decoder
+    layer k - 1); `aux_layer_indices` numbers the layer they leave, hence the + 1.
+    """
+    config = draft.config.to_dict()
+    config.update(
+        architectures=["LlamaForCausalLMEagle3"],
+        eagle_config={
+            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in aux_layers],
+            "use_aux_hidden_state": True,
+        },
+        target_hidden_size=draft.config.hidden_size,
+        draft_vocab_size=draft.config.vocab_size,
+        aux_layer_indices=list(aux_layers),
+    )
+    return config
+
+
 class DraftTrainer:
     """The draft model, its optimizer and the hooks that feed it (inert when `cfg.draft` is off)."""
 
@@ -210,7 +231,8 @@ class DraftTrainer:
 
         folder = Path(name)
         meta = json.loads((folder / "config.json").read_text())
-        draft = Eagle3Draft(LlamaConfig(**meta["llama"]), num_aux=int(meta["num_aux"]))
+        num_aux = len(meta["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        draft = Eagle3Draft(LlamaConfig(**meta), num_aux=num_aux)
         if draft.num_aux != len(self.aux_layers):
             msg = (
                 f"draft.model_name={name!r} fuses {draft.num_aux} policy layers but "
@@ -334,11 +356,7 @@ class DraftTrainer:
         from safetensors.torch import save_file
 
         state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        meta = {
-            "num_aux": self.model.num_aux,
-            "llama": self.model.config.to_dict(),
-            "aux_layer_indices": list(self.aux_layers),
-        }
+        meta = eagle3_config(self.model, self.aux_layers)
 
         def write() -> None:
             folder.mkdir(parents=True, exist_ok=True)
