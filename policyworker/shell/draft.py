@@ -14,6 +14,12 @@ optimizer (the policy's settings), clipped and stepped after the policy's step.
 
 Layer layout (Eagle3): the first layer's attention reads [norm(embedding), norm(fused hidden)]
 (2H wide); further layers are plain Llama decoder layers; then a final norm and an LM head.
+
+Sequence packing: the captured [1, N, ...] activations are split back into one row per document
+before the draft runs, so nothing crosses a document boundary. Data parallelism: the draft is
+replicated (rank 0's initial weights are broadcast), its gradients are summed over dp before its
+step, and rank 0 writes it in the policy's asynchronous checkpoint save (`checkpoint_folders`).
+Its checkpoint folder is a Hugging Face Eagle3 draft that vLLM loads as a speculative model.
 """
 
 from __future__ import annotations

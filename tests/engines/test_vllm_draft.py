@@ -6,7 +6,9 @@ of the worker's checkpoint (`weights_path/draft`, a Hugging Face Eagle3 draft); 
 trained, one refit carries the policy and the `draft.*` tensors, and vLLM's drafter holds the
 trained draft (its norms are read back in vLLM's worker; the receiver refuses a version that
 leaves any drafter parameter without a value). Speculative decoding is lossless: vLLM's greedy
-tokens stay the policy's argmax.
+tokens stay the policy's argmax. And the trained draft is what vLLM speculates with: its
+acceptance rate goes from near 0 (the fresh draft) to near 1 once the draft agrees with the
+policy (measured 0.006 -> 1.0), which also checks the aux-layer numbering vLLM reads.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ def llm(checkpoint):
     spec = {"method": "eagle3", "model": f"{checkpoint}/draft", "num_speculative_tokens": 2}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the read-back RPC is a function
-        with engine(f"{checkpoint}/../model", speculative_config=spec) as llm:
+        with engine(
+            f"{checkpoint}/../model", speculative_config=spec, disable_log_stats=False
+        ) as llm:
             yield llm
 
 
@@ -99,3 +103,34 @@ def test_a_refit_puts_the_trained_draft_into_vllms_drafter(llm, worker, via):
             torch.tensor(got[name]), torch.tensor(want[name]), rtol=0, atol=0
         )
     _assert_greedy_is_the_policys(llm, worker.model)
+
+
+def _acceptance(llm, prompts) -> tuple[float, int]:
+    """(accepted / proposed draft tokens, proposed) over one greedy generation of `prompts`."""
+
+    def counts() -> tuple[float, float]:
+        names = ("vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_draft_tokens")
+        metrics = {m.name: m for m in llm.get_metrics() if m.name in names}
+        return metrics[names[0]].value, metrics[names[1]].value
+
+    accepted, proposed = counts()
+    generate(llm, prompts, max_tokens=12)
+    now_accepted, now_proposed = counts()
+    proposed = int(now_proposed - proposed)
+    return (now_accepted - accepted) / max(proposed, 1), proposed
+
+
+def test_vllm_speculates_with_the_refit_draft(llm, worker):
+    from tests.shell.test_draft import _affine_batch
+
+    prompts = [row[:4].tolist() for row in _affine_batch(8, seed=999)["input_ids"]]
+    VllmRefit(llm, worker).refit()  # the fresh draft of the checkpoint
+    fresh, proposed = _acceptance(llm, prompts)
+    for step in range(12):
+        out = worker.train(_affine_batch(8, seed=step), NLLLoss())
+    agreement = sum(out["all_mb_metrics"]["draft_top1_agreement"])
+    VllmRefit(llm, worker).refit()
+    trained, _ = _acceptance(llm, prompts)
+    print(f"vLLM draft acceptance: fresh {fresh:.3f} ({proposed} proposed), trained {trained:.3f}")
+    assert proposed > 0 and fresh < 0.2, fresh
+    assert agreement > 0.8 and trained > 0.8, (agreement, trained)
