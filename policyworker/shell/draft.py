@@ -383,11 +383,14 @@ class DraftTrainer:
 
         return write
 
-    def load_beside(self, weights_path: str | None, optimizer_path: str | None) -> None:
-        """Load what `save_beside` wrote; a policy checkpoint without a draft folder is an
-        error while the draft is on (the draft would silently restart)."""
+    def check_saved(self, weights_path: str | None, optimizer_path: str | None) -> None:
+        """Refuse, before anything loads, a checkpoint whose draft folders are missing (while
+        the draft is on, it would silently restart) or whose files differ from the save's
+        digests."""
         if self.model is None or weights_path is None:
             return
+        from policyworker.shell.checkpoint.digests import verify_digests
+
         folder = Path(weights_path) / "draft"
         if not (folder / _DRAFT_WEIGHTS).exists():
             msg = (
@@ -396,7 +399,19 @@ class DraftTrainer:
                 f"policy.draft"
             )
             raise ValueError(msg)
-        self.load(folder, None if optimizer_path is None else Path(optimizer_path) / "draft")
+        verify_digests(folder)
+        if optimizer_path is not None and (Path(optimizer_path) / "draft").is_dir():
+            verify_digests(Path(optimizer_path) / "draft")
+
+    def load_beside(self, weights_path: str | None, optimizer_path: str | None) -> None:
+        """Load the draft folders a checkpoint holds (`checkpoint_folders` wrote them)."""
+        if self.model is None or weights_path is None:
+            return
+        self.check_saved(weights_path, optimizer_path)
+        self.load(
+            Path(weights_path) / "draft",
+            None if optimizer_path is None else Path(optimizer_path) / "draft",
+        )
 
     def load(self, folder: str | Path, optimizer_folder: str | Path | None) -> None:
         if self.model is None:

@@ -368,6 +368,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
         """Load weights (safetensors / DCP / PEFT, any layout), reference and optimizer state;
         nothing changes when a file is missing or truncated."""
         with quiet_progress_bars():
+            self.state.draft.check_saved(weights_path, optimizer_path)  # before anything loads
             checkpoint.load_checkpoint(self.state, weights_path, optimizer_path)
             self.state.draft.load_beside(weights_path, optimizer_path)
 

@@ -16,6 +16,7 @@ import torch
 
 from policyworker.functional.loss import NLLLoss
 from policyworker.shell import offload
+from policyworker.shell.checkpoint import CheckpointError
 from policyworker.shell.draft import default_aux_layers
 from policyworker.shell.refit.params import DRAFT_PREFIX, params_generator
 from policyworker.shell.worker import PolicyWorker
@@ -128,6 +129,15 @@ def test_draft_weights_and_optimizer_survive_a_checkpoint(tiny_model_paths, tmp_
     plain.finalize_async_save()
     with pytest.raises(ValueError, match="has no draft/model.safetensors"):
         PolicyWorker(cfg, weights_path=str(tmp_path / "plain"))
+    policy = {k: v.clone() for k, v in worker.model.state_dict().items()}
+    with pytest.raises(ValueError, match="has no draft/model.safetensors"):
+        worker.load_checkpoint(str(tmp_path / "plain"))
+    assert all(torch.equal(v, policy[k]) for k, v in worker.model.state_dict().items())
+    weights = tmp_path / "w" / "draft" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        worker.load_checkpoint(str(tmp_path / "w"), str(tmp_path / "o"))
+    assert all(torch.equal(v, policy[k]) for k, v in worker.model.state_dict().items())
 
 
 def _draft_step(worker, data) -> tuple[float, dict[str, torch.Tensor]]:
