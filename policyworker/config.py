@@ -485,8 +485,9 @@ class DraftConfig:
     early/middle/late pick) and the next token's embedding, and learns the policy's next-token
     distribution; its loss is added with `loss_weight`. `model_name` is a folder holding a draft
     saved by this worker (config.json + safetensors); None builds a fresh draft of `num_layers`
-    (default 1) layers shaped like the policy, its LM head copied from the policy's. Single
-    process, unpacked batches (NeMo-RL's draft training does not pack either)."""
+    (default 1) layers shaped like the policy, its LM head copied from the policy's. Fixed,
+    dynamic and packed batching (a packed row is split back into its documents for the draft).
+    Data parallel (the draft is replicated, its gradients all-reduced over dp); tp = cp = 1."""
 
     model_name: str | None = field(default=None, validator=_NON_EMPTY)
     loss_weight: float = field(default=0.1, validator=_Rule(lambda v: v >= 0.0, "must be >= 0"))
@@ -600,11 +601,14 @@ def _cross_field_problems(cfg: PolicyConfig) -> list[tuple[str, str]]:
                 "models (reward_model_cfg is enabled); disable sequence_packing",
             )
         )
-    if cfg.draft is not None and cfg.sequence_packing is not None:
+    tp = cfg.dtensor_cfg.tensor_parallel_size
+    if cfg.draft is not None and tp * cp != 1:
         problems.append(
             (
                 "draft",
-                "draft co-training reads unpacked rows; disable sequence_packing or the draft",
+                f"draft co-training reads whole sequences and full logits on each rank: it "
+                f"needs dtensor_cfg.tensor_parallel_size = 1 and context_parallel_size = 1 "
+                f"(got {tp} and {cp}); use data parallelism only, or remove the draft",
             )
         )
     gbs, mbs = cfg.train_global_batch_size, cfg.train_micro_batch_size

@@ -14,125 +14,40 @@ optimizer (the policy's settings), clipped and stepped after the policy's step.
 
 Layer layout (Eagle3): the first layer's attention reads [norm(embedding), norm(fused hidden)]
 (2H wide); further layers are plain Llama decoder layers; then a final norm and an LM head.
+
+Sequence packing: the captured [1, N, ...] activations are split back into one row per document
+before the draft runs, so nothing crosses a document boundary. Data parallelism: the draft is
+replicated (rank 0's initial weights are broadcast), its gradients are summed over dp before its
+step, and rank 0 writes it in the policy's asynchronous checkpoint save (`checkpoint_folders`).
+Its checkpoint folder is a Hugging Face Eagle3 draft that vLLM loads as a speculative model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-__all__ = ["DraftTrainer", "Eagle3Draft", "default_aux_layers"]
+from policyworker.shell.checkpoint.api import StageFolder
+from policyworker.shell.draft_model import (
+    Eagle3Draft,
+    _draft_config,
+    default_aux_layers,
+    eagle3_config,
+)
+
+__all__ = ["DraftTrainer", "Eagle3Draft", "default_aux_layers", "eagle3_config"]
 
 _DRAFT_WEIGHTS = "model.safetensors"
 _DRAFT_OPTIMIZER = "optimizer.pt"
-
-
-def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """NeMo-RL's early/middle/late pick of policy layers (those that exist; layer 0 at least)."""
-    picks = {1, max(0, num_layers // 2 - 1), max(1, num_layers - 4)}
-    return tuple(sorted({i for i in picks if i < num_layers} or {0}))
-
-
-class _FirstLayer(nn.Module):
-    """Eagle3's first draft layer: attention over [norm(embedding), norm(hidden)]."""
-
-    def __init__(self, config: Any) -> None:
-        from transformers import LlamaConfig
-        from transformers.models.llama.modeling_llama import (
-            LlamaDecoderLayer,
-            LlamaMLP,
-            LlamaRMSNorm,
-        )
-
-        super().__init__()
-        wide = LlamaConfig(
-            **{
-                **config.to_dict(),
-                "hidden_size": 2 * config.hidden_size,
-                "head_dim": config.head_dim,
-            }
-        )
-        wide._attn_implementation = "sdpa"
-        inner = LlamaDecoderLayer(wide, layer_idx=0)
-        self.self_attn = inner.self_attn
-        self.self_attn.o_proj = nn.Linear(
-            config.num_attention_heads * config.head_dim, config.hidden_size, bias=False
-        )
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
-
-    def forward(
-        self, hidden: torch.Tensor, embeds: torch.Tensor, position_embeddings: Any
-    ) -> torch.Tensor:
-        both = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        attended, _ = self.self_attn(
-            hidden_states=both, position_embeddings=position_embeddings, attention_mask=None
-        )
-        hidden = hidden + attended
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
-class Eagle3Draft(nn.Module):
-    """fc (aux hidden states -> H), Eagle3 layers, final norm, LM head over the policy's vocab."""
-
-    def __init__(self, config: Any, *, num_aux: int) -> None:
-        from transformers.models.llama.modeling_llama import (
-            LlamaDecoderLayer,
-            LlamaRMSNorm,
-            LlamaRotaryEmbedding,
-        )
-
-        super().__init__()
-        config._attn_implementation = "sdpa"  # causal without a mask
-        self.config = config
-        self.num_aux = num_aux
-        hidden = config.hidden_size
-        self.fc = nn.Linear(num_aux * hidden, hidden, bias=False)
-        self.layers = nn.ModuleList(
-            [_FirstLayer(config)]
-            + [LlamaDecoderLayer(config, layer_idx=i) for i in range(1, config.num_hidden_layers)]
-        )
-        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
-        self.rotary_emb = LlamaRotaryEmbedding(config)
-
-    def forward(self, aux_hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        """Logits [b, s, V] from fused aux hidden states [b, s, A*H] and embeddings [b, s, H]."""
-        hidden = self.fc(aux_hidden)
-        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
-        rope = self.rotary_emb(hidden, positions)
-        hidden = self.layers[0](hidden, embeds, rope)
-        for layer in self.layers[1:]:
-            hidden = layer(hidden, position_embeddings=rope, position_ids=positions)
-        return self.lm_head(self.norm(hidden))
-
-
-def _draft_config(policy_config: Any, num_layers: int) -> Any:
-    """A Llama config shaped like the policy (hidden, heads, vocab), `num_layers` deep."""
-    from transformers import LlamaConfig
-
-    heads = policy_config.num_attention_heads
-    head_dim = getattr(policy_config, "head_dim", None) or policy_config.hidden_size // heads
-    return LlamaConfig(
-        hidden_size=policy_config.hidden_size,
-        intermediate_size=policy_config.intermediate_size,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(policy_config, "num_key_value_heads", heads),
-        head_dim=head_dim,
-        vocab_size=policy_config.vocab_size,
-        num_hidden_layers=num_layers,
-        rms_norm_eps=getattr(policy_config, "rms_norm_eps", 1e-6),
-        max_position_embeddings=policy_config.max_position_embeddings,
-        tie_word_embeddings=False,
-    )
 
 
 class DraftTrainer:
@@ -156,13 +71,8 @@ class DraftTrainer:
         self._pairs = 1.0
         if self.cfg is None:
             return
-        if parallel.mesh is not None:
-            msg = (
-                f"policy.draft (draft co-training) runs in a single process for now; this "
-                f"worker has a process group of {parallel.world_size} ranks; remove "
-                f"policy.draft or run one process"
-            )
-            raise ValueError(msg)
+        # The config refuses tp / cp with a draft: it reads whole sequences and full logits.
+        assert parallel.tp_size * parallel.cp_size == 1, (parallel.tp_size, parallel.cp_size)
         layers = _decoder_layers(policy)
         hf: Any = policy  # an HF PreTrainedModel: embeddings and head accessors
         if layers is None or hf.get_output_embeddings() is None:
@@ -180,6 +90,7 @@ class DraftTrainer:
             )
             raise ValueError(msg)
         self.model = self._build(policy).to(device)
+        self._broadcast_from_first_rank()
         self.optimizer = (
             build_optimizer(self.model, cfg.optimizer)
             if build_optimizer is not None and cfg.optimizer
@@ -200,13 +111,17 @@ class DraftTrainer:
             draft = Eagle3Draft(config, num_aux=len(self.aux_layers))
             with torch.no_grad():  # NeMo-RL: no draft LM head given -> start from the policy's
                 hf: Any = policy
-                draft.lm_head.weight.copy_(hf.get_output_embeddings().weight)
+                head = hf.get_output_embeddings().weight
+                draft.lm_head.weight.copy_(
+                    head.full_tensor() if isinstance(head, DTensor) else head
+                )
             return draft
         from transformers import LlamaConfig
 
         folder = Path(name)
         meta = json.loads((folder / "config.json").read_text())
-        draft = Eagle3Draft(LlamaConfig(**meta["llama"]), num_aux=int(meta["num_aux"]))
+        num_aux = len(meta["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        draft = Eagle3Draft(LlamaConfig(**meta), num_aux=num_aux)
         if draft.num_aux != len(self.aux_layers):
             msg = (
                 f"draft.model_name={name!r} fuses {draft.num_aux} policy layers but "
@@ -217,6 +132,31 @@ class DraftTrainer:
 
         draft.load_state_dict(load_file(str(folder / _DRAFT_WEIGHTS)))
         return draft
+
+    def _broadcast_from_first_rank(self) -> None:
+        """Every dp rank starts from rank 0's draft (a fresh draft's init is per-process)."""
+        if self.parallel.dp_size == 1:
+            return
+        assert self.model is not None
+        params = list(self.model.parameters())
+        flat = parameters_to_vector(params).detach().to(self.parallel._collective_device())
+        dist.broadcast(flat, group=self.parallel.groups["dp"], group_src=0)
+        with torch.no_grad():
+            vector_to_parameters(flat.to(params[0].device), params)
+
+    def _all_reduce_grads(self) -> None:
+        """The draft is replicated: sum its gradients over dp in one flat buffer. Each rank's
+        are dp x its partial (the training loop scales every loss by dp for FSDP2's average)."""
+        dp = self.parallel.dp_size
+        if dp == 1:
+            return
+        assert self.model is not None
+        params = list(self.model.parameters())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(self.parallel._collective_device())
+        self.parallel.all_reduce(flat, axis="dp").div_(dp)
+        for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p.grad = piece.view_as(p).to(p.device)
 
     # ------------------------------------------------------------------------------ training
 
@@ -252,11 +192,13 @@ class DraftTrainer:
         `draft_loss` and `draft_top1_agreement` (shares of the global batch's) to `metrics`."""
         if self.model is None or "logits" not in self._captured:
             return 0.0
-        cap = self._captured
+        # A packed microbatch is one row of documents: unpack to one row per document, so the
+        # draft's attention, its (t, t+1) shift and its positions stay inside each document.
+        cap = {k: mb.unpack_rows(v) for k, v in self._captured.items()}
         aux = torch.cat([cap[f"aux{i}"] for i in self.aux_layers], dim=-1)[:, :-1]
         logits = self.model(aux.float(), cap["embeds"][:, 1:].float())
         teacher = cap["logits"][:, 1:].float()
-        width = mb.input_ids.shape[1]
+        width = mb.width
         positions = torch.arange(1, width, device=logits.device)[None]
         real = positions < mb.lengths.to(logits.device)[:, None]
         if "sample_mask" in mb.data:
@@ -276,6 +218,7 @@ class DraftTrainer:
         if applied:
             limit = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
             assert self.model is not None  # an optimizer exists only with a draft
+            self._all_reduce_grads()
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
             if bool(torch.isfinite(norm)):  # a non-finite draft gradient skips the draft's step
                 self.optimizer.step()
@@ -283,38 +226,54 @@ class DraftTrainer:
 
     # ------------------------------------------------------------------------------ state
 
-    def save(self, folder: str | Path, optimizer_folder: str | Path | None) -> None:
-        """The draft's weights and config in `folder`, its optimizer state in `optimizer_folder`
-        (each written beside its final name, then renamed into place)."""
+    def checkpoint_folders(
+        self, weights_path: str, optimizer_path: str | None
+    ) -> dict[Path, StageFolder]:
+        """The draft's folders in the policy's (asynchronous) save: `weights_path/draft/`
+        (safetensors + config.json) and `optimizer_path/draft/`; none without a draft."""
         if self.model is None:
-            return
+            return {}
+        folders: dict[Path, StageFolder] = {Path(weights_path) / "draft": self._stage_weights}
+        if optimizer_path is not None and self.optimizer is not None:
+            folders[Path(optimizer_path) / "draft"] = self._stage_optimizer
+        return folders
+
+    def _stage_weights(self, folder: Path) -> Callable[[], None] | None:
+        """Rank 0 copies the draft (replicated over dp) to the CPU now; the job writes it."""
+        if self.model is None or self.parallel.rank != 0:
+            return None
         from safetensors.torch import save_file
 
-        state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
-        meta = {
-            "num_aux": self.model.num_aux,
-            "llama": self.model.config.to_dict(),
-            "aux_layer_indices": list(self.aux_layers),
-        }
-        with _replaced(folder) as tmp:
-            save_file(state, str(tmp / _DRAFT_WEIGHTS))
-            (tmp / "config.json").write_text(json.dumps(meta, indent=1, default=str))
-        if optimizer_folder is not None and self.optimizer is not None:
-            with _replaced(optimizer_folder) as tmp:
-                torch.save(self.optimizer.state_dict(), tmp / _DRAFT_OPTIMIZER)
+        state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        meta = eagle3_config(self.model, self.aux_layers)
 
-    def save_beside(self, weights_path: str, optimizer_path: str | None) -> None:
-        """Checkpoint layout: `weights_path/draft/` and `optimizer_path/draft/`."""
-        self.save(
-            Path(weights_path) / "draft",
-            None if optimizer_path is None else Path(optimizer_path) / "draft",
-        )
+        def write() -> None:
+            folder.mkdir(parents=True, exist_ok=True)
+            save_file(state, str(folder / _DRAFT_WEIGHTS))
+            (folder / "config.json").write_text(json.dumps(meta, indent=1, default=str))
 
-    def load_beside(self, weights_path: str | None, optimizer_path: str | None) -> None:
-        """Load what `save_beside` wrote; a policy checkpoint without a draft folder is an
-        error while the draft is on (the draft would silently restart)."""
+        return write
+
+    def _stage_optimizer(self, folder: Path) -> Callable[[], None] | None:
+        """Rank 0 copies the draft's optimizer state to the CPU now; the job writes it."""
+        if self.optimizer is None or self.parallel.rank != 0:
+            return None
+        state = _cpu_copy(self.optimizer.state_dict())
+
+        def write() -> None:
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save(state, folder / _DRAFT_OPTIMIZER)
+
+        return write
+
+    def check_saved(self, weights_path: str | None, optimizer_path: str | None) -> None:
+        """Refuse, before anything loads, a checkpoint whose draft folders are missing (while
+        the draft is on, it would silently restart) or whose files differ from the save's
+        digests."""
         if self.model is None or weights_path is None:
             return
+        from policyworker.shell.checkpoint.digests import verify_digests
+
         folder = Path(weights_path) / "draft"
         if not (folder / _DRAFT_WEIGHTS).exists():
             msg = (
@@ -323,7 +282,19 @@ class DraftTrainer:
                 f"policy.draft"
             )
             raise ValueError(msg)
-        self.load(folder, None if optimizer_path is None else Path(optimizer_path) / "draft")
+        verify_digests(folder)
+        if optimizer_path is not None and (Path(optimizer_path) / "draft").is_dir():
+            verify_digests(Path(optimizer_path) / "draft")
+
+    def load_beside(self, weights_path: str | None, optimizer_path: str | None) -> None:
+        """Load the draft folders a checkpoint holds (`checkpoint_folders` wrote them)."""
+        if self.model is None or weights_path is None:
+            return
+        self.check_saved(weights_path, optimizer_path)
+        self.load(
+            Path(weights_path) / "draft",
+            None if optimizer_path is None else Path(optimizer_path) / "draft",
+        )
 
     def load(self, folder: str | Path, optimizer_folder: str | Path | None) -> None:
         if self.model is None:
@@ -340,23 +311,15 @@ class DraftTrainer:
             self.optimizer.load_state_dict(torch.load(path, weights_only=True))
 
 
-@contextlib.contextmanager
-def _replaced(final: str | Path) -> Iterator[Path]:
-    """A fresh folder beside `final` to write into; on success it replaces `final`."""
-    import shutil
-    import uuid
-
-    final = Path(final)
-    tmp = final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+def _cpu_copy(obj: Any) -> Any:
+    """A copy of an optimizer state dict with every tensor copied to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cpu_copy(v) for v in obj]
+    return obj
 
 
 def _decoder_layers(policy: nn.Module) -> nn.ModuleList | None:

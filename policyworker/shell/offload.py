@@ -2,6 +2,10 @@
 
 Under FSDP2 CPU offload (`dtensor_cfg.cpu_offload`) the parameters live on the CPU for good and
 FSDP2 streams them; only the buffers move then, and the optimizer stays with its CPU params.
+
+A co-trained draft (`policy.draft`: a plain module, never FSDP2-offloaded) and its optimizer
+state follow the policy through every step below: wherever the policy or its optimizer state
+goes to the CPU or back to the device, the draft's goes too.
 """
 
 from __future__ import annotations
@@ -45,14 +49,25 @@ def move_model(
 
 
 def move_optimizer(state: WorkerState, device: str | torch.device) -> None:
-    """Move every optimizer state tensor to `device` (nothing without an optimizer)."""
-    if state.optimizer is None:
-        return
+    """Move every state tensor of the policy's and the draft's optimizers to `device` (nothing
+    without an optimizer)."""
     device = state.resolve_device(device)
-    for opt_state in state.optimizer.state.values():
+    for optimizer in (state.optimizer, state.draft.optimizer):
+        if optimizer is not None:
+            _move_optimizer_state(optimizer, device)
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for opt_state in optimizer.state.values():
         for key, value in opt_state.items():
             if isinstance(value, torch.Tensor) and value.device != device:
                 opt_state[key] = value.to(device)
+
+
+def _move_draft(state: WorkerState, device: str | torch.device) -> None:
+    """The draft model (parameters and buffers) to `device`; nothing without a draft."""
+    if state.draft.model is not None:
+        move_model(state, state.draft.model, device)
 
 
 def to_device(state: WorkerState, model: torch.nn.Module) -> torch.nn.Module:
@@ -78,9 +93,12 @@ def prepare_for_training(state: WorkerState) -> None:
     """Model (and optimizer state) onto the device, train mode."""
     if _fsdp_offloaded(state):  # buffers only; the optimizer stays with its CPU params
         move_buffers(state, state.model, state.device)
+        if state.draft.optimizer is not None:
+            _move_optimizer_state(state.draft.optimizer, state.device)
     else:
         to_device(state, state.model)
         move_optimizer(state, state.device)
+    _move_draft(state, state.device)
     state.model.train()
     state.empty_cache()
 
@@ -102,20 +120,23 @@ def prepare_for_lp_inference(state: WorkerState, keep_train_buffers: bool) -> No
 
 
 def finish_inference(state: WorkerState) -> None:
-    """Model to the CPU, eval mode."""
+    """Model (and draft) to the CPU, eval mode."""
+    _move_draft(state, "cpu")
     to_cpu(state, state.model)
     state.model.eval()
 
 
 def offload_before_refit(state: WorkerState) -> None:
-    """Optimizer state to the CPU (the weights stay: the refit reads them)."""
-    if state.optimizer is not None:
-        move_optimizer(state, "cpu")
+    """Optimizer state (the policy's and the draft's) to the CPU (the weights stay: the refit
+    reads them)."""
+    move_optimizer(state, "cpu")
     state.release_memory()
 
 
 def offload_after_refit(state: WorkerState) -> None:
-    """Model and optimizer state to the CPU, leaving the device to the inference engine."""
+    """Model, draft and optimizer state to the CPU, leaving the device to the inference
+    engine."""
+    _move_draft(state, "cpu")
     to_cpu(state, state.model)
     state.model.eval()
     offload_before_refit(state)

@@ -360,8 +360,8 @@ class PolicyWorker(NeMoRLWorkerSurface):
                 optimizer_path,
                 tokenizer_path,
                 is_final_checkpoint=is_final_checkpoint,
+                extra_folders=self.state.draft.checkpoint_folders(weights_path, optimizer_path),
             )
-            self.state.draft.save_beside(weights_path, optimizer_path)
 
     def finalize_async_save(self) -> None:
         """Block until the last save landed and its folders are renamed into place."""
@@ -372,6 +372,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
         """Load weights (safetensors / DCP / PEFT, any layout), reference and optimizer state;
         nothing changes when a file is missing or truncated."""
         with quiet_progress_bars():
+            self.state.draft.check_saved(weights_path, optimizer_path)  # before anything loads
             checkpoint.load_checkpoint(self.state, weights_path, optimizer_path)
             self.state.draft.load_beside(weights_path, optimizer_path)
 

@@ -129,6 +129,26 @@ def test_a_version_vllm_cannot_load_is_rolled_back_to_the_previous_weights(llm, 
     assert generate(llm, PROMPTS, max_tokens=6) == served  # bit for bit the old version
 
 
+@pytest.mark.parametrize("via", ["weight_transfer", "extension"])
+def test_a_co_trained_draft_is_refused_by_an_engine_without_a_drafter(llm, model_dir, via):
+    """draft.* tensors need vLLM's speculative drafter: without one, VllmRefit raises before
+    anything connects, naming the tensors and the fix; the engine serves on."""
+    from policyworker.shell.draft import Eagle3Draft, _draft_config
+
+    model = _other_model(model_dir, seed=51)
+    draft = Eagle3Draft(_draft_config(model.config, 1), num_aux=2)
+    served = generate(llm, PROMPTS, max_tokens=6)
+    sender = RefitSender(lambda: model, torch.float32, draft_model_fn=lambda: draft)
+    try:
+        with pytest.raises(ValueError, match=r"draft\.\* tensor\(s\) .*draft\.fc\.weight") as info:
+            VllmRefit(llm, sender, via=via)
+    finally:
+        sender.close()
+    assert "no speculative drafter" in str(info.value)
+    assert "speculative_config={'method': 'eagle3'" in str(info.value)
+    assert generate(llm, PROMPTS, max_tokens=6) == served
+
+
 def _mismatch(worker, llm, *, seed: int) -> tuple[float, float]:
     """(token_mult_prob_error, max |lp_train - lp_gen|) of vLLM samples scored by the worker."""
     from policyworker.demo.task import logprob_mismatch

@@ -114,6 +114,28 @@ def test_offload_after_refit_frees_model_and_optimizer_memory(tiny_model_paths):
     assert worker.train(data, NLLLoss())["skipped_steps"] == 0
 
 
+def test_offload_after_refit_frees_the_draft_and_its_optimizer_too(tiny_model_paths):
+    _warm_up_cuda_libraries()
+    baseline = _allocated()
+    worker = PolicyWorker(
+        make_config(tiny_model_paths["llama"], precision="bfloat16", draft={}),
+        init_reference_model=False,
+    )
+    data = make_batch(4, 16, seed=34)
+    worker.train(data, NLLLoss())
+    draft = worker.state.draft
+    draft_bytes = sum(p.numel() * p.element_size() for p in draft.model.parameters())
+    assert all(p.is_cuda for p in draft.model.parameters()) and draft.optimizer.state
+    worker.offload_before_refit()
+    worker.offload_after_refit()
+    assert _allocated() - baseline == 0
+    assert all(p.device.type == "cpu" for p in draft.model.parameters())
+    worker.prepare_for_training()
+    assert _allocated() - baseline >= draft_bytes
+    assert all(v.is_cuda for s in draft.optimizer.state.values() for v in s.values() if v.ndim > 0)
+    assert worker.train(data, NLLLoss())["skipped_steps"] == 0
+
+
 @pytest.mark.parametrize("mode", ["layer", "norm_mlp", "auto"])
 def test_fused_worker_matches_eager_on_packed_bf16_logprobs_and_training(tiny_model_paths, mode):
     path = tiny_model_paths["qwen3"]

@@ -297,6 +297,7 @@ MECHANISM_MODULES = {
     "attention",
     "fusion",
     "fusion_probe",
+    "draft_model",
     "lora",
     "lora_tp",
     "peft_adapter",

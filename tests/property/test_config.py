@@ -184,7 +184,7 @@ def policy_configs(draw) -> PolicyConfig:
         reward_model_cfg=reward_cfg if reward else None,
         router_replay=draw(optional(st.just(RouterReplayConfig()))),
         draft=None
-        if packing is not None
+        if tp * cp != 1
         else draw(
             optional(
                 st.builds(
@@ -688,6 +688,15 @@ def test_known_worker_keys_are_never_in_the_ignore_table():
             r"a second \{milestones: \[...\]\} item; keep exactly one @ policy\.scheduler\[2\]",
         ),
         ({"scheduler": []}, r"has no \{name, kwargs\} entry; add one or omit scheduler"),
+        (
+            {"draft": {}, "dtensor_cfg": {"tensor_parallel_size": 2}},
+            r"needs dtensor_cfg\.tensor_parallel_size = 1 and context_parallel_size = 1 "
+            r"\(got 2 and 1\); use data parallelism only, or remove the draft @ policy\.draft",
+        ),
+        (
+            {"draft": {}, "dtensor_cfg": {"context_parallel_size": 2}},
+            r"\(got 1 and 2\); use data parallelism only",
+        ),
     ],
 )
 def test_cross_field_rule_message_states_the_fix(patch, phrase):

@@ -9,11 +9,14 @@ draft); bad settings raise errors naming the key.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from policyworker.errors import ConfigError
 from policyworker.functional.loss import NLLLoss
+from policyworker.shell import offload
+from policyworker.shell.checkpoint import CheckpointError
 from policyworker.shell.draft import default_aux_layers
 from policyworker.shell.refit.params import DRAFT_PREFIX, params_generator
 from policyworker.shell.worker import PolicyWorker
@@ -126,6 +129,140 @@ def test_draft_weights_and_optimizer_survive_a_checkpoint(tiny_model_paths, tmp_
     plain.finalize_async_save()
     with pytest.raises(ValueError, match="has no draft/model.safetensors"):
         PolicyWorker(cfg, weights_path=str(tmp_path / "plain"))
+    policy = {k: v.clone() for k, v in worker.model.state_dict().items()}
+    with pytest.raises(ValueError, match="has no draft/model.safetensors"):
+        worker.load_checkpoint(str(tmp_path / "plain"))
+    assert all(torch.equal(v, policy[k]) for k, v in worker.model.state_dict().items())
+    weights = tmp_path / "w" / "draft" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        worker.load_checkpoint(str(tmp_path / "w"), str(tmp_path / "o"))
+    assert all(torch.equal(v, policy[k]) for k, v in worker.model.state_dict().items())
+
+
+def _draft_step(worker, data) -> tuple[float, dict[str, torch.Tensor]]:
+    """One training step: (the global batch's draft loss, the draft's gradients before its step)."""
+    grads: dict[str, torch.Tensor] = {}
+    draft = worker.state.draft
+    finish = draft.finish_step
+
+    def keep_grads(*, applied: bool) -> None:
+        grads.update({n: p.grad.clone() for n, p in draft.model.named_parameters()})
+        finish(applied=applied)
+
+    draft.finish_step = keep_grads
+    try:
+        metrics = worker.train(data, NLLLoss())["all_mb_metrics"]
+    finally:
+        del draft.finish_step
+    return sum(metrics["draft_loss"]), grads
+
+
+# Packing changes only the order of fp32 sums (attention over a packed row, the loss's
+# per-microbatch partial sums): parity is checked at fp32 accumulation noise.
+PACKED_TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def test_packed_draft_training_matches_unpacked(tiny_model_paths):
+    """Under sequence packing the draft sees each document alone (no input or target crosses a
+    document boundary): its loss and gradients match unpacked training."""
+    lengths = [16, 5, 11, 3, 16, 9, 2, 13]
+    data = {**_affine_batch(8, seed=3), "input_lengths": torch.tensor(lengths)}
+    data["token_mask"] = (torch.arange(16)[None] < data["input_lengths"][:, None]).float()
+    results = {}
+    for name, extra in {
+        "unpacked": {},
+        "packed": {"sequence_packing": {"train_mb_tokens": 24}},
+    }.items():
+        torch.manual_seed(0)  # the same fresh draft in both workers
+        worker = _worker(
+            tiny_model_paths["llama"],
+            draft={"loss_weight": 1.0},
+            optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.1}},  # no Adam sign-flips
+            **extra,
+        )
+        results[name] = [_draft_step(worker, data) for _ in range(2)]
+    for (want_loss, want_grads), (got_loss, got_grads) in zip(
+        results["unpacked"], results["packed"], strict=True
+    ):
+        assert want_grads.keys() == got_grads.keys() and want_grads
+        worst = max(float((got_grads[n] - g).abs().max()) for n, g in want_grads.items())
+        print(f"packed - unpacked: draft loss {got_loss - want_loss:.2e}, grads max {worst:.2e}")
+        assert math.isclose(got_loss, want_loss, rel_tol=1e-5), (got_loss, want_loss)
+        for name, grad in want_grads.items():
+            torch.testing.assert_close(got_grads[name], grad, **PACKED_TOL, msg=name)
+
+
+def test_the_draft_is_saved_by_the_policys_async_save(tiny_model_paths, tmp_path):
+    """The draft's folders are staged with the policy's and committed by finalize_async_save
+    (never visible before it); the saved draft is the one at save time, though training went on
+    before the writes were finalized."""
+    worker = _worker(tiny_model_paths["llama"], draft={})
+    worker.train(_affine_batch(8, seed=0), NLLLoss())
+    at_save = {k: v.clone() for k, v in worker.state.draft.model.state_dict().items()}
+    opt_at_save = {k: v.clone() for k, v in worker.state.draft.optimizer.state[0].items()}
+    worker.save_checkpoint(str(tmp_path / "w"), str(tmp_path / "o"))
+    assert not (tmp_path / "w" / "draft").exists() and not (tmp_path / "o" / "draft").exists()
+    worker.train(_affine_batch(8, seed=1), NLLLoss())  # changes the live draft in place
+    worker.finalize_async_save()
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["draft", "model", "reference"]
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["draft", "optim"]
+    restored = PolicyWorker(
+        worker.state.cfg, weights_path=str(tmp_path / "w"), optimizer_path=str(tmp_path / "o")
+    )
+    draft = restored.state.draft
+    assert all(torch.equal(v, at_save[k]) for k, v in draft.model.state_dict().items())
+    assert all(torch.equal(v, opt_at_save[k]) for k, v in draft.optimizer.state[0].items())
+
+
+def test_the_draft_and_its_optimizer_follow_the_policy_through_offload(
+    tiny_model_paths, monkeypatch
+):
+    """Every offload step moves the draft (and its optimizer state) where it moves the policy
+    (and its optimizer state). On a CPU box both places are the CPU: the test records the moves
+    (tests/gpu checks the memory)."""
+    worker = _worker(tiny_model_paths["llama"], draft={})
+    data = _affine_batch(8, seed=0)
+    worker.train(data, NLLLoss())
+    draft = worker.state.draft
+    moves: list[tuple[str, str]] = []
+    names = {id(worker.model): "policy", id(draft.model): "draft"}
+    opt_names = {id(worker.optimizer): "policy", id(draft.optimizer): "draft"}
+    move_model, move_state = offload.move_model, offload._move_optimizer_state
+
+    def record_model(state, model, device):
+        moves.append((names.get(id(model), "other"), str(state.resolve_device(device))))
+        return move_model(state, model, device)
+
+    def record_optimizer(optimizer, device):
+        moves.append((f"{opt_names[id(optimizer)]} optimizer", str(device)))
+        move_state(optimizer, device)
+
+    monkeypatch.setattr(offload, "move_model", record_model)
+    monkeypatch.setattr(offload, "_move_optimizer_state", record_optimizer)
+    here = str(worker.device)
+    steps = {
+        worker.offload_before_refit: {("policy optimizer", "cpu"), ("draft optimizer", "cpu")},
+        worker.offload_after_refit: {
+            ("policy", "cpu"),
+            ("draft", "cpu"),
+            ("policy optimizer", "cpu"),
+            ("draft optimizer", "cpu"),
+        },
+        worker.prepare_for_training: {
+            ("policy", here),
+            ("draft", here),
+            ("policy optimizer", here),
+            ("draft optimizer", here),
+        },
+        worker.finish_inference: {("policy", "cpu"), ("draft", "cpu")},
+    }
+    for step, want in steps.items():
+        moves.clear()
+        step()
+        assert set(moves) == want, (step.__name__, moves)
+    worker.prepare_for_training()
+    assert worker.train(data, NLLLoss())["skipped_steps"] == 0
 
 
 def test_bad_draft_settings_raise_naming_the_key(tiny_model_paths, tiny_reward_paths):
@@ -139,5 +276,3 @@ def test_bad_draft_settings_raise_naming_the_key(tiny_model_paths, tiny_reward_p
         )
     with pytest.raises(ValueError, match="aux_layer_indices"):
         _worker(tiny_model_paths["llama"], draft={"aux_layer_indices": [0, 5]})
-    with pytest.raises(ConfigError, match="sequence_packing"):
-        _worker(tiny_model_paths["llama"], draft={}, sequence_packing={"train_mb_tokens": 32})

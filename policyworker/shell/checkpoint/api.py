@@ -10,6 +10,8 @@ Layout (details in docs/checkpoints.md)::
                               from the previous save while they are unchanged)
     optimizer_path/optim/     DCP: optimizer (sharded as trained), scheduler, RNG, checkpoint id
     tokenizer_path/           tokenizer.save_pretrained (rank 0)
+    extra_folders             what the caller stages beside these (the co-trained draft:
+                              weights_path/draft/, optimizer_path/draft/), committed with them
 
 Weights never meet on one rank: every HF tensor is a box (a region) of one model tensor; each
 rank owns the part of that box its local shard covers (replicas: the one at coordinate 0) and
@@ -70,6 +72,7 @@ from policyworker.shell.checkpoint.saver import (
 
 __all__ = [
     "CheckpointOwner",
+    "StageFolder",
     "finalize_async_save",
     "load_checkpoint",
     "load_checkpoint_at_init",
@@ -78,6 +81,10 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------ worker API
+
+# A stager of an extra checkpoint folder: given the folder to write, it copies what it saves
+# (now, on the caller's thread) and returns the write job for the background thread, or None.
+StageFolder = Callable[[pathlib.Path], Callable[[], None] | None]
 
 
 class CheckpointOwner(Protocol):
@@ -120,11 +127,15 @@ def save_checkpoint(
     tokenizer_path: str | os.PathLike[str] | None = None,
     *,
     is_final_checkpoint: bool = False,
+    extra_folders: Mapping[pathlib.Path, StageFolder] | None = None,
 ) -> None:
     """Save weights (HF / PEFT), reference, optimizer and tokenizer; async unless final.
 
     Collective. Finalizes the previous save first. Returns once this rank's state is staged;
     `finalize_async_save` (or the next save) waits and renames every folder into place.
+    `extra_folders` maps more final folders to their stagers: each is called on every rank
+    with its temporary folder, right here, and returns this rank's write job (or None); the
+    folders are committed with the others.
 
     Raises:
         ValueError: optimizer_path without an optimizer, or tokenizer_path without a tokenizer.
@@ -147,6 +158,7 @@ def save_checkpoint(
     optim = pathlib.Path(optimizer_path) / OPTIM_DIR if optimizer_path is not None else None
     tokenizer = pathlib.Path(tokenizer_path) if tokenizer_path is not None else None
     finals = [f for f in (weights / MODEL_DIR, optim, tokenizer, reference) if f is not None]
+    finals += list(extra_folders or {})
     _on_rank0(parallel, "prepare the checkpoint folders", lambda: _prepare_folders(finals))
     commits = [(_tmp_for(f, token), f) for f in finals]
     tmp = dict(zip(finals, (t for t, _ in commits), strict=True))
@@ -170,6 +182,10 @@ def save_checkpoint(
         )
     if tokenizer is not None and parallel.rank == 0:
         owner.tokenizer.save_pretrained(tmp[tokenizer])
+    for final, stage in (extra_folders or {}).items():
+        job = stage(tmp[final])
+        if job is not None:
+            jobs.append(job)
     saver.staging.wait()  # every copy landed: training may change the weights once we return
     saver.start(jobs, commits, background=not is_final_checkpoint)
     if is_final_checkpoint:

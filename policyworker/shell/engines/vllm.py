@@ -14,6 +14,12 @@ Two ways in, one receiver (``HFWeightReceiver`` inside vLLM's worker, see ``vllm
 The trainer side is unchanged: ``PolicyWorker.stream_weights_via_ipc_zmq`` (POSIX shared memory
 on CPU, CUDA IPC on GPU) streams while vLLM's ``update_weights`` serves it in its worker.
 
+A co-trained draft (``policy.draft``) streams as ``draft.<name>`` tensors after the policy's;
+the receiver loads them into vLLM's speculative drafter (an engine started with
+``speculative_config={"method": "eagle3", "model": <weights_path>/draft, ...}``: the draft
+folder a checkpoint holds is a Hugging Face Eagle3 draft), in the same atomic refit. An engine
+without a drafter refuses such a stream when it connects (``ValueError`` naming the tensors).
+
 Atomicity: the receiver stages a whole version and hands it to vLLM only at COMPLETE, inside
 vLLM's layerwise reload (``initialize_layerwise_reload`` -> ``model.load_weights`` ->
 ``finalize_layerwise_reload``), so a refit that fails midway (sender error, timeout, rejected
@@ -137,6 +143,25 @@ def decode_refit_info(info: Mapping[str, Any]) -> dict[str, tuple[torch.Size, to
     return out
 
 
+def _attach_drafter(llm: Any, refit_info: Mapping[str, Any]) -> None:
+    """For a stream with a co-trained draft (``draft.<name>`` tensors): hand vLLM's
+    speculative drafter to the receiving backend (it sees only the target model), or raise
+    before anything connects when the engine has none."""
+    draft_names = [name for name in refit_info if name.startswith("draft.")]
+    if not draft_names:
+        return
+    if all(llm.collective_rpc("policyworker_attach_drafter")):
+        return
+    msg = (
+        f"the trainer streams {len(draft_names)} draft.* tensor(s) of its co-trained draft "
+        f"({', '.join(draft_names[:3])}, ...) but this vLLM engine has no speculative drafter "
+        f"to load them into; start vLLM with speculative_config={{'method': 'eagle3', "
+        f"'model': <weights_path>/draft, 'num_speculative_tokens': k}} (a draft folder the "
+        f"trainer saved), or remove policy.draft from the trainer"
+    )
+    raise ValueError(msg)
+
+
 class VllmRefit:
     """Trainer side: connects a vLLM engine to ``sender`` and runs one refit per ``refit()``.
 
@@ -145,6 +170,10 @@ class VllmRefit:
     ``stream_weights_via_ipc_zmq``). It drives one trainer process: under a process group the
     other ranks must call ``stream_weights_via_ipc_zmq`` themselves while rank 0 calls
     ``refit()`` (tested here with one trainer process only).
+
+    Raises:
+        ValueError: the sender streams a co-trained draft (``draft.*`` tensors) and the engine
+            has no speculative drafter to load them into.
     """
 
     def __init__(
@@ -167,6 +196,7 @@ class VllmRefit:
             "refit_info": encode_refit_info(sender.prepare_refit_info()),
             "timeout_s": timeout_s,
         }
+        _attach_drafter(llm, init["refit_info"])
         if via == "weight_transfer":
             llm.init_weight_transfer_engine({"init_info": init})
         else:

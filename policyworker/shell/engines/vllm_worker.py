@@ -34,6 +34,7 @@ from vllm.model_executor.model_loader.reload import (  # pyright: ignore[reportM
 
 from policyworker.errors import RefitError
 from policyworker.shell.engines.vllm import check_vllm_version, decode_refit_info, register_backend
+from policyworker.shell.refit.params import DRAFT_PREFIX
 from policyworker.shell.refit.receiver import HFWeightReceiver
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "ZmqUpdateInfo",
     "layerwise_loader",
     "receiver_for",
+    "with_drafter",
 ]
 
 
@@ -97,14 +99,7 @@ def layerwise_loader(model: torch.nn.Module, model_config: Any):
     _check_cpu_moe_repack(cpu_moe)
 
     def load(pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            snapshot = {name: t.detach().clone() for name, t in _serving_tensors(model)}
-        kernels = [
-            (module, attr, module.__dict__[attr])
-            for module in model.modules()
-            for attr in _KERNEL_ATTRS
-            if attr in module.__dict__
-        ]
+        serving = _snapshot(model)
         try:
             initialize_layerwise_reload(model)
             try:
@@ -123,11 +118,53 @@ def layerwise_loader(model: torch.nn.Module, model_config: Any):
                 )
                 raise RefitError(msg)
         except BaseException:
-            with torch.no_grad():
-                for name, tensor in _serving_tensors(model):
-                    tensor.copy_(snapshot[name])
-            for module, attr, kernel in kernels:
-                setattr(module, attr, kernel)
+            _restore(model, serving)
+            raise
+
+    return load
+
+
+def _snapshot(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    """What `model` serves: copies of its tensors and its packed CPU kernels."""
+    with torch.no_grad():
+        tensors = {name: t.detach().clone() for name, t in _serving_tensors(model)}
+    kernels = [
+        (module, attr, module.__dict__[attr])
+        for module in model.modules()
+        for attr in _KERNEL_ATTRS
+        if attr in module.__dict__
+    ]
+    return tensors, kernels
+
+
+def _restore(model: torch.nn.Module, serving: tuple[dict[str, torch.Tensor], list[Any]]) -> None:
+    tensors, kernels = serving
+    with torch.no_grad():
+        for name, tensor in _serving_tensors(model):
+            tensor.copy_(tensors[name])
+    for module, attr, kernel in kernels:
+        setattr(module, attr, kernel)
+
+
+def with_drafter(load_policy: Any, drafter: torch.nn.Module, drafter_config: Any) -> Any:
+    """A ``load_weights(pairs)`` for a stream that ends with the co-trained draft: the
+    ``draft.<name>`` tensors go (prefix removed) to vLLM's speculative drafter, the others to
+    the target model. Atomic over both: a target load that fails puts the drafter back."""
+    load_draft = layerwise_loader(drafter, drafter_config)
+
+    def load(pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        policy, draft = [], []
+        for name, tensor in pairs:
+            if name.startswith(DRAFT_PREFIX):
+                draft.append((name[len(DRAFT_PREFIX) :], tensor))
+            else:
+                policy.append((name, tensor))
+        serving = _snapshot(drafter)
+        load_draft(draft)  # rolls the drafter back itself when it fails
+        try:
+            load_policy(policy)
+        except BaseException:
+            _restore(drafter, serving)
             raise
 
     return load
@@ -145,9 +182,19 @@ def _serving_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def receiver_for(
-    model: torch.nn.Module, model_config: Any, init: Mapping[str, Any]
+    model: torch.nn.Module,
+    model_config: Any,
+    init: Mapping[str, Any],
+    *,
+    drafter: tuple[torch.nn.Module, Any] | None = None,
 ) -> HFWeightReceiver:
-    """The atomic receiver of one trainer (``init``: address, refit_info, timeout_s)."""
+    """The atomic receiver of one trainer (``init``: address, refit_info, timeout_s);
+    ``drafter`` is vLLM's speculative draft model and its config, when the engine has one.
+
+    Raises:
+        ValueError: ``init`` lacks a key, or its refit_info carries ``draft.<name>`` tensors
+            (a co-trained draft) and the engine has no drafter to put them in.
+    """
     for key in ("address", "refit_info"):
         if key not in init:
             msg = (
@@ -155,10 +202,24 @@ def receiver_for(
                 f"policyworker.shell.engines.vllm.VllmRefit"
             )
             raise ValueError(msg)
+    info = decode_refit_info(init["refit_info"])
+    draft_names = [name for name in info if name.startswith(DRAFT_PREFIX)]
+    load = layerwise_loader(model, model_config)
+    if draft_names and drafter is None:
+        msg = (
+            f"the trainer streams {len(draft_names)} {DRAFT_PREFIX}* tensor(s) of its "
+            f"co-trained draft ({', '.join(draft_names[:3])}, ...) but this vLLM engine has no "
+            f"speculative drafter to load them into; start vLLM with speculative_config="
+            f"{{'method': 'eagle3', 'model': <weights_path>/draft, 'num_speculative_tokens': "
+            f"k}} (a draft folder the trainer saved), or remove policy.draft from the trainer"
+        )
+        raise ValueError(msg)
+    if draft_names and drafter is not None:
+        load = with_drafter(load, *drafter)
     return HFWeightReceiver(
-        layerwise_loader(model, model_config),
+        load,
         address=init["address"],
-        refit_info=decode_refit_info(init["refit_info"]),
+        refit_info=info,
         atomic=True,
         timeout_s=float(init.get("timeout_s", 120.0)),
     )
@@ -213,10 +274,13 @@ class PolicyWorkerZmqEngine(WeightTransferEngine[ZmqInitInfo, ZmqUpdateInfo]):
         _check_single_worker(self.parallel_config.world_size)
         self._receiver: HFWeightReceiver | None = None
         self._completed: list[dict[str, Any]] | None = None
+        self.drafter: tuple[torch.nn.Module, Any] | None = None  # set by the extension
 
     def init_transfer_engine(self, init_info: ZmqInitInfo) -> None:
         self.shutdown()
-        self._receiver = receiver_for(self.model, self.model_config, vars(init_info))
+        self._receiver = receiver_for(
+            self.model, self.model_config, vars(init_info), drafter=self.drafter
+        )
 
     def start_weight_update(self) -> None:
         if self._receiver is None:
@@ -260,7 +324,27 @@ class PolicyWorkerVllmExtension:
         _check_single_worker(self.vllm_config.parallel_config.world_size)
         self.policyworker_close()
         model = self.model_runner.get_model()
-        self._policyworker_receiver = receiver_for(model, self.vllm_config.model_config, init_info)
+        self._policyworker_receiver = receiver_for(
+            model, self.vllm_config.model_config, init_info, drafter=self._policyworker_drafter()
+        )
+
+    def policyworker_attach_drafter(self) -> bool:
+        """Hand vLLM's speculative drafter to this worker's ``policyworker_zmq`` backend (its
+        constructor only sees the target model); whether there is one."""
+        drafter = self._policyworker_drafter()
+        engine = getattr(self, "weight_transfer_engine", None)
+        if isinstance(engine, PolicyWorkerZmqEngine):
+            engine.drafter = drafter
+        return drafter is not None
+
+    def _policyworker_drafter(self) -> tuple[torch.nn.Module, Any] | None:
+        """(vLLM's speculative draft model, its model config), or None without one."""
+        spec = self.vllm_config.speculative_config
+        get_draft_model = getattr(self.model_runner, "get_draft_model", None)
+        draft: Any = get_draft_model() if callable(get_draft_model) else None
+        if spec is None or draft is None or spec.draft_model_config is None:
+            return None
+        return draft, spec.draft_model_config
 
     def policyworker_receive(self) -> dict[str, Any]:
         receiver = getattr(self, "_policyworker_receiver", None)
