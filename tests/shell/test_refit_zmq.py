@@ -357,6 +357,23 @@ def test_protocol_order_oversized_tensor_and_buffers_freed_before_complete(monke
         sender.close()
 
 
+def _fail_sources_after(sender, count):
+    """Make the sender's streams raise OSError("disk on fire") after `count` weight sources;
+    returns the original stream method (assign it back to stop failing)."""
+    original = sender._zmq().stream
+
+    def failing_stream(specs, plan, sources, **kwargs):
+        def sources_then_fail():
+            for _ in range(count):
+                yield next(sources)
+            raise OSError("disk on fire")
+
+        return original(specs, plan, sources_then_fail(), **kwargs)
+
+    sender._zmq().stream = failing_stream
+    return original
+
+
 def test_atomic_receiver_keeps_the_previous_version_when_a_refit_aborts():
     model, target = _Buffers(), _Buffers()
     before = {k: v.clone() for k, v in target.state_dict().items()}
@@ -368,16 +385,7 @@ def test_atomic_receiver_keeps_the_previous_version_when_a_refit_aborts():
         atomic=True,
         timeout_s=30,
     )
-    original = sender._zmq().stream
-
-    def failing_stream(specs, plan, sources, **kwargs):
-        def sources_then_fail():
-            yield from (next(sources) for _ in range(3))
-            raise OSError("disk on fire")
-
-        return original(specs, plan, sources_then_fail(), **kwargs)
-
-    sender._zmq().stream = failing_stream
+    original = _fail_sources_after(sender, 3)
     thread, box = _serve_in_thread(receiver)
     try:
         with pytest.raises(OSError, match="disk on fire"):
@@ -574,16 +582,7 @@ def test_a_sender_failing_while_the_receiver_still_reads_aborts_cleanly_and_retr
         return original_handle(self, frames)
 
     monkeypatch.setattr(zmq_ipc.RefitServer, "handle", slow_to_read_buckets)
-    original_stream = sender._zmq().stream
-
-    def failing_stream(specs, plan, sources, **kwargs):
-        def sources_then_fail():
-            yield next(sources)  # bucket 0 ("small") is sent, then the next source fails
-            raise OSError("disk on fire")
-
-        return original_stream(specs, plan, sources_then_fail(), **kwargs)
-
-    sender._zmq().stream = failing_stream
+    original_stream = _fail_sources_after(sender, 1)  # bucket 0 ("small") is sent, then it fails
     thread, box = _serve_in_thread(receiver)
     try:
         with pytest.raises(OSError, match="disk on fire"):
