@@ -35,6 +35,19 @@ QWEN25_15B = dict(
     tie_word_embeddings=True,
     rope_theta=1e6,
 )
+# An 8B-class shape that trains on one H200 with LoRA (fp32 master base weights ~30 GB).
+QWEN25_7B = dict(
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+    rope_theta=1e6,
+)
+SHAPES = {"1.5b": QWEN25_15B, "7b": QWEN25_7B}
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -51,11 +64,14 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def save_random_model(folder: Path, *, small: bool, seed: int = 0) -> int:
-    """Save a random Qwen2 model (bf16 on disk) into `folder`; return its parameter count."""
+def save_random_model(folder: Path, *, small: bool, seed: int = 0, shape: str = "1.5b") -> int:
+    """Save a random Qwen2 model (bf16 on disk) into `folder`; return its parameter count.
+
+    `shape` names one of `SHAPES` (ignored with `small`).
+    """
     import transformers
 
-    cfg = transformers.Qwen2Config(**(TINY if small else QWEN25_15B))
+    cfg = transformers.Qwen2Config(**(TINY if small else SHAPES[shape]))
     torch.manual_seed(seed)
     with torch.device(device()):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -143,9 +159,13 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def mfu(num_params: int, tokens: int, seconds: float) -> float:
-    """Model FLOPs utilization: 6 * N * tokens / seconds over the bf16 ceiling."""
-    return 6.0 * num_params * tokens / seconds / BF16_PEAK_FLOPS
+def mfu(num_params: int, tokens: int, seconds: float, *, flops_per_param: float = 6.0) -> float:
+    """Model FLOPs utilization: `flops_per_param` * N * tokens / seconds over the bf16 ceiling.
+
+    6 for full training (forward 2, backward 4); 4 when the base weights are frozen (LoRA: the
+    backward computes activation gradients only; the adapters' own FLOPs are under 1 %).
+    """
+    return flops_per_param * num_params * tokens / seconds / BF16_PEAK_FLOPS
 
 
 def gib(num_bytes: float) -> float:

@@ -12,6 +12,9 @@ real (unpadded) tokens/s, MFU = 6 * N * real tokens / s / 790 TFLOP/s, and peak 
   rows (an out-of-memory there is reported, not raised).
 
 Usage: `python bench/train_step.py` (CUDA) or `python bench/train_step.py --small` (CPU smoke).
+8B-class row (issue 17): `--shape 7b --lora-dim 16 --skip-baseline` (Qwen2.5-7B shape, LoRA on
+every linear layer; MFU counts 4 * N per token for the frozen base). With `--lora-dim`, a
+plain-HF baseline (when not skipped) still trains every weight.
 `--fuse auto|none|norm_mlp|layer` sets `dtensor_cfg.fusion` (default `auto`, the config's default:
 `layer` on CUDA, `none` on CPU; the compile happens in the worker's init probe and the untimed
 warm-up step). `--also-fuse none` measures a second packed worker with that mode on the same
@@ -30,6 +33,7 @@ from pathlib import Path
 import attrs
 import torch
 from common import (  # bench/common.py: bench/ is run as a script folder
+    SHAPES,
     device,
     gib,
     is_oom,
@@ -71,6 +75,12 @@ def worker_config(
             "fusion": fuse or args.fuse,
         },
     }
+    if args.lora_dim:
+        cfg["dtensor_cfg"]["lora_cfg"] = {
+            "dim": args.lora_dim,
+            "alpha": 2 * args.lora_dim,
+            "match_all_linear": True,
+        }
     if packed:
         cfg["sequence_packing"] = {"train_mb_tokens": args.mb_tokens}
     return cfg
@@ -104,7 +114,7 @@ def bench_worker(
         release()
     return {
         "tokens_per_s": tokens / seconds,
-        "mfu": mfu(num_params, tokens, seconds),
+        "mfu": mfu(num_params, tokens, seconds, flops_per_param=4.0 if args.lora_dim else 6.0),
         "step_s": seconds,
         "peak_gib": gib(peak),
         "loss": float(result["global_loss"][0]),
@@ -218,6 +228,20 @@ def main() -> None:
         help="also measure a packed worker with this fusion mode (a row beside --fuse)",
     )
     parser.add_argument("--skip-padded", action="store_true", help="skip the padded worker")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="1.5b",
+        help="model shape: 1.5b (Qwen2.5-1.5B) or 7b (Qwen2.5-7B, an 8B-class shape; use with "
+        "--lora-dim and --skip-baseline on one GPU)",
+    )
+    parser.add_argument(
+        "--lora-dim",
+        type=int,
+        default=0,
+        help="train LoRA adapters of this rank on every linear layer (0: full training); MFU "
+        "then counts 4 * N FLOPs per token (frozen base)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.small:
@@ -228,8 +252,8 @@ def main() -> None:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model_path = str(Path(tmp) / "model")
-        num_params = save_random_model(Path(model_path), small=args.small)
-        vocab = 1024 if args.small else 151936
+        num_params = save_random_model(Path(model_path), small=args.small, shape=args.shape)
+        vocab = 1024 if args.small else SHAPES[args.shape]["vocab_size"]
         lengths = rl_lengths(args.batch, low=args.min_len, high=args.max_len, seed=0)
         data = make_batch(lengths, vocab=vocab, seed=1, seq_len=args.max_len)
         packed = bench_worker(model_path, args, data, num_params, packed=True)
