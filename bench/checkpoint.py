@@ -65,6 +65,18 @@ SHAPE_SMALL = dict(
     max_position_embeddings=256,
     tie_word_embeddings=True,
 )
+# ~0.36B params (4.3 GB with AdamW): the disk path at a size a CPU host holds in memory.
+SHAPE_MEDIUM = dict(
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    vocab_size=65536,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+SHAPES = {"small": SHAPE_SMALL, "medium": SHAPE_MEDIUM, "qwen2-1.5b": SHAPE_1P5B}
 BLOCK = 64 * 2**20
 
 
@@ -268,10 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip-load", action="store_true", help="saves only (no digest timing, no cold load)"
     )
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default=None,
+        help="model shape (default: qwen2-1.5b; small with --small); medium = 0.36B params, "
+        "for measuring the disk path on a CPU host",
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     root = pathlib.Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
-    shape_name = "small" if args.small else "qwen2-1.5b"
+    shape_name = args.shape or ("small" if args.small else "qwen2-1.5b")
 
     def report(partial: dict) -> None:
         payload = {**partial, "shape": shape_name, "partial": True}
@@ -279,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         results = run(
-            SHAPE_SMALL if args.small else SHAPE_1P5B,
+            SHAPES[shape_name],
             device,
             root,
             skip_load=args.skip_load,

@@ -44,7 +44,7 @@ def _load_dcp_weights(model: nn.Module, folder: pathlib.Path, *, group: Any) -> 
                 " load a checkpoint of this model"
             )
             raise CheckpointError(msg)
-        staging[name] = _clone_to(t.detach(), device=None)
+        staging[name] = _empty_like(t.detach())
     load(
         staging,
         storage_reader=FileSystemReader(str(folder)),
@@ -110,6 +110,20 @@ def _clone_to(t: Any, *, device: str | None = "cpu") -> Any:
             local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
         )
     return t.detach().to(device, copy=True) if device else t.detach().clone()
+
+
+def _empty_like(t: Any) -> Any:
+    """An uninitialised tensor shaped like `t` for DCP to load into (DTensors keep their mesh
+    and placements): a load writes every element, so copying the old values first (a clone)
+    only costs a pass over the state."""
+    if hasattr(t, "device_mesh"):
+        from torch.distributed.tensor import DTensor
+
+        local = torch.empty_like(t.to_local())
+        return DTensor.from_local(
+            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+    return torch.empty_like(t)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -273,7 +287,7 @@ def load_optimizer(
     if has_optim:
         live = get_optimizer_state_dict(model, optimizer)
         _require_same_parameters(folder, keys, live)
-        request["optim"] = _tree_map(live, lambda t: _clone_to(t, device=None))
+        request["optim"] = _tree_map(live, _empty_like)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming single process" without a group
         try:
