@@ -162,9 +162,12 @@ def save_checkpoint(
     _on_rank0(parallel, "prepare the checkpoint folders", lambda: _prepare_folders(finals))
     commits = [(_tmp_for(f, token), f) for f in finals]
     tmp = dict(zip(finals, (t for t, _ in commits), strict=True))
-    # async: copies into the saver's reused (pinned) buffers, waited for below; sync: fresh ones
+    # async: copies into the saver's reused (pinned) buffers, waited for below; sync: the jobs
+    # run inside this call, so CPU state is written where it is and device state copied once
     staging = None if is_final_checkpoint else saver.staging
-    jobs = _model_jobs(owner, tmp[finals[0]], meta, lora=lora, staging=staging)
+    jobs = _model_jobs(
+        owner, tmp[finals[0]], meta, lora=lora, staging=staging, sync=is_final_checkpoint
+    )
     if reference is not None and ref is not None:  # reference is set only with ref
         jobs += _save_reference(owner, saver, ref, reference, tmp[reference])
     if optim is not None and owner.optimizer is not None:  # _check_save_args: both or neither
@@ -178,6 +181,7 @@ def save_checkpoint(
                 group=group,
                 meta=meta,
                 staging=staging,
+                copy_sources=not is_final_checkpoint,
             )
         )
     if tokenizer is not None and parallel.rank == 0:
@@ -227,12 +231,21 @@ def _model_jobs(
     *,
     lora: bool,
     staging: StagingBuffers | None,
+    sync: bool,
 ) -> list[Callable[[], None]]:
-    """The model's write jobs: HF safetensors, or (LoRA runs) a PEFT adapter written now."""
+    """The model's write jobs: HF safetensors, or (LoRA runs) a PEFT adapter written now.
+
+    `sync`: the jobs run before `save_checkpoint` returns, so CPU weights need no copy first.
+    """
     if not lora:
         manifest = {**meta, "kind": "hf"}
         job = save_hf_weights(
-            owner.model, model_tmp, parallel=owner.parallel, manifest=manifest, staging=staging
+            owner.model,
+            model_tmp,
+            parallel=owner.parallel,
+            manifest=manifest,
+            staging=staging,
+            copy_sources=not sync,
         )
         return [job]
     from policyworker.shell.peft_adapter import save_peft_adapter

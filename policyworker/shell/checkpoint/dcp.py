@@ -99,17 +99,18 @@ def _dcp_keys(folder: pathlib.Path) -> set[str]:
 # ------------------------------------------------------------------------------ optimizer
 
 
-def _clone_to(t: Any, *, device: str | None = "cpu") -> Any:
-    """A detached copy (DTensors stay DTensors with a copied local shard)."""
+def _clone_to(t: Any, *, device: str | None = "cpu", copy: bool = True) -> Any:
+    """A detached copy (DTensors stay DTensors with a copied local shard); with ``copy=False``
+    a tensor already on `device` is returned as it is (detached)."""
     if hasattr(t, "device_mesh"):
         from torch.distributed.tensor import DTensor
 
         local = t.to_local().detach()
-        local = local.to(device, copy=True) if device else local.clone()
+        local = local.to(device, copy=copy) if device else local.clone()
         return DTensor.from_local(
             local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
         )
-    return t.detach().to(device, copy=True) if device else t.detach().clone()
+    return t.detach().to(device, copy=copy) if device else t.detach().clone()
 
 
 def _empty_like(t: Any) -> Any:
@@ -200,11 +201,13 @@ def save_optimizer(
     group: Any,
     meta: Mapping[str, Any],
     staging: StagingBuffers | None = None,
+    copy_sources: bool = True,
 ) -> Callable[[], None]:
     """Stage optimizer + scheduler + this rank's RNG as a DCP state dict; returns the writer job.
 
     With `staging` the optimizer tensors are queued into its reused buffers: call
-    `staging.wait()` before the job runs or the optimizer steps.
+    `staging.wait()` before the job runs or the optimizer steps. ``copy_sources=False`` (only
+    for a job run before the optimizer can step) writes CPU state without copying it first.
     """
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -214,7 +217,7 @@ def save_optimizer(
     if optimizer.state:  # get_optimizer_state_dict would run a zero step on an empty optimizer
         optim_state = get_optimizer_state_dict(model, optimizer)
         state["optim"] = (
-            _tree_map(optim_state, _clone_to)
+            _tree_map(optim_state, lambda t: _clone_to(t, copy=copy_sources))
             if staging is None
             else _staged_tree(optim_state, staging)
         )

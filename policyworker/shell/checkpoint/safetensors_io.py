@@ -77,11 +77,14 @@ def _stage_hf(
     layout: Sequence[HFTensor],
     plans: Sequence[FilePlan],
     staging: StagingBuffers | None = None,
+    *,
+    copy_sources: bool = True,
 ) -> list[_Piece]:
     """CPU copies of the parts of each HF tensor this rank owns, with their file offsets.
 
     With `staging`, the copies go into its reused "weights" buffers (queued; the caller waits);
-    without, into fresh CPU tensors.
+    without, into fresh CPU tensors, or (``copy_sources=False``: a synchronous save, whose writes
+    end before the caller can change anything) CPU sources are written from where they are.
     """
     where = {name: (p.file, off) for p in plans for name, off in p.offsets.items()}
     views, pieces = [], []
@@ -103,7 +106,7 @@ def _stage_hf(
     if staging is not None:
         copies = staging.stage("weights", views)
     else:
-        copies = [view.to("cpu", copy=True).contiguous() for _, view in views]
+        copies = [view.to("cpu", copy=copy_sources).contiguous() for _, view in views]
     for piece, cpu in zip(pieces, copies, strict=True):
         piece.tensor = cpu
     return pieces
@@ -170,13 +173,15 @@ def save_hf_weights(
     write_config: bool = True,
     manifest: Mapping[str, Any] | None = None,
     staging: StagingBuffers | None = None,
+    copy_sources: bool = True,
 ) -> Callable[[], None]:
     """Stage this rank's share of an HF safetensors folder; returns the job that writes it.
 
     `state` (default: the live model state) supplies the values; shapes and placements come from
     the live model. Rank 0 writes config/index/manifest now; every rank's job `pwrite`s its bytes.
     With `staging` the copies are queued into its reused buffers: call `staging.wait()` before
-    the job runs or the weights change.
+    the job runs or the weights change. ``copy_sources=False`` (only for a job run before the
+    weights can change) writes CPU weights without copying them first.
     """
     live = _model_state(model)
     values = live if state is None else {k: state[k] for k in live if k in state}
@@ -187,7 +192,7 @@ def save_hf_weights(
         locals_ = {
             k: attrs.evolve(locals_[k], tensor=_as_local(values[k], locals_[k])) for k in values
         }
-    pieces = _stage_hf(locals_, layout, plans, staging)
+    pieces = _stage_hf(locals_, layout, plans, staging, copy_sources=copy_sources)
     folder.mkdir(parents=True, exist_ok=True)
     if parallel.rank == 0:
         weight_map = {name: p.file for p in plans for name in p.offsets}
