@@ -9,8 +9,9 @@ kept and reused by the next async save while the staged tensors keep their names
 dtypes (a group is reallocated when they change). Memory cost: pinned host memory equal to the
 bytes this rank stages (its fp32 weight shards plus its optimizer state; about 18.5 GB for a
 1.5B model with AdamW on one GPU), held from the first async save until `release_staging`
-(`PolicyWorker.shutdown` calls it). Sync saves (`is_final_checkpoint=True`) stage into
-temporary pageable memory as before and keep nothing.
+(`PolicyWorker.shutdown` calls it). Sync saves (`is_final_checkpoint=True`) keep nothing:
+their writes end inside the call, so CPU state is written where it is and device state is copied
+once into temporary pageable memory.
 
 The copies are complete when `save_checkpoint` returns (`StagingBuffers.wait`): the next
 optimizer step may overwrite the weights at once, from any stream or thread, so a CUDA event
