@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -40,7 +39,6 @@ import torch
 from torch import nn
 
 from policyworker.shell.checkpoint.commit import (
-    _all_ranks_max,
     _clear_stale,
     _locked,
     _on_rank0,
@@ -55,13 +53,13 @@ from policyworker.shell.checkpoint.digests import verify_digests
 from policyworker.shell.checkpoint.folders import _model_folder, detect_weights_format
 from policyworker.shell.checkpoint.layout import (
     FORMAT_VERSION,
-    INDEX_FILE,
     MANIFEST_FILE,
     MODEL_DIR,
     OPTIM_DIR,
     REFERENCE_DIR,
     CheckpointError,
 )
+from policyworker.shell.checkpoint.reference import save_reference
 from policyworker.shell.checkpoint.safetensors_io import load_hf_weights, save_hf_weights
 from policyworker.shell.checkpoint.saver import (
     FINALIZE_TIMEOUT_S,
@@ -105,19 +103,6 @@ def _lora(owner: CheckpointOwner) -> bool:
     from policyworker.shell.lora import lora_modules
 
     return bool(lora_modules(owner.model))
-
-
-def _fingerprint(ref: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
-    return (id(ref),) + tuple((k, v.data_ptr(), v._version) for k, v in ref.items())
-
-
-def _link_reference(src: pathlib.Path, dst: pathlib.Path) -> None:
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        try:
-            os.link(f, dst / f.name)
-        except OSError:
-            shutil.copy2(f, dst / f.name)
 
 
 def save_checkpoint(
@@ -169,7 +154,7 @@ def save_checkpoint(
         owner, tmp[finals[0]], meta, lora=lora, staging=staging, sync=is_final_checkpoint
     )
     if reference is not None and ref is not None:  # reference is set only with ref
-        jobs += _save_reference(owner, saver, ref, reference, tmp[reference])
+        jobs += save_reference(owner.model, owner.parallel, saver, ref, reference, tmp[reference])
     if optim is not None and owner.optimizer is not None:  # _check_save_args: both or neither
         jobs.append(
             save_optimizer(
@@ -261,26 +246,6 @@ def _model_jobs(
     if owner.parallel.rank == 0:
         _write_json(model_tmp / MANIFEST_FILE, {**meta, "kind": "peft"})
     return []
-
-
-def _save_reference(
-    owner: CheckpointOwner,
-    saver: AsyncSaver,
-    ref: Mapping[str, torch.Tensor],
-    final: pathlib.Path,
-    tmp: pathlib.Path,
-) -> list[Callable[[], None]]:
-    """Hard-link the last save's reference files while the reference is unchanged, else write."""
-    parallel = owner.parallel
-    fp = _fingerprint(ref)
-    last = saver.last_reference
-    can_link = int(last is not None and last[1] == fp and (last[0] / INDEX_FILE).is_file())
-    can_link = -_all_ranks_max(parallel, -can_link)  # min over ranks
-    saver.last_reference = (final, fp)
-    if can_link:
-        assert last is not None
-        return [lambda: _link_reference(last[0], tmp)] if parallel.rank == 0 else []
-    return [save_hf_weights(owner.model, tmp, parallel=parallel, state=ref, write_config=False)]
 
 
 def finalize_async_save(owner: CheckpointOwner, *, timeout_s: float = FINALIZE_TIMEOUT_S) -> None:
