@@ -40,31 +40,14 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from common import QWEN25_15B, TINY  # noqa: E402  (bench/ is run as a script folder)
+
 from policyworker.shell import checkpoint as ck  # noqa: E402
 from policyworker.shell.checkpoint import digests  # noqa: E402
 from policyworker.shell.checkpoint import layout as ck_layout  # noqa: E402
 from policyworker.shell.parallel.context import ParallelContext  # noqa: E402
 
-SHAPE_1P5B = dict(
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
-SHAPE_SMALL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=256,
-    tie_word_embeddings=True,
-)
+SHAPE_1P5B, SHAPE_SMALL = QWEN25_15B, TINY  # bench/common.py's shapes
 # ~0.36B params (4.3 GB with AdamW): the disk path at a size a CPU host holds in memory.
 SHAPE_MEDIUM = dict(
     hidden_size=1024,

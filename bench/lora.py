@@ -29,6 +29,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from common import QWEN25_15B, TINY  # noqa: E402  (bench/ is run as a script folder)
+
 from policyworker.functional.lora import merge_lora_weight  # noqa: E402
 from policyworker.shell.lora import (  # noqa: E402
     apply_lora,
@@ -37,26 +39,7 @@ from policyworker.shell.lora import (  # noqa: E402
     resolve_compute_dtype,
 )
 
-SHAPE_1P5B = dict(
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
-SHAPE_SMALL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=256,
-    tie_word_embeddings=True,
-)
+SHAPE_1P5B, SHAPE_SMALL = QWEN25_15B, TINY  # bench/common.py's shapes
 LORA_CFG = {"match_all_linear": True, "dim": 16, "alpha": 32}
 
 

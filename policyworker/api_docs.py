@@ -11,7 +11,6 @@ this module.
 
 from __future__ import annotations
 
-import argparse
 import enum
 import importlib
 import inspect
@@ -20,6 +19,8 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from policyworker.docs_gen import generated_doc_main
 
 __all__ = ["ALIASES", "SECTIONS", "default_output_path", "main", "public_members", "render"]
 
@@ -186,23 +187,9 @@ def default_output_path() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m policyworker.api_docs", description="generate docs/api.md"
+    return generated_doc_main(
+        argv, module="policyworker.api_docs", default_path=default_output_path(), render_text=render
     )
-    parser.add_argument("--check", action="store_true", help="only check; exit 1 if stale")
-    parser.add_argument("--output", type=Path, default=None)
-    args = parser.parse_args(argv)
-    path = args.output or default_output_path()
-    text = render()
-    if args.check:
-        current = path.read_text() if path.is_file() else ""
-        if current != text:
-            print(f"{path} is out of date; run python -m policyworker.api_docs", file=sys.stderr)
-            return 1
-        return 0
-    path.write_text(text)
-    print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

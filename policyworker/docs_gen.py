@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import NoneType, UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -170,24 +171,33 @@ def default_output_path() -> Path:
     return Path(__file__).resolve().parents[1] / "docs" / "config-reference.md"
 
 
-def main(argv: list[str] | None = None) -> int:
+def generated_doc_main(
+    argv: list[str] | None, *, module: str, default_path: Path, render_text: Callable[[], str]
+) -> int:
+    """The command line of a generated doc: write it, or with ``--check`` exit 1 if it is stale."""
     parser = argparse.ArgumentParser(
-        prog="python -m policyworker.docs_gen", description="generate docs/config-reference.md"
+        prog=f"python -m {module}", description=f"generate docs/{default_path.name}"
     )
     parser.add_argument("--check", action="store_true", help="only check; exit 1 if stale")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
-    path = args.output or default_output_path()
-    text = render()
+    path = args.output or default_path
+    text = render_text()
     if args.check:
         current = path.read_text() if path.is_file() else ""
         if current != text:
-            print(f"{path} is out of date; run python -m policyworker.docs_gen", file=sys.stderr)
+            print(f"{path} is out of date; run python -m {module}", file=sys.stderr)
             return 1
         return 0
     path.write_text(text)
     print(f"wrote {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return generated_doc_main(
+        argv, module="policyworker.docs_gen", default_path=default_output_path(), render_text=render
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import queue
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 
 # The shape of the tiny dense decoders the multi-process tests build (Llama / Qwen2 / Qwen3).
 TINY_DECODER_SHAPE = dict(
@@ -99,6 +100,27 @@ def child_env(root: str | os.PathLike | None = None, **extra: str) -> dict[str, 
         p for p in (str(root or os.getcwd()), os.environ.get("PYTHONPATH", "")) if p
     )
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
+
+
+def run_three_step_demo(
+    *flags: str,
+    root: str | os.PathLike,
+    env: dict[str, str],
+    timeout: float,
+    launcher: Sequence[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """`policyworker demo <flags> --steps 3 --no-require-rise --seed 1` in a fresh process run
+    from `root` (`launcher`, e.g. torchrun and its options, instead of this Python)."""
+    return subprocess.run(
+        [*(launcher or [sys.executable]), "-m", "policyworker", "demo", *flags]
+        + ["--steps", "3", "--no-require-rise", "--seed", "1"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 class JsonCommandChild:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import child_env
+from tests.helpers import child_env, run_three_step_demo
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -20,29 +19,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_tp2_demo_under_torchrun_keeps_parity_on_every_step():
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
     env = child_env(ROOT)
-    run = subprocess.run(
-        [
-            torchrun,
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "policyworker",
-            "demo",
-            "--tp",
-            "2",
-            "--steps",
-            "3",
-            "--no-require-rise",
-            "--seed",
-            "1",
-        ],
-        cwd=ROOT,
+    run = run_three_step_demo(
+        "--tp",
+        "2",
+        root=ROOT,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=300,
-        check=False,
+        launcher=[torchrun, "--standalone", "--nproc-per-node", "2"],
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     dlogps = [float(m) for m in re.findall(r"^step=\d+ .* max_dlogp=(\S+)$", run.stdout, re.M)]

@@ -4,14 +4,12 @@ weight-sync calls, fp32 parity with get_logprobs checked on every step."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.engines.vllm_helpers import require_vllm
-from tests.helpers import child_env
+from tests.helpers import child_env, run_three_step_demo
 
 require_vllm()
 
@@ -27,27 +25,7 @@ STEP_RE = re.compile(
 @pytest.mark.slow
 def test_three_step_vllm_demo_runs_with_fp32_parity_on_every_step():
     env = child_env(ROOT, VLLM_CPU_KVCACHE_SPACE="1")
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "policyworker",
-            "demo",
-            "--engine",
-            "vllm",
-            "--steps",
-            "3",
-            "--no-require-rise",
-            "--seed",
-            "1",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
+    run = run_three_step_demo("--engine", "vllm", root=ROOT, env=env, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     steps = [STEP_RE.match(line) for line in run.stdout.splitlines() if line.startswith("step=")]
     assert len(steps) == 3 and all(steps), run.stdout

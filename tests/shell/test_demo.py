@@ -4,8 +4,6 @@ parity), plus the pure task / reward / advantage / verdict / report functions.""
 import io
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from policyworker.demo.task import (
     reward_rose,
     smoothed_ends,
 )
-from tests.helpers import child_env
+from tests.helpers import child_env, run_three_step_demo
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_RE = re.compile(
@@ -36,25 +34,7 @@ STEP_RE = re.compile(
 def short_run():
     """One 3-step demo in a fresh interpreter (its own inference process, real ZMQ refit)."""
     env = child_env(ROOT)
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "policyworker",
-            "demo",
-            "--steps",
-            "3",
-            "--no-require-rise",
-            "--seed",
-            "1",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    return run_three_step_demo(root=ROOT, env=env, timeout=240)
 
 
 @pytest.mark.slow

@@ -8,33 +8,18 @@ from transformers import (
     DeepseekV3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
-    Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
 
 from policyworker.errors import LoRAMergeError
 from policyworker.shell.refit.params import params_generator, refit_info
-from tests.helpers import router_weight_dtype, tiny_deepseek_v3_config
+from tests.helpers import router_weight_dtype, tiny_deepseek_v3_config, tiny_qwen3_moe_config
 
 torch.manual_seed(0)
 
 
 def _qwen3_moe():
-    cfg = Qwen3MoeConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=128,
-        num_experts=4,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        tie_word_embeddings=False,
-    )
-    return Qwen3MoeForCausalLM(cfg)
+    return Qwen3MoeForCausalLM(tiny_qwen3_moe_config())
 
 
 def _deepseek_v3():
