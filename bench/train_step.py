@@ -49,6 +49,7 @@ from common import (  # bench/common.py: bench/ is run as a script folder
     write_results,
 )
 
+from policyworker.functional.logprob_kernels import EAGER_KERNELS
 from policyworker.functional.loss import NLLLoss
 from policyworker.shell.fusion import FUSION_MODES
 from policyworker.shell.worker import PolicyWorker
@@ -96,6 +97,8 @@ def bench_worker(
     worker = PolicyWorker(
         worker_config(model_path, args, packed=packed, fuse=fuse), init_reference_model=False
     )
+    if args.eager_logprobs:
+        worker.state.logprob_kernels = EAGER_KERNELS
     fusion = fusion_result(
         worker,
         fuse or args.fuse,
@@ -103,6 +106,7 @@ def bench_worker(
         seconds=time.perf_counter() - start,
     )
     tokens = int(data["input_lengths"].sum())
+    worker_logprobs = worker.state.logprob_kernels.name
     try:
         seconds, result = timed(lambda: worker.train(data, NLLLoss()), repeats=args.steps)
         if args.profile and packed:
@@ -120,6 +124,7 @@ def bench_worker(
         "loss": float(result["global_loss"][0]),
         "attn": "varlen" if packed and device().type == "cuda" else "sdpa",
         **fusion,
+        "logprob_kernels": worker_logprobs,
     }
 
 
@@ -131,16 +136,27 @@ def fusion_result(worker: PolicyWorker, mode: str, *, label: str, seconds: float
 
 
 def profile_step(worker: PolicyWorker, data: dict) -> None:
-    """Print the kernels that take the most device time in one more train() call."""
+    """Print where one more train() call spends device time: the top ops (with their input
+    shapes, so a cast of weights can be told from a cast of activations) and dynamo's counters
+    (graph breaks and recompiles show a compiled layer that fell back to eager)."""
+    from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         worker.train(data, NLLLoss())
     key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
+    print(
+        prof.key_averages(group_by_input_shape=True).table(
+            sort_by=key, row_limit=40, max_name_column_width=40, max_shapes_column_width=80
+        )
+    )
+    for section in ("graph_break", "recompiles", "stats", "frames"):
+        if counters.get(section):
+            print(f"dynamo {section}: {dict(counters[section])}")
 
 
 def bench_plain_hf(model_path: str, args, lengths: list[int], num_params: int) -> dict:
@@ -228,6 +244,12 @@ def main() -> None:
         help="also measure a packed worker with this fusion mode (a row beside --fuse)",
     )
     parser.add_argument("--skip-padded", action="store_true", help="skip the padded worker")
+    parser.add_argument(
+        "--eager-logprobs",
+        action="store_true",
+        help="score logits with the eager logprob kernels even where fusion compiles them (an "
+        "A/B of shell.fused_logprobs)",
+    )
     parser.add_argument(
         "--shape",
         choices=sorted(SHAPES),

@@ -7,10 +7,12 @@ for ``1 <= t < len_b``, column 0 is 0 and positions ``>= len_b`` are 0. Internal
 convention.
 
 Memory: ``next_token_logprobs`` is a custom autograd Function that saves only the caller's
-(possibly bf16) logits and the targets. Forward and backward both work on one chunk of sequence
-positions at a time (cast to fp32, divide by temperature, filter, log-softmax, gather), so no fp32
-``[B, S, V]`` tensor is ever alive besides the caller's own logits and their gradient (which have
-the logits' dtype: bf16 logits get a bf16 gradient).
+(possibly bf16) logits, the targets and the fp32 ``[B, T]`` log-normalizers. Forward and
+backward both work on one chunk of sequence positions at a time (cast to fp32, divide by
+temperature, filter, logsumexp and gather; backward ``exp(x - lse)``), so no fp32 ``[B, S, V]``
+tensor is ever alive besides the caller's own logits and their gradient (which have the logits'
+dtype: bf16 logits get a bf16 gradient). The per-chunk math lives in
+``functional.logprob_kernels``; fused (compiled) kernels run all positions in one call.
 
 Filters and temperature come as one validated `Sampling` record (``functional.sampling``); the
 vocab-parallel partials of the same log-softmax live in ``functional.vocab_parallel``.
@@ -24,8 +26,14 @@ from typing import Any
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from policyworker.functional.logprob_kernels import (
+    EAGER_KERNELS,
+    LogprobKernels,
+    filtered_logprob_grad,
+    filtered_logprobs_and_lse,
+)
 from policyworker.functional.packing import int_list
-from policyworker.functional.sampling import PLAIN_SAMPLING, Sampling, sampling_keep_mask
+from policyworker.functional.sampling import PLAIN_SAMPLING, Sampling
 
 __all__ = [
     "check_logits_and_ids",
@@ -67,27 +75,24 @@ def default_chunk_size(vocab_size: int) -> int:
 # ----------------------------------------------------------------------------- chunked logprobs
 
 
-def _filtered_fp32(
-    logits: torch.Tensor, sampling: Sampling
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(fp32 logits / T with -inf outside the kept set, the keep mask or None) of one chunk."""
-    x = logits.float()
-    if sampling.temperature != 1.0:
-        x = x / sampling.temperature
-    keep = sampling_keep_mask(x, top_k=sampling.top_k, top_p=sampling.top_p)
-    if keep is not None:
-        x = x.masked_fill(~keep, float("-inf"))
-    return x, keep
-
-
 def _chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk_size, length)) for start in range(0, length, chunk_size)]
+
+
+def _pad_positions(x_BT: torch.Tensor, length: int, value: float) -> torch.Tensor:
+    """``x_BT`` extended to ``length`` positions with `value` (no copy when already that long)."""
+    missing = length - x_BT.shape[1]
+    if missing == 0:
+        return x_BT
+    return torch.cat([x_BT, x_BT.new_full((x_BT.shape[0], missing), value)], dim=1)
 
 
 class _ChunkedNextTokenLogprobs(torch.autograd.Function):
     """(logits_BSV any float dtype, targets_BT with T <= S) -> fp32 [B, T], chunk by chunk.
 
-    Saves only its two inputs; backward recomputes each chunk's filtered softmax.
+    Saves its two inputs and the fp32 [B, T] log-normalizers; backward recomputes each chunk's
+    softmax from them (no second reduction) and writes the [B, S, V] gradient chunk by chunk,
+    or in one call when the kernels are fused (`LogprobKernels.whole`).
     """
 
     @staticmethod
@@ -97,15 +102,20 @@ class _ChunkedNextTokenLogprobs(torch.autograd.Function):
         targets_BT: torch.Tensor,
         sampling: Sampling,
         chunk_size: int,
+        kernels: LogprobKernels,
     ) -> torch.Tensor:
-        ctx.save_for_backward(logits_BSV, targets_BT)
-        ctx.settings = (sampling, chunk_size)  # type: ignore[attr-defined]
         num_positions = targets_BT.shape[1]
         out_BT = torch.empty(targets_BT.shape, dtype=torch.float32, device=logits_BSV.device)
+        lse_BT = torch.empty_like(out_BT)
         for start, stop in _chunk_bounds(num_positions, chunk_size):
-            x, _ = _filtered_fp32(logits_BSV[:, start:stop], sampling)
-            index = targets_BT[:, start:stop, None]
-            out_BT[:, start:stop] = torch.log_softmax(x, dim=-1).gather(-1, index)[..., 0]
+            logits, targets = logits_BSV[:, start:stop], targets_BT[:, start:stop]
+            if sampling.filters_active:
+                lp, lse = filtered_logprobs_and_lse(logits, targets, sampling)
+            else:
+                lp, lse = kernels.forward(logits, targets, sampling.temperature)
+            out_BT[:, start:stop], lse_BT[:, start:stop] = lp, lse
+        ctx.save_for_backward(logits_BSV, targets_BT, lse_BT)
+        ctx.settings = (sampling, chunk_size, kernels)  # type: ignore[attr-defined]
         return out_BT
 
     @staticmethod
@@ -113,22 +123,33 @@ class _ChunkedNextTokenLogprobs(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: Any, grad_BT: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        logits_BSV, targets_BT = ctx.saved_tensors
-        sampling, chunk_size = ctx.settings
+        logits_BSV, targets_BT, lse_BT = ctx.saved_tensors
+        sampling, chunk_size, kernels = ctx.settings
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        grad_BSV = torch.zeros_like(logits_BSV)
-        for start, stop in _chunk_bounds(targets_BT.shape[1], chunk_size):
-            x, keep = _filtered_fp32(logits_BSV[:, start:stop], sampling)
-            g = grad_BT[:, start:stop, None].float()
-            index = targets_BT[:, start:stop, None]
-            target_weight = g if keep is None else g * keep.gather(-1, index)
-            # d logprob[target] / d x = onehot(target) * keep - softmax(x); chain through 1/T.
-            grad = (torch.softmax(x, dim=-1) * -g).scatter_add(-1, index, target_weight)
-            if sampling.temperature != 1.0:
-                grad = grad / sampling.temperature
-            grad_BSV[:, start:stop] = grad.to(grad_BSV.dtype)
-        return grad_BSV, None, None, None
+            return None, None, None, None, None
+        # Positions past T (the last one of next-token scoring) get a zero gradient row: their
+        # upstream gradient is 0 and lse = +inf makes the softmax term exactly 0.
+        num_positions = logits_BSV.shape[1]
+        targets_BS = _pad_positions(targets_BT, num_positions, 0)
+        lse_BS = _pad_positions(lse_BT, num_positions, float("inf"))
+        grad_BS = _pad_positions(grad_BT.float(), num_positions, 0.0)
+        bounds = _chunk_bounds(num_positions, chunk_size)
+        grad_BSV = None if len(bounds) == 1 else torch.empty_like(logits_BSV)
+        for start, stop in bounds:
+            args = (
+                logits_BSV[:, start:stop],
+                targets_BS[:, start:stop],
+                lse_BS[:, start:stop],
+                grad_BS[:, start:stop],
+            )
+            if sampling.filters_active:
+                grad = filtered_logprob_grad(*args, sampling)
+            else:
+                grad = kernels.backward(*args, sampling.temperature)
+            if grad_BSV is None:
+                return grad, None, None, None, None
+            grad_BSV[:, start:stop] = grad
+        return grad_BSV, None, None, None, None
 
 
 def shifted_targets(token_ids_BS: torch.Tensor, *, pad_id: int = -1) -> torch.Tensor:
@@ -147,12 +168,15 @@ def next_token_logprobs(
     *,
     sampling: Sampling = PLAIN_SAMPLING,
     chunk_size: int | None = None,
+    kernels: LogprobKernels = EAGER_KERNELS,
 ) -> torch.Tensor:
     """fp32 ``[B, S-1]``: ``log_softmax(filter(logits[:, t] / T))[token_ids[:, t+1]]``.
 
     Equal to ``torch.log_softmax(apply_sampling_filters(logits.float() / T), -1).gather(...)`` but
     computed ``chunk_size`` sequence positions at a time (default ``default_chunk_size(V)``), in
-    forward and in backward, so fp32 memory is bounded by one chunk. Target ids outside
+    forward and in backward, so fp32 memory is bounded by one chunk. `kernels` computes each
+    chunk without filters (``functional.logprob_kernels``); fused kernels (``whole``) keep no fp32
+    scratch, so without a `chunk_size` they run once over all positions. Target ids outside
     ``[0, V)`` (padding such as -1) are clamped for the gather and score a meaningless finite
     value: callers mask those positions. ``S == 1`` gives an empty ``[B, 0]`` result.
 
@@ -160,7 +184,7 @@ def next_token_logprobs(
         ValueError: shapes disagree, or chunk_size is out of range.
     """
     _check_scoring_args(logits_BSV, token_ids_BS, "token_ids")
-    return _chunked_logprobs(logits_BSV, token_ids_BS[:, 1:], sampling, chunk_size)
+    return _chunked_logprobs(logits_BSV, token_ids_BS[:, 1:], sampling, chunk_size, kernels)
 
 
 def target_logprobs(
@@ -169,6 +193,7 @@ def target_logprobs(
     *,
     sampling: Sampling = PLAIN_SAMPLING,
     chunk_size: int | None = None,
+    kernels: LogprobKernels = EAGER_KERNELS,
 ) -> torch.Tensor:
     """fp32 ``[B, S]``: ``log_softmax(filter(logits[:, t] / T))[targets[:, t]]``, no shift.
 
@@ -180,7 +205,7 @@ def target_logprobs(
         ValueError: shapes disagree, or chunk_size is out of range.
     """
     _check_scoring_args(logits_BSV, targets_BS, "targets")
-    return _chunked_logprobs(logits_BSV, targets_BS, sampling, chunk_size)
+    return _chunked_logprobs(logits_BSV, targets_BS, sampling, chunk_size, kernels)
 
 
 def check_logits_and_ids(
@@ -212,18 +237,24 @@ def _chunked_logprobs(
     targets_BT: torch.Tensor,
     sampling: Sampling,
     chunk_size: int | None,
+    kernels: LogprobKernels,
 ) -> torch.Tensor:
     """Score logits at positions ``0..T-1`` against ``targets_BT`` (``T <= S``) chunk by chunk."""
     vocab_size = logits_BSV.shape[-1]
     _check_chunk_size(chunk_size)
-    chunk = default_chunk_size(vocab_size) if chunk_size is None else chunk_size
+    if chunk_size is not None:
+        chunk = chunk_size
+    elif kernels.whole and not sampling.filters_active:
+        chunk = max(logits_BSV.shape[1], 1)
+    else:
+        chunk = default_chunk_size(vocab_size)
     targets_BT = targets_BT.to(device=logits_BSV.device, dtype=torch.int64)
     targets_BT = targets_BT.clamp(0, vocab_size - 1)  # pad ids: callers mask these positions
     # The full logits go in (not a [:, :-1] view): backward then writes one [B, S, V] gradient
     # instead of autograd zero-padding a sliced one.
     # autograd.Function.apply is untyped in torch's stubs
     result: Any = _ChunkedNextTokenLogprobs.apply(  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
-        logits_BSV, targets_BT, sampling, chunk
+        logits_BSV, targets_BT, sampling, chunk, kernels
     )
     assert isinstance(result, torch.Tensor)
     return result

@@ -61,6 +61,7 @@ from policyworker.shell.model import autocast_context
 __all__ = [
     "FUSION_MODES",
     "FusionReport",
+    "compiled_once",
     "fuse_elementwise",
     "resolve_fusion_mode",
     "rms_norm_reference",
@@ -96,6 +97,10 @@ class FusionReport:
     fallback_reason: str | None = None
     requested: str | None = None  # the mode asked for ("auto", ...); None: the same as `mode`
     cache_dir: str | None = None  # inductor's on-disk cache for the compiled graphs
+    # The next-token logprob kernels (shell.fused_logprobs): "fused" or "eager", and why a
+    # fused pair fell back.
+    logprobs: str = "eager"
+    logprobs_fallback_reason: str | None = None
 
     @property
     def effective_mode(self) -> str:
@@ -106,10 +111,14 @@ class FusionReport:
         """One phrase for the start-up log line, e.g. "layer (auto)" or "none (layer fell back:
         RuntimeError: ...)"."""
         if self.fallback_reason is not None:
-            return f"none ({self.mode} fell back: {self.fallback_reason})"
-        if self.requested not in (None, self.mode):
-            return f"{self.mode} ({self.requested})"
-        return self.mode
+            text = f"none ({self.mode} fell back: {self.fallback_reason})"
+        elif self.requested not in (None, self.mode):
+            text = f"{self.mode} ({self.requested})"
+        else:
+            text = self.mode
+        if self.logprobs_fallback_reason is not None:
+            return f"{text}; logprobs eager (fused fell back: {self.logprobs_fallback_reason})"
+        return f"{text}; logprobs {self.logprobs}" if self.logprobs != "eager" else text
 
 
 def resolve_fusion_mode(
@@ -158,7 +167,8 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _compiled(key: object, fn: Callable[..., Any]) -> Callable[..., Any]:
+def compiled_once(key: object, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.compile(fn, dynamic=True)`, created once per process under `key`."""
     if key not in _COMPILED:
         _COMPILED[key] = torch.compile(fn, dynamic=True)
     return _COMPILED[key]
@@ -168,12 +178,14 @@ def _compiled(key: object, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _fused_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
-    return _compiled("rms_norm", rms_norm_reference)(hidden_states, self.weight, _norm_eps(self))
+    return compiled_once("rms_norm", rms_norm_reference)(
+        hidden_states, self.weight, _norm_eps(self)
+    )
 
 
 def _fused_mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
-    return self.down_proj(_compiled("silu_mul", silu_mul_reference)(gate, up))
+    return self.down_proj(compiled_once("silu_mul", silu_mul_reference)(gate, up))
 
 
 # ---------------------------------------------------------------------------- matching
@@ -357,7 +369,7 @@ def _fuse_layers(
 ) -> FusionReport:
     # One compiled function per layer class: dynamo then reuses one graph for all its layers.
     layers = _decoder_layers(model)
-    forwards = {layer: _compiled(type(layer), type(layer).forward) for layer in layers}
+    forwards = {layer: compiled_once(type(layer), type(layer).forward) for layer in layers}
     _fuse_andprobe_against_eager(model, forwards, device, autocast_dtype)
     return FusionReport(mode="layer", fused_layers=len(layers))
 

@@ -60,9 +60,10 @@ def logprobs_any(
     ids: torch.Tensor,
     *,
     sampling: Sampling,
-    chunk_size: int,
+    chunk_size: int | None,
 ) -> torch.Tensor:
-    """Next-token logprobs of plain or vocab-sharded (TP) logits.
+    """Next-token logprobs of plain or vocab-sharded (TP) logits (`state.logprob_kernels` score
+    plain ones; `chunk_size` None: their default).
 
     Top-k/top-p under TP move whole rows between ranks, which needs `rows * positions`
     divisible by tp; otherwise this block's logits are gathered over the vocab first (one
@@ -75,7 +76,12 @@ def logprobs_any(
     ):
         logits = logits.full_tensor()
     return collectives.next_token_logprobs_any(
-        logits, ids, state.parallel, sampling=sampling, chunk_size=chunk_size
+        logits,
+        ids,
+        state.parallel,
+        sampling=sampling,
+        chunk_size=chunk_size,
+        kernels=state.logprob_kernels,
     )
 
 
@@ -91,9 +97,12 @@ def training_logprobs(
     state: WorkerState, mb: Microbatch, logits: torch.Tensor, *, filtered: bool
 ) -> torch.Tensor:
     """[b, w-1] next-token logprobs of microbatch `mb` from its logits (differentiable)."""
-    chunk = state.cfg.logprob_chunk_size or default_chunk_size(logits.shape[-1])
     lp = logprobs_any(
-        state, logits, mb.input_ids, sampling=sampling_for(state, filtered), chunk_size=chunk
+        state,
+        logits,
+        mb.input_ids,
+        sampling=sampling_for(state, filtered),
+        chunk_size=state.cfg.logprob_chunk_size,
     )
     return rows_of_next(mb, lp)
 

@@ -14,7 +14,7 @@ and the refit transports (`refit`).
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import torch
@@ -22,10 +22,12 @@ from torch.distributed.tensor import DTensor
 
 from policyworker.config import PolicyConfig, validate_for_world
 from policyworker.functional.dtypes import precision_dtype
+from policyworker.functional.logprob_kernels import EAGER_KERNELS, LogprobKernels
 from policyworker.functional.sampling import Sampling
 from policyworker.shell import model as model_lib
 from policyworker.shell.checkpoint.saver import AsyncSaver
 from policyworker.shell.draft import DraftTrainer
+from policyworker.shell.fused_logprobs import fused_logprob_kernels
 from policyworker.shell.fusion import FusionReport, fuse_elementwise
 from policyworker.shell.moe import MoeRouting
 from policyworker.shell.optim import build_optimizer, build_scheduler
@@ -65,6 +67,7 @@ class WorkerState:
     optimizer: torch.optim.Optimizer | None
     scheduler: Any
     sampling: Sampling
+    logprob_kernels: LogprobKernels  # the per-chunk logprob math: eager or fused (compiled)
     moe: MoeRouting  # MoE router hooks: gate-bias load counting, router replay
     draft: DraftTrainer  # draft co-training (inert without policy.draft)
     reference_state: dict[str, torch.Tensor] | None = None
@@ -108,6 +111,10 @@ class WorkerState:
         fusion_report = fuse_elementwise(
             model, mode=dcfg.fusion, autocast_dtype=dtype, distributed=parallel.mesh is not None
         )
+        sampling = Sampling.of_generation(cfg.generation)
+        logprob_kernels, fusion_report = _logprob_kernels(
+            model, fusion_report, device=device, dtype=dtype, sampling=sampling
+        )
         optimizer = (
             build_optimizer(model, cfg.optimizer)
             if (init_optimizer and cfg.optimizer is not None)
@@ -124,7 +131,8 @@ class WorkerState:
             fusion_report=fusion_report,
             optimizer=optimizer,
             scheduler=build_scheduler(optimizer, cfg.scheduler) if optimizer else None,
-            sampling=Sampling.of_generation(cfg.generation),
+            sampling=sampling,
+            logprob_kernels=logprob_kernels,
             moe=MoeRouting(model, cfg, parallel),
             draft=DraftTrainer(
                 model,
@@ -203,6 +211,30 @@ class WorkerState:
         if self.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
+
+
+def _logprob_kernels(
+    model: torch.nn.Module,
+    report: FusionReport,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    sampling: Sampling,
+) -> tuple[LogprobKernels, FusionReport]:
+    """The logprob kernels for the fusion mode in effect, and the report saying which run."""
+    # Any: get_output_embeddings is a Hugging Face method, not on torch's nn.Module.
+    head = cast(Any, model).get_output_embeddings()
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        return EAGER_KERNELS, report  # no LM head (a reward model): nothing scores tokens
+    vocab_size = int(head.weight.shape[0])
+    kernels, reason = fused_logprob_kernels(
+        report.effective_mode,
+        device=device,
+        vocab_size=vocab_size,
+        logits_dtype=dtype,
+        temperature=sampling.temperature,
+    )
+    return kernels, attrs.evolve(report, logprobs=kernels.name, logprobs_fallback_reason=reason)
 
 
 def _validate(cfg: PolicyConfig, parallel: ParallelContext) -> None:

@@ -297,6 +297,7 @@ MECHANISM_MODULES = {
     "attention",
     "fusion",
     "fusion_probe",
+    "fused_logprobs",
     "draft_model",
     "lora",
     "lora_tp",

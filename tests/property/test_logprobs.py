@@ -14,6 +14,7 @@ from policyworker.functional import logprobs as lp
 from policyworker.functional import sampling as sp
 from policyworker.functional import vocab_parallel as vp
 from policyworker.functional.context_parallel import gather_shards, shard_for_rank
+from policyworker.functional.logprob_kernels import LogprobKernels
 from policyworker.functional.sampling import Sampling
 from tests.property.strategies import (
     SEEDS,
@@ -112,6 +113,26 @@ def test_chunked_equals_unchunked_forward_and_gradient(
     torch.testing.assert_close(x_ours.grad, x_ref.grad)
 
 
+@given(case=logits_cases(), temperature=TEMPERATURES, seed=SEEDS)
+def test_whole_block_kernels_give_the_reference_and_a_zero_last_row(case, temperature, seed):
+    """Kernels run over all positions in one call (`whole`, as fused ones are) score and
+    differentiate like the reference; the unscored last position gets an exactly zero row."""
+    logits, ids = case
+    weights = seeded_randn(seed, (ids.shape[0], ids.shape[1] - 1))
+    x_ours = logits.clone().requires_grad_()
+    x_ref = logits.clone().requires_grad_()
+    got = lp.next_token_logprobs(
+        x_ours, ids, sampling=Sampling(temperature=temperature), kernels=LogprobKernels(whole=True)
+    )
+    expected = reference_logprobs(x_ref, ids, temperature=temperature)
+    torch.testing.assert_close(got, expected)
+    (got * weights).sum().backward()
+    (expected * weights).sum().backward()
+    assert x_ours.grad is not None
+    torch.testing.assert_close(x_ours.grad, x_ref.grad)
+    assert torch.equal(x_ours.grad[:, -1], torch.zeros_like(x_ours.grad[:, -1]))
+
+
 @settings(max_examples=40)
 @given(
     case=logits_cases(),
@@ -185,18 +206,20 @@ def test_saved_tensors_are_only_the_low_precision_inputs():
     assert logits.grad is not None and logits.grad.dtype == torch.bfloat16
 
 
-def test_log_softmax_runs_once_per_chunk_on_chunk_shaped_blocks(monkeypatch):
-    """Chunk 2 over 7 scored positions: log_softmax sees exactly 4 blocks, each at most
-    [B, 2, V]."""
+def test_the_vocab_reduction_runs_once_per_chunk_on_chunk_shaped_blocks(monkeypatch):
+    """Chunk 2 over 7 scored positions: logsumexp sees exactly 4 blocks, each at most
+    [B, 2, V], and backward reuses them (no second reduction)."""
     shapes = []
-    original = torch.log_softmax
+    original = torch.logsumexp
 
     def spy(x, *args, **kwargs):
         shapes.append(tuple(x.shape))
         return original(x, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "log_softmax", spy)
-    lp.next_token_logprobs(torch.randn(2, 8, 5), torch.zeros(2, 8, dtype=torch.long), chunk_size=2)
+    monkeypatch.setattr(torch, "logsumexp", spy)
+    logits = torch.randn(2, 8, 5, requires_grad=True)
+    out = lp.next_token_logprobs(logits, torch.zeros(2, 8, dtype=torch.long), chunk_size=2)
+    out.sum().backward()
     assert shapes == [(2, 2, 5), (2, 2, 5), (2, 2, 5), (2, 1, 5)]
 
 

@@ -220,6 +220,8 @@ def test_worker_fusion_config_keeps_logprobs_and_training(tiny_model_paths):
     )
     assert eager.fusion_report.mode == "none"
     assert fused.fusion_report.fused_norms == 5 and fused.fusion_report.fallback_reason is None
+    assert fused.fusion_report.logprobs == "fused", fused.fusion_report  # shell.fused_logprobs
+    assert fused.fusion_report.summary() == "norm_mlp; logprobs fused"
     torch.testing.assert_close(
         fused.get_logprobs(data)["logprobs"], eager.get_logprobs(data)["logprobs"], **TOL
     )

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from policyworker.functional import logprobs as lp_core
 from policyworker.functional import vocab_parallel as vp_core
+from policyworker.functional.logprob_kernels import EAGER_KERNELS, LogprobKernels
 from policyworker.functional.sampling import PLAIN_SAMPLING, Sampling, apply_sampling_filters
 from policyworker.shell.parallel.context import ParallelContext
 from policyworker.shell.parallel.groups import _all_reduce
@@ -313,8 +314,11 @@ def next_token_logprobs_any(
     *,
     sampling: Sampling = PLAIN_SAMPLING,
     chunk_size: int | None = None,
+    kernels: LogprobKernels = EAGER_KERNELS,
 ) -> torch.Tensor:
     """fp32 [B, S-1] next-token logprobs of plain logits (core) or TP vocab-sharded DTensor logits.
+
+    `kernels` score plain logits (the vocab-sharded path has its own partials).
 
     Raises:
         ValueError: shapes disagree; under TP with top-k/top-p, `B*S` not divisible by tp
@@ -327,6 +331,7 @@ def next_token_logprobs_any(
             token_ids_BS,
             sampling=sampling,
             chunk_size=chunk_size,
+            kernels=kernels,
         )
     if ctx is not None and logits.device_mesh.size() != ctx.tp_size:
         msg = (

@@ -1,0 +1,102 @@
+"""Fused next-token logprob kernels: the plain pair of `functional.logprob_kernels`, compiled.
+
+Eagerly, scoring bf16 logits against their targets casts each chunk to fp32, reduces it, and in
+backward casts it again, exponentiates, scales and casts back: about 50 bytes of memory traffic
+per logit, every train step, over a ``[T, V]`` block that is the largest tensor of the step.
+Inductor turns the same two functions into one reduction kernel (forward: the logsumexp and the
+target logit from one read of the bf16 logits) and one pointwise kernel (backward: one read,
+one bf16 write), so the whole ``[T, V]`` block is scored in one call with no fp32 scratch.
+
+`fused_logprob_kernels` compiles them when the fusion mode in effect is not "none" and checks
+them at start-up against the eager pair on a small block of the model's real vocab size and
+logits dtype (tolerance below); any failure keeps the eager pair and names the reason, as the
+layer fusion does. Top-k/top-p filtering stays eager (``functional.logprobs``).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+
+from policyworker.functional.logprob_kernels import (
+    EAGER_KERNELS,
+    LogprobKernels,
+    plain_logprob_grad,
+    plain_logprobs_and_lse,
+)
+from policyworker.shell.fusion import compiled_once
+from policyworker.shell.fusion_probe import first_line
+
+__all__ = ["LOGPROB_ATOL", "LOGPROB_RTOL", "fused_logprob_kernels"]
+
+log = logging.getLogger("policyworker")
+# Compiled vs eager, as checked at start-up: the fused reduction sums the vocab in another
+# order (fp32), so logprobs and log-normalizers agree to `atol + rtol * |value|`; gradients are
+# rounded to the logits' dtype and may differ by one rounding step of it.
+LOGPROB_ATOL, LOGPROB_RTOL = 1e-4, 1e-5
+_PROBE_ROWS, _PROBE_POSITIONS = 2, 5
+
+
+def _compiled_kernels() -> LogprobKernels:
+    return LogprobKernels(
+        forward=compiled_once("logprobs_and_lse", plain_logprobs_and_lse),
+        backward=compiled_once("logprob_grad", plain_logprob_grad),
+        whole=True,
+        name="fused",
+    )
+
+
+def _check_against_eager(
+    kernels: LogprobKernels,
+    *,
+    device: torch.device,
+    vocab_size: int,
+    dtype: torch.dtype,
+    temperature: float,
+) -> None:
+    """Raise AssertionError unless `kernels` match the eager pair on a random block."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (_PROBE_ROWS, _PROBE_POSITIONS, vocab_size)
+    logits = (4 * torch.randn(shape, generator=gen, device=device)).to(dtype)
+    targets = torch.randint(0, vocab_size, shape[:2], generator=gen, device=device)
+    grad = torch.randn(shape[:2], generator=gen, device=device)
+    got_lp, got_lse = kernels.forward(logits, targets, temperature)
+    want_lp, want_lse = plain_logprobs_and_lse(logits, targets, temperature)
+    torch.testing.assert_close(got_lp, want_lp, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
+    torch.testing.assert_close(got_lse, want_lse, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
+    got = kernels.backward(logits, targets, want_lse, grad, temperature).float()
+    want = plain_logprob_grad(logits, targets, want_lse, grad, temperature).float()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=2 * torch.finfo(dtype).eps)
+
+
+def fused_logprob_kernels(
+    fusion_mode: str,
+    *,
+    device: torch.device,
+    vocab_size: int,
+    logits_dtype: torch.dtype,
+    temperature: float,
+) -> tuple[LogprobKernels, str | None]:
+    """(kernels, fallback reason): compiled kernels when `fusion_mode` (the mode in effect) is
+    not "none" and they pass the start-up check, else the eager pair (reason None when fusion
+    is off)."""
+    if fusion_mode == "none":
+        return EAGER_KERNELS, None
+    kernels = _compiled_kernels()
+    try:
+        _check_against_eager(
+            kernels,
+            device=device,
+            vocab_size=vocab_size,
+            dtype=logits_dtype,
+            temperature=temperature,
+        )
+    except Exception as exc:  # any compile error or mismatch: keep the eager pair
+        reason = f"{type(exc).__name__}: {first_line(exc)}"
+        message = f"fused logprob kernels fell back to eager: {reason}"
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        log.warning("%s (fusion: %s)", message, fusion_mode)
+        return EAGER_KERNELS, reason
+    return kernels, None

@@ -1,0 +1,94 @@
+"""Fused (inductor-compiled) next-token logprob kernels against the eager pair, on CPU.
+
+Compiling dominates the run time, so the compiled pair is built once per module (and once per
+process by `compiled_once`) and each test reuses its graphs.
+"""
+
+import pytest
+import torch
+
+from policyworker.functional import logprobs as lp
+from policyworker.functional.logprob_kernels import EAGER_KERNELS
+from policyworker.functional.sampling import Sampling
+from policyworker.shell import fused_logprobs
+from policyworker.shell.fused_logprobs import LOGPROB_ATOL, LOGPROB_RTOL, fused_logprob_kernels
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def fused():
+    kernels, reason = fused_logprob_kernels(
+        "layer",
+        device=torch.device("cpu"),
+        vocab_size=VOCAB,
+        logits_dtype=torch.bfloat16,
+        temperature=1.0,
+    )
+    assert reason is None and kernels.name == "fused" and kernels.whole
+    return kernels
+
+
+def _scored(kernels, logits, ids, weights, temperature):
+    x = logits.clone().requires_grad_()
+    out = lp.next_token_logprobs(
+        x, ids, sampling=Sampling(temperature=temperature), kernels=kernels
+    )
+    (out * weights).sum().backward()
+    return out, x.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("rows", "positions"), [(1, 9), (3, 5)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_kernels_match_eager_values_and_gradients(fused, dtype, rows, positions, temperature):
+    gen = torch.Generator().manual_seed(rows * 100 + positions)
+    logits = (5 * torch.randn(rows, positions, VOCAB, generator=gen)).to(dtype)
+    ids = torch.randint(0, VOCAB, (rows, positions), generator=gen)
+    weights = torch.randn(rows, positions - 1, generator=gen)
+    want, want_grad = _scored(EAGER_KERNELS, logits, ids, weights, temperature)
+    got, got_grad = _scored(fused, logits, ids, weights, temperature)
+    torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
+    assert got_grad.dtype == dtype
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got_grad.float(), want_grad.float(), atol=1e-6, rtol=2 * eps)
+    assert torch.equal(got_grad[:, -1], torch.zeros_like(got_grad[:, -1]))
+
+
+def test_top_k_top_p_stay_on_the_eager_filtered_path(fused):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 6, VOCAB, generator=gen)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=gen)
+    sampling = Sampling(top_k=5, top_p=0.9)
+    got = lp.next_token_logprobs(logits, ids, sampling=sampling, kernels=fused)
+    assert torch.equal(got, lp.next_token_logprobs(logits, ids, sampling=sampling))
+
+
+def test_fusion_off_keeps_the_eager_pair():
+    kernels, reason = fused_logprob_kernels(
+        "none",
+        device=torch.device("cpu"),
+        vocab_size=VOCAB,
+        logits_dtype=torch.float32,
+        temperature=1.0,
+    )
+    assert kernels is EAGER_KERNELS and reason is None
+
+
+def test_a_compile_failure_falls_back_to_eager_and_names_the_reason(monkeypatch):
+    def broken(_key, _fn):
+        def call(*_a, **_k):
+            raise RuntimeError("no inductor today")
+
+        return call
+
+    monkeypatch.setattr(fused_logprobs, "compiled_once", broken)
+    with pytest.warns(RuntimeWarning, match="fused logprob kernels fell back to eager"):
+        kernels, reason = fused_logprob_kernels(
+            "layer",
+            device=torch.device("cpu"),
+            vocab_size=VOCAB,
+            logits_dtype=torch.float32,
+            temperature=1.0,
+        )
+    assert kernels is EAGER_KERNELS and reason == "RuntimeError: no inductor today"
