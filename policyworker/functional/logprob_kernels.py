@@ -36,6 +36,15 @@ __all__ = [
 ]
 
 
+def _logprobs_and_lse(
+    x: torch.Tensor, targets_BC: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # The logprob comes from log_softmax, bit for bit what a plain fp32 `log_softmax(x)[t]`
+    # gives (the demo's trainer/HF parity is exact); lse is the backward's normalizer.
+    logprobs_BC = torch.log_softmax(x, dim=-1).gather(-1, targets_BC[..., None])[..., 0]
+    return logprobs_BC, torch.logsumexp(x, dim=-1)
+
+
 def plain_logprobs_and_lse(
     logits_BCV: torch.Tensor, targets_BC: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,9 +52,7 @@ def plain_logprobs_and_lse(
     x = logits_BCV.float()
     if temperature != 1.0:
         x = x / temperature
-    lse_BC = torch.logsumexp(x, dim=-1)
-    target_BC = x.gather(-1, targets_BC[..., None])[..., 0]
-    return target_BC - lse_BC, lse_BC
+    return _logprobs_and_lse(x, targets_BC)
 
 
 def plain_logprob_grad(
@@ -88,8 +95,7 @@ def filtered_logprobs_and_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`plain_logprobs_and_lse` over the top-k/top-p kept set (a target outside it: -inf)."""
     x, _ = _filtered_fp32(logits_BCV, sampling)
-    lse_BC = torch.logsumexp(x, dim=-1)
-    return x.gather(-1, targets_BC[..., None])[..., 0] - lse_BC, lse_BC
+    return _logprobs_and_lse(x, targets_BC)
 
 
 def filtered_logprob_grad(
