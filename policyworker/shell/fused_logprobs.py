@@ -26,7 +26,7 @@ from policyworker.functional.logprob_kernels import (
     plain_logprob_grad,
     plain_logprobs_and_lse,
 )
-from policyworker.shell.fusion import compiled_once
+from policyworker.shell.compile_cache import compiled_once
 from policyworker.shell.fusion_probe import first_line
 
 __all__ = ["LOGPROB_ATOL", "LOGPROB_RTOL", "fused_logprob_kernels"]

@@ -14,12 +14,9 @@ the MLP's SiLU(gate) * up. `fuse_elementwise` replaces module forwards (instance
 - ``"auto"`` (the config's default): ``"layer"`` on CUDA in a single process, ``"none"`` on
   CPU and under a process group (`resolve_fusion_mode`).
 
-Compiled graphs persist on disk: before compiling, `use_persistent_compile_cache` points
-inductor's caches (FX graph and AOTAutograd, both on by default) at
-``$XDG_CACHE_HOME/policyworker/torchinductor`` (``~/.cache/...``) unless the user set
-``TORCHINDUCTOR_CACHE_DIR``, so a second process on the machine reuses the first one's compiles
-instead of paying the start-up cost again (inductor's own default, a folder in /tmp, does not
-survive a reboot).
+Compiled graphs persist on disk (`shell.compile_cache.use_persistent_compile_cache`), so a
+second process on the machine reuses the first one's compiles instead of paying the start-up
+cost again.
 
 Compile errors surface only at the first call, so fusing probes: one tiny eager forward of the
 whole model (train mode, a [2, 3] batch called like a padded microbatch, under `autocast_dtype`)
@@ -35,7 +32,6 @@ match eager (inductor draws other random numbers), so "layer" falls back for suc
 from __future__ import annotations
 
 import logging
-import os
 import types
 import warnings
 from collections.abc import Callable
@@ -48,6 +44,7 @@ from attrs import frozen
 from torch import nn
 
 from policyworker.config import FusionMode
+from policyworker.shell.compile_cache import compiled_once, use_persistent_compile_cache
 from policyworker.shell.fusion_probe import (
     call_signature,
     capture_inputs,
@@ -73,7 +70,6 @@ __all__ = [
 FUSION_MODES: tuple[str, ...] = get_args(FusionMode)  # the config's `dtensor_cfg.fusion` values
 # What "auto" compiles, by device type (in a single process); any other device runs eager.
 _AUTO_MODES: dict[str, FusionMode] = {"cuda": "layer"}
-_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 log = logging.getLogger("policyworker")
 _LOGGED_FALLBACKS: set[str] = set()  # fallback reasons already logged in this process
 # Set on every module whose forward we replaced; unfuse deletes it together with the forward.
@@ -81,9 +77,6 @@ _FUSED_MARKER = "_policyworker_fused"
 # The probe forward's batch: >= 2 so dynamo does not specialise a dim to 1 (that graph would
 # not serve padded batches), and distinct so duck sizing does not tie batch and sequence dims.
 _CHECK_ROWS = 3  # rows of the eager class checks
-# Compiled functions, created once per process: a second `torch.compile` of the same function
-# would add cache entries to the same code object and count towards dynamo's recompile limit.
-_COMPILED: dict[object, Callable[..., Any]] = {}
 
 
 @frozen(kw_only=True)
@@ -110,12 +103,11 @@ class FusionReport:
     def summary(self) -> str:
         """One phrase for the start-up log line, e.g. "layer (auto)" or "none (layer fell back:
         RuntimeError: ...)"."""
+        text = (
+            self.mode if self.requested in (None, self.mode) else f"{self.mode} ({self.requested})"
+        )
         if self.fallback_reason is not None:
             text = f"none ({self.mode} fell back: {self.fallback_reason})"
-        elif self.requested not in (None, self.mode):
-            text = f"{self.mode} ({self.requested})"
-        else:
-            text = self.mode
         if self.logprobs_fallback_reason is not None:
             return f"{text}; logprobs eager (fused fell back: {self.logprobs_fallback_reason})"
         return f"{text}; logprobs {self.logprobs}" if self.logprobs != "eager" else text
@@ -133,26 +125,6 @@ def resolve_fusion_mode(
     return "none" if distributed else _AUTO_MODES.get(device.type, "none")
 
 
-def use_persistent_compile_cache() -> str | None:
-    """Point inductor's on-disk caches at a folder that outlives reboots unless the user chose.
-
-    Sets ``TORCHINDUCTOR_CACHE_DIR`` to ``$XDG_CACHE_HOME/policyworker/torchinductor`` (default
-    ``~/.cache/...``) when it is unset and that folder is writable (else inductor's default in
-    /tmp stays). Returns the cache folder in effect (None: inductor's default).
-    """
-    if _CACHE_ENV not in os.environ:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        folder = os.path.join(base, "policyworker", "torchinductor")
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError:
-            return None
-        if not os.access(folder, os.W_OK):
-            return None
-        os.environ[_CACHE_ENV] = folder
-    return os.environ[_CACHE_ENV]
-
-
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Llama/Qwen2/Qwen3 RMSNorm forward, op for op (the cast back happens
     before the weight multiply, so an fp32 weight promotes a bf16 input's output to fp32)."""
@@ -165,13 +137,6 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The gated-MLP activation `act_fn(gate_proj(x)) * up_proj(x)` with act_fn = SiLU."""
     return F.silu(gate) * up
-
-
-def compiled_once(key: object, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`torch.compile(fn, dynamic=True)`, created once per process under `key`."""
-    if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(fn, dynamic=True)
-    return _COMPILED[key]
 
 
 # ---------------------------------------------------------------------------- fused forwards

@@ -298,6 +298,7 @@ MECHANISM_MODULES = {
     "fusion",
     "fusion_probe",
     "fused_logprobs",
+    "compile_cache",
     "draft_model",
     "lora",
     "lora_tp",

@@ -12,7 +12,7 @@ import torch
 import transformers
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
-from policyworker.shell import fusion
+from policyworker.shell import compile_cache, fusion
 from policyworker.shell.fusion import fuse_elementwise, unfuse_elementwise
 from policyworker.shell.lora import apply_lora, lora_modules
 from tests.helpers import TINY_DECODER_SHAPE
@@ -164,7 +164,7 @@ def test_compile_failure_falls_back_to_original_forwards_with_a_warning(monkeypa
 
         return raise_at_first_call
 
-    monkeypatch.setattr(fusion, "_COMPILED", {})  # the real compiled functions stay cached
+    monkeypatch.setattr(compile_cache, "_COMPILED", {})  # the real compiled functions stay cached
     monkeypatch.setattr(fusion.torch, "compile", broken_compile)
     model = _tiny_model("qwen3")
     expected = _logits(model, _token_ids())
@@ -297,7 +297,7 @@ def test_auto_fallback_logs_once_and_runs_eager(monkeypatch, caplog, tmp_path):
 
         return raise_at_first_call
 
-    monkeypatch.setattr(fusion, "_COMPILED", {})
+    monkeypatch.setattr(compile_cache, "_COMPILED", {})
     monkeypatch.setattr(fusion, "_LOGGED_FALLBACKS", set())
     monkeypatch.setattr(fusion, "_AUTO_MODES", {"cpu": "layer"})  # CPU stands in for CUDA
     monkeypatch.setattr(fusion.torch, "compile", broken_compile)
@@ -319,14 +319,14 @@ def test_auto_fallback_logs_once_and_runs_eager(monkeypatch, caplog, tmp_path):
 def test_persistent_compile_cache_is_set_only_when_the_user_has_not(monkeypatch, tmp_path):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    folder = fusion.use_persistent_compile_cache()
+    folder = compile_cache.use_persistent_compile_cache()
     assert folder == str(tmp_path / "policyworker" / "torchinductor")
     assert (tmp_path / "policyworker" / "torchinductor").is_dir()
     import os
 
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == folder
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    assert fusion.use_persistent_compile_cache() == str(tmp_path / "mine")
+    assert compile_cache.use_persistent_compile_cache() == str(tmp_path / "mine")
 
 
 def test_worker_default_fusion_is_auto_and_the_log_line_says_what_ran(tiny_model_paths, caplog):
