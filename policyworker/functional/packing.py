@@ -35,6 +35,7 @@ __all__ = [
     "pack",
     "pack_into_bins",
     "packed_position_ids",
+    "packed_token_slots",
     "packing_efficiency",
     "unpack",
 ]
@@ -111,6 +112,18 @@ def unpack(
     mask_BS = torch.arange(seq_len, device=x_N.device)[None, :] < lengths_B.to(x_N.device)[:, None]
     out[mask_BS] = x_N
     return out
+
+
+def packed_token_slots(lengths_B: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Where each packed token sits in the flattened ``[B * seq_len]`` padded grid (int64 [N]).
+
+    ``padded.reshape(B * seq_len, ...)[slots] = x_N`` is :func:`unpack` without a boolean mask,
+    so a caller that computes the slots on the host scatters on a device without waiting for it.
+    """
+    _check_lengths(lengths_B, seq_len)
+    positions_BS = torch.arange(seq_len, device=lengths_B.device).expand(lengths_B.shape[0], -1)
+    mask_BS = positions_BS < lengths_B.to(torch.int64)[:, None]
+    return torch.nonzero(mask_BS.reshape(-1), as_tuple=False).reshape(-1)
 
 
 def packed_position_ids(lengths_B: torch.Tensor) -> torch.Tensor:

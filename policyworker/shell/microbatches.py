@@ -15,28 +15,44 @@ import torch
 from policyworker.data import validate_batch
 from policyworker.functional import batch_checks, batching
 from policyworker.functional.microbatching import plan_microbatches
-from policyworker.functional.packing import pack, packed_position_ids, unpack
+from policyworker.functional.packing import pack, packed_position_ids, packed_token_slots
 from policyworker.shell import model as model_lib
 from policyworker.shell.state import WorkerState
 
-__all__ = ["Microbatch", "forward", "hidden_states", "load", "plan", "validate"]
+__all__ = ["Microbatch", "forward", "hidden_states", "load", "plan", "to_device", "validate"]
 
 
 class Microbatch:
-    """One microbatch on the device: model inputs plus the data the loss reads ([b, w] tensors)."""
+    """One microbatch on the device: model inputs plus the data the loss reads ([b, w] tensors).
 
-    def __init__(self, data: dict[str, Any], *, packed: bool, is_dummy: bool) -> None:
+    Everything shaped by the lengths (packing, position ids, document boundaries, the unpack
+    slots) is computed on the host from `lengths` (CPU) and copied over asynchronously, so
+    preparing a microbatch never waits for the device: the next microbatch's forward is queued
+    while the previous backward still runs.
+    """
+
+    def __init__(
+        self,
+        data: dict[str, Any],
+        *,
+        packed: bool,
+        is_dummy: bool,
+        lengths: torch.Tensor,
+        host_ids: torch.Tensor,
+        device: torch.device,
+    ) -> None:
         self.data = data
         self.packed = packed
         self.is_dummy = is_dummy
-        self.lengths = data["input_lengths"].to(torch.int64)
-        self.width = data["input_ids"].shape[1]
+        self.lengths = lengths.to(torch.int64)  # CPU
+        self.width = host_ids.shape[1]
         if packed:
-            ids_N, self.cu_seqlens = pack(data["input_ids"], self.lengths)
-            self.input_ids = ids_N[None]
-            self.position_ids = packed_position_ids(self.lengths)[None]
-            lengths = self.lengths
-            self.max_seqlen = int(lengths.max()) if lengths.numel() else 0
+            ids_N, cu_seqlens = pack(host_ids, self.lengths)
+            self.input_ids = to_device(ids_N[None], device)
+            self.position_ids = to_device(packed_position_ids(self.lengths)[None], device)
+            self.cu_seqlens: torch.Tensor | None = to_device(cu_seqlens, device)
+            self.max_seqlen: int | None = int(self.lengths.max()) if self.lengths.numel() else 0
+            self._slots = to_device(packed_token_slots(self.lengths, self.width), device)
         else:
             self.input_ids = data["input_ids"]
             self.position_ids = torch.arange(self.width, device=self.input_ids.device).expand(
@@ -45,10 +61,21 @@ class Microbatch:
             self.cu_seqlens, self.max_seqlen = None, None
 
     def unpack_rows(self, x_1N: torch.Tensor) -> torch.Tensor:
-        """Packed [1, N, ...] -> [b, w, ...] (identity for unpacked microbatches)."""
-        if not self.packed or self.cu_seqlens is None:
+        """Packed [1, N, ...] -> [b, w, ...] zero-padded (identity for unpacked microbatches)."""
+        if not self.packed:
             return x_1N
-        return unpack(x_1N[0], self.cu_seqlens, seq_len=self.width, pad_value=0)
+        rows = self.lengths.shape[0]
+        out = x_1N.new_zeros((rows * self.width, *x_1N.shape[2:]))
+        out = out.index_copy(0, self._slots, x_1N[0])  # differentiable, no host sync
+        return out.reshape(rows, self.width, *x_1N.shape[2:])
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; a CPU tensor bound for CUDA goes through page-locked memory, so the copy
+    is queued without waiting for the device (a pageable copy would wait for the stream)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def validate(
@@ -104,10 +131,18 @@ def load(
             t = value.index_select(0, index.to(value.device))
             if t.ndim >= 2 and key not in skip:
                 t = t[:, :width]
-            out[key] = t.to(state.device, non_blocking=True)
+            out[key] = to_device(t, state.device)
         else:
             out[key] = [value[i] for i in rows]
-    mb = Microbatch(out, packed=plan.packed, is_dummy=plan.is_dummy)
+    host_ids = data["input_ids"].index_select(0, index.to(data["input_ids"].device))[:, :width]
+    mb = Microbatch(
+        out,
+        packed=plan.packed,
+        is_dummy=plan.is_dummy,
+        lengths=lengths.cpu(),
+        host_ids=host_ids.cpu() if plan.packed else host_ids,
+        device=state.device,
+    )
     state.moe.begin_microbatch(mb)  # the routers' hooks read this microbatch's routes and mask
     return mb
 

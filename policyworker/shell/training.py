@@ -189,6 +189,11 @@ def _train_global_batch(state: WorkerState, batch, loss_fn, *, eval_mode, mbs, n
         warnings.warn(f"train(): {untrusted}", stacklevel=4)
         finite = False
     lr = state.optimizer.param_groups[0]["lr"] if state.optimizer is not None else 0.0
+    normalizers = {"global_valid_seqs": float(gvs), "global_valid_toks": float(gvt)}
+    # Losses stay on the device until every microbatch ran: reading one would wait for its
+    # backward, and the next microbatch's forward could not be queued behind it.
+    real_losses: list[torch.Tensor] = []
+    reported: list[bool] = []  # whether each real microbatch's loss and metrics are reported
     for plan in plans:
         mb = mbatch.load(state, batch, plan, skip=skip)
         loss, metrics = _loss(state, mb, loss_fn, gvs, gvt)
@@ -199,12 +204,16 @@ def _train_global_batch(state: WorkerState, batch, loss_fn, *, eval_mode, mbs, n
             ((loss + draft_loss) * dp_cp).backward()
         if mb.is_dummy:
             continue
-        finite = finite and bool(torch.isfinite(loss.detach()).item())
         metrics = scale_microbatch_metrics(metrics, num_gb)
-        metrics.update(lr=lr, global_valid_seqs=float(gvs), global_valid_toks=float(gvt))
-        if metrics["num_valid_samples"] > 0:
-            mb_losses.append(float(loss.detach().item()))
+        metrics.update(lr=lr, **normalizers)
+        real_losses.append(loss.detach().reshape(()))
+        reported.append(metrics["num_valid_samples"] > 0)
+        if reported[-1]:
             mb_metrics.append(metrics)
+    if real_losses:
+        values = torch.stack(real_losses).float().cpu().tolist()  # the one wait for them all
+        finite = finite and all(math.isfinite(v) for v in values)
+        mb_losses = [v for v, keep in zip(values, reported, strict=True) if keep]
     if eval_mode:
         return mb_losses, mb_metrics, None, False
     if float(gvt if loss_fn.loss_type == LossType.TOKEN_LEVEL else gvs) == 0:

@@ -12,6 +12,7 @@ from policyworker.functional.packing import (
     pack,
     pack_into_bins,
     packed_position_ids,
+    packed_token_slots,
     packing_efficiency,
     unpack,
 )
@@ -45,6 +46,20 @@ def test_pack_unpack_round_trip(batch):
     restored = unpack(tokens_N, cu_seqlens, seq_len=tokens_BS.shape[1], pad_value=PAD)
     assert torch.equal(restored, tokens_BS)
     assert torch.equal(tokens_BS, before)
+
+
+@given(right_padded_batches())
+def test_scattering_into_the_token_slots_is_unpack(batch):
+    """The slots put every packed token where `unpack` puts it (host-computed index, no mask)."""
+    tokens_BS, lengths_B = batch
+    B, S = tokens_BS.shape
+    tokens_N, cu_seqlens = pack(tokens_BS, lengths_B)
+    slots = packed_token_slots(lengths_B, S)
+    assert slots.dtype == torch.int64 and slots.shape == tokens_N.shape
+    scattered = torch.full((B * S,), PAD, dtype=tokens_N.dtype).index_copy(0, slots, tokens_N)
+    assert torch.equal(
+        scattered.reshape(B, S), unpack(tokens_N, cu_seqlens, seq_len=S, pad_value=PAD)
+    )
 
 
 @given(right_padded_batches(), st.integers(1, 4), SEEDS)
