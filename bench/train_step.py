@@ -52,7 +52,6 @@ from common import (  # bench/common.py: bench/ is run as a script folder
 from policyworker.functional.logprob_kernels import EAGER_KERNELS
 from policyworker.functional.loss import NLLLoss
 from policyworker.shell.fusion import FUSION_MODES
-from policyworker.shell.state import WorkerState
 from policyworker.shell.worker import PolicyWorker
 
 MFU_TARGET = 0.40
@@ -246,12 +245,6 @@ def main() -> None:
     )
     parser.add_argument("--skip-padded", action="store_true", help="skip the padded worker")
     parser.add_argument(
-        "--keep-cache",
-        action="store_true",
-        help="skip the worker's torch.cuda.empty_cache() at the end of train() (an A/B of what "
-        "returning the allocator's cache each step costs)",
-    )
-    parser.add_argument(
         "--eager-logprobs",
         action="store_true",
         help="score logits with the eager logprob kernels even where fusion compiles them (an "
@@ -273,8 +266,6 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.keep_cache:
-        WorkerState.empty_cache = lambda self: None  # bench-only A/B, see --keep-cache
     if args.small:
         torch.set_num_threads(1)
         args.min_len, args.max_len, args.mb_tokens, args.steps = 8, 64, 256, 1
