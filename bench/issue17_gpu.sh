@@ -1,27 +1,43 @@
 #!/usr/bin/env bash
-# Issue 17 rows on one GPU in <= 7 minutes (run from the repo root; results under $OUT):
-#   train_step.json  packed train step, default config (fusion: auto) vs fusion: none
-#   lora.json        LoRA (compute_dtype float32 and auto) vs full fine-tuning, plain loop
-#   checkpoint.json  two consecutive async saves (blocked / total) vs a sync save, raw disk
-#   pytest_gpu.xml   pytest -q tests/gpu, with whatever time is left (>= 60 s)
+# Issue 17's rows on one GPU, in two parts that each fit one device call (<= 9.5 minutes);
+# run from the repo root, results under $OUT (default bench/results):
+#   PART=1  train_step.json     packed train step, default config (fusion: auto) vs fusion: none
+#           train_step_8b.json  Qwen2.5-7B shape with LoRA dim 16 on every linear (8B-class row)
+#           logprobs.json       get_logprobs at 16k and 32k tokens vs plain and Liger
+#   PART=2  lora.json           LoRA (compute_dtype float32 and auto) vs full fine-tuning
+#           checkpoint.json     async saves (blocked / total) vs sync, raw write, cold load, raw read
+#           refit.json          refit 1.5B and 7B shapes vs NeMo-RL's sender path and the ceiling
+#           pytest_gpu.xml      pytest -q tests/gpu with the time left (>= 60 s)
 # SMALL=1 runs the CPU smoke shapes (checks the flags; the figures mean nothing).
 set -u
 OUT=${OUT:-bench/results}
+PART=${PART:-1}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 small=${SMALL:+--small}
 start=$(date +%s)
-left() { echo $((420 - ($(date +%s) - start))); }
-timeout 150 python bench/train_step.py $small --fuse auto --also-fuse none --skip-padded \
-  --skip-baseline --steps 2 --out "$OUT/train_step.json" 2>&1 | tail -14
-echo "== train_step done at $(($(date +%s) - start)) s"
-timeout 60 python bench/lora.py $small --steps 4 --warmup 1 --repeats 2 \
-  --json "$OUT/lora.json" 2>&1 | tail -9
-echo "== lora done at $(($(date +%s) - start)) s"
-timeout 120 python bench/checkpoint.py $small --skip-load --json "$OUT/checkpoint.json" 2>&1 \
-  | tail -10
-echo "== checkpoint done at $(($(date +%s) - start)) s"
-budget=$(left)
-[ "$budget" -lt 60 ] && budget=60
-timeout "$budget" python -m pytest -q tests/gpu -rs --junitxml="$OUT/pytest_gpu.xml" 2>&1 | tail -25
-echo "== all done at $(($(date +%s) - start)) s"
+stamp() { echo "== $1 done at $(($(date +%s) - start)) s"; }
+if [ "$PART" = 1 ]; then
+  timeout 170 python bench/train_step.py $small --also-fuse none --skip-padded --skip-baseline \
+    --steps 3 --out "$OUT/train_step.json" 2>&1 | tail -8
+  stamp train_step
+  timeout 170 python bench/train_step.py $small --shape 7b --lora-dim 16 --skip-padded \
+    --skip-baseline --steps 3 --out "$OUT/train_step_8b.json" 2>&1 | tail -6
+  stamp train_step_8b
+  timeout 170 python bench/logprobs.py $small --tokens 16384 32768 --out "$OUT/logprobs.json" \
+    2>&1 | tail -12
+  stamp logprobs
+else
+  timeout 70 python bench/lora.py $small --steps 4 --warmup 1 --repeats 2 \
+    --json "$OUT/lora.json" 2>&1 | tail -9
+  stamp lora
+  timeout 200 python bench/checkpoint.py $small --json "$OUT/checkpoint.json" 2>&1 | tail -14
+  stamp checkpoint
+  timeout 90 python bench/refit.py $small --out "$OUT/refit.json" 2>&1 | tail -10
+  stamp refit
+  budget=$((540 - ($(date +%s) - start)))
+  [ "$budget" -lt 60 ] && budget=60
+  timeout "$budget" python -m pytest -q tests/gpu -rs --junitxml="$OUT/pytest_gpu.xml" 2>&1 \
+    | tail -25
+  stamp pytest_gpu
+fi
