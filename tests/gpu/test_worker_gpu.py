@@ -153,6 +153,7 @@ def test_fused_worker_matches_eager_on_packed_bf16_logprobs_and_training(tiny_mo
     )
     report = fused.fusion_report
     assert report.fallback_reason is None and (report.fused_layers or report.fused_mlps)
+    assert report.logprobs == "fused" and eager.fusion_report.logprobs == "eager"
     got, want = fused.get_logprobs(data)["logprobs"], eager.get_logprobs(data)["logprobs"]
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)  # bf16 compute noise
     for _ in range(2):  # packed [1, N] microbatches of two sizes reuse / recompile the graphs
@@ -167,7 +168,7 @@ def test_default_worker_fuses_layers_on_cuda(tiny_model_paths):
     worker = PolicyWorker(make_config(tiny_model_paths["qwen2"], precision="bfloat16"))
     report = worker.fusion_report
     assert (report.requested, report.mode, report.fallback_reason) == ("auto", "layer", None)
-    assert report.fused_layers > 0 and report.summary() == "layer (auto)"
+    assert report.fused_layers > 0 and report.summary() == "layer (auto); logprobs fused"
 
 
 def test_async_save_stages_into_pinned_reused_buffers(tiny_model_paths, tmp_path):
@@ -193,3 +194,39 @@ def test_async_save_stages_into_pinned_reused_buffers(tiny_model_paths, tmp_path
     assert all(torch.equal(v, before[k]) for k, v in fresh.model.state_dict().items())
     worker.shutdown()
     assert staging.nbytes == 0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_fused_logprob_kernels_match_eager_at_a_real_vocab_in_bf16(temperature):
+    """The compiled pair on a Qwen-sized vocab (151,936) and 2,000 packed positions: values
+    within `LOGPROB_ATOL/RTOL` of the eager pair, bf16 gradients within two roundings."""
+    from policyworker.functional import logprobs as lp
+    from policyworker.functional.logprob_kernels import EAGER_KERNELS
+    from policyworker.functional.sampling import Sampling
+    from policyworker.shell.fused_logprobs import (
+        LOGPROB_ATOL,
+        LOGPROB_RTOL,
+        fused_logprob_kernels,
+    )
+
+    vocab, cuda = 151_936, torch.device("cuda")
+    kernels, reason = fused_logprob_kernels(
+        "layer", device=cuda, vocab_size=vocab, logits_dtype=torch.bfloat16, temperature=temperature
+    )
+    assert reason is None and kernels.whole
+    gen = torch.Generator(device=cuda).manual_seed(5)
+    logits = (3 * torch.randn(1, 2000, vocab, generator=gen, device=cuda)).to(torch.bfloat16)
+    ids = torch.randint(0, vocab, (1, 2000), generator=gen, device=cuda)
+    weights = torch.randn(1, 1999, generator=gen, device=cuda)
+    results = []
+    for pair in (EAGER_KERNELS, kernels):
+        x = logits.clone().requires_grad_()
+        out = lp.next_token_logprobs(
+            x, ids, sampling=Sampling(temperature=temperature), kernels=pair
+        )
+        (out * weights).sum().backward()
+        results.append((out, x.grad))
+    (want, want_grad), (got, got_grad) = results
+    torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
+    eps = torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(got_grad.float(), want_grad.float(), atol=1e-6, rtol=2 * eps)
