@@ -306,7 +306,9 @@ class DTensorConfig:
     `fusion` (not a NeMo-RL key): `layer` runs each decoder layer through one `torch.compile`d
     graph, `norm_mlp` only RMSNorm and SiLU-gated MLP activations, `none` runs eager, `auto`
     (default) is `layer` on CUDA in a single process and `none` otherwise (CPU, or a process
-    group, where FSDP2/TP own the layers). `layer` and `norm_mlp` need a single process. A compile
+    group, where FSDP2/TP own the layers). `layer` and `norm_mlp` need a single process and also
+    compile the next-token logprob kernels (one reduction and one pointwise kernel over the whole
+    [T, V] logits instead of chunked eager fp32 passes). A compile
     or start-up equality check that fails falls back to eager with one warning; the worker's
     `fusion_report` and start-up log line say what ran. Compiled graphs are cached on disk in
     `$TORCHINDUCTOR_CACHE_DIR` (default here: `$XDG_CACHE_HOME/policyworker/torchinductor`, i.e.
