@@ -9,8 +9,6 @@ CUDA IPC handle) and caches each bucket's source views; a ``WeightSink`` (the re
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -26,7 +24,7 @@ from policyworker.functional.buckets import (
     split_views,
     unpack_tensors,
 )
-from policyworker.shell.refit import ipc_files
+from policyworker.shell.refit.shared_buffers import open_shared_buffer, shm_problem
 from policyworker.shell.refit.staging import open_event
 from policyworker.shell.refit.wire import (
     Abort,
@@ -117,14 +115,12 @@ class ReceivedBuffers:
         key = self._key(ref)
         mapped = self._open.get(key)
         if mapped is not None and isinstance(ref, ShmBuffer):
-            problem = _shm_problem(ref)  # a kept file truncated since: reading it would SIGBUS
+            problem = shm_problem(ref)  # a kept file truncated since: reading it would SIGBUS
             if problem is not None:
                 del self._open[key]
                 raise ProtocolError(f"{problem} (it shrank or went away since it was mapped)")
         if mapped is None:
-            mapped = self._open[key] = _Mapped(
-                _open_shm(ref) if isinstance(ref, ShmBuffer) else _open_cuda(ref)
-            )
+            mapped = self._open[key] = _Mapped(open_shared_buffer(ref))
         self._used[key] = ref.keep
         return mapped
 
@@ -145,68 +141,6 @@ class ReceivedBuffers:
 
     def __len__(self) -> int:
         return len(self._open)
-
-
-def _shm_problem(ref: ShmBuffer) -> str | None:
-    """Why the named staging file cannot be read safely through a mapping of ``ref.size``
-    bytes (reading past a file's end is a SIGBUS, not an error); None when it can."""
-    path = os.path.join(
-        ipc_files.SHM_DIR, ref.name
-    )  # the name was checked against a strict pattern
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return f"shared-memory buffer {ref.name!r} does not exist in {ipc_files.SHM_DIR}"
-    if (
-        not stat.S_ISREG(info.st_mode)
-        or info.st_uid != os.getuid()
-        or info.st_size < max(ref.size, 1)
-    ):
-        return (
-            f"shared-memory buffer {ref.name!r} is not a regular file of this user with >= "
-            f"{ref.size} bytes (it has {info.st_size})"
-        )
-    return None
-
-
-def _open_shm(ref: ShmBuffer) -> torch.Tensor:
-    problem = _shm_problem(ref)
-    if problem is not None:
-        raise ProtocolError(problem)
-    path = os.path.join(ipc_files.SHM_DIR, ref.name)
-    return torch.from_file(path, shared=True, size=max(ref.size, 1), dtype=torch.uint8)[: ref.size]
-
-
-def _open_cuda(ref: CudaBuffer) -> torch.Tensor:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    uuids = [
-        str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
-    ]
-    if ref.device_uuid not in uuids:
-        msg = (
-            f"CUDA buffer on device {ref.device_uuid} is not visible here (visible: {uuids}); "
-            "colocate the receiver"
-        )
-        raise ProtocolError(msg)
-    index = uuids.index(ref.device_uuid)
-    return rebuild_cuda_tensor(
-        torch.Tensor,
-        (ref.size,),
-        (1,),
-        0,
-        torch.UntypedStorage,
-        torch.uint8,
-        index,
-        ref.handle,
-        ref.size,
-        ref.storage_offset_bytes,
-        False,
-        ref.ref_counter_handle,
-        ref.ref_counter_offset,
-        ref.event_handle or None,
-        ref.event_sync_required,
-    )
 
 
 @attrs.frozen
