@@ -40,6 +40,7 @@ from policyworker.shell.refit.wire import (
     decode_request,
     encode,
 )
+from policyworker.shell.refit.wire_one_pass import Registration, encode_registration
 
 __all__ = ["Outcome", "ReceivedBuffers", "RefitServer", "WeightSink"]
 
@@ -54,6 +55,22 @@ class WeightSink(Protocol):
     def apply_prepared(self, batch: Any) -> None: ...
     def commit(self, *, num_buckets: int) -> Any: ...
     def abort(self, reason: str) -> None: ...
+    def expect_external_write(self) -> None: ...
+
+
+class OnePassTarget(Protocol):
+    """A receiver's registered memory (``one_pass_receiver.WeightArena``)."""
+
+    def registration(self) -> Registration: ...
+    def before_write(self) -> None: ...
+    def after_write(self, written_event: bytes) -> None: ...
+
+
+_NOT_REGISTERED = (
+    "this receiver did not register for one-pass refits; build it with "
+    "HFWeightReceiver(module, ..., one_pass=True) (an nn.Module target), or stream with "
+    "one_pass=False"
+)
 
 
 class _Mapped:
@@ -158,8 +175,11 @@ class RefitServer:
     Frames in, reply frames + outcome out; never raises.
     """
 
-    def __init__(self, sink: WeightSink) -> None:
+    def __init__(self, sink: WeightSink, *, one_pass: OnePassTarget | None = None) -> None:
         self.sink = sink
+        self.one_pass = one_pass
+        self._one_pass_session = False  # the refit in progress is written by the sender itself
+        self._registered_id = ""
         self._manifest: tuple[TensorSpec, ...] | None = None
         self._views_manifest: tuple[TensorSpec, ...] | None = None
         self._manifests = ManifestCache()
@@ -217,6 +237,7 @@ class RefitServer:
         if self._manifest is not None:
             self.sink.abort(reason)
         self._manifest = None
+        self._one_pass_session = False
         self._received = bytearray()
         self._buffers.finish(ok=False)
 
@@ -224,6 +245,8 @@ class RefitServer:
         if isinstance(message, Begin):
             if self._manifest is not None:
                 raise ProtocolError("BEGIN while a refit is in progress; finish or abort it first")
+            if message.one_pass is not None:
+                return self._begin_one_pass(message)
             self.sink.begin(message.manifest)
             if message.manifest is not self._views_manifest:  # cached views hold its dtypes/shapes
                 self._buffers.forget_views()
@@ -253,9 +276,29 @@ class RefitServer:
             return self._complete(message)
         return self._bucket(message)
 
+    def _begin_one_pass(self, message: Begin) -> tuple[list[bytes], Outcome]:
+        """Check the manifest, then hand the sender the registration: from the ACK on it may
+        write the registered memory (an in-place receiver is stale until COMPLETE)."""
+        if self.one_pass is None:
+            raise ProtocolError(_NOT_REGISTERED)
+        registration = self.one_pass.registration()  # rebuilt (new id) if the layout changed
+        if registration.id != self._registered_id:  # cached staged batches hold old destinations
+            self._buffers.forget_views()
+            self._views_manifest, self._registered_id = None, registration.id
+        self.sink.begin(message.manifest)  # refused here, before the sender may write anything
+        self._manifest, self._one_pass_session = message.manifest, True
+        self._num_buckets = 0
+        self.sink.expect_external_write()
+        self.one_pass.before_write()
+        body, raw = encode_registration(registration, held_id=message.one_pass)
+        reply = Reply(True, "begin", registration=body, registration_frames=tuple(raw))
+        return encode(reply), Outcome()
+
     def _bucket(self, bucket: Bucket) -> tuple[list[bytes], Outcome]:
         manifest = self._manifest
         assert manifest is not None
+        if self._one_pass_session:
+            raise ProtocolError("BUCKET in a one-pass refit (the sender writes registered memory)")
         problems = check_bucket(
             bucket,
             manifest,
@@ -307,13 +350,20 @@ class RefitServer:
     def _complete(self, message: Complete) -> tuple[list[bytes], Outcome]:
         manifest = self._manifest
         assert manifest is not None
-        if self._count != len(manifest):
+        if message.one_pass != self._one_pass_session:
+            raise ProtocolError(
+                f"a {'one-pass' if message.one_pass else 'staged'} COMPLETE ended a "
+                f"{'one-pass' if self._one_pass_session else 'staged'} refit"
+            )
+        if self.one_pass is not None and self._one_pass_session:
+            self.one_pass.after_write(message.written_event)
+        elif self._count != len(manifest):
             missing = [s.name for s, got in zip(manifest, self._received, strict=True) if not got]
             raise ProtocolError(f"COMPLETE with {len(missing)} tensors never sent: {missing[:20]}")
         self._drain_gpu()  # the new version is in place before anyone is told so
         self._buffers.finish(ok=True)
         report = self.sink.commit(num_buckets=self._num_buckets)
-        self._manifest = None
+        self._manifest, self._one_pass_session = None, False
         summary = (
             attrs.asdict(report, filter=lambda a, _: a.name != "names")
             if attrs.has(type(report))
