@@ -127,7 +127,12 @@ class OnePassWriter:
         group_bytes = 0
         for index, (spec, view) in enumerate(zip(specs, views, strict=True)):
             source = next(sources, None)
-            if source is None or source.spec != spec:
+            if (
+                source is None
+                or source.name != spec.name
+                or source.dtype != spec.dtype
+                or source.tensor.shape != spec.shape
+            ):
                 got = None if source is None else source.spec
                 msg = f"internal: the params stream sent {got} at {index}; the manifest has {spec}"
                 raise RefitError(msg)
