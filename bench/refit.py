@@ -292,6 +292,9 @@ def main() -> None:
         default=[],
         help="also time kept staging of these total sizes (GiB, two buffers)",
     )
+    parser.add_argument(
+        "--shapes", nargs="*", choices=sorted(SHAPES), help="measure only these shapes"
+    )
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "refit.json"))
     args = parser.parse_args()
     if args.role == "receiver":
@@ -303,16 +306,20 @@ def main() -> None:
         if not torch.cuda.is_available():
             parser.error("CUDA is needed for the full benchmark; use --small on CPU")
         device, names = "cuda", ["qwen2.5-1.5b", "qwen2.5-7b"]
-    rows = [row for name in names for row in bench_shape(name, device, args.sweep_gib)]
-    print(
-        f"{'shape':<14}{'method':<18}{'GB (bf16)':>10}{'median ms':>11}{'GB/s':>9}{'% ceiling':>11}"
-    )
-    for r in rows:
-        print(
-            f"{r['shape']:<14}{r['method']:<18}"
-            f"{r['model_bytes'] / 1e9:>10.3f}{r['median_ms']:>11.2f}"
-            f"{r['gb_per_s']:>9.1f}{100 * r['fraction_of_ceiling']:>10.0f}%"
-        )
+    if args.shapes:
+        names = args.shapes
+    header = f"{'shape':<14}{'method':<18}{'GB (bf16)':>10}{'median ms':>11}{'GB/s':>9}"
+    print(header + f"{'% ceiling':>11}", flush=True)
+    rows = []
+    for name in names:  # each shape's rows as soon as they are measured
+        rows.extend(shape_rows := bench_shape(name, device, args.sweep_gib))
+        for r in shape_rows:
+            print(
+                f"{r['shape']:<14}{r['method']:<18}"
+                f"{r['model_bytes'] / 1e9:>10.3f}{r['median_ms']:>11.2f}"
+                f"{r['gb_per_s']:>9.1f}{100 * r['fraction_of_ceiling']:>10.0f}%",
+                flush=True,
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
