@@ -401,3 +401,35 @@ def test_re_pointed_weights_invalidate_the_registration_and_the_next_refit_re_re
     finally:
         receiver.close()
         sender.close()
+
+
+def test_a_policy_worker_streams_one_pass_into_a_registered_hf_receiver(tiny_model_paths):
+    from transformers import AutoModelForCausalLM
+
+    from policyworker.shell.worker import PolicyWorker
+    from tests.shell.conftest import make_config
+
+    worker = PolicyWorker(make_config(tiny_model_paths["qwen2"]))
+    torch.manual_seed(11)
+    target = AutoModelForCausalLM.from_pretrained(tiny_model_paths["qwen2"]).eval()
+    with torch.no_grad():
+        for parameter in target.parameters():
+            parameter.normal_()  # different weights from the worker's
+    receiver = HFWeightReceiver(
+        target,
+        address=worker.get_zmq_address(),
+        refit_info=worker.prepare_refit_info(),
+        timeout_s=30,
+        one_pass=True,
+    )
+    thread, box = _serve(receiver)
+    try:
+        report = worker.stream_weights_via_ipc_zmq(timeout_s=30, one_pass=True)
+        thread.join(30)
+        assert "error" not in box and report["version"] == 1 and report["num_buckets"] == 0
+        sent = dict(worker.model.state_dict())
+        for name, tensor in target.state_dict().items():
+            assert torch.equal(tensor, sent[name]), name
+    finally:
+        receiver.close()
+        worker.shutdown()

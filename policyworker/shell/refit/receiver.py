@@ -63,7 +63,14 @@ __all__ = ["HFWeightReceiver", "PreparedBatch", "RefitReport", "WeightApplier"]
 
 class HFWeightReceiver:
     """Receives refits into a HF module or a ``load_weights`` callable (the README's
-    "Plugging the receiver into an inference engine")."""
+    "Plugging the receiver into an inference engine").
+
+    ``one_pass=True`` (a module target only) moves the module's refit weights into one shared
+    arena now and registers it, so a sender streaming with ``one_pass=True`` casts straight into
+    it (docs/refit-protocol.md, "One-pass refits"); staged refits keep working. Between a
+    one-pass ``receive()`` call and its return serve no inference: an in-place receiver is
+    ``stale`` from the sender's first write until COMPLETE.
+    """
 
     def __init__(
         self,
