@@ -26,7 +26,12 @@ import secrets
 import torch
 from torch import nn
 
-from policyworker.functional.arena import destination_of, destination_view, plan_arena
+from policyworker.functional.arena import (
+    Destination,
+    destination_of,
+    destination_view,
+    plan_arena,
+)
 from policyworker.functional.buckets import DEFAULT_ALIGNMENT
 from policyworker.shell.refit.staging import CudaStaging, ShmStaging, open_event
 from policyworker.shell.refit.weight_applier import WeightApplier
@@ -118,9 +123,13 @@ class WeightArena:
             spare.tensor.copy_(arena)  # bytes no refit name covers stay equal to the live ones
         moved = self.applier.destinations()
         assert moved is not None
-        destinations = tuple(destination_of(t, arena, name=n) for n, t in moved.items())
+        destinations = tuple(
+            destination_of(t, arena, name=n)
+            if t.numel()
+            else Destination(n, t.dtype, tuple(t.shape), t.stride(), 0)  # nothing to write
+            for n, t in moved.items()
+        )
         self._live, self._spare, self._bases = live, spare, [(b, b.data_ptr()) for b in bases]
-        self.registration_bytes = plan.total_bytes
         self._registration = Registration(
             secrets.token_hex(8),
             live.ref(),
