@@ -28,6 +28,7 @@ from policyworker.functional.arena import (
     ordered_destinations,
 )
 from policyworker.functional.buckets import DEFAULT_ALIGNMENT, TensorSpec
+from policyworker.shell.refit import staging
 from policyworker.shell.refit.params import RefitSource
 from policyworker.shell.refit.shared_buffers import open_shared_buffer
 from policyworker.shell.refit.staging import grouped_copy_
@@ -44,10 +45,10 @@ from policyworker.shell.refit.zmq_sender import ZmqIpcSender
 
 __all__ = ["OnePassWriter", "stream_one_pass"]
 
-# Sources are cast in groups of at most this many tensors / bytes: grouping small tensors saves
+# Small sources are cast in groups of at most this many tensors / elements: grouping saves
 # launches, while bounding a group bounds the merged LoRA weights a group keeps alive at once.
 _GROUP_TENSORS = 512
-_GROUP_BYTES = 1 << 30
+_GROUP_ELEMENTS = 1 << 28
 
 
 class OnePassWriter:
@@ -121,7 +122,12 @@ class OnePassWriter:
         self, specs: Sequence[TensorSpec], views: list[torch.Tensor], sources: Iterator[RefitSource]
     ) -> bytes:
         """Cast every source into its destination; on CUDA, the handle of the event recorded
-        after the casts (b"" on CPU, where the writes are done when this returns)."""
+        after the casts (b"" on CPU, where the writes are done when this returns).
+
+        A large tensor's cast is launched as soon as its source arrives (the GPU works while
+        this loop walks the rest); small ones are cast in grouped launches.
+        """
+        large_numel = staging.LARGE_COPY_NUMEL
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         group_bytes = 0
@@ -136,10 +142,13 @@ class OnePassWriter:
                 got = None if source is None else source.spec
                 msg = f"internal: the params stream sent {got} at {index}; the manifest has {spec}"
                 raise RefitError(msg)
+            if view.numel() >= large_numel:
+                view.copy_(source.tensor, non_blocking=True)
+                continue
             dsts.append(view)
             srcs.append(source.tensor)
-            group_bytes += spec.nbytes
-            if len(dsts) >= _GROUP_TENSORS or group_bytes >= _GROUP_BYTES:
+            group_bytes += view.numel()
+            if len(dsts) >= _GROUP_TENSORS or group_bytes >= _GROUP_ELEMENTS:
                 grouped_copy_(dsts, srcs, non_blocking=True)
                 dsts, srcs, group_bytes = [], [], 0
         grouped_copy_(dsts, srcs, non_blocking=True)
