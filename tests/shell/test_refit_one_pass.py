@@ -433,3 +433,34 @@ def test_a_policy_worker_streams_one_pass_into_a_registered_hf_receiver(tiny_mod
     finally:
         receiver.close()
         worker.shutdown()
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["in_place", "atomic"])
+def test_a_sender_that_vanishes_midway_times_the_receiver_out_without_a_new_version(
+    monkeypatch, atomic
+):
+    """No ABORT arrives (as if the trainer died after writing some tensors): the receiver's
+    wait for COMPLETE times out, its version is unchanged (in place: reported stale), and the
+    next refit goes through."""
+    monkeypatch.setattr(one_pass_sender, "_GROUP_TENSORS", 1)
+    model, target, sender, receiver = _pair(atomic=atomic)
+    receiver._socket.timeout_s = 2.0
+    zmq = sender._zmq()
+    monkeypatch.setattr(zmq, "_abort", lambda *args, **kwargs: None)  # it dies: no ABORT
+    before = _state(target)
+    thread, box = _serve(receiver)
+    with pytest.raises(OSError, match="disk on fire"):
+        sender.stream_weights_via_ipc_zmq(timeout_s=30, wrap_sources=_failing_after(2))
+    thread.join(30)
+    try:
+        assert "timed out" in str(box["error"]) or "no message" in str(box["error"]), box
+        assert receiver.version == 0 and receiver.stale == (not atomic)
+        if atomic:
+            assert all(torch.equal(v, before[k]) for k, v in _state(target).items())
+        monkeypatch.undo()
+        report, box = _refit(sender, receiver)
+        assert "error" not in box and report["version"] == 1 and not receiver.stale
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in _state(target).items())
+    finally:
+        receiver.close()
+        sender.close()
