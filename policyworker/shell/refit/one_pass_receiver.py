@@ -139,6 +139,7 @@ class WeightArena:
         )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()  # the weights' old blocks go back to the driver
 
     @property
     def tensor(self) -> torch.Tensor:
