@@ -4,6 +4,7 @@ The arena is a /dev/shm file mapped shared by both processes (or, in the thread 
 twice in one process), so these tests run the real sender, receiver and protocol code.
 """
 
+import json
 import threading
 
 import pytest
@@ -16,6 +17,7 @@ from policyworker.shell.refit import one_pass_sender
 from policyworker.shell.refit.receiver import HFWeightReceiver
 from policyworker.shell.refit.sender import RefitSender
 from policyworker.shell.refit.wire import RefitRejectedError
+from policyworker.shell.refit.wire_one_pass import encode_registration
 from tests.helpers import (
     JsonCommandChild,
     eager_model,
@@ -461,6 +463,50 @@ def test_a_sender_that_vanishes_midway_times_the_receiver_out_without_a_new_vers
         report, box = _refit(sender, receiver)
         assert "error" not in box and report["version"] == 1 and not receiver.stale
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in _state(target).items())
+    finally:
+        receiver.close()
+        sender.close()
+
+
+class _ManyExperts(nn.Module):
+    """Tens of thousands of small tensors under long names: a registration reply of several MiB
+    (a large MoE's per-expert checkpoint names)."""
+
+    def __init__(self, num_layers, num_experts):
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for _ in range(num_layers):
+            experts = nn.ModuleList()
+            for _ in range(num_experts):
+                expert = nn.Module()
+                expert.down_projection_weight_of_a_large_mixture_of_experts = nn.Parameter(
+                    torch.randn(2)
+                )
+                experts.append(expert)
+            layer = nn.Module()
+            layer.experts = experts
+            self.layers.append(layer)
+
+
+def test_a_registration_of_tens_of_thousands_of_tensors_reaches_the_sender():
+    model, target = _ManyExperts(40, 1000), _ManyExperts(40, 1000)
+    sender = RefitSender(lambda: model, torch.float32, one_pass=True)
+    receiver = HFWeightReceiver(
+        target,
+        address=sender.get_zmq_address(),
+        refit_info=sender.prepare_refit_info(),
+        timeout_s=60,
+        one_pass=True,
+    )
+    try:
+        body, _ = encode_registration(receiver.arena.registration(), held_id=None)
+        assert len(json.dumps(body)) > 4 << 20  # over the sender's old 4 MiB reply cap
+        report, box = _refit(sender, receiver)
+        assert "error" not in box and report["num_tensors"] == 40_000
+        assert torch.equal(
+            target.layers[39].experts[999].down_projection_weight_of_a_large_mixture_of_experts,
+            model.layers[39].experts[999].down_projection_weight_of_a_large_mixture_of_experts,
+        )
     finally:
         receiver.close()
         sender.close()
