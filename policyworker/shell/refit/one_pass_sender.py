@@ -182,11 +182,14 @@ def stream_one_pass(
         zmq._send(writer.begin_frames(specs, transport), phase="begin", timeout_s=timeout_s)
         reply = zmq._reply(phase="begin", timeout_s=timeout_s)  # a rejection raises here
         try:
-            writer.adopt(reply)
-            event = writer.write(specs, writer.views(specs), sources)
+            try:
+                writer.adopt(reply)
+                views = writer.views(specs)  # checked against the manifest: nothing written yet
+            except BaseException:
+                writer.close()  # ask for the whole registration at the next BEGIN
+                raise
+            event = writer.write(specs, views, sources)
         except BaseException as exc:
-            if isinstance(exc, RefitError) and "registration" in str(exc):
-                writer.close()  # re-registered in full at the next BEGIN
             zmq._abort(None, f"{type(exc).__name__}: {exc}", timeout_s=timeout_s)
             raise
         try:
