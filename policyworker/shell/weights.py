@@ -53,7 +53,12 @@ def refit_info(state: WorkerState) -> dict[str, tuple[torch.Size, torch.dtype]]:
 
 
 def stream_via_zmq(
-    state: WorkerState, buffer_size_bytes: int, kv_scales: Any, *, timeout_s: float
+    state: WorkerState,
+    buffer_size_bytes: int,
+    kv_scales: Any,
+    *,
+    timeout_s: float,
+    one_pass: bool = False,
 ) -> dict[str, Any] | None:
     """One colocated refit over ZMQ + CUDA IPC (shared memory on CPU); the receiver's report.
 
@@ -66,9 +71,9 @@ def stream_via_zmq(
     state.reshard()
     if state.parallel.world_size == 1:
         return zmq_sender(state).stream_weights_via_ipc_zmq(
-            buffer_size_bytes, kv_scales, timeout_s=timeout_s
+            buffer_size_bytes, kv_scales, timeout_s=timeout_s, one_pass=one_pass
         )
-    check_stream_args(buffer_size_bytes, kv_scales, timeout_s)
+    check_stream_args(buffer_size_bytes, kv_scales, timeout_s, one_pass=one_pass)
     gathers: list[_Draining] = []
 
     def drainable(sources: Iterator[Any]) -> _Draining:
@@ -79,7 +84,11 @@ def stream_via_zmq(
     try:
         if state.parallel.rank == 0:
             report = zmq_sender(state).stream_weights_via_ipc_zmq(
-                buffer_size_bytes, kv_scales, timeout_s=timeout_s, wrap_sources=drainable
+                buffer_size_bytes,
+                kv_scales,
+                timeout_s=timeout_s,
+                wrap_sources=drainable,
+                one_pass=one_pass,
             )
         else:
             drainable(refit_stream(state.model, state.dtype, state.draft.model).sources)

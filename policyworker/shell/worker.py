@@ -284,7 +284,12 @@ class PolicyWorker(NeMoRLWorkerSurface):
         return weights.zmq_sender(self.state).get_zmq_address()
 
     def stream_weights_via_ipc_zmq(
-        self, buffer_size_bytes: int = 0, kv_scales: Any = None, *, timeout_s: float = 120.0
+        self,
+        buffer_size_bytes: int = 0,
+        kv_scales: Any = None,
+        *,
+        timeout_s: float = 120.0,
+        one_pass: bool = False,
     ) -> dict[str, Any] | None:
         """One colocated refit over ZMQ + CUDA IPC (shared memory on CPU); the receiver's report.
 
@@ -292,8 +297,14 @@ class PolicyWorker(NeMoRLWorkerSurface):
         (one tensor at a time) and rank 0 streams the full tensors to its receiver; other ranks
         return None. If rank 0's stream fails it still finishes the gathers, so the others are
         released, and every rank raises (rank 0 with the transport's error).
+
+        ``one_pass=True`` casts the weights straight into the memory a receiver built with
+        ``HFWeightReceiver(..., one_pass=True)`` registered (no staging; docs/refit-protocol.md,
+        "One-pass refits"); a receiver that did not register refuses it with ``RefitError``.
         """
-        return weights.stream_via_zmq(self.state, buffer_size_bytes, kv_scales, timeout_s=timeout_s)
+        return weights.stream_via_zmq(
+            self.state, buffer_size_bytes, kv_scales, timeout_s=timeout_s, one_pass=one_pass
+        )
 
     def init_collective(
         self, ip: str, port: int, world_size: int, *, train_world_size: int

@@ -381,11 +381,20 @@ class RayWorkerGroup:
         return self.run("get_zmq_address")[0]
 
     def stream_weights_via_ipc_zmq(
-        self, buffer_size_bytes: int = 0, kv_scales: Any = None, *, timeout_s: float = 120.0
+        self,
+        buffer_size_bytes: int = 0,
+        kv_scales: Any = None,
+        *,
+        timeout_s: float = 120.0,
+        one_pass: bool = False,
     ) -> dict[str, Any] | None:
         """One refit: every rank gathers, rank 0 streams; the receiver's report."""
         return self.run(
-            "stream_weights_via_ipc_zmq", buffer_size_bytes, kv_scales, timeout_s=timeout_s
+            "stream_weights_via_ipc_zmq",
+            buffer_size_bytes,
+            kv_scales,
+            timeout_s=timeout_s,
+            one_pass=one_pass,
         )[0]
 
     def init_collective(

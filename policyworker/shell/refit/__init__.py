@@ -15,6 +15,10 @@
     zmq_receiver.py ZmqIpcReceiver: the receiver's REP socket loop
     receiver.py     HFWeightReceiver: the inference side applying a refit (ZMQ and in-process)
     weight_applier.py  WeightApplier: check every batch against the manifest, then write it
+    shared_buffers.py  opening a peer's shared buffer (/dev/shm file or CUDA IPC handle)
+    one_pass_receiver.py  WeightArena: a receiver's weights moved into one registered arena
+    one_pass_sender.py    OnePassWriter: cast the master weights straight into that arena
+    wire_one_pass.py      the registration on the wire (JSON + handle frames)
     collective.py   packed broadcast over a trainer+engine process group: building the group,
                     the worker glue, and every name of the three modules below
     collective_plan.py      the header both sides agree on, its codec, the bucket plan

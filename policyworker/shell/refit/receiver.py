@@ -15,6 +15,15 @@ was itself checked against ``refit_info``) before any of it is written. ``atomic
 full version and writes it only on commit, so a failed refit leaves the previous version serving;
 otherwise a failed refit leaves ``stale`` set until the next complete one.
 
+``one_pass=True`` (an ``nn.Module`` target) registers the receiver for one-pass refits: its
+refit weights move once into one shared arena (``one_pass_receiver.WeightArena``) and a sender
+streaming with ``one_pass=True`` casts its master weights straight into it — no staging, nothing
+copied here. The same manifest checks run before the sender may write; an in-place receiver is
+``stale`` from the one-pass BEGIN until COMPLETE (serve no inference until ``receive()``
+returns), an atomic one has the sender write a spare copy, copied live on COMPLETE. Staged
+refits still work on a registered receiver; a receiver built without it refuses a one-pass BEGIN
+with a reason naming the fix.
+
 The validate-then-apply path itself is ``weight_applier.WeightApplier``; its names stay
 importable from here.
 """
@@ -29,6 +38,7 @@ from torch import nn
 
 from policyworker.errors import RefitError
 from policyworker.functional.buckets import TensorSpec
+from policyworker.shell.refit.one_pass_receiver import WeightArena
 from policyworker.shell.refit.refit_server import RefitServer
 from policyworker.shell.refit.watchdog import check_timeout_s
 from policyworker.shell.refit.weight_applier import (
@@ -53,7 +63,14 @@ __all__ = ["HFWeightReceiver", "PreparedBatch", "RefitReport", "WeightApplier"]
 
 class HFWeightReceiver:
     """Receives refits into a HF module or a ``load_weights`` callable (the README's
-    "Plugging the receiver into an inference engine")."""
+    "Plugging the receiver into an inference engine").
+
+    ``one_pass=True`` (a module target only) moves the module's refit weights into one shared
+    arena now and registers it, so a sender streaming with ``one_pass=True`` casts straight into
+    it (docs/refit-protocol.md, "One-pass refits"); staged refits keep working. Between a
+    one-pass ``receive()`` call and its return serve no inference: an in-place receiver is
+    ``stale`` from the sender's first write until COMPLETE.
+    """
 
     def __init__(
         self,
@@ -63,8 +80,15 @@ class HFWeightReceiver:
         refit_info: Mapping[str, Any],
         atomic: bool = False,
         timeout_s: float = 120.0,
+        one_pass: bool = False,
     ) -> None:
         check_timeout_s("timeout_s", timeout_s)
+        if not isinstance(one_pass, bool) or (one_pass and address is None):
+            msg = (
+                f"one_pass={one_pass!r} must be a bool, and True needs a ZMQ address (the sender "
+                "writes the registered memory over that connection's protocol)"
+            )
+            raise ValueError(msg)
         if not refit_info:
             msg = "refit_info is empty; pass the trainer's prepare_refit_info() result"
             raise ValueError(msg)
@@ -83,7 +107,20 @@ class HFWeightReceiver:
             raise
         self.refit_info = self.applier.expected
         self.address = address
-        self._server = RefitServer(self.applier)
+        # one_pass: the weights move into a shared arena now, once (a refusal raises here)
+        self.arena = (
+            WeightArena(target, self.applier, atomic=atomic)
+            if one_pass and isinstance(target, nn.Module)
+            else None
+        )
+        if one_pass and self.arena is None:
+            msg = (
+                "one_pass=True needs an nn.Module target (its weights are moved into a shared "
+                "arena the sender writes); a load_weights callable transforms what it is given. "
+                "Pass one_pass=False (the staged refit)"
+            )
+            raise ValueError(msg)
+        self._server = RefitServer(self.applier, one_pass=self.arena)
         cap = max_message_bytes(tuple(self.applier.manifest_specs()))  # nothing larger is read
         self._socket = (
             ZmqIpcReceiver(address, timeout_s=timeout_s, max_message_bytes=cap)
@@ -183,3 +220,5 @@ class HFWeightReceiver:
         if self._socket is not None:
             self._socket.close()
         self._server.release_buffers()
+        if self.arena is not None and not self._server.in_refit:
+            self.arena.close()  # unlinks the arena's file; the module keeps its mapping

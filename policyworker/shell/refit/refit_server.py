@@ -9,8 +9,6 @@ CUDA IPC handle) and caches each bucket's source views; a ``WeightSink`` (the re
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -26,7 +24,7 @@ from policyworker.functional.buckets import (
     split_views,
     unpack_tensors,
 )
-from policyworker.shell.refit import ipc_files
+from policyworker.shell.refit.shared_buffers import open_shared_buffer, shm_problem
 from policyworker.shell.refit.staging import open_event
 from policyworker.shell.refit.wire import (
     Abort,
@@ -42,6 +40,7 @@ from policyworker.shell.refit.wire import (
     decode_request,
     encode,
 )
+from policyworker.shell.refit.wire_one_pass import Registration, encode_registration
 
 __all__ = ["Outcome", "ReceivedBuffers", "RefitServer", "WeightSink"]
 
@@ -56,6 +55,22 @@ class WeightSink(Protocol):
     def apply_prepared(self, batch: Any) -> None: ...
     def commit(self, *, num_buckets: int) -> Any: ...
     def abort(self, reason: str) -> None: ...
+    def expect_external_write(self) -> None: ...
+
+
+class OnePassTarget(Protocol):
+    """A receiver's registered memory (``one_pass_receiver.WeightArena``)."""
+
+    def registration(self) -> Registration: ...
+    def before_write(self) -> None: ...
+    def after_write(self, written_event: bytes) -> None: ...
+
+
+_NOT_REGISTERED = (
+    "this receiver did not register for one-pass refits; build it with "
+    "HFWeightReceiver(module, ..., one_pass=True) (an nn.Module target), or stream with "
+    "one_pass=False"
+)
 
 
 class _Mapped:
@@ -117,14 +132,12 @@ class ReceivedBuffers:
         key = self._key(ref)
         mapped = self._open.get(key)
         if mapped is not None and isinstance(ref, ShmBuffer):
-            problem = _shm_problem(ref)  # a kept file truncated since: reading it would SIGBUS
+            problem = shm_problem(ref)  # a kept file truncated since: reading it would SIGBUS
             if problem is not None:
                 del self._open[key]
                 raise ProtocolError(f"{problem} (it shrank or went away since it was mapped)")
         if mapped is None:
-            mapped = self._open[key] = _Mapped(
-                _open_shm(ref) if isinstance(ref, ShmBuffer) else _open_cuda(ref)
-            )
+            mapped = self._open[key] = _Mapped(open_shared_buffer(ref))
         self._used[key] = ref.keep
         return mapped
 
@@ -147,68 +160,6 @@ class ReceivedBuffers:
         return len(self._open)
 
 
-def _shm_problem(ref: ShmBuffer) -> str | None:
-    """Why the named staging file cannot be read safely through a mapping of ``ref.size``
-    bytes (reading past a file's end is a SIGBUS, not an error); None when it can."""
-    path = os.path.join(
-        ipc_files.SHM_DIR, ref.name
-    )  # the name was checked against a strict pattern
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return f"shared-memory buffer {ref.name!r} does not exist in {ipc_files.SHM_DIR}"
-    if (
-        not stat.S_ISREG(info.st_mode)
-        or info.st_uid != os.getuid()
-        or info.st_size < max(ref.size, 1)
-    ):
-        return (
-            f"shared-memory buffer {ref.name!r} is not a regular file of this user with >= "
-            f"{ref.size} bytes (it has {info.st_size})"
-        )
-    return None
-
-
-def _open_shm(ref: ShmBuffer) -> torch.Tensor:
-    problem = _shm_problem(ref)
-    if problem is not None:
-        raise ProtocolError(problem)
-    path = os.path.join(ipc_files.SHM_DIR, ref.name)
-    return torch.from_file(path, shared=True, size=max(ref.size, 1), dtype=torch.uint8)[: ref.size]
-
-
-def _open_cuda(ref: CudaBuffer) -> torch.Tensor:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    uuids = [
-        str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
-    ]
-    if ref.device_uuid not in uuids:
-        msg = (
-            f"CUDA buffer on device {ref.device_uuid} is not visible here (visible: {uuids}); "
-            "colocate the receiver"
-        )
-        raise ProtocolError(msg)
-    index = uuids.index(ref.device_uuid)
-    return rebuild_cuda_tensor(
-        torch.Tensor,
-        (ref.size,),
-        (1,),
-        0,
-        torch.UntypedStorage,
-        torch.uint8,
-        index,
-        ref.handle,
-        ref.size,
-        ref.storage_offset_bytes,
-        False,
-        ref.ref_counter_handle,
-        ref.ref_counter_offset,
-        ref.event_handle or None,
-        ref.event_sync_required,
-    )
-
-
 @attrs.frozen
 class Outcome:
     """What one handled message means for the serving loop."""
@@ -224,8 +175,11 @@ class RefitServer:
     Frames in, reply frames + outcome out; never raises.
     """
 
-    def __init__(self, sink: WeightSink) -> None:
+    def __init__(self, sink: WeightSink, *, one_pass: OnePassTarget | None = None) -> None:
         self.sink = sink
+        self.one_pass = one_pass
+        self._one_pass_session = False  # the refit in progress is written by the sender itself
+        self._registered_id = ""
         self._manifest: tuple[TensorSpec, ...] | None = None
         self._views_manifest: tuple[TensorSpec, ...] | None = None
         self._manifests = ManifestCache()
@@ -283,6 +237,7 @@ class RefitServer:
         if self._manifest is not None:
             self.sink.abort(reason)
         self._manifest = None
+        self._one_pass_session = False
         self._received = bytearray()
         self._buffers.finish(ok=False)
 
@@ -290,6 +245,8 @@ class RefitServer:
         if isinstance(message, Begin):
             if self._manifest is not None:
                 raise ProtocolError("BEGIN while a refit is in progress; finish or abort it first")
+            if message.one_pass is not None:
+                return self._begin_one_pass(message)
             self.sink.begin(message.manifest)
             if message.manifest is not self._views_manifest:  # cached views hold its dtypes/shapes
                 self._buffers.forget_views()
@@ -319,9 +276,29 @@ class RefitServer:
             return self._complete(message)
         return self._bucket(message)
 
+    def _begin_one_pass(self, message: Begin) -> tuple[list[bytes], Outcome]:
+        """Check the manifest, then hand the sender the registration: from the ACK on it may
+        write the registered memory (an in-place receiver is stale until COMPLETE)."""
+        if self.one_pass is None:
+            raise ProtocolError(_NOT_REGISTERED)
+        registration = self.one_pass.registration()  # rebuilt (new id) if the layout changed
+        if registration.id != self._registered_id:  # cached staged batches hold old destinations
+            self._buffers.forget_views()
+            self._views_manifest, self._registered_id = None, registration.id
+        self.sink.begin(message.manifest)  # refused here, before the sender may write anything
+        self._manifest, self._one_pass_session = message.manifest, True
+        self._num_buckets = 0
+        self.sink.expect_external_write()
+        self.one_pass.before_write()
+        body, raw = encode_registration(registration, held_id=message.one_pass)
+        reply = Reply(True, "begin", registration=body, registration_frames=tuple(raw))
+        return encode(reply), Outcome()
+
     def _bucket(self, bucket: Bucket) -> tuple[list[bytes], Outcome]:
         manifest = self._manifest
         assert manifest is not None
+        if self._one_pass_session:
+            raise ProtocolError("BUCKET in a one-pass refit (the sender writes registered memory)")
         problems = check_bucket(
             bucket,
             manifest,
@@ -373,13 +350,20 @@ class RefitServer:
     def _complete(self, message: Complete) -> tuple[list[bytes], Outcome]:
         manifest = self._manifest
         assert manifest is not None
-        if self._count != len(manifest):
+        if message.one_pass != self._one_pass_session:
+            raise ProtocolError(
+                f"a {'one-pass' if message.one_pass else 'staged'} COMPLETE ended a "
+                f"{'one-pass' if self._one_pass_session else 'staged'} refit"
+            )
+        if self.one_pass is not None and self._one_pass_session:
+            self.one_pass.after_write(message.written_event)
+        elif self._count != len(manifest):
             missing = [s.name for s, got in zip(manifest, self._received, strict=True) if not got]
             raise ProtocolError(f"COMPLETE with {len(missing)} tensors never sent: {missing[:20]}")
         self._drain_gpu()  # the new version is in place before anyone is told so
         self._buffers.finish(ok=True)
         report = self.sink.commit(num_buckets=self._num_buckets)
-        self._manifest = None
+        self._manifest, self._one_pass_session = None, False
         summary = (
             attrs.asdict(report, filter=lambda a, _: a.name != "names")
             if attrs.has(type(report))

@@ -24,6 +24,7 @@ from policyworker.functional.buckets import (
     split_ipc_budget,
 )
 from policyworker.shell.refit.ipc_files import shm_free_bytes
+from policyworker.shell.refit.one_pass_sender import OnePassWriter, stream_one_pass
 from policyworker.shell.refit.params import refit_info, refit_stream
 from policyworker.shell.refit.staging import CudaStaging, ShmStaging
 from policyworker.shell.refit.watchdog import check_timeout_s
@@ -36,7 +37,11 @@ CPU_DEFAULT_BUFFER_BYTES = 64 << 20
 
 
 def check_stream_args(
-    buffer_size_bytes: Any, kv_scales: Any, timeout_s: Any, keep_staging: Any = None
+    buffer_size_bytes: Any,
+    kv_scales: Any,
+    timeout_s: Any,
+    keep_staging: Any = None,
+    one_pass: Any = None,
 ) -> None:
     """The argument rules of a ZMQ refit (a sharded worker checks them on every rank first)."""
     if kv_scales is not None:
@@ -59,6 +64,11 @@ def check_stream_args(
             "setting)"
         )
         raise ValueError(msg)
+    if one_pass is not None and not isinstance(one_pass, bool):
+        msg = (
+            f"one_pass {one_pass!r} must be True, False or None (None = the constructor's setting)"
+        )
+        raise ValueError(msg)
 
 
 class RefitSender:
@@ -73,7 +83,13 @@ class RefitSender:
         device: torch.device | str = "cpu",
         draft_model_fn: Callable[[], nn.Module | None] | None = None,
         keep_staging: bool = False,
+        one_pass: bool = False,
     ) -> None:
+        if not isinstance(one_pass, bool):
+            msg = f"one_pass {one_pass!r} must be a bool (True: write the receiver's memory)"
+            raise ValueError(msg)
+        self.one_pass = one_pass
+        self._one_pass_writer = OnePassWriter(rank)
         if not isinstance(keep_staging, bool):
             msg = (
                 f"keep_staging {keep_staging!r} must be a bool (True keeps the staging buffers "
@@ -122,6 +138,7 @@ class RefitSender:
         timeout_s: float = 120.0,
         keep_staging: bool | None = None,
         wrap_sources: Callable[[Iterator[Any]], Iterator[Any]] | None = None,
+        one_pass: bool | None = None,
     ) -> dict[str, Any]:
         """One colocated refit; returns the receiver's report (version, tensors, bytes, buckets).
 
@@ -137,15 +154,34 @@ class RefitSender:
         refit of the same size, which then allocates, shares and opens nothing; free them with
         ``release_staging()`` (and the receiver's ``release_buffers()``) before offloading.
 
+        ``one_pass`` (default: the constructor's, False): cast every weight straight into the
+        memory the receiver registered (``HFWeightReceiver(..., one_pass=True)``), with no
+        staging buffer and no copy on the receiver's side — the same manifest checks run first,
+        and the receiver refuses (``RefitError`` naming the fix) if it did not register.
+        ``buffer_size_bytes`` and ``keep_staging`` do not apply to it.
+
         Raises:
             ValueError: ``kv_scales`` is given, or a size/timeout is out of range.
             RefitTimeoutError: a wait ran past ``timeout_s`` (the socket is rebuilt: retry later).
             RefitError: the receiver rejected the stream (its reason is in the message).
         """
-        check_stream_args(buffer_size_bytes, kv_scales, timeout_s, keep_staging)
+        check_stream_args(buffer_size_bytes, kv_scales, timeout_s, keep_staging, one_pass)
         stream = refit_stream(self._model_fn(), self.refit_dtype, self._draft_model_fn())
         try:
             with torch.no_grad():  # a plain function's context: the caller's grad mode comes back
+                if self.one_pass if one_pass is None else one_pass:
+                    sources = (
+                        stream.sources if wrap_sources is None else wrap_sources(stream.sources)
+                    )
+                    transport = "cuda" if self.device.type == "cuda" else "shm"
+                    return stream_one_pass(
+                        self._zmq(),
+                        self._one_pass_writer,
+                        stream.specs,
+                        sources,
+                        timeout_s=timeout_s,
+                        transport=transport,
+                    )
                 return self._stream(
                     stream, buffer_size_bytes, timeout_s, keep_staging, wrap_sources
                 )
@@ -218,3 +254,4 @@ class RefitSender:
             sender, self._sender = self._sender, None
         if sender is not None:
             sender.close()
+        self._one_pass_writer.close()

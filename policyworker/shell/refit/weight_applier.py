@@ -109,6 +109,7 @@ class _Session:
     staged: dict[int, torch.Tensor] = attrs.field(factory=dict)
     num_bytes: int = 0
     started: float = attrs.field(factory=time.monotonic)
+    external: bool = False  # one-pass: the sender writes the whole version, nothing is applied
 
 
 class WeightApplier:
@@ -140,6 +141,31 @@ class WeightApplier:
         self._index: dict[str, int] = {}
         self._sizes: tuple[int, ...] = ()
         self._dest_list: list[torch.Tensor] | None = None
+
+    def rebind(self, target: nn.Module) -> None:
+        """Find the module's destinations again (its weights moved, e.g. into a one-pass arena).
+
+        Raises:
+            ValueError: a refit is in progress, or the module no longer holds a destination.
+        """
+        if self._session is not None:
+            msg = "rebind during a refit: finish or abort it first"
+            raise ValueError(msg)
+        self._dests = _module_destinations(target, self.expected)
+        self._accepted, self._dest_list = None, None  # derived from the old destinations
+
+    def destinations(self) -> dict[str, torch.Tensor] | None:
+        """The live tensor each refit name is written into (None for a ``load_weights`` target)."""
+        return None if self._dests is None else dict(self._dests)
+
+    def expect_external_write(self) -> None:
+        """The refit in progress is written by the sender straight into the destinations
+        (one-pass): nothing is applied here, and an in-place receiver is ``stale`` from now
+        until ``commit`` (an atomic one's sender writes a spare copy, so it stays fresh)."""
+        session = self._require_session()
+        session.external = True
+        if not self.atomic:
+            self.stale = True
 
     def manifest_specs(self) -> list[TensorSpec]:
         """The manifest ``refit_info`` announces (what a sender's BEGIN should carry)."""
@@ -263,6 +289,8 @@ class WeightApplier:
 
     def commit(self, *, num_buckets: int = 0) -> RefitReport:
         session = self._require_session()
+        if session.external:  # every entry was written by the sender, none applied here
+            self._mark(session, [i for i, got in enumerate(session.received) if not got])
         if len(session.order) != len(session.manifest):
             missing = [
                 s.name for s, got in zip(session.manifest, session.received, strict=True) if not got
@@ -270,7 +298,7 @@ class WeightApplier:
             raise ProtocolError(
                 f"refit incomplete: {len(missing)} tensors never arrived: {missing[:20]}"
             )
-        if self.atomic:
+        if self.atomic and not session.external:
             with torch.no_grad():
                 self._write(session, session.order, [session.staged[i] for i in session.order])
         self._session = None

@@ -12,8 +12,17 @@ their index in that manifest plus a byte offset each (no names, dtypes or shapes
 its buffer carries ``keep`` (the sender keeps the buffer for the next refit, so the receiver may
 keep its mapping).
 
+One-pass refits add optional fields, so a staged refit's frames are unchanged: BEGIN's
+``one_pass`` (the registration id the sender holds), the ACK's ``registration`` (its JSON
+and handle frames are read by ``wire_one_pass``) and COMPLETE's ``one_pass`` with its written
+event.
+
 The message records and limits live in ``wire_messages`` and the receiver's checks in
 ``wire_checks``; every name stays importable from here.
+
+Why it is over 400 lines: it is the codec of every message, each encoder beside its strict
+decoder, so one reading checks a format both ways; the records, limits and checks already
+live in their own modules.
 """
 
 from __future__ import annotations
@@ -68,11 +77,13 @@ __all__ = [
     "ShmBuffer",
     "check_bucket",
     "check_manifest",
+    "decode_buffer",
     "decode_reply",
     "decode_request",
     "decode_versioned_json",
     "dtype_name",
     "encode",
+    "encode_buffer",
     "encode_manifest",
     "max_message_bytes",
 ]
@@ -127,6 +138,8 @@ def encode(message: Request | Reply, *, manifest_frame: bytes | None = None) -> 
             alignment=message.alignment,
             num_tensors=len(message.manifest),
         )
+        if message.one_pass is not None:
+            header["one_pass"] = message.one_pass
         raw = [manifest_frame if manifest_frame is not None else encode_manifest(message.manifest)]
     elif isinstance(message, Bucket):
         buffer, raw = _buffer_json(message.buffer)
@@ -140,6 +153,9 @@ def encode(message: Request | Reply, *, manifest_frame: bytes | None = None) -> 
         )
     elif isinstance(message, Complete):
         header.update(kind="complete", num_buckets=message.num_buckets)
+        if message.one_pass:
+            header["one_pass"] = True
+            raw = [message.written_event] if message.written_event else []
     elif isinstance(message, Abort):
         header.update(kind="abort", reason=message.reason)
     else:
@@ -152,6 +168,9 @@ def encode(message: Request | Reply, *, manifest_frame: bytes | None = None) -> 
             report=message.report,
         )
         raw = [message.consumed_event] if message.consumed_event else []
+        if message.registration is not None:
+            header["registration"] = message.registration
+            raw = list(message.registration_frames)
     return [json.dumps(header, separators=(",", ":")).encode(), *raw]
 
 
@@ -232,6 +251,16 @@ def decode_versioned_json(raw: bytes, *, protocol: str, version: int, what: str)
             f"speaks {protocol!r} version {version}: install the same policyworker on both sides"
         )
     return body
+
+
+def decode_buffer(header: Mapping[str, Any], raw: Sequence[bytes]) -> ShmBuffer | CudaBuffer:
+    """The buffer object ``header["buffer"]`` and its raw frames (``ProtocolError`` if bad)."""
+    return _buffer(header, raw)
+
+
+def encode_buffer(buffer: ShmBuffer | CudaBuffer) -> tuple[dict[str, Any], list[bytes]]:
+    """A buffer's JSON object and raw frames (the inverse of ``decode_buffer``)."""
+    return _buffer_json(buffer)
 
 
 def _buffer(header: Mapping[str, Any], raw: Sequence[bytes]) -> ShmBuffer | CudaBuffer:
@@ -334,12 +363,20 @@ def decode_request(frames: Sequence[bytes], *, manifests: ManifestCache | None =
                 f"begin field 'num_tensors' is {count} but the manifest frame lists {len(specs)} "
                 "tensors"
             )
+        one_pass = header.get("one_pass")
+        if one_pass is not None:
+            one_pass = _str(header, "one_pass", max_chars=80)
         return Begin(
             _int(header, "rank"),
             _str(header, "transport", max_chars=16),
             _int(header, "alignment", low=1, high=1 << 20),
             specs,
+            one_pass,
         )
+    if kind == "complete" and header.get("one_pass") is True:
+        if len(raw) > 1 or any(len(r) > MAX_HANDLE_BYTES for r in raw):
+            raise _fail("a one-pass complete carries at most 1 raw frame (its written event)")
+        return Complete(_int(header, "num_buckets"), True, raw[0] if raw else b"")
     if kind != "bucket" and raw:
         raise _fail(f"a {kind!r:.20} message carries no raw frames, got {len(raw)}")
     if kind == "bucket":
@@ -367,17 +404,23 @@ def decode_reply(frames: Sequence[bytes]) -> Reply:
     report = header.get("report", {})
     if not isinstance(report, dict):
         raise _fail("reply field 'report' must be an object")
-    raw = frames[1:]
-    if len(raw) > 1 or any(len(r) > MAX_HANDLE_BYTES for r in raw):
+    raw = [bytes(r) for r in frames[1:]]
+    registration = header.get("registration")  # a one-pass BEGIN's ACK: handles in raw frames
+    most = 1 if registration is None else 8
+    if len(raw) > most or any(len(r) > MAX_HANDLE_BYTES for r in raw):
         raise _fail(
-            f"a reply carries at most 1 raw frame (an event handle of <= {MAX_HANDLE_BYTES} "
-            f"bytes), got {len(raw)}"
+            f"this reply carries at most {most} raw frame(s) of <= {MAX_HANDLE_BYTES} bytes, "
+            f"got {len(raw)}"
         )
+    if registration is not None and not isinstance(registration, dict):
+        raise _fail("reply field 'registration' must be an object")
     return Reply(
         header["ok"],
         _str(header, "reply_to", max_chars=16),
         _int(header, "seq", low=-1),
         _str(header, "reason", max_chars=1 << 20),
         report,
-        bytes(raw[0]) if raw else b"",
+        raw[0] if raw and registration is None else b"",
+        registration,
+        tuple(raw) if registration is not None else (),
     )

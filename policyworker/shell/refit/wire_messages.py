@@ -129,10 +129,14 @@ class CudaBuffer:
 
 @attrs.frozen
 class Begin:
+    """``one_pass``: None for a staged refit; for a one-pass refit, the id of the receiver's
+    registration the sender holds ("" when it holds none)."""
+
     rank: int
     transport: str
     alignment: int
     manifest: tuple[TensorSpec, ...]
+    one_pass: str | None = None
 
 
 @attrs.frozen
@@ -148,7 +152,12 @@ class Bucket:
 
 @attrs.frozen
 class Complete:
+    """``one_pass``: the sender wrote every tensor straight into the registered memory;
+    ``written_event``: then, on CUDA, the IPC handle of the event it recorded after those writes."""
+
     num_buckets: int
+    one_pass: bool = False
+    written_event: bytes = b""
 
 
 @attrs.frozen
@@ -162,7 +171,9 @@ class Reply:
 
     ``consumed_event``: on a CUDA bucket's ACK, the IPC handle of the receiver's interprocess
     event recorded after its reads of that buffer were queued; the sender's stream waits on it
-    before it writes the buffer again (empty otherwise).
+    before it writes the buffer again (empty otherwise). ``registration``: on the ACK of a
+    one-pass BEGIN, where the receiver's weights live (``wire_one_pass``), its raw frames in
+    ``registration_frames``.
     """
 
     ok: bool
@@ -171,6 +182,8 @@ class Reply:
     reason: str = ""
     report: dict[str, Any] = attrs.field(factory=dict)
     consumed_event: bytes = b""
+    registration: dict[str, Any] | None = None
+    registration_frames: tuple[bytes, ...] = ()
 
 
 Request = Begin | Bucket | Complete | Abort

@@ -49,6 +49,7 @@ from policyworker.shell.refit.staging import (
     fill_slots,
 )
 from policyworker.shell.refit.wire import (
+    MAX_HEADER_BYTES,
     Abort,
     Begin,
     Bucket,
@@ -65,7 +66,7 @@ __all__ = ["ZmqIpcSender"]
 
 log = logging.getLogger(__name__)
 _ABORT_TIMEOUT_S = 2.0
-_MAX_REPLY_BYTES = 4 << 20  # a reply is a small header (+ an event handle): bound what we read
+_MAX_REPLY_BYTES = MAX_HEADER_BYTES  # as the decoder: a big MoE's one-pass registration is MiBs
 
 
 class ZmqIpcSender:
