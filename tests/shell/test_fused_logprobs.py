@@ -16,15 +16,19 @@ from policyworker.shell.fused_logprobs import LOGPROB_ATOL, LOGPROB_RTOL, fused_
 VOCAB = 97
 
 
-@pytest.fixture(scope="module")
-def fused():
-    kernels, reason = fused_logprob_kernels(
-        "layer",
+def _kernels(mode, logits_dtype=torch.float32):
+    return fused_logprob_kernels(
+        mode,
         device=torch.device("cpu"),
         vocab_size=VOCAB,
-        logits_dtype=torch.bfloat16,
+        logits_dtype=logits_dtype,
         temperature=1.0,
     )
+
+
+@pytest.fixture(scope="module")
+def fused():
+    kernels, reason = _kernels("layer", torch.bfloat16)
     assert reason is None and kernels.name == "fused" and kernels.whole
     return kernels
 
@@ -65,13 +69,7 @@ def test_top_k_top_p_stay_on_the_eager_filtered_path(fused):
 
 
 def test_fusion_off_keeps_the_eager_pair():
-    kernels, reason = fused_logprob_kernels(
-        "none",
-        device=torch.device("cpu"),
-        vocab_size=VOCAB,
-        logits_dtype=torch.float32,
-        temperature=1.0,
-    )
+    kernels, reason = _kernels("none")
     assert kernels is EAGER_KERNELS and reason is None
 
 
@@ -84,11 +82,5 @@ def test_a_compile_failure_falls_back_to_eager_and_names_the_reason(monkeypatch)
 
     monkeypatch.setattr(fused_logprobs, "compiled_once", broken)
     with pytest.warns(RuntimeWarning, match="fused logprob kernels fell back to eager"):
-        kernels, reason = fused_logprob_kernels(
-            "layer",
-            device=torch.device("cpu"),
-            vocab_size=VOCAB,
-            logits_dtype=torch.float32,
-            temperature=1.0,
-        )
+        kernels, reason = _kernels("layer")
     assert kernels is EAGER_KERNELS and reason == "RuntimeError: no inductor today"

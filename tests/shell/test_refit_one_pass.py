@@ -166,18 +166,25 @@ def _state(module):
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _pair(*, atomic=False, sender_dtype=torch.float32, receiver_one_pass=True):
-    model, target = _Weights(1), _Weights(2).to(torch.bfloat16)
-    if sender_dtype == torch.float32:
-        target = _Weights(2)
-    sender = RefitSender(lambda: model, sender_dtype, one_pass=True)
+def _connected(model, target, dtype, *, timeout_s=30, **receiver_options):
+    """A one-pass sender of `model` (cast to `dtype`) and a receiver writing into `target`."""
+    sender = RefitSender(lambda: model, dtype, one_pass=True)
     receiver = HFWeightReceiver(
         target,
         address=sender.get_zmq_address(),
         refit_info=sender.prepare_refit_info(),
-        atomic=atomic,
-        timeout_s=30,
-        one_pass=receiver_one_pass,
+        timeout_s=timeout_s,
+        **{"one_pass": True, **receiver_options},
+    )
+    return sender, receiver
+
+
+def _pair(*, atomic=False, sender_dtype=torch.float32, receiver_one_pass=True):
+    model, target = _Weights(1), _Weights(2).to(torch.bfloat16)
+    if sender_dtype == torch.float32:
+        target = _Weights(2)
+    sender, receiver = _connected(
+        model, target, sender_dtype, atomic=atomic, one_pass=receiver_one_pass
     )
     return model, target, sender, receiver
 
@@ -218,14 +225,7 @@ def test_one_pass_of_a_fused_moe_model_writes_each_expert_into_its_slice(tmp_pat
     cfg = tiny_qwen3_moe_config()
     model = eager_model(cfg, 6)
     target = eager_model(cfg, 7).to(torch.bfloat16)
-    sender = RefitSender(lambda: model, torch.bfloat16, one_pass=True)
-    receiver = HFWeightReceiver(
-        target,
-        address=sender.get_zmq_address(),
-        refit_info=sender.prepare_refit_info(),
-        timeout_s=30,
-        one_pass=True,
-    )
+    sender, receiver = _connected(model, target, torch.bfloat16)
     try:
         report, box = _refit(sender, receiver)
         assert "error" not in box, box
@@ -490,14 +490,7 @@ class _ManyExperts(nn.Module):
 
 def test_a_registration_of_tens_of_thousands_of_tensors_reaches_the_sender():
     model, target = _ManyExperts(40, 1000), _ManyExperts(40, 1000)
-    sender = RefitSender(lambda: model, torch.float32, one_pass=True)
-    receiver = HFWeightReceiver(
-        target,
-        address=sender.get_zmq_address(),
-        refit_info=sender.prepare_refit_info(),
-        timeout_s=60,
-        one_pass=True,
-    )
+    sender, receiver = _connected(model, target, torch.float32, timeout_s=60)
     try:
         body, _ = encode_registration(receiver.arena.registration(), held_id=None)
         assert len(json.dumps(body)) > 4 << 20  # over the sender's old 4 MiB reply cap
