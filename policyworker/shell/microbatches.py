@@ -27,8 +27,8 @@ class Microbatch:
 
     Everything shaped by the lengths (packing, position ids, document boundaries, the unpack
     slots) is computed on the host from `lengths` (CPU) and copied over asynchronously, so
-    preparing a microbatch never waits for the device: the next microbatch's forward is queued
-    while the previous backward still runs.
+    preparing a microbatch never waits for the device itself (a loss that reads its metrics
+    with `float()` still does, once per microbatch).
     """
 
     def __init__(
