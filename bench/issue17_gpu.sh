@@ -21,10 +21,11 @@ if [ "$PART" = 1 ]; then
   timeout 170 python bench/train_step.py $small --also-fuse none --skip-padded --skip-baseline \
     --steps 3 --out "$OUT/train_step.json" 2>&1 | tail -8
   stamp train_step
-  timeout 170 python bench/train_step.py $small --shape 7b --lora-dim 16 --skip-padded \
+  # 7B: ~116 s of worker start (random model written, loaded, compiled) before the steps
+  timeout 270 python bench/train_step.py $small --shape 7b --lora-dim 16 --skip-padded \
     --skip-baseline --steps 3 --out "$OUT/train_step_8b.json" 2>&1 | tail -6
   stamp train_step_8b
-  timeout 170 python bench/logprobs.py $small --tokens 16384 32768 --out "$OUT/logprobs.json" \
+  timeout 150 python bench/logprobs.py $small --tokens 16384 32768 --out "$OUT/logprobs.json" \
     2>&1 | tail -12
   stamp logprobs
 else
