@@ -4,6 +4,7 @@ The arena is a /dev/shm file mapped shared by both processes (or, in the thread 
 twice in one process), so these tests run the real sender, receiver and protocol code.
 """
 
+import contextlib
 import json
 import threading
 
@@ -166,8 +167,10 @@ def _state(module):
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+@contextlib.contextmanager
 def _connected(model, target, dtype, *, timeout_s=30, **receiver_options):
-    """A one-pass sender of `model` (cast to `dtype`) and a receiver writing into `target`."""
+    """A one-pass sender of `model` (cast to `dtype`) and a receiver writing into `target`,
+    both closed on exit."""
     sender = RefitSender(lambda: model, dtype, one_pass=True)
     receiver = HFWeightReceiver(
         target,
@@ -176,17 +179,23 @@ def _connected(model, target, dtype, *, timeout_s=30, **receiver_options):
         timeout_s=timeout_s,
         **{"one_pass": True, **receiver_options},
     )
-    return sender, receiver
+    try:
+        yield sender, receiver
+    finally:
+        receiver.close()
+        sender.close()
 
 
+@contextlib.contextmanager
 def _pair(*, atomic=False, sender_dtype=torch.float32, receiver_one_pass=True):
     model, target = _Weights(1), _Weights(2).to(torch.bfloat16)
     if sender_dtype == torch.float32:
         target = _Weights(2)
-    sender, receiver = _connected(
-        model, target, sender_dtype, atomic=atomic, one_pass=receiver_one_pass
-    )
-    return model, target, sender, receiver
+    with _connected(model, target, sender_dtype, atomic=atomic, one_pass=receiver_one_pass) as (
+        sender,
+        receiver,
+    ):
+        yield model, target, sender, receiver
 
 
 def test_one_pass_writes_the_arena_reports_the_version_and_opens_the_arena_once(monkeypatch):
@@ -198,8 +207,7 @@ def test_one_pass_writes_the_arena_reports_the_version_and_opens_the_arena_once(
         return original(ref)
 
     monkeypatch.setattr(one_pass_sender, "open_shared_buffer", counting)
-    model, target, sender, receiver = _pair(sender_dtype=torch.bfloat16)
-    try:
+    with _pair(sender_dtype=torch.bfloat16) as (model, target, sender, receiver):
         for version in (1, 2, 3):
             with torch.no_grad():
                 model.small.add_(1.0)
@@ -216,17 +224,13 @@ def test_one_pass_writes_the_arena_reports_the_version_and_opens_the_arena_once(
         assert len(opened) == 1  # registered once; later BEGINs are answered with the id alone
         arena = receiver.arena.tensor
         assert target.small.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
-    finally:
-        receiver.close()
-        sender.close()
 
 
 def test_one_pass_of_a_fused_moe_model_writes_each_expert_into_its_slice(tmp_path):
     cfg = tiny_qwen3_moe_config()
     model = eager_model(cfg, 6)
     target = eager_model(cfg, 7).to(torch.bfloat16)
-    sender, receiver = _connected(model, target, torch.bfloat16)
-    try:
+    with _connected(model, target, torch.bfloat16) as (sender, receiver):
         report, box = _refit(sender, receiver)
         assert "error" not in box, box
         assert report["num_tensors"] == len(sender.prepare_refit_info())
@@ -234,14 +238,10 @@ def test_one_pass_of_a_fused_moe_model_writes_each_expert_into_its_slice(tmp_pat
         got, want = target.state_dict(), model.state_dict()
         for name, tensor in want.items():
             assert torch.equal(got[name], tensor.to(got[name].dtype)), name
-    finally:
-        receiver.close()
-        sender.close()
 
 
 def test_a_staged_refit_into_a_registered_receiver_still_lands_in_the_live_weights():
-    model, target, sender, receiver = _pair()
-    try:
+    with _pair() as (model, target, sender, receiver):
         report, box = _refit(sender, receiver, one_pass=False)
         assert "error" not in box and report["num_buckets"] >= 1
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in _state(target).items())
@@ -250,14 +250,10 @@ def test_a_staged_refit_into_a_registered_receiver_still_lands_in_the_live_weigh
         report, box = _refit(sender, receiver)  # and a one-pass one after it
         assert report["version"] == 2 and report["num_buckets"] == 0
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in _state(target).items())
-    finally:
-        receiver.close()
-        sender.close()
 
 
 def test_a_manifest_mismatch_after_registration_is_refused_before_any_write():
-    model, target, sender, receiver = _pair()
-    try:
+    with _pair() as (model, target, sender, receiver):
         assert _refit(sender, receiver)[0]["version"] == 1
         before = _state(target)
         model.big = nn.Parameter(torch.randn(24, 33))  # the trainer's layout changed
@@ -269,14 +265,10 @@ def test_a_manifest_mismatch_after_registration_is_refused_before_any_write():
             _refit(sender, receiver)
         assert all(torch.equal(v, before[k]) for k, v in _state(target).items())
         assert receiver.version == 1 and not receiver.stale
-    finally:
-        receiver.close()
-        sender.close()
 
 
 def test_a_registration_that_does_not_fit_the_manifest_is_refused_by_the_sender_before_writing():
-    model, target, sender, receiver = _pair()
-    try:
+    with _pair() as (model, target, sender, receiver):
         before = _state(target)
         registration = receiver.arena.registration()
         bad = registration.destinations[:-1] + (
@@ -297,9 +289,6 @@ def test_a_registration_that_does_not_fit_the_manifest_is_refused_by_the_sender_
         assert receiver.version == 0
         receiver.arena._registration = registration
         assert _refit(sender, receiver)[0]["version"] == 1
-    finally:
-        receiver.close()
-        sender.close()
 
 
 def _failing_after(count):
@@ -319,8 +308,7 @@ def test_a_sender_failing_midway_leaves_the_version_unchanged_and_the_next_refit
     monkeypatch, atomic
 ):
     monkeypatch.setattr(one_pass_sender, "_GROUP_TENSORS", 1)  # each tensor lands at once
-    model, target, sender, receiver = _pair(atomic=atomic)
-    try:
+    with _pair(atomic=atomic) as (model, target, sender, receiver):
         before = _state(target)
         with pytest.raises(OSError, match="disk on fire"):
             _refit(sender, receiver, wrap_sources=_failing_after(2))
@@ -334,36 +322,25 @@ def test_a_sender_failing_midway_leaves_the_version_unchanged_and_the_next_refit
         report, box = _refit(sender, receiver)
         assert "error" not in box and report["version"] == 1 and not receiver.stale
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in _state(target).items())
-    finally:
-        receiver.close()
-        sender.close()
 
 
 def test_the_receiver_reports_why_the_sender_aborted(monkeypatch):
-    model, target, sender, receiver = _pair()
-    thread, box = _serve(receiver)
-    try:
+    with _pair() as (model, target, sender, receiver):
+        thread, box = _serve(receiver)
         with pytest.raises(OSError, match="disk on fire"):
             sender.stream_weights_via_ipc_zmq(timeout_s=30, wrap_sources=_failing_after(1))
         thread.join(30)
         assert isinstance(box["error"], RefitError)
         assert "sender aborted" in str(box["error"]) and "disk on fire" in str(box["error"])
-    finally:
-        receiver.close()
-        sender.close()
 
 
 def test_a_receiver_that_did_not_register_refuses_one_pass_with_the_fix():
-    model, target, sender, receiver = _pair(receiver_one_pass=False)
-    try:
+    with _pair(receiver_one_pass=False) as (model, target, sender, receiver):
         before = _state(target)
         with pytest.raises(RefitRejectedError, match=r"did not register.*one_pass=True"):
             _refit(sender, receiver)
         assert all(torch.equal(v, before[k]) for k, v in _state(target).items())
         assert _refit(sender, receiver, one_pass=False)[0]["version"] == 1  # staged still works
-    finally:
-        receiver.close()
-        sender.close()
     with pytest.raises(ValueError, match="True needs a ZMQ address"):
         HFWeightReceiver(
             target, address=None, refit_info={"w": ((2,), torch.float32)}, one_pass=True
@@ -388,8 +365,7 @@ def test_a_load_weights_receiver_cannot_register():
 
 
 def test_re_pointed_weights_invalidate_the_registration_and_the_next_refit_re_registers():
-    model, target, sender, receiver = _pair()
-    try:
+    with _pair() as (model, target, sender, receiver):
         assert _refit(sender, receiver)[0]["version"] == 1
         held = sender._one_pass_writer.held_id
         target.big.data = target.big.data.clone()  # e.g. a reload: the weight left the arena
@@ -400,9 +376,6 @@ def test_re_pointed_weights_invalidate_the_registration_and_the_next_refit_re_re
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in _state(target).items())
         arena = receiver.arena.tensor
         assert target.big.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
-    finally:
-        receiver.close()
-        sender.close()
 
 
 def test_a_policy_worker_streams_one_pass_into_a_registered_hf_receiver(tiny_model_paths):
@@ -445,16 +418,15 @@ def test_a_sender_that_vanishes_midway_times_the_receiver_out_without_a_new_vers
     wait for COMPLETE times out, its version is unchanged (in place: reported stale), and the
     next refit goes through."""
     monkeypatch.setattr(one_pass_sender, "_GROUP_TENSORS", 1)
-    model, target, sender, receiver = _pair(atomic=atomic)
-    receiver._socket.timeout_s = 2.0
-    zmq = sender._zmq()
-    monkeypatch.setattr(zmq, "_abort", lambda *args, **kwargs: None)  # it dies: no ABORT
-    before = _state(target)
-    thread, box = _serve(receiver)
-    with pytest.raises(OSError, match="disk on fire"):
-        sender.stream_weights_via_ipc_zmq(timeout_s=30, wrap_sources=_failing_after(2))
-    thread.join(30)
-    try:
+    with _pair(atomic=atomic) as (model, target, sender, receiver):
+        receiver._socket.timeout_s = 2.0
+        zmq = sender._zmq()
+        monkeypatch.setattr(zmq, "_abort", lambda *args, **kwargs: None)  # it dies: no ABORT
+        before = _state(target)
+        thread, box = _serve(receiver)
+        with pytest.raises(OSError, match="disk on fire"):
+            sender.stream_weights_via_ipc_zmq(timeout_s=30, wrap_sources=_failing_after(2))
+        thread.join(30)
         assert "timed out" in str(box["error"]) or "no message" in str(box["error"]), box
         assert receiver.version == 0 and receiver.stale == (not atomic)
         if atomic:
@@ -463,9 +435,6 @@ def test_a_sender_that_vanishes_midway_times_the_receiver_out_without_a_new_vers
         report, box = _refit(sender, receiver)
         assert "error" not in box and report["version"] == 1 and not receiver.stale
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in _state(target).items())
-    finally:
-        receiver.close()
-        sender.close()
 
 
 class _ManyExperts(nn.Module):
@@ -490,8 +459,7 @@ class _ManyExperts(nn.Module):
 
 def test_a_registration_of_tens_of_thousands_of_tensors_reaches_the_sender():
     model, target = _ManyExperts(40, 1000), _ManyExperts(40, 1000)
-    sender, receiver = _connected(model, target, torch.float32, timeout_s=60)
-    try:
+    with _connected(model, target, torch.float32, timeout_s=60) as (sender, receiver):
         body, _ = encode_registration(receiver.arena.registration(), held_id=None)
         assert len(json.dumps(body)) > 4 << 20  # over the sender's old 4 MiB reply cap
         report, box = _refit(sender, receiver)
@@ -500,6 +468,3 @@ def test_a_registration_of_tens_of_thousands_of_tensors_reaches_the_sender():
             target.layers[39].experts[999].down_projection_weight_of_a_large_mixture_of_experts,
             model.layers[39].experts[999].down_projection_weight_of_a_large_mixture_of_experts,
         )
-    finally:
-        receiver.close()
-        sender.close()
