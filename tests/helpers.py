@@ -22,6 +22,22 @@ TINY_DECODER_SHAPE = dict(
 )
 
 
+def save_tiny_llama(folder) -> str:
+    """Write the tiny Llama the multi-process tests share (seed 0, TINY_DECODER_SHAPE) to
+    `folder`; return its path."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_DECODER_SHAPE))
+    with torch.no_grad():  # larger-than-default init so logprobs are far from uniform
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
 def tiny_qwen2_config(folder, *, tie: bool = True):
     """The tiny decoder shape as a Qwen2 config, saved in `folder` (receivers load it there)."""
     from transformers import Qwen2Config

@@ -9,21 +9,13 @@ import torch
 
 from tests.distributed import draft_workers
 from tests.distributed.launch import run_on_gloo
-from tests.helpers import TINY_DECODER_SHAPE
+from tests.helpers import save_tiny_llama
 
 pytestmark = pytest.mark.distributed
 
 
 def test_draft_training_under_dp2_matches_one_process(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY_DECODER_SHAPE))
-    with torch.no_grad():  # larger-than-default init so logprobs are far from uniform
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.2)
-    model.save_pretrained(tmp_path / "llama")
+    save_tiny_llama(tmp_path / "llama")
     want = draft_workers.draft_reference(str(tmp_path / "llama"))
     run_on_gloo(draft_workers.draft_dp2, 2, str(tmp_path / "llama"), want, str(tmp_path / "ckpt"))

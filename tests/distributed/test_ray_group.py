@@ -50,19 +50,9 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.helpers import save_tiny_llama
 
-    from tests.helpers import TINY_DECODER_SHAPE
-
-    path = tmp_path_factory.mktemp("ray_llama")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY_DECODER_SHAPE))
-    with torch.no_grad():  # larger-than-default init so logprobs are far from uniform
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.2)
-    model.save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("ray_llama"))
 
 
 @pytest.fixture(scope="module")

@@ -14,27 +14,17 @@ import time
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.distributed import workers
 from tests.distributed.launch import run_on_gloo
-from tests.helpers import TINY_DECODER_SHAPE
+from tests.helpers import save_tiny_llama
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("worker_llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(**TINY_DECODER_SHAPE)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # larger-than-default init so logprobs are far from uniform
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.2)
-    model.save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("worker_llama"))
 
 
 @pytest.fixture(scope="module")
