@@ -126,21 +126,21 @@ def load(
     width = max(width, 1)
     index = torch.tensor(rows, dtype=torch.int64)
     out: dict[str, Any] = {}
+    host: dict[str, torch.Tensor] = {}  # the rows as selected, before the copy to the device
     for key, value in data.items():
         if isinstance(value, torch.Tensor):
             t = value.index_select(0, index.to(value.device))
             if t.ndim >= 2 and key not in skip:
                 t = t[:, :width]
-            out[key] = to_device(t, state.device)
+            host[key], out[key] = t, to_device(t, state.device)
         else:
             out[key] = [value[i] for i in rows]
-    host_ids = data["input_ids"].index_select(0, index.to(data["input_ids"].device))[:, :width]
     mb = Microbatch(
         out,
         packed=plan.packed,
         is_dummy=plan.is_dummy,
         lengths=lengths.cpu(),
-        host_ids=host_ids.cpu() if plan.packed else host_ids,
+        host_ids=host["input_ids"][:, :width].cpu(),  # cut even when check_dim_skip_keys has it
         device=state.device,
     )
     state.moe.begin_microbatch(mb)  # the routers' hooks read this microbatch's routes and mask
