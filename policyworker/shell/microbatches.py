@@ -135,12 +135,13 @@ def load(
             host[key], out[key] = t, to_device(t, state.device)
         else:
             out[key] = [value[i] for i in rows]
+    host_ids = host["input_ids"][:, :width]  # cut even when check_dim_skip_keys names it
     mb = Microbatch(
         out,
         packed=plan.packed,
         is_dummy=plan.is_dummy,
         lengths=lengths.cpu(),
-        host_ids=host["input_ids"][:, :width].cpu(),  # cut even when check_dim_skip_keys has it
+        host_ids=host_ids.cpu() if plan.packed else host_ids,  # only packing reads them
         device=state.device,
     )
     state.moe.begin_microbatch(mb)  # the routers' hooks read this microbatch's routes and mask
