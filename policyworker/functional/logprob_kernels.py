@@ -8,10 +8,10 @@ logits' dtype, with no second reduction over the vocab.
 
 `LogprobKernels` carries the plain (unfiltered) pair. The eager functions here materialise fp32
 ``[chunk, V]`` scratch, so their callers chunk positions; the shell may pass the same two
-functions compiled by inductor (``shell.fusion.logprob_kernels``), which read the bf16 logits once
-per pass and keep the fp32 values in registers, so one call covers every position
-(``whole=True``). Top-k / top-p filtering always runs eagerly (its sort per row is not worth
-fusing, and it is off by default).
+functions compiled by inductor (``shell.fused_logprobs.fused_logprob_kernels``), which read the
+bf16 logits once per pass and keep the fp32 values in registers, so one call covers every
+position (``whole=True``). Top-k / top-p filtering always runs eagerly (`filtered_kernels`; its
+sort per row is not worth fusing, and it is off by default).
 
 Shape legend: ``B`` batch, ``C`` positions of a chunk, ``V`` vocab. Pure functions: inputs are
 never mutated.
@@ -29,6 +29,7 @@ from policyworker.functional.sampling import Sampling, sampling_keep_mask
 __all__ = [
     "EAGER_KERNELS",
     "LogprobKernels",
+    "filtered_kernels",
     "filtered_logprob_grad",
     "filtered_logprobs_and_lse",
     "plain_logprob_grad",
@@ -139,3 +140,15 @@ class LogprobKernels:
 
 
 EAGER_KERNELS = LogprobKernels()
+
+
+def filtered_kernels(sampling: Sampling) -> LogprobKernels:
+    """The top-k/top-p pair for `sampling` as a `LogprobKernels` (eager; the temperature the
+    caller passes is `sampling`'s own)."""
+    return LogprobKernels(
+        forward=lambda logits, targets, _t: filtered_logprobs_and_lse(logits, targets, sampling),
+        backward=lambda logits, targets, lse, grad, _t: filtered_logprob_grad(
+            logits, targets, lse, grad, sampling
+        ),
+        name="filtered",
+    )

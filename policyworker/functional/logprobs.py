@@ -29,8 +29,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from policyworker.functional.logprob_kernels import (
     EAGER_KERNELS,
     LogprobKernels,
-    filtered_logprob_grad,
-    filtered_logprobs_and_lse,
+    filtered_kernels,
 )
 from policyworker.functional.packing import int_list
 from policyworker.functional.sampling import PLAIN_SAMPLING, Sampling
@@ -100,7 +99,7 @@ class _ChunkedNextTokenLogprobs(torch.autograd.Function):
         ctx: FunctionCtx,
         logits_BSV: torch.Tensor,
         targets_BT: torch.Tensor,
-        sampling: Sampling,
+        temperature: float,
         chunk_size: int,
         kernels: LogprobKernels,
     ) -> torch.Tensor:
@@ -108,14 +107,11 @@ class _ChunkedNextTokenLogprobs(torch.autograd.Function):
         out_BT = torch.empty(targets_BT.shape, dtype=torch.float32, device=logits_BSV.device)
         lse_BT = torch.empty_like(out_BT)
         for start, stop in _chunk_bounds(num_positions, chunk_size):
-            logits, targets = logits_BSV[:, start:stop], targets_BT[:, start:stop]
-            if sampling.filters_active:
-                lp, lse = filtered_logprobs_and_lse(logits, targets, sampling)
-            else:
-                lp, lse = kernels.forward(logits, targets, sampling.temperature)
-            out_BT[:, start:stop], lse_BT[:, start:stop] = lp, lse
+            out_BT[:, start:stop], lse_BT[:, start:stop] = kernels.forward(
+                logits_BSV[:, start:stop], targets_BT[:, start:stop], temperature
+            )
         ctx.save_for_backward(logits_BSV, targets_BT, lse_BT)
-        ctx.settings = (sampling, chunk_size, kernels)  # type: ignore[attr-defined]
+        ctx.settings = (temperature, chunk_size, kernels)  # type: ignore[attr-defined]
         return out_BT
 
     @staticmethod
@@ -124,7 +120,7 @@ class _ChunkedNextTokenLogprobs(torch.autograd.Function):
         ctx: Any, grad_BT: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         logits_BSV, targets_BT, lse_BT = ctx.saved_tensors
-        sampling, chunk_size, kernels = ctx.settings
+        temperature, chunk_size, kernels = ctx.settings
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
         # Positions past T (the last one of next-token scoring) get a zero gradient row: their
@@ -136,16 +132,13 @@ class _ChunkedNextTokenLogprobs(torch.autograd.Function):
         bounds = _chunk_bounds(num_positions, chunk_size)
         grad_BSV = None if len(bounds) == 1 else torch.empty_like(logits_BSV)
         for start, stop in bounds:
-            args = (
+            grad = kernels.backward(
                 logits_BSV[:, start:stop],
                 targets_BS[:, start:stop],
                 lse_BS[:, start:stop],
                 grad_BS[:, start:stop],
+                temperature,
             )
-            if sampling.filters_active:
-                grad = filtered_logprob_grad(*args, sampling)
-            else:
-                grad = kernels.backward(*args, sampling.temperature)
             if grad_BSV is None:
                 return grad, None, None, None, None
             grad_BSV[:, start:stop] = grad
@@ -242,9 +235,11 @@ def _chunked_logprobs(
     """Score logits at positions ``0..T-1`` against ``targets_BT`` (``T <= S``) chunk by chunk."""
     vocab_size = logits_BSV.shape[-1]
     _check_chunk_size(chunk_size)
+    if sampling.filters_active:
+        kernels = filtered_kernels(sampling)
     if chunk_size is not None:
         chunk = chunk_size
-    elif kernels.whole and not sampling.filters_active:
+    elif kernels.whole:
         chunk = max(logits_BSV.shape[1], 1)
     else:
         chunk = default_chunk_size(vocab_size)
@@ -254,7 +249,7 @@ def _chunked_logprobs(
     # instead of autograd zero-padding a sliced one.
     # autograd.Function.apply is untyped in torch's stubs
     result: Any = _ChunkedNextTokenLogprobs.apply(  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
-        logits_BSV, targets_BT, sampling, chunk, kernels
+        logits_BSV, targets_BT, sampling.temperature, chunk, kernels
     )
     assert isinstance(result, torch.Tensor)
     return result
