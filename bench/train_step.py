@@ -48,6 +48,7 @@ from common import (  # bench/common.py: bench/ is run as a script folder
     timed,
     write_results,
 )
+from gpu_gaps import trace_gap_report  # bench/gpu_gaps.py
 
 from policyworker.functional.logprob_kernels import EAGER_KERNELS
 from policyworker.functional.loss import NLLLoss
@@ -83,7 +84,10 @@ def worker_config(
             "match_all_linear": True,
         }
     if packed:
-        cfg["sequence_packing"] = {"train_mb_tokens": args.mb_tokens}
+        cfg["sequence_packing"] = {
+            "train_mb_tokens": args.mb_tokens,
+            "balance_bins": not args.no_balance_bins,
+        }
     return cfg
 
 
@@ -147,6 +151,10 @@ def profile_step(worker: PolicyWorker, data: dict) -> None:
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities, record_shapes=True) as prof:
         worker.train(data, NLLLoss())
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "train_step_trace.json"
+        prof.export_chrome_trace(str(trace))
+        print(trace_gap_report(trace))
     key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
     print(
@@ -263,6 +271,11 @@ def main() -> None:
         default=0,
         help="train LoRA adapters of this rank on every linear layer (0: full training); MFU "
         "then counts 4 * N FLOPs per token (frozen base)",
+    )
+    parser.add_argument(
+        "--no-balance-bins",
+        action="store_true",
+        help="sequence_packing.balance_bins: false (the packer's bins as they come)",
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -1,0 +1,101 @@
+"""Where the GPU waits: idle gaps of a torch.profiler chrome trace, each blamed on the host op
+that launched the kernel ending it.
+
+Used by `bench/train_step.py --profile`; standalone: `python bench/gpu_gaps.py trace.json`.
+The GPU's busy time is the union of its kernel/memcpy/memset intervals (all streams); a gap is
+a stretch inside the profiled span where none runs. The kernel after a gap was launched by a
+runtime call (matched by correlation id) inside some host ops: the gap's time is added to the
+outermost and innermost of those ops, so a gap after a host sync (`aten::item`,
+`aten::_local_scalar_dense`, a DtoH copy) or behind slow launches (a compiled graph's
+wrapper) shows which. Host synchronizations (runtime calls named *Synchronize*) are summed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+_DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+_RUNTIME_CATEGORIES = {"cuda_runtime", "cuda_driver"}
+
+
+def _busy_union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def gap_report(events: list[dict[str, Any]], *, min_gap_us: float = 20.0, top: int = 12) -> str:
+    """A text report of device idle time in `events` (a chrome trace's traceEvents)."""
+    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE_CATEGORIES]
+    if not device:
+        return "gpu gaps: no device events in the trace"
+    runtime = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in _RUNTIME_CATEGORIES and "correlation" in e.get("args", {})
+    }
+    host_ops: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation"):
+            host_ops[e.get("tid")].append(e)
+    for ops in host_ops.values():
+        ops.sort(key=lambda e: e["ts"])
+    starts = {tid: [e["ts"] for e in ops] for tid, ops in host_ops.items()}
+    busy = _busy_union([(e["ts"], e["ts"] + e["dur"]) for e in device])
+    span = busy[-1][1] - busy[0][0]
+    busy_us = sum(end - start for start, end in busy)
+    by_start = sorted(device, key=lambda e: e["ts"])
+    kernel_starts = [e["ts"] for e in by_start]
+    outer: dict[str, float] = defaultdict(float)
+    inner: dict[str, float] = defaultdict(float)
+    gaps = 0
+    for (_, prev_end), (next_start, _) in zip(busy, busy[1:], strict=False):
+        gap = next_start - prev_end
+        if gap < min_gap_us:
+            continue
+        gaps += 1
+        first = by_start[bisect.bisect_left(kernel_starts, next_start)]
+        launch = runtime.get(first.get("args", {}).get("correlation"))
+        if launch is None:
+            outer["(launch not traced)"] += gap
+            continue
+        tid, ts = launch.get("tid"), launch["ts"]
+        before = host_ops.get(tid, [])[: bisect.bisect_right(starts.get(tid, []), ts)]
+        enclosing = [e for e in before if e["ts"] + e["dur"] >= ts]
+        outer[enclosing[0]["name"] if enclosing else "(no host op)"] += gap
+        inner[enclosing[-1]["name"] if enclosing else launch["name"]] += gap
+    syncs = [e for e in runtime.values() if "Synchronize" in e.get("name", "")]
+    lines = [
+        f"gpu gaps: span {span / 1e3:.1f} ms, busy {busy_us / 1e3:.1f} ms "
+        f"({100 * busy_us / span:.1f} %), idle {(span - busy_us) / 1e3:.1f} ms in {gaps} gaps "
+        f">= {min_gap_us:.0f} us; host syncs: {len(syncs)} calls, "
+        f"{sum(e['dur'] for e in syncs) / 1e3:.1f} ms",
+        "idle ms by the outermost host op launching the kernel after the gap:",
+    ]
+    lines += [f"  {ms / 1e3:9.2f}  {name[:90]}" for name, ms in _top(outer, top)]
+    lines.append("idle ms by the innermost host op launching it:")
+    lines += [f"  {ms / 1e3:9.2f}  {name[:90]}" for name, ms in _top(inner, top)]
+    return "\n".join(lines)
+
+
+def _top(totals: dict[str, float], n: int) -> list[tuple[str, float]]:
+    return sorted(totals.items(), key=lambda kv: -kv[1])[:n]
+
+
+def trace_gap_report(path: str | Path, **kwargs: Any) -> str:
+    """`gap_report` of a chrome trace file (`prof.export_chrome_trace(path)`)."""
+    body = json.loads(Path(path).read_text())
+    return gap_report(body.get("traceEvents", body), **kwargs)
+
+
+if __name__ == "__main__":
+    print(trace_gap_report(sys.argv[1]))

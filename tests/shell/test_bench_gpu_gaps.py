@@ -1,0 +1,77 @@
+"""bench/gpu_gaps.py: idle time of a synthetic chrome trace, blamed on the launching host ops."""
+
+import importlib.util
+import pathlib
+
+_PATH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "gpu_gaps.py"
+_spec = importlib.util.spec_from_file_location("gpu_gaps", _PATH)
+assert _spec is not None and _spec.loader is not None
+gpu_gaps = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_gaps)
+
+
+def _op(name, ts, dur, cat="cpu_op"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 1, "args": {}}
+
+
+def _kernel(ts, dur, correlation, stream=7):
+    return {
+        "ph": "X",
+        "cat": "kernel",
+        "name": "k",
+        "ts": ts,
+        "dur": dur,
+        "tid": stream,
+        "args": {"correlation": correlation},
+    }
+
+
+def _launch(ts, correlation):
+    return {
+        "ph": "X",
+        "cat": "cuda_runtime",
+        "name": "cudaLaunchKernel",
+        "ts": ts,
+        "dur": 2,
+        "tid": 1,
+        "args": {"correlation": correlation},
+    }
+
+
+def test_gaps_are_summed_and_blamed_on_the_ops_that_launched_the_next_kernel():
+    events = [
+        _op("train", 0, 1000),
+        _op("aten::item", 100, 250),  # a host sync: the GPU drains, then waits for launches
+        _op("CompiledFunction", 400, 300),
+        _launch(410, 2),
+        _op("aten::mm", 800, 50),
+        _launch(805, 3),
+        _kernel(0, 100, 1),
+        _kernel(90, 60, 9, stream=8),  # overlaps on another stream: one busy interval
+        _kernel(450, 100, 2),  # 300 us idle before it, launched inside CompiledFunction
+        _kernel(560, 40, 4),  # a 10 us gap: below the threshold
+        _kernel(810, 10, 3),  # 210 us idle, launched inside aten::mm
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaStreamSynchronize",
+            "ts": 120,
+            "dur": 30,
+            "tid": 1,
+            "args": {"correlation": 99},
+        },
+    ]
+    report = gpu_gaps.gap_report(events, min_gap_us=20)
+    lines = report.splitlines()
+    assert "span 0.8 ms, busy 0.3 ms (36.6 %), idle 0.5 ms in 2 gaps" in lines[0]
+    assert "host syncs: 1 calls, 0.0 ms" in lines[0]
+    outer = lines[
+        lines.index("idle ms by the outermost host op launching the kernel after the gap:") + 1
+    ]
+    assert outer.split() == ["0.51", "train"]
+    inner = lines[lines.index("idle ms by the innermost host op launching it:") + 1 :]
+    assert [line.split() for line in inner] == [["0.30", "CompiledFunction"], ["0.21", "aten::mm"]]
+
+
+def test_a_trace_without_device_events_says_so():
+    assert gpu_gaps.gap_report([_op("x", 0, 1)]) == "gpu gaps: no device events in the trace"
