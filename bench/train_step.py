@@ -84,10 +84,7 @@ def worker_config(
             "match_all_linear": True,
         }
     if packed:
-        cfg["sequence_packing"] = {
-            "train_mb_tokens": args.mb_tokens,
-            "balance_bins": not args.no_balance_bins,
-        }
+        cfg["sequence_packing"] = {"train_mb_tokens": args.mb_tokens}
     return cfg
 
 
@@ -271,11 +268,6 @@ def main() -> None:
         default=0,
         help="train LoRA adapters of this rank on every linear layer (0: full training); MFU "
         "then counts 4 * N FLOPs per token (frozen base)",
-    )
-    parser.add_argument(
-        "--no-balance-bins",
-        action="store_true",
-        help="sequence_packing.balance_bins: false (the packer's bins as they come)",
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -342,17 +342,12 @@ class DTensorConfig:
 @frozen(kw_only=True)
 class SequencePackingConfig:
     """`policy.sequence_packing` (present = enabled): bins of whole sequences per microbatch.
-    `logprob_mb_tokens` None means the logprob paths use `train_mb_tokens`. `balance_bins`
-    (ours; default on) regroups the packer's bins to even token totals, keeping their count and
-    the budget: the microbatches and the loss are the same up to summation order, the step
-    faster when the packer left a small remainder bin."""
+    `logprob_mb_tokens` None means the logprob paths use `train_mb_tokens`."""
 
     train_mb_tokens: int = field(validator=_at_least(1))
     logprob_mb_tokens: int | None = field(default=None, validator=_at_least(1))
     algorithm: PackingAlgorithm = "modified_first_fit_decreasing"
     microbatch_order: MicrobatchOrder = "packer"
-    # A small remainder bin leaves the GPU waiting on kernel launches (issue 17's train step).
-    balance_bins: bool = True
 
     @property
     def logprob_tokens(self) -> int:

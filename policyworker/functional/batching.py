@@ -18,12 +18,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from policyworker.functional.packing import (
-    PackingAlgorithm,
-    balance_bins,
-    int_list,
-    pack_into_bins,
-)
+from policyworker.functional.packing import PackingAlgorithm, int_list, pack_into_bins
 
 __all__ = [
     "MicrobatchPlan",
@@ -147,11 +142,9 @@ def packed_microbatches(
     pad_multiple: int = 1,
     min_bin_count: int = 1,
     bin_count_multiple: int = 1,
-    balance: bool = False,
 ) -> list[MicrobatchPlan]:
     """One packed plan per bin of :func:`pack_into_bins` over lengths rounded to ``pad_multiple``.
 
-    ``balance``: regroup the packer's bins with :func:`balance_bins` (same count, even loads).
     An empty batch gives no plans.
 
     Raises:
@@ -169,8 +162,6 @@ def packed_microbatches(
         min_bin_count=min_bin_count,
         bin_count_multiple=bin_count_multiple,
     )
-    if balance:
-        bins = balance_bins(bins, padded, capacity)
     return [
         MicrobatchPlan(rows=tuple(b), width=sum(padded[i] for i in b), packed=True) for b in bins
     ]

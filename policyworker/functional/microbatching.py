@@ -41,6 +41,5 @@ def plan_microbatches(
             capacity=budget,
             algorithm=sp.algorithm,
             pad_multiple=cfg.make_sequence_length_divisible_by,
-            balance=sp.balance_bins,
         )
     return batching.fixed_microbatches(int(lengths_B.shape[0]), mbs, seq_len=seq_len)

@@ -31,7 +31,6 @@ import torch
 
 __all__ = [
     "PackingAlgorithm",
-    "balance_bins",
     "cu_seqlens_from_lengths",
     "pack",
     "pack_into_bins",
@@ -176,36 +175,6 @@ def pack_into_bins(
     else:
         bins = _next_fit(sizes, capacity)
     return _split_until_count(bins, sizes, min_bin_count, bin_count_multiple)
-
-
-def balance_bins(
-    bins: Sequence[Sequence[int]], lengths: Sequence[int] | torch.Tensor, capacity: int
-) -> list[list[int]]:
-    """The same sequences in the same number of bins, with token totals as even as found.
-
-    A packer fills bins in turn, so the last one is often a small remainder (e.g. 15,855 and
-    3,907 tokens at a 16,384 budget). Every microbatch costs the same host-side kernel launches,
-    and a small one finishes on the device before the next launches arrive, so the device
-    idles; even bins keep it busy and lower the peak memory. The regrouping is longest first,
-    each sequence into the currently lightest bin (ties: the lower index). It is returned only
-    when every bin stays within ``capacity`` and the fullest bin gets lighter; otherwise
-    ``bins`` come back unchanged (as new lists). Inside a bin, indices keep increasing order.
-    """
-    sizes = int_list(lengths)
-    original = [list(b) for b in bins]
-    if len(original) < 2:
-        return original
-    loads = [0] * len(original)
-    regrouped: list[list[int]] = [[] for _ in original]
-    members = sorted((i for b in original for i in b), key=lambda i: (-sizes[i], i))
-    for i in members:
-        lightest = min(range(len(loads)), key=lambda b: (loads[b], b))
-        regrouped[lightest].append(i)
-        loads[lightest] += sizes[i]
-    before = max(sum(sizes[i] for i in b) for b in original)
-    if max(loads) > capacity or max(loads) >= before or not all(regrouped):
-        return original
-    return [sorted(b) for b in regrouped]
 
 
 def packing_efficiency(

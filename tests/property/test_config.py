@@ -115,7 +115,6 @@ def batching_sections(draw, *, cp: int, reward: bool):
             logprob_mb_tokens=draw(optional(SIZES)),
             algorithm=draw(one_of_literal(PackingAlgorithm)),
             microbatch_order=draw(one_of_literal(MicrobatchOrder)),
-            balance_bins=draw(st.booleans()),
         )
         return mode, packing, None
     if mode == "dynamic":

@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policyworker.functional.packing import (
-    balance_bins,
     cu_seqlens_from_lengths,
     pack,
     pack_into_bins,
@@ -190,37 +189,6 @@ def test_mffd_matches_or_beats_ffd_on_random_lengths():
     ffd = pack_into_bins(lengths, 1200, algorithm="first_fit_decreasing")
     assert len(mffd) <= len(ffd)
     assert len(mffd) <= -(-sum(lengths) // 1200) + 2
-
-
-@given(bin_problems(), ALGORITHMS, SEEDS)
-def test_balanced_bins_conserve_sequences_count_and_capacity_and_never_get_fuller(
-    problem, algorithm, seed
-):
-    lengths, capacity = problem
-    bins = pack_into_bins(lengths, capacity, algorithm=algorithm, seed=seed)
-    balanced = balance_bins(bins, lengths, capacity)
-    assert sorted(i for b in balanced for i in b) == sorted(i for b in bins for i in b)
-    assert len(balanced) == len(bins) and all(balanced)
-    assert max(loads(balanced, lengths)) <= min(capacity, max(loads(bins, lengths)))
-    assert balance_bins(bins, lengths, capacity) == balanced  # deterministic
-    if balanced != [list(b) for b in bins]:
-        assert max(loads(balanced, lengths)) < max(loads(bins, lengths))
-        assert all(b == sorted(b) for b in balanced)
-
-
-def test_balancing_splits_the_train_bench_remainder_evenly():
-    # bench/train_step.py's batch: the packer leaves 15,855 + 3,907 tokens at a 16k budget
-    lengths = [2943, 3503, 2192, 1807, 3696, 649, 3521, 1451]
-    bins = pack_into_bins(lengths, 16384, algorithm="modified_first_fit_decreasing")
-    assert loads(bins, lengths) == [15855, 3907]
-    balanced = balance_bins(bins, lengths, 16384)
-    assert loads(balanced, lengths) == [10282, 9480]
-
-
-def test_balancing_keeps_bins_that_cannot_get_lighter_within_capacity():
-    assert balance_bins([[0], [1]], [7, 3], 10) == [[0], [1]]  # one sequence per bin
-    assert balance_bins([[0, 1], [2]], [5, 5, 10], 10) == [[0, 1], [2]]  # already even
-    assert balance_bins([[0]], [4], 10) == [[0]]
 
 
 def test_sequence_longer_than_capacity_names_index_length_capacity_and_fix():
