@@ -1,7 +1,8 @@
 """Where the GPU waits: idle gaps of a torch.profiler chrome trace, each blamed on the host op
 that launched the kernel ending it.
 
-Used by `bench/train_step.py --profile`; standalone: `python bench/gpu_gaps.py trace.json`.
+Used by `bench/train_step.py --profile` (a helper with no main guard, so `policyworker bench` does
+not run it as a benchmark).
 The GPU's busy time is the union of its kernel/memcpy/memset intervals (all streams); a gap is
 a stretch inside the profiled span where none runs. The kernel after a gap was launched by a
 runtime call (matched by correlation id) inside some host ops: the gap's time is added to the
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -95,7 +95,3 @@ def trace_gap_report(path: str | Path, **kwargs: Any) -> str:
     """`gap_report` of a chrome trace file (`prof.export_chrome_trace(path)`)."""
     body = json.loads(Path(path).read_text())
     return gap_report(body.get("traceEvents", body), **kwargs)
-
-
-if __name__ == "__main__":
-    print(trace_gap_report(sys.argv[1]))

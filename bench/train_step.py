@@ -18,8 +18,10 @@ plain-HF baseline (when not skipped) still trains every weight.
 `--fuse auto|none|norm_mlp|layer` sets `dtensor_cfg.fusion` (default `auto`, the config's default:
 `layer` on CUDA, `none` on CPU; the compile happens in the worker's init probe and the untimed
 warm-up step). `--also-fuse none` measures a second packed worker with that mode on the same
-model and batch, as a row beside the first (e.g. the default vs eager); `--skip-padded` skips the
-padded worker.
+model and batch, as a row beside the first (e.g. the default vs eager); `--also-lora-dim 16` one
+more, the default config with LoRA of that dim on every linear layer (issue 17's LoRA vs full
+fine-tuning row, through the worker as a user runs it); `--skip-padded` skips the padded worker.
+`--profile` also prints where the GPU idles (`bench/gpu_gaps.py`).
 Prints a table (ours / baseline / limit / ratio) and writes bench/results/train_step.json.
 """
 
@@ -59,7 +61,12 @@ MFU_TARGET = 0.40
 
 
 def worker_config(
-    model_path: str, args: argparse.Namespace, *, packed: bool, fuse: str | None = None
+    model_path: str,
+    args: argparse.Namespace,
+    *,
+    packed: bool,
+    fuse: str | None = None,
+    lora_dim: int = 0,
 ) -> dict:
     cfg = {
         "model_name": model_path,
@@ -77,10 +84,10 @@ def worker_config(
             "fusion": fuse or args.fuse,
         },
     }
-    if args.lora_dim:
+    if lora_dim:
         cfg["dtensor_cfg"]["lora_cfg"] = {
-            "dim": args.lora_dim,
-            "alpha": 2 * args.lora_dim,
+            "dim": lora_dim,
+            "alpha": 2 * lora_dim,
             "match_all_linear": True,
         }
     if packed:
@@ -89,21 +96,32 @@ def worker_config(
 
 
 def bench_worker(
-    model_path: str, args, data, num_params: int, *, packed: bool, fuse: str | None = None
+    model_path: str,
+    args,
+    data,
+    num_params: int,
+    *,
+    packed: bool,
+    fuse: str | None = None,
+    lora_dim: int | None = None,
 ) -> dict:
+    lora_dim = args.lora_dim if lora_dim is None else lora_dim
     release()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     worker = PolicyWorker(
-        worker_config(model_path, args, packed=packed, fuse=fuse), init_reference_model=False
+        worker_config(model_path, args, packed=packed, fuse=fuse, lora_dim=lora_dim),
+        init_reference_model=False,
     )
     if args.eager_logprobs:
         worker.state.logprob_kernels = EAGER_KERNELS
     fusion = fusion_result(
         worker,
         fuse or args.fuse,
-        label=("packed" if packed else "padded") + (f", fusion {fuse}" if fuse else ""),
+        label=("packed" if packed else "padded")
+        + (f", fusion {fuse}" if fuse else "")
+        + (f", LoRA dim {lora_dim}" if lora_dim else ""),
         seconds=time.perf_counter() - start,
     )
     tokens = int(data["input_lengths"].sum())
@@ -119,7 +137,8 @@ def bench_worker(
         release()
     return {
         "tokens_per_s": tokens / seconds,
-        "mfu": mfu(num_params, tokens, seconds, flops_per_param=4.0 if args.lora_dim else 6.0),
+        "mfu": mfu(num_params, tokens, seconds, flops_per_param=4.0 if lora_dim else 6.0),
+        "lora_dim": lora_dim,
         "step_s": seconds,
         "peak_gib": gib(peak),
         "loss": float(result["global_loss"][0]),
@@ -248,6 +267,13 @@ def main() -> None:
         default=None,
         help="also measure a packed worker with this fusion mode (a row beside --fuse)",
     )
+    parser.add_argument(
+        "--also-lora-dim",
+        type=int,
+        default=0,
+        help="also measure a packed worker (default fusion) with LoRA of this dim on every "
+        "linear layer: a row of LoRA vs full fine-tuning tokens/s and peak memory",
+    )
     parser.add_argument("--skip-padded", action="store_true", help="skip the padded worker")
     parser.add_argument(
         "--eager-logprobs",
@@ -289,6 +315,13 @@ def main() -> None:
         other = (
             bench_worker(model_path, args, data, num_params, packed=True, fuse=args.also_fuse)
             if args.also_fuse
+            else None
+        )
+        lora = (
+            bench_worker(
+                model_path, args, data, num_params, packed=True, lora_dim=args.also_lora_dim
+            )
+            if args.also_lora_dim
             else None
         )
         padded = {}
@@ -350,6 +383,24 @@ def main() -> None:
                 "limit": ">= 0.50 (issue 17)",
             }
         )
+    if lora is not None:
+        rows.append(
+            {
+                "metric": f"packed tok/s, LoRA dim {args.also_lora_dim} vs full fine-tuning",
+                "ours": lora["tokens_per_s"],
+                "baseline": packed["tokens_per_s"],
+                "limit": ">= 1.1x (issue 17)",
+                "ratio": ratio(lora["tokens_per_s"], packed["tokens_per_s"]),
+            }
+        )
+        rows.append(
+            {
+                "metric": "peak GiB, LoRA vs full fine-tuning",
+                "ours": lora["peak_gib"],
+                "baseline": packed["peak_gib"],
+                "ratio": ratio(lora["peak_gib"], packed["peak_gib"]),
+            }
+        )
     if base_full is not None:
         rows.append(
             {
@@ -373,6 +424,7 @@ def main() -> None:
             "args": vars(args),
             "ours_packed": packed,
             "ours_packed_also_fuse": other,
+            "ours_packed_lora": lora,
             "ours_padded": padded,
             "baseline_small_batch": base_small,
             "baseline_full_batch": base_full,
