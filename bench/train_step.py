@@ -158,7 +158,11 @@ def fusion_result(worker: PolicyWorker, mode: str, *, label: str, seconds: float
 def profile_step(worker: PolicyWorker, data: dict) -> None:
     """Print where one more train() call spends device time: the top ops (with their input
     shapes, so a cast of weights can be told from a cast of activations) and dynamo's counters
-    (graph breaks and recompiles show a compiled layer that fell back to eager)."""
+    (graph breaks and recompiles show a compiled layer that fell back to eager); then where a
+    further call spends host time (cProfile, by own time: what launching the kernels costs)."""
+    import cProfile
+    import pstats
+
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
@@ -181,6 +185,10 @@ def profile_step(worker: PolicyWorker, data: dict) -> None:
     for section in ("graph_break", "recompiles", "stats", "frames"):
         if counters.get(section):
             print(f"dynamo {section}: {dict(counters[section])}")
+    host = cProfile.Profile()
+    host.runcall(worker.train, data, NLLLoss())
+    print("host time of one train() call (cProfile, top 30 by own time):")
+    pstats.Stats(host).sort_stats("tottime").print_stats(30)
 
 
 def bench_plain_hf(model_path: str, args, lengths: list[int], num_params: int) -> dict:
