@@ -256,11 +256,14 @@ def load_optimizer(
     parallel: Any = None,
     group: Any = None,
     restore_rng: bool = True,
+    verify: bool = True,
 ) -> Callable[[], None]:
     """Read `optimizer_path/optim` (any layout) into staging; returns the commit.
 
     The commit loads optimizer and scheduler state and, when this rank's RNG state was saved,
-    the torch/python RNG.
+    the torch/python RNG. ``verify=False`` skips the digest check, for a caller that verifies
+    the folder itself (`load_checkpoint` checks it concurrently with the reads, and commits only
+    after the check passed).
 
     Raises:
         ValueError: `model` is None (optimizer state is keyed by the model's parameter names).
@@ -280,7 +283,8 @@ def load_optimizer(
         )
         raise ValueError(msg)
     folder = _optim_folder(optimizer_path)
-    verify_digests(folder)
+    if verify:
+        verify_digests(folder)
     keys = _dcp_keys(folder)
     rank = 0 if parallel is None else parallel.rank
     request: dict[str, Any] = {"extra": io.BytesIO()}
