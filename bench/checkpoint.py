@@ -16,7 +16,12 @@ Reported, all against the same folder on the same disk in the same run:
 - load: `load_checkpoint` into a fresh model and optimizer after the files were evicted from the
   page cache (`posix_fadvise(DONTNEED)`), GB/s; the loaded weights are checked bit-exact;
 - raw disk read: the same files, evicted the same way, read with `os.read` in 64 MiB blocks
-  (the load's physical baseline).
+  (the load's physical baseline);
+- load phases, each timed alone on its own (the files evicted before each cold phase): digest
+  verification of every folder (cold), the HF weights read into staging (cold, then warm), the
+  optimizer read into staging (DCP, no digest check; cold, then warm) and the commits that copy
+  the staged values into the model and optimizer. `load_checkpoint` overlaps the verification
+  with the reads, so its time is about max(verify, reads) + commit, not their sum.
 
     python bench/checkpoint.py            # on a GPU: prints a table, writes bench_checkpoint.json
     python bench/checkpoint.py --small    # CPU smoke run on a tiny shape (seconds)
@@ -159,6 +164,52 @@ def _one_writer_sync_save(worker: _Worker, root: pathlib.Path) -> float:
     return seconds
 
 
+def _timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    value = fn()
+    _sync(device)
+    return time.perf_counter() - t0, value
+
+
+def _load_phases(
+    shape: dict,
+    device: torch.device,
+    weights: pathlib.Path,
+    optim: pathlib.Path,
+    files: list[pathlib.Path],
+) -> dict:
+    """Seconds of each part of a load, each run alone (see the module docstring)."""
+    fresh = _Worker(shape, device, seed=2)
+    _sync(device)
+    folders = [weights / ck.MODEL_DIR, optim / ck.OPTIM_DIR]
+    out = {}
+
+    def verify() -> None:
+        for folder in folders:
+            digests.verify_digests(folder)
+
+    def read_hf() -> object:
+        return ck.load_hf_weights(fresh.model, folders[0], parallel=fresh.parallel)
+
+    def read_optimizer() -> object:
+        return ck.load_optimizer(
+            fresh.optimizer,
+            fresh.scheduler,
+            optim,
+            model=fresh.model,
+            parallel=fresh.parallel,
+            verify=False,
+        )
+
+    for name, fn in (("verify", verify), ("hf_read", read_hf), ("optimizer_read", read_optimizer)):
+        _evict(files)
+        out[f"phase_{name}_cold_s"], _ = _timed(fn, device)
+    out["phase_hf_read_warm_s"], commit_hf = _timed(read_hf, device)
+    out["phase_optimizer_read_warm_s"], commit_optimizer = _timed(read_optimizer, device)
+    out["phase_commit_s"], _ = _timed(lambda: (commit_hf(), commit_optimizer()), device)  # type: ignore[operator]
+    return out
+
+
 def run(
     shape: dict,
     device: torch.device,
@@ -239,16 +290,21 @@ def run(
         )
     )
     del fresh
-    return out | {
-        "load_s": load_s,
-        "load_GBps": gb / load_s,
-        "raw_read_s": raw_read_s,
-        "raw_read_GBps": gb / raw_read_s,
-        "load_exact": exact,
-        "digest_s": digest_s,
-        "digest_share_of_sync_save": digest_s / sync_s,
-        "verify_s": verify_s,
-    }
+    phases = _load_phases(shape, device, weights, optim, files)
+    return (
+        out
+        | phases
+        | {
+            "load_s": load_s,
+            "load_GBps": gb / load_s,
+            "raw_read_s": raw_read_s,
+            "raw_read_GBps": gb / raw_read_s,
+            "load_exact": exact,
+            "digest_s": digest_s,
+            "digest_share_of_sync_save": digest_s / sync_s,
+            "verify_s": verify_s,
+        }
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     if "load_s" in results:
         rows.append(("raw disk read (cold cache)", results["raw_read_s"], results["raw_read_GBps"]))
         rows.append(("load (cold page cache)", results["load_s"], results["load_GBps"]))
+        rows += [
+            (f"  phase: {key[len('phase_') : -len('_s')]}", results[key], nan)
+            for key in results
+            if key.startswith("phase_")
+        ]
     print(f"{'':32s} {'seconds':>9s} {'GB/s':>7s}")
     for name, seconds, gbps in rows:
         print(f"{name:32s} {seconds:9.3f} {gbps:7.2f}")

@@ -26,10 +26,22 @@ all ranks that every write landed, and rank 0 commits: it fsyncs every `<final>.
 folder, writes a commit record naming all of them, renames each into place and removes the
 record. A crash after the record is rolled forward by the next load or save
 (`recover_checkpoint_commits`), so weights and optimizer always come from one save.
+A sync save (`is_final_checkpoint=True`) stages nothing: its writer threads copy device state
+out as they write (see `saver`), so copies and disk writes overlap and no memory is kept.
+
+A load checks every folder's digests in background threads while it reads the same files into
+staging, then commits (`_load`): the files stream through the page cache once, and the worker
+changes only after every read and every check passed.
+
+Why it is over 400 lines: it is the worker-level sequence of both directions, save and load,
+over every folder kind (weights, reference, optimizer, tokenizer, extra folders); each function
+is one ordered run of effects, and the folder rules both directions share (`_record_dirs`,
+`_manifest_id`, the folder names) would otherwise be split from one of their users.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +49,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from policyworker.shell.checkpoint.commit import (
     _clear_stale,
@@ -48,8 +61,13 @@ from policyworker.shell.checkpoint.commit import (
     read_json,
     recover_checkpoint_commits,
 )
-from policyworker.shell.checkpoint.dcp import _load_dcp_weights, load_optimizer, save_optimizer
-from policyworker.shell.checkpoint.digests import verify_digests
+from policyworker.shell.checkpoint.dcp import (
+    _load_dcp_weights,
+    _optim_folder,
+    load_optimizer,
+    save_optimizer,
+)
+from policyworker.shell.checkpoint.digests import DigestChecks
 from policyworker.shell.checkpoint.folders import _model_folder, detect_weights_format
 from policyworker.shell.checkpoint.layout import (
     FORMAT_VERSION,
@@ -148,7 +166,8 @@ def save_checkpoint(
     commits = [(_tmp_for(f, token), f) for f in finals]
     tmp = dict(zip(finals, (t for t, _ in commits), strict=True))
     # async: copies into the saver's reused (pinned) buffers, waited for below; sync: the jobs
-    # run inside this call, so CPU state is written where it is and device state copied once
+    # run inside this call, so CPU state is written where it is and device state is copied out
+    # by the writer threads as they write
     staging = None if is_final_checkpoint else saver.staging
     jobs = _model_jobs(
         owner, tmp[finals[0]], meta, lora=lora, staging=staging, sync=is_final_checkpoint
@@ -274,6 +293,13 @@ def _record_dirs(weights_path: Any, optimizer_path: Any) -> list[pathlib.Path]:
 def _load(
     owner: CheckpointOwner, weights_path: Any, optimizer_path: Any, *, load_weights: bool
 ) -> None:
+    """Verify every folder's digests while reading everything into staging, then commit.
+
+    The digest checks (one background thread per folder) and the reads stream the same files
+    once through the page cache instead of one after the other; nothing in the worker changes
+    until both finished. When a read fails and a digest check fails too, the digest error wins:
+    it names the file whose bytes changed, which is the cause of the read error.
+    """
     saver, parallel = owner.saver, owner.parallel
     saver.finalize(parallel)
     _on_rank0(
@@ -282,6 +308,45 @@ def _load(
         lambda: recover_checkpoint_commits(_record_dirs(weights_path, optimizer_path)),
     )
     group = _checkpoint_group(saver)
+    checks = DigestChecks(_digest_folders(owner, weights_path, optimizer_path))
+    try:
+        commits = _read(owner, weights_path, optimizer_path, load_weights=load_weights, group=group)
+    except (Exception, CheckpointException):  # DCP's is a BaseException
+        checks.wait()  # raises the digest error instead, if there is one
+        raise
+    checks.wait()
+    for commit in commits:
+        commit()
+
+
+def _digest_folders(
+    owner: CheckpointOwner, weights_path: Any, optimizer_path: Any
+) -> list[pathlib.Path]:
+    """The folders `_read` reads, in its order (the first failing one is reported)."""
+    folders = []
+    if weights_path is not None:
+        folder = _model_folder(weights_path)
+        folders.append(folder)
+        ref_folder = folder.parent / REFERENCE_DIR if folder.name == MODEL_DIR else None
+        if owner.reference_state is not None and ref_folder is not None and ref_folder.is_dir():
+            folders.append(ref_folder)
+    if optimizer_path is not None and owner.optimizer is not None:
+        # no optimizer folder: the read raises this same error in its turn
+        with contextlib.suppress(CheckpointError):
+            folders.append(_optim_folder(optimizer_path))
+    return folders
+
+
+def _read(
+    owner: CheckpointOwner,
+    weights_path: Any,
+    optimizer_path: Any,
+    *,
+    load_weights: bool,
+    group: Any,
+) -> list[Callable[[], object]]:
+    """Validate and read every folder into staging (digests unchecked); returns the commits."""
+    saver, parallel = owner.saver, owner.parallel
     commits: list[Callable[[], object]] = []
     weights_id = None
     if weights_path is not None:
@@ -295,7 +360,6 @@ def _load(
                 f"merge the adapter and load the merged weights"
             )
             raise CheckpointError(msg)
-        verify_digests(folder)
         weights_id = _manifest_id(folder)
         if load_weights and fmt == "safetensors":
             commits.append(load_hf_weights(owner.model, folder, parallel=parallel))
@@ -308,7 +372,6 @@ def _load(
         ref_folder = folder.parent / REFERENCE_DIR if folder.name == MODEL_DIR else None
         ref = owner.reference_state
         if ref is not None and ref_folder is not None and ref_folder.is_dir():
-            verify_digests(ref_folder)
             commits.append(load_hf_weights(owner.model, ref_folder, parallel=parallel, state=ref))
             saver.last_reference = None
     if optimizer_path is not None:
@@ -325,6 +388,7 @@ def _load(
             model=owner.model,
             parallel=parallel,
             group=group,
+            verify=False,  # checked by _load, concurrently with this read
         )
         saved_id = getattr(commit, "checkpoint_id", None)
         if weights_id is not None and saved_id is not None and saved_id != weights_id:
@@ -335,8 +399,7 @@ def _load(
             )
             raise CheckpointError(msg)
         commits.append(commit)
-    for commit in commits:
-        commit()
+    return commits
 
 
 def load_checkpoint(

@@ -142,6 +142,28 @@ def _as_like(t: Any, staged: torch.Tensor) -> Any:
     return staged
 
 
+def _sync_save_state(optim_state: Any) -> Any:
+    """A sync save's optimizer state: the tensors themselves, detached (DTensors stay DTensors),
+    for DCP's `FileSystemWriter` to copy to the CPU as it writes.
+
+    With ``thread_count > 1`` (torch 2.13, `filesystem._write_files_from_queue`) each writer
+    thread takes its files' tensors through `_SerialCpuLoader`: `tensor.cpu()`, one tensor at a
+    time, then writes it. So one thread's device-to-host copy overlaps the other threads' disk
+    writes, rather than every copy running before the first write as a copy made here would.
+    (`_OverlappingCpuLoader`, non-blocking copies into pinned memory, is used only with one
+    writer thread.) The loader holds each copied tensor until its file is written, so host memory
+    peaks at up to this rank's optimizer bytes for a moment, and nothing is kept after the save.
+
+    Those copies run on the writer threads' default streams, so the device work queued on the
+    caller's streams (the optimizer step) is waited for here first.
+    """
+    leaves: list[torch.Tensor] = []
+    _tree_map(optim_state, leaves.append)
+    for device in {_local(t).device for t in leaves if _local(t).device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
+    return _tree_map(optim_state, lambda t: t.detach())
+
+
 def _staged_tree(obj: Any, staging: StagingBuffers) -> Any:
     """`obj` with every tensor replaced by its copy in `staging`'s reused "optimizer" buffers
     (keyed by position in traversal order; copies queued, the caller waits)."""
@@ -207,7 +229,8 @@ def save_optimizer(
 
     With `staging` the optimizer tensors are queued into its reused buffers: call
     `staging.wait()` before the job runs or the optimizer steps. ``copy_sources=False`` (only
-    for a job run before the optimizer can step) writes CPU state without copying it first.
+    for a job run before the optimizer can step: a sync save) copies nothing here: DCP's writer
+    threads read the state where it is (see `_sync_save_state`).
     """
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -216,11 +239,12 @@ def save_optimizer(
     state: dict[str, Any] = {}
     if optimizer.state:  # get_optimizer_state_dict would run a zero step on an empty optimizer
         optim_state = get_optimizer_state_dict(model, optimizer)
-        state["optim"] = (
-            _tree_map(optim_state, lambda t: _clone_to(t, copy=copy_sources))
-            if staging is None
-            else _staged_tree(optim_state, staging)
-        )
+        if staging is not None:
+            state["optim"] = _staged_tree(optim_state, staging)
+        elif copy_sources:
+            state["optim"] = _tree_map(optim_state, _clone_to)
+        else:
+            state["optim"] = _sync_save_state(optim_state)
     extra = {
         "meta": dict(meta),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -256,11 +280,14 @@ def load_optimizer(
     parallel: Any = None,
     group: Any = None,
     restore_rng: bool = True,
+    verify: bool = True,
 ) -> Callable[[], None]:
     """Read `optimizer_path/optim` (any layout) into staging; returns the commit.
 
     The commit loads optimizer and scheduler state and, when this rank's RNG state was saved,
-    the torch/python RNG.
+    the torch/python RNG. ``verify=False`` skips the digest check, for a caller that verifies
+    the folder itself (`load_checkpoint` checks it concurrently with the reads, and commits only
+    after the check passed).
 
     Raises:
         ValueError: `model` is None (optimizer state is keyed by the model's parameter names).
@@ -280,7 +307,8 @@ def load_optimizer(
         )
         raise ValueError(msg)
     folder = _optim_folder(optimizer_path)
-    verify_digests(folder)
+    if verify:
+        verify_digests(folder)
     keys = _dcp_keys(folder)
     rank = 0 if parallel is None else parallel.rank
     request: dict[str, Any] = {"extra": io.BytesIO()}

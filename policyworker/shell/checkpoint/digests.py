@@ -12,20 +12,26 @@ of the save.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import mmap
 import os
 import pathlib
+import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from policyworker.shell.checkpoint.layout import CheckpointError
 
-__all__ = ["DIGESTS_FILE", "verify_digests", "write_digests"]
+__all__ = ["DIGESTS_FILE", "VERIFY_TIMEOUT_S", "DigestChecks", "verify_digests", "write_digests"]
 
 DIGESTS_FILE = "policyworker_digests.json"
 _PIECE_BYTES = 64 * 2**20
 _ALGORITHM = "sha256-tree-64MiB"
+# A cold 20 GB checkpoint hashes in well under a minute on a local disk; an hour means the
+# storage has stalled (a hung network mount), not that it is slow.
+VERIFY_TIMEOUT_S = 3600.0
 
 
 def _piece_digest(path: pathlib.Path, offset: int) -> bytes:
@@ -121,3 +127,35 @@ def verify_digests(folder: str | os.PathLike[str]) -> None:
                 f"-- restore it or load another checkpoint"
             )
             raise CheckpointError(msg)
+
+
+class DigestChecks:
+    """`verify_digests` of several folders, running in background threads from construction
+    (one per folder; each hashes with its own pool) while the caller reads the same files."""
+
+    def __init__(self, folders: Sequence[pathlib.Path]) -> None:
+        self._pool = ThreadPoolExecutor(
+            max(1, len(folders)), thread_name_prefix="checkpoint-verify"
+        )
+        self._checks = [(f, self._pool.submit(verify_digests, f)) for f in folders]
+
+    def wait(self, *, timeout_s: float = VERIFY_TIMEOUT_S) -> None:
+        """Block until every check finished; raise the first failure in folder order.
+
+        Raises:
+            CheckpointError: a file's bytes, size or presence differ from the save's record.
+            TimeoutError: the checks did not finish within `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        try:
+            for folder, check in self._checks:
+                try:
+                    check.result(timeout=max(0.0, deadline - time.monotonic()))
+                except concurrent.futures.TimeoutError:
+                    msg = (
+                        f"checking the digests of checkpoint folder {str(folder)!r} did not "
+                        f"finish within {timeout_s} s; the storage is stalled or too slow"
+                    )
+                    raise TimeoutError(msg) from None
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)

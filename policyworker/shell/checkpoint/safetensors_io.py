@@ -3,6 +3,15 @@
 Every rank writes the bytes of the boxes its local shard owns at offsets that every rank
 computes identically (`layout.plan_safetensors_files`); a load validates headers and names
 before it changes any parameter and returns a commit function that copies the staged values.
+
+A sync save stages nothing: device pieces stay on the device and each writer thread copies its
+runs out in `BOUNCE_BYTES` chunks through its own page-locked buffer and CUDA stream, then
+`pwrite`s the chunk, so device-to-host copies overlap the other threads' disk writes instead of
+all running before the first write; CPU pieces are written from where they are.
+
+Why it is over 400 lines: the save (stage, then the writer threads with their chunked device
+copy-out) and the load (validate, read, commit) of one format share its piece layout (`_Piece`,
+the runs and their offsets), and a change to one side must be read against the other.
 """
 
 from __future__ import annotations
@@ -10,6 +19,7 @@ from __future__ import annotations
 import copy
 import os
 import pathlib
+import queue
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
@@ -41,6 +51,7 @@ from policyworker.shell.checkpoint.layout import (
     hf_layout,
     saved_keys,
 )
+from policyworker.shell.checkpoint.saver import _register
 from policyworker.shell.refit.hf_names import checkpoint_layout
 from policyworker.shell.refit.params import tie_word_embeddings
 
@@ -49,7 +60,12 @@ if TYPE_CHECKING:
 
     from policyworker.shell.checkpoint.saver import StagingBuffers
 
-__all__ = ["load_hf_weights", "model_hf_layout", "save_hf_weights"]
+__all__ = ["BOUNCE_BYTES", "load_hf_weights", "model_hf_layout", "save_hf_weights"]
+
+# A sync save's device-to-host copy unit: the size of each writer thread's page-locked bounce
+# buffer. Large enough that the per-chunk stream synchronize is a small part of the chunk's
+# write, small enough that WRITER_THREADS buffers pin little host memory (8 x 64 MiB).
+BOUNCE_BYTES = 64 * 2**20
 
 
 def model_hf_layout(
@@ -68,8 +84,11 @@ class _Piece:
     """A staged CPU block of one HF tensor, with where its runs go in the file."""
 
     file: str
-    tensor: torch.Tensor  # contiguous CPU copy of the intersection
+    tensor: torch.Tensor  # contiguous copy of the intersection (a sync save: maybe on device)
     runs: list[tuple[int, tuple[int, ...], int]]  # (byte offset in file, leading idx, elements)
+    # A sync save's device piece: recorded on the caller's stream after the values were final;
+    # the writer's copy stream waits on it (the optimizer step's kernels may still be queued).
+    ready: Any = None
 
 
 def _stage_hf(
@@ -80,11 +99,12 @@ def _stage_hf(
     *,
     copy_sources: bool = True,
 ) -> list[_Piece]:
-    """CPU copies of the parts of each HF tensor this rank owns, with their file offsets.
+    """The parts of each HF tensor this rank owns, to write, with their file offsets.
 
-    With `staging`, the copies go into its reused "weights" buffers (queued; the caller waits);
+    With `staging`, CPU copies go into its reused "weights" buffers (queued; the caller waits);
     without, into fresh CPU tensors, or (``copy_sources=False``: a synchronous save, whose writes
-    end before the caller can change anything) CPU sources are written from where they are.
+    end before the caller can change anything) nothing is copied: CPU sources are written from
+    where they are and device sources are copied out chunk by chunk by the writer threads.
     """
     where = {name: (p.file, off) for p in plans for name, off in p.offsets.items()}
     views, pieces = [], []
@@ -105,11 +125,97 @@ def _stage_hf(
         pieces.append(_Piece(file, view, runs))
     if staging is not None:
         copies = staging.stage("weights", views)
+    elif copy_sources:
+        copies = [view.to("cpu", copy=True).contiguous() for _, view in views]
     else:
-        copies = [view.to("cpu", copy=copy_sources).contiguous() for _, view in views]
-    for piece, cpu in zip(pieces, copies, strict=True):
-        piece.tensor = cpu
+        copies = [view.contiguous() for _, view in views]  # on its device
+    ready = _ready_events(copies) if staging is None and not copy_sources else {}
+    for piece, copied in zip(pieces, copies, strict=True):
+        piece.tensor = copied
+        piece.ready = ready.get(copied.device)
     return pieces
+
+
+def _ready_events(tensors: Sequence[torch.Tensor]) -> dict[torch.device, Any]:
+    """One event per CUDA device, recorded on its current stream: the point after which the
+    writer threads' copy streams may read the values."""
+    events = {}
+    for device in {t.device for t in tensors if t.device.type == "cuda"}:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events[device] = event
+    return events
+
+
+def _bounced(tensor: torch.Tensor) -> bool:
+    """Whether a run is copied out through a writer's bounce buffer (not on the CPU: pwrite
+    cannot read device memory). A function so the CPU tests can route CPU runs through it."""
+    return tensor.device.type != "cpu"
+
+
+def _chunks(
+    fd: int, flat: torch.Tensor, offset: int, ready: Any
+) -> list[tuple[int, torch.Tensor, int, Any]]:
+    """One run as writer tasks: whole on the CPU (zero-copy pwrite); through the bounce buffer,
+    in pieces of at most `BOUNCE_BYTES` bytes at their own file offsets."""
+    if not _bounced(flat):
+        return [(fd, flat, offset, None)]
+    raw = flat.view(torch.uint8)
+    return [
+        (fd, raw[start : start + BOUNCE_BYTES], offset + start, ready)
+        for start in range(0, raw.numel(), BOUNCE_BYTES)
+    ]
+
+
+class _Bounce:
+    """One writer thread's page-locked host buffer and copy streams, for one sync save."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+        self._unpin: Any = None
+        self._streams: dict[torch.device, Any] = {}
+
+    def copy_out(self, src: torch.Tensor, ready: Any) -> torch.Tensor:
+        """`src` (uint8, at most BOUNCE_BYTES) copied into the buffer; landed when it returns."""
+        if self._buffer is None:
+            self._buffer = torch.empty(BOUNCE_BYTES, dtype=torch.uint8)
+            self._unpin = _register(self._buffer)  # None without CUDA: stays pageable
+        dst = self._buffer[: src.numel()]
+        if src.device.type != "cuda":
+            return dst.copy_(src)
+        stream = self._streams.get(src.device)
+        if stream is None:
+            stream = self._streams[src.device] = torch.cuda.Stream(src.device)
+        if ready is not None:
+            stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        stream.synchronize()  # one chunk of work: bounded by the chunk's copy
+        return dst
+
+    def release(self) -> None:
+        for stream in self._streams.values():
+            stream.synchronize()  # a copy in flight when a write failed still targets the buffer
+        if self._unpin is not None:
+            self._unpin()  # before the memory goes back to the allocator
+        self._buffer, self._unpin = None, None
+
+
+def _write_tasks(tasks: queue.SimpleQueue[tuple[int, torch.Tensor, int, Any]]) -> None:
+    """One writer thread: take tasks until none are left; device runs go through its own bounce
+    buffer (allocated on the first one, freed on return)."""
+    bounce = _Bounce()
+    try:
+        while True:
+            try:
+                fd, data, offset, ready = tasks.get_nowait()
+            except queue.Empty:
+                return
+            if _bounced(data):
+                data = bounce.copy_out(data, ready)
+            _pwrite_all(fd, _bytes_of(data), offset)
+    finally:
+        bounce.release()
 
 
 def _write_hf_files(
@@ -120,7 +226,8 @@ def _write_hf_files(
     write_headers: bool,
 ) -> None:
     """pwrite this rank's staged pieces (and, on one rank, the headers) into the planned files,
-    from ``WRITER_THREADS`` threads (the runs are disjoint byte ranges, so order is free)."""
+    from ``WRITER_THREADS`` threads (the runs are disjoint byte ranges, so order is free). Device
+    pieces (a sync save) are copied out in chunks by the thread that writes them."""
     fds: dict[str, int] = {}
     try:
         for plan in plans:
@@ -129,14 +236,16 @@ def _write_hf_files(
             if write_headers:
                 os.ftruncate(fd, plan.size)
                 os.pwrite(fd, plan.header, 0)
-        writes = [
-            (fds[piece.file], (piece.tensor[idx] if idx else piece.tensor).reshape(-1)[:n], offset)
-            for piece in pieces
-            for offset, idx, n in piece.runs
-        ]
-        with ThreadPoolExecutor(max(1, checkpoint_layout_settings.WRITER_THREADS)) as pool:
-            # list(): the first failed write raises here, after the others finished
-            list(pool.map(lambda w: _pwrite_all(w[0], _bytes_of(w[1]), w[2]), writes))
+        tasks: queue.SimpleQueue[tuple[int, torch.Tensor, int, Any]] = queue.SimpleQueue()
+        for piece in pieces:
+            for offset, idx, n in piece.runs:
+                flat = (piece.tensor[idx] if idx else piece.tensor).reshape(-1)[:n]
+                for task in _chunks(fds[piece.file], flat, offset, piece.ready):
+                    tasks.put(task)
+        threads = max(1, checkpoint_layout_settings.WRITER_THREADS)
+        with ThreadPoolExecutor(threads, thread_name_prefix="checkpoint-write") as pool:
+            # list(): the first failed write raises here, after the other threads finished
+            list(pool.map(lambda _: _write_tasks(tasks), range(threads)))
             list(pool.map(os.fsync, fds.values()))
     finally:
         for fd in fds.values():

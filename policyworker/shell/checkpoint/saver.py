@@ -9,9 +9,12 @@ kept and reused by the next async save while the staged tensors keep their names
 dtypes (a group is reallocated when they change). Memory cost: pinned host memory equal to the
 bytes this rank stages (its fp32 weight shards plus its optimizer state; about 18.5 GB for a
 1.5B model with AdamW on one GPU), held from the first async save until `release_staging`
-(`PolicyWorker.shutdown` calls it). Sync saves (`is_final_checkpoint=True`) keep nothing:
-their writes end inside the call, so CPU state is written where it is and device state is copied
-once into temporary pageable memory.
+(`PolicyWorker.shutdown` calls it). Sync saves (`is_final_checkpoint=True`) keep nothing and
+stage nothing: their writes end inside the call, so CPU state is written where it is and device
+state is copied out by the writer threads while they write, overlapping the disk: the weights
+chunk by chunk through a small page-locked bounce buffer per writer thread (freed when the
+writes end; `safetensors_io`), the optimizer one tensor at a time by DCP's writer threads
+(`dcp._sync_save_state`).
 
 The copies are complete when `save_checkpoint` returns (`StagingBuffers.wait`): the next
 optimizer step may overwrite the weights at once, from any stream or thread, so a CUDA event

@@ -1,0 +1,99 @@
+"""Checkpoints of a CUDA worker: the sync save's bounce-buffer copy-out and DCP's own device copies.
+
+A sync save of CUDA weights and AdamW state loads back bit-exact and writes the same weight files
+as an async save (pinned staging) of the same state, also when the bounce chunks are smaller than
+one run and the optimizer step's kernels are still queued when the save starts.
+"""
+
+import pathlib
+
+import pytest
+import torch
+
+from policyworker.functional.loss import NLLLoss
+from policyworker.shell import checkpoint as ck
+from policyworker.shell.checkpoint import safetensors_io
+from policyworker.shell.worker import PolicyWorker
+
+# the session fixture tiny_model_paths comes from tests/gpu/conftest.py
+from tests.shell.conftest import make_batch, make_config
+
+pytestmark = pytest.mark.gpu
+
+
+def _state(worker):
+    weights = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+    optim = [
+        {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+        for s in worker.optimizer.state_dict()["state"].values()
+    ]
+    return weights, optim
+
+
+def _assert_same_state(a, b):
+    (aw, ao), (bw, bo) = a, b
+    assert aw.keys() == bw.keys() and all(torch.equal(aw[k].cpu(), bw[k].cpu()) for k in aw)
+    assert len(ao) == len(bo)
+    for x, y in zip(ao, bo, strict=True):
+        assert x.keys() == y.keys()
+        assert all(torch.equal(torch.as_tensor(x[k]).cpu(), torch.as_tensor(y[k]).cpu()) for k in x)
+
+
+def _shards(folder: pathlib.Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((folder / "model").glob("*.safetensors"))}
+
+
+@pytest.mark.parametrize("chunk", [None, 4099])
+def test_a_sync_save_of_cuda_state_loads_back_bit_exact_and_matches_an_async_save(
+    tiny_model_paths, tmp_path, monkeypatch, chunk
+):
+    path = tiny_model_paths["qwen2"]
+    worker = PolicyWorker(make_config(path), init_reference_model=False)
+    assert worker.device.type == "cuda"
+    assert worker.train(make_batch(4, 10, seed=5), NLLLoss())["skipped_steps"] == 0
+    torch.cuda.synchronize()
+    want = _state(worker)
+    ck.save_checkpoint(worker.state, tmp_path / "async", tmp_path / "async")
+    ck.finalize_async_save(worker.state)
+    worker.state.saver.release_staging()
+    if chunk is not None:
+        monkeypatch.setattr(safetensors_io, "BOUNCE_BYTES", chunk)
+    sizes: list[int] = []
+    copy_out = safetensors_io._Bounce.copy_out
+    monkeypatch.setattr(
+        safetensors_io._Bounce,
+        "copy_out",
+        lambda self, src, ready: sizes.append(src.numel()) or copy_out(self, src, ready),
+    )
+    ck.save_checkpoint(worker.state, tmp_path / "sync", tmp_path / "sync", is_final_checkpoint=True)
+    monkeypatch.undo()
+    assert sizes and max(sizes) <= safetensors_io.BOUNCE_BYTES if chunk is None else chunk
+    assert worker.state.saver.staging.nbytes == 0  # a sync save keeps no staging buffers
+    shards = _shards(tmp_path / "async")
+    assert shards and _shards(tmp_path / "sync") == shards
+    for name in ("async", "sync"):
+        fresh = PolicyWorker(make_config(path), init_reference_model=False)
+        ck.load_checkpoint(fresh.state, tmp_path / name, tmp_path / name)
+        _assert_same_state(_state(fresh), want)
+
+
+def test_a_sync_save_started_behind_queued_optimizer_kernels_saves_their_result(
+    tiny_model_paths, tmp_path
+):
+    """The writer streams wait on the caller's stream: values written by kernels still queued
+    when the save starts are the ones saved."""
+    path = tiny_model_paths["qwen2"]
+    worker = PolicyWorker(make_config(path), init_reference_model=False)
+    assert worker.train(make_batch(4, 10, seed=6), NLLLoss())["skipped_steps"] == 0
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of queued GPU time before the writes below
+        for p in worker.model.parameters():
+            p.add_(1.0)
+        for s in worker.optimizer.state.values():
+            s["exp_avg"].add_(1.0)
+    ck.save_checkpoint(worker.state, tmp_path / "s", tmp_path / "s", is_final_checkpoint=True)
+    want = _state(worker)
+    fresh = PolicyWorker(make_config(path), init_reference_model=False)
+    ck.load_checkpoint(fresh.state, tmp_path / "s", tmp_path / "s")
+    _assert_same_state(_state(fresh), want)

@@ -1,0 +1,170 @@
+"""Sync saves copy device state out while they write; loads check digests while they read.
+
+A sync save writes the same weight bytes and optimizer state as an async save of the same state,
+also when its runs go through the writers' bounce buffers in chunks smaller than one run. A load
+commits nothing before its concurrent digest checks finished, and a digest failure wins over the
+read error it caused.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import threading
+import time
+
+import pytest
+import torch
+
+from policyworker.functional.loss import NLLLoss
+from policyworker.shell import checkpoint as ck
+from policyworker.shell.checkpoint import digests, safetensors_io
+from policyworker.shell.checkpoint.layout import CheckpointError
+from policyworker.shell.worker import PolicyWorker
+from tests.shell.conftest import make_batch, make_config
+
+
+def _trained(path):
+    worker = PolicyWorker(make_config(path), init_reference_model=False)
+    assert worker.train(make_batch(4, 10, seed=7), NLLLoss())["skipped_steps"] == 0
+    return worker
+
+
+def _shards(folder: pathlib.Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((folder / "model").glob("*.safetensors"))}
+
+
+def _state(worker):
+    weights = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+    optim = [
+        {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+        for s in worker.optimizer.state_dict()["state"].values()
+    ]
+    return weights, optim
+
+
+def _assert_same_state(a, b):
+    (aw, ao), (bw, bo) = a, b
+    assert aw.keys() == bw.keys() and all(torch.equal(aw[k], bw[k]) for k in aw)
+    assert len(ao) == len(bo)
+    for x, y in zip(ao, bo, strict=True):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def _async_then_sync(worker, root: pathlib.Path) -> None:
+    ck.save_checkpoint(worker.state, root / "async", root / "async")
+    ck.finalize_async_save(worker.state)
+    ck.save_checkpoint(worker.state, root / "sync", root / "sync", is_final_checkpoint=True)
+
+
+def _assert_saves_match(path, root: pathlib.Path) -> None:
+    shards = _shards(root / "async")
+    assert shards and _shards(root / "sync") == shards
+    loaded = []
+    for name in ("async", "sync"):
+        fresh = PolicyWorker(make_config(path), init_reference_model=False)
+        ck.load_checkpoint(fresh.state, root / name, root / name)
+        loaded.append(_state(fresh))
+    _assert_same_state(*loaded)
+
+
+def test_a_sync_save_writes_what_an_async_save_of_the_same_state_writes(tiny_model_paths, tmp_path):
+    path = tiny_model_paths["llama"]
+    worker = _trained(path)
+    _async_then_sync(worker, tmp_path)
+    _assert_saves_match(path, tmp_path)
+    _assert_same_state(_state(worker), _state(_loaded(path, tmp_path / "sync")))
+
+
+def _loaded(path, folder):
+    fresh = PolicyWorker(make_config(path), init_reference_model=False)
+    ck.load_checkpoint(fresh.state, folder, folder)
+    return fresh
+
+
+def test_bounce_buffer_chunks_smaller_than_a_run_write_the_same_bytes(
+    tiny_model_paths, tmp_path, monkeypatch
+):
+    """On the CPU, runs go through the bounce path only when told to (`_bounced`); a chunk size
+    that is no multiple of any itemsize splits elements across chunks."""
+    path = tiny_model_paths["llama"]
+    worker = _trained(path)
+    chunk = 1001
+    copied: list[int] = []
+    copy_out = safetensors_io._Bounce.copy_out
+
+    def counting(self, src, ready):
+        assert src.dtype == torch.uint8 and src.numel() <= chunk
+        copied.append(src.numel())
+        return copy_out(self, src, ready)
+
+    ck.save_checkpoint(worker.state, tmp_path / "async", tmp_path / "async")
+    ck.finalize_async_save(worker.state)
+    monkeypatch.setattr(safetensors_io, "BOUNCE_BYTES", chunk)
+    monkeypatch.setattr(safetensors_io, "_bounced", lambda tensor: True)
+    monkeypatch.setattr(safetensors_io._Bounce, "copy_out", counting)
+    ck.save_checkpoint(worker.state, tmp_path / "sync", tmp_path / "sync", is_final_checkpoint=True)
+    monkeypatch.undo()
+    header_bytes = sum(
+        8 + int.from_bytes(blob[:8], "little") for blob in _shards(tmp_path / "sync").values()
+    )
+    data_bytes = sum(len(blob) for blob in _shards(tmp_path / "sync").values()) - header_bytes
+    assert sum(copied) == data_bytes and max(copied) == chunk
+    assert len(copied) > len(worker.model.state_dict())  # runs were split, not copied whole
+    _assert_saves_match(path, tmp_path)
+
+
+def test_a_load_commits_only_after_its_concurrent_digest_checks_passed(
+    tiny_model_paths, tmp_path, monkeypatch
+):
+    path = tiny_model_paths["llama"]
+    _trained(path).save_checkpoint(tmp_path / "w", tmp_path / "o", is_final_checkpoint=True)
+    worker = _trained(path)
+    before = _state(worker)
+    seen = []
+    verify = digests.verify_digests
+
+    def slow_failing(folder):
+        verify(folder)
+        time.sleep(0.3)  # the reads finish first: only the commits are left waiting
+        seen.append((threading.current_thread().name, _unchanged(worker, before)))
+        if pathlib.Path(folder).name == "optim":
+            msg = f"checkpoint file {str(folder)!r} planted digest failure"
+            raise CheckpointError(msg)
+
+    monkeypatch.setattr(digests, "verify_digests", slow_failing)
+    with pytest.raises(CheckpointError, match="planted digest failure"):
+        worker.load_checkpoint(tmp_path / "w", tmp_path / "o")
+    assert len(seen) == 2 and all(unchanged for _, unchanged in seen)
+    assert all(name.startswith("checkpoint-verify") for name, _ in seen)
+    _assert_same_state(_state(worker), before)
+
+
+def _unchanged(worker, before) -> bool:
+    weights = worker.model.state_dict()
+    return all(torch.equal(weights[k], v) for k, v in before[0].items())
+
+
+def test_a_read_that_fails_on_a_corrupted_file_raises_the_digest_error(tiny_model_paths, tmp_path):
+    """An edited safetensors header makes the reader fail too; the digest error names the file
+    and says its bytes changed, which is the cause."""
+    path = tiny_model_paths["llama"]
+    _trained(path).save_checkpoint(tmp_path / "w", tmp_path / "o", is_final_checkpoint=True)
+    shard = max((tmp_path / "w" / "model").glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    raw = bytearray(shard.read_bytes())
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + size])
+    header.pop(next(k for k in header if k != "__metadata__"))  # the reader misses a tensor
+    raw[8 : 8 + size] = json.dumps(header, separators=(",", ":")).encode().ljust(size)
+    shard.write_bytes(bytes(raw))
+    worker = _trained(path)
+    before = _state(worker)
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as patch:
+        patch.setattr(digests, "verify_digests", lambda folder: None)
+        with pytest.raises(CheckpointError) as read_error:
+            worker.load_checkpoint(tmp_path / "w", tmp_path / "o")
+    assert "does not match the digest" not in str(read_error.value)  # the reader fails alone
+    with pytest.raises(CheckpointError, match=rf"{shard}' does not match the digest"):
+        worker.load_checkpoint(tmp_path / "w", tmp_path / "o")
+    _assert_same_state(_state(worker), before)
