@@ -17,7 +17,10 @@ Reported, all against the same folder on the same disk in the same run:
   page cache (`posix_fadvise(DONTNEED)`), GB/s; the loaded weights are checked bit-exact;
 - raw disk read: the same files, evicted the same way, read with `os.read` in 64 MiB blocks
   (the load's physical baseline);
-- load phases, each timed alone on its own (the files evicted before each cold phase): digest
+- sync save of the weights alone (no optimizer): the sync save's split between the HF weights
+  (copied out through the writer threads' bounce buffers) and the optimizer (DCP);
+- with `--load-phases`, load phases, each timed alone (the files evicted before each cold
+  phase): digest
   verification of every folder (cold), the HF weights read into staging (cold, then warm), the
   optimizer read into staging (DCP, no digest check; cold, then warm) and the commits that copy
   the staged values into the model and optimizer. `load_checkpoint` overlaps the verification
@@ -26,6 +29,7 @@ Reported, all against the same folder on the same disk in the same run:
     python bench/checkpoint.py            # on a GPU: prints a table, writes bench_checkpoint.json
     python bench/checkpoint.py --small    # CPU smoke run on a tiny shape (seconds)
     python bench/checkpoint.py --skip-load   # saves only: no digest timing, no cold load
+    python bench/checkpoint.py --load-phases # also each load phase alone (slower: 1.5B > 3 min)
 
 The async saves run first and the JSON is rewritten after each phase, so a run cut short keeps
 what it measured.
@@ -216,6 +220,7 @@ def run(
     root: pathlib.Path,
     *,
     skip_load: bool = False,
+    load_phases: bool = False,
     report: Callable[[dict], None] = lambda _: None,
 ) -> dict:
     worker = _Worker(shape, device, seed=0)
@@ -256,6 +261,8 @@ def run(
         "writer_threads": ck_layout.WRITER_THREADS,
     }
     report(out)
+    out |= _sync_weights_only(worker, root)  # the sync save's split: weights vs optimizer
+    report(out)
     one_writer_s = _one_writer_sync_save(worker, root)
     out |= {"sync_save_one_writer_s": one_writer_s, "sync_save_one_writer_GBps": gb / one_writer_s}
     report(out)
@@ -290,21 +297,34 @@ def run(
         )
     )
     del fresh
-    phases = _load_phases(shape, device, weights, optim, files)
-    return (
-        out
-        | phases
-        | {
-            "load_s": load_s,
-            "load_GBps": gb / load_s,
-            "raw_read_s": raw_read_s,
-            "raw_read_GBps": gb / raw_read_s,
-            "load_exact": exact,
-            "digest_s": digest_s,
-            "digest_share_of_sync_save": digest_s / sync_s,
-            "verify_s": verify_s,
-        }
-    )
+    out |= {
+        "load_s": load_s,
+        "load_GBps": gb / load_s,
+        "raw_read_s": raw_read_s,
+        "raw_read_GBps": gb / raw_read_s,
+        "load_exact": exact,
+        "digest_s": digest_s,
+        "digest_share_of_sync_save": digest_s / sync_s,
+        "verify_s": verify_s,
+    }
+    report(out)
+    if load_phases:
+        out |= _load_phases(shape, device, weights, optim, files)
+    return out
+
+
+def _sync_weights_only(worker: _Worker, root: pathlib.Path) -> dict:
+    """A sync save of the weights alone (no optimizer folder): with the full sync save, where
+    its time goes (HF weights through the bounce buffers vs the optimizer through DCP)."""
+    weights = root / "weights-only"
+    t0 = time.perf_counter()
+    ck.save_checkpoint(worker, weights, None, is_final_checkpoint=True)
+    seconds = time.perf_counter() - t0
+    files = _files(weights)
+    nbytes = sum(f.stat().st_size for f in files)
+    _evict(files)
+    shutil.rmtree(weights)
+    return {"sync_save_weights_only_s": seconds, "sync_save_weights_only_bytes": nbytes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--skip-load", action="store_true", help="saves only (no digest timing, no cold load)"
+    )
+    parser.add_argument(
+        "--load-phases",
+        action="store_true",
+        help="after the load, time its phases one by one (several more passes over the files)",
     )
     parser.add_argument(
         "--shape",
@@ -341,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             device,
             root,
             skip_load=args.skip_load,
+            load_phases=args.load_phases,
             report=report,
         )
     finally:
@@ -357,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             f"sync save, {results['writer_threads']} writers",
             results["sync_save_s"],
             results["sync_save_GBps"],
+        ),
+        (
+            f"  of it: weights only ({results['sync_save_weights_only_bytes'] / 1e9:.1f} GB)",
+            results["sync_save_weights_only_s"],
+            results["sync_save_weights_only_bytes"] / 1e9 / results["sync_save_weights_only_s"],
         ),
         (
             "sync save, 1 writer (baseline)",
