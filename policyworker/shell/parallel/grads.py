@@ -45,21 +45,25 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], ctx: ParallelConte
     Squares are summed over each gradient's local shard, then all-reduced over every mesh dim on
     which it is sharded (Replicate dims are not double counted; Partial grads are reduced first).
     Every rank must pass the same parameters in the same order.
+
+    Each shard's norm comes from `torch._foreach_norm` (in fp32 for any gradient dtype, a few
+    multi-tensor kernels for all gradients, as torch's own `get_total_norm`); they are squared
+    and summed in float64. One kernel chain per gradient in float64 (the former way) read and
+    wrote every gradient several times over and launched ~4 kernels per parameter.
     """
-    sums: dict[tuple[int, ...], list[Any]] = {}
+    locals_by_groups: dict[tuple[int, ...], tuple[tuple[Any, ...], list[torch.Tensor]]] = {}
     device = ctx.device
     for param in parameters:
         if param.grad is None:
             continue
         groups, local = _reduce_groups(param.grad)
         key = tuple(id(g) for g in groups)
-        entry = sums.setdefault(
-            key, [groups, torch.zeros((), dtype=torch.float64, device=local.device)]
-        )
-        entry[1] = entry[1] + local.detach().double().pow(2).sum()
+        locals_by_groups.setdefault(key, (groups, []))[1].append(local.detach())
         device = local.device
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for groups, square_sum in sums.values():
+    for groups, grads in locals_by_groups.values():
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)  # pyright: ignore[reportPrivateImportUsage]
+        square_sum = torch.stack([n.to(grads[0].device) for n in norms]).double().pow(2).sum()
         for group in groups:
             dist.all_reduce(square_sum, op=dist.ReduceOp.SUM, group=group)
         total = total + square_sum.to(device)
@@ -78,9 +82,11 @@ def clip_grads_(
     if not math.isfinite(norm):
         return total_norm
     coef = min(1.0, max_norm / (norm + 1e-6))
-    if coef < 1.0:
-        for param in parameters:
-            if param.grad is not None:
-                grad = param.grad
-                (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coef)
+    grads = [
+        p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        for p in parameters
+        if p.grad is not None
+    ]
+    if coef < 1.0 and grads:  # one multi-tensor kernel per device and dtype
+        torch._foreach_mul_(grads, coef)  # pyright: ignore[reportPrivateImportUsage]
     return total_norm
