@@ -122,7 +122,8 @@ def train(
         state.optimizer.zero_grad(set_to_none=True)
     if stepped and state.scheduler is not None:
         state.scheduler.step()
-    state.empty_cache()
+    if state.cfg.dtensor_cfg.release_cache_after_train:  # NeMo-RL's behaviour; see the config
+        state.empty_cache()
     global_loss = state.parallel.all_reduce(
         torch.tensor(losses, dtype=torch.float32, device=state.parallel._collective_device()),
         axis="dp",

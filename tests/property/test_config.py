@@ -158,6 +158,7 @@ def policy_configs(draw) -> PolicyConfig:
         cpu_offload=draw(st.booleans()),
         lora_cfg=draw(optional(lora_configs())),
         attn_implementation=draw(one_of_literal(AttnImplementation)),
+        release_cache_after_train=draw(st.booleans()),
     )
     reward_cfg = RewardModelConfig(reward_model_type=draw(one_of_literal(RewardModelType)))
     return PolicyConfig(

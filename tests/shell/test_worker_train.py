@@ -226,3 +226,13 @@ def test_dummy_microbatches_change_neither_loss_nor_update_nor_outputs(tiny_mode
     assert len(a["all_mb_metrics"]["loss"]) == len(b["all_mb_metrics"]["loss"])
     assert _same_state(_state(plain), _state(padded))
     assert torch.equal(plain.get_logprobs(data)["logprobs"], padded.get_logprobs(data)["logprobs"])
+
+
+@pytest.mark.parametrize("release", [False, True])
+def test_train_returns_the_cuda_cache_only_when_configured(tiny_model_paths, monkeypatch, release):
+    cfg = make_config(tiny_model_paths["llama"], dtensor_cfg={"release_cache_after_train": release})
+    worker = PolicyWorker(cfg, init_reference_model=False)
+    calls = []
+    monkeypatch.setattr(type(worker.state), "empty_cache", lambda _: calls.append("empty_cache"))
+    worker.train(make_batch(4, 10, seed=14), NLLLoss())
+    assert calls == (["empty_cache"] if release else [])
