@@ -1,4 +1,5 @@
-"""Helpers shared by the shell tests: tiny MoE configs and a JSON-commanded child process."""
+"""Helpers shared by the shell tests: tiny MoE configs, a JSON-commanded child process, and a
+worker's checkpointed state for comparing saves."""
 
 from __future__ import annotations
 
@@ -254,3 +255,36 @@ def hf_built_dtype(config, name: str, dtype):
 
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.state_dict()[name].dtype
+
+
+def checkpoint_state(worker):
+    """(weights, per-parameter optimizer state) of a worker or its state, cloned, as a save
+    holds them."""
+    import torch
+
+    weights = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+    optim = [
+        {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+        for s in worker.optimizer.state_dict()["state"].values()
+    ]
+    return weights, optim
+
+
+def assert_same_checkpoint_state(a, b) -> None:
+    """Two `checkpoint_state`s are bit-identical (compared on the CPU, any device)."""
+    import torch
+
+    (aw, ao), (bw, bo) = a, b
+    assert aw.keys() == bw.keys() and all(torch.equal(aw[k].cpu(), bw[k].cpu()) for k in aw)
+    assert len(ao) == len(bo)
+    for x, y in zip(ao, bo, strict=True):
+        assert x.keys() == y.keys()
+        assert all(torch.equal(torch.as_tensor(x[k]).cpu(), torch.as_tensor(y[k]).cpu()) for k in x)
+
+
+def safetensors_shards(folder) -> dict[str, bytes]:
+    """The bytes of each weight shard under `folder`/model, by file name."""
+    import pathlib
+
+    model = pathlib.Path(folder) / "model"
+    return {p.name: p.read_bytes() for p in sorted(model.glob("*.safetensors"))}

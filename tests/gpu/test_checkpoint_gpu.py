@@ -5,8 +5,6 @@ as an async save (pinned staging) of the same state, also when the bounce chunks
 one run and the optimizer step's kernels are still queued when the save starts.
 """
 
-import pathlib
-
 import pytest
 import torch
 
@@ -16,31 +14,10 @@ from policyworker.shell.checkpoint import safetensors_io
 from policyworker.shell.worker import PolicyWorker
 
 # the session fixture tiny_model_paths comes from tests/gpu/conftest.py
+from tests.helpers import assert_same_checkpoint_state, checkpoint_state, safetensors_shards
 from tests.shell.conftest import make_batch, make_config
 
 pytestmark = pytest.mark.gpu
-
-
-def _state(worker):
-    weights = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
-    optim = [
-        {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-        for s in worker.optimizer.state_dict()["state"].values()
-    ]
-    return weights, optim
-
-
-def _assert_same_state(a, b):
-    (aw, ao), (bw, bo) = a, b
-    assert aw.keys() == bw.keys() and all(torch.equal(aw[k].cpu(), bw[k].cpu()) for k in aw)
-    assert len(ao) == len(bo)
-    for x, y in zip(ao, bo, strict=True):
-        assert x.keys() == y.keys()
-        assert all(torch.equal(torch.as_tensor(x[k]).cpu(), torch.as_tensor(y[k]).cpu()) for k in x)
-
-
-def _shards(folder: pathlib.Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted((folder / "model").glob("*.safetensors"))}
 
 
 @pytest.mark.parametrize("chunk", [None, 4099])
@@ -52,7 +29,7 @@ def test_a_sync_save_of_cuda_state_loads_back_bit_exact_and_matches_an_async_sav
     assert worker.device.type == "cuda"
     assert worker.train(make_batch(4, 10, seed=5), NLLLoss())["skipped_steps"] == 0
     torch.cuda.synchronize()
-    want = _state(worker)
+    want = checkpoint_state(worker)
     ck.save_checkpoint(worker.state, tmp_path / "async", tmp_path / "async")
     ck.finalize_async_save(worker.state)
     worker.state.saver.release_staging()
@@ -69,12 +46,12 @@ def test_a_sync_save_of_cuda_state_loads_back_bit_exact_and_matches_an_async_sav
     monkeypatch.undo()
     assert sizes and max(sizes) <= safetensors_io.BOUNCE_BYTES if chunk is None else chunk
     assert worker.state.saver.staging.nbytes == 0  # a sync save keeps no staging buffers
-    shards = _shards(tmp_path / "async")
-    assert shards and _shards(tmp_path / "sync") == shards
+    shards = safetensors_shards(tmp_path / "async")
+    assert shards and safetensors_shards(tmp_path / "sync") == shards
     for name in ("async", "sync"):
         fresh = PolicyWorker(make_config(path), init_reference_model=False)
         ck.load_checkpoint(fresh.state, tmp_path / name, tmp_path / name)
-        _assert_same_state(_state(fresh), want)
+        assert_same_checkpoint_state(checkpoint_state(fresh), want)
 
 
 def test_a_sync_save_started_behind_queued_optimizer_kernels_saves_their_result(
@@ -93,7 +70,7 @@ def test_a_sync_save_started_behind_queued_optimizer_kernels_saves_their_result(
         for s in worker.optimizer.state.values():
             s["exp_avg"].add_(1.0)
     ck.save_checkpoint(worker.state, tmp_path / "s", tmp_path / "s", is_final_checkpoint=True)
-    want = _state(worker)
+    want = checkpoint_state(worker)
     fresh = PolicyWorker(make_config(path), init_reference_model=False)
     ck.load_checkpoint(fresh.state, tmp_path / "s", tmp_path / "s")
-    _assert_same_state(_state(fresh), want)
+    assert_same_checkpoint_state(checkpoint_state(fresh), want)

@@ -21,6 +21,7 @@ from policyworker.shell import checkpoint as ck
 from policyworker.shell.checkpoint import digests, safetensors_io
 from policyworker.shell.checkpoint.layout import CheckpointError
 from policyworker.shell.worker import PolicyWorker
+from tests.helpers import assert_same_checkpoint_state, checkpoint_state, safetensors_shards
 from tests.shell.conftest import make_batch, make_config
 
 
@@ -30,27 +31,6 @@ def _trained(path):
     return worker
 
 
-def _shards(folder: pathlib.Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted((folder / "model").glob("*.safetensors"))}
-
-
-def _state(worker):
-    weights = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
-    optim = [
-        {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-        for s in worker.optimizer.state_dict()["state"].values()
-    ]
-    return weights, optim
-
-
-def _assert_same_state(a, b):
-    (aw, ao), (bw, bo) = a, b
-    assert aw.keys() == bw.keys() and all(torch.equal(aw[k], bw[k]) for k in aw)
-    assert len(ao) == len(bo)
-    for x, y in zip(ao, bo, strict=True):
-        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-
-
 def _async_then_sync(worker, root: pathlib.Path) -> None:
     ck.save_checkpoint(worker.state, root / "async", root / "async")
     ck.finalize_async_save(worker.state)
@@ -58,14 +38,14 @@ def _async_then_sync(worker, root: pathlib.Path) -> None:
 
 
 def _assert_saves_match(path, root: pathlib.Path) -> None:
-    shards = _shards(root / "async")
-    assert shards and _shards(root / "sync") == shards
+    shards = safetensors_shards(root / "async")
+    assert shards and safetensors_shards(root / "sync") == shards
     loaded = []
     for name in ("async", "sync"):
         fresh = PolicyWorker(make_config(path), init_reference_model=False)
         ck.load_checkpoint(fresh.state, root / name, root / name)
-        loaded.append(_state(fresh))
-    _assert_same_state(*loaded)
+        loaded.append(checkpoint_state(fresh))
+    assert_same_checkpoint_state(*loaded)
 
 
 def test_a_sync_save_writes_what_an_async_save_of_the_same_state_writes(tiny_model_paths, tmp_path):
@@ -73,7 +53,9 @@ def test_a_sync_save_writes_what_an_async_save_of_the_same_state_writes(tiny_mod
     worker = _trained(path)
     _async_then_sync(worker, tmp_path)
     _assert_saves_match(path, tmp_path)
-    _assert_same_state(_state(worker), _state(_loaded(path, tmp_path / "sync")))
+    assert_same_checkpoint_state(
+        checkpoint_state(worker), checkpoint_state(_loaded(path, tmp_path / "sync"))
+    )
 
 
 def _loaded(path, folder):
@@ -106,9 +88,12 @@ def test_bounce_buffer_chunks_smaller_than_a_run_write_the_same_bytes(
     ck.save_checkpoint(worker.state, tmp_path / "sync", tmp_path / "sync", is_final_checkpoint=True)
     monkeypatch.undo()
     header_bytes = sum(
-        8 + int.from_bytes(blob[:8], "little") for blob in _shards(tmp_path / "sync").values()
+        8 + int.from_bytes(blob[:8], "little")
+        for blob in safetensors_shards(tmp_path / "sync").values()
     )
-    data_bytes = sum(len(blob) for blob in _shards(tmp_path / "sync").values()) - header_bytes
+    data_bytes = (
+        sum(len(blob) for blob in safetensors_shards(tmp_path / "sync").values()) - header_bytes
+    )
     assert sum(copied) == data_bytes and max(copied) == chunk
     assert len(copied) > len(worker.model.state_dict())  # runs were split, not copied whole
     _assert_saves_match(path, tmp_path)
@@ -120,7 +105,7 @@ def test_a_load_commits_only_after_its_concurrent_digest_checks_passed(
     path = tiny_model_paths["llama"]
     _trained(path).save_checkpoint(tmp_path / "w", tmp_path / "o", is_final_checkpoint=True)
     worker = _trained(path)
-    before = _state(worker)
+    before = checkpoint_state(worker)
     seen = []
     verify = digests.verify_digests
 
@@ -137,7 +122,7 @@ def test_a_load_commits_only_after_its_concurrent_digest_checks_passed(
         worker.load_checkpoint(tmp_path / "w", tmp_path / "o")
     assert len(seen) == 2 and all(unchanged for _, unchanged in seen)
     assert all(name.startswith("checkpoint-verify") for name, _ in seen)
-    _assert_same_state(_state(worker), before)
+    assert_same_checkpoint_state(checkpoint_state(worker), before)
 
 
 def _unchanged(worker, before) -> bool:
@@ -158,7 +143,7 @@ def test_a_read_that_fails_on_a_corrupted_file_raises_the_digest_error(tiny_mode
     raw[8 : 8 + size] = json.dumps(header, separators=(",", ":")).encode().ljust(size)
     shard.write_bytes(bytes(raw))
     worker = _trained(path)
-    before = _state(worker)
+    before = checkpoint_state(worker)
     monkeypatch = pytest.MonkeyPatch()
     with monkeypatch.context() as patch:
         patch.setattr(digests, "verify_digests", lambda folder: None)
@@ -167,4 +152,4 @@ def test_a_read_that_fails_on_a_corrupted_file_raises_the_digest_error(tiny_mode
     assert "does not match the digest" not in str(read_error.value)  # the reader fails alone
     with pytest.raises(CheckpointError, match=rf"{shard}' does not match the digest"):
         worker.load_checkpoint(tmp_path / "w", tmp_path / "o")
-    _assert_same_state(_state(worker), before)
+    assert_same_checkpoint_state(checkpoint_state(worker), before)
