@@ -6,6 +6,10 @@ through `policyworker.functional.lora.merge_lora_weight`). Order of use in the w
 `apply_lora(model, cfg)` (before TP and FSDP2) -> `parallelize_module(model, mesh,
 lora_tp_plan(plan))` (`shell.lora_tp`) -> `fully_shard` -> optimizer over
 `lora_parameters(model)`. The PEFT adapter folder (export/import) is `shell.peft_adapter`.
+
+Why it is over 400 lines: `LinearLoRA` has two forward paths (the general one, and the one
+that folds the adapter into the base layer's autocast dtype) next to its construction, and the
+settings and injection that build it sit with the class they configure.
 """
 
 import math
@@ -239,12 +243,14 @@ class LinearLoRA(nn.Linear):
 
     # nn.Linear calls its argument `input` (a builtin name); every caller passes it positionally
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # pyright: ignore[reportIncompatibleMethodOverride]
-        base = F.linear(x, self.weight, self.bias)
-        h = self.dropout(x) if self.dropout_position == "pre" else x
         a, b = self.lora_A.weight, self.lora_B.weight
         acc = self.compute_dtype or torch.promote_types(
             torch.promote_types(a.dtype, b.dtype), torch.float32
         )
+        if self._adapter_in_autocast_dtype(x, acc):
+            return self._forward_in_autocast_dtype(x, a, b, acc)
+        base = F.linear(x, self.weight, self.bias)
+        h = self.dropout(x) if self.dropout_position == "pre" else x
         # fp32 adapters: a bf16 autocast would otherwise run both small matmuls in bf16. The scale
         # multiplies the [.., R] intermediate, not the [.., O] output: one full pass less.
         with torch.autocast(device_type=x.device.type, enabled=False):
@@ -252,6 +258,38 @@ class LinearLoRA(nn.Linear):
         if self.dropout_position == "post":
             delta = self.dropout(delta)
         return base + delta.to(base.dtype)
+
+    def _adapter_in_autocast_dtype(self, x: torch.Tensor, acc: torch.dtype) -> bool:
+        """Whether the adapter computes in the dtype autocast gives the base layer (bf16 adapters
+        under bf16 autocast, the CUDA default), on plain tensors (TP shards keep the general
+        path), with no dropout on the adapter's output (that needs the delta on its own)."""
+        device = x.device.type
+        return (
+            torch.is_autocast_enabled(device)
+            and torch.get_autocast_dtype(device) == acc
+            and not isinstance(self.weight, DTensor)
+            and not (self.dropout_position == "post" and not isinstance(self.dropout, nn.Identity))
+        )
+
+    def _forward_in_autocast_dtype(
+        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, acc: torch.dtype
+    ) -> torch.Tensor:
+        """``base + scale * (h A^T) B^T`` with the memory passes of the general path folded away:
+        `x` is cast once for the base layer and the adapter (autocast would cast it again for
+        each, and backward would cast and add two fp32 input gradients), and the up-projection
+        adds onto the base output inside its GEMM (addmm, `alpha=scale`) instead of a separate
+        pass over the [.., O] output."""
+        x_c = x.to(acc)
+        base = F.linear(x_c, self.weight, self.bias)
+        h = self.dropout(x_c) if self.dropout_position == "pre" else x_c
+        down = F.linear(h, a.to(acc))
+        out = torch.addmm(
+            base.reshape(-1, base.shape[-1]),
+            down.reshape(-1, down.shape[-1]),
+            b.to(acc).t(),
+            alpha=self.scale,
+        )
+        return out.reshape(base.shape)
 
     def extra_repr(self) -> str:
         return (

@@ -550,3 +550,66 @@ def test_merge_with_bf16_compute_is_the_exact_fp32_merge(model_dir):
         w64 = state_fast[f"{name}.weight"].double()
         a64, b64 = m.lora_A.weight.double(), m.lora_B.weight.double()
         torch.testing.assert_close(merged, (w64 + m.scale * b64 @ a64).float())
+
+
+@pytest.mark.parametrize(
+    ("dropout", "position"), [(0.0, "pre"), (0.3, "pre"), (0.0, "post"), (0.3, "post")]
+)
+def test_bf16_adapters_under_bf16_autocast_match_the_general_formula(dropout, position):
+    """Under autocast in the adapter's dtype the forward casts the input once and adds the
+    up-projection inside an addmm; values and gradients stay those of base + scale * (h A^T) B^T
+    computed op by op (within bf16 rounding)."""
+    torch.manual_seed(0)
+    base = nn.Linear(24, 40)
+    lora = LinearLoRA.from_linear(
+        base, dim=4, alpha=8.0, dropout=dropout, dropout_position=position,
+        compute_dtype=torch.bfloat16,
+    )  # fmt: skip
+    with torch.no_grad():
+        lora.lora_B.weight.normal_()
+    x = torch.randn(3, 5, 24, requires_grad=True)
+
+    def run(module_forward):
+        torch.manual_seed(1)  # the same dropout mask in both runs
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module_forward(x)
+        grads = torch.autograd.grad(
+            out.float().square().sum(), [x, lora.lora_A.weight, lora.lora_B.weight]
+        )
+        return out, grads
+
+    def general(inp):
+        bf = torch.bfloat16
+        h = lora.dropout(inp) if position == "pre" else inp
+        delta = F.linear(
+            F.linear(h.to(bf), lora.lora_A.weight.to(bf)) * lora.scale, lora.lora_B.weight.to(bf)
+        )
+        if position == "post":
+            delta = lora.dropout(delta)
+        return F.linear(inp, lora.weight, lora.bias) + delta
+
+    out, grads = run(lora)
+    want, want_grads = run(general)
+    assert out.dtype == want.dtype == torch.bfloat16 and out.shape == (3, 5, 40)
+    torch.testing.assert_close(out.float(), want.float(), atol=0.1, rtol=0.02)
+    for got, ref in zip(grads, want_grads, strict=True):  # sums of products: compare as a whole
+        assert float((got.float() - ref.float()).norm() / ref.float().norm()) < 0.02
+
+
+def test_the_folded_path_runs_only_under_autocast_in_the_adapter_dtype(monkeypatch):
+    lora = LinearLoRA.from_linear(nn.Linear(8, 6), dim=2, alpha=2.0, compute_dtype=torch.bfloat16)
+    folded = []
+    original = LinearLoRA._forward_in_autocast_dtype
+    monkeypatch.setattr(
+        LinearLoRA,
+        "_forward_in_autocast_dtype",
+        lambda self, *a: folded.append(True) or original(self, *a),
+    )
+    x = torch.randn(2, 8)
+    lora(x)  # no autocast: the general path (fp32 base, bf16 adapter)
+    with torch.autocast("cpu", dtype=torch.float16):
+        lora(x)  # autocast in another dtype
+    assert folded == []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lora(x)
+    assert folded == [True]
