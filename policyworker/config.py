@@ -282,8 +282,10 @@ class LoRAConfig:
     this worker has no Triton kernel. `compute_dtype` (not a NeMo-RL key) is the dtype of the
     adapter matmuls; the adapter parameters and the refit/export merge stay fp32 whatever it
     says. `auto` means bfloat16 on CUDA when the base layers compute in bfloat16 (bf16 weights or
-    `precision: bfloat16` autocast over fp32 master weights), float32 otherwise. (Automodel's
-    `lora_dtype` is a different thing: the adapters' storage dtype.)"""
+    `precision: bfloat16` autocast over fp32 master weights), float32 otherwise. When it equals
+    the autocast dtype, the adapter shares the base layer's cast input and adds its output inside
+    the up-projection's GEMM. (Automodel's `lora_dtype` is a different thing: the adapters'
+    storage dtype.)"""
 
     target_modules: tuple[str, ...] = field(default=(), validator=_MODULE_PATTERNS)
     exclude_modules: tuple[str, ...] = field(default=(), validator=_MODULE_PATTERNS)
