@@ -200,7 +200,7 @@ def collect_info() -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     count = torch.cuda.device_count() if cuda else 0
     devices = [torch.cuda.get_device_name(i) for i in range(count)]
-    varlen_imports = _can_import("torch.nn.attention.varlen")
+    flash_built = torch.backends.cuda.is_flash_attention_available()
     zmq_version = libzmq = None
     if _can_import("zmq"):
         import zmq
@@ -225,8 +225,8 @@ def collect_info() -> dict[str, Any]:
         },
         "attention": {
             "sdpa": hasattr(torch.nn.functional, "scaled_dot_product_attention"),
-            "varlen": varlen_imports and cuda,
-            "varlen_module": varlen_imports,
+            "varlen": flash_built and cuda,
+            "flash_built": flash_built,
             "flex_attention": _can_import("torch.nn.attention.flex_attention"),
             "flash_attn_package": _can_import("flash_attn"),
         },
@@ -252,7 +252,7 @@ def format_info(info: dict[str, Any]) -> str:
         if d["cuda_count"]
         else "no CUDA device"
     )
-    varlen_note = "needs CUDA" if a["varlen_module"] else "torch.nn.attention.varlen missing"
+    varlen_note = "needs CUDA" if a["flash_built"] else "torch built without flash attention"
     flex_note = "" if d["cuda_count"] else "forward only on CPU"
     zmq_note = f"pyzmq {v['pyzmq']}, libzmq {t['libzmq']}" if t["zmq"] else "pip install pyzmq"
     lines = [
