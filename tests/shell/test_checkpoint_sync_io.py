@@ -1,9 +1,10 @@
 """Sync saves copy device state out while they write; loads check digests while they read.
 
 A sync save writes the same weight bytes and optimizer state as an async save of the same state,
-also when its runs go through the writers' bounce buffers in chunks smaller than one run. A load
-commits nothing before its concurrent digest checks finished, and a digest failure wins over the
-read error it caused.
+also when its runs go through the writers' bounce buffers in chunks smaller than one run; the
+folders of a save are written side by side. A load reads weight files on several threads, commits
+nothing before its concurrent digest checks finished, and a digest failure wins over the read
+error it caused.
 """
 
 from __future__ import annotations
@@ -153,3 +154,69 @@ def test_a_read_that_fails_on_a_corrupted_file_raises_the_digest_error(tiny_mode
     with pytest.raises(CheckpointError, match=rf"{shard}' does not match the digest"):
         worker.load_checkpoint(tmp_path / "w", tmp_path / "o")
     assert_same_checkpoint_state(checkpoint_state(worker), before)
+
+
+def test_the_folders_of_a_save_are_written_side_by_side_and_the_first_jobs_error_wins():
+    """Jobs that each wait for all the others finish only when they run at once; a failure is
+    raised after every job ended, the first job's when several fail."""
+    from policyworker.shell.checkpoint.saver import run_jobs_concurrently
+
+    ended = []
+
+    def job(name, all_running, error=None):
+        def run():
+            all_running.wait()
+            time.sleep(0.05 if error is None else 0)  # the failing jobs end first
+            ended.append(name)
+            if error is not None:
+                raise error
+
+        return run
+
+    two = threading.Barrier(2, timeout=10)
+    run_jobs_concurrently([job("weights", two), job("optimizer", two)])
+    assert sorted(ended) == ["optimizer", "weights"]
+    ended.clear()
+    three = threading.Barrier(3, timeout=10)
+    jobs = [
+        job("weights", three, OSError("disk full (weights)")),
+        job("reference", three),
+        job("optimizer", three, OSError("disk full (optimizer)")),
+    ]
+    with pytest.raises(OSError, match=r"\(weights\)"):
+        run_jobs_concurrently(jobs)
+    assert sorted(ended) == ["optimizer", "reference", "weights"]
+
+
+def test_a_load_reads_several_weight_files_on_several_threads_into_the_same_state(
+    tiny_model_paths, tmp_path, monkeypatch
+):
+    import safetensors
+
+    path = tiny_model_paths["llama"]
+    worker = _trained(path)
+    total = sum(t.nbytes for t in worker.model.state_dict().values())
+    job = safetensors_io.save_hf_weights(
+        worker.model, tmp_path / "model", parallel=worker.state.parallel, max_file_bytes=total // 4
+    )
+    job()
+    files = sorted((tmp_path / "model").glob("*.safetensors"))
+    assert len(files) >= 3
+    readers: dict[str, set[str]] = {}
+    safe_open = safetensors.safe_open
+
+    def recording(file, *args, **kwargs):
+        readers.setdefault(threading.current_thread().name, set()).add(pathlib.Path(file).name)
+        time.sleep(0.05)  # every file is opened before the first read ends
+        return safe_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", recording)
+    fresh = PolicyWorker(make_config(path), init_reference_model=False)
+    commit = safetensors_io.load_hf_weights(
+        fresh.model, tmp_path / "model", parallel=fresh.state.parallel
+    )
+    commit()
+    assert len(readers) >= 2 and all(n.startswith("checkpoint-read") for n in readers)
+    assert set().union(*readers.values()) == {f.name for f in files}
+    want, got = worker.model.state_dict(), fresh.model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

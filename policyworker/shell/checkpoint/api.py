@@ -29,9 +29,11 @@ record. A crash after the record is rolled forward by the next load or save
 A sync save (`is_final_checkpoint=True`) stages nothing: its writer threads copy device state
 out as they write (see `saver`), so copies and disk writes overlap and no memory is kept.
 
-A load checks every folder's digests in background threads while it reads the same files into
-staging, then commits (`_load`): the files stream through the page cache once, and the worker
-changes only after every read and every check passed.
+A save writes its folders side by side (`saver.run_jobs_concurrently`). A load checks every
+folder's digests in background threads while it reads the same files into staging (the
+safetensors files on several threads, beside the optimizer's DCP read), then commits (`_load`):
+the files stream through the page cache once, and the worker changes only after every read and
+every check passed.
 
 Why it is over 400 lines: it is the worker-level sequence of both directions, save and load,
 over every folder kind (weights, reference, optimizer, tokenizer, extra folders); each function
@@ -45,6 +47,7 @@ import contextlib
 import os
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import torch
@@ -345,10 +348,17 @@ def _read(
     load_weights: bool,
     group: Any,
 ) -> list[Callable[[], object]]:
-    """Validate and read every folder into staging (digests unchecked); returns the commits."""
+    """Validate and read every folder into staging (digests unchecked); returns the commits.
+
+    The safetensors reads (weights, reference) run on a thread beside the DCP reads on this one
+    (optimizer; DCP-format weights), so the disk serves both folders at once; they use no
+    collectives, so the process group sees only DCP's, in the same order on every rank. When
+    both fail, the weights' error is raised, as when they were read first.
+    """
     saver, parallel = owner.saver, owner.parallel
     commits: list[Callable[[], object]] = []
-    weights_id = None
+    file_reads: list[Callable[[], Callable[[], object]]] = []
+    weights_id, dcp_weights, reads_reference = None, None, False
     if weights_path is not None:
         folder = _model_folder(weights_path)
         fmt = detect_weights_format(weights_path)
@@ -362,9 +372,9 @@ def _read(
             raise CheckpointError(msg)
         weights_id = _manifest_id(folder)
         if load_weights and fmt == "safetensors":
-            commits.append(load_hf_weights(owner.model, folder, parallel=parallel))
+            file_reads.append(lambda: load_hf_weights(owner.model, folder, parallel=parallel))
         elif load_weights and fmt == "dcp":
-            commits.append(_load_dcp_weights(owner.model, folder, group=group))
+            dcp_weights = folder
         elif load_weights:
             from policyworker.shell.peft_adapter import load_peft_adapter
 
@@ -372,34 +382,69 @@ def _read(
         ref_folder = folder.parent / REFERENCE_DIR if folder.name == MODEL_DIR else None
         ref = owner.reference_state
         if ref is not None and ref_folder is not None and ref_folder.is_dir():
-            commits.append(load_hf_weights(owner.model, ref_folder, parallel=parallel, state=ref))
-            saver.last_reference = None
-    if optimizer_path is not None:
-        if owner.optimizer is None:
-            msg = (
-                "load_checkpoint(optimizer_path=...) but the worker has no optimizer "
-                "(init_optimizer=False); pass optimizer_path=None"
+            file_reads.append(
+                lambda: load_hf_weights(owner.model, ref_folder, parallel=parallel, state=ref)
             )
-            raise ValueError(msg)
-        commit = load_optimizer(
-            owner.optimizer,
-            owner.scheduler,
-            optimizer_path,
-            model=owner.model,
-            parallel=parallel,
-            group=group,
-            verify=False,  # checked by _load, concurrently with this read
+            reads_reference = True
+    if optimizer_path is not None and owner.optimizer is None:
+        msg = (
+            "load_checkpoint(optimizer_path=...) but the worker has no optimizer "
+            "(init_optimizer=False); pass optimizer_path=None"
         )
-        saved_id = getattr(commit, "checkpoint_id", None)
-        if weights_id is not None and saved_id is not None and saved_id != weights_id:
-            msg = (
-                f"weights {str(weights_path)!r} (checkpoint id {weights_id}) and optimizer "
-                f"{str(optimizer_path)!r} (id {saved_id}) come from different saves; pass the "
-                f"optimizer_path saved together with these weights"
-            )
-            raise CheckpointError(msg)
-        commits.append(commit)
-    return commits
+        raise ValueError(msg)
+    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-read") as pool:
+        file_commits = pool.submit(lambda: [read() for read in file_reads])
+        try:
+            if dcp_weights is not None:
+                commits.append(_load_dcp_weights(owner.model, dcp_weights, group=group))
+            if optimizer_path is not None:
+                commits.append(
+                    _read_optimizer(owner, optimizer_path, weights_path, weights_id, group=group)
+                )
+        except (Exception, CheckpointException):  # DCP's is a BaseException
+            _raise_if_failed(file_commits)
+            raise
+    read_commits = file_commits.result()
+    if reads_reference:  # the next save writes the reference instead of linking the old files
+        saver.last_reference = None
+    return read_commits + commits
+
+
+def _raise_if_failed(future: Future[Any]) -> None:
+    """Wait for `future`; raise its error, if it failed (it wins over the caller's own)."""
+    error = future.exception()
+    if error is not None:
+        raise error
+
+
+def _read_optimizer(
+    owner: CheckpointOwner,
+    optimizer_path: Any,
+    weights_path: Any,
+    weights_id: str | None,
+    *,
+    group: Any,
+) -> Callable[[], object]:
+    """Read the optimizer folder (DCP) into staging; refuse one from another save's weights."""
+    assert owner.optimizer is not None  # _read checked
+    commit = load_optimizer(
+        owner.optimizer,
+        owner.scheduler,
+        optimizer_path,
+        model=owner.model,
+        parallel=owner.parallel,
+        group=group,
+        verify=False,  # checked by _load, concurrently with this read
+    )
+    saved_id = getattr(commit, "checkpoint_id", None)
+    if weights_id is not None and saved_id is not None and saved_id != weights_id:
+        msg = (
+            f"weights {str(weights_path)!r} (checkpoint id {weights_id}) and optimizer "
+            f"{str(optimizer_path)!r} (id {saved_id}) come from different saves; pass the "
+            f"optimizer_path saved together with these weights"
+        )
+        raise CheckpointError(msg)
+    return commit
 
 
 def load_checkpoint(

@@ -316,7 +316,10 @@ def load_optimizer(
         request[f"rng_rank{rank}"] = io.BytesIO()
     has_optim = any(k.startswith("optim.") for k in keys)
     if has_optim:
+        fresh = not optimizer.state
         live = get_optimizer_state_dict(model, optimizer)
+        if fresh:  # that initialised the state (a zero-lr step); the worker changes at commit only
+            optimizer.state.clear()
         _require_same_parameters(folder, keys, live)
         request["optim"] = _tree_map(live, _empty_like)
     with warnings.catch_warnings():

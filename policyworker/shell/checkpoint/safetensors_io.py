@@ -389,27 +389,31 @@ def load_hf_weights(
         for k, loc in locals_.items()
         if k in in_layout
     }
-    handles: dict[pathlib.Path, Any] = {}
-    try:
-        for t in layout:
-            loc, file = locals_[t.key], found[t.name][0]
+    by_file: dict[pathlib.Path, list[Any]] = {}
+    for t in layout:
+        if intersect_boxes(t.box, locals_[t.key].box) is not None:
+            by_file.setdefault(found[t.name][0], []).append(t)
+
+    def read_file(file: pathlib.Path) -> None:
+        handle = safe_open(str(file), framework="pt")
+        for t in by_file[file]:
+            loc = locals_[t.key]
             sub = intersect_boxes(t.box, loc.box)
-            if sub is None:
-                continue
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt")
+            assert sub is not None  # by_file holds only the boxes this rank covers
             squeeze = len(t.box) - len(t.shape)
             src = tuple(
                 slice(a - b0, b - b0)
                 for (a, b), (b0, _) in zip(sub[squeeze:], t.box[squeeze:], strict=True)
             )
-            block = (
-                handles[file].get_slice(t.name)[src] if src else handles[file].get_tensor(t.name)
-            )
+            block = handle.get_slice(t.name)[src] if src else handle.get_tensor(t.name)
             dst = tuple(slice(a - lb, b - lb) for (a, b), (lb, _) in zip(sub, loc.box, strict=True))
             staging[t.key][dst] = block.reshape(staging[t.key][dst].shape)
-    finally:
-        handles.clear()
+
+    # one file per thread: a cold read keeps several disk requests in flight (the copies out of
+    # the mapped file release the GIL); the boxes are disjoint, so the staging writes never meet
+    threads = max(1, min(checkpoint_layout_settings.WRITER_THREADS, len(by_file)))
+    with ThreadPoolExecutor(threads, thread_name_prefix="checkpoint-read") as pool:
+        list(pool.map(read_file, sorted(by_file)))
     target = live if state is None else state
 
     # Keys outside the layout (a tied lm_head) alias a loaded tensor: fill them from it.

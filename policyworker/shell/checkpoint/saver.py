@@ -15,6 +15,8 @@ state is copied out by the writer threads while they write, overlapping the disk
 chunk by chunk through a small page-locked bounce buffer per writer thread (freed when the
 writes end; `safetensors_io`), the optimizer one tensor at a time by DCP's writer threads
 (`dcp._sync_save_state`).
+The folders of one save (weights, reference, optimizer, extra folders) are written side by side,
+one job thread each (`run_jobs_concurrently`), in both kinds of save.
 
 The copies are complete when `save_checkpoint` returns (`StagingBuffers.wait`): the next
 optimizer step may overwrite the weights at once, from any stream or thread, so a CUDA event
@@ -32,6 +34,7 @@ import shutil
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -40,7 +43,7 @@ import torch.distributed as dist
 
 from policyworker.shell.checkpoint.commit import _all_ranks_max, _commit, _on_rank0
 
-__all__ = ["AsyncSaver", "FINALIZE_TIMEOUT_S", "StagingBuffers"]
+__all__ = ["AsyncSaver", "FINALIZE_TIMEOUT_S", "StagingBuffers", "run_jobs_concurrently"]
 
 FINALIZE_TIMEOUT_S = 3600.0
 _ALIGN = 64  # bytes: every staged tensor starts at a multiple (any dtype's alignment)
@@ -167,6 +170,25 @@ def _warn_at_exit(saver_ref: weakref.ReferenceType[AsyncSaver]) -> None:
 # ------------------------------------------------------------------------------ async saver
 
 
+def run_jobs_concurrently(jobs: Sequence[Callable[[], None]]) -> None:
+    """Run the write jobs of one save side by side, one thread each; raise the first failure
+    (in job order) once all of them have ended.
+
+    Each job writes its own folder, and one alone does not keep the disk busy (the weights'
+    writer threads copy device pieces out between writes; DCP serializes the optimizer), so
+    the folders overlap instead of queueing. Only the optimizer's DCP job talks to the process
+    group, so no two jobs run collectives at the same time.
+    """
+    if len(jobs) <= 1:
+        for job in jobs:
+            job()
+        return
+    with ThreadPoolExecutor(len(jobs), thread_name_prefix="checkpoint-job") as pool:
+        futures = [pool.submit(job) for job in jobs]
+    for future in futures:
+        future.result()
+
+
 class AsyncSaver:
     """Pending writes of one worker: a background thread and the folders it will commit."""
 
@@ -218,8 +240,7 @@ class AsyncSaver:
 
         def run() -> None:
             try:
-                for job in jobs:
-                    job()
+                run_jobs_concurrently(jobs)
             except BaseException as exc:  # re-raised by finalize on the caller's thread
                 self._error = exc
 
