@@ -220,3 +220,32 @@ def test_a_load_reads_several_weight_files_on_several_threads_into_the_same_stat
     assert set().union(*readers.values()) == {f.name for f in files}
     want, got = worker.model.state_dict(), fresh.model.state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_an_optimizer_load_reads_its_dcp_files_on_several_threads_into_the_same_state(
+    tiny_model_paths, tmp_path, monkeypatch
+):
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from policyworker.shell.checkpoint import layout
+
+    path = tiny_model_paths["llama"]
+    monkeypatch.setattr(layout, "WRITER_THREADS", 4)  # the save writes one file per thread
+    worker = _trained(path)
+    worker.save_checkpoint(tmp_path / "w", tmp_path / "o", is_final_checkpoint=True)
+    files = sorted((tmp_path / "o" / "optim").glob("*.distcp"))
+    assert len(files) >= 2
+    readers: dict[str, int] = {}
+    read_data = FileSystemReader.read_data
+
+    def recording(self, plan, planner):
+        name = threading.current_thread().name
+        readers[name] = readers.get(name, 0) + 1
+        time.sleep(0.05)  # every file's read starts before the first one ends
+        return read_data(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", recording)
+    fresh = PolicyWorker(make_config(path), init_reference_model=False)
+    ck.load_checkpoint(fresh.state, tmp_path / "w", tmp_path / "o")
+    assert len([n for n in readers if n.startswith("checkpoint-read")]) >= 2
+    assert_same_checkpoint_state(checkpoint_state(fresh), checkpoint_state(worker))

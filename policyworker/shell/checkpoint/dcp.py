@@ -1,5 +1,11 @@
 """Torch Distributed Checkpoint (DCP) state: the optimizer (sharded as trained), scheduler,
-RNG and checkpoint id under `optimizer_path/optim/`, and DCP-format model weights to load."""
+RNG and checkpoint id under `optimizer_path/optim/`, and DCP-format model weights to load.
+
+Why it is over 400 lines: it is every use of one format, DCP: the optimizer's save (staged into
+reused buffers, copied, or handed to DCP's writer threads as it is), its load with the checks
+that name what does not fit (keys, trained parameters, folder), and the threaded reader both
+loads use; the state-tree helpers are shared by save and load.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import pathlib
 import random
 import warnings
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +37,6 @@ __all__ = ["load_optimizer", "save_optimizer"]
 
 def _load_dcp_weights(model: nn.Module, folder: pathlib.Path, *, group: Any) -> Callable[[], None]:
     """Read a DCP weights folder (keys = canonical state names) into staging; returns the commit."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import load
 
     live = _model_state(model)
@@ -47,7 +53,7 @@ def _load_dcp_weights(model: nn.Module, folder: pathlib.Path, *, group: Any) -> 
         staging[name] = _empty_like(t.detach())
     load(
         staging,
-        storage_reader=FileSystemReader(str(folder)),
+        storage_reader=_reader(folder),
         process_group=group,
         no_dist=group is None,
     )
@@ -58,6 +64,45 @@ def _load_dcp_weights(model: nn.Module, folder: pathlib.Path, *, group: Any) -> 
                 t.detach().copy_(staging[canonical_name(key)])
 
     return commit
+
+
+def _reader(folder: pathlib.Path) -> Any:
+    """A DCP `FileSystemReader` of `folder` that reads its data files from parallel threads.
+
+    torch's reader goes through the files one after another, each item a `torch.load` of a file
+    slice plus a copy into the destination, all on one thread: a fraction of the disk's read
+    speed (and a save with ``thread_count=WRITER_THREADS`` wrote that many files). Each file's
+    items are handed to the stock `read_data` on a thread of its own; both the file reads and
+    the tensor copies release the GIL, and DCP's default load planner only assigns dict entries.
+    """
+    import dataclasses
+
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.futures import Future
+
+    class ThreadedReader(FileSystemReader):
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            per_file: dict[str, list[Any]] = {}
+            for item in plan.items:
+                path = self.storage_data[item.storage_index].relative_path
+                per_file.setdefault(path, []).append(item)
+            threads = min(len(per_file), max(1, checkpoint_layout_settings.WRITER_THREADS))
+            if threads < 2:
+                return super().read_data(plan, planner)
+            read = super().read_data
+            with ThreadPoolExecutor(threads, thread_name_prefix="checkpoint-read") as pool:
+                # list(): the first failed file raises here, after the others finished
+                list(
+                    pool.map(
+                        lambda items: read(dataclasses.replace(plan, items=items), planner).wait(),
+                        per_file.values(),
+                    )
+                )
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+
+    return ThreadedReader(str(folder))
 
 
 def _dcp_keys(folder: pathlib.Path) -> set[str]:
@@ -293,7 +338,6 @@ def load_optimizer(
         ValueError: `model` is None (optimizer state is keyed by the model's parameter names).
         CheckpointError: the folder is missing or incomplete.
     """
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
         set_optimizer_state_dict,
@@ -327,7 +371,7 @@ def load_optimizer(
         try:
             load(
                 request,
-                storage_reader=FileSystemReader(str(folder)),
+                storage_reader=_reader(folder),
                 process_group=group,
                 no_dist=group is None,
             )
