@@ -31,9 +31,9 @@ out as they write (see `saver`), so copies and disk writes overlap and no memory
 
 A save writes its folders side by side (`saver.run_jobs_concurrently`). A load checks every
 folder's digests in background threads while it reads the same files into staging (the
-safetensors files on several threads, beside the optimizer's DCP read), then commits (`_load`):
-the files stream through the page cache once, and the worker changes only after every read and
-every check passed.
+safetensors files and the DCP files each on several threads, the two folders side by side),
+then commits (`_load`): the files stream through the page cache once, and the worker changes
+only after every read and every check passed.
 
 Why it is over 400 lines: it is the worker-level sequence of both directions, save and load,
 over every folder kind (weights, reference, optimizer, tokenizer, extra folders); each function
