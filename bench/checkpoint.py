@@ -6,6 +6,8 @@ process (`policyworker.shell.checkpoint` on a worker-shaped object; no reference
 
 Reported, all against the same folder on the same disk in the same run:
 - raw disk write: the same byte count written with `os.write` in 64 MiB blocks, then fsync;
+  and again as `WRITER_THREADS` files written side by side (the disk with as many requests in
+  flight as a save has: the tighter ceiling);
 - sync save (`is_final_checkpoint=True`): seconds blocked and GB/s, with the default
   `checkpoint.layout.WRITER_THREADS` writer threads and again with one (the single-writer path
   this replaced: its baseline in the same run);
@@ -15,8 +17,9 @@ Reported, all against the same folder on the same disk in the same run:
   until `finalize_async_save` returns (files fsynced and renamed into place);
 - load: `load_checkpoint` into a fresh model and optimizer after the files were evicted from the
   page cache (`posix_fadvise(DONTNEED)`), GB/s; the loaded weights are checked bit-exact;
-- raw disk read: the same files, evicted the same way, read with `os.read` in 64 MiB blocks
-  (the load's physical baseline);
+- raw disk read: the same files, evicted the same way, read with `os.read` in 64 MiB blocks,
+  and again as 64 MiB `os.pread` blocks from `WRITER_THREADS` threads (the load's physical
+  baselines: one stream, and as many requests in flight as a load has);
 - sync save of the weights alone (no optimizer): the sync save's split between the HF weights
   (copied out through the writer threads' bounce buffers) and the optimizer (DCP);
 - with `--load-phases`, load phases, each timed alone (the files evicted before each cold
@@ -44,6 +47,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -113,14 +117,7 @@ def _evict(files: list[pathlib.Path]) -> None:
 def _raw_write(path: pathlib.Path, nbytes: int) -> float:
     block = os.urandom(BLOCK)
     t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, memoryview(block)[: min(left, BLOCK)])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_and_fsync(path, nbytes, block)
     seconds = time.perf_counter() - t0
     _evict([path])
     path.unlink()
@@ -148,6 +145,51 @@ def _raw_read(files: list[pathlib.Path]) -> float:
                 pass
         finally:
             os.close(fd)
+    return time.perf_counter() - t0
+
+
+def _raw_parallel_write(root: pathlib.Path, nbytes: int, streams: int) -> float:
+    """The same byte count as `streams` files written side by side (64 MiB `os.write` blocks,
+    then fsync each): the disk's write speed with as many requests in flight as a save has."""
+    paths = [root / f"raw-{i}.bin" for i in range(streams)]
+    share, block = -(-nbytes // streams), os.urandom(BLOCK)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        list(pool.map(lambda path: _write_and_fsync(path, share, block), paths))
+    seconds = time.perf_counter() - t0
+    _evict(paths)
+    for path in paths:
+        path.unlink()
+    return seconds
+
+
+def _write_and_fsync(path: pathlib.Path, nbytes: int, block: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, memoryview(block)[: min(left, BLOCK)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raw_parallel_read(files: list[pathlib.Path], streams: int) -> float:
+    """The files, evicted, read as 64 MiB `os.pread` blocks by `streams` threads at once: the
+    disk's read speed with as many requests in flight as a load has."""
+    _evict(files)
+    blocks = [(f, offset) for f in files for offset in range(0, f.stat().st_size, BLOCK)]
+
+    def read(block: tuple[pathlib.Path, int]) -> None:
+        fd = os.open(block[0], os.O_RDONLY)
+        try:
+            os.pread(fd, BLOCK, block[1])
+        finally:
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        list(pool.map(read, blocks))
     return time.perf_counter() - t0
 
 
@@ -268,6 +310,13 @@ def run(
     report(out)
     raw_s = _raw_write(root / "raw.bin", nbytes)
     out |= {"raw_write_s": raw_s, "raw_write_GBps": gb / raw_s}
+    streams = ck_layout.WRITER_THREADS
+    raw_parallel_s = _raw_parallel_write(root, nbytes, streams)
+    out |= {
+        "raw_write_streams": streams,
+        "raw_write_parallel_s": raw_parallel_s,
+        "raw_write_parallel_GBps": gb / raw_parallel_s,
+    }
     report(out)
     if skip_load:
         return out
@@ -283,6 +332,7 @@ def run(
         digests.verify_digests(folder)
     verify_s = time.perf_counter() - t0
     raw_read_s = _raw_read(files)
+    raw_read_parallel_s = _raw_parallel_read(files, ck_layout.WRITER_THREADS)
     _evict(files)
     fresh = _Worker(shape, device, seed=1)
     _sync(device)
@@ -302,6 +352,8 @@ def run(
         "load_GBps": gb / load_s,
         "raw_read_s": raw_read_s,
         "raw_read_GBps": gb / raw_read_s,
+        "raw_read_parallel_s": raw_read_parallel_s,
+        "raw_read_parallel_GBps": gb / raw_read_parallel_s,
         "load_exact": exact,
         "digest_s": digest_s,
         "digest_share_of_sync_save": digest_s / sync_s,
@@ -380,6 +432,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("raw disk write + fsync", results["raw_write_s"], results["raw_write_GBps"]),
         (
+            f"  {results['raw_write_streams']} files side by side",
+            results["raw_write_parallel_s"],
+            results["raw_write_parallel_GBps"],
+        ),
+        (
             f"sync save, {results['writer_threads']} writers",
             results["sync_save_s"],
             results["sync_save_GBps"],
@@ -400,6 +457,13 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if "load_s" in results:
         rows.append(("raw disk read (cold cache)", results["raw_read_s"], results["raw_read_GBps"]))
+        rows.append(
+            (
+                f"  {results['raw_write_streams']} streams",
+                results["raw_read_parallel_s"],
+                results["raw_read_parallel_GBps"],
+            )
+        )
         rows.append(("load (cold page cache)", results["load_s"], results["load_GBps"]))
         rows += [
             (f"  phase: {key[len('phase_') : -len('_s')]}", results[key], nan)

@@ -128,14 +128,23 @@ def test_older_layouts_are_normalized_by_their_adapters_and_unknown_ones_by_leav
     assert [round(r.ratio, 6) for r in rows] == [3.0, 1.5] and rows[1].unit == "ms"
     ckpt = {
         "raw_write_GBps": 2.0,
+        "raw_write_parallel_GBps": 3.0,
         "sync_save_GBps": 1.0,
         "async_blocked_s": 0.1,
         "sync_save_s": 1.0,
         "load_GBps": 3.0,
+        "raw_read_GBps": 2.5,
+        "raw_read_parallel_GBps": 4.0,
         "load_exact": True,
     }
     rows = bench_runner.normalize_rows("checkpoint", ckpt)
-    assert rows[0].ratio == 0.5 and rows[0].limit == 2.0 and rows[-1].ours == 1.0
+    assert rows[0].ratio == 0.5 and rows[0].limit == 3.0 and rows[-1].ours == 1.0
+    load = rows[2]
+    assert (load.baseline, load.limit, load.ratio) == (2.5, 4.0, 1.2)
+    assert bench_runner.row_verdict(load) == "pass"  # 120 % of the one-stream read >= 80 %
+    without_parallel = {k: v for k, v in ckpt.items() if "parallel" not in k}
+    rows = bench_runner.normalize_rows("checkpoint", without_parallel)
+    assert rows[0].limit == 2.0 and rows[2].limit == 2.5  # older results: one stream
     generic = bench_runner.normalize_rows("other", {"a": {"b": 1.5}, "c": "text", "d": True})
     assert [(r.metric, r.ours) for r in generic] == [("a.b", 1.5)]
 
