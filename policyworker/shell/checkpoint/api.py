@@ -392,7 +392,7 @@ def _read(
             "(init_optimizer=False); pass optimizer_path=None"
         )
         raise ValueError(msg)
-    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-read") as pool:
+    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-read-weights") as pool:
         file_commits = pool.submit(lambda: [read() for read in file_reads])
         try:
             if dcp_weights is not None:
