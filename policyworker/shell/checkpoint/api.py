@@ -47,7 +47,7 @@ import contextlib
 import os
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import torch
@@ -402,19 +402,12 @@ def _read(
                     _read_optimizer(owner, optimizer_path, weights_path, weights_id, group=group)
                 )
         except (Exception, CheckpointException):  # DCP's is a BaseException
-            _raise_if_failed(file_commits)
+            file_commits.result()  # waits; the weights' error, if any, wins
             raise
     read_commits = file_commits.result()
     if reads_reference:  # the next save writes the reference instead of linking the old files
         saver.last_reference = None
     return read_commits + commits
-
-
-def _raise_if_failed(future: Future[Any]) -> None:
-    """Wait for `future`; raise its error, if it failed (it wins over the caller's own)."""
-    error = future.exception()
-    if error is not None:
-        raise error
 
 
 def _read_optimizer(

@@ -16,7 +16,6 @@ import pathlib
 import random
 import warnings
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +27,7 @@ from policyworker.shell.checkpoint import layout as checkpoint_layout_settings
 from policyworker.shell.checkpoint.digests import verify_digests
 from policyworker.shell.checkpoint.folders import _interrupted_hint
 from policyworker.shell.checkpoint.layout import OPTIM_DIR, CheckpointError, _model_state
+from policyworker.shell.checkpoint.saver import on_threads
 
 if TYPE_CHECKING:
     from policyworker.shell.checkpoint.saver import StagingBuffers
@@ -86,18 +86,13 @@ def _reader(folder: pathlib.Path) -> Any:
             for item in plan.items:
                 path = self.storage_data[item.storage_index].relative_path
                 per_file.setdefault(path, []).append(item)
-            threads = min(len(per_file), max(1, checkpoint_layout_settings.WRITER_THREADS))
-            if threads < 2:
-                return super().read_data(plan, planner)
             read = super().read_data
-            with ThreadPoolExecutor(threads, thread_name_prefix="checkpoint-read") as pool:
-                # list(): the first failed file raises here, after the others finished
-                list(
-                    pool.map(
-                        lambda items: read(dataclasses.replace(plan, items=items), planner).wait(),
-                        per_file.values(),
-                    )
-                )
+            on_threads(
+                lambda items: read(dataclasses.replace(plan, items=items), planner).wait(),
+                list(per_file.values()),
+                threads=checkpoint_layout_settings.WRITER_THREADS,
+                name="checkpoint-read",
+            )
             done: Future[None] = Future()
             done.set_result(None)
             return done

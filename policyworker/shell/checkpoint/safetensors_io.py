@@ -30,6 +30,7 @@ from torch import nn
 
 from policyworker.functional.safetensors_layout import (
     MAX_FILE_BYTES,
+    Box,
     FilePlan,
     HFTensor,
     contiguous_runs,
@@ -51,7 +52,7 @@ from policyworker.shell.checkpoint.layout import (
     hf_layout,
     saved_keys,
 )
-from policyworker.shell.checkpoint.saver import _register
+from policyworker.shell.checkpoint.saver import _register, on_threads
 from policyworker.shell.refit.hf_names import checkpoint_layout
 from policyworker.shell.refit.params import tie_word_embeddings
 
@@ -389,17 +390,16 @@ def load_hf_weights(
         for k, loc in locals_.items()
         if k in in_layout
     }
-    by_file: dict[pathlib.Path, list[Any]] = {}
+    by_file: dict[pathlib.Path, list[tuple[HFTensor, Box]]] = {}
     for t in layout:
-        if intersect_boxes(t.box, locals_[t.key].box) is not None:
-            by_file.setdefault(found[t.name][0], []).append(t)
+        sub = intersect_boxes(t.box, locals_[t.key].box)
+        if sub is not None:
+            by_file.setdefault(found[t.name][0], []).append((t, sub))
 
     def read_file(file: pathlib.Path) -> None:
         handle = safe_open(str(file), framework="pt")
-        for t in by_file[file]:
+        for t, sub in by_file[file]:
             loc = locals_[t.key]
-            sub = intersect_boxes(t.box, loc.box)
-            assert sub is not None  # by_file holds only the boxes this rank covers
             squeeze = len(t.box) - len(t.shape)
             src = tuple(
                 slice(a - b0, b - b0)
@@ -411,9 +411,12 @@ def load_hf_weights(
 
     # one file per thread: a cold read keeps several disk requests in flight (the copies out of
     # the mapped file release the GIL); the boxes are disjoint, so the staging writes never meet
-    threads = max(1, min(checkpoint_layout_settings.WRITER_THREADS, len(by_file)))
-    with ThreadPoolExecutor(threads, thread_name_prefix="checkpoint-read") as pool:
-        list(pool.map(read_file, sorted(by_file)))
+    on_threads(
+        read_file,
+        sorted(by_file),
+        threads=checkpoint_layout_settings.WRITER_THREADS,
+        name="checkpoint-read",
+    )
     target = live if state is None else state
 
     # Keys outside the layout (a tied lm_head) alias a loaded tensor: fill them from it.

@@ -35,7 +35,7 @@ import threading
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -43,11 +43,19 @@ import torch.distributed as dist
 
 from policyworker.shell.checkpoint.commit import _all_ranks_max, _commit, _on_rank0
 
-__all__ = ["AsyncSaver", "FINALIZE_TIMEOUT_S", "StagingBuffers", "run_jobs_concurrently"]
+__all__ = [
+    "AsyncSaver",
+    "FINALIZE_TIMEOUT_S",
+    "StagingBuffers",
+    "on_threads",
+    "run_jobs_concurrently",
+]
 
 FINALIZE_TIMEOUT_S = 3600.0
 _ALIGN = 64  # bytes: every staged tensor starts at a multiple (any dtype's alignment)
 log = logging.getLogger(__name__)
+_Item = TypeVar("_Item")
+_Result = TypeVar("_Result")
 
 
 # ------------------------------------------------------------------------------ staging buffers
@@ -170,6 +178,19 @@ def _warn_at_exit(saver_ref: weakref.ReferenceType[AsyncSaver]) -> None:
 # ------------------------------------------------------------------------------ async saver
 
 
+def on_threads(
+    fn: Callable[[_Item], _Result], items: Sequence[_Item], *, threads: int, name: str
+) -> list[_Result]:
+    """`fn` over `items` on up to `threads` threads (inline when that is one), results in
+    order; once every call has ended, the first failure in item order is raised."""
+    threads = min(threads, len(items))
+    if threads < 2:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(threads, thread_name_prefix=name) as pool:
+        futures = [pool.submit(fn, item) for item in items]
+    return [future.result() for future in futures]
+
+
 def run_jobs_concurrently(jobs: Sequence[Callable[[], None]]) -> None:
     """Run the write jobs of one save side by side, one thread each; raise the first failure
     (in job order) once all of them have ended.
@@ -179,14 +200,7 @@ def run_jobs_concurrently(jobs: Sequence[Callable[[], None]]) -> None:
     the folders overlap instead of queueing. Only the optimizer's DCP job talks to the process
     group, so no two jobs run collectives at the same time.
     """
-    if len(jobs) <= 1:
-        for job in jobs:
-            job()
-        return
-    with ThreadPoolExecutor(len(jobs), thread_name_prefix="checkpoint-job") as pool:
-        futures = [pool.submit(job) for job in jobs]
-    for future in futures:
-        future.result()
+    on_threads(lambda job: job(), jobs, threads=len(jobs), name="checkpoint-job")
 
 
 class AsyncSaver:
