@@ -313,7 +313,7 @@ def run(
     streams = ck_layout.WRITER_THREADS
     raw_parallel_s = _raw_parallel_write(root, nbytes, streams)
     out |= {
-        "raw_write_streams": streams,
+        "raw_streams": streams,
         "raw_write_parallel_s": raw_parallel_s,
         "raw_write_parallel_GBps": gb / raw_parallel_s,
     }
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("raw disk write + fsync", results["raw_write_s"], results["raw_write_GBps"]),
         (
-            f"  {results['raw_write_streams']} files side by side",
+            f"  {results['raw_streams']} files side by side",
             results["raw_write_parallel_s"],
             results["raw_write_parallel_GBps"],
         ),
@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("raw disk read (cold cache)", results["raw_read_s"], results["raw_read_GBps"]))
         rows.append(
             (
-                f"  {results['raw_write_streams']} streams",
+                f"  {results['raw_streams']} streams",
                 results["raw_read_parallel_s"],
                 results["raw_read_parallel_GBps"],
             )
