@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +96,30 @@ def trace_gap_report(path: str | Path, **kwargs: Any) -> str:
     """`gap_report` of a chrome trace file (`prof.export_chrome_trace(path)`)."""
     body = json.loads(Path(path).read_text())
     return gap_report(body.get("traceEvents", body), **kwargs)
+
+
+def print_profile(fn: Callable[[], Any], *, rows: int = 30, shape_rows: int = 40) -> None:
+    """Run `fn` once under torch.profiler and print where its device time goes: the GPU gaps
+    (`gap_report`), the top ops, and the top ops by input shape (so a cast of weights can be
+    told from a cast of activations)."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, record_shapes=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        print(trace_gap_report(trace))
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
+    print(
+        prof.key_averages(group_by_input_shape=True).table(
+            sort_by=key, row_limit=shape_rows, max_name_column_width=40, max_shapes_column_width=80
+        )
+    )

@@ -39,6 +39,7 @@ from common import (  # noqa: I001  (bench/ is run as a script folder)
     timed,
     write_results,
 )
+from gpu_gaps import print_profile  # bench/gpu_gaps.py
 
 from policyworker.shell.fusion import FUSION_MODES
 from policyworker.shell.model import autocast_context
@@ -103,7 +104,12 @@ def main() -> None:
         "--fuse",
         choices=FUSION_MODES,
         default=None,
-        help="dtensor_cfg.fusion for the worker (default: layer on CUDA, none on CPU)",
+        help="dtensor_cfg.fusion for the worker (default: the config's default, auto)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one call of ours and of the plain path at the first token count",
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -111,7 +117,7 @@ def main() -> None:
         torch.set_num_threads(1)
         args.tokens, args.row_len, args.repeats = [128, 256], 64, 1
     args.precision = args.precision or ("bfloat16" if device().type == "cuda" else "float32")
-    args.fuse = args.fuse or ("layer" if device().type == "cuda" else "none")
+    args.fuse = args.fuse or "auto"
     results, rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         model_path = str(Path(tmp) / "model")
@@ -162,6 +168,13 @@ def main() -> None:
                     lig = liger_logprobs(plain, ids, worker.dtype, fused_ce)
                     liger["max_abs_diff_vs_plain"] = float((lig - want).abs().max())
             results.append({"tokens": real, "ours": ours, "baseline": base, "liger": liger})
+            if args.profile and tokens == args.tokens[0]:
+                for label, fn in (
+                    ("ours", lambda data=data: worker.get_logprobs(data)),
+                    ("plain", lambda ids=ids: plain_logprobs(plain, ids, worker.dtype)),
+                ):
+                    print(f"== profile: {label}, {real} tokens")
+                    print_profile(fn)
             rows.append(
                 {
                     "metric": f"{real} tok: tokens/s",

@@ -50,7 +50,7 @@ from common import (  # bench/common.py: bench/ is run as a script folder
     timed,
     write_results,
 )
-from gpu_gaps import trace_gap_report  # bench/gpu_gaps.py
+from gpu_gaps import print_profile  # bench/gpu_gaps.py
 
 from policyworker.functional.logprob_kernels import EAGER_KERNELS
 from policyworker.functional.loss import NLLLoss
@@ -165,24 +165,8 @@ def profile_step(worker: PolicyWorker, data: dict) -> None:
     import pstats
 
     from torch._dynamo.utils import counters
-    from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, record_shapes=True) as prof:
-        worker.train(data, NLLLoss())
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "train_step_trace.json"
-        prof.export_chrome_trace(str(trace))
-        print(trace_gap_report(trace))
-    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
-    print(
-        prof.key_averages(group_by_input_shape=True).table(
-            sort_by=key, row_limit=40, max_name_column_width=40, max_shapes_column_width=80
-        )
-    )
+    print_profile(lambda: worker.train(data, NLLLoss()))
     for section in ("graph_break", "recompiles", "stats", "frames"):
         if counters.get(section):
             print(f"dynamo {section}: {dict(counters[section])}")
@@ -190,6 +174,21 @@ def profile_step(worker: PolicyWorker, data: dict) -> None:
     host.runcall(worker.train, data, NLLLoss())
     print("host time of one train() call (cProfile, top 30 by own time):")
     pstats.Stats(host).sort_stats("tottime").print_stats(30)
+
+
+def set_inductor_options(settings: list[str]) -> None:
+    """Apply `--inductor KEY=VALUE` settings to torch._inductor.config; an unknown key fails."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not hasattr(inductor_config, key):
+            msg = f"--inductor {setting!r}: expected KEY=VALUE with KEY in torch._inductor.config"
+            raise SystemExit(msg)
+        setattr(inductor_config, key, ast.literal_eval(value))
+        print(f"torch._inductor.config.{key} = {getattr(inductor_config, key)!r}")
 
 
 def bench_plain_hf(model_path: str, args, lengths: list[int], num_params: int) -> dict:
@@ -308,8 +307,17 @@ def main() -> None:
         help="train LoRA adapters of this rank on every linear layer (0: full training); MFU "
         "then counts 4 * N FLOPs per token (frozen base)",
     )
+    parser.add_argument(
+        "--inductor",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set torch._inductor.config.KEY (a Python literal) before any compile, e.g. "
+        "combo_kernels=True; repeatable (an experiment knob: one process, one setting)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    set_inductor_options(args.inductor)
     if args.small:
         torch.set_num_threads(1)
         args.min_len, args.max_len, args.mb_tokens, args.steps = 8, 64, 256, 1

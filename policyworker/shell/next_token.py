@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from policyworker.functional.logprobs import default_chunk_size
@@ -123,13 +124,36 @@ def logit_chunks(
         # Any: get_output_embeddings is a Hugging Face method, not on torch's nn.Module.
         head = cast(Any, state.model).get_output_embeddings()
 
+        weight_and_bias = _head_in_compute_dtype(head, state.dtype)
+
         def logits_at(start: int, stop: int) -> torch.Tensor:
+            if weight_and_bias is not None:
+                weight, bias = weight_and_bias
+                return F.linear(hidden[:, start:stop].to(weight.dtype), weight, bias)
             with model_lib.autocast_context(state.device, state.dtype):
                 return head(hidden[:, start:stop])
 
         return logits_at, hidden.shape[1], int(head.weight.shape[0])
     logits = forward(state, mb)
     return (lambda start, stop: logits[:, start:stop]), logits.shape[1], logits.shape[-1]
+
+
+def _head_in_compute_dtype(
+    head: torch.nn.Module, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A plain linear head's weight and bias cast to the autocast `dtype` once, for every chunk
+    of one microbatch: autocast would cast the whole [V, H] weight again per chunk (1.4 GB of
+    traffic per chunk for a 1.5B model's fp32 head). None where the head is not a plain
+    `nn.Linear` on plain tensors, or no cast happens: those chunks run the head under autocast."""
+    if (
+        type(head) is not torch.nn.Linear
+        or dtype == torch.float32
+        or isinstance(head.weight, DTensor)
+        or head.weight.dtype == dtype
+    ):
+        return None
+    bias = None if head.bias is None else head.bias.to(dtype)
+    return head.weight.to(dtype), bias
 
 
 def inference_chunk(state: WorkerState, vocab: int, *, rows: int) -> int:

@@ -130,3 +130,28 @@ def test_calibrate_qkv_fp8_scales_are_percentile_abs_max_over_448(tiny_model_pat
     )
     assert set(out["layers"]["model.layers.0.self_attn"]) == {"q_scale", "k_scale", "v_scale"}
     assert out["kv_scales"]["model.layers.0.self_attn.v_scale"] > 0
+
+
+def test_bf16_logprobs_cast_the_lm_head_once_per_microbatch_not_per_chunk(tiny_model_paths):
+    """Chunk by chunk under bf16 autocast, the fp32 head weight is cast to bf16 once per
+    microbatch (autocast alone casts it again for every chunk); the logprobs equal the fp32
+    reference within bf16 rounding."""
+    from torch.profiler import ProfilerActivity, profile
+
+    path = tiny_model_paths["llama"]
+    worker = PolicyWorker(
+        make_config(path, precision="bfloat16", logprob_chunk_size=3),
+        init_optimizer=False,
+        init_reference_model=False,
+    )
+    head_shape = list(worker.model.get_output_embeddings().weight.shape)
+    data = make_batch(3, 12, seed=3)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        got = worker.get_logprobs(data, micro_batch_size=3)["logprobs"]
+    head_casts = sum(
+        e.count
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.key == "aten::_to_copy" and e.input_shapes and e.input_shapes[0] == head_shape
+    )
+    assert head_casts == 1  # 12 positions in chunks of 3: autocast alone casts it 4 times
+    assert torch.allclose(got, hf_reference_logprobs(path, data), atol=0.1)
