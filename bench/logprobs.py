@@ -12,6 +12,9 @@ of `--repeats`) and the extra peak memory of the call beyond the resident weight
   linear-cross-entropy (`reduction="none"`; logprob = -loss) over the hidden states, so its
   [T, V] logits exist only chunk by chunk too: the field's kernel library on the same shape.
 
+On CUDA it also times the scoring kernels alone on one [1, T, V] bf16 block (T = the first
+`--tokens`): the worker's Triton pair against inductor's compile of the same two functions.
+
 Targets (issue 3): at 16k tokens ours' extra peak <= 25 % of the baseline's, throughput >= it.
 Usage: `python bench/logprobs.py` (CUDA) or `python bench/logprobs.py --small` (CPU smoke);
 `--fuse layer|norm_mlp` sets the worker's `dtensor_cfg.fusion`.
@@ -74,6 +77,51 @@ def liger_loss():
     except ImportError:
         return None
     return LigerFusedLinearCrossEntropyLoss(reduction="none")
+
+
+COPY_CEILING_BYTES_PER_S = 4.2e12  # H200 device-to-device copy, measured (bench/README)
+
+
+def kernel_rows(tokens: int, vocab: int, repeats: int) -> tuple[list[dict], dict]:
+    """The scoring kernels alone on one [1, tokens, V] bf16 logits block: the worker's fused pair
+    on CUDA (`shell.logprob_triton`) against inductor's compile of the same functions (what the
+    worker ran before), forward and backward, each beside the time one read (+ one write in
+    backward) of the block takes at the measured copy ceiling."""
+    from policyworker.functional.logprob_kernels import plain_logprob_grad, plain_logprobs_and_lse
+    from policyworker.shell.logprob_triton import triton_logprob_grad, triton_logprobs_and_lse
+
+    cuda = torch.device("cuda")
+    gen = torch.Generator(device=cuda).manual_seed(0)
+    logits = (3 * torch.randn(1, tokens, vocab, generator=gen, device=cuda)).to(torch.bfloat16)
+    ids = torch.randint(0, vocab, (1, tokens), generator=gen, device=cuda)
+    grad = torch.randn(1, tokens, generator=gen, device=cuda)
+    pairs = {
+        "triton": (triton_logprobs_and_lse, triton_logprob_grad),
+        "inductor": (
+            torch.compile(plain_logprobs_and_lse, dynamic=True),
+            torch.compile(plain_logprob_grad, dynamic=True),
+        ),
+    }
+    ms: dict[str, dict[str, float]] = {}
+    for name, (forward, backward) in pairs.items():
+        fwd, (_, lse) = timed(lambda f=forward: f(logits, ids, 1.0), repeats=repeats, warmup=2)
+        bwd, _ = timed(
+            lambda b=backward, lse=lse: b(logits, ids, lse, grad, 1.0), repeats=repeats, warmup=2
+        )
+        ms[name] = {"forward_ms": fwd * 1e3, "backward_ms": bwd * 1e3}
+    read_ms = logits.numel() * 2 / COPY_CEILING_BYTES_PER_S * 1e3
+    rows = [
+        {
+            "metric": f"{tokens} tok x {vocab} logits: {phase} kernel ms (Triton vs inductor)",
+            "ours": ms["triton"][f"{phase}_ms"],
+            "baseline": ms["inductor"][f"{phase}_ms"],
+            "limit": f"{read_ms * passes:.2f} ms ({passes} pass{'es' if passes > 1 else ''} at "
+            f"{COPY_CEILING_BYTES_PER_S / 1e12:.1f} TB/s)",
+            "ratio": ratio(ms["inductor"][f"{phase}_ms"], ms["triton"][f"{phase}_ms"]),
+        }
+        for phase, passes in (("forward", 1), ("backward", 2))
+    ]
+    return rows, ms
 
 
 def measure(fn, repeats: int) -> dict:
@@ -212,6 +260,11 @@ def main() -> None:
                     "ratio": ratio(ours.get("extra_peak_gib"), base.get("extra_peak_gib")),
                 }
             )
+    kernels = {}
+    if torch.cuda.is_available():
+        kernel_table, kernels = kernel_rows(args.tokens[0], vocab, args.repeats)
+        rows += kernel_table
+        release()
     print_table(
         f"get_logprobs, {num_params / 1e9:.2f}B params, rows of {args.row_len}, "
         f"{args.precision}, fusion={args.fuse}",
@@ -223,6 +276,7 @@ def main() -> None:
             "num_params": num_params,
             "args": vars(args),
             "results": results,
+            "kernels": kernels,
             "memory_limit_fraction": MEMORY_LIMIT,
             "rows": rows,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

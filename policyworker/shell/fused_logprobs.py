@@ -1,13 +1,14 @@
-"""Fused next-token logprob kernels: the plain pair of `functional.logprob_kernels`, compiled.
+"""Fused next-token logprob kernels: the plain pair of `functional.logprob_kernels` in one pass.
 
 Eagerly, scoring bf16 logits against their targets casts each chunk to fp32, reduces it, and in
 backward casts it again, exponentiates, scales and casts back: about 50 bytes of memory traffic
 per logit, every train step, over a ``[T, V]`` block that is the largest tensor of the step.
-Inductor turns the same two functions into one reduction kernel (forward: the logsumexp and the
-target logit from one read of the bf16 logits) and one pointwise kernel (backward: one read,
-one bf16 write), so the whole ``[T, V]`` block is scored in one call with no fp32 scratch.
+Fused, the forward is one reduction kernel (the logsumexp and the target logit from one read
+of the bf16 logits) and the backward one pointwise kernel (one read, one bf16 write), so the
+whole ``[T, V]`` block is scored in one call with no fp32 scratch. On CUDA they are the Triton
+kernels of `shell.logprob_triton`; elsewhere inductor compiles the same two functions.
 
-`fused_logprob_kernels` compiles them when the fusion mode in effect is not "none" and checks
+`fused_logprob_kernels` builds them when the fusion mode in effect is not "none" and checks
 them at start-up against the eager pair on a small block of the model's real vocab size and
 logits dtype (tolerance below); any failure keeps the eager pair and names the reason, as the
 layer fusion does. Top-k/top-p filtering stays eager (``functional.logprobs``).
@@ -39,7 +40,19 @@ LOGPROB_ATOL, LOGPROB_RTOL = 1e-4, 1e-5
 _PROBE_ROWS, _PROBE_POSITIONS = 2, 5
 
 
-def _compiled_kernels() -> LogprobKernels:
+def _fused_kernels(device: torch.device) -> LogprobKernels:
+    """On CUDA the hand-written Triton pair (`shell.logprob_triton`: inductor's compile of the
+    same math streams the logits at an eighth of the memory's speed there); elsewhere the
+    plain pair compiled by inductor."""
+    if device.type == "cuda":
+        from policyworker.shell.logprob_triton import (
+            triton_logprob_grad,
+            triton_logprobs_and_lse,
+        )
+
+        return LogprobKernels(
+            forward=triton_logprobs_and_lse, backward=triton_logprob_grad, whole=True, name="fused"
+        )
     return LogprobKernels(
         forward=compiled_once("logprobs_and_lse", plain_logprobs_and_lse),
         backward=compiled_once("logprob_grad", plain_logprob_grad),
@@ -84,8 +97,8 @@ def fused_logprob_kernels(
     is off)."""
     if fusion_mode == "none":
         return EAGER_KERNELS, None
-    kernels = _compiled_kernels()
     try:
+        kernels = _fused_kernels(device)
         _check_against_eager(
             kernels,
             device=device,

@@ -298,6 +298,7 @@ MECHANISM_MODULES = {
     "fusion",
     "fusion_probe",
     "fused_logprobs",
+    "logprob_triton",
     "compile_cache",
     "draft_model",
     "lora",

@@ -1,0 +1,68 @@
+"""Run by tests/shell/test_logprob_triton.py under TRITON_INTERPRET=1 (Triton's CPU interpreter
+reads the env at import, so it needs a fresh process): the Triton pair against the eager pair."""
+
+import torch
+
+from policyworker.functional import logprobs as lp
+from policyworker.functional.logprob_kernels import (
+    EAGER_KERNELS,
+    LogprobKernels,
+    plain_logprob_grad,
+    plain_logprobs_and_lse,
+)
+from policyworker.functional.sampling import Sampling
+from policyworker.shell.fused_logprobs import LOGPROB_ATOL, LOGPROB_RTOL
+from policyworker.shell.logprob_triton import triton_logprob_grad, triton_logprobs_and_lse
+
+TRITON = LogprobKernels(forward=triton_logprobs_and_lse, backward=triton_logprob_grad, whole=True)
+
+
+def scored(kernels, logits, ids, weights, temperature):
+    x = logits.clone().requires_grad_()
+    out = lp.next_token_logprobs(
+        x, ids, sampling=Sampling(temperature=temperature), kernels=kernels
+    )
+    (out * weights).sum().backward()
+    return out, x.grad
+
+
+def check_through_next_token_logprobs(vocab: int, rows: int, positions: int, temperature: float):
+    gen = torch.Generator().manual_seed(vocab + rows + positions)
+    logits = (5 * torch.randn(rows, positions, vocab, generator=gen)).to(torch.bfloat16)
+    ids = torch.randint(0, vocab, (rows, positions), generator=gen)
+    weights = torch.randn(rows, positions - 1, generator=gen)
+    want, want_grad = scored(EAGER_KERNELS, logits, ids, weights, temperature)
+    got, got_grad = scored(TRITON, logits, ids, weights, temperature)
+    torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
+    assert got_grad.dtype == torch.bfloat16
+    eps = torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(got_grad.float(), want_grad.float(), atol=1e-6, rtol=2 * eps)
+    assert torch.equal(got_grad[:, -1], torch.zeros_like(got_grad[:, -1]))
+
+
+def check_a_slice_of_positions_and_a_padding_row(temperature: float):
+    """A [B, C, V] view with row strides of a longer block is read in place; lse = +inf with
+    grad 0 (a padding position) gives an exact zero gradient row."""
+    gen = torch.Generator().manual_seed(7)
+    block = (3 * torch.randn(2, 7, 9000, generator=gen)).to(torch.bfloat16)
+    logits, ids = block[:, 1:6], torch.randint(0, 9000, (2, 5), generator=gen)
+    got_lp, got_lse = triton_logprobs_and_lse(logits, ids, temperature)
+    want_lp, want_lse = plain_logprobs_and_lse(logits, ids, temperature)
+    torch.testing.assert_close(got_lp, want_lp, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
+    torch.testing.assert_close(got_lse, want_lse, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
+    lse, grad = want_lse.clone(), torch.randn(2, 5, generator=gen)
+    lse[1, 3], grad[1, 3] = float("inf"), 0.0
+    got = triton_logprob_grad(logits, ids, lse, grad, temperature)
+    want = plain_logprob_grad(logits, ids, lse, grad, temperature)
+    eps = torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=2 * eps)
+    assert got.is_contiguous() and torch.equal(got[1, 3], torch.zeros_like(got[1, 3]))
+
+
+if __name__ == "__main__":
+    for temperature in (1.0, 0.7):
+        # one block, several blocks with a ragged last one (4096 logits per block)
+        for vocab, rows, positions in ((97, 3, 5), (9000, 1, 6)):
+            check_through_next_token_logprobs(vocab, rows, positions, temperature)
+        check_a_slice_of_positions_and_a_padding_row(temperature)
+    print("triton logprob kernels match the eager pair")
