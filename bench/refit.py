@@ -21,14 +21,18 @@ The ``% ceiling`` column compares each ``one-pass*`` row with ``one-pass-ceiling
 other row with ``ceiling``.
 
 Usage: ``python bench/refit.py`` (CUDA) or ``python bench/refit.py --small`` (CPU, seconds).
-Prints a table and writes ``bench/results/refit.json``.
+Prints a table and writes ``bench/results/refit.json``. ``--profile`` also prints the sender's
+cProfile of the ``one-pass`` refits (top 25 by own time).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -54,6 +58,9 @@ SHAPES = {
     "tiny": (64, 176, 4, 4, 2, 1024, False),
     # the 7B names and tensor count, every dimension / 64 (bench/refit_overhead.py)
     "qwen2.5-7b/64": (56, 296, 28, 28, 4, 2376, False),
+    # the 1.5B names and tensor count, every dimension / 64: a refit's fixed host cost on CPU
+    # (``--small --shapes qwen2.5-1.5b/64 --profile``)
+    "qwen2.5-1.5b/64": (24, 140, 28, 12, 2, 2374, True),
 }
 REPEATS = 3
 
@@ -187,7 +194,9 @@ def timed(fn, cuda: bool) -> list[float]:
     return out
 
 
-def bench_shape(name: str, device: str, sweep_gib: list[float] = ()) -> list[dict]:
+def bench_shape(
+    name: str, device: str, sweep_gib: list[float] = (), *, profile: bool = False
+) -> list[dict]:
     cuda = device.startswith("cuda")
     shapes = state_shapes(name)
     model = build_module(shapes, dtype=torch.float32, device=device, random=True)
@@ -223,9 +232,14 @@ def bench_shape(name: str, device: str, sweep_gib: list[float] = ()) -> list[dic
                 lambda: sender.stream_weights_via_ipc_zmq(timeout_s=300, keep_staging=True), cuda
             )
             sender.release_staging()
-            one_pass = timed(
-                lambda: sender.stream_weights_via_ipc_zmq(timeout_s=300, one_pass=True), cuda
-            )
+            profiler = cProfile.Profile()
+            with profiler if profile else contextlib.nullcontext():
+                one_pass = timed(
+                    lambda: sender.stream_weights_via_ipc_zmq(timeout_s=300, one_pass=True), cuda
+                )
+            if profile:
+                print(f"{name}: sender profile of {REPEATS + 1} one-pass refits", flush=True)
+                pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
             swept = {}
             for gib in sweep_gib:  # total staging (two buffers), kept between refits
                 swept[f"keep {gib:g}GiB"] = timed(
@@ -295,6 +309,11 @@ def main() -> None:
     parser.add_argument(
         "--shapes", nargs="*", choices=sorted(SHAPES), help="measure only these shapes"
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the sender's cProfile of the one-pass refits (top 25 by own time)",
+    )
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "refit.json"))
     args = parser.parse_args()
     if args.role == "receiver":
@@ -308,14 +327,14 @@ def main() -> None:
         device, names = "cuda", ["qwen2.5-1.5b", "qwen2.5-7b"]
     if args.shapes:
         names = args.shapes
-    header = f"{'shape':<14}{'method':<18}{'GB (bf16)':>10}{'median ms':>11}{'GB/s':>9}"
+    header = f"{'shape':<16}{'method':<18}{'GB (bf16)':>10}{'median ms':>11}{'GB/s':>9}"
     print(header + f"{'% ceiling':>11}", flush=True)
     rows = []
     for name in names:  # each shape's rows as soon as they are measured
-        rows.extend(shape_rows := bench_shape(name, device, args.sweep_gib))
+        rows.extend(shape_rows := bench_shape(name, device, args.sweep_gib, profile=args.profile))
         for r in shape_rows:
             print(
-                f"{r['shape']:<14}{r['method']:<18}"
+                f"{r['shape']:<16}{r['method']:<18}"
                 f"{r['model_bytes'] / 1e9:>10.3f}{r['median_ms']:>11.2f}"
                 f"{r['gb_per_s']:>9.1f}{100 * r['fraction_of_ceiling']:>10.0f}%",
                 flush=True,

@@ -8,6 +8,7 @@ import contextlib
 import json
 import threading
 
+import attrs
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -17,7 +18,8 @@ from policyworker.errors import RefitError
 from policyworker.shell.refit import one_pass_sender
 from policyworker.shell.refit.receiver import HFWeightReceiver
 from policyworker.shell.refit.sender import RefitSender
-from policyworker.shell.refit.wire import RefitRejectedError
+from policyworker.shell.refit.weight_applier import WeightApplier
+from policyworker.shell.refit.wire import ProtocolError, RefitRejectedError
 from policyworker.shell.refit.wire_one_pass import encode_registration
 from tests.helpers import (
     JsonCommandChild,
@@ -265,6 +267,27 @@ def test_a_manifest_mismatch_after_registration_is_refused_before_any_write():
             _refit(sender, receiver)
         assert all(torch.equal(v, before[k]) for k, v in _state(target).items())
         assert receiver.version == 1 and not receiver.stale
+
+
+def test_a_one_pass_commit_reports_every_entry_and_a_changed_manifest_is_still_checked():
+    model = _Weights(1)
+    info = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
+    applier = WeightApplier(_Weights(2), info, atomic=False)
+    manifest = tuple(applier.manifest_specs())
+    want = (tuple(s.name for s in manifest), sum(s.nbytes for s in manifest))
+    for version, announced in enumerate((manifest, manifest, list(manifest)), start=1):
+        applier.begin(announced)  # the same accepted tuple twice (its report cached), then a list
+        applier.expect_external_write()
+        assert applier.stale
+        report = applier.commit()
+        assert (report.version, report.names, report.num_bytes) == (version, *want)
+        assert report.num_tensors == len(manifest) and not applier.stale
+    changed = (*manifest[:-1], attrs.evolve(manifest[-1], shape=(4,)))
+    with pytest.raises(ProtocolError, match="manifest rejected"):
+        applier.begin(changed)
+    applier.begin(manifest)  # and the accepted one still commits with its own report
+    applier.expect_external_write()
+    assert (applier.commit().names, applier.version) == (want[0], 4)
 
 
 def test_a_registration_that_does_not_fit_the_manifest_is_refused_by_the_sender_before_writing():

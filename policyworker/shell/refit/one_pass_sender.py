@@ -59,6 +59,7 @@ class OnePassWriter:
         self._registration: Registration | None = None
         self._target: torch.Tensor | None = None  # the opened arena (or spare) the sender writes
         self._views: tuple[Sequence[TensorSpec], list[torch.Tensor]] | None = None
+        self._numels: list[int] = []  # elements of each view, in manifest order
         self._manifest: tuple[Sequence[TensorSpec], bytes] | None = None
         self._written: torch.cuda.Event | None = None
 
@@ -115,7 +116,7 @@ class OnePassWriter:
             raise RefitError(msg)
         ordered = ordered_destinations(specs, registration.destinations)
         views = [destination_view(target, d) for d in ordered]
-        self._views = (specs, views)
+        self._views, self._numels = (specs, views), [d.numel for d in ordered]
         return views
 
     def write(
@@ -130,8 +131,13 @@ class OnePassWriter:
         large_numel = staging.LARGE_COPY_NUMEL
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        group_bytes = 0
-        for index, (spec, view) in enumerate(zip(specs, views, strict=True)):
+        group_elements = 0
+        # This loop is the one-pass refit's per-tensor host cost (on a GPU, launches of a small
+        # model's tensors can fall behind its copies): nothing in it is recomputed per refit that
+        # the cached views already know.
+        cached = self._views is not None and self._views[1] is views
+        numels = self._numels if cached else [view.numel() for view in views]
+        for index, (spec, view, numel) in enumerate(zip(specs, views, numels, strict=True)):
             source = next(sources, None)
             if (
                 source is None
@@ -142,15 +148,15 @@ class OnePassWriter:
                 got = None if source is None else source.spec
                 msg = f"internal: the params stream sent {got} at {index}; the manifest has {spec}"
                 raise RefitError(msg)
-            if view.numel() >= large_numel:
+            if numel >= large_numel:
                 view.copy_(source.tensor, non_blocking=True)
                 continue
             dsts.append(view)
             srcs.append(source.tensor)
-            group_bytes += view.numel()
-            if len(dsts) >= _GROUP_TENSORS or group_bytes >= _GROUP_ELEMENTS:
+            group_elements += numel
+            if len(dsts) >= _GROUP_TENSORS or group_elements >= _GROUP_ELEMENTS:
                 grouped_copy_(dsts, srcs, non_blocking=True)
-                dsts, srcs, group_bytes = [], [], 0
+                dsts, srcs, group_elements = [], [], 0
         grouped_copy_(dsts, srcs, non_blocking=True)
         target = self._target
         assert target is not None

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import attrs
 import torch
@@ -56,9 +56,13 @@ __all__ = [
 DRAFT_PREFIX = "draft."
 
 
-@attrs.frozen
-class RefitSource:
-    """One tensor of the refit stream before its cast: the HF name, the source, the wire dtype."""
+class RefitSource(NamedTuple):
+    """One tensor of the refit stream before its cast: the HF name, the source, the wire dtype.
+
+    A named tuple rather than a frozen attrs class: one is made per tensor per refit, and a
+    frozen attrs instance costs about three times as much to build (its fields are set through
+    ``object.__setattr__``), which showed in the one-pass refit's per-tensor host time.
+    """
 
     name: str
     tensor: torch.Tensor
@@ -207,7 +211,11 @@ def _iter_walk(
     model: nn.Module, state: Mapping[str, torch.Tensor], walk: _Walk
 ) -> Iterator[RefitSource]:
     for entry in walk.entries:
-        full = _materialize(state[entry.key], meta=False)
+        # _materialize(..., meta=False) inlined: this loop runs once per tensor per refit
+        full = state[entry.key].detach()
+        gather = getattr(full, "full_tensor", None)  # DTensor: a collective on every rank
+        if gather is not None:
+            full = gather()
         if entry.lora is not None:  # merged weight has W's shape and dtype by contract
             # Any: a LoRA module is any class with lora_A, lora_B and scale (duck-typed on purpose).
             module = cast(Any, model.get_submodule(entry.lora))

@@ -140,6 +140,8 @@ class WeightApplier:
         self._accepted: tuple[TensorSpec, ...] | None = None
         self._index: dict[str, int] = {}
         self._sizes: tuple[int, ...] = ()
+        self._names: tuple[str, ...] = ()
+        self._total_bytes = 0
         self._dest_list: list[torch.Tensor] | None = None
 
     def rebind(self, target: nn.Module) -> None:
@@ -185,6 +187,7 @@ class WeightApplier:
             self._accepted = manifest if isinstance(manifest, tuple) else None
             self._index = {s.name: i for i, s in enumerate(specs)}
             self._sizes = tuple(s.nbytes for s in specs)
+            self._names, self._total_bytes = tuple(s.name for s in specs), sum(self._sizes)
             self._dest_list = None if self._dests is None else [self._dests[s.name] for s in specs]
             manifest = specs
         self._session = _Session(
@@ -289,6 +292,11 @@ class WeightApplier:
 
     def commit(self, *, num_buckets: int = 0) -> RefitReport:
         session = self._require_session()
+        if session.external and not session.order and session.manifest is self._accepted:
+            # The sender wrote every entry, in manifest order, and none was applied here: the
+            # report is this manifest's, derived once when it was accepted (a one-pass refit
+            # would otherwise walk every entry again here, after its writes are done).
+            return self._committed(session, self._names, self._total_bytes, num_buckets)
         if session.external:  # every entry was written by the sender, none applied here
             self._mark(session, [i for i, got in enumerate(session.received) if not got])
         if len(session.order) != len(session.manifest):
@@ -301,15 +309,21 @@ class WeightApplier:
         if self.atomic and not session.external:
             with torch.no_grad():
                 self._write(session, session.order, [session.staged[i] for i in session.order])
+        names = tuple(session.manifest[i].name for i in session.order)
+        return self._committed(session, names, session.num_bytes, num_buckets)
+
+    def _committed(
+        self, session: _Session, names: tuple[str, ...], num_bytes: int, num_buckets: int
+    ) -> RefitReport:
+        """End ``session`` as the new version."""
         self._session = None
         self.version += 1
         self.stale = False
-        names = tuple(session.manifest[i].name for i in session.order)
         return RefitReport(
             self.version,
             names,
             len(names),
-            session.num_bytes,
+            num_bytes,
             num_buckets,
             time.monotonic() - session.started,
         )
