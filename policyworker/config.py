@@ -309,12 +309,13 @@ class DTensorConfig:
     graph, `norm_mlp` only RMSNorm and SiLU-gated MLP activations, `none` runs eager, `auto`
     (default) is `layer` on CUDA in a single process and `none` otherwise (CPU, or a process
     group, where FSDP2/TP own the layers). `layer` and `norm_mlp` need a single process and also
-    compile the next-token logprob kernels (one reduction and one pointwise kernel over the whole
-    [T, V] logits instead of chunked eager fp32 passes). A compile
-    or start-up equality check that fails falls back to eager with one warning; the worker's
-    `fusion_report` and start-up log line say what ran. Compiled graphs are cached on disk in
-    `$TORCHINDUCTOR_CACHE_DIR` (default here: `$XDG_CACHE_HOME/policyworker/torchinductor`, i.e.
-    `~/.cache/policyworker/torchinductor`), so the compile cost is paid once per machine.
+    fuse the next-token logprob kernels (one reduction and one pointwise kernel over the whole
+    [T, V] logits instead of chunked eager fp32 passes: Triton kernels on CUDA, compiled by
+    inductor elsewhere). A compile or start-up equality check that fails falls back to eager
+    with one warning; the worker's `fusion_report` and start-up log line say what ran. Compiled
+    graphs are cached on disk in `$TORCHINDUCTOR_CACHE_DIR` (default here:
+    `$XDG_CACHE_HOME/policyworker/torchinductor`, i.e. `~/.cache/policyworker/torchinductor`), so
+    the compile cost is paid once per machine.
     `moe_router_bias_update_rate` (NeMo-RL's `megatron_cfg` key): after each optimizer step every
     `e_score_correction_bias` (DeepSeek-V3-style routers) moves by this much toward balanced
     expert load; 0.0 (default) is off; models without such routers ignore it with one warning.
