@@ -33,6 +33,24 @@ _WARPS = 8
 
 
 @triton.jit
+def _this_position(
+    logits_ptr,
+    targets_ptr,
+    positions,
+    logits_stride_b,
+    logits_stride_c,
+    targets_stride_b,
+    targets_stride_c,
+):
+    """(row index, pointer to the row's logits, target id) of this program's position."""
+    row = tl.program_id(0)
+    b = (row // positions).to(tl.int64)
+    c = (row % positions).to(tl.int64)
+    target = tl.load(targets_ptr + b * targets_stride_b + c * targets_stride_c)
+    return row, logits_ptr + b * logits_stride_b + c * logits_stride_c, target
+
+
+@triton.jit
 def _logprobs_and_lse_kernel(
     logits_ptr,
     targets_ptr,
@@ -48,10 +66,15 @@ def _logprobs_and_lse_kernel(
     SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    b = row // positions
-    c = row % positions
-    row_ptr = logits_ptr + b.to(tl.int64) * logits_stride_b + c.to(tl.int64) * logits_stride_c
+    row, row_ptr, target = _this_position(
+        logits_ptr,
+        targets_ptr,
+        positions,
+        logits_stride_b,
+        logits_stride_c,
+        targets_stride_b,
+        targets_stride_c,
+    )
     running_max = tl.zeros([], dtype=tl.float32) - float("inf")
     running_sum = tl.zeros([], dtype=tl.float32)
     for start in range(0, vocab, BLOCK):
@@ -65,7 +88,6 @@ def _logprobs_and_lse_kernel(
         running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
         running_max = new_max
     lse = running_max + tl.log(running_sum)
-    target = tl.load(targets_ptr + b.to(tl.int64) * targets_stride_b + c * targets_stride_c)
     x_target = tl.load(row_ptr + target).to(tl.float32)
     if SCALED:
         x_target = x_target / temperature
@@ -90,18 +112,22 @@ def _logprob_grad_kernel(
     SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    b = row // positions
-    c = row % positions
+    row, row_ptr, target = _this_position(
+        logits_ptr,
+        targets_ptr,
+        positions,
+        logits_stride_b,
+        logits_stride_c,
+        targets_stride_b,
+        targets_stride_c,
+    )
     offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < vocab
-    row_ptr = logits_ptr + b.to(tl.int64) * logits_stride_b + c.to(tl.int64) * logits_stride_c
     x = tl.load(row_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     if SCALED:
         x = x / temperature
     lse = tl.load(lse_ptr + row)
     g = tl.load(grad_ptr + row)
-    target = tl.load(targets_ptr + b.to(tl.int64) * targets_stride_b + c * targets_stride_c)
     grad = tl.where(offsets == target, g, 0.0) - g * tl.exp(x - lse)
     if SCALED:
         grad = grad / temperature

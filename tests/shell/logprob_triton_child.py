@@ -3,27 +3,17 @@ reads the env at import, so it needs a fresh process): the Triton pair against t
 
 import torch
 
-from policyworker.functional import logprobs as lp
 from policyworker.functional.logprob_kernels import (
     EAGER_KERNELS,
     LogprobKernels,
     plain_logprob_grad,
     plain_logprobs_and_lse,
 )
-from policyworker.functional.sampling import Sampling
 from policyworker.shell.fused_logprobs import LOGPROB_ATOL, LOGPROB_RTOL
 from policyworker.shell.logprob_triton import triton_logprob_grad, triton_logprobs_and_lse
+from tests.shell.test_fused_logprobs import _scored
 
 TRITON = LogprobKernels(forward=triton_logprobs_and_lse, backward=triton_logprob_grad, whole=True)
-
-
-def scored(kernels, logits, ids, weights, temperature):
-    x = logits.clone().requires_grad_()
-    out = lp.next_token_logprobs(
-        x, ids, sampling=Sampling(temperature=temperature), kernels=kernels
-    )
-    (out * weights).sum().backward()
-    return out, x.grad
 
 
 def check_through_next_token_logprobs(vocab: int, rows: int, positions: int, temperature: float):
@@ -31,8 +21,8 @@ def check_through_next_token_logprobs(vocab: int, rows: int, positions: int, tem
     logits = (5 * torch.randn(rows, positions, vocab, generator=gen)).to(torch.bfloat16)
     ids = torch.randint(0, vocab, (rows, positions), generator=gen)
     weights = torch.randn(rows, positions - 1, generator=gen)
-    want, want_grad = scored(EAGER_KERNELS, logits, ids, weights, temperature)
-    got, got_grad = scored(TRITON, logits, ids, weights, temperature)
+    want, want_grad = _scored(EAGER_KERNELS, logits, ids, weights, temperature)
+    got, got_grad = _scored(TRITON, logits, ids, weights, temperature)
     torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
     assert got_grad.dtype == torch.bfloat16
     eps = torch.finfo(torch.bfloat16).eps
