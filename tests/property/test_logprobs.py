@@ -110,7 +110,11 @@ def test_chunked_equals_unchunked_forward_and_gradient(
     finite_weighted_sum(got, weights).backward()
     finite_weighted_sum(expected, weights).backward()
     assert x_ours.grad is not None and x_ours.grad.dtype == logits.dtype
-    torch.testing.assert_close(x_ours.grad, x_ref.grad)
+    # A target's gradient is w * (1 - p) / T: with p near 1 it is a difference of close fp32
+    # numbers, so its absolute error scales with |w| / T, not with the (small) result.
+    scale = max([1.0, *(weights.abs().flatten() / temperature).tolist()])
+    tolerance = {"atol": 1e-5 * scale, "rtol": 1.3e-6} if logits.dtype == torch.float32 else {}
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, **tolerance)
 
 
 @given(case=logits_cases(), temperature=TEMPERATURES, seed=SEEDS)

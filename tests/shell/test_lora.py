@@ -1,4 +1,5 @@
 import copy
+import datetime
 import json
 import math
 import os
@@ -403,7 +404,11 @@ def _tp_rank(rank, world_size, init_file):
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
     )
     try:
         torch.manual_seed(0)
@@ -458,6 +463,9 @@ def _tp_rank(rank, world_size, init_file):
         assert {n for n, p in model.named_parameters() if p.requires_grad} == {
             n for n, p in reference.named_parameters() if p.requires_grad
         }
+        # both ranks done talking before either tears gloo down: a rank that closed its pairs
+        # while the other's last all-gather was still draining aborted it once (std::terminate)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
