@@ -268,10 +268,12 @@ def logprobs_with_leading_zero(next_BS1: torch.Tensor, lengths_B: torch.Tensor) 
         )
         raise ValueError(msg)
     seq_len = next_BS1.shape[1] + 1
-    lengths_B = lengths_B.to(next_BS1.device)
+    # checked where the lengths are (the host, for the worker) before they move: a check on the
+    # device would wait for the whole forward before the last kernels are launched
     if bool((lengths_B < 0).any()) or bool((lengths_B > seq_len).any()):
         msg = f"input lengths {int_list(lengths_B)} must be in [0, S] = [0, {seq_len}]"
         raise ValueError(msg)
+    lengths_B = lengths_B.to(next_BS1.device, non_blocking=True)
     full_BS = torch.cat([next_BS1.new_zeros((next_BS1.shape[0], 1)), next_BS1], dim=1)
     valid_BS = torch.arange(seq_len, device=next_BS1.device)[None, :] < lengths_B[:, None]
     return torch.where(valid_BS, full_BS, torch.zeros_like(full_BS))

@@ -139,8 +139,10 @@ def varlen_attention_forward(
     else:
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
-            position_ids = torch.arange(num_tokens, device=query.device).expand(batch, -1)
-        cu, max_len = cu_seqlens_from_position_ids(position_ids.to(query.device))
+            position_ids = torch.arange(num_tokens, device=query.device)[None]
+        # a model's own positions (no position_ids given to it) are one row for the whole batch
+        position_ids = position_ids.to(query.device).expand(batch, -1)
+        cu, max_len = cu_seqlens_from_position_ids(position_ids)
     flat = batch * num_tokens
     if query.is_cuda and query.dtype not in _FLASH_DTYPES and torch.is_autocast_enabled("cuda"):
         # rotary embeddings promote q/k to fp32 under autocast; sdpa is cast back by autocast,

@@ -112,6 +112,24 @@ def test_packed_forward_isolates_documents(tiny_model_paths, impl):
     check_document_isolation(model, autocast_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("impl", ["sdpa", attention.VARLEN_ATTN_NAME])
+def test_padded_rows_without_position_ids_are_each_row_alone(tiny_model_paths, impl):
+    """A right-padded microbatch runs on the model's own positions (one row of them for the
+    whole batch): every row's logits are those of the row run alone, up to its length."""
+    import transformers
+
+    name = attention.ensure_varlen_registered() if impl == attention.VARLEN_ATTN_NAME else impl
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model_paths["llama"], dtype=torch.float32, attn_implementation=name
+    ).eval()
+    rows = torch.randint(3, 128, (3, 6))
+    with torch.no_grad():
+        batch = forward_logits(model, rows, position_ids=None)
+        for r in range(3):
+            alone = forward_logits(model, rows[r : r + 1, : 4 + r % 3], position_ids=None)
+            torch.testing.assert_close(batch[r : r + 1, : 4 + r % 3], alone)
+
+
 def test_isolation_probe_rejects_a_kernel_that_attends_across_documents(tiny_model_paths):
     import transformers
     from transformers import AttentionInterface
