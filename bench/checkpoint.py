@@ -47,7 +47,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -58,6 +57,7 @@ from common import QWEN25_15B, TINY  # noqa: E402  (bench/ is run as a script fo
 from policyworker.shell import checkpoint as ck  # noqa: E402
 from policyworker.shell.checkpoint import digests  # noqa: E402
 from policyworker.shell.checkpoint import layout as ck_layout  # noqa: E402
+from policyworker.shell.checkpoint.saver import on_threads  # noqa: E402
 from policyworker.shell.parallel.context import ParallelContext  # noqa: E402
 
 SHAPE_1P5B, SHAPE_SMALL = QWEN25_15B, TINY  # bench/common.py's shapes
@@ -154,8 +154,9 @@ def _raw_parallel_write(root: pathlib.Path, nbytes: int, streams: int) -> float:
     paths = [root / f"raw-{i}.bin" for i in range(streams)]
     share, block = -(-nbytes // streams), os.urandom(BLOCK)
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(streams) as pool:
-        list(pool.map(lambda path: _write_and_fsync(path, share, block), paths))
+    on_threads(
+        lambda path: _write_and_fsync(path, share, block), paths, threads=streams, name="raw-write"
+    )
     seconds = time.perf_counter() - t0
     _evict(paths)
     for path in paths:
@@ -188,8 +189,7 @@ def _raw_parallel_read(files: list[pathlib.Path], streams: int) -> float:
             os.close(fd)
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(streams) as pool:
-        list(pool.map(read, blocks))
+    on_threads(read, blocks, threads=streams, name="raw-read")
     return time.perf_counter() - t0
 
 

@@ -87,26 +87,22 @@ def kernel_rows(tokens: int, vocab: int, repeats: int) -> tuple[list[dict], dict
     on CUDA (`shell.logprob_triton`) against inductor's compile of the same functions (what the
     worker ran before), forward and backward, each beside the time one read (+ one write in
     backward) of the block takes at the measured copy ceiling."""
-    from policyworker.functional.logprob_kernels import plain_logprob_grad, plain_logprobs_and_lse
-    from policyworker.shell.logprob_triton import triton_logprob_grad, triton_logprobs_and_lse
+    from policyworker.shell.fused_logprobs import inductor_kernels
+    from policyworker.shell.logprob_triton import TRITON_KERNELS
 
     cuda = torch.device("cuda")
     gen = torch.Generator(device=cuda).manual_seed(0)
     logits = (3 * torch.randn(1, tokens, vocab, generator=gen, device=cuda)).to(torch.bfloat16)
     ids = torch.randint(0, vocab, (1, tokens), generator=gen, device=cuda)
     grad = torch.randn(1, tokens, generator=gen, device=cuda)
-    pairs = {
-        "triton": (triton_logprobs_and_lse, triton_logprob_grad),
-        "inductor": (
-            torch.compile(plain_logprobs_and_lse, dynamic=True),
-            torch.compile(plain_logprob_grad, dynamic=True),
-        ),
-    }
+    pairs = {"triton": TRITON_KERNELS, "inductor": inductor_kernels()}
     ms: dict[str, dict[str, float]] = {}
-    for name, (forward, backward) in pairs.items():
-        fwd, (_, lse) = timed(lambda f=forward: f(logits, ids, 1.0), repeats=repeats, warmup=2)
+    for name, pair in pairs.items():
+        fwd, (_, lse) = timed(lambda f=pair.forward: f(logits, ids, 1.0), repeats=repeats, warmup=2)
         bwd, _ = timed(
-            lambda b=backward, lse=lse: b(logits, ids, lse, grad, 1.0), repeats=repeats, warmup=2
+            lambda b=pair.backward, lse=lse: b(logits, ids, lse, grad, 1.0),
+            repeats=repeats,
+            warmup=2,
         )
         ms[name] = {"forward_ms": fwd * 1e3, "backward_ms": bwd * 1e3}
     read_ms = logits.numel() * 2 / COPY_CEILING_BYTES_PER_S * 1e3

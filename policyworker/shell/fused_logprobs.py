@@ -30,7 +30,7 @@ from policyworker.functional.logprob_kernels import (
 from policyworker.shell.compile_cache import compiled_once
 from policyworker.shell.fusion_probe import first_line
 
-__all__ = ["LOGPROB_ATOL", "LOGPROB_RTOL", "fused_logprob_kernels"]
+__all__ = ["LOGPROB_ATOL", "LOGPROB_RTOL", "fused_logprob_kernels", "inductor_kernels"]
 
 log = logging.getLogger("policyworker")
 # Compiled vs eager, as checked at start-up: the fused reduction sums the vocab in another
@@ -40,25 +40,25 @@ LOGPROB_ATOL, LOGPROB_RTOL = 1e-4, 1e-5
 _PROBE_ROWS, _PROBE_POSITIONS = 2, 5
 
 
-def _fused_kernels(device: torch.device) -> LogprobKernels:
-    """On CUDA the hand-written Triton pair (`shell.logprob_triton`: inductor's compile of the
-    same math streams the logits at an eighth of the memory's speed there); elsewhere the
-    plain pair compiled by inductor."""
-    if device.type == "cuda":
-        from policyworker.shell.logprob_triton import (
-            triton_logprob_grad,
-            triton_logprobs_and_lse,
-        )
-
-        return LogprobKernels(
-            forward=triton_logprobs_and_lse, backward=triton_logprob_grad, whole=True, name="fused"
-        )
+def inductor_kernels() -> LogprobKernels:
+    """The plain pair compiled by inductor (once per process)."""
     return LogprobKernels(
         forward=compiled_once("logprobs_and_lse", plain_logprobs_and_lse),
         backward=compiled_once("logprob_grad", plain_logprob_grad),
         whole=True,
         name="fused",
     )
+
+
+def _fused_kernels(device: torch.device) -> LogprobKernels:
+    """On CUDA the hand-written Triton pair (`shell.logprob_triton`: inductor's compile of the
+    same math streams the logits at an eighth of the memory's speed there); elsewhere the
+    plain pair compiled by inductor."""
+    if device.type == "cuda":
+        from policyworker.shell.logprob_triton import TRITON_KERNELS
+
+        return TRITON_KERNELS
+    return inductor_kernels()
 
 
 def _check_against_eager(

@@ -24,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["triton_logprob_grad", "triton_logprobs_and_lse"]
+from policyworker.functional.logprob_kernels import LogprobKernels
+
+__all__ = ["TRITON_KERNELS", "triton_logprob_grad", "triton_logprobs_and_lse"]
 
 # Logits per block: 4,096 bf16 are 8 KiB, enough loads in flight per program to stream from
 # HBM, and a 151,936 vocab takes 38 blocks.
@@ -199,3 +201,10 @@ def triton_logprob_grad(
             num_warps=_WARPS,  # pyright: ignore[reportCallIssue]  (a launch option)
         )
     return out
+
+
+# The pair as the worker runs it (`shell.fused_logprobs` on CUDA): no fp32 [C, V] scratch, so
+# one call covers every position.
+TRITON_KERNELS = LogprobKernels(
+    forward=triton_logprobs_and_lse, backward=triton_logprob_grad, whole=True, name="fused"
+)

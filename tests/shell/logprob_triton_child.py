@@ -5,15 +5,16 @@ import torch
 
 from policyworker.functional.logprob_kernels import (
     EAGER_KERNELS,
-    LogprobKernels,
     plain_logprob_grad,
     plain_logprobs_and_lse,
 )
 from policyworker.shell.fused_logprobs import LOGPROB_ATOL, LOGPROB_RTOL
-from policyworker.shell.logprob_triton import triton_logprob_grad, triton_logprobs_and_lse
+from policyworker.shell.logprob_triton import (
+    TRITON_KERNELS,
+    triton_logprob_grad,
+    triton_logprobs_and_lse,
+)
 from tests.shell.test_fused_logprobs import _scored
-
-TRITON = LogprobKernels(forward=triton_logprobs_and_lse, backward=triton_logprob_grad, whole=True)
 
 
 def check_through_next_token_logprobs(vocab: int, rows: int, positions: int, temperature: float):
@@ -22,7 +23,7 @@ def check_through_next_token_logprobs(vocab: int, rows: int, positions: int, tem
     ids = torch.randint(0, vocab, (rows, positions), generator=gen)
     weights = torch.randn(rows, positions - 1, generator=gen)
     want, want_grad = _scored(EAGER_KERNELS, logits, ids, weights, temperature)
-    got, got_grad = _scored(TRITON, logits, ids, weights, temperature)
+    got, got_grad = _scored(TRITON_KERNELS, logits, ids, weights, temperature)
     torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
     assert got_grad.dtype == torch.bfloat16
     eps = torch.finfo(torch.bfloat16).eps

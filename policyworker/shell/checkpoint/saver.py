@@ -175,7 +175,7 @@ def _warn_at_exit(saver_ref: weakref.ReferenceType[AsyncSaver]) -> None:
         saver.warn_if_pending()
 
 
-# ------------------------------------------------------------------------------ async saver
+# ------------------------------------------------------------------------------ threads
 
 
 def on_threads(
@@ -201,6 +201,9 @@ def run_jobs_concurrently(jobs: Sequence[Callable[[], None]]) -> None:
     group, so no two jobs run collectives at the same time.
     """
     on_threads(lambda job: job(), jobs, threads=len(jobs), name="checkpoint-job")
+
+
+# ------------------------------------------------------------------------------ async saver
 
 
 class AsyncSaver:
