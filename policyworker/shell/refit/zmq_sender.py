@@ -81,6 +81,7 @@ class ZmqIpcSender:
         self._socket: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None  # connection events: counts the receivers
         self._peers = 0
+        self.departed_receivers = 0  # connections that ended since the socket was bound
         # One thread at a time uses the socket (libzmq sockets are not thread-safe: two refits
         # at once aborted the process); a second thread is refused, not queued.
         self._busy = threading.RLock()
@@ -151,7 +152,7 @@ class ZmqIpcSender:
             self._socket = sock
             sock.bind(self.address)
             self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-            self._peers = 0
+            self._peers = self.departed_receivers = 0
         return sock
 
     def _close_socket(self) -> None:
@@ -172,6 +173,7 @@ class ZmqIpcSender:
             except zmq.Again:
                 break
             self._peers += peer_delta.get(event, 0)
+            self.departed_receivers += event == zmq.EVENT_DISCONNECTED
         return self._peers
 
     def _check_one_receiver(self) -> None:
