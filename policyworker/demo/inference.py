@@ -103,7 +103,11 @@ def serve(
     dtype_name: str,
     idle_timeout_s: float,
 ) -> None:
-    """Body of the inference process: answer requests until `close` or the trainer goes quiet."""
+    """Body of the inference process: answer requests until `close` or the trainer is gone.
+
+    A quiet trainer is not a gone one: starting a Ray group can take minutes before the first
+    request, so each `idle_timeout_s` without a request only checks that the trainer process
+    still runs (its end of the pipe closing, or its exit, ends the loop)."""
     torch.set_num_threads(1)
     _quiet_transformers()
     from policyworker.shell.refit.receiver import HFWeightReceiver
@@ -116,8 +120,15 @@ def serve(
     conn.send(("ok", {"device": str(next(model.parameters()).device)}))
     receiver = None
     try:
-        while conn.poll(idle_timeout_s):
-            op, payload = conn.recv()
+        while True:
+            if not conn.poll(idle_timeout_s):
+                if _trainer_alive():
+                    continue
+                break
+            try:
+                op, payload = conn.recv()
+            except EOFError:  # the trainer closed its end: it exited
+                break
             if op == "close":
                 break
             try:
@@ -159,6 +170,11 @@ def serve(
         if receiver is not None:
             receiver.close()
         conn.close()
+
+
+def _trainer_alive() -> bool:
+    parent = multiprocessing.parent_process()  # None only when not started by multiprocessing
+    return parent is None or parent.is_alive()
 
 
 class InferenceProcess:
@@ -210,7 +226,16 @@ class InferenceProcess:
     def request(self, op: str, **payload: Any) -> None:
         """Send a request without waiting (e.g. `refit`, answered by `result`)."""
         self.wait_ready()
-        self._conn.send((op, payload))
+        try:
+            self._conn.send((op, payload))
+        except OSError as exc:  # BrokenPipeError: the process is gone
+            self._proc.join(timeout=1)
+            msg = (
+                f"inference process exited (code {self._proc.exitcode}) before the {op!r} "
+                f"request could be sent ({type(exc).__name__}: {exc}); its own error, if any, "
+                "is above in this log"
+            )
+            raise InferenceError(msg) from exc
 
     def result(self, what: str) -> dict[str, Any]:
         return self._reply(what)

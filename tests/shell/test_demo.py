@@ -241,3 +241,50 @@ def test_progress_bar_draws_only_on_a_tty():
     bar = ProgressBar(4, stream=tty, width=8)
     bar.update(2, "reward 0.50")
     assert "[####....] 2/4 reward 0.50" in tty.getvalue()
+
+
+def test_the_inference_process_outlives_a_quiet_trainer_and_exits_when_its_pipe_closes(
+    tiny_model_paths,
+):
+    """Quiet for many idle periods (a Ray group starting) is not gone: the process still
+    answers; the trainer's end of the pipe closing ends it cleanly."""
+    import multiprocessing
+    import time
+
+    from policyworker.demo.inference import serve
+
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_end = ctx.Pipe()
+    proc = ctx.Process(
+        target=serve, args=(child_end, tiny_model_paths["llama"], "cpu", "float32", 0.2)
+    )
+    proc.start()
+    child_end.close()
+    try:
+        assert conn.poll(120) and conn.recv()[0] == "ok"  # loaded
+        time.sleep(2.0)  # ten idle periods without a request
+        assert proc.is_alive()
+        conn.send(("no_such_op", {}))
+        assert conn.poll(60)
+        assert conn.recv() == ("error", "no_such_op: InferenceError: unknown op 'no_such_op'")
+        conn.close()
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+
+
+def test_a_request_to_a_dead_inference_process_names_its_exit_code(tiny_model_paths):
+    from policyworker.demo.inference import InferenceError, InferenceProcess
+
+    infer = InferenceProcess(tiny_model_paths["llama"], timeout_s=120)
+    try:
+        infer.wait_ready()
+        infer._proc.kill()
+        infer._proc.join(30)
+        with pytest.raises(InferenceError, match=r"inference process exited \(code -9\)"):
+            infer.call("refit")
+    finally:
+        infer.close()
