@@ -23,17 +23,26 @@ import torch
 
 __all__ = [
     "MAX_FILE_BYTES",
+    "MIN_SPREAD_FILE_BYTES",
+    "WRITE_STREAMS",
     "Box",
     "box_of_view",
     "FilePlan",
     "HFTensor",
     "contiguous_runs",
+    "file_bytes_for_parallel_writes",
     "intersect_boxes",
     "itemsize",
     "plan_safetensors_files",
 ]
 
 MAX_FILE_BYTES = 5 * 2**30  # HF's default shard size
+# A save spreads its weights over about this many files. Buffered writes to one file take its
+# inode lock (Linux), so writer threads sharing a file copy into the page cache one at a time
+# (docs/checkpoints.md has the measurements). A constant, not the host's thread count: every rank
+# must plan the same files.
+WRITE_STREAMS = 8
+MIN_SPREAD_FILE_BYTES = 256 * 2**20  # below this a model is not split further (tiny models: 1 file)
 _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -84,6 +93,18 @@ class FilePlan:
     header: bytes
     offsets: dict[str, int]
     size: int
+
+
+def file_bytes_for_parallel_writes(
+    total_bytes: int,
+    *,
+    streams: int = WRITE_STREAMS,
+    min_file_bytes: int = MIN_SPREAD_FILE_BYTES,
+    max_file_bytes: int = MAX_FILE_BYTES,
+) -> int:
+    """The shard size that spreads `total_bytes` over about `streams` files, kept within
+    [`min_file_bytes`, `max_file_bytes`]."""
+    return min(max_file_bytes, max(min_file_bytes, -(-total_bytes // max(1, streams))))
 
 
 def plan_safetensors_files(

@@ -10,8 +10,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from policyworker.functional.safetensors_layout import (
+    MAX_FILE_BYTES,
+    MIN_SPREAD_FILE_BYTES,
+    WRITE_STREAMS,
     HFTensor,
     contiguous_runs,
+    file_bytes_for_parallel_writes,
     intersect_boxes,
     plan_safetensors_files,
 )
@@ -66,3 +70,16 @@ def test_contiguous_runs_cover_a_sub_box_exactly_once(dims):
     )
     assert sorted(covered) == want and len(covered) == len(set(covered))
     assert intersect_boxes(sub, full) == sub
+
+
+@given(st.integers(0, 1 << 40), st.integers(0, 1 << 40))
+def test_the_shard_size_spreads_weights_over_the_write_streams_within_its_bounds(total, more):
+    size = file_bytes_for_parallel_writes(total)
+    assert MIN_SPREAD_FILE_BYTES <= size <= MAX_FILE_BYTES
+    if size == MIN_SPREAD_FILE_BYTES:  # small: at most WRITE_STREAMS files of the floor size
+        assert total <= WRITE_STREAMS * MIN_SPREAD_FILE_BYTES
+    elif size < MAX_FILE_BYTES:  # WRITE_STREAMS files hold it, and fewer would not
+        assert WRITE_STREAMS * size >= total > (WRITE_STREAMS - 1) * size
+    else:  # huge: HF's cap, so more than WRITE_STREAMS files
+        assert total >= WRITE_STREAMS * MAX_FILE_BYTES
+    assert file_bytes_for_parallel_writes(total + more) >= size  # never smaller for more bytes

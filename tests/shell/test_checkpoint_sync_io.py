@@ -9,6 +9,7 @@ error it caused.
 
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
 import threading
@@ -220,6 +221,62 @@ def test_a_load_reads_several_weight_files_on_several_threads_into_the_same_stat
     assert set().union(*readers.values()) == {f.name for f in files}
     want, got = worker.model.state_dict(), fresh.model.state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_the_writer_threads_take_the_weight_files_in_turn_and_the_files_load_back(
+    tiny_model_paths, tmp_path, monkeypatch
+):
+    """Each queued task belongs to another file than the one before it while files are left, so
+    threads write several files at once (one file's writes take turns on its inode lock)."""
+    from policyworker.shell.checkpoint import layout
+
+    path = tiny_model_paths["llama"]
+    worker = _trained(path)
+    total = sum(t.nbytes for t in worker.model.state_dict().values())
+    monkeypatch.setattr(layout, "WRITER_THREADS", 1)  # one thread: writes land in queue order
+    order: list[int] = []
+    pwrite_all = safetensors_io._pwrite_all
+
+    def recording(fd, data, offset):
+        order.append(fd)
+        pwrite_all(fd, data, offset)
+
+    monkeypatch.setattr(safetensors_io, "_pwrite_all", recording)
+    job = safetensors_io.save_hf_weights(
+        worker.model, tmp_path / "model", parallel=worker.state.parallel, max_file_bytes=total // 3
+    )
+    job()
+    files = len(list((tmp_path / "model").glob("*.safetensors")))
+    assert files >= 3 and len(set(order)) == files
+    assert order[:files] == sorted(set(order), key=order.index)  # the first turn: every file
+    switches = sum(a != b for a, b in itertools.pairwise(order))
+    assert switches >= len(order) // 2, order  # in file order there would be files - 1
+    fresh = PolicyWorker(make_config(path), init_reference_model=False)
+    safetensors_io.load_hf_weights(fresh.model, tmp_path / "model", parallel=fresh.state.parallel)()
+    want, got = worker.model.state_dict(), fresh.model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_save_spreads_large_weights_over_several_files_and_keeps_a_tiny_model_in_one(
+    tiny_model_paths, tmp_path, monkeypatch
+):
+    from policyworker.functional import safetensors_layout
+
+    path = tiny_model_paths["llama"]
+    worker = _trained(path)
+    total = sum(t.nbytes for t in worker.model.state_dict().values())
+    safetensors_io.save_hf_weights(
+        worker.model, tmp_path / "tiny", parallel=worker.state.parallel
+    )()
+    assert len(list((tmp_path / "tiny").glob("*.safetensors"))) == 1
+    # the same model as if its weights were past 8 x the smallest split file
+    monkeypatch.setattr(
+        safetensors_io,
+        "file_bytes_for_parallel_writes",
+        lambda n: safetensors_layout.file_bytes_for_parallel_writes(n, min_file_bytes=total // 16),
+    )
+    safetensors_io.save_hf_weights(worker.model, tmp_path / "big", parallel=worker.state.parallel)()
+    assert len(list((tmp_path / "big").glob("*.safetensors"))) >= safetensors_layout.WRITE_STREAMS
 
 
 def test_an_optimizer_load_reads_its_dcp_files_on_several_threads_into_the_same_state(

@@ -17,6 +17,7 @@ the runs and their offsets), and a change to one side must be read against the o
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import pathlib
 import queue
@@ -29,11 +30,11 @@ import torch
 from torch import nn
 
 from policyworker.functional.safetensors_layout import (
-    MAX_FILE_BYTES,
     Box,
     FilePlan,
     HFTensor,
     contiguous_runs,
+    file_bytes_for_parallel_writes,
     intersect_boxes,
     itemsize,
     plan_safetensors_files,
@@ -237,11 +238,17 @@ def _write_hf_files(
             if write_headers:
                 os.ftruncate(fd, plan.size)
                 os.pwrite(fd, plan.header, 0)
-        tasks: queue.SimpleQueue[tuple[int, torch.Tensor, int, Any]] = queue.SimpleQueue()
+        per_file: dict[str, list[tuple[int, torch.Tensor, int, Any]]] = {p.file: [] for p in plans}
         for piece in pieces:
             for offset, idx, n in piece.runs:
                 flat = (piece.tensor[idx] if idx else piece.tensor).reshape(-1)[:n]
-                for task in _chunks(fds[piece.file], flat, offset, piece.ready):
+                per_file[piece.file] += _chunks(fds[piece.file], flat, offset, piece.ready)
+        # Queued a task of each file in turn, so the threads write different files at once:
+        # writes to one file take turns on its inode lock (see WRITE_STREAMS).
+        tasks: queue.SimpleQueue[tuple[int, torch.Tensor, int, Any]] = queue.SimpleQueue()
+        for turn in itertools.zip_longest(*per_file.values()):
+            for task in turn:
+                if task is not None:
                     tasks.put(task)
         threads = max(1, checkpoint_layout_settings.WRITER_THREADS)
         with ThreadPoolExecutor(threads, thread_name_prefix="checkpoint-write") as pool:
@@ -279,7 +286,7 @@ def save_hf_weights(
     *,
     parallel: Any,
     state: Mapping[str, torch.Tensor] | None = None,
-    max_file_bytes: int = MAX_FILE_BYTES,
+    max_file_bytes: int | None = None,
     write_config: bool = True,
     manifest: Mapping[str, Any] | None = None,
     staging: StagingBuffers | None = None,
@@ -291,11 +298,14 @@ def save_hf_weights(
     the live model. Rank 0 writes config/index/manifest now; every rank's job `pwrite`s its bytes.
     With `staging` the copies are queued into its reused buffers: call `staging.wait()` before
     the job runs or the weights change. ``copy_sources=False`` (only for a job run before the
-    weights can change) writes CPU weights without copying them first.
+    weights can change) writes CPU weights without copying them first. ``max_file_bytes``
+    (default: `file_bytes_for_parallel_writes` of the whole layout) caps each file's size.
     """
     live = _model_state(model)
     values = live if state is None else {k: state[k] for k in live if k in state}
     layout = model_hf_layout(model, _specs({k: live[k] for k in values}))
+    if max_file_bytes is None:
+        max_file_bytes = file_bytes_for_parallel_writes(sum(t.nbytes for t in layout))
     plans = plan_safetensors_files(layout, max_file_bytes=max_file_bytes)
     locals_ = _locals(live, rank=parallel.rank, world_size=parallel.world_size)
     if state is not None:
