@@ -243,7 +243,7 @@ def _write_hf_files(
             for offset, idx, n in piece.runs:
                 flat = (piece.tensor[idx] if idx else piece.tensor).reshape(-1)[:n]
                 per_file[piece.file] += _chunks(fds[piece.file], flat, offset, piece.ready)
-        # Queued a task of each file in turn, so the threads write different files at once:
+        # Queue one task of each file in turn, so the threads write different files at once:
         # writes to one file take turns on its inode lock (see WRITE_STREAMS).
         tasks: queue.SimpleQueue[tuple[int, torch.Tensor, int, Any]] = queue.SimpleQueue()
         for turn in itertools.zip_longest(*per_file.values()):

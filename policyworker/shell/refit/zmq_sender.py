@@ -81,7 +81,9 @@ class ZmqIpcSender:
         self._socket: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None  # connection events: counts the receivers
         self._peers = 0
-        self.departed_receivers = 0  # connections that ended since the socket was bound
+        # connections that ended since the socket was bound (counted as connected_receivers()
+        # reads the monitor's events)
+        self.departed_receivers = 0
         # One thread at a time uses the socket (libzmq sockets are not thread-safe: two refits
         # at once aborted the process); a second thread is refused, not queued.
         self._busy = threading.RLock()
