@@ -20,6 +20,8 @@ an exact zero gradient row. Logits may be any [B, C, V] view whose vocab dimensi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -141,6 +143,27 @@ def _dense_vocab(logits_BCV: torch.Tensor) -> torch.Tensor:
     return logits_BCV if logits_BCV.stride(-1) == 1 else logits_BCV.contiguous()
 
 
+def _position_args(
+    logits: torch.Tensor, targets_BC: torch.Tensor, temperature: float
+) -> tuple[Any, ...]:
+    """Both kernels' arguments after their pointers: sizes, strides and the temperature."""
+    _, positions, vocab = logits.shape
+    return (
+        positions,
+        vocab,
+        logits.stride(0),
+        logits.stride(1),
+        targets_BC.stride(0),
+        targets_BC.stride(1),
+        float(temperature),
+    )
+
+
+def _launch_options(temperature: float) -> dict[str, Any]:
+    """Both kernels' compile-time constants and warps (``num_warps`` is a launch option)."""
+    return {"SCALED": temperature != 1.0, "BLOCK": _BLOCK, "num_warps": _WARPS}
+
+
 def triton_logprobs_and_lse(
     logits_BCV: torch.Tensor, targets_BC: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,16 +179,8 @@ def triton_logprobs_and_lse(
             targets_BC,
             logprobs,
             lse,
-            positions,
-            vocab,
-            logits.stride(0),
-            logits.stride(1),
-            targets_BC.stride(0),
-            targets_BC.stride(1),
-            float(temperature),
-            SCALED=temperature != 1.0,
-            BLOCK=_BLOCK,
-            num_warps=_WARPS,  # pyright: ignore[reportCallIssue]  (a launch option)
+            *_position_args(logits, targets_BC, temperature),
+            **_launch_options(temperature),
         )
     return logprobs, lse
 
@@ -189,16 +204,8 @@ def triton_logprob_grad(
             lse_BC.float().contiguous(),
             grad_BC.float().contiguous(),
             out,
-            positions,
-            vocab,
-            logits.stride(0),
-            logits.stride(1),
-            targets_BC.stride(0),
-            targets_BC.stride(1),
-            float(temperature),
-            SCALED=temperature != 1.0,
-            BLOCK=_BLOCK,
-            num_warps=_WARPS,  # pyright: ignore[reportCallIssue]  (a launch option)
+            *_position_args(logits, targets_BC, temperature),
+            **_launch_options(temperature),
         )
     return out
 
