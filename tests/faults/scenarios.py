@@ -105,6 +105,7 @@ def grad_mode_zmq(trials: int) -> None:
             grad_at_raise, error = torch.is_grad_enabled(), f"{type(exc).__name__}: {exc}"
         thread.join(10)
         receiver.close()
+        _wait_until_the_sender_sees_no_receiver(sender)
         trainable = (model.w0 * 2).sum().requires_grad
         say(
             trial,
@@ -113,6 +114,17 @@ def grad_mode_zmq(trials: int) -> None:
             f"{error[:200]}",
         )
     sender.close()
+
+
+def _wait_until_the_sender_sees_no_receiver(sender: Any, timeout_s: float = 10.0) -> None:
+    """The next trial's receiver connects to the same address at once. A BEGIN sent before the
+    sender's I/O thread sees the closed receiver's connection end can be queued on it and lost
+    (REQ picks connections in turn), so wait until the sender counts no receiver. An engine
+    that replaces its receiver on a live address gets one timeout and then a clean retry."""
+    zmq = sender._zmq()
+    deadline = time.monotonic() + timeout_s
+    while zmq.connected_receivers() > 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def grad_mode_sglang(trials: int) -> None:
