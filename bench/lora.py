@@ -6,7 +6,9 @@ sdpa attention. Train step: forward, next-token cross-entropy, backward, AdamW s
 loop, no worker). LoRA: every linear layer except lm_head, dim 16, alpha 32, with
 ``lora_cfg.compute_dtype: float32`` (fp32 adapter matmuls) and with the default ``auto`` as the
 worker resolves it under bf16 autocast (bf16 adapter matmuls on CUDA, fp32 on CPU); the adapter
-parameters are fp32 in both.
+parameters are fp32 in both. With bf16 adapters the layers merge the adapter into the frozen
+weight (one GEMM, `shell.lora._MergedAdapterLinear`); the row "adapters apart" runs the same
+model on the path before that (base GEMM, adapter GEMMs, addmm) for the A/B.
 
 Refit cost: producing every refit tensor in bf16 from the fp32 master weights; LoRA modules
 go through ``merge_lora_weight`` (the exact fp32-accumulated merge) before the cast, the
@@ -17,6 +19,7 @@ baseline only casts (a full-weight refit's copy).
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import pathlib
@@ -33,6 +36,7 @@ from common import QWEN25_15B, TINY  # noqa: E402  (bench/ is run as a script fo
 
 from policyworker.functional.lora import merge_lora_weight  # noqa: E402
 from policyworker.shell.lora import (  # noqa: E402
+    LinearLoRA,
     apply_lora,
     lora_modules,
     lora_parameters,
@@ -90,6 +94,17 @@ def _train_tokens_per_s(model, params, *, device, batch, seq, steps, warmup) -> 
         "peak_mem_gib": peak,
         "trainable_params": sum(p.numel() for p in params),
     }
+
+
+@contextlib.contextmanager
+def _adapters_kept_apart():
+    """LinearLoRA as before the merged path: no layer merges its adapter into the base weight."""
+    merges = LinearLoRA._merges
+    LinearLoRA._merges = lambda self: False  # the A/B switch, restored below
+    try:
+        yield
+    finally:
+        LinearLoRA._merges = merges
 
 
 def _refit_s(model, *, device, merge: bool, repeats: int) -> float:
@@ -176,6 +191,20 @@ def run(
         steps=steps,
         warmup=warmup,
     )
+    with _adapters_kept_apart():
+        results["lora_bf16_adapters_apart"] = _train_tokens_per_s(
+            model,
+            lora_parameters(model),
+            device=device,
+            batch=batch,
+            seq=seq,
+            steps=steps,
+            warmup=warmup,
+        )
+    results["merged_vs_apart_tokens_per_s"] = (
+        results["lora_bf16_adapters"]["tokens_per_s"]
+        / results["lora_bf16_adapters_apart"]["tokens_per_s"]
+    )
     results["speedup_tokens_per_s"] = (
         results["lora"]["tokens_per_s"] / results["full_ft"]["tokens_per_s"]
     )
@@ -210,6 +239,13 @@ def _table(r: dict) -> str:
             f"{r['lora_bf16_adapters']['peak_mem_gib']:.1f} GiB",
         ),
         (
+            "train step",
+            "LoRA, auto, adapters apart (before)",
+            f"{r['lora_bf16_adapters_apart']['tokens_per_s']:,.0f} tok/s",
+            f"{r['lora_bf16_adapters_apart']['step_s'] * 1e3:.1f} ms",
+            f"{r['lora_bf16_adapters_apart']['peak_mem_gib']:.1f} GiB",
+        ),
+        (
             "refit tensors",
             "full weights (cast to bf16)",
             "",
@@ -229,7 +265,8 @@ def _table(r: dict) -> str:
     lines += [f"{a:<14} {b:<38} {c:>18} {d:>12} {e:>10}" for a, b, c, d, e in rows]
     lines.append(
         f"LoRA / full tokens/s: fp32 adapters {r['speedup_tokens_per_s']:.2f}x, default (auto) "
-        f"{r['speedup_default_tokens_per_s']:.2f}x; merge overhead at refit = "
+        f"{r['speedup_default_tokens_per_s']:.2f}x; auto merged vs apart "
+        f"{r['merged_vs_apart_tokens_per_s']:.2f}x; merge overhead at refit = "
         f"{r['merge_overhead_ratio']:.2f}x of a cast-only pass"
     )
     return "\n".join(lines)

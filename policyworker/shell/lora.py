@@ -7,8 +7,9 @@ through `policyworker.functional.lora.merge_lora_weight`). Order of use in the w
 lora_tp_plan(plan))` (`shell.lora_tp`) -> `fully_shard` -> optimizer over
 `lora_parameters(model)`. The PEFT adapter folder (export/import) is `shell.peft_adapter`.
 
-Why it is over 400 lines: `LinearLoRA` has two forward paths (the general one, and the one
-that folds the adapter into the base layer's autocast dtype) next to its construction, and the
+Why it is over 400 lines: `LinearLoRA` has three forward paths (the general one; under autocast
+in the adapter's dtype, the adapter merged into the frozen weight, `_MergedAdapterLinear`, or
+with input dropout added inside the up-projection's GEMM) next to its construction, and the
 settings and injection that build it sit with the class they configure.
 """
 
@@ -25,6 +26,8 @@ from torch.distributed.tensor import DTensor
 from policyworker.functional.lora import (
     lora_scale,
     matches_target,
+    merge_lora_weight,
+    merge_lora_weight_by_reduction,
     unmatched_entries,
     validate_target_entries,
 )
@@ -244,49 +247,79 @@ class LinearLoRA(nn.Linear):
     # nn.Linear calls its argument `input` (a builtin name); every caller passes it positionally
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # pyright: ignore[reportIncompatibleMethodOverride]
         a, b = self.lora_A.weight, self.lora_B.weight
-        acc = self.compute_dtype or torch.promote_types(
-            torch.promote_types(a.dtype, b.dtype), torch.float32
-        )
-        if self._adapter_in_autocast_dtype(x, acc):
-            return self._forward_in_autocast_dtype(x, a, b, acc)
+        acc = self._adapter_dtype()
+        if self._adapter_in_autocast_dtype(x.device.type, acc):
+            # `x` is cast once for the base layer and the adapter: autocast would cast it again
+            # for each, and backward would cast and add two fp32 input gradients.
+            x_c = x.to(acc)
+            if self._merges():
+                return _MergedAdapterLinear.apply(x_c, self.weight, self.bias, a, b, self.scale)
+            if not self._drops_adapter_output():
+                return self._forward_with_addmm(x_c, a, b)
         base = F.linear(x, self.weight, self.bias)
         h = self.dropout(x) if self.dropout_position == "pre" else x
         # fp32 adapters: a bf16 autocast would otherwise run both small matmuls in bf16. The scale
         # multiplies the [.., R] intermediate, not the [.., O] output: one full pass less.
         with torch.autocast(device_type=x.device.type, enabled=False):
             delta = F.linear(F.linear(h.to(acc), a.to(acc)) * self.scale, b.to(acc))
-        if self.dropout_position == "post":
+        if self._drops_adapter_output():
             delta = self.dropout(delta)
         return base + delta.to(base.dtype)
 
-    def _adapter_in_autocast_dtype(self, x: torch.Tensor, acc: torch.dtype) -> bool:
+    def merged_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight, bias) in ``dtype`` that compute this layer as one plain linear under an
+        autocast to ``dtype``: the refit's merged weight, as `forward` uses it there. None where
+        `forward` keeps the adapter apart (see `_merges`). Values only: no autograd graph."""
+        plain = not isinstance(self.weight, DTensor)
+        if not (dtype == self._adapter_dtype() and plain and self._merges()):
+            return None
+        with torch.no_grad():
+            a, b = self.lora_A.weight, self.lora_B.weight
+            merged = merge_lora_weight(self.weight, a, b, self.scale).to(dtype)
+            return merged, None if self.bias is None else self.bias.to(dtype)
+
+    def _adapter_dtype(self) -> torch.dtype:
+        a, b = self.lora_A.weight, self.lora_B.weight
+        return self.compute_dtype or torch.promote_types(
+            torch.promote_types(a.dtype, b.dtype), torch.float32
+        )
+
+    def _adapter_in_autocast_dtype(self, device: str, acc: torch.dtype) -> bool:
         """Whether the adapter computes in the dtype autocast gives the base layer (bf16 adapters
         under bf16 autocast, the CUDA default), on plain tensors (TP shards keep the general
-        path), with no dropout on the adapter's output (that needs the delta on its own)."""
-        device = x.device.type
+        path)."""
         return (
             torch.is_autocast_enabled(device)
             and torch.get_autocast_dtype(device) == acc
             and not isinstance(self.weight, DTensor)
-            and not (self.dropout_position == "post" and not isinstance(self.dropout, nn.Identity))
         )
 
-    def _forward_in_autocast_dtype(
-        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, acc: torch.dtype
+    def _merges(self) -> bool:
+        """Whether the adapter can be merged into the base weight for this call: the adapter
+        sees the base layer's input (no active dropout) and the base takes no gradient
+        (`apply_lora` freezes it; the merged path has no gradient for it)."""
+        no_dropout = isinstance(self.dropout, nn.Identity) or not self.training
+        base_trains = self.weight.requires_grad or (
+            self.bias is not None and self.bias.requires_grad
+        )
+        return no_dropout and not base_trains
+
+    def _drops_adapter_output(self) -> bool:
+        return self.dropout_position == "post" and not isinstance(self.dropout, nn.Identity)
+
+    def _forward_with_addmm(
+        self, x_c: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     ) -> torch.Tensor:
-        """``base + scale * (h A^T) B^T`` with the memory passes of the general path folded away:
-        `x` is cast once for the base layer and the adapter (autocast would cast it again for
-        each, and backward would cast and add two fp32 input gradients), and the up-projection
-        adds onto the base output inside its GEMM (addmm, `alpha=scale`) instead of a separate
-        pass over the [.., O] output."""
-        x_c = x.to(acc)
+        """``base + scale * (h A^T) B^T`` for input dropout (the adapter sees another input than
+        the base, so no merge): the up-projection adds onto the base output inside its GEMM
+        (addmm, `alpha=scale`) instead of a separate pass over the [.., O] output."""
         base = F.linear(x_c, self.weight, self.bias)
         h = self.dropout(x_c) if self.dropout_position == "pre" else x_c
-        down = F.linear(h, a.to(acc))
+        down = F.linear(h, a.to(x_c.dtype))
         out = torch.addmm(
             base.reshape(-1, base.shape[-1]),
             down.reshape(-1, down.shape[-1]),
-            b.to(acc).t(),
+            b.to(x_c.dtype).t(),
             alpha=self.scale,
         )
         return out.reshape(base.shape)
@@ -296,6 +329,55 @@ class LinearLoRA(nn.Linear):
             f"{super().extra_repr()}, dim={self.dim}, alpha={self.alpha}, scale={self.scale:g}, "
             f"dropout_position={self.dropout_position}, compute_dtype={self.compute_dtype}"
         )
+
+
+class _MergedAdapterLinear(torch.autograd.Function):
+    """``x W'^T + b`` with ``W' = cast(W + scale * B A)``: a LoRA layer as one GEMM.
+
+    The merged weight is `merge_lora_weight` cast to `x`'s dtype (the compute dtype): bit for bit
+    the weight the refit sends an engine in that dtype, so the trainer scores tokens with the
+    engine's weights. Against base GEMM + adapter GEMMs + an add, it saves two passes over the
+    [N, O] output and one over the [N, I] input per call; merging costs one pass over W, which
+    the cast to the compute dtype makes anyway (under torch.compile the merge is written as a
+    reduction that fuses with that cast).
+
+    Backward needs no [O, I] weight gradient (W and b are frozen): ``dx = g W'``, and the
+    adapters' gradients from the rank-R products ``g B`` and ``x A^T`` (the latter recomputed:
+    an [N, R] tensor is cheaper to rebuild than to keep through the step).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x_c: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        compiling = torch.compiler.is_compiling()
+        merge = merge_lora_weight_by_reduction if compiling else merge_lora_weight
+        with torch.autocast(x_c.device.type, enabled=False):
+            merged = merge(weight, lora_a, lora_b, scale).to(x_c.dtype)
+            out = F.linear(x_c, merged, None if bias is None else bias.to(x_c.dtype))
+        ctx.save_for_backward(x_c, merged, lora_a, lora_b)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_c, merged, lora_a, lora_b = ctx.saved_tensors
+        grad_out = grads[0]
+        with torch.autocast(grad_out.device.type, enabled=False):
+            grad_x = grad_out @ merged if ctx.needs_input_grad[0] else None
+            rows_NO = grad_out.reshape(-1, grad_out.shape[-1]).to(merged.dtype)
+            x_NI = x_c.reshape(-1, x_c.shape[-1])
+            down_NR = x_NI @ lora_a.to(merged.dtype).t()
+            up_grad_NR = rows_NO @ lora_b.to(merged.dtype)
+            grad_a = (up_grad_NR.t() @ x_NI).to(lora_a.dtype).mul_(ctx.scale)
+            grad_b = (rows_NO.t() @ down_NR).to(lora_b.dtype).mul_(ctx.scale)
+        return grad_x, None, None, grad_a, grad_b, None
 
 
 def _canonical(name: str) -> str:

@@ -19,6 +19,7 @@ from policyworker.functional.logprobs import default_chunk_size
 from policyworker.functional.sampling import Sampling
 from policyworker.functional.tokens import counted_tokens
 from policyworker.shell import model as model_lib
+from policyworker.shell.lora import LinearLoRA
 from policyworker.shell.microbatches import Microbatch, forward, hidden_states
 from policyworker.shell.parallel import collectives
 from policyworker.shell.state import WorkerState
@@ -143,8 +144,11 @@ def _head_in_compute_dtype(
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A plain linear head's weight and bias cast to the autocast `dtype` once, for every chunk
     of one microbatch: autocast would cast the whole [V, H] weight again per chunk (1.4 GB of
-    traffic per chunk for a 1.5B model's fp32 head). None where the head is not a plain
-    `nn.Linear` on plain tensors, or no cast happens: those chunks run the head under autocast."""
+    traffic per chunk for a 1.5B model's fp32 head). A LoRA head gives its merged weight (the
+    one its forward uses) once. None where the head is not a plain `nn.Linear` on plain tensors,
+    or no cast happens: those chunks run the head under autocast."""
+    if isinstance(head, LinearLoRA):
+        return None if dtype == torch.float32 else head.merged_weights(dtype)
     if (
         type(head) is not torch.nn.Linear
         or dtype == torch.float32

@@ -15,6 +15,7 @@ from policyworker.errors import LoRAMergeError
 from policyworker.functional.lora import assert_lora_modules_reachable, merge_lora_weight
 from policyworker.shell.lora import (
     LinearLoRA,
+    _MergedAdapterLinear,
     apply_lora,
     lora_modules,
     lora_parameters,
@@ -203,6 +204,18 @@ def test_merged_base_model_gives_the_lora_logits(model_dir):
     torch.testing.assert_close(
         _logits(_merged_copy(model_dir, model), tokens), lora_logits, atol=1e-5, rtol=1e-5
     )
+
+
+def test_under_bf16_autocast_the_lora_model_scores_bit_for_bit_like_the_refit_model(model_dir):
+    """What an RL loop needs from LoRA: the trainer's logits are the inference engine's logits
+    on the refit weights (merged in fp32, then cast), not merely close to them."""
+    model, tokens = _load(model_dir), _tokens()
+    apply_lora(model, {**CFG, "compute_dtype": "bfloat16"})
+    _randomize_b(model)
+    refit_model = _merged_copy(model_dir, model)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = model(input_ids=tokens).logits, refit_model(input_ids=tokens).logits
+    assert torch.equal(got, want)
 
 
 def test_peft_loads_our_adapter_folder_with_the_same_logits(model_dir, tmp_path):
@@ -564,9 +577,10 @@ def test_merge_with_bf16_compute_is_the_exact_fp32_merge(model_dir):
     ("dropout", "position"), [(0.0, "pre"), (0.3, "pre"), (0.0, "post"), (0.3, "post")]
 )
 def test_bf16_adapters_under_bf16_autocast_match_the_general_formula(dropout, position):
-    """Under autocast in the adapter's dtype the forward casts the input once and adds the
-    up-projection inside an addmm; values and gradients stay those of base + scale * (h A^T) B^T
-    computed op by op (within bf16 rounding)."""
+    """Under autocast in the adapter's dtype the forward casts the input once and merges the
+    adapter into the base weight (no dropout) or adds the up-projection inside an addmm; values
+    and gradients stay those of base + scale * (h A^T) B^T computed op by op (within bf16
+    rounding)."""
     torch.manual_seed(0)
     base = nn.Linear(24, 40)
     lora = LinearLoRA.from_linear(
@@ -604,20 +618,130 @@ def test_bf16_adapters_under_bf16_autocast_match_the_general_formula(dropout, po
         assert float((got.float() - ref.float()).norm() / ref.float().norm()) < 0.02
 
 
-def test_the_folded_path_runs_only_under_autocast_in_the_adapter_dtype(monkeypatch):
+def test_the_merged_path_runs_only_under_autocast_in_the_adapter_dtype(monkeypatch):
     lora = LinearLoRA.from_linear(nn.Linear(8, 6), dim=2, alpha=2.0, compute_dtype=torch.bfloat16)
-    folded = []
-    original = LinearLoRA._forward_in_autocast_dtype
+    merged = []
+    original = _MergedAdapterLinear.apply
     monkeypatch.setattr(
-        LinearLoRA,
-        "_forward_in_autocast_dtype",
-        lambda self, *a: folded.append(True) or original(self, *a),
+        _MergedAdapterLinear, "apply", lambda *a: merged.append(True) or original(*a)
     )
     x = torch.randn(2, 8)
     lora(x)  # no autocast: the general path (fp32 base, bf16 adapter)
     with torch.autocast("cpu", dtype=torch.float16):
         lora(x)  # autocast in another dtype
-    assert folded == []
+    assert merged == []
     with torch.autocast("cpu", dtype=torch.bfloat16):
         lora(x)
-    assert folded == [True]
+    assert merged == [True]
+
+
+@pytest.mark.parametrize("position", ["pre", "post"])
+def test_dropout_keeps_the_adapter_apart_in_training_and_merges_in_eval(monkeypatch, position):
+    lora = LinearLoRA.from_linear(
+        nn.Linear(8, 6), dim=2, alpha=2.0, dropout=0.5, dropout_position=position,
+        compute_dtype=torch.bfloat16,
+    )  # fmt: skip
+    merged = []
+    original = _MergedAdapterLinear.apply
+    monkeypatch.setattr(
+        _MergedAdapterLinear, "apply", lambda *a: merged.append(True) or original(*a)
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lora(torch.randn(2, 8))
+        assert merged == []
+        lora.eval()
+        lora(torch.randn(2, 8))
+    assert merged == [True]
+    assert lora.merged_weights(torch.bfloat16) is not None
+    assert lora.train().merged_weights(torch.bfloat16) is None
+
+
+def _bf16_lora(in_features=24, out_features=40, bias=True):
+    torch.manual_seed(0)
+    lora = LinearLoRA.from_linear(
+        nn.Linear(in_features, out_features, bias=bias), dim=4, alpha=8.0,
+        compute_dtype=torch.bfloat16,
+    )  # fmt: skip
+    with torch.no_grad():
+        lora.lora_B.weight.normal_()
+    return lora
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_without_dropout_the_forward_uses_the_refit_weights_bit_for_bit(bias):
+    """The trainer scores with the weights an engine gets at refit: the fp32 merge cast to bf16."""
+    lora = _bf16_lora(bias=bias)
+    x = torch.randn(3, 5, 24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lora(x)
+    merged = merge_lora_weight(lora.weight, lora.lora_A.weight, lora.lora_B.weight, lora.scale)
+    engine_bias = None if lora.bias is None else lora.bias.to(torch.bfloat16)
+    engine = F.linear(x.to(torch.bfloat16), merged.to(torch.bfloat16), engine_bias)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, engine)
+
+
+def test_the_merged_layer_has_the_exact_gradients_of_its_formula():
+    """In float64 (no rounding to hide behind) against numerical differentiation."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 5, generator=g, dtype=torch.float64)
+    bias = torch.randn(4, generator=g, dtype=torch.float64)
+    a = torch.randn(2, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda x, a, b: _MergedAdapterLinear.apply(x, w, bias, a, b, 0.7), (x, a, b)
+    )
+    out = _MergedAdapterLinear.apply(x, w, bias, a, b, 0.7)
+    torch.testing.assert_close(out, F.linear(x, w + 0.7 * b @ a, bias), rtol=1e-12, atol=1e-12)
+
+
+def test_an_input_that_takes_no_gradient_still_trains_the_adapters():
+    """The first layer's input comes from a frozen embedding: no dx, but dA and dB."""
+    lora = _bf16_lora()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lora(torch.randn(6, 24))
+    out.float().square().sum().backward()
+    assert lora.lora_A.weight.grad is not None and lora.lora_B.weight.grad is not None
+    assert lora.weight.grad is None and lora.bias.grad is None
+
+
+def test_an_unfrozen_base_keeps_the_path_that_gives_it_gradients():
+    lora = _bf16_lora()
+    lora.weight.requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lora(torch.randn(6, 24))
+    out.float().sum().backward()
+    assert lora.weight.grad is not None and lora.lora_B.weight.grad is not None
+
+
+def test_compiled_merged_layer_matches_eager_within_bf16_rounding(monkeypatch):
+    """torch.compile merges by a reduction (fused with the cast) instead of a GEMM: the same
+    fp32 merge up to summation order, so outputs and gradients agree within bf16 rounding."""
+    import policyworker.shell.lora as lora_module
+
+    traced = []
+    by_reduction = lora_module.merge_lora_weight_by_reduction
+    monkeypatch.setattr(
+        lora_module,
+        "merge_lora_weight_by_reduction",
+        lambda *args: traced.append(True) or by_reduction(*args),
+    )
+    lora = _bf16_lora(in_features=64, out_features=48)
+    x = torch.randn(4, 16, 64)
+
+    def run(forward):
+        lora.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = forward(x)
+        out.float().square().sum().backward()
+        return out.float(), lora.lora_A.weight.grad.clone(), lora.lora_B.weight.grad.clone()
+
+    torch._dynamo.reset()
+    compiled = run(torch.compile(lora.forward, fullgraph=True))
+    assert traced  # the compiled graph merged by reduction
+    traced.clear()
+    eager = run(lora.forward)
+    assert not traced
+    torch.testing.assert_close(compiled[0], eager[0], atol=0.05, rtol=0.016)
+    for got, want in zip(compiled[1:], eager[1:], strict=True):
+        assert float((got - want).norm() / want.norm()) < 0.02

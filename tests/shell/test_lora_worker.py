@@ -85,3 +85,26 @@ def test_lora_cfg_compute_dtype_reaches_the_worker_adapters(tiny_model_paths):
     result = worker.train(make_batch(4, 10, seed=0), NLLLoss())
     assert result["skipped_steps"] == 0
     assert {m.lora_A.weight.dtype for m in modules} == {torch.float32}
+
+
+def test_a_bf16_lora_worker_scores_like_an_engine_holding_its_refit_weights(tiny_model_paths):
+    """Adapters in bf16 under bf16 autocast (the CUDA default) merge into the frozen weights for
+    every layer, the chunked LM head included: the worker's logprobs equal those of a model
+    holding the fp32 refit stream and running under the same autocast (its weights cast to the
+    bf16 an engine receives), not merely come close."""
+    path = tiny_model_paths["llama"]
+    bf16 = {"lora_cfg": {**LORA["lora_cfg"], "target_modules": ["q_proj", "down_proj", "lm_head"]}}
+    bf16["lora_cfg"]["compute_dtype"] = "bfloat16"
+    worker = PolicyWorker(
+        make_config(path, dtensor_cfg=bf16, precision="bfloat16"), init_reference_model=False
+    )
+    for seed in range(2):
+        assert worker.train(make_batch(4, 10, seed=seed), NLLLoss())["skipped_steps"] == 0
+    stream = dict(params_generator(worker.model, torch.float32))
+    engine = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine.load_state_dict(stream, strict=True)
+    data = make_batch(4, 10, seed=13)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _logprobs(engine, data)
+    got = worker.get_logprobs(data)["logprobs"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
