@@ -20,6 +20,7 @@ baseline only casts (a full-weight refit's copy).
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import pathlib
@@ -149,15 +150,10 @@ def run(
         "torch": torch.__version__,
     }
     model = _build(shape, device)
-    results["full_ft"] = _train_tokens_per_s(
-        model,
-        [p for p in model.parameters()],
-        device=device,
-        batch=batch,
-        seq=seq,
-        steps=steps,
-        warmup=warmup,
+    train = functools.partial(
+        _train_tokens_per_s, device=device, batch=batch, seq=seq, steps=steps, warmup=warmup
     )
+    results["full_ft"] = train(model, [p for p in model.parameters()])
     results["full_refit_s"] = _refit_s(model, device=device, merge=False, repeats=repeats)
     del model
     gc.collect()
@@ -166,15 +162,7 @@ def run(
     model = _build(shape, device)
     names = apply_lora(model, {**LORA_CFG, "compute_dtype": "float32"})
     results["lora_modules"] = len(names)
-    results["lora"] = _train_tokens_per_s(  # compute_dtype: float32
-        model,
-        lora_parameters(model),
-        device=device,
-        batch=batch,
-        seq=seq,
-        steps=steps,
-        warmup=warmup,
-    )
+    results["lora"] = train(model, lora_parameters(model))  # compute_dtype: float32
     results["lora_refit_s"] = _refit_s(model, device=device, merge=True, repeats=repeats)
     results["lora_refit_no_merge_s"] = _refit_s(model, device=device, merge=False, repeats=repeats)
     # the same model with compute_dtype "auto", resolved as the worker does under bf16 autocast
@@ -182,25 +170,9 @@ def run(
     for module in lora_modules(model).values():
         module.compute_dtype = auto
     results["lora_auto_compute_dtype"] = str(auto).removeprefix("torch.")
-    results["lora_bf16_adapters"] = _train_tokens_per_s(
-        model,
-        lora_parameters(model),
-        device=device,
-        batch=batch,
-        seq=seq,
-        steps=steps,
-        warmup=warmup,
-    )
+    results["lora_bf16_adapters"] = train(model, lora_parameters(model))
     with _adapters_kept_apart():
-        results["lora_bf16_adapters_apart"] = _train_tokens_per_s(
-            model,
-            lora_parameters(model),
-            device=device,
-            batch=batch,
-            seq=seq,
-            steps=steps,
-            warmup=warmup,
-        )
+        results["lora_bf16_adapters_apart"] = train(model, lora_parameters(model))
     results["merged_vs_apart_tokens_per_s"] = (
         results["lora_bf16_adapters"]["tokens_per_s"]
         / results["lora_bf16_adapters_apart"]["tokens_per_s"]

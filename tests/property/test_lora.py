@@ -47,6 +47,16 @@ SEGMENTS = st.sampled_from(
     ]
 )
 module_names = st.lists(SEGMENTS, min_size=1, max_size=5).map(".".join)
+# a merge of factors whose dtypes may differ from the base weight's
+MIXED_DTYPE_MERGES = dict(
+    d_in=dims,
+    d_out=dims,
+    rank=ranks,
+    seed=SEEDS,
+    dtype=FLOAT_DTYPES,
+    ab_dtype=FLOAT_DTYPES,
+    alpha=alphas,
+)
 
 
 def _factors(seed, d_out, d_in, rank, dtype=torch.float64):
@@ -96,15 +106,7 @@ def test_merge_delta_is_linear_in_scale(d_in, d_out, rank, seed, s1, s2):
     torch.testing.assert_close(d1, lora_delta(A, B, s1, dtype=torch.float64))
 
 
-@given(
-    d_in=dims,
-    d_out=dims,
-    rank=ranks,
-    seed=SEEDS,
-    dtype=FLOAT_DTYPES,
-    ab_dtype=FLOAT_DTYPES,
-    alpha=alphas,
-)
+@given(**MIXED_DTYPE_MERGES)
 def test_zero_lora_b_leaves_weight_bit_identical(d_in, d_out, rank, seed, dtype, ab_dtype, alpha):
     W = seeded_randn(seed, (d_out, d_in), dtype)
     A = seeded_randn(seed + 1, (rank, d_in), ab_dtype)
@@ -127,15 +129,7 @@ def test_merge_keeps_weight_dtype_and_does_not_mutate(d_in, d_out, rank, seed, d
     assert lora_delta(A, B, 0.5, dtype=dtype).dtype == dtype
 
 
-@given(
-    d_in=dims,
-    d_out=dims,
-    rank=ranks,
-    seed=SEEDS,
-    dtype=FLOAT_DTYPES,
-    ab_dtype=FLOAT_DTYPES,
-    alpha=alphas,
-)
+@given(**MIXED_DTYPE_MERGES)
 def test_the_merge_by_reduction_is_the_gemm_merge(d_in, d_out, rank, seed, dtype, ab_dtype, alpha):
     """The same fp32 value up to summation order: equal within fp32 rounding before the cast to
     W's dtype, so within one rounding step of W's dtype after it; W's dtype is kept and W is not
