@@ -12,6 +12,9 @@
 #   PART=3  checkpoint.json     async saves (blocked / total) vs sync (and its weights-only part),
 #                               raw write, cold load, raw read
 #           pytest_gpu.xml      pytest -q tests/gpu
+#   PART=4  train_step_lora.json  the 1.5B default config with LoRA dim 16 alone, --profile (where
+#                               a LoRA step's time goes: kernels, GPU idle, host); the log is
+#                               train_step_lora.log (about 2 minutes)
 # SMALL=1 runs the CPU smoke shapes (checks the flags; the figures mean nothing).
 set -u
 OUT=${OUT:-bench/results}
@@ -41,6 +44,12 @@ elif [ "$PART" = 2 ]; then
   stamp train_step_8b
   timeout 90 python bench/refit.py $small --out "$OUT/refit.json" 2>&1 | tail -10
   stamp refit
+elif [ "$PART" = 4 ]; then
+  timeout 240 python bench/train_step.py $small --lora-dim 16 --skip-padded --skip-baseline \
+    --steps 3 --profile --out "$OUT/train_step_lora.json" > "$OUT/train_step_lora.log" 2>&1
+  grep -E "^gpu gaps|^idle ms|^ +[0-9.]+  [a-zA-Z]|^metric|^packed|^peak|fusion \(" \
+    "$OUT/train_step_lora.log"
+  stamp train_step_lora
 else
   timeout 240 python bench/checkpoint.py $small --json "$OUT/checkpoint.json" 2>&1 | tail -18
   stamp checkpoint
