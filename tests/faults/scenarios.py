@@ -105,7 +105,7 @@ def grad_mode_zmq(trials: int) -> None:
             grad_at_raise, error = torch.is_grad_enabled(), f"{type(exc).__name__}: {exc}"
         thread.join(10)
         receiver.close()
-        _wait_until_the_sender_sees_no_receiver(sender)
+        _wait_until_the_sender_counts(sender, 0)
         trainable = (model.w0 * 2).sum().requires_grad
         say(
             trial,
@@ -116,14 +116,17 @@ def grad_mode_zmq(trials: int) -> None:
     sender.close()
 
 
-def _wait_until_the_sender_sees_no_receiver(sender: Any, timeout_s: float = 10.0) -> None:
-    """The next trial's receiver connects to the same address at once. A BEGIN sent before the
-    sender's I/O thread sees the closed receiver's connection end can be queued on it and lost
-    (REQ picks connections in turn), so wait until the sender counts no receiver. An engine
-    that replaces its receiver on a live address gets one timeout and then a clean retry."""
+def _wait_until_the_sender_counts(sender: Any, receivers: int, timeout_s: float = 10.0) -> None:
+    """Wait until the sender's I/O thread has seen connections come and go to ``receivers``.
+
+    A scenario that closes its receivers and connects new ones to the same address at once
+    would otherwise race it: a BEGIN sent before the old connections' end is seen can be queued
+    on one and lost (REQ picks connections in turn), and a count taken before the new ones
+    arrive misses them. An engine that replaces its receiver on a live address gets one timeout
+    and then a clean retry (docs/refit-protocol.md)."""
     zmq = sender._zmq()
     deadline = time.monotonic() + timeout_s
-    while zmq.connected_receivers() > 0 and time.monotonic() < deadline:
+    while zmq.connected_receivers() != receivers and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
@@ -469,7 +472,7 @@ def two_receivers_one_address(trials: int) -> None:
             for _ in range(2)
         ]
         servers = [serve_forever(r, stop, errors) for r in receivers]
-        time.sleep(0.2)
+        _wait_until_the_sender_counts(sender, 2)
         try:
             sender.stream_weights_via_ipc_zmq(timeout_s=2.0)
             outcome = "success"
@@ -482,6 +485,7 @@ def two_receivers_one_address(trials: int) -> None:
             server.join(10)
         for r in receivers:
             r.close()
+        _wait_until_the_sender_counts(sender, 0)
         detected = "2 receivers are connected" in outcome
         say(trial, detected and versions == [0, 0], f"versions {versions}; sender: {outcome[:300]}")
     sender.close()
