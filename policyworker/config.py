@@ -286,10 +286,9 @@ class LoRAConfig:
     the autocast dtype and no dropout is active, each layer merges its adapter into the frozen
     weight in fp32 and casts it: one GEMM, with the weights the refit sends an engine in that
     dtype (bit for bit in eager layers; compiled layers sum the fp32 merge in another order), so
-    the trainer scores tokens as the engine does on those weights (with
-    input dropout the adapter shares the base layer's cast input and adds its output inside the
-    up-projection's GEMM). (Automodel's `lora_dtype` is a different thing: the adapters' storage
-    dtype.)"""
+    the trainer scores tokens as the engine does on those weights. With input dropout the
+    adapter shares the base layer's cast input and adds its output inside the up-projection's
+    GEMM. (Automodel's `lora_dtype` is a different thing: the adapters' storage dtype.)"""
 
     target_modules: tuple[str, ...] = field(default=(), validator=_MODULE_PATTERNS)
     exclude_modules: tuple[str, ...] = field(default=(), validator=_MODULE_PATTERNS)

@@ -336,10 +336,12 @@ class _MergedAdapterLinear(torch.autograd.Function):
 
     The merged weight is `merge_lora_weight` cast to `x`'s dtype (the compute dtype): bit for bit
     the weight the refit sends an engine in that dtype, so the trainer scores tokens with the
-    engine's weights. Against base GEMM + adapter GEMMs + an add, it saves two passes over the
-    [N, O] output and one over the [N, I] input per call; merging costs one pass over W, which
-    the cast to the compute dtype makes anyway (under torch.compile the merge is written as a
-    reduction that fuses with that cast).
+    engine's weights. Against the base GEMM, two adapter GEMMs and an addmm onto the output, the
+    forward skips one read of the [N, I] input and a read and write of the [N, O] output, and
+    the backward's input gradient is one GEMM instead of a GEMM and an addmm over [N, I] (less
+    one read of the input to rebuild ``x A^T``). The merge reads W to write the cast copy the
+    base GEMM needs anyway: in one pass under torch.compile (a reduction fused with the cast),
+    in two eagerly (an fp32 GEMM, then the cast).
 
     Backward needs no [O, I] weight gradient (W and b are frozen): ``dx = g W'``, and the
     adapters' gradients from the rank-R products ``g B`` and ``x A^T`` (the latter recomputed:
