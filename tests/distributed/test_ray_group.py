@@ -29,7 +29,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 CASE = ("dynamic-pg-kl-filtered", "dynamic", True, "pg_kl", {})
 LABEL, BATCHING, SAMPLING, LOSS, _ = CASE
-CALL_TIMEOUT_S = 120.0
+# A bound on each group call, starts included, never waited out when the suite passes: two
+# ranks starting on a 2-core host with three busy loops beside them took over 120 s.
+CALL_TIMEOUT_S = 300.0
 DEATH_NOTICE_S = 30.0
 
 
