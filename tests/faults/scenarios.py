@@ -116,18 +116,11 @@ def grad_mode_zmq(trials: int) -> None:
     sender.close()
 
 
-def _wait_until_the_sender_counts(sender: Any, receivers: int, timeout_s: float = 10.0) -> None:
-    """Wait until the sender's I/O thread has seen connections come and go to ``receivers``.
-
-    A scenario that closes its receivers and connects new ones to the same address at once
-    would otherwise race it: a BEGIN sent before the old connections' end is seen can be queued
-    on one and lost (REQ picks connections in turn), and a count taken before the new ones
-    arrive misses them. An engine that replaces its receiver on a live address gets one timeout
-    and then a clean retry (docs/refit-protocol.md)."""
-    zmq = sender._zmq()
-    deadline = time.monotonic() + timeout_s
-    while zmq.connected_receivers() != receivers and time.monotonic() < deadline:
-        time.sleep(0.01)
+def _wait_until_the_sender_counts(sender: Any, receivers: int) -> None:
+    """The scenarios close receivers and connect new ones to the same address at once: wait
+    until the sender has seen them come and go (`ZmqIpcSender.wait_for_receivers`), or a BEGIN
+    can be lost on a closing connection and a count taken too early misses the new ones."""
+    sender._zmq().wait_for_receivers(receivers, timeout_s=10.0)
 
 
 def grad_mode_sglang(trials: int) -> None:

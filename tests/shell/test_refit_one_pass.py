@@ -7,7 +7,6 @@ twice in one process), so these tests run the real sender, receiver and protocol
 import contextlib
 import json
 import threading
-import time
 
 import attrs
 import pytest
@@ -434,16 +433,6 @@ def test_a_policy_worker_streams_one_pass_into_a_registered_hf_receiver(tiny_mod
         worker.shutdown()
 
 
-def _wait_for_the_old_connection_to_go(zmq, timeout_s=10.0):
-    """The receiver rebuilt its socket when it timed out. A BEGIN sent before the sender's I/O
-    thread sees the old connection end can be queued on it and lost (REQ picks connections in
-    turn), so wait as a restarted trainer would have: until the old one is gone, the new one in."""
-    deadline = time.monotonic() + timeout_s
-    while zmq.connected_receivers() != 1 or zmq.departed_receivers < 1:
-        assert time.monotonic() < deadline, (zmq.departed_receivers, zmq.connected_receivers())
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize("atomic", [False, True], ids=["in_place", "atomic"])
 def test_a_sender_that_vanishes_midway_times_the_receiver_out_without_a_new_version(
     monkeypatch, atomic
@@ -466,7 +455,12 @@ def test_a_sender_that_vanishes_midway_times_the_receiver_out_without_a_new_vers
         if atomic:
             assert all(torch.equal(v, before[k]) for k, v in _state(target).items())
         monkeypatch.undo()
-        _wait_for_the_old_connection_to_go(zmq)
+        # The receiver rebuilt its socket when it timed out: wait, as a restarted trainer would
+        # have, until the old connection is gone and the new one in (docs/refit-protocol.md).
+        assert zmq.wait_for_receivers(1, departed=1, timeout_s=10.0), (
+            zmq.departed_receivers,
+            zmq.connected_receivers(),
+        )
         report, box = _refit(sender, receiver)
         assert "error" not in box and report["version"] == 1 and not receiver.stale
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in _state(target).items())

@@ -601,3 +601,22 @@ def test_a_sender_failing_while_the_receiver_still_reads_aborts_cleanly_and_retr
     finally:
         receiver.close()
         sender.close()
+
+
+def test_wait_for_receivers_sees_a_replaced_receiver_come_and_go_and_times_out_otherwise():
+    sender = zmq_ipc.ZmqIpcSender(rank=0)
+    info = {"w": (torch.Size([4]), torch.float32)}
+    try:
+        start = time.monotonic()
+        assert not sender.wait_for_receivers(1, timeout_s=0.2)  # nobody connects
+        assert 0.2 <= time.monotonic() - start < 5
+        old = HFWeightReceiver(lambda pairs: None, address=sender.address, refit_info=info)
+        assert sender.wait_for_receivers(1, timeout_s=10)
+        departed = sender.departed_receivers
+        old.close()
+        new = HFWeightReceiver(lambda pairs: None, address=sender.address, refit_info=info)
+        assert sender.wait_for_receivers(1, departed=departed + 1, timeout_s=10)
+        new.close()
+        assert sender.wait_for_receivers(0, departed=departed + 2, timeout_s=10)
+    finally:
+        sender.close()

@@ -178,6 +178,20 @@ class ZmqIpcSender:
             self.departed_receivers += event == zmq.EVENT_DISCONNECTED
         return self._peers
 
+    def wait_for_receivers(self, connected: int, *, departed: int = 0, timeout_s: float) -> bool:
+        """Wait until exactly ``connected`` receivers are connected and at least ``departed``
+        have left since the socket was bound; False if ``timeout_s`` passes first.
+
+        Call it before a refit when a receiver was just replaced on this address: a BEGIN sent
+        before this sender's I/O thread has seen the old connection end can be queued on it and
+        lost (REQ picks connections in turn), which costs one refit timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self.connected_receivers() != connected or self.departed_receivers < departed:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
     def _check_one_receiver(self) -> None:
         """REQ sends each message to the next connected peer in turn: with two receivers on one
         address each would see part of a refit. Refuse before BEGIN (a receiver that just rebuilt
