@@ -15,7 +15,21 @@ Measured in one run, median of 3 after a warm-up, on Qwen2.5-1.5B- and 7B-shaped
 - ``ceiling``: cast fp32→bf16 into a staging tensor, then staging → destination, back to back in
   one process with no protocol (the two-pass limit of the staged modes);
 - ``one-pass-ceiling``: cast fp32→bf16 straight into the destination, in one process with no
-  protocol: one read of fp32 and one write of bf16 per parameter, the limit of one-pass.
+  protocol: one read of fp32 and one write of bf16 per parameter, the limit of one-pass. It
+  launches its copies as the sender does (``grouped_copy_``: each large tensor alone, the small
+  ones in grouped launches);
+- ``one-pass-ceiling, alone`` / ``, one group``: the same casts with every tensor in its own
+  ``copy_`` / all of them in one ``_foreach_copy_`` call: which launch route the per-tensor
+  structure favours. On CUDA each of the three also has ``gpu_span_ms``: first cast start to
+  last cast end on the GPU, i.e. the wall time less the host's walk before the first launch;
+- ``cast floor``: one ``copy_`` of a single 256 Mi-element fp32 block into bf16, scaled to the
+  model's bytes: what the same bytes cost with no per-tensor structure at all.
+
+The ``one-pass`` row also splits each refit's wall time at the sender's write loop
+(``phases_ms``): before it (the parameter walk, BEGIN and its ACK), the loop itself (host time to
+launch every cast), and after it (COMPLETE until the receiver's reply, which waits for the
+casts). An ``after`` well above one round trip means the GPU was still copying when the host
+had launched everything; a ``write`` near the total means the host was the limit.
 
 The ``% ceiling`` column compares each ``one-pass*`` row with ``one-pass-ceiling`` and every
 other row with ``ceiling``.
@@ -47,6 +61,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from policyworker.functional.buckets import IpcBucket, align_up  # noqa: E402
+from policyworker.shell.refit.one_pass_sender import OnePassWriter  # noqa: E402
 from policyworker.shell.refit.params import iter_refit_sources, refit_specs  # noqa: E402
 from policyworker.shell.refit.sender import RefitSender  # noqa: E402
 from policyworker.shell.refit.staging import CudaStaging, ShmStaging, grouped_copy_  # noqa: E402
@@ -172,12 +187,98 @@ def copy_ceiling(model: nn.Module, dest: dict[str, torch.Tensor], cuda: bool) ->
         torch.cuda.synchronize()
 
 
-def one_pass_ceiling(model: nn.Module, dest: dict[str, torch.Tensor], cuda: bool) -> None:
-    """Cast every fp32 source straight into its bf16 destination; no protocol, one process."""
+def one_pass_ceiling(
+    model: nn.Module,
+    dest: dict[str, torch.Tensor],
+    cuda: bool,
+    route: str = "grouped",
+    gpu_spans: list[float] | None = None,
+) -> None:
+    """Cast every fp32 source straight into its bf16 destination; no protocol, one process.
+
+    ``route``: ``grouped`` launches as the sender does (``grouped_copy_``), ``alone`` one
+    ``copy_`` per tensor, ``one group`` a single ``_foreach_copy_`` over every tensor. On CUDA,
+    ``gpu_spans`` gets the seconds from the first cast's start to the last one's end on the GPU
+    (the wall time less the host's walk before the first launch)."""
     state = model.state_dict()
-    grouped_copy_(list(dest.values()), [state[n] for n in dest])
-    if cuda:
+    dsts, srcs = list(dest.values()), [state[n] for n in dest]
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
+    if events:
+        events[0].record()
+    if route == "grouped":
+        grouped_copy_(dsts, srcs)
+    elif route == "alone":
+        for dst, src in zip(dsts, srcs, strict=True):
+            dst.copy_(src)
+    else:
+        torch._foreach_copy_(dsts, srcs)  # pyright: ignore[reportPrivateImportUsage]
+    if events:
+        events[1].record()
         torch.cuda.synchronize()
+        if gpu_spans is not None:
+            gpu_spans.append(events[0].elapsed_time(events[1]) / 1e3)
+
+
+# the one-pass ceiling's launch routes (``one_pass_ceiling``) and the names of their rows
+ROUTE_ROWS = {
+    "grouped": "one-pass-ceiling",
+    "alone": "one-pass-ceiling, alone",
+    "one group": "one-pass-ceiling, one group",
+}
+FLOOR_ELEMENTS = 1 << 28
+
+
+def cast_floor(model_elements: int, device: str, cuda: bool) -> list[float]:
+    """Seconds to cast ``model_elements`` fp32 → bf16 at the rate of one big contiguous cast
+    (``FLOOR_ELEMENTS`` at a time, scaled): the bytes' cost with no per-tensor structure."""
+    block = min(FLOOR_ELEMENTS, model_elements)
+    src = torch.empty(block, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty(block, dtype=torch.bfloat16, device=device)
+
+    def cast() -> None:
+        dst.copy_(src)
+        if cuda:
+            torch.cuda.synchronize()
+
+    return [t * model_elements / block for t in timed(cast, cuda)]
+
+
+class PhaseTimedWriter(OnePassWriter):
+    """The sender's one-pass writer, noting when each write loop starts and ends."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(rank)
+        self.loops: list[tuple[float, float]] = []
+
+    def write(self, specs, views, sources):  # noqa: ANN001, ANN201 (the parent's signature)
+        start = time.perf_counter()
+        event = super().write(specs, views, sources)
+        self.loops.append((start, time.perf_counter()))
+        return event
+
+
+def one_pass_phases(sender: RefitSender, cuda: bool) -> tuple[list[float], dict[str, float]]:
+    """``timed`` one-pass refits, and the median of each refit's split at the write loop (ms):
+    ``before`` it, the loop (``write``) and ``after`` it."""
+    writer = PhaseTimedWriter(sender.rank)
+    sender._one_pass_writer = writer
+    calls: list[tuple[float, float]] = []
+
+    def refit() -> None:
+        start = time.perf_counter()
+        sender.stream_weights_via_ipc_zmq(timeout_s=300, one_pass=True)
+        calls.append((start, time.perf_counter()))
+
+    times = timed(refit, cuda)
+    splits = [
+        (loop_start - start, loop_end - loop_start, end - loop_end)
+        for (start, end), (loop_start, loop_end) in zip(calls[1:], writer.loops[1:], strict=True)
+    ]  # the warm-up (the first call) also opens the registration: left out
+    phases = {
+        name: 1e3 * statistics.median(split[k] for split in splits)
+        for k, name in enumerate(("before", "write", "after"))
+    }
+    return times, phases
 
 
 def timed(fn, cuda: bool) -> list[float]:
@@ -234,9 +335,7 @@ def bench_shape(
             sender.release_staging()
             profiler = cProfile.Profile()
             with profiler if profile else contextlib.nullcontext():
-                one_pass = timed(
-                    lambda: sender.stream_weights_via_ipc_zmq(timeout_s=300, one_pass=True), cuda
-                )
+                one_pass, phases = one_pass_phases(sender, cuda)
             if profile:
                 print(f"{name}: sender profile of {REPEATS + 1} one-pass refits", flush=True)
                 pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
@@ -257,12 +356,28 @@ def bench_shape(
             sender.close()
     dest = {n: torch.empty(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
     ceiling = timed(lambda: copy_ceiling(model, dest, cuda), cuda)
-    ceiling_one_pass = timed(lambda: one_pass_ceiling(model, dest, cuda), cuda)
+    spans: dict[str, list[float]] = {}  # GPU spans of the one-pass ceiling per launch route
+    routes = {
+        ROUTE_ROWS[route]: timed(
+            lambda route=route: one_pass_ceiling(
+                model, dest, cuda, route, spans.setdefault(route, [])
+            ),
+            cuda,
+        )
+        for route in ROUTE_ROWS
+    }
+    extra: dict[str, dict] = {"one-pass": {"phases_ms": phases}}  # more fields of some rows
+    for route, route_spans in spans.items():
+        if route_spans:  # CUDA only; the warm-up's span left out, as ``timed`` leaves out its time
+            extra[ROUTE_ROWS[route]] = {"gpu_span_ms": 1e3 * statistics.median(route_spans[1:])}
+    model_elements = sum(t.numel() for t in dest.values())
+    floor = cast_floor(model_elements, device, cuda)
     rows = []
     ceiling_s = statistics.median(ceiling)
     measured = {
         "ceiling": ceiling,
-        "one-pass-ceiling": ceiling_one_pass,
+        **routes,
+        "cast floor": floor,
         "ours": ours,
         "ours-keep": keep,
         "one-pass": one_pass,
@@ -281,12 +396,13 @@ def bench_shape(
                 "gb_per_s": model_bytes / median / 1e9,
                 # one-pass rows against their own limit (one read + one write), others two-pass
                 "fraction_of_ceiling": (
-                    statistics.median(ceiling_one_pass)
-                    if method.startswith("one-pass")
+                    statistics.median(routes["one-pass-ceiling"])
+                    if method.startswith("one-pass") or method == "cast floor"
                     else ceiling_s
                 )
                 / median,
                 "times_ms": [1e3 * t for t in times],
+                **extra.get(method, {}),
             }
         )
     return rows
@@ -327,18 +443,23 @@ def main() -> None:
         device, names = "cuda", ["qwen2.5-1.5b", "qwen2.5-7b"]
     if args.shapes:
         names = args.shapes
-    header = f"{'shape':<16}{'method':<18}{'GB (bf16)':>10}{'median ms':>11}{'GB/s':>9}"
+    header = f"{'shape':<16}{'method':<28}{'GB (bf16)':>10}{'median ms':>11}{'GB/s':>9}"
     print(header + f"{'% ceiling':>11}", flush=True)
     rows = []
     for name in names:  # each shape's rows as soon as they are measured
         rows.extend(shape_rows := bench_shape(name, device, args.sweep_gib, profile=args.profile))
         for r in shape_rows:
             print(
-                f"{r['shape']:<16}{r['method']:<18}"
+                f"{r['shape']:<16}{r['method']:<28}"
                 f"{r['model_bytes'] / 1e9:>10.3f}{r['median_ms']:>11.2f}"
                 f"{r['gb_per_s']:>9.1f}{100 * r['fraction_of_ceiling']:>10.0f}%",
                 flush=True,
             )
+            if "phases_ms" in r:
+                split = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_ms"].items())
+                print(f"{'':<16}{'  ms per phase:':<28}{split}", flush=True)
+            if "gpu_span_ms" in r:
+                print(f"{'':<16}{'  GPU span ms:':<28}{r['gpu_span_ms']:.2f}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
@@ -367,6 +488,16 @@ def summary_rows(measurements: list[dict]) -> list[dict]:
                 continue
             if method == "one-pass":  # against its own limit: one read + one write per weight
                 limit = by_key[(shape, "one-pass-ceiling")]["median_ms"]
+                rows.append(
+                    {
+                        "metric": f"{shape} one-pass copy ceiling ms, grouped launches "
+                        "(baseline = one copy_ per tensor; limit = cast floor)",
+                        "ours": limit,
+                        "baseline": by_key[(shape, "one-pass-ceiling, alone")]["median_ms"],
+                        "limit": by_key[(shape, "cast floor")]["median_ms"],
+                        "unit": "ms",
+                    }
+                )
                 rows.append(
                     {
                         "metric": f"{shape} one-pass refit ms (limit = one-pass copy ceiling)",
