@@ -182,11 +182,8 @@ def stream_one_pass(
     transport: str,
 ) -> dict[str, Any]:
     """One one-pass refit over ``zmq``'s socket; returns the receiver's report."""
-    with zmq._exclusive("stream_weights_via_ipc_zmq"):
-        zmq._check_one_receiver()
-        zmq._note_wait(timeout_s)
-        zmq._send(writer.begin_frames(specs, transport), phase="begin", timeout_s=timeout_s)
-        reply = zmq._reply(phase="begin", timeout_s=timeout_s)  # a rejection raises here
+    with zmq.exchange("stream_weights_via_ipc_zmq", timeout_s=timeout_s) as exchange:
+        reply = exchange.ask(writer.begin_frames(specs, transport), phase="begin")  # may reject
         try:
             try:
                 writer.adopt(reply)
@@ -196,12 +193,11 @@ def stream_one_pass(
                 raise
             event = writer.write(specs, views, sources)
         except BaseException as exc:
-            zmq._abort(None, f"{type(exc).__name__}: {exc}", timeout_s=timeout_s)
+            exchange.abort(f"{type(exc).__name__}: {exc}")
             raise
         try:
             complete = encode(Complete(0, one_pass=True, written_event=event))
-            zmq._send(complete, phase="complete", timeout_s=timeout_s)
-            return zmq._reply(phase="complete", timeout_s=timeout_s).report
+            return exchange.ask(complete, phase="complete").report
         except (RefitTimeoutError, RefitRejectedError):
             writer.close()  # the receiver may have re-registered since: ask for all of it again
             raise

@@ -62,11 +62,30 @@ from policyworker.shell.refit.wire import (
     encode_manifest,
 )
 
-__all__ = ["ZmqIpcSender"]
+__all__ = ["Exchange", "ZmqIpcSender"]
 
 log = logging.getLogger(__name__)
 _ABORT_TIMEOUT_S = 2.0
 _MAX_REPLY_BYTES = MAX_HEADER_BYTES  # as the decoder: a big MoE's one-pass registration is MiBs
+
+
+class Exchange:
+    """Requests and their replies on a sender's socket, within ``ZmqIpcSender.exchange``."""
+
+    def __init__(self, sender: ZmqIpcSender, timeout_s: float) -> None:
+        self._sender = sender
+        self.timeout_s = timeout_s
+
+    def ask(self, frames: list[bytes], *, phase: str) -> Reply:
+        """Send ``frames`` and return the receiver's reply. ``RefitTimeoutError`` when either
+        wait passes ``timeout_s`` (the socket is rebuilt); ``RefitRejectedError`` naming
+        ``phase`` and the receiver's reason when it refuses."""
+        self._sender._send(frames, phase=phase, timeout_s=self.timeout_s)
+        return self._sender._reply(phase=phase, timeout_s=self.timeout_s)
+
+    def abort(self, reason: str) -> None:
+        """Tell the receiver this refit is off (best effort, as the staged refit does)."""
+        self._sender._abort(None, reason, timeout_s=self.timeout_s)
 
 
 class ZmqIpcSender:
@@ -240,6 +259,17 @@ class ZmqIpcSender:
             msg = f"refit rank {self.rank}: the receiver rejected {phase}: {reply.reason}"
             raise RefitRejectedError(msg)
         return reply
+
+    @contextlib.contextmanager
+    def exchange(self, call: str, *, timeout_s: float) -> Iterator[Exchange]:
+        """One refit's request/reply exchange for a protocol built outside this class (the
+        one-pass refit): held exclusively (``call`` names it in the error a second thread gets),
+        refused when more than one receiver is connected, and the wait for a missing receiver
+        logged, as for ``stream``."""
+        with self._exclusive(call):
+            self._check_one_receiver()
+            self._note_wait(timeout_s)
+            yield Exchange(self, timeout_s)
 
     def _begin_frames(self, specs: Sequence[TensorSpec], transport: str) -> list[bytes]:
         if (
