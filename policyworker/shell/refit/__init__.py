@@ -2,6 +2,7 @@
 
     sender.py       RefitSender: a worker's ZMQ refit (refit info, address, one stream call)
     params.py       the weights to send: HF names, target dtypes, gathered shards, in order
+    live_state.py   the state-dict walk a refit makes, without torch's per-module overhead
     hf_names.py     the checkpoint names and layout of a model, asked of transformers; the
                     supported architectures (others are refused by model_type)
     wire.py         the wire format (JSON headers, manifests, dtype names); nothing is pickled

@@ -17,7 +17,9 @@ walk's ``(shape, dtype)`` (no gather, no copy).
 The per-key decisions (names, dtypes, LoRA merges, checkpoint pieces) are compiled once per model
 over meta stand-ins and cached while the model's ``state_dict`` keys, shapes and dtypes are
 unchanged, so a refit costs one ``state_dict`` walk plus one pass over the live tensors
-(``refit_stream`` hands a transport the specs and the sources of that single walk).
+(``refit_stream`` hands a transport the specs and the sources of that single walk). That walk is
+``live_state_dict``: torch's ``state_dict(keep_vars=True)`` read straight from the modules
+while none customises its state dict.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from policyworker.functional.names import (
     to_checkpoint,
 )
 from policyworker.shell.refit.hf_names import checkpoint_layout
+from policyworker.shell.refit.live_state import live_state_dict
 
 __all__ = [
     "DRAFT_PREFIX",
@@ -271,7 +274,7 @@ def refit_stream(
     """
     parts = []
     for module, keep, prefix in _models(model, draft_model, keep_fp32):
-        state = module.state_dict(keep_vars=True)
+        state = live_state_dict(module)
         parts.append(
             (module, state, _walk_of(module, state, target_dtype, keep_fp32=keep, prefix=prefix))
         )
