@@ -9,16 +9,18 @@ from transformers import AutoModelForCausalLM
 
 from policyworker.config import LoRAConfig
 from policyworker.shell.lora import apply_lora
-from policyworker.shell.refit.live_state import live_state_dict
+from policyworker.shell.refit.live_state import _collect_plain_state, live_state_dict
 from policyworker.shell.refit.params import refit_stream
 from tests.helpers import eager_model, save_tiny_llama, tiny_qwen2_config
 
 
-def _assert_same_state(module: nn.Module) -> None:
+def _assert_same_state(module: nn.Module, *, read_directly: bool | None = None) -> None:
     want = module.state_dict(keep_vars=True)
     got = live_state_dict(module)
     assert list(got) == list(want)
     assert all(got[k] is v for k, v in want.items())
+    if read_directly is not None:  # whether the fast walk applied (or torch's was needed)
+        assert _collect_plain_state(module, "", {}) is read_directly
 
 
 _EXTRA = torch.tensor([7])
@@ -92,11 +94,12 @@ def test_equals_torchs_state_dict_for_any_module_tree(data):
 def test_hf_models_tied_untied_and_with_lora_adapters(tmp_path):
     llama = AutoModelForCausalLM.from_pretrained(save_tiny_llama(tmp_path / "llama"))
     assert any(m._non_persistent_buffers_set for m in llama.modules())  # rotary inv_freq
-    _assert_same_state(llama)
+    _assert_same_state(llama, read_directly=True)
     for tie in (True, False):
-        _assert_same_state(eager_model(tiny_qwen2_config(tmp_path / f"q{tie}", tie=tie), seed=0))
+        qwen2 = eager_model(tiny_qwen2_config(tmp_path / f"q{tie}", tie=tie), seed=0)
+        _assert_same_state(qwen2, read_directly=True)
     apply_lora(llama, LoRAConfig(dim=4, target_modules=("q_proj", "down_proj")))
-    _assert_same_state(llama)
+    _assert_same_state(llama, read_directly=True)
 
 
 def test_torchs_walk_runs_wherever_a_module_customises_its_state_dict():
