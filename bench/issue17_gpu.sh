@@ -15,6 +15,9 @@
 #   PART=4  train_step_lora.json  the 1.5B default config with LoRA dim 16 alone, --profile (where
 #                               a LoRA step's time goes: kernels, GPU idle, host); the log is
 #                               train_step_lora.log (about 2 minutes)
+#           logprobs_profile.json  get_logprobs at 16k tokens with --profile: one call of ours and
+#                               of the plain path (kernels, GPU idle by launching op, host); the
+#                               log is logprobs_profile.log (about 1 minute)
 # SMALL=1 runs the CPU smoke shapes (checks the flags; the figures mean nothing).
 set -u
 OUT=${OUT:-bench/results}
@@ -50,6 +53,10 @@ elif [ "$PART" = 4 ]; then
   grep -E "^gpu gaps|^idle ms|^ +[0-9.]+  [a-zA-Z]|^metric|^packed|^peak|fusion \(" \
     "$OUT/train_step_lora.log"
   stamp train_step_lora
+  timeout 150 python bench/logprobs.py $small --tokens 16384 --profile \
+    --out "$OUT/logprobs_profile.json" > "$OUT/logprobs_profile.log" 2>&1
+  grep -E "^== profile|^gpu gaps|^idle ms|^ +[0-9.]+  [a-zA-Z]" "$OUT/logprobs_profile.log"
+  stamp logprobs_profile
 else
   timeout 240 python bench/checkpoint.py $small --json "$OUT/checkpoint.json" 2>&1 | tail -18
   stamp checkpoint
