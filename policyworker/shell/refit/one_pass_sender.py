@@ -27,18 +27,16 @@ from policyworker.functional.arena import (
     destination_view,
     ordered_destinations,
 )
-from policyworker.functional.buckets import DEFAULT_ALIGNMENT, TensorSpec
+from policyworker.functional.buckets import TensorSpec
 from policyworker.shell.refit import staging
 from policyworker.shell.refit.params import RefitSource
 from policyworker.shell.refit.shared_buffers import open_shared_buffer
 from policyworker.shell.refit.staging import grouped_copy_
 from policyworker.shell.refit.wire import (
-    Begin,
     Complete,
     RefitRejectedError,
     Reply,
     encode,
-    encode_manifest,
 )
 from policyworker.shell.refit.wire_one_pass import Registration, decode_registration
 from policyworker.shell.refit.zmq_sender import ZmqIpcSender
@@ -60,19 +58,12 @@ class OnePassWriter:
         self._target: torch.Tensor | None = None  # the opened arena (or spare) the sender writes
         self._views: tuple[Sequence[TensorSpec], list[torch.Tensor]] | None = None
         self._numels: list[int] = []  # elements of each view, in manifest order
-        self._manifest: tuple[Sequence[TensorSpec], bytes] | None = None
         self._written: torch.cuda.Event | None = None
 
     @property
     def held_id(self) -> str:
         """The registration id this sender holds ("" for none)."""
         return "" if self._registration is None else self._registration.id
-
-    def begin_frames(self, specs: Sequence[TensorSpec], transport: str) -> list[bytes]:
-        if self._manifest is None or self._manifest[0] is not specs:  # once per specs object
-            self._manifest = (specs, encode_manifest(specs))
-        begin = Begin(self.rank, transport, DEFAULT_ALIGNMENT, tuple(specs), self.held_id)
-        return encode(begin, manifest_frame=self._manifest[1])
 
     def adopt(self, reply: Reply) -> None:
         """Take the registration from the BEGIN's ACK (opening its arena when it is new)."""
@@ -183,7 +174,8 @@ def stream_one_pass(
 ) -> dict[str, Any]:
     """One one-pass refit over ``zmq``'s socket; returns the receiver's report."""
     with zmq.exchange("stream_weights_via_ipc_zmq", timeout_s=timeout_s) as exchange:
-        reply = exchange.ask(writer.begin_frames(specs, transport), phase="begin")  # may reject
+        begin = zmq.begin_frames(specs, transport, one_pass=writer.held_id)
+        reply = exchange.ask(begin, phase="begin")  # a rejection raises here
         try:
             try:
                 writer.adopt(reply)

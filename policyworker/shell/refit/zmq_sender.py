@@ -271,15 +271,16 @@ class ZmqIpcSender:
             self._note_wait(timeout_s)
             yield Exchange(self, timeout_s)
 
-    def _begin_frames(self, specs: Sequence[TensorSpec], transport: str) -> list[bytes]:
-        if (
-            self._manifest is None or self._manifest[0] is not specs
-        ):  # encoded once per specs object
+    def begin_frames(
+        self, specs: Sequence[TensorSpec], transport: str, *, one_pass: str | None = None
+    ) -> list[bytes]:
+        """The BEGIN of a refit of ``specs`` (``one_pass``: the registration id a one-pass
+        refit holds, "" for none; None for a staged refit). The manifest is encoded once per
+        specs object: a steady-state refit reuses its frame."""
+        if self._manifest is None or self._manifest[0] is not specs:
             self._manifest = (specs, encode_manifest(specs))
-        return encode(
-            Begin(self.rank, transport, DEFAULT_ALIGNMENT, tuple(specs)),
-            manifest_frame=self._manifest[1],
-        )
+        begin = Begin(self.rank, transport, DEFAULT_ALIGNMENT, tuple(specs), one_pass)
+        return encode(begin, manifest_frame=self._manifest[1])
 
     def stream(
         self,
@@ -425,7 +426,7 @@ class ZmqIpcSender:
 
         self._note_wait(timeout_s)
         try:
-            request(self._begin_frames(specs, transport), "begin")
+            request(self.begin_frames(specs, transport), "begin")
             begun = True  # its reply is settled by the first bucket's request: the receiver checks
             turn = 0  # the manifest while the first buffer is allocated and filled
             for seq, bucket in enumerate(plan):
