@@ -620,3 +620,29 @@ def test_wait_for_receivers_sees_a_replaced_receiver_come_and_go_and_times_out_o
         assert sender.wait_for_receivers(0, departed=departed + 2, timeout_s=10)
     finally:
         sender.close()
+
+
+def test_an_exchange_is_one_threads_at_a_time_and_none_after_close():
+    sender = zmq_ipc.ZmqIpcSender(rank=0)
+    refusals: list[str] = []
+
+    def second_thread() -> None:
+        try:
+            with sender.exchange("second", timeout_s=1):
+                refusals.append("entered")
+        except RefitError as exc:
+            refusals.append(str(exc))
+
+    with sender.exchange("first", timeout_s=1) as exchange:
+        assert exchange.timeout_s == 1
+        thread = threading.Thread(target=second_thread)
+        thread.start()
+        thread.join(10)
+    assert len(refusals) == 1 and "second was called while another thread" in refusals[0]
+    thread = threading.Thread(target=second_thread)
+    thread.start()
+    thread.join(10)
+    assert refusals[1] == "entered"  # free again once the first exchange ended
+    sender.close()
+    with pytest.raises(RefitError, match="after close"), sender.exchange("late", timeout_s=1):
+        pass
