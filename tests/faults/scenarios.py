@@ -118,9 +118,9 @@ def grad_mode_zmq(trials: int) -> None:
 
 def _wait_until_the_sender_counts(sender: Any, receivers: int) -> None:
     """The scenarios close receivers and connect new ones to the same address at once: wait
-    until the sender has seen them come and go (`ZmqIpcSender.wait_for_receivers`), or a BEGIN
+    until the sender has seen them come and go (`RefitSender.wait_for_receivers`), or a BEGIN
     can be lost on a closing connection and a count taken too early misses the new ones."""
-    sender._zmq().wait_for_receivers(receivers, timeout_s=10.0)
+    sender.wait_for_receivers(receivers, timeout_s=10.0)
 
 
 def grad_mode_sglang(trials: int) -> None:

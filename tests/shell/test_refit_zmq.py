@@ -246,6 +246,10 @@ def test_manifest_violation_is_rejected_with_names_and_without_a_timeout_wait(ch
         ):
             sender.stream_weights_via_ipc_zmq(timeout_s=30)
         assert time.monotonic() - start < 5
+        # The refusal's socket closes after answering, and the receiver below connects to the
+        # same address: wait until the sender has seen the old connection go (else BEGIN can be
+        # lost on it; docs/refit-protocol.md, Faults).
+        assert sender.wait_for_receivers(0, departed=1, timeout_s=10)
         good = sender.prepare_refit_info()
         bad = dict(good)
         bad["model.norm.weight"] = (

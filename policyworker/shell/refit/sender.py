@@ -130,6 +130,24 @@ class RefitSender:
         """The ``ipc://`` address (in a private 0700 folder) a receiver connects to."""
         return self._zmq().address
 
+    @property
+    def departed_receivers(self) -> int:
+        """How many receivers have disconnected from this address since its socket was bound
+        (read it before replacing a receiver; see ``wait_for_receivers``)."""
+        zmq = self._zmq()
+        zmq.connected_receivers()  # reads the connection events that arrived meanwhile
+        return zmq.departed_receivers
+
+    def wait_for_receivers(self, connected: int, *, departed: int = 0, timeout_s: float) -> bool:
+        """Wait until exactly ``connected`` receivers are connected and at least ``departed``
+        have left (``departed_receivers``); False when ``timeout_s`` passes first.
+
+        After replacing an engine's receiver on this address, wait for
+        ``(1, departed=n + 1)``, n read before the old one closed: a refit started sooner can
+        lose its BEGIN on the closing connection and wait out one timeout
+        (docs/refit-protocol.md, Faults)."""
+        return self._zmq().wait_for_receivers(connected, departed=departed, timeout_s=timeout_s)
+
     def stream_weights_via_ipc_zmq(
         self,
         buffer_size_bytes: int = 0,
