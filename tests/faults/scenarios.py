@@ -339,6 +339,50 @@ def failed_construction(trials: int) -> None:
     shutil.rmtree(long_tmp, ignore_errors=True)
 
 
+def dropped_in_a_cycle(trials: int) -> None:
+    """A sender and a receiver that served a refit are dropped without close(), held only by a
+    reference cycle (as a caught exception's traceback makes one): the garbage collector must
+    free their sockets, contexts and the sender's socket folder without blocking."""
+    import gc
+
+    import zmq
+    from policyworker.shell.receiver import HFWeightReceiver
+
+    from policyworker.shell.refit import RefitSender
+
+    def open_zmq() -> int:
+        return sum(
+            1 for o in gc.get_objects() if isinstance(o, (zmq.Context, zmq.Socket)) and not o.closed
+        )
+
+    gc.collect()
+    before = open_zmq()
+    for trial in range(trials):
+        model = Weights(8)
+        sender = RefitSender(lambda model=model: model, torch.float32)
+        address = sender.get_zmq_address()
+        folder = os.path.dirname(address.removeprefix("ipc://"))
+        receiver = HFWeightReceiver(
+            lambda pairs: None, address=address, refit_info=sender.prepare_refit_info()
+        )
+        thread = threading.Thread(target=receiver.receive)
+        thread.start()
+        sender.stream_weights_via_ipc_zmq(timeout_s=30)
+        thread.join(30)
+        cycle: dict[str, Any] = {"pair": (sender, receiver)}
+        cycle["self"] = cycle
+        del sender, receiver, cycle, thread
+        start = time.monotonic()
+        gc.collect()  # before the fix this blocked for good in a zmq.Context's term()
+        took = time.monotonic() - start
+        problems = []
+        if open_zmq() != before:
+            problems.append(f"{open_zmq() - before} ZMQ socket/context still open")
+        if os.path.exists(folder):
+            problems.append(f"the socket folder {folder} is still there")
+        say(trial, not problems and took < 5, f"gc took {took:.2f} s; " + "; ".join(problems))
+
+
 # ----------------------------------------------------------------------------- 18.9 two threads
 
 
@@ -927,6 +971,7 @@ SCENARIOS = {
     "grad_mode_collective": grad_mode_collective,
     "close_while_receiving": close_while_receiving,
     "failed_construction": failed_construction,
+    "dropped_in_a_cycle": dropped_in_a_cycle,
     "two_threads_one_sender": two_threads_one_sender,
     "retry_after_idle_timeout": retry_after_idle_timeout,
     "two_receivers_one_address": two_receivers_one_address,

@@ -40,6 +40,11 @@ def test_a_failed_construction_leaves_no_zmq_socket_context_or_folder():
     assert_all_ok(run_here("failed_construction", 1), 1)
 
 
+def test_a_sender_and_receiver_dropped_unclosed_in_a_cycle_are_freed_without_a_hang():
+    # apart: before the fix the garbage collector blocked for good (the process is killed)
+    assert_all_ok(run_apart("dropped_in_a_cycle", 2, timeout_s=60), 2)
+
+
 def test_infinite_timeouts_and_long_socket_paths_fail_at_the_call_with_a_value_error():
     assert_all_ok(run_here("unbounded_and_long", 1), 1)
 

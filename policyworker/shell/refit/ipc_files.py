@@ -27,6 +27,7 @@ __all__ = [
     "IPC_PATH_MAX_BYTES",
     "SHM_DIR",
     "StagingSpaceError",
+    "ZmqHandles",
     "check_ipc_address",
     "close_monitored_socket",
     "create_locked_dir",
@@ -79,6 +80,45 @@ def close_monitored_socket(socket: zmq.Socket[Any] | None, monitor: zmq.Socket[A
         monitor.close(linger=0)
     if socket is not None:
         socket.close(linger=0)
+
+
+class ZmqHandles:
+    """A ZMQ context, the socket made from it and the socket's connection monitor, and (a
+    sender's) private socket folder with its lock: ``release()`` frees them in the one order that
+    cannot block (the sockets, then the context), then the folder.
+
+    Owners register ``release`` with ``weakref.finalize``. An owner dropped without ``close()``
+    and held in a reference cycle (a caught exception's traceback makes one) is otherwise left to
+    the garbage collector, which clears weak references first: pyzmq's ``Context.__del__`` then
+    finds no sockets to close and blocks for good in ``term()``. The finalizer holds this object,
+    so the context stays out of that collection until the sockets are closed. (Not at exit,
+    where a daemon thread may still be using a socket: the OS frees them then, and the next
+    sender removes the folder as an orphan.)
+    """
+
+    def __init__(self, folder: str | None = None, folder_fd: int = -1) -> None:
+        self.context: zmq.Context[Any] | None = zmq.Context()
+        self.socket: zmq.Socket[Any] | None = None
+        self.monitor: zmq.Socket[Any] | None = None  # the socket's connection events
+        self.folder = folder
+        self.folder_fd = folder_fd
+
+    def close_socket(self) -> None:
+        close_monitored_socket(self.socket, self.monitor)
+        self.socket = self.monitor = None
+
+    def release(self) -> None:
+        """Close the socket and monitor, then the context, then remove the folder (idempotent)."""
+        self.close_socket()
+        if self.context is not None:
+            self.context.term()
+            self.context = None
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+        if self.folder_fd >= 0:
+            os.close(self.folder_fd)
+            self.folder_fd = -1
 
 
 def _locked_entry(path: str, fd: int) -> bool:

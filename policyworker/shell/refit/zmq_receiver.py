@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,11 +19,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from policyworker.errors import RefitError, RefitTimeoutError
-from policyworker.shell.refit.ipc_files import (
-    check_ipc_address,
-    close_monitored_socket,
-    zmq_timeout_ms,
-)
+from policyworker.shell.refit.ipc_files import ZmqHandles, check_ipc_address, zmq_timeout_ms
 from policyworker.shell.refit.refit_server import RefitServer
 
 __all__ = ["ReceiverClosedError", "ZmqIpcReceiver", "expected_from_refit_info"]
@@ -52,9 +49,10 @@ class ZmqIpcReceiver:
         self._max_message_bytes = max_message_bytes
         self._serving = threading.Lock()  # held by the thread inside serve()
         self._closed = threading.Event()
-        self._context: zmq.Context[Any] | None = zmq.Context()
-        self._socket: zmq.Socket[Any] | None = None
-        self._monitor: zmq.Socket[Any] | None = None  # connection events of the socket
+        self._handles = ZmqHandles()
+        # frees the socket and context if this receiver is dropped without close()
+        self._release_handles = weakref.finalize(self, self._handles.release)
+        self._release_handles.atexit = False  # at exit a daemon thread may still poll the socket
         self._dropped = False  # ZMQ dropped the connection for good (a frame over the cap)
         try:
             check_ipc_address(address, fix="the sender's get_zmq_address() is always short enough")
@@ -64,13 +62,13 @@ class ZmqIpcReceiver:
             raise
 
     def _connect(self) -> None:
-        assert self._context is not None
-        sock = self._context.socket(zmq.REP)
-        self._socket = sock
+        assert self._handles.context is not None
+        sock = self._handles.context.socket(zmq.REP)
+        self._handles.socket = sock
         sock.setsockopt(zmq.LINGER, 0)
         if self._max_message_bytes is not None:
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
-        self._monitor = sock.get_monitor_socket(
+        self._handles.monitor = sock.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
         )
         self._dropped = False
@@ -83,20 +81,16 @@ class ZmqIpcReceiver:
             )
             raise ValueError(msg) from None
 
-    def _close_socket(self) -> None:
-        close_monitored_socket(self._socket, self._monitor)
-        self._socket = self._monitor = None
-
     def _reconnect(self) -> None:
-        self._close_socket()
+        self._handles.close_socket()
         self._connect()
 
     def _connection_dropped(self) -> bool:
         """True when the connection ended without a reconnect scheduled: ZMQ does not reconnect
         after dropping a peer for a frame over MAXMSGSIZE, so the socket must be rebuilt."""
-        while self._monitor is not None:
+        while self._handles.monitor is not None:
             try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
+                event = recv_monitor_message(self._handles.monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
                 break
             self._dropped = event == zmq.EVENT_DISCONNECTED
@@ -104,10 +98,7 @@ class ZmqIpcReceiver:
 
     def _release(self) -> None:
         """Close the sockets, then the context (term cannot block: no socket is left open)."""
-        self._close_socket()
-        if self._context is not None:
-            self._context.term()
-            self._context = None
+        self._release_handles()
 
     def serve(self, server: RefitServer) -> Any:
         """Answer messages until the refit completes (its report) or fails (``RefitError``)."""
@@ -134,15 +125,16 @@ class ZmqIpcReceiver:
         """The next message, polling in short slices so that close() is noticed."""
         deadline = time.monotonic() + self.timeout_s
         while True:
-            if self._closed.is_set() or self._socket is None:
+            sock = self._handles.socket
+            if self._closed.is_set() or sock is None:
                 server.fail("the receiver was closed")
                 raise self._closed_error(phase)
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            if self._socket.poll(min(_POLL_SLICE_MS, zmq_timeout_ms(left)), zmq.POLLIN):
+            if sock.poll(min(_POLL_SLICE_MS, zmq_timeout_ms(left)), zmq.POLLIN):
                 with contextlib.suppress(zmq.Again):
-                    return self._socket.recv_multipart(zmq.NOBLOCK, copy=True)
+                    return sock.recv_multipart(zmq.NOBLOCK, copy=True)
         server.fail(f"timed out waiting for {phase}")
         if phase != "begin" or self._connection_dropped():
             # Mid-refit, the sender is gone or stuck; start clean. An idle wait keeps a live
@@ -161,10 +153,11 @@ class ZmqIpcReceiver:
         while True:
             frames = self._recv(server, phase, started)
             reply, outcome = server.handle(frames)
-            assert self._socket is not None
-            self._socket.setsockopt(zmq.SNDTIMEO, zmq_timeout_ms(self.timeout_s))
+            sock = self._handles.socket
+            assert sock is not None
+            sock.setsockopt(zmq.SNDTIMEO, zmq_timeout_ms(self.timeout_s))
             try:
-                self._socket.send_multipart(reply)
+                sock.send_multipart(reply)
             except zmq.Again:
                 server.fail("could not send a reply")
                 self._reconnect()  # a REP that owes a reply cannot receive again

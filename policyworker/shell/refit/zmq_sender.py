@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import shutil
 import threading
 import time
 import weakref
@@ -35,8 +33,8 @@ from policyworker.functional.buckets import (
     TensorSpec,
 )
 from policyworker.shell.refit.ipc_files import (
+    ZmqHandles,
     check_ipc_address,
-    close_monitored_socket,
     create_locked_dir,
     remove_orphans,
     zmq_timeout_ms,
@@ -94,11 +92,13 @@ class ZmqIpcSender:
     def __init__(self, *, rank: int) -> None:
         self.rank = rank
         remove_orphans()  # what senders killed earlier left in /dev/shm and the temp folder
-        self._dir, self._dir_fd = create_locked_dir()
-        self.address = f"ipc://{self._dir}/rank{rank}.sock"
-        self._context: zmq.Context[Any] | None = zmq.Context()
-        self._socket: zmq.Socket[Any] | None = None
-        self._monitor: zmq.Socket[Any] | None = None  # connection events: counts the receivers
+        folder, folder_fd = create_locked_dir()
+        self.address = f"ipc://{folder}/rank{rank}.sock"
+        # the socket (its monitor counts the receivers), the context and the folder; freed by
+        # close(), or by the finalizer if this sender is dropped without it
+        self._handles = ZmqHandles(folder, folder_fd)
+        self._release_handles = weakref.finalize(self, self._handles.release)
+        self._release_handles.atexit = False  # at exit a daemon thread may still use the socket
         self._peers = 0
         # connections that ended since the socket was bound (counted as connected_receivers()
         # reads the monitor's events)
@@ -132,7 +132,7 @@ class ZmqIpcSender:
             )
             raise RefitError(msg)
         try:
-            if self._context is None:
+            if self._handles.context is None:
                 msg = f"refit rank {self.rank}: {call} after close(); this sender is closed"
                 raise RefitError(msg)
             yield
@@ -164,33 +164,30 @@ class ZmqIpcSender:
             torch.cuda.empty_cache()
 
     def _sock(self) -> zmq.Socket[Any]:
-        sock = self._socket
+        handles = self._handles
+        sock = handles.socket
         if sock is None:
-            assert self._context is not None
-            sock = self._context.socket(zmq.REQ)
+            assert handles.context is not None
+            sock = handles.context.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLY_BYTES)
-            self._socket = sock
+            handles.socket = sock
             sock.bind(self.address)
-            self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+            handles.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
             self._peers = self.departed_receivers = 0
         return sock
 
-    def _close_socket(self) -> None:
-        close_monitored_socket(self._socket, self._monitor)
-        self._socket = self._monitor = None
-
     def _rebuild(self) -> None:
-        self._close_socket()
+        self._handles.close_socket()
         self._sock()
 
     def connected_receivers(self) -> int:
         """How many receivers are connected to this sender's address right now."""
         # the monitor reports plain ints; zmq.Event members hash equal to them
         peer_delta: dict[int, int] = {zmq.EVENT_ACCEPTED: 1, zmq.EVENT_DISCONNECTED: -1}
-        while self._monitor is not None:
+        while self._handles.monitor is not None:
             try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
+                event = recv_monitor_message(self._handles.monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
                 break
             self._peers += peer_delta.get(event, 0)
@@ -530,7 +527,7 @@ class ZmqIpcSender:
     def close(self) -> None:
         """Free the staging, the socket and its folder (idempotent; refused while another thread
         streams a refit on this sender)."""
-        if self._context is None:
+        if self._handles.context is None:
             return
         with self._exclusive("close"):
             self._release_staging()
@@ -539,11 +536,4 @@ class ZmqIpcSender:
     def _teardown(self) -> None:
         """Close every socket, then the context (which cannot block: no socket is left open),
         then remove the folder and drop its lock."""
-        self._close_socket()
-        if self._context is not None:
-            self._context.term()
-            self._context = None
-        shutil.rmtree(self._dir, ignore_errors=True)
-        if self._dir_fd >= 0:
-            os.close(self._dir_fd)
-            self._dir_fd = -1
+        self._release_handles()
