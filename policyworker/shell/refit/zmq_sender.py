@@ -259,10 +259,10 @@ class ZmqIpcSender:
 
     @contextlib.contextmanager
     def exchange(self, call: str, *, timeout_s: float) -> Iterator[Exchange]:
-        """One refit's request/reply exchange for a protocol built outside this class (the
-        one-pass refit): held exclusively (``call`` names it in the error a second thread gets),
-        refused when more than one receiver is connected, and the wait for a missing receiver
-        logged, as for ``stream``."""
+        """One refit's use of the socket (``stream``'s, or a protocol built outside this class:
+        the one-pass refit): held exclusively (``call`` names it in the error a second thread
+        gets), refused when more than one receiver is connected, and the wait for a missing
+        receiver logged."""
         with self._exclusive(call):
             self._check_one_receiver()
             self._note_wait(timeout_s)
@@ -299,8 +299,9 @@ class ZmqIpcSender:
         ``release_staging`` or ``close``; the receiver then keeps its mappings too. On any
         failure every staging buffer, kept or not, is freed before this raises.
         """
-        with self._exclusive("stream_weights_via_ipc_zmq"):
-            self._check_one_receiver()
+        # the staged refit pipelines its requests through _send / _reply itself (each reply is
+        # settled by the next request); the exchange gives it the same guards as the one-pass one
+        with self.exchange("stream_weights_via_ipc_zmq", timeout_s=timeout_s):
             return self._stream(
                 specs,
                 plan,
@@ -421,7 +422,6 @@ class ZmqIpcSender:
                     raise RefitError(msg)
             return items
 
-        self._note_wait(timeout_s)
         try:
             request(self.begin_frames(specs, transport), "begin")
             begun = True  # its reply is settled by the first bucket's request: the receiver checks
