@@ -52,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -60,9 +61,13 @@ from torch import nn
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from policyworker.functional.buckets import IpcBucket, align_up  # noqa: E402
+from policyworker.functional.buckets import IpcBucket, TensorSpec, align_up  # noqa: E402
 from policyworker.shell.refit.one_pass_sender import OnePassWriter  # noqa: E402
-from policyworker.shell.refit.params import iter_refit_sources, refit_specs  # noqa: E402
+from policyworker.shell.refit.params import (  # noqa: E402
+    RefitSource,
+    iter_refit_sources,
+    refit_specs,
+)
 from policyworker.shell.refit.sender import RefitSender  # noqa: E402
 from policyworker.shell.refit.staging import CudaStaging, ShmStaging, grouped_copy_  # noqa: E402
 
@@ -250,7 +255,12 @@ class PhaseTimedWriter(OnePassWriter):
         super().__init__(rank)
         self.loops: list[tuple[float, float]] = []
 
-    def write(self, specs, views, sources):  # noqa: ANN001, ANN201 (the parent's signature)
+    def write(
+        self,
+        specs: Sequence[TensorSpec],
+        views: list[torch.Tensor],
+        sources: Iterator[RefitSource],
+    ) -> bytes:
         start = time.perf_counter()
         event = super().write(specs, views, sources)
         self.loops.append((start, time.perf_counter()))
