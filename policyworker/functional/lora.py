@@ -29,7 +29,6 @@ __all__ = [
     "matches_entry",
     "matches_target",
     "merge_lora_weight",
-    "merge_lora_weight_by_reduction",
     "to_peft_key",
     "unmatched_entries",
     "unmerge_lora_weight",
@@ -101,22 +100,6 @@ def merge_lora_weight(
     _check_shapes(lora_a_RI, lora_b_OR, weight_OI)
     acc = _accumulate_dtype(weight_OI.dtype, lora_a_RI.dtype, lora_b_OR.dtype)
     merged_OI = torch.addmm(weight_OI.to(acc), lora_b_OR.to(acc), lora_a_RI.to(acc), alpha=scale)
-    return merged_OI.to(weight_OI.dtype)
-
-
-def merge_lora_weight_by_reduction(
-    weight_OI: torch.Tensor, lora_a_RI: torch.Tensor, lora_b_OR: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """`merge_lora_weight` written as a sum over R of broadcast products instead of a GEMM.
-
-    The same value up to the order of the fp32 sum. Under torch.compile the reduction, the add
-    and a following cast become one pass over W (a GEMM is an opaque call no cast fuses into);
-    run eagerly it materialises an [O, R, I] product, so eager code calls `merge_lora_weight`.
-    """
-    _check_shapes(lora_a_RI, lora_b_OR, weight_OI)
-    acc = _accumulate_dtype(weight_OI.dtype, lora_a_RI.dtype, lora_b_OR.dtype)
-    products_ORI = lora_b_OR.to(acc)[:, :, None] * lora_a_RI.to(acc)[None, :, :]
-    merged_OI = weight_OI.to(acc) + scale * products_ORI.sum(dim=1)
     return merged_OI.to(weight_OI.dtype)
 
 

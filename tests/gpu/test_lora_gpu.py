@@ -34,8 +34,8 @@ def test_a_cuda_lora_layer_computes_with_the_refit_weights_bit_for_bit():
 
 
 def test_the_default_compiled_lora_worker_trains_and_matches_the_eager_one(tiny_model_paths):
-    """Compiled layers merge by a reduction fused with the cast; eager ones by a GEMM: the same
-    fp32 merge up to summation order, so both workers agree within bf16 compute noise."""
+    """Compiled and eager layers merge by the same fp32 GEMM; the compiled layers fuse the rest
+    (RMSNorm, SiLU, casts) in another order, so both workers agree within bf16 compute noise."""
     path = tiny_model_paths["qwen2"]
     sgd = {"name": "torch.optim.SGD", "kwargs": {"lr": 1e-2}}
     workers = [

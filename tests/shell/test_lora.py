@@ -714,17 +714,17 @@ def test_an_unfrozen_base_keeps_the_path_that_gives_it_gradients():
     assert lora.weight.grad is not None and lora.lora_B.weight.grad is not None
 
 
-def test_compiled_merged_layer_matches_eager_within_bf16_rounding(monkeypatch):
-    """torch.compile merges by a reduction (fused with the cast) instead of a GEMM: the same
-    fp32 merge up to summation order, so outputs and gradients agree within bf16 rounding."""
+def test_compiled_merged_layer_merges_by_the_refits_gemm_and_matches_eager(monkeypatch):
+    """torch.compile merges by the same fp32 GEMM as eager code and the refit (no reduction of
+    its own: that ran 7x slower on a GPU), so the merged weight is the refit's, bit for bit; the
+    outputs and gradients agree with eager within bf16 compute noise (inductor may order the bf16
+    GEMMs' sums otherwise)."""
     import policyworker.shell.lora as lora_module
 
     traced = []
-    by_reduction = lora_module.merge_lora_weight_by_reduction
+    gemm_merge = lora_module.merge_lora_weight
     monkeypatch.setattr(
-        lora_module,
-        "merge_lora_weight_by_reduction",
-        lambda *args: traced.append(True) or by_reduction(*args),
+        lora_module, "merge_lora_weight", lambda *args: traced.append(True) or gemm_merge(*args)
     )
     lora = _bf16_lora(in_features=64, out_features=48)
     x = torch.randn(4, 16, 64)
@@ -738,10 +738,8 @@ def test_compiled_merged_layer_matches_eager_within_bf16_rounding(monkeypatch):
 
     torch._dynamo.reset()
     compiled = run(torch.compile(lora.forward, fullgraph=True))
-    assert traced  # the compiled graph merged by reduction
-    traced.clear()
+    assert traced  # the compiled graph merged by the GEMM
     eager = run(lora.forward)
-    assert not traced
     torch.testing.assert_close(compiled[0], eager[0], atol=0.05, rtol=0.016)
     for got, want in zip(compiled[1:], eager[1:], strict=True):
         assert float((got - want).norm() / want.norm()) < 0.02
