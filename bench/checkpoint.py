@@ -15,6 +15,8 @@ Reported, all against the same folder on the same disk in the same run:
   every N steps): seconds until `save_checkpoint` returns (staging: the loop is blocked this
   long; the first save also page-locks the staging buffers the second one reuses) and seconds
   until `finalize_async_save` returns (files fsynced and renamed into place);
+- sync save right after them, with their staging buffers kept (the final save of a loop that
+  saved asynchronously: a copy into the pinned buffers, then writes from host memory);
 - load: `load_checkpoint` into a fresh model and optimizer after the files were evicted from the
   page cache (`posix_fadvise(DONTNEED)`), GB/s; the loaded weights are checked bit-exact;
 - raw disk read: the same files, evicted the same way, read with `os.read` in 64 MiB blocks,
@@ -289,6 +291,11 @@ def run(
         "async_blocked_GBps": gb / async_blocked_s,
     }
     report(out)
+    t0 = time.perf_counter()
+    ck.save_checkpoint(worker, weights, optim, is_final_checkpoint=True)
+    staged_sync_s = time.perf_counter() - t0
+    out |= {"sync_save_staged_s": staged_sync_s, "sync_save_staged_GBps": gb / staged_sync_s}
+    report(out)
     worker.saver.release_staging()
     shutil.rmtree(weights)
     shutil.rmtree(optim)
@@ -445,6 +452,11 @@ def main(argv: list[str] | None = None) -> int:
             f"  of it: weights only ({results['sync_save_weights_only_bytes'] / 1e9:.1f} GB)",
             results["sync_save_weights_only_s"],
             results["sync_save_weights_only_bytes"] / 1e9 / results["sync_save_weights_only_s"],
+        ),
+        (
+            "sync save, after async (staged)",
+            results["sync_save_staged_s"],
+            results["sync_save_staged_GBps"],
         ),
         (
             "sync save, 1 writer (baseline)",

@@ -1,7 +1,8 @@
 """Async saves stage into CPU buffers that the saver keeps and reuses (pinned when CUDA exists).
 
 Two consecutive async saves reuse the same buffers; training right after a save returns does not
-reach the files; shutdown frees the buffers; a sync save keeps none.
+reach the files; shutdown frees the buffers; a sync save keeps none, and reuses those an async
+save made.
 """
 
 from __future__ import annotations
@@ -81,6 +82,35 @@ def test_a_sync_save_keeps_no_staging_buffers(tiny_model_paths, tmp_path):
     worker = PolicyWorker(make_config(tiny_model_paths["llama"]), init_reference_model=False)
     ck.save_checkpoint(worker.state, tmp_path / "w", is_final_checkpoint=True)
     assert worker.state.saver.staging.nbytes == 0
+
+
+def test_a_sync_save_after_an_async_one_writes_through_its_buffers(
+    tiny_model_paths, tmp_path, monkeypatch
+):
+    """The final save of a loop that saved asynchronously stages into the buffers that save
+    made (no new ones) and writes the state of the moment it was called, committed on return."""
+    path = tiny_model_paths["llama"]
+    worker = PolicyWorker(make_config(path), init_reference_model=False)
+    _train(worker, 0)
+    staging = worker.state.saver.staging
+    ck.save_checkpoint(worker.state, tmp_path / "a", tmp_path / "a")
+    views = {g: staging.views(g) for g in ("weights", "optimizer")}
+    nbytes = staging.nbytes
+    _train(worker, 1)
+    before = _training_state(worker)
+    staged = []
+    stage = staging.stage
+    monkeypatch.setattr(
+        staging, "stage", lambda group, items: [staged.append(group), stage(group, items)][1]
+    )
+    ck.save_checkpoint(worker.state, tmp_path / "b", tmp_path / "b", is_final_checkpoint=True)
+    assert sorted(staged) == ["optimizer", "weights"] and staging.nbytes == nbytes
+    for group, first in views.items():
+        assert all(a is b for a, b in zip(staging.views(group), first, strict=True))
+    _train(worker, 2)
+    fresh = PolicyWorker(make_config(path), init_reference_model=False)
+    ck.load_checkpoint(fresh.state, tmp_path / "b", tmp_path / "b")
+    _assert_equal_state(_training_state(fresh), before)
 
 
 def test_staging_reuses_a_group_while_its_layout_holds_and_reallocates_when_it_changes():

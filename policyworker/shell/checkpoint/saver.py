@@ -9,9 +9,12 @@ kept and reused by the next async save while the staged tensors keep their names
 dtypes (a group is reallocated when they change). Memory cost: pinned host memory equal to the
 bytes this rank stages (its fp32 weight shards plus its optimizer state; about 18.5 GB for a
 1.5B model with AdamW on one GPU), held from the first async save until `release_staging`
-(`PolicyWorker.shutdown` calls it). Sync saves (`is_final_checkpoint=True`) keep nothing and
-stage nothing: their writes end inside the call, so CPU state is written where it is and device
-state is copied out by the writer threads while they write, overlapping the disk: the weights
+(`PolicyWorker.shutdown` calls it). A sync save (`is_final_checkpoint=True`) stages into these
+buffers only when an async save already made them (the final save of a loop that saved
+asynchronously: a copy at pinned bandwidth, then writes from host memory, is faster than the
+path below). Otherwise it keeps nothing and stages nothing: its writes end inside the call, so
+CPU state is written where it is and device state is copied out by the writer threads while
+they write, overlapping the disk: the weights
 chunk by chunk through a small page-locked bounce buffer per writer thread (freed when the
 writes end; `safetensors_io`), the optimizer one tensor at a time by DCP's writer threads
 (`dcp._sync_save_state`).
