@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# Issue 17's rows on one GPU, in three parts that each fit one device call with room to spare
-# (about 5-6 minutes each); run from the repo root, results under $OUT (default bench/results):
+# Issue 17's rows on one GPU, in parts that each fit one device call (under 10 minutes; the
+# figures in brackets are the 12-05 H200 timings); run from the repo root, results under $OUT
+# (default bench/results). PART=1..3 make the README's table; PART=4 the profiles.
 #   PART=1  train_step.json     packed train step, default config (fusion: auto) vs fusion: none,
 #                               and the default config with LoRA dim 16 (LoRA vs full fine-tuning);
 #                               --profile (first worker): top kernels, GPU idle by launching op,
-#                               host cProfile; the log is train_step.log
-#           logprobs.json       get_logprobs at 16k and 32k tokens vs plain and Liger
-#           lora.json           LoRA (compute_dtype float32 and auto) vs full fine-tuning, plain loop
-#   PART=2  train_step_8b.json  Qwen2.5-7B shape with LoRA dim 16 on every linear (8B-class row)
+#                               host cProfile; the log is train_step.log [222 s]
+#           logprobs.json       get_logprobs at 16k and 32k tokens vs plain and Liger [56 s]
+#           lora.json           LoRA (compute_dtype float32 and auto) vs full fine-tuning, plain
+#                               loop [22 s]
 #           refit.json          refit 1.5B and 7B shapes vs NeMo-RL's sender path and the ceiling
-#   PART=3  checkpoint.json     async saves (blocked / total) vs sync (and its weights-only part),
-#                               raw write, cold load, raw read
-#           pytest_gpu.xml      pytest -q tests/gpu
+#                               [about 40 s]
+#   PART=2  train_step_8b.json  Qwen2.5-7B shape with LoRA dim 16 on every linear (8B-class row)
+#           checkpoint.json     async saves (blocked / total), a sync save after them (staging
+#                               kept) and without staging (and its weights-only part), raw
+#                               write, cold load, raw read [187 s]
+#   PART=3  pytest_gpu.xml      pytest -q tests/gpu [about 390 s: the fused-worker tests compile]
 #   PART=4  train_step_lora.json  the 1.5B default config with LoRA dim 16 alone, --profile (where
 #                               a LoRA step's time goes: kernels, GPU idle, host); the log is
-#                               train_step_lora.log (about 2 minutes)
+#                               train_step_lora.log [132 s]
 #           logprobs_profile.json  get_logprobs at 16k tokens with --profile: one call of ours and
 #                               of the plain path (kernels, GPU idle by launching op, host); the
 #                               log is logprobs_profile.log (about 1 minute)
@@ -28,25 +32,27 @@ small=${SMALL:+--small}
 start=$(date +%s)
 stamp() { echo "== $1 done at $(($(date +%s) - start)) s"; }
 if [ "$PART" = 1 ]; then
-  timeout 300 python bench/train_step.py $small --also-fuse none --also-lora-dim 16 \
+  timeout 260 python bench/train_step.py $small --also-fuse none --also-lora-dim 16 \
     --skip-padded --skip-baseline --steps 3 --profile --out "$OUT/train_step.json" \
     > "$OUT/train_step.log" 2>&1
   grep -E "^gpu gaps|^idle ms|^ +[0-9.]+  [a-zA-Z]|^metric|^packed|^peak|fusion \(" \
     "$OUT/train_step.log"
   stamp train_step
-  timeout 150 python bench/logprobs.py $small --tokens 16384 32768 --out "$OUT/logprobs.json" \
+  timeout 120 python bench/logprobs.py $small --tokens 16384 32768 --out "$OUT/logprobs.json" \
     2>&1 | tail -12
   stamp logprobs
-  timeout 70 python bench/lora.py $small --steps 4 --warmup 1 --repeats 2 \
+  timeout 60 python bench/lora.py $small --steps 4 --warmup 1 --repeats 2 \
     --json "$OUT/lora.json" 2>&1 | tail -9
   stamp lora
+  timeout 90 python bench/refit.py $small --out "$OUT/refit.json" 2>&1 | tail -24
+  stamp refit
 elif [ "$PART" = 2 ]; then
   # 7B: ~117 s of worker start (random model written, loaded, compiled) before the steps
   timeout 330 python bench/train_step.py $small --shape 7b --lora-dim 16 --skip-padded \
     --skip-baseline --steps 3 --out "$OUT/train_step_8b.json" 2>&1 | tail -6
   stamp train_step_8b
-  timeout 90 python bench/refit.py $small --out "$OUT/refit.json" 2>&1 | tail -10
-  stamp refit
+  timeout 240 python bench/checkpoint.py $small --json "$OUT/checkpoint.json" 2>&1 | tail -19
+  stamp checkpoint
 elif [ "$PART" = 4 ]; then
   timeout 240 python bench/train_step.py $small --lora-dim 16 --skip-padded --skip-baseline \
     --steps 3 --profile --out "$OUT/train_step_lora.json" > "$OUT/train_step_lora.log" 2>&1
@@ -58,8 +64,6 @@ elif [ "$PART" = 4 ]; then
   grep -E "^== profile|^gpu gaps|^idle ms|^ +[0-9.]+  [a-zA-Z]" "$OUT/logprobs_profile.log"
   stamp logprobs_profile
 else
-  timeout 240 python bench/checkpoint.py $small --json "$OUT/checkpoint.json" 2>&1 | tail -18
-  stamp checkpoint
-  timeout 300 python -m pytest -q tests/gpu -rs --junitxml="$OUT/pytest_gpu.xml" 2>&1 | tail -8
+  timeout 560 python -m pytest -q tests/gpu -rs --junitxml="$OUT/pytest_gpu.xml" 2>&1 | tail -8
   stamp pytest_gpu
 fi
