@@ -41,12 +41,8 @@ def _assert_equal_state(got, want):
 def test_two_async_saves_reuse_the_same_buffers_and_training_after_a_save_misses_it(
     tiny_model_paths, tmp_path
 ):
-    path = tiny_model_paths["llama"]
-    worker = PolicyWorker(make_config(path), init_reference_model=False)
-    _train(worker, 0)
+    path, worker, first = _worker_after_an_async_save(tiny_model_paths, tmp_path / "a")
     staging = worker.state.saver.staging
-    ck.save_checkpoint(worker.state, tmp_path / "a", tmp_path / "a")
-    first = {g: staging.views(g) for g in ("weights", "optimizer")}
     assert all(first.values()) and staging.nbytes > 0
     ck.finalize_async_save(worker.state)
     _train(worker, 1)
@@ -58,9 +54,23 @@ def test_two_async_saves_reuse_the_same_buffers_and_training_after_a_save_misses
     _train(worker, 2)  # the optimizer step changes every tensor the save staged
     ck.finalize_async_save(worker.state)
     assert not _equal_weights(_training_state(worker)[0], before[0])
+    _assert_loads_back(path, tmp_path / "b", before)
+
+
+def _worker_after_an_async_save(tiny_model_paths, folder):
+    """A trained worker, its model path, and the staged views of its first (async) save."""
+    path = tiny_model_paths["llama"]
+    worker = PolicyWorker(make_config(path), init_reference_model=False)
+    _train(worker, 0)
+    ck.save_checkpoint(worker.state, folder, folder)
+    staging = worker.state.saver.staging
+    return path, worker, {g: staging.views(g) for g in ("weights", "optimizer")}
+
+
+def _assert_loads_back(path, folder, state):
     fresh = PolicyWorker(make_config(path), init_reference_model=False)
-    ck.load_checkpoint(fresh.state, tmp_path / "b", tmp_path / "b")
-    _assert_equal_state(_training_state(fresh), before)
+    ck.load_checkpoint(fresh.state, folder, folder)
+    _assert_equal_state(_training_state(fresh), state)
 
 
 def _equal_weights(a, b):
@@ -89,12 +99,8 @@ def test_a_sync_save_after_an_async_one_writes_through_its_buffers(
 ):
     """The final save of a loop that saved asynchronously stages into the buffers that save
     made (no new ones) and writes the state of the moment it was called, committed on return."""
-    path = tiny_model_paths["llama"]
-    worker = PolicyWorker(make_config(path), init_reference_model=False)
-    _train(worker, 0)
+    path, worker, views = _worker_after_an_async_save(tiny_model_paths, tmp_path / "a")
     staging = worker.state.saver.staging
-    ck.save_checkpoint(worker.state, tmp_path / "a", tmp_path / "a")
-    views = {g: staging.views(g) for g in ("weights", "optimizer")}
     nbytes = staging.nbytes
     _train(worker, 1)
     before = _training_state(worker)
@@ -108,9 +114,7 @@ def test_a_sync_save_after_an_async_one_writes_through_its_buffers(
     for group, first in views.items():
         assert all(a is b for a, b in zip(staging.views(group), first, strict=True))
     _train(worker, 2)
-    fresh = PolicyWorker(make_config(path), init_reference_model=False)
-    ck.load_checkpoint(fresh.state, tmp_path / "b", tmp_path / "b")
-    _assert_equal_state(_training_state(fresh), before)
+    _assert_loads_back(path, tmp_path / "b", before)
 
 
 def test_staging_reuses_a_group_while_its_layout_holds_and_reallocates_when_it_changes():
