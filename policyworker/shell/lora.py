@@ -338,12 +338,12 @@ class _MergedAdapterLinear(torch.autograd.Function):
     engine's weights. Against the base GEMM, two adapter GEMMs and an addmm onto the output, the
     forward skips one read of the [N, I] input and a read and write of the [N, O] output, and
     the backward's input gradient is one GEMM instead of a GEMM and an addmm over [N, I] (less
-    one read of the input to rebuild ``x A^T``). The merge is an fp32 GEMM (cuBLAS, W added in
-    its epilogue), then the cast, eagerly and under torch.compile alike: inductor's own kernel for
-    the merge written as a sum over R of broadcast products, fused with the cast, ran 7x slower on
-    an H200 than the GEMM and the cast (0.50 ms against 0.07 ms at [8960, 1536]; the LoRA train
-    step gained 1.25x when it went, issue 17). A compiled layer's merge is therefore bit for bit
-    the eager one, and the refit's.
+    one read of the input to rebuild ``x A^T``). The merge is one fp32 GEMM (W is its
+    accumulator input), then the cast, eagerly and under torch.compile alike. Inductor's own
+    kernel for the merge written as a sum over R of broadcast products, fused with the cast, ran
+    7x slower on an H200 than the GEMM and the cast (0.50 ms against 0.07 ms at [8960, 1536]);
+    the 1.5B LoRA train step gained 1.16x when it went (issue 17). A compiled layer's merge is
+    therefore bit for bit the eager one, and the refit's.
 
     Backward needs no [O, I] weight gradient (W and b are frozen): ``dx = g W'``, and the
     adapters' gradients from the rank-R products ``g B`` and ``x A^T`` (the latter recomputed:
