@@ -9,6 +9,10 @@ runtime call (matched by correlation id) inside some host ops: the gap's time is
 outermost and innermost of those ops, so a gap after a host sync (`aten::item`,
 `aten::_local_scalar_dense`, a DtoH copy) or behind slow launches (a compiled graph's
 wrapper) shows which. Host synchronizations (runtime calls named *Synchronize*) are summed.
+When the trace holds the `CALL_ANNOTATION` range (`print_profile` wraps its call in one), the
+host time of the call outside the device span is reported too: before the first device op
+(with the top-level host ops that ran then) and after the last one. A call's wall time minus
+its device span is that host time.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 _DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 _RUNTIME_CATEGORIES = {"cuda_runtime", "cuda_driver"}
+CALL_ANNOTATION = "profiled call"
 
 
 def _busy_union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -85,7 +90,39 @@ def gap_report(events: list[dict[str, Any]], *, min_gap_us: float = 20.0, top: i
     lines += [f"  {ms / 1e3:9.2f}  {name[:90]}" for name, ms in _top(outer, top)]
     lines.append("idle ms by the innermost host op launching it:")
     lines += [f"  {ms / 1e3:9.2f}  {name[:90]}" for name, ms in _top(inner, top)]
+    call = next((e for ops in host_ops.values() for e in ops if e["name"] == CALL_ANNOTATION), None)
+    if call is not None:
+        lines += _outside_the_device_span(call, host_ops.get(call.get("tid"), []), busy, top)
     return "\n".join(lines)
+
+
+def _outside_the_device_span(
+    call: dict[str, Any],
+    ops: list[dict[str, Any]],
+    busy: list[tuple[float, float]],
+    top: int,
+) -> list[str]:
+    """The call's host time before its first device op and after its last, and the top-level
+    host ops (on the call's thread, inside the call) that ran before the first one, in ms up to
+    that op's start."""
+    start, end = call["ts"], call["ts"] + call["dur"]
+    first, last = busy[0][0], busy[-1][1]
+    lead: dict[str, float] = defaultdict(float)
+    covered_until = start
+    for op in ops:  # sorted by start: an op starting inside the previous top-level one is nested
+        if op is call or op["ts"] < covered_until or not start <= op["ts"] < first:
+            continue
+        lead[op["name"]] += min(op["ts"] + op["dur"], first) - op["ts"]
+        covered_until = op["ts"] + op["dur"]
+    lead["(in no host op: Python)"] = max(first - start, 0.0) - sum(lead.values())
+    lines = [
+        f"call {call['dur'] / 1e3:.2f} ms: host before the first device op "
+        f"{max(first - start, 0.0) / 1e3:.2f} ms, after the last "
+        f"{max(end - last, 0.0) / 1e3:.2f} ms",
+        "host ms before the first device op, by top-level host op:",
+    ]
+    lines += [f"  {ms / 1e3:9.2f}  {name[:90]}" for name, ms in _top(lead, top)]
+    return lines
 
 
 def _top(totals: dict[str, float], n: int) -> list[tuple[str, float]]:
@@ -110,7 +147,10 @@ def print_profile(fn: Callable[[], Any], *, rows: int = 30, shape_rows: int = 40
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, record_shapes=True) as prof:
+    with (
+        profile(activities=activities, record_shapes=True) as prof,
+        torch.profiler.record_function(CALL_ANNOTATION),
+    ):
         fn()
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"

@@ -75,3 +75,28 @@ def test_gaps_are_summed_and_blamed_on_the_ops_that_launched_the_next_kernel():
 
 def test_a_trace_without_device_events_says_so():
     assert gpu_gaps.gap_report([_op("x", 0, 1)]) == "gpu gaps: no device events in the trace"
+
+
+def test_a_profiled_call_splits_its_host_time_outside_the_device_span():
+    """With the call's annotation in the trace: host time before the first device op (by
+    top-level host op, nested ones folded in, the rest in Python) and after the last one."""
+    annotation = _op(gpu_gaps.CALL_ANNOTATION, 0, 1000, cat="user_annotation")
+    events = [
+        annotation,
+        _op("validate", 50, 100),
+        _op("aten::max", 60, 20),  # nested inside validate
+        _op("aten::embedding", 280, 200),  # overlaps the first kernel: counted up to its start
+        _launch(310, 1),
+        _kernel(400, 300, 1),
+        _op("aten::cat", 750, 10),  # after the first kernel: not part of the lead-in
+    ]
+    lines = gpu_gaps.gap_report(events).splitlines()
+    at = lines.index("host ms before the first device op, by top-level host op:")
+    assert lines[at - 1] == (
+        "call 1.00 ms: host before the first device op 0.40 ms, after the last 0.30 ms"
+    )
+    assert [line.split(maxsplit=1) for line in lines[at + 1 :]] == [
+        ["0.18", "(in no host op: Python)"],
+        ["0.12", "aten::embedding"],
+        ["0.10", "validate"],
+    ]
