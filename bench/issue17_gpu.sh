@@ -61,7 +61,8 @@ elif [ "$PART" = 4 ]; then
   stamp train_step_lora
   timeout 150 python bench/logprobs.py $small --tokens 16384 --profile \
     --out "$OUT/logprobs_profile.json" > "$OUT/logprobs_profile.log" 2>&1
-  grep -E "^== profile|^gpu gaps|^idle ms|^ +[0-9.]+  [a-zA-Z]" "$OUT/logprobs_profile.log"
+  grep -E "^== profile|^gpu gaps|^idle ms|^call |^host ms|^ +[0-9.]+  [a-zA-Z(]" \
+    "$OUT/logprobs_profile.log"
   stamp logprobs_profile
 else
   timeout 560 python -m pytest -q tests/gpu -rs --junitxml="$OUT/pytest_gpu.xml" 2>&1 | tail -8
