@@ -14,6 +14,13 @@ Refit cost: producing every refit tensor in bf16 from the fp32 master weights; L
 go through ``merge_lora_weight`` (the exact fp32-accumulated merge) before the cast, the
 baseline only casts (a full-weight refit's copy).
 
+Merge kernel (CUDA only): one layer's merge + cast to bf16 under torch.compile, as a compiled
+decoder layer runs it, at the shape's MLP weight ([intermediate, hidden]): ours is
+``merge_lora_weight`` (an fp32 GEMM with W as its accumulator, then the cast); the baseline is
+the same merge written as a sum over R of broadcast products (what compiled layers ran before
+commit 8a1796c, inductor's reduction fused with the cast); the limit is one fp32 read of W and
+one bf16 write at 4.2 TB/s.
+
     python bench/lora.py                  # on a GPU: prints a table, writes bench_lora.json
     python bench/lora.py --small          # CPU smoke run on a tiny shape (seconds)
 """
@@ -129,6 +136,51 @@ def _refit_s(model, *, device, merge: bool, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _merge_by_reduction(
+    weight_OI: torch.Tensor, lora_a_RI: torch.Tensor, lora_b_OR: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The merge compiled layers ran before 8a1796c: the baseline of the merge-kernel row."""
+    products_ORI = lora_b_OR[:, :, None] * lora_a_RI[None, :, :]
+    return weight_OI + scale * products_ORI.sum(dim=1)
+
+
+HBM_BYTES_PER_S = 4.2e12  # the H200's measured device-to-device copy rate
+
+
+def _compiled_merge_us(shape: dict, device: torch.device, repeats: int) -> dict | None:
+    """Microseconds per compiled merge + bf16 cast of one [intermediate, hidden] LoRA weight:
+    ours (GEMM), the reduction baseline, the memory limit, and whether ours equals eager."""
+    if device.type != "cuda":
+        return None
+    out_features, in_features = shape["intermediate_size"], shape["hidden_size"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    weight = torch.randn(out_features, in_features, device=device, generator=gen)
+    lora_a = torch.randn(LORA_CFG["dim"], in_features, device=device, generator=gen) * 0.01
+    lora_b = torch.randn(out_features, LORA_CFG["dim"], device=device, generator=gen) * 0.01
+    scale = LORA_CFG["alpha"] / LORA_CFG["dim"]
+    variants = {
+        "gemm": lambda w, a, b: merge_lora_weight(w, a, b, scale).to(torch.bfloat16),
+        "reduction": lambda w, a, b: _merge_by_reduction(w, a, b, scale).to(torch.bfloat16),
+    }
+    result: dict = {"shape": [out_features, in_features]}
+    for name, fn in variants.items():
+        compiled = torch.compile(fn)
+        for _ in range(3):
+            compiled(weight, lora_a, lora_b)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20 * repeats):
+            compiled(weight, lora_a, lora_b)
+        end.record()
+        end.synchronize()
+        result[f"{name}_us"] = start.elapsed_time(end) * 1e3 / (20 * repeats)
+        if name == "gemm":
+            eager = fn(weight, lora_a, lora_b)
+            result["gemm_equals_eager"] = bool(torch.equal(compiled(weight, lora_a, lora_b), eager))
+    result["limit_us"] = weight.numel() * (4 + 2) / HBM_BYTES_PER_S * 1e6
+    return result
+
+
 def run(
     *,
     small: bool,
@@ -184,6 +236,7 @@ def run(
         results["lora_bf16_adapters"]["tokens_per_s"] / results["full_ft"]["tokens_per_s"]
     )
     results["merge_overhead_ratio"] = results["lora_refit_s"] / results["lora_refit_no_merge_s"]
+    results["compiled_merge"] = _compiled_merge_us(shape, device, repeats)
     return results
 
 
@@ -233,6 +286,16 @@ def _table(r: dict) -> str:
             "",
         ),
     ]
+    merge = r.get("compiled_merge")
+    if merge is not None:
+        rows += [
+            ("merge kernel", f"compiled {merge['shape']}: {variant}", "", f"{us:.1f} us", "")
+            for variant, us in (
+                ("GEMM + cast (ours)", merge["gemm_us"]),
+                ("reduction (before)", merge["reduction_us"]),
+                ("memory limit", merge["limit_us"]),
+            )
+        ]
     lines = [f"{'what':<14} {'variant':<38} {'throughput':>18} {'time':>12} {'peak mem':>10}"]
     lines += [f"{a:<14} {b:<38} {c:>18} {d:>12} {e:>10}" for a, b, c, d, e in rows]
     lines.append(
@@ -241,6 +304,12 @@ def _table(r: dict) -> str:
         f"{r['merged_vs_apart_tokens_per_s']:.2f}x; merge overhead at refit = "
         f"{r['merge_overhead_ratio']:.2f}x of a cast-only pass"
     )
+    if merge is not None:
+        lines.append(
+            f"compiled merge: GEMM {merge['reduction_us'] / merge['gemm_us']:.2f}x faster than "
+            f"the reduction, {merge['limit_us'] / merge['gemm_us']:.0%} of the memory limit; "
+            f"bit-equal to eager: {merge['gemm_equals_eager']}"
+        )
     return "\n".join(lines)
 
 
