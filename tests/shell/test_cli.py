@@ -142,6 +142,14 @@ def test_older_layouts_are_normalized_by_their_adapters_and_unknown_ones_by_leav
     load = rows[2]
     assert (load.baseline, load.limit, load.ratio) == (2.5, 4.0, 1.2)
     assert bench_runner.row_verdict(load) == "pass"  # 120 % of the one-stream read >= 80 %
+    assert bench_runner.row_verdict(rows[0]) == "fail"  # 50 % of the raw write < 80 %
+    staged = bench_runner.normalize_rows("checkpoint", {**ckpt, "sync_save_staged_GBps": 1.8})
+    assert staged[1].metric.startswith("sync save after an async one") and staged[1].ratio == 0.9
+    assert bench_runner.row_verdict(staged[1]) == "pass" and staged[3].metric.startswith("load")
+    merge = {"shape": [8, 4], "gemm_us": 70.0, "reduction_us": 490.0, "limit_us": 20.0}
+    merge_row = bench_runner.normalize_rows("lora", {**lora, "compiled_merge": merge})[-1]
+    assert (merge_row.ours, merge_row.baseline, merge_row.limit) == (70.0, 490.0, 20.0)
+    assert merge_row.ratio == 70.0 / 490.0 and merge_row.unit == "us"
     without_parallel = {k: v for k, v in ckpt.items() if "parallel" not in k}
     rows = bench_runner.normalize_rows("checkpoint", without_parallel)
     assert rows[0].limit == 2.0 and rows[2].limit == 2.5  # older results: one stream
