@@ -22,8 +22,10 @@ Reported, all against the same folder on the same disk in the same run:
 - raw disk read: the same files, evicted the same way, read with `os.read` in 64 MiB blocks,
   and again as 64 MiB `os.pread` blocks from `WRITER_THREADS` threads (the load's physical
   baselines: one stream, and as many requests in flight as a load has);
-- sync save of the weights alone (no optimizer): the sync save's split between the HF weights
-  (copied out through the writer threads' bounce buffers) and the optimizer (DCP);
+- sync save of the weights alone (no optimizer), and of the optimizer alone (its DCP job, as the
+  sync save runs it): the sync save's split between the HF weights (copied out through the
+  writer threads' bounce buffers) and the optimizer (DCP's writer threads copy each device
+  tensor with `.cpu()`), and whether the two slow each other down when side by side;
 - with `--load-phases`, load phases, each timed alone (the files evicted before each cold
   phase): digest
   verification of every folder (cold), the HF weights read into staging (cold, then warm), the
@@ -57,6 +59,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from common import QWEN25_15B, TINY  # noqa: E402  (bench/ is run as a script folder)
 
 from policyworker.shell import checkpoint as ck  # noqa: E402
+from policyworker.shell.checkpoint import dcp as ck_dcp  # noqa: E402
 from policyworker.shell.checkpoint import digests  # noqa: E402
 from policyworker.shell.checkpoint import layout as ck_layout  # noqa: E402
 from policyworker.shell.checkpoint.saver import on_threads  # noqa: E402
@@ -311,6 +314,7 @@ def run(
     }
     report(out)
     out |= _sync_weights_only(worker, root)  # the sync save's split: weights vs optimizer
+    out |= _sync_optimizer_only(worker, root, device)
     report(out)
     one_writer_s = _one_writer_sync_save(worker, root)
     out |= {"sync_save_one_writer_s": one_writer_s, "sync_save_one_writer_GBps": gb / one_writer_s}
@@ -386,6 +390,31 @@ def _sync_weights_only(worker: _Worker, root: pathlib.Path) -> dict:
     return {"sync_save_weights_only_s": seconds, "sync_save_weights_only_bytes": nbytes}
 
 
+def _sync_optimizer_only(worker: _Worker, root: pathlib.Path, device: torch.device) -> dict:
+    """The sync save's optimizer job alone (DCP, the device state read where it is), timed
+    from staging to the last fsync: with the weights-only row, where a sync save's time goes."""
+    folder = root / "optimizer-only"
+    t0 = time.perf_counter()
+    job = ck_dcp.save_optimizer(
+        worker.model,
+        worker.optimizer,
+        worker.scheduler,
+        folder,
+        parallel=worker.parallel,
+        group=None,
+        meta={},
+        copy_sources=False,
+    )
+    job()
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    files = _files(folder)
+    nbytes = sum(f.stat().st_size for f in files)
+    _evict(files)
+    shutil.rmtree(folder)
+    return {"sync_save_optimizer_only_s": seconds, "sync_save_optimizer_only_bytes": nbytes}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shape on CPU (smoke run)")
@@ -452,6 +481,11 @@ def main(argv: list[str] | None = None) -> int:
             f"  of it: weights only ({results['sync_save_weights_only_bytes'] / 1e9:.1f} GB)",
             results["sync_save_weights_only_s"],
             results["sync_save_weights_only_bytes"] / 1e9 / results["sync_save_weights_only_s"],
+        ),
+        (
+            f"  of it: optimizer only ({results['sync_save_optimizer_only_bytes'] / 1e9:.1f} GB)",
+            results["sync_save_optimizer_only_s"],
+            results["sync_save_optimizer_only_bytes"] / 1e9 / results["sync_save_optimizer_only_s"],
         ),
         (
             "sync save, after async (staged)",

@@ -13,8 +13,9 @@
 #                               [about 40 s]
 #   PART=2  train_step_8b.json  Qwen2.5-7B shape with LoRA dim 16 on every linear (8B-class row)
 #           checkpoint.json     async saves (blocked / total), a sync save after them (staging
-#                               kept) and without staging (and its weights-only part), raw
-#                               write, cold load, raw read [187 s]
+#                               kept) and without staging (and its weights-only and
+#                               optimizer-only parts), raw write, cold load, raw read [187 s,
+#                               plus two saves]
 #   PART=3  pytest_gpu.xml      pytest -q tests/gpu [about 390 s: the fused-worker tests compile]
 #   PART=4  train_step_lora.json  the 1.5B default config with LoRA dim 16 alone, --profile (where
 #                               a LoRA step's time goes: kernels, GPU idle, host); the log is
@@ -51,7 +52,7 @@ elif [ "$PART" = 2 ]; then
   timeout 330 python bench/train_step.py $small --shape 7b --lora-dim 16 --skip-padded \
     --skip-baseline --steps 3 --out "$OUT/train_step_8b.json" 2>&1 | tail -6
   stamp train_step_8b
-  timeout 240 python bench/checkpoint.py $small --json "$OUT/checkpoint.json" 2>&1 | tail -19
+  timeout 255 python bench/checkpoint.py $small --json "$OUT/checkpoint.json" 2>&1 | tail -20
   stamp checkpoint
 elif [ "$PART" = 4 ]; then
   timeout 240 python bench/train_step.py $small --lora-dim 16 --skip-padded --skip-baseline \
