@@ -313,7 +313,7 @@ def run(
         "writer_threads": ck_layout.WRITER_THREADS,
     }
     report(out)
-    out |= _sync_weights_only(worker, root)  # the sync save's split: weights vs optimizer
+    out |= _sync_weights_only(worker, root, device)  # the sync save's split: weights vs optimizer
     out |= _sync_optimizer_only(worker, root, device)
     report(out)
     one_writer_s = _one_writer_sync_save(worker, root)
@@ -376,43 +376,49 @@ def run(
     return out
 
 
-def _sync_weights_only(worker: _Worker, root: pathlib.Path) -> dict:
+def _sync_weights_only(worker: _Worker, root: pathlib.Path, device: torch.device) -> dict:
     """A sync save of the weights alone (no optimizer folder): with the full sync save, where
     its time goes (HF weights through the bounce buffers vs the optimizer through DCP)."""
-    weights = root / "weights-only"
-    t0 = time.perf_counter()
-    ck.save_checkpoint(worker, weights, None, is_final_checkpoint=True)
-    seconds = time.perf_counter() - t0
-    files = _files(weights)
-    nbytes = sum(f.stat().st_size for f in files)
-    _evict(files)
-    shutil.rmtree(weights)
-    return {"sync_save_weights_only_s": seconds, "sync_save_weights_only_bytes": nbytes}
+    return _save_part(
+        "weights",
+        root / "weights-only",
+        lambda folder: ck.save_checkpoint(worker, folder, None, is_final_checkpoint=True),
+        device,
+    )
 
 
 def _sync_optimizer_only(worker: _Worker, root: pathlib.Path, device: torch.device) -> dict:
     """The sync save's optimizer job alone (DCP, the device state read where it is), timed
     from staging to the last fsync: with the weights-only row, where a sync save's time goes."""
-    folder = root / "optimizer-only"
-    t0 = time.perf_counter()
-    job = ck_dcp.save_optimizer(
-        worker.model,
-        worker.optimizer,
-        worker.scheduler,
-        folder,
-        parallel=worker.parallel,
-        group=None,
-        meta={},
-        copy_sources=False,
-    )
-    job()
-    _sync(device)
-    seconds = time.perf_counter() - t0
+
+    def save(folder: pathlib.Path) -> None:
+        ck_dcp.save_optimizer(
+            worker.model,
+            worker.optimizer,
+            worker.scheduler,
+            folder,
+            parallel=worker.parallel,
+            group=None,
+            meta={},
+            copy_sources=False,
+        )()
+
+    return _save_part("optimizer", root / "optimizer-only", save, device)
+
+
+def _save_part(
+    part: str,
+    folder: pathlib.Path,
+    save: Callable[[pathlib.Path], object],
+    device: torch.device,
+) -> dict:
+    """Seconds and bytes of one part of a sync save written into `folder` (removed after)."""
+    seconds, _ = _timed(lambda: save(folder), device)
     files = _files(folder)
     nbytes = sum(f.stat().st_size for f in files)
     _evict(files)
     shutil.rmtree(folder)
-    return {"sync_save_optimizer_only_s": seconds, "sync_save_optimizer_only_bytes": nbytes}
+    return {f"sync_save_{part}_only_s": seconds, f"sync_save_{part}_only_bytes": nbytes}
 
 
 def main(argv: list[str] | None = None) -> int:
