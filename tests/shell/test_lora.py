@@ -1,13 +1,9 @@
 import copy
-import datetime
 import json
 import math
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -23,6 +19,7 @@ from policyworker.shell.lora import (
 )
 from policyworker.shell.lora_tp import lora_tp_plan
 from policyworker.shell.peft_adapter import load_peft_adapter, save_peft_adapter
+from tests.distributed.launch import run_on_gloo
 
 TINY = dict(
     hidden_size=32,
@@ -36,8 +33,6 @@ TINY = dict(
 ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-# transformers is imported inside the helpers: the gloo ranks below unpickle this module and
-# should not pay for importing it.
 def _tiny_config(arch):
     from transformers import LlamaConfig, Qwen2Config
 
@@ -406,7 +401,7 @@ class _TinyTransformerMLP(nn.Module):
         return self.head(x)
 
 
-def _tp_rank(rank, world_size, init_file):
+def _tp_rank(rank, world_size):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
@@ -415,79 +410,69 @@ def _tp_rank(rank, world_size, init_file):
         parallelize_module,
     )
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=120),
+    torch.manual_seed(0)
+    reference = _TinyTransformerMLP()
+    apply_lora(
+        reference, {"match_all_linear": True, "exclude_modules": ["head"], "dim": 4, "alpha": 8}
     )
-    try:
-        torch.manual_seed(0)
-        reference = _TinyTransformerMLP()
-        apply_lora(
-            reference, {"match_all_linear": True, "exclude_modules": ["head"], "dim": 4, "alpha": 8}
-        )
-        _randomize_b(reference)
-        model = copy.deepcopy(reference)
-        plan = {
-            "layers.*.gate_proj": ColwiseParallel(),
-            "layers.*.up_proj": ColwiseParallel(),
-            "layers.*.down_proj": RowwiseParallel(),
-        }
-        parallelize_module(model, init_device_mesh("cpu", (world_size,)), lora_tp_plan(plan))
-        up, down = model.layers[0].up_proj, model.layers[0].down_proj
-        assert [p.dim for p in up.weight.placements] == [0] and up.lora_B.weight.placements[
-            0
-        ].dim == 0
-        assert up.lora_A.weight.placements[0].is_replicate() and isinstance(up, LinearLoRA)
-        assert (
-            down.lora_A.weight.placements[0].dim == 1
-            and down.lora_B.weight.placements[0].is_replicate()
-        )
-        tokens = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(2))
-        logits = []
-        for m in (reference, model):
-            out = m(tokens)
-            F.cross_entropy(out[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
-            logits.append(out.detach())
-        torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
-        for (name, ref), got in zip(
-            lora_modules(reference).items(), lora_modules(model).values(), strict=True
+    _randomize_b(reference)
+    model = copy.deepcopy(reference)
+    plan = {
+        "layers.*.gate_proj": ColwiseParallel(),
+        "layers.*.up_proj": ColwiseParallel(),
+        "layers.*.down_proj": RowwiseParallel(),
+    }
+    parallelize_module(model, init_device_mesh("cpu", (world_size,)), lora_tp_plan(plan))
+    up, down = model.layers[0].up_proj, model.layers[0].down_proj
+    assert [p.dim for p in up.weight.placements] == [0] and up.lora_B.weight.placements[0].dim == 0
+    assert up.lora_A.weight.placements[0].is_replicate() and isinstance(up, LinearLoRA)
+    assert (
+        down.lora_A.weight.placements[0].dim == 1
+        and down.lora_B.weight.placements[0].is_replicate()
+    )
+    tokens = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(2))
+    logits = []
+    for m in (reference, model):
+        out = m(tokens)
+        F.cross_entropy(out[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        logits.append(out.detach())
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+    for (name, ref), got in zip(
+        lora_modules(reference).items(), lora_modules(model).values(), strict=True
+    ):
+        for ref_p, got_p in (
+            (ref.lora_A.weight, got.lora_A.weight),
+            (ref.lora_B.weight, got.lora_B.weight),
         ):
-            for ref_p, got_p in (
-                (ref.lora_A.weight, got.lora_A.weight),
-                (ref.lora_B.weight, got.lora_B.weight),
-            ):
-                torch.testing.assert_close(
-                    got_p.grad.full_tensor(), ref_p.grad, atol=1e-5, rtol=1e-5, msg=name
-                )
-            merged = merge_lora_weight(
-                got.weight.full_tensor(),
-                got.lora_A.weight.full_tensor(),
-                got.lora_B.weight.full_tensor(),
-                got.scale,
-            )
             torch.testing.assert_close(
-                merged,
-                merge_lora_weight(ref.weight, ref.lora_A.weight, ref.lora_B.weight, ref.scale),
+                got_p.grad.full_tensor(), ref_p.grad, atol=1e-5, rtol=1e-5, msg=name
             )
-        assert {n for n, p in model.named_parameters() if p.requires_grad} == {
-            n for n, p in reference.named_parameters() if p.requires_grad
-        }
-        # both ranks done talking before either tears gloo down: a rank that closed its pairs
-        # while the other's last all-gather was still draining aborted it once (std::terminate)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        merged = merge_lora_weight(
+            got.weight.full_tensor(),
+            got.lora_A.weight.full_tensor(),
+            got.lora_B.weight.full_tensor(),
+            got.scale,
+        )
+        torch.testing.assert_close(
+            merged,
+            merge_lora_weight(ref.weight, ref.lora_A.weight, ref.lora_B.weight, ref.scale),
+        )
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n for n, p in reference.named_parameters() if p.requires_grad
+    }
+    # both ranks done talking before either tears gloo down: a rank that closed its pairs
+    # while the other's last all-gather was still draining aborted it once (std::terminate)
+    dist.barrier()
 
 
 @pytest.mark.distributed
 def test_tp2_lora_matches_single_process():
-    """Adapters sharded by lora_tp_plan give tp=1 logits, adapter grads and merged weights."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_tp_rank, args=(2, os.path.join(tmp, "rdzv")), nprocs=2, join=True)
+    """Adapters sharded by lora_tp_plan give tp=1 logits, adapter grads and merged weights.
+
+    Through the suite's gloo harness (forked ranks, which leave by ``os._exit``): spawned ranks
+    ran interpreter finalization after the process group was gone, and one aborted there once in
+    a few suite runs (std::terminate, no traceback) after every check had passed."""
+    run_on_gloo(_tp_rank, 2)
 
 
 # ---------------------------------------------------------------------------- compute dtype
