@@ -23,9 +23,10 @@ Reported, all against the same folder on the same disk in the same run:
   and again as 64 MiB `os.pread` blocks from `WRITER_THREADS` threads (the load's physical
   baselines: one stream, and as many requests in flight as a load has);
 - sync save of the weights alone (no optimizer), and of the optimizer alone (its DCP job, as the
-  sync save runs it): the sync save's split between the HF weights (copied out through the
-  writer threads' bounce buffers) and the optimizer (DCP's writer threads copy each device
-  tensor with `.cpu()`), and whether the two slow each other down when side by side;
+  sync save runs it): the sync save's split between the HF weights and the optimizer (both
+  copied out through the writer threads' bounce buffers), and whether the two slow each other
+  down when side by side; the optimizer alone again with DCP's own copies (each writer thread
+  calls `tensor.cpu()`: the path before the save planner, its baseline);
 - with `--load-phases`, load phases, each timed alone (the files evicted before each cold
   phase): digest
   verification of every folder (cold), the HF weights read into staging (cold, then warm), the
@@ -51,6 +52,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 
@@ -294,6 +296,8 @@ def run(
         "async_blocked_GBps": gb / async_blocked_s,
     }
     report(out)
+    shutil.rmtree(weights)  # as before every timed save: deleting the last one is not timed
+    shutil.rmtree(optim)
     t0 = time.perf_counter()
     ck.save_checkpoint(worker, weights, optim, is_final_checkpoint=True)
     staged_sync_s = time.perf_counter() - t0
@@ -315,6 +319,7 @@ def run(
     report(out)
     out |= _sync_weights_only(worker, root, device)  # the sync save's split: weights vs optimizer
     out |= _sync_optimizer_only(worker, root, device)
+    out |= _sync_optimizer_only(worker, root, device, dcp_copies=True)
     report(out)
     one_writer_s = _one_writer_sync_save(worker, root)
     out |= {"sync_save_one_writer_s": one_writer_s, "sync_save_one_writer_GBps": gb / one_writer_s}
@@ -387,9 +392,14 @@ def _sync_weights_only(worker: _Worker, root: pathlib.Path, device: torch.device
     )
 
 
-def _sync_optimizer_only(worker: _Worker, root: pathlib.Path, device: torch.device) -> dict:
+def _sync_optimizer_only(
+    worker: _Worker, root: pathlib.Path, device: torch.device, *, dcp_copies: bool = False
+) -> dict:
     """The sync save's optimizer job alone (DCP, the device state read where it is), timed
-    from staging to the last fsync: with the weights-only row, where a sync save's time goes."""
+    from staging to the last fsync: with the weights-only row, where a sync save's time goes.
+
+    `dcp_copies`: DCP's writer threads copy each device tensor themselves (`tensor.cpu()`), as
+    before the save planner copied through their bounce buffers: that change's baseline."""
 
     def save(folder: pathlib.Path) -> None:
         ck_dcp.save_optimizer(
@@ -403,7 +413,10 @@ def _sync_optimizer_only(worker: _Worker, root: pathlib.Path, device: torch.devi
             copy_sources=False,
         )()
 
-    return _save_part("optimizer", root / "optimizer-only", save, device)
+    if not dcp_copies:
+        return _save_part("optimizer", root / "optimizer-only", save, device)
+    with mock.patch.object(ck_dcp.bounce, "bounced", lambda tensor: False):
+        return _save_part("optimizer_dcp_copies", root / "optimizer-only", save, device)
 
 
 def _save_part(
@@ -492,6 +505,13 @@ def main(argv: list[str] | None = None) -> int:
             f"  of it: optimizer only ({results['sync_save_optimizer_only_bytes'] / 1e9:.1f} GB)",
             results["sync_save_optimizer_only_s"],
             results["sync_save_optimizer_only_bytes"] / 1e9 / results["sync_save_optimizer_only_s"],
+        ),
+        (
+            "    DCP's own .cpu() (baseline)",
+            results["sync_save_optimizer_dcp_copies_only_s"],
+            results["sync_save_optimizer_dcp_copies_only_bytes"]
+            / 1e9
+            / results["sync_save_optimizer_dcp_copies_only_s"],
         ),
         (
             "sync save, after async (staged)",

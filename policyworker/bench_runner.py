@@ -182,6 +182,19 @@ def _checkpoint_rows(bench: str, r: Mapping[str, Any]) -> list[BenchRow]:
             target="<= 10% of baseline",  # issue 17, target 4
         ),
     ]
+    if "sync_save_optimizer_dcp_copies_only_s" in r:  # results since the DCP save planner
+        ours_s, dcp_s = r["sync_save_optimizer_only_s"], r["sync_save_optimizer_dcp_copies_only_s"]
+        rows.append(
+            BenchRow(
+                bench=bench,
+                metric="sync save of the optimizer alone: bounce buffers vs DCP's own .cpu()",
+                ours=r["sync_save_optimizer_only_bytes"] / 1e9 / ours_s,
+                baseline=r["sync_save_optimizer_dcp_copies_only_bytes"] / 1e9 / dcp_s,
+                limit=r.get("raw_write_parallel_GBps", disk),
+                ratio=_ratio(dcp_s, ours_s),
+                unit="GB/s",
+            )
+        )
     if "load_GBps" in r:  # absent with --skip-load
         rows += [
             BenchRow(

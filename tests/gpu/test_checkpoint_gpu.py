@@ -1,4 +1,4 @@
-"""Checkpoints of a CUDA worker: the sync save's bounce-buffer copy-out and DCP's own device copies.
+"""Checkpoints of a CUDA worker: the sync save's bounce-buffer copy-out of weights and optimizer.
 
 A sync save of CUDA weights and AdamW state loads back bit-exact and writes the same weight files
 as an async save (pinned staging) of the same state, also when the bounce chunks are smaller than
@@ -10,7 +10,7 @@ import torch
 
 from policyworker.functional.loss import NLLLoss
 from policyworker.shell import checkpoint as ck
-from policyworker.shell.checkpoint import safetensors_io
+from policyworker.shell.checkpoint import bounce
 from policyworker.shell.worker import PolicyWorker
 
 # the session fixture tiny_model_paths comes from tests/gpu/conftest.py
@@ -34,17 +34,28 @@ def test_a_sync_save_of_cuda_state_loads_back_bit_exact_and_matches_an_async_sav
     ck.finalize_async_save(worker.state)
     worker.state.saver.release_staging()
     if chunk is not None:
-        monkeypatch.setattr(safetensors_io, "BOUNCE_BYTES", chunk)
+        monkeypatch.setattr(bounce, "BOUNCE_BYTES", chunk)
     sizes: list[int] = []
-    copy_out = safetensors_io._Bounce.copy_out
+    copy_out = bounce.Bounce.copy_out
     monkeypatch.setattr(
-        safetensors_io._Bounce,
+        bounce.Bounce,
         "copy_out",
         lambda self, src, ready: sizes.append(src.numel()) or copy_out(self, src, ready),
     )
     ck.save_checkpoint(worker.state, tmp_path / "sync", tmp_path / "sync", is_final_checkpoint=True)
     monkeypatch.undo()
-    assert sizes and max(sizes) <= safetensors_io.BOUNCE_BYTES if chunk is None else chunk
+    assert sizes and max(sizes) <= (bounce.BOUNCE_BYTES if chunk is None else chunk)
+    optimizer_device_bytes = sum(
+        t.nbytes
+        for s in worker.optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and t.is_cuda
+    )
+    weight_bytes = sum(t.nbytes for t in worker.model.state_dict().values())
+    # every device byte went through the bounce buffers: the weights (tied embeddings once at
+    # most) and all of the optimizer's CUDA state (DCP's writer threads, through the planner)
+    assert sum(sizes) >= optimizer_device_bytes > 0
+    assert sum(sizes) <= weight_bytes + optimizer_device_bytes
     assert worker.state.saver.staging.nbytes == 0  # a sync save keeps no staging buffers
     shards = safetensors_shards(tmp_path / "async")
     assert shards and safetensors_shards(tmp_path / "sync") == shards

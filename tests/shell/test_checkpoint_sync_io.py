@@ -20,7 +20,7 @@ import torch
 
 from policyworker.functional.loss import NLLLoss
 from policyworker.shell import checkpoint as ck
-from policyworker.shell.checkpoint import digests, safetensors_io
+from policyworker.shell.checkpoint import bounce, digests, safetensors_io
 from policyworker.shell.checkpoint.layout import CheckpointError
 from policyworker.shell.worker import PolicyWorker
 from tests.helpers import assert_same_checkpoint_state, checkpoint_state, safetensors_shards
@@ -69,13 +69,15 @@ def _loaded(path, folder):
 def test_bounce_buffer_chunks_smaller_than_a_run_write_the_same_bytes(
     tiny_model_paths, tmp_path, monkeypatch
 ):
-    """On the CPU, runs go through the bounce path only when told to (`_bounced`); a chunk size
-    that is no multiple of any itemsize splits elements across chunks."""
+    """On the CPU, data goes through the bounce path only when told to (`bounced`): then every
+    weight byte and every optimizer tensor byte (DCP's writer threads, through the save planner)
+    is copied out, and a chunk size that is no multiple of any itemsize splits elements across
+    chunks."""
     path = tiny_model_paths["llama"]
     worker = _trained(path)
     chunk = 1001
     copied: list[int] = []
-    copy_out = safetensors_io._Bounce.copy_out
+    copy_out = bounce.Bounce.copy_out
 
     def counting(self, src, ready):
         assert src.dtype == torch.uint8 and src.numel() <= chunk
@@ -84,9 +86,9 @@ def test_bounce_buffer_chunks_smaller_than_a_run_write_the_same_bytes(
 
     ck.save_checkpoint(worker.state, tmp_path / "async", tmp_path / "async")
     ck.finalize_async_save(worker.state)
-    monkeypatch.setattr(safetensors_io, "BOUNCE_BYTES", chunk)
-    monkeypatch.setattr(safetensors_io, "_bounced", lambda tensor: True)
-    monkeypatch.setattr(safetensors_io._Bounce, "copy_out", counting)
+    monkeypatch.setattr(bounce, "BOUNCE_BYTES", chunk)
+    monkeypatch.setattr(bounce, "bounced", lambda tensor: True)
+    monkeypatch.setattr(bounce.Bounce, "copy_out", counting)
     ck.save_checkpoint(worker.state, tmp_path / "sync", tmp_path / "sync", is_final_checkpoint=True)
     monkeypatch.undo()
     header_bytes = sum(
@@ -96,7 +98,11 @@ def test_bounce_buffer_chunks_smaller_than_a_run_write_the_same_bytes(
     data_bytes = (
         sum(len(blob) for blob in safetensors_shards(tmp_path / "sync").values()) - header_bytes
     )
-    assert sum(copied) == data_bytes and max(copied) == chunk
+    optimizer_bytes = sum(
+        t.nbytes for s in worker.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+    )
+    assert optimizer_bytes > 0 and sum(copied) == data_bytes + optimizer_bytes
+    assert max(copied) == chunk
     assert len(copied) > len(worker.model.state_dict())  # runs were split, not copied whole
     _assert_saves_match(path, tmp_path)
 

@@ -146,6 +146,15 @@ def test_older_layouts_are_normalized_by_their_adapters_and_unknown_ones_by_leav
     staged = bench_runner.normalize_rows("checkpoint", {**ckpt, "sync_save_staged_GBps": 1.8})
     assert staged[1].metric.startswith("sync save after an async one") and staged[1].ratio == 0.9
     assert bench_runner.row_verdict(staged[1]) == "pass" and staged[3].metric.startswith("load")
+    optimizer = {
+        "sync_save_optimizer_only_s": 4.0,
+        "sync_save_optimizer_only_bytes": 8e9,
+        "sync_save_optimizer_dcp_copies_only_s": 10.0,
+        "sync_save_optimizer_dcp_copies_only_bytes": 8e9,
+    }
+    split = bench_runner.normalize_rows("checkpoint", {**ckpt, **optimizer})
+    bounced = next(r for r in split if r.metric.startswith("sync save of the optimizer alone"))
+    assert (bounced.ours, bounced.baseline, bounced.ratio, bounced.limit) == (2.0, 0.8, 2.5, 3.0)
     merge = {"shape": [8, 4], "gemm_us": 70.0, "reduction_us": 490.0, "limit_us": 20.0}
     merge_row = bench_runner.normalize_rows("lora", {**lora, "compiled_merge": merge})[-1]
     assert (merge_row.ours, merge_row.baseline, merge_row.limit) == (70.0, 490.0, 20.0)

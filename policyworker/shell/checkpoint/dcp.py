@@ -2,9 +2,10 @@
 RNG and checkpoint id under `optimizer_path/optim/`, and DCP-format model weights to load.
 
 Why it is over 400 lines: it is every use of one format, DCP: the optimizer's save (staged into
-reused buffers, copied, or handed to DCP's writer threads as it is), its load with the checks
-that name what does not fit (keys, trained parameters, folder), and the threaded reader both
-loads use; the state-tree helpers are shared by save and load.
+reused buffers, copied, or handed to DCP's writer threads, which copy it out through bounce
+buffers), its load with the checks that name what does not fit (keys, trained parameters,
+folder), and the threaded reader both loads use; the state-tree helpers are shared by save and
+load.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem
 
 from policyworker.functional.names import canonical_name
+from policyworker.shell.checkpoint import bounce
 from policyworker.shell.checkpoint import layout as checkpoint_layout_settings
 from policyworker.shell.checkpoint.digests import verify_digests
 from policyworker.shell.checkpoint.folders import _interrupted_hint
@@ -184,17 +188,15 @@ def _as_like(t: Any, staged: torch.Tensor) -> Any:
 
 def _sync_save_state(optim_state: Any) -> Any:
     """A sync save's optimizer state: the tensors themselves, detached (DTensors stay DTensors),
-    for DCP's `FileSystemWriter` to copy to the CPU as it writes.
+    for DCP's writer threads to copy to the CPU as they write (see `_BouncedSavePlanner`).
 
-    With ``thread_count > 1`` (torch 2.13, `filesystem._write_files_from_queue`) each writer
-    thread takes its files' tensors through `_SerialCpuLoader`: `tensor.cpu()`, one tensor at a
-    time, then writes it. So one thread's device-to-host copy overlaps the other threads' disk
-    writes, rather than every copy running before the first write as a copy made here would.
-    (`_OverlappingCpuLoader`, non-blocking copies into pinned memory, is used only with one
-    writer thread.) The loader holds each copied tensor until its file is written, so host memory
-    peaks at up to this rank's optimizer bytes for a moment, and nothing is kept after the save.
+    Each writer thread copies one tensor, writes it, then copies the next, so one thread's
+    device-to-host copy overlaps the other threads' disk writes, rather than every copy running
+    before the first write as a copy made here would. DCP holds a file's copies until the file is
+    written, so host memory peaks at up to this rank's optimizer bytes for a moment, and nothing
+    is kept after the save.
 
-    Those copies run on the writer threads' default streams, so the device work queued on the
+    Those copies run on the writer threads' own streams, so the device work queued on the
     caller's streams (the optimizer step) is waited for here first.
     """
     leaves: list[torch.Tensor] = []
@@ -202,6 +204,26 @@ def _sync_save_state(optim_state: Any) -> Any:
     for device in {_local(t).device for t in leaves if _local(t).device.type == "cuda"}:
         torch.cuda.current_stream(device).synchronize()
     return _tree_map(optim_state, lambda t: t.detach())
+
+
+class _BouncedSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, except that a device tensor is handed to the writer thread
+    that asks for it as a CPU copy made through that thread's bounce buffer (`bounce`).
+
+    Without it DCP's writer threads (``thread_count > 1``: torch's `_SerialCpuLoader`) call
+    `tensor.cpu()`, and those copies wait for each other (see the `bounce` module docstring).
+    CPU tensors (an async save's staged copies) pass through unchanged.
+    """
+
+    def __init__(self, pool: bounce.BouncePool) -> None:
+        super().__init__()
+        self._pool = pool
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        data = super().resolve_data(write_item)
+        if isinstance(data, torch.Tensor) and bounce.bounced(data):
+            return self._pool.for_this_thread().to_host(data.detach())
+        return data
 
 
 def _staged_tree(obj: Any, staging: StagingBuffers) -> Any:
@@ -270,7 +292,7 @@ def save_optimizer(
     With `staging` the optimizer tensors are queued into its reused buffers: call
     `staging.wait()` before the job runs or the optimizer steps. ``copy_sources=False`` (only
     for a job run before the optimizer can step: a sync save) copies nothing here: DCP's writer
-    threads read the state where it is (see `_sync_save_state`).
+    threads copy the state out through their bounce buffers as they write (`_sync_save_state`).
     """
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -295,18 +317,23 @@ def save_optimizer(
     folder.mkdir(parents=True, exist_ok=True)
 
     def job() -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter(
-                "ignore", UserWarning
-            )  # "assuming single process" without a group
-            save(
-                state,
-                storage_writer=FileSystemWriter(
-                    str(folder), thread_count=max(1, checkpoint_layout_settings.WRITER_THREADS)
-                ),
-                process_group=group,
-                no_dist=group is None,
-            )
+        pool = bounce.BouncePool()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter(
+                    "ignore", UserWarning
+                )  # "assuming single process" without a group
+                save(
+                    state,
+                    storage_writer=FileSystemWriter(
+                        str(folder), thread_count=max(1, checkpoint_layout_settings.WRITER_THREADS)
+                    ),
+                    planner=_BouncedSavePlanner(pool),
+                    process_group=group,
+                    no_dist=group is None,
+                )
+        finally:
+            pool.release()  # DCP's writer threads have ended
 
     return job
 

@@ -5,9 +5,10 @@ computes identically (`layout.plan_safetensors_files`); a load validates headers
 before it changes any parameter and returns a commit function that copies the staged values.
 
 A sync save stages nothing: device pieces stay on the device and each writer thread copies its
-runs out in `BOUNCE_BYTES` chunks through its own page-locked buffer and CUDA stream, then
-`pwrite`s the chunk, so device-to-host copies overlap the other threads' disk writes instead of
-all running before the first write; CPU pieces are written from where they are.
+runs out in `bounce.BOUNCE_BYTES` chunks through its own page-locked buffer and CUDA stream
+(`bounce.Bounce`), then `pwrite`s the chunk, so device-to-host copies overlap the other threads'
+disk writes instead of all running before the first write; CPU pieces are written from where
+they are.
 
 Why it is over 400 lines: the save (stage, then the writer threads with their chunked device
 copy-out) and the load (validate, read, commit) of one format share its piece layout (`_Piece`,
@@ -39,6 +40,7 @@ from policyworker.functional.safetensors_layout import (
     itemsize,
     plan_safetensors_files,
 )
+from policyworker.shell.checkpoint import bounce
 from policyworker.shell.checkpoint import layout as checkpoint_layout_settings
 from policyworker.shell.checkpoint.commit import _write_json
 from policyworker.shell.checkpoint.folders import validate_hf_folder
@@ -53,7 +55,7 @@ from policyworker.shell.checkpoint.layout import (
     hf_layout,
     saved_keys,
 )
-from policyworker.shell.checkpoint.saver import _register, on_threads
+from policyworker.shell.checkpoint.saver import on_threads
 from policyworker.shell.refit.hf_names import checkpoint_layout
 from policyworker.shell.refit.params import tie_word_embeddings
 
@@ -62,12 +64,7 @@ if TYPE_CHECKING:
 
     from policyworker.shell.checkpoint.saver import StagingBuffers
 
-__all__ = ["BOUNCE_BYTES", "load_hf_weights", "model_hf_layout", "save_hf_weights"]
-
-# A sync save's device-to-host copy unit: the size of each writer thread's page-locked bounce
-# buffer. Large enough that the per-chunk stream synchronize is a small part of the chunk's
-# write, small enough that WRITER_THREADS buffers pin little host memory (8 x 64 MiB).
-BOUNCE_BYTES = 64 * 2**20
+__all__ = ["load_hf_weights", "model_hf_layout", "save_hf_weights"]
 
 
 def model_hf_layout(
@@ -149,75 +146,35 @@ def _ready_events(tensors: Sequence[torch.Tensor]) -> dict[torch.device, Any]:
     return events
 
 
-def _bounced(tensor: torch.Tensor) -> bool:
-    """Whether a run is copied out through a writer's bounce buffer (not on the CPU: pwrite
-    cannot read device memory). A function so the CPU tests can route CPU runs through it."""
-    return tensor.device.type != "cpu"
-
-
 def _chunks(
     fd: int, flat: torch.Tensor, offset: int, ready: Any
 ) -> list[tuple[int, torch.Tensor, int, Any]]:
     """One run as writer tasks: whole on the CPU (zero-copy pwrite); through the bounce buffer,
-    in pieces of at most `BOUNCE_BYTES` bytes at their own file offsets."""
-    if not _bounced(flat):
+    in pieces of at most `bounce.BOUNCE_BYTES` bytes at their own file offsets."""
+    if not bounce.bounced(flat):
         return [(fd, flat, offset, None)]
     raw = flat.view(torch.uint8)
     return [
-        (fd, raw[start : start + BOUNCE_BYTES], offset + start, ready)
-        for start in range(0, raw.numel(), BOUNCE_BYTES)
+        (fd, raw[start : start + bounce.BOUNCE_BYTES], offset + start, ready)
+        for start in range(0, raw.numel(), bounce.BOUNCE_BYTES)
     ]
-
-
-class _Bounce:
-    """One writer thread's page-locked host buffer and copy streams, for one sync save."""
-
-    def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
-        self._unpin: Any = None
-        self._streams: dict[torch.device, Any] = {}
-
-    def copy_out(self, src: torch.Tensor, ready: Any) -> torch.Tensor:
-        """`src` (uint8, at most BOUNCE_BYTES) copied into the buffer; landed when it returns."""
-        if self._buffer is None:
-            self._buffer = torch.empty(BOUNCE_BYTES, dtype=torch.uint8)
-            self._unpin = _register(self._buffer)  # None without CUDA: stays pageable
-        dst = self._buffer[: src.numel()]
-        if src.device.type != "cuda":
-            return dst.copy_(src)
-        stream = self._streams.get(src.device)
-        if stream is None:
-            stream = self._streams[src.device] = torch.cuda.Stream(src.device)
-        if ready is not None:
-            stream.wait_event(ready)
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-        stream.synchronize()  # one chunk of work: bounded by the chunk's copy
-        return dst
-
-    def release(self) -> None:
-        for stream in self._streams.values():
-            stream.synchronize()  # a copy in flight when a write failed still targets the buffer
-        if self._unpin is not None:
-            self._unpin()  # before the memory goes back to the allocator
-        self._buffer, self._unpin = None, None
 
 
 def _write_tasks(tasks: queue.SimpleQueue[tuple[int, torch.Tensor, int, Any]]) -> None:
     """One writer thread: take tasks until none are left; device runs go through its own bounce
     buffer (allocated on the first one, freed on return)."""
-    bounce = _Bounce()
+    own = bounce.Bounce()
     try:
         while True:
             try:
                 fd, data, offset, ready = tasks.get_nowait()
             except queue.Empty:
                 return
-            if _bounced(data):
-                data = bounce.copy_out(data, ready)
+            if bounce.bounced(data):
+                data = own.copy_out(data, ready)
             _pwrite_all(fd, _bytes_of(data), offset)
     finally:
-        bounce.release()
+        own.release()
 
 
 def _write_hf_files(
