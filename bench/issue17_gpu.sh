@@ -14,8 +14,9 @@
 #   PART=2  train_step_8b.json  Qwen2.5-7B shape with LoRA dim 16 on every linear (8B-class row)
 #           checkpoint.json     async saves (blocked / total), a sync save after them (staging
 #                               kept) and without staging (and its weights-only and
-#                               optimizer-only parts), raw write, cold load, raw read [187 s,
-#                               plus two saves]
+#                               optimizer-only parts, the latter also with DCP's own copies as
+#                               the baseline), raw write, cold load, raw read [242 s on 12-05,
+#                               A; 195 s with --skip-load on 09075e0]
 #   PART=3  pytest_gpu.xml      pytest -q tests/gpu [about 390 s: the fused-worker tests compile]
 #   PART=4  train_step_lora.json  the 1.5B default config with LoRA dim 16 alone, --profile (where
 #                               a LoRA step's time goes: kernels, GPU idle, host); the log is
@@ -36,7 +37,7 @@ if [ "$PART" = 1 ]; then
   timeout 260 python bench/train_step.py $small --also-fuse none --also-lora-dim 16 \
     --skip-padded --skip-baseline --steps 3 --profile --out "$OUT/train_step.json" \
     > "$OUT/train_step.log" 2>&1
-  grep -E "^gpu gaps|^idle ms|^ +[0-9.]+  [a-zA-Z]|^metric|^packed|^peak|fusion \(" \
+  grep -E "^gpu gaps|^idle ms|^ +[0-9.]+  [a-zA-Z]|^metric|^packed|^peak|fusion \(|^after the" \
     "$OUT/train_step.log"
   stamp train_step
   timeout 120 python bench/logprobs.py $small --tokens 16384 32768 --out "$OUT/logprobs.json" \
@@ -57,7 +58,7 @@ elif [ "$PART" = 2 ]; then
 elif [ "$PART" = 4 ]; then
   timeout 240 python bench/train_step.py $small --lora-dim 16 --skip-padded --skip-baseline \
     --steps 3 --profile --out "$OUT/train_step_lora.json" > "$OUT/train_step_lora.log" 2>&1
-  grep -E "^gpu gaps|^idle ms|^ +[0-9.]+  [a-zA-Z]|^metric|^packed|^peak|fusion \(" \
+  grep -E "^gpu gaps|^idle ms|^ +[0-9.]+  [a-zA-Z]|^metric|^packed|^peak|fusion \(|^after the" \
     "$OUT/train_step_lora.log"
   stamp train_step_lora
   timeout 150 python bench/logprobs.py $small --tokens 16384 --profile \

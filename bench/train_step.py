@@ -127,10 +127,21 @@ def bench_worker(
     )
     tokens = int(data["input_lengths"].sum())
     worker_logprobs = worker.state.logprob_kernels.name
+    after_profile_s = None
     try:
         seconds, result = timed(lambda: worker.train(data, NLLLoss()), repeats=args.steps)
         if profile:
             profile_step(worker, data)
+            # 12-05: a LoRA worker ran 1.00x full fine-tuning as the third worker of a process
+            # whose first worker was profiled, 1.16x alone; timing the profiled worker again
+            # shows whether the profiler leaves the process slower
+            after_profile_s, _ = timed(
+                lambda: worker.train(data, NLLLoss()), repeats=args.steps, warmup=0
+            )
+            print(
+                f"after the profile: {tokens / after_profile_s:,.0f} tok/s "
+                f"(before: {tokens / seconds:,.0f})"
+            )
     finally:
         peak = peak_bytes()
         worker.offload_after_refit()
@@ -146,6 +157,7 @@ def bench_worker(
         "attn": "varlen" if packed and device().type == "cuda" else "sdpa",
         **fusion,
         "logprob_kernels": worker_logprobs,
+        "tokens_per_s_after_profile": tokens / after_profile_s if after_profile_s else None,
     }
 
 

@@ -170,10 +170,10 @@ def save_checkpoint(
     tmp = dict(zip(finals, (t for t, _ in commits), strict=True))
     # async: copies into the saver's reused (pinned) buffers, waited for below; sync: the jobs
     # run inside this call, so CPU state is written where it is and device state is copied out
-    # by the writer threads as they write, unless an async save already holds buffers: copying
-    # into them at pinned bandwidth and writing from host memory is the faster sync save (the
-    # final save of a loop that saved asynchronously; H200, 1.5B + AdamW: writes from staging
-    # 9.9 s, the writer threads' own device copies 15.5 s)
+    # through the writer threads' bounce buffers as they write, unless an async save already
+    # holds buffers: copying into them at pinned bandwidth and writing from host memory is a
+    # little faster (the final save of a loop that saved asynchronously; H200, 1.5B + AdamW,
+    # same run: 11.4 s from staging, 12.0 s through the bounce buffers)
     reuse_staging = not is_final_checkpoint or saver.staging.nbytes > 0
     staging = saver.staging if reuse_staging else None
     jobs = _model_jobs(
