@@ -395,8 +395,8 @@ def _sync_weights_only(worker: _Worker, root: pathlib.Path, device: torch.device
 def _sync_optimizer_only(
     worker: _Worker, root: pathlib.Path, device: torch.device, *, dcp_copies: bool = False
 ) -> dict:
-    """The sync save's optimizer job alone (DCP, the device state read where it is), timed
-    from staging to the last fsync: with the weights-only row, where a sync save's time goes.
+    """The sync save's optimizer job alone (DCP, the device state copied out as it is written),
+    timed from staging to the last fsync: with the weights-only row, where a sync save's time goes.
 
     `dcp_copies`: DCP's writer threads copy each device tensor themselves (`tensor.cpu()`), as
     before the save planner copied through their bounce buffers: that change's baseline."""

@@ -19,6 +19,9 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+# The H200's measured device-to-device copy rate: the memory limit of the kernel rows
+# (bench/README)
+COPY_CEILING_BYTES_PER_S = 4.2e12
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

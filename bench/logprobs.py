@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import transformers
 from common import (  # noqa: I001  (bench/ is run as a script folder)
+    COPY_CEILING_BYTES_PER_S,
     device,
     gib,
     is_oom,
@@ -77,9 +78,6 @@ def liger_loss():
     except ImportError:
         return None
     return LigerFusedLinearCrossEntropyLoss(reduction="none")
-
-
-COPY_CEILING_BYTES_PER_S = 4.2e12  # H200 device-to-device copy, measured (bench/README)
 
 
 def kernel_rows(tokens: int, vocab: int, repeats: int) -> tuple[list[dict], dict]:

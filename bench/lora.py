@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from common import QWEN25_15B, TINY  # noqa: E402  (bench/ is run as a script folder)
+from common import COPY_CEILING_BYTES_PER_S, QWEN25_15B, TINY  # noqa: E402  (bench/ is run as a script folder)
 
 from policyworker.functional.lora import merge_lora_weight  # noqa: E402
 from policyworker.shell.lora import (  # noqa: E402
@@ -144,9 +144,6 @@ def _merge_by_reduction(
     return weight_OI + scale * products_ORI.sum(dim=1)
 
 
-HBM_BYTES_PER_S = 4.2e12  # the H200's measured device-to-device copy rate
-
-
 def _compiled_merge_us(shape: dict, device: torch.device, repeats: int) -> dict | None:
     """Microseconds per compiled merge + bf16 cast of one [intermediate, hidden] LoRA weight:
     ours (GEMM), the reduction baseline, the memory limit, and whether ours equals eager."""
@@ -179,7 +176,7 @@ def _compiled_merge_us(shape: dict, device: torch.device, repeats: int) -> dict 
         if name == "gemm":
             eager = fn(weight, lora_a, lora_b)
             result["gemm_equals_eager"] = bool(torch.equal(compiled(weight, lora_a, lora_b), eager))
-    result["limit_us"] = weight.numel() * (4 + 2) / HBM_BYTES_PER_S * 1e6
+    result["limit_us"] = weight.numel() * (4 + 2) / COPY_CEILING_BYTES_PER_S * 1e6
     return result
 
 

@@ -11,13 +11,12 @@ bytes this rank stages (its fp32 weight shards plus its optimizer state; about 1
 1.5B model with AdamW on one GPU), held from the first async save until `release_staging`
 (`PolicyWorker.shutdown` calls it). A sync save (`is_final_checkpoint=True`) stages into these
 buffers only when an async save already made them (the final save of a loop that saved
-asynchronously: a copy at pinned bandwidth, then writes from host memory, is faster than the
-path below). Otherwise it keeps nothing and stages nothing: its writes end inside the call, so
-CPU state is written where it is and device state is copied out by the writer threads while
-they write, overlapping the disk: the weights
-chunk by chunk through a small page-locked bounce buffer per writer thread (freed when the
-writes end; `safetensors_io`), the optimizer one tensor at a time by DCP's writer threads
-(`dcp._sync_save_state`).
+asynchronously: a copy at pinned bandwidth, then writes from host memory, is a little faster
+than the path below). Otherwise it keeps nothing and stages nothing: its writes end inside the
+call, so CPU state is written where it is and device state is copied out by the writer threads
+while they write, overlapping the disk, through a small page-locked bounce buffer per writer
+thread (`bounce`; freed when the writes end): the weights chunk by chunk (`safetensors_io`), the
+optimizer one tensor at a time as DCP's writer threads ask for it (`dcp._BouncedSavePlanner`).
 The folders of one save (weights, reference, optimizer, extra folders) are written side by side,
 one job thread each (`run_jobs_concurrently`), in both kinds of save.
 
