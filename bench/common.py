@@ -19,13 +19,14 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-# The H200's measured device-to-device copy rate: the memory limit of the kernel rows
-# (bench/README)
+# The H200's device-to-device copy rate measured here (KINDS.md): the memory limit of the kernel
+# rows where no GPU measures its own (`copy_ceiling_bytes_per_s`; an H100 copies about 3.0e12)
 COPY_CEILING_BYTES_PER_S = 4.2e12
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-BF16_PEAK_FLOPS = 790e12  # measured bf16 matmul ceiling of one H200 here (KINDS.md)
+# measured bf16 matmul ceiling of one H200 here (KINDS.md); the H100s here ran 779-798 TFLOP/s
+BF16_PEAK_FLOPS = 790e12
 
 QWEN25_15B = dict(
     hidden_size=1536,
@@ -123,8 +124,34 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn: Callable[[], Any], *, repeats: int, warmup: int = 1) -> tuple[float, Any]:
-    """Median seconds of `repeats` calls after `warmup` calls, and the last result."""
+# torch.profiler leaves CUPTI attached when it stops (kineto finalizes it only when
+# TEARDOWN_CUPTI=1), and every kernel launch after that costs more for the rest of the process:
+# pytorch/pytorch#144455 reports 10-20 % slower training. On the H200 (12-05), a LoRA worker timed
+# after a profiled worker in the same process ran 45,427 tok/s, alone 50,609 (0.90x). So a bench
+# profiles only after its last timed row, and `timed` refuses to time after a profile unless
+# the call says it measures exactly that.
+_profile_ran = False
+
+
+def mark_profiled() -> None:
+    """Record that torch.profiler ran in this process (`gpu_gaps.print_profile` calls it)."""
+    global _profile_ran
+    _profile_ran = True
+
+
+def timed(
+    fn: Callable[[], Any], *, repeats: int, warmup: int = 1, after_profile: bool = False
+) -> tuple[float, Any]:
+    """Median seconds of `repeats` calls after `warmup` calls, and the last result.
+
+    Raises RuntimeError once a profile has run in this process, unless `after_profile` (the
+    caller measures what the profiler leaves behind)."""
+    if _profile_ran and not after_profile:
+        raise RuntimeError(
+            "timed() after torch.profiler ran in this process: the profiler leaves CUPTI "
+            "attached and later launches slower, so this row would measure that; profile after "
+            "the last timed row, or pass after_profile=True to measure the slowdown itself"
+        )
     result = None
     for _ in range(warmup):
         result = fn()
@@ -136,6 +163,24 @@ def timed(fn: Callable[[], Any], *, repeats: int, warmup: int = 1) -> tuple[floa
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
+
+
+def copy_ceiling_bytes_per_s(nbytes: int = 1 << 30, copies: int = 20) -> float:
+    """This GPU's device-to-device copy rate, bytes read plus written per second, measured now
+    (back-to-back copies between two CUDA events): the limit of a memory-bound kernel on the
+    card the row ran on. `COPY_CEILING_BYTES_PER_S` without CUDA (smoke runs)."""
+    if not torch.cuda.is_available():
+        return COPY_CEILING_BYTES_PER_S
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(copies):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * nbytes * copies / (start.elapsed_time(end) / 1e3)
 
 
 def peak_extra_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:

@@ -138,15 +138,18 @@ def trace_gap_report(path: str | Path, **kwargs: Any) -> str:
 def print_profile(fn: Callable[[], Any], *, rows: int = 30, shape_rows: int = 40) -> None:
     """Run `fn` once under torch.profiler and print where its device time goes: the GPU gaps
     (`gap_report`), the top ops, and the top ops by input shape (so a cast of weights can be
-    told from a cast of activations)."""
+    told from a cast of activations). Time nothing after it in the same process but what the
+    profiler leaves behind (`common.timed` refuses otherwise; see `common.mark_profiled`)."""
     import tempfile
 
     import torch
+    from common import mark_profiled  # bench/common.py, on the path of every bench script
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
+    mark_profiled()
     with (
         profile(activities=activities, record_shapes=True) as prof,
         torch.profiler.record_function(CALL_ANNOTATION),

@@ -2,10 +2,11 @@
 # Issue 17's rows on one GPU, in parts that each fit one device call (under 10 minutes; the
 # figures in brackets are the 12-05 H200 timings); run from the repo root, results under $OUT
 # (default bench/results). PART=1..3 make the README's table; PART=4 the profiles.
+# No row is timed after a profile in its process (the profiler leaves every later launch slower:
+# bench/common.mark_profiled), so the table's parts profile nothing; PART=4 holds the profiles.
 #   PART=1  train_step.json     packed train step, default config (fusion: auto) vs fusion: none,
 #                               and the default config with LoRA dim 16 (LoRA vs full fine-tuning);
-#                               --profile (first worker): top kernels, GPU idle by launching op,
-#                               host cProfile; the log is train_step.log [222 s]
+#                               the log is train_step.log [222 s with a profile on 12-05, A]
 #           logprobs.json       get_logprobs at 16k and 32k tokens vs plain and Liger [56 s]
 #           lora.json           LoRA (compute_dtype float32 and auto) vs full fine-tuning, plain
 #                               loop [22 s]
@@ -19,11 +20,13 @@
 #                               A; 195 s with --skip-load on 09075e0]
 #   PART=3  pytest_gpu.xml      pytest -q tests/gpu [about 390 s: the fused-worker tests compile]
 #   PART=4  train_step_lora.json  the 1.5B default config with LoRA dim 16 alone, --profile (where
-#                               a LoRA step's time goes: kernels, GPU idle, host); the log is
-#                               train_step_lora.log [132 s]
+#                               a LoRA step's time goes: kernels, GPU idle, host; and its speed
+#                               after the profile); the log is train_step_lora.log [132 s]
 #           logprobs_profile.json  get_logprobs at 16k tokens with --profile: one call of ours and
 #                               of the plain path (kernels, GPU idle by launching op, host); the
 #                               log is logprobs_profile.log (about 1 minute)
+# The targets are the H200's, and PART=1/2 do not fit an 80 GB H100 (the 7B LoRA row peaks at
+# 120 GiB, the fusion: none worker at 79 GiB, the plain logprobs path at 32k tokens adds 65 GiB).
 # SMALL=1 runs the CPU smoke shapes (checks the flags; the figures mean nothing).
 set -u
 OUT=${OUT:-bench/results}
@@ -35,7 +38,7 @@ start=$(date +%s)
 stamp() { echo "== $1 done at $(($(date +%s) - start)) s"; }
 if [ "$PART" = 1 ]; then
   timeout 260 python bench/train_step.py $small --also-fuse none --also-lora-dim 16 \
-    --skip-padded --skip-baseline --steps 3 --profile --out "$OUT/train_step.json" \
+    --skip-padded --skip-baseline --steps 3 --out "$OUT/train_step.json" \
     > "$OUT/train_step.log" 2>&1
   grep -E "^gpu gaps|^idle ms|^ +[0-9.]+  [a-zA-Z]|^metric|^packed|^peak|fusion \(|^after the" \
     "$OUT/train_step.log"

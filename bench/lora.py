@@ -19,7 +19,8 @@ decoder layer runs it, at the shape's MLP weight ([intermediate, hidden]): ours 
 ``merge_lora_weight`` (an fp32 GEMM with W as its accumulator, then the cast); the baseline is
 the same merge written as a sum over R of broadcast products (what compiled layers ran before
 commit 8a1796c, inductor's reduction fused with the cast); the limit is one fp32 read of W and
-one bf16 write at 4.2 TB/s.
+one bf16 write at this GPU's copy rate, measured in the same run
+(`common.copy_ceiling_bytes_per_s`).
 
     python bench/lora.py                  # on a GPU: prints a table, writes bench_lora.json
     python bench/lora.py --small          # CPU smoke run on a tiny shape (seconds)
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from common import COPY_CEILING_BYTES_PER_S, QWEN25_15B, TINY  # noqa: E402  (bench/ is run as a script folder)
+from common import QWEN25_15B, TINY, copy_ceiling_bytes_per_s  # noqa: E402  (bench/ is run as a script folder)
 
 from policyworker.functional.lora import merge_lora_weight  # noqa: E402
 from policyworker.shell.lora import (  # noqa: E402
@@ -176,7 +177,8 @@ def _compiled_merge_us(shape: dict, device: torch.device, repeats: int) -> dict 
         if name == "gemm":
             eager = fn(weight, lora_a, lora_b)
             result["gemm_equals_eager"] = bool(torch.equal(compiled(weight, lora_a, lora_b), eager))
-    result["limit_us"] = weight.numel() * (4 + 2) / COPY_CEILING_BYTES_PER_S * 1e6
+    result["copy_ceiling_bytes_per_s"] = copy_rate = copy_ceiling_bytes_per_s()
+    result["limit_us"] = weight.numel() * (4 + 2) / copy_rate * 1e6
     return result
 
 

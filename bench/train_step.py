@@ -21,7 +21,9 @@ warm-up step). `--also-fuse none` measures a second packed worker with that mode
 model and batch, as a row beside the first (e.g. the default vs eager); `--also-lora-dim 16` one
 more, the default config with LoRA of that dim on every linear layer (issue 17's LoRA vs full
 fine-tuning row, through the worker as a user runs it); `--skip-padded` skips the padded worker.
-`--profile` also prints where the GPU idles (`bench/gpu_gaps.py`).
+`--profile` also prints where the first row's worker spends a step (top kernels, where the GPU
+idles: `bench/gpu_gaps.py`, host time) and its speed after the profile; that worker then runs
+after every other row, since a profile slows the rest of its process.
 Prints a table (ours / baseline / limit / ratio) and writes bench/results/train_step.json.
 """
 
@@ -132,11 +134,12 @@ def bench_worker(
         seconds, result = timed(lambda: worker.train(data, NLLLoss()), repeats=args.steps)
         if profile:
             profile_step(worker, data)
-            # 12-05: a LoRA worker ran 1.00x full fine-tuning as the third worker of a process
-            # whose first worker was profiled, 1.16x alone; timing the profiled worker again
-            # shows whether the profiler leaves the process slower
+            # what the profiler leaves behind in this process (common.mark_profiled)
             after_profile_s, _ = timed(
-                lambda: worker.train(data, NLLLoss()), repeats=args.steps, warmup=0
+                lambda: worker.train(data, NLLLoss()),
+                repeats=args.steps,
+                warmup=0,
+                after_profile=True,
             )
             print(
                 f"after the profile: {tokens / after_profile_s:,.0f} tok/s "
@@ -277,7 +280,8 @@ def main() -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="profile one more step of the first packed worker: top kernels, GPU idle, host time",
+        help="profile one more step of the first packed worker (top kernels, GPU idle, host "
+        "time), timed again after it; that worker runs after every other row",
     )
     parser.add_argument(
         "--fuse",
@@ -342,10 +346,14 @@ def main() -> None:
         vocab = 1024 if args.small else SHAPES[args.shape]["vocab_size"]
         lengths = rl_lengths(args.batch, low=args.min_len, high=args.max_len, seed=0)
         data = make_batch(lengths, vocab=vocab, seed=1, seq_len=args.max_len)
-        # --profile: the first worker only (the profiled calls and trace export take a minute)
-        packed = bench_worker(model_path, args, data, num_params, packed=True, profile=args.profile)
-        partial = {"partial": True, "num_params": num_params, "args": vars(args)}
-        write_results("train_step", {**partial, "ours_packed": packed}, args.out)  # if cut short
+        # --profile: the first row's worker is profiled (the profiled calls and trace export
+        # take a minute) and so runs after every other row: a profile slows every later launch
+        # in its process (common.mark_profiled)
+        packed = None
+        if not args.profile:
+            packed = bench_worker(model_path, args, data, num_params, packed=True)
+            partial = {"partial": True, "num_params": num_params, "args": vars(args)}
+            write_results("train_step", {**partial, "ours_packed": packed}, args.out)  # if cut
         other = (
             bench_worker(model_path, args, data, num_params, packed=True, fuse=args.also_fuse)
             if args.also_fuse
@@ -371,6 +379,8 @@ def main() -> None:
             if args.skip_baseline_full_batch or args.skip_baseline
             else bench_plain_hf(model_path, args, lengths, num_params)
         )
+        if packed is None:
+            packed = bench_worker(model_path, args, data, num_params, packed=True, profile=True)
     rows = [
         {
             "metric": f"packed tok/s (b{args.batch}) vs HF (b{args.baseline_batch})",

@@ -3,6 +3,8 @@
 import importlib.util
 import pathlib
 
+import pytest
+
 _PATH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "gpu_gaps.py"
 _spec = importlib.util.spec_from_file_location("gpu_gaps", _PATH)
 assert _spec is not None and _spec.loader is not None
@@ -100,3 +102,21 @@ def test_a_profiled_call_splits_its_host_time_outside_the_device_span():
         ["0.12", "aten::embedding"],
         ["0.10", "validate"],
     ]
+
+
+def test_a_bench_cannot_time_a_row_after_a_profile_in_its_process(monkeypatch, capsys):
+    """torch.profiler leaves CUPTI attached, so a row timed after a profile would measure a
+    slower process: `timed` refuses it unless the caller measures exactly that slowdown."""
+    monkeypatch.syspath_prepend(str(_PATH.parent))
+    import common  # bench/common.py, as the bench scripts import it
+
+    monkeypatch.setattr(common, "_profile_ran", False)
+    calls = []
+    seconds, result = common.timed(lambda: calls.append(1) or len(calls), repeats=2)
+    assert seconds >= 0 and result == 3  # one warm-up call, then two timed ones
+    gpu_gaps.print_profile(lambda: sum(range(10)))
+    assert "gpu gaps: no device events in the trace" in capsys.readouterr().out  # CPU profile
+    with pytest.raises(RuntimeError, match="after torch.profiler ran in this process"):
+        common.timed(lambda: None, repeats=1)
+    _, result = common.timed(lambda: 7, repeats=1, warmup=0, after_profile=True)
+    assert result == 7
