@@ -165,22 +165,29 @@ def timed(
     return statistics.median(times), result
 
 
+def device_seconds_per_call(fn: Callable[[], Any], *, calls: int) -> float:
+    """Seconds per call of `fn` (CUDA, warmed up by the caller), launched back to back between
+    two CUDA events: for kernels of tens of microseconds, where `timed`'s host sync per call
+    would be as long as the kernel."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
+
+
 def copy_ceiling_bytes_per_s(nbytes: int = 1 << 30, copies: int = 20) -> float:
-    """This GPU's device-to-device copy rate, bytes read plus written per second, measured now
-    (back-to-back copies between two CUDA events): the limit of a memory-bound kernel on the
-    card the row ran on. `COPY_CEILING_BYTES_PER_S` without CUDA (smoke runs)."""
+    """This GPU's device-to-device copy rate, bytes read plus written per second, measured now:
+    the limit of a memory-bound kernel on the card the row ran on. `COPY_CEILING_BYTES_PER_S`
+    without CUDA (smoke runs)."""
     if not torch.cuda.is_available():
         return COPY_CEILING_BYTES_PER_S
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(copies):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * nbytes * copies / (start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / device_seconds_per_call(lambda: dst.copy_(src), calls=copies)
 
 
 def peak_extra_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:

@@ -41,7 +41,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from common import QWEN25_15B, TINY, copy_ceiling_bytes_per_s  # noqa: E402  (bench/ is run as a script folder)
+from common import (  # noqa: E402  (bench/ is run as a script folder)
+    QWEN25_15B,
+    TINY,
+    copy_ceiling_bytes_per_s,
+    device_seconds_per_call,
+)
 
 from policyworker.functional.lora import merge_lora_weight  # noqa: E402
 from policyworker.shell.lora import (  # noqa: E402
@@ -165,15 +170,10 @@ def _compiled_merge_us(shape: dict, device: torch.device, repeats: int) -> dict 
         compiled = torch.compile(fn)
         for _ in range(3):
             compiled(weight, lora_a, lora_b)
-        # back-to-back calls between two events, not common.timed: a host sync per call would
-        # be as long as the ~70 us kernel being timed
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20 * repeats):
-            compiled(weight, lora_a, lora_b)
-        end.record()
-        end.synchronize()
-        result[f"{name}_us"] = start.elapsed_time(end) * 1e3 / (20 * repeats)
+        seconds = device_seconds_per_call(
+            lambda c=compiled: c(weight, lora_a, lora_b), calls=20 * repeats
+        )
+        result[f"{name}_us"] = seconds * 1e6
         if name == "gemm":
             eager = fn(weight, lora_a, lora_b)
             result["gemm_equals_eager"] = bool(torch.equal(compiled(weight, lora_a, lora_b), eager))

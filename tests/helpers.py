@@ -288,3 +288,15 @@ def safetensors_shards(folder) -> dict[str, bytes]:
 
     model = pathlib.Path(folder) / "model"
     return {p.name: p.read_bytes() for p in sorted(model.glob("*.safetensors"))}
+
+
+def optimizer_tensor_bytes(optimizer, *, cuda_only: bool = False) -> int:
+    """Bytes of the tensors in an optimizer's per-parameter state (those on CUDA only, if so)."""
+    import torch
+
+    return sum(
+        t.nbytes
+        for s in optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and (t.is_cuda or not cuda_only)
+    )

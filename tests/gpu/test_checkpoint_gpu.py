@@ -14,7 +14,12 @@ from policyworker.shell.checkpoint import bounce
 from policyworker.shell.worker import PolicyWorker
 
 # the session fixture tiny_model_paths comes from tests/gpu/conftest.py
-from tests.helpers import assert_same_checkpoint_state, checkpoint_state, safetensors_shards
+from tests.helpers import (
+    assert_same_checkpoint_state,
+    checkpoint_state,
+    optimizer_tensor_bytes,
+    safetensors_shards,
+)
 from tests.shell.conftest import make_batch, make_config
 
 pytestmark = pytest.mark.gpu
@@ -45,12 +50,7 @@ def test_a_sync_save_of_cuda_state_loads_back_bit_exact_and_matches_an_async_sav
     ck.save_checkpoint(worker.state, tmp_path / "sync", tmp_path / "sync", is_final_checkpoint=True)
     monkeypatch.undo()
     assert sizes and max(sizes) <= (bounce.BOUNCE_BYTES if chunk is None else chunk)
-    optimizer_device_bytes = sum(
-        t.nbytes
-        for s in worker.optimizer.state.values()
-        for t in s.values()
-        if torch.is_tensor(t) and t.is_cuda
-    )
+    optimizer_device_bytes = optimizer_tensor_bytes(worker.optimizer, cuda_only=True)
     weight_bytes = sum(t.nbytes for t in worker.model.state_dict().values())
     # every device byte went through the bounce buffers: the weights (tied embeddings once at
     # most) and all of the optimizer's CUDA state (DCP's writer threads, through the planner)

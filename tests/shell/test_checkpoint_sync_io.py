@@ -23,7 +23,12 @@ from policyworker.shell import checkpoint as ck
 from policyworker.shell.checkpoint import bounce, digests, safetensors_io
 from policyworker.shell.checkpoint.layout import CheckpointError
 from policyworker.shell.worker import PolicyWorker
-from tests.helpers import assert_same_checkpoint_state, checkpoint_state, safetensors_shards
+from tests.helpers import (
+    assert_same_checkpoint_state,
+    checkpoint_state,
+    optimizer_tensor_bytes,
+    safetensors_shards,
+)
 from tests.shell.conftest import make_batch, make_config
 
 
@@ -98,9 +103,7 @@ def test_bounce_buffer_chunks_smaller_than_a_run_write_the_same_bytes(
     data_bytes = (
         sum(len(blob) for blob in safetensors_shards(tmp_path / "sync").values()) - header_bytes
     )
-    optimizer_bytes = sum(
-        t.nbytes for s in worker.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
-    )
+    optimizer_bytes = optimizer_tensor_bytes(worker.optimizer)
     assert optimizer_bytes > 0 and sum(copied) == data_bytes + optimizer_bytes
     assert max(copied) == chunk
     assert len(copied) > len(worker.model.state_dict())  # runs were split, not copied whole
