@@ -479,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results["shape"] = shape_name
+    results["args"] = {**vars(args), "shape": shape_name}
     print(
         f"checkpoint ({results['shape']}, {results['bytes'] / 1e9:.2f} GB weights + AdamW, "
         f"{results['num_files']} files, {results['device']})"

@@ -28,6 +28,9 @@
 # The targets are the H200's, and PART=1/2 do not fit an 80 GB H100 (the 7B LoRA row peaks at
 # 120 GiB, the fusion: none worker at 79 GiB, the plain logprobs path at 32k tokens adds 65 GiB).
 # SMALL=1 runs the CPU smoke shapes (checks the flags; the figures mean nothing).
+# Afterwards, with PART=1 and PART=2's JSON files in one folder: `python -m policyworker bench
+# --report FOLDER` prints every row with its settings and issue 17's verdicts (each target is a
+# row's rule).
 set -u
 OUT=${OUT:-bench/results}
 PART=${PART:-1}

@@ -331,15 +331,15 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda")
     else:
         parser.error("the 1.5B benchmark needs a CUDA device; use --small for the CPU smoke run")
-    results = run(
-        small=args.small,
-        device=device,
-        batch=args.batch or (2 if args.small else 4),
-        seq=args.seq or (32 if args.small else 2048),
-        steps=args.steps or (2 if args.small else 8),
-        warmup=1 if args.small else args.warmup,
-        repeats=2 if args.small else args.repeats,
-    )
+    settings = {
+        "small": args.small,
+        "batch": args.batch or (2 if args.small else 4),
+        "seq": args.seq or (32 if args.small else 2048),
+        "steps": args.steps or (2 if args.small else 8),
+        "warmup": 1 if args.small else args.warmup,
+        "repeats": 2 if args.small else args.repeats,
+    }
+    results = {**run(device=device, **settings), "args": settings}
     print(_table(results))
     pathlib.Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.json}")

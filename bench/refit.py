@@ -231,6 +231,8 @@ ROUTE_ROWS = {
     "one group": "one-pass-ceiling, one group",
 }
 FLOOR_ELEMENTS = 1 << 28
+# Issue 17's one-pass refit targets (ms), by shape: each one-pass row carries its rule
+ONE_PASS_TARGET_MS = {"qwen2.5-1.5b": 5.0, "qwen2.5-7b": 15.0}
 
 
 def cast_floor(model_elements: int, device: str, cuda: bool) -> list[float]:
@@ -477,6 +479,12 @@ def main() -> None:
             {
                 "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                 "repeats": REPEATS,
+                "args": {
+                    "shapes": names,
+                    "repeats": REPEATS,
+                    "sweep_gib": args.sweep_gib,
+                    "profile": args.profile,
+                },
                 "rows": summary_rows(rows),
                 "measurements": rows,
             },
@@ -508,6 +516,7 @@ def summary_rows(measurements: list[dict]) -> list[dict]:
                         "unit": "ms",
                     }
                 )
+                target = ONE_PASS_TARGET_MS.get(shape)
                 rows.append(
                     {
                         "metric": f"{shape} one-pass refit ms (limit = one-pass copy ceiling)",
@@ -515,6 +524,7 @@ def summary_rows(measurements: list[dict]) -> list[dict]:
                         "baseline": by_key[(shape, "ours")]["median_ms"],
                         "limit": limit,
                         "unit": "ms",
+                        **({} if target is None else {"target": f"<= {target:g} (issue 17)"}),
                     }
                 )
                 continue

@@ -5,17 +5,22 @@ Each `bench/<name>.py` is run as `python bench/<name>.py [--small] --json bench/
 that file itself). Helpers without a `__main__` guard (`bench/common.py`) are not run. The
 agreed result schema is::
 
-    {"rows": [{"metric": str, "ours": float, "baseline": float | null, "limit": float | null,
-               "ratio": float | null, "unit": str}, ...], ...anything else...}
+    {"rows": [{"metric": str, "ours": float, "baseline": float | null,
+               "limit": float | str | null, "ratio": float | null, "unit": str,
+               "target": str}, ...], ...anything else...}
 
-`ratio` defaults to ours / baseline. Results written before this schema existed are normalized
+`ratio` defaults to ours / baseline. A row's target is a rule as text (see `row_verdict`):
+its `target`, or a `limit` given as text. Results written before this schema existed are normalized
 by a small per-benchmark adapter (`ADAPTERS`), or else every numeric leaf becomes a row of its
 own. The runner writes `bench/results/summary.json` (date, host, torch, every row, exit codes)
 and exits non-zero if any script failed.
 
+`--report DIR` reads results already written (a GPU run's folder copied back) instead of running:
+the same table, each file's settings and the targets' verdicts (`report`).
+
 Why it is over 400 lines: besides the runner it holds the per-benchmark adapters for results
-written before the schema (``ADAPTERS``) and the table formatting; each piece is short, and they
-are one command's code.
+written before the schema (``ADAPTERS``), the table formatting and the report of a folder; each
+piece is short, and they are one command's code.
 """
 
 from __future__ import annotations
@@ -39,12 +44,15 @@ from attrs import asdict, frozen
 __all__ = [
     "ADAPTERS",
     "BenchRow",
+    "RunResults",
     "default_bench_dir",
     "discover",
     "format_table",
     "main",
     "meaningless_on_cpu",
     "normalize_rows",
+    "read_results",
+    "report",
     "row_verdict",
     "run_benchmarks",
 ]
@@ -87,7 +95,7 @@ def _row(bench: str, raw: Mapping[str, Any]) -> BenchRow:
         limit=_num(limit),
         ratio=ratio if ratio is not None else _ratio(ours, baseline),
         unit=str(raw.get("unit", "")),
-        target=limit if isinstance(limit, str) else "",
+        target=next((t for t in (raw.get("target"), limit) if isinstance(t, str)), ""),
     )
 
 
@@ -104,7 +112,7 @@ def _lora_rows(bench: str, r: Mapping[str, Any]) -> list[BenchRow]:
             baseline=full_tps,
             ratio=_ratio(default, full_tps),
             unit="tok/s",
-            target=">= 1.1x",  # issue 17, target 5
+            target=">= 1.1x (issue 17)",
         )
     ]  # fmt: skip
     return [
@@ -168,7 +176,7 @@ def _checkpoint_rows(bench: str, r: Mapping[str, Any]) -> list[BenchRow]:
                 limit=r.get("raw_write_parallel_GBps", disk),
                 ratio=_ratio(gbps, disk),
                 unit="GB/s",
-                target=">= 80% of baseline",  # issue 17, target 4
+                target=">= 80% of baseline (issue 17)",
             )
             for metric, gbps in sync_saves
         ),
@@ -179,7 +187,7 @@ def _checkpoint_rows(bench: str, r: Mapping[str, Any]) -> list[BenchRow]:
             baseline=r["sync_save_s"],
             ratio=_ratio(r["async_blocked_s"], r["sync_save_s"]),
             unit="s",
-            target="<= 10% of baseline",  # issue 17, target 4
+            target="<= 10% of baseline (issue 17)",
         ),
     ]
     if "sync_save_optimizer_dcp_copies_only_s" in r:  # results since the DCP save planner
@@ -205,7 +213,7 @@ def _checkpoint_rows(bench: str, r: Mapping[str, Any]) -> list[BenchRow]:
                 limit=r.get("raw_read_parallel_GBps", r["raw_read_GBps"]),
                 ratio=_ratio(r["load_GBps"], r["raw_read_GBps"]),
                 unit="GB/s",
-                target=">= 80% of baseline",  # issue 17, target 4
+                target=">= 80% of baseline (issue 17)",
             ),
             BenchRow(
                 bench=bench, metric="load bit-exact (1 = yes)", ours=float(bool(r["load_exact"]))
@@ -453,6 +461,74 @@ def run_benchmarks(
     return rows, summary
 
 
+def _settings(result: Mapping[str, Any]) -> str:
+    """How a result was made, in one line: its device, then the script's `args` when it saved
+    them, else its top-level text and integer fields (shapes, sizes)."""
+    fields = result.get("args")
+    if not isinstance(fields, Mapping):
+        fields = {
+            k: v
+            for k, v in result.items()
+            if k != "device" and (isinstance(v, str) or type(v) is int)
+        }
+    text = ", ".join(f"{k}={v}" for k, v in fields.items() if k not in ("out", "json"))
+    return f"{result.get('device', '?')}: {text}"
+
+
+@frozen
+class RunResults:
+    """One results folder read back: every row, and each file's settings line."""
+
+    rows: list[BenchRow]
+    settings: dict[str, str]  # file stem -> `_settings`
+    cpu: bool  # no file names a CUDA device: GPU-only figures mean nothing
+
+
+def read_results(folder: Path) -> RunResults:
+    """The rows of every `<name>.json` in `folder` but `summary.json` (one run's results, e.g.
+    a GPU run's copied back), by file name.
+
+    Raises:
+        ValueError: `folder` holds no result, or a file is not JSON.
+    """
+    rows: list[BenchRow] = []
+    settings: dict[str, str] = {}
+    devices: list[str] = []
+    paths = sorted(p for p in folder.glob("*.json") if p.name != "summary.json")
+    if not paths:
+        msg = f"--report {folder}: no <name>.json results there; pass the folder a run wrote"
+        raise ValueError(msg)
+    for path in paths:
+        try:
+            result = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            msg = f"--report: {path} is not JSON ({exc}); rerun the benchmark that wrote it"
+            raise ValueError(msg) from None
+        rows += normalize_rows(path.stem, result)
+        if isinstance(result, Mapping):
+            settings[path.stem] = _settings(result)
+            devices.append(str(result.get("device", "cpu")))
+    cpu = all(d.lower() == "cpu" for d in devices)  # GPU runs write "cuda" or the GPU's name
+    return RunResults(rows, settings, cpu)
+
+
+def report(folder: Path, out=None) -> int:
+    """Print a results folder's settings, table and target verdicts (`read_results`); run
+    nothing. Returns 0, or 1 when a target failed."""
+    out = out or sys.stdout
+    results = read_results(folder)
+    out.write(f"results in {folder}:\n")
+    out.write("".join(f"  {name}: {line}\n" for name, line in results.settings.items()))
+    out.write(format_table(results.rows, cpu=results.cpu) + "\n")
+    verdicts = [row_verdict(r) for r in results.rows if not (results.cpu and meaningless_on_cpu(r))]
+    out.write(
+        f"targets: {verdicts.count('pass')} pass, {verdicts.count('fail')} FAIL"
+        + (" (CPU results: the targets are set for full-size GPU runs)" if results.cpu else "")
+        + "\n"
+    )
+    return 1 if "fail" in verdicts else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="policyworker bench", description="run bench/*.py and print one table"
@@ -477,9 +553,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="folder of the benchmark scripts (default: the checkout's bench/)",
     )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per script")
+    parser.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run nothing: print the table, settings and target verdicts of the results in DIR "
+        "(e.g. a GPU run's folder copied back)",
+    )
 
 
 def run_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.report is not None:
+        try:
+            return report(args.report)
+        except ValueError as exc:
+            parser.error(str(exc))
     bench_dir = args.bench_dir or default_bench_dir()
     if not bench_dir.is_dir():
         parser.error(f"--bench-dir {bench_dir}: not a folder; run from the repository checkout")

@@ -277,3 +277,60 @@ def test_new_layouts_add_the_default_lora_row_and_skip_absent_load_rows():
     ckpt = {"raw_write_GBps": 2.0, "sync_save_GBps": 1.0, "async_blocked_s": 0.2}
     rows = bench_runner.normalize_rows("checkpoint", {**ckpt, "sync_save_s": 1.0})
     assert len(rows) == 2 and bench_runner.row_verdict(rows[1]) == "fail"  # 20 % > 10 %
+
+
+def test_a_results_folder_is_reported_with_its_settings_and_verdicts_without_running(
+    tmp_path, capsys
+):
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    refit = {
+        "device": "NVIDIA H200",
+        "args": {"shapes": ["qwen2.5-7b"], "repeats": 3, "out": "/root/out/refit.json"},
+        "rows": [  # a numeric limit beside a text target: the target is what gets judged
+            {"metric": "one-pass ms", "ours": 13.3, "limit": 13.7, "target": "<= 15 (issue 17)"}
+        ],
+    }
+    lora = {  # bench/lora.py's own layout, through its adapter
+        "device": "NVIDIA H200",
+        "batch": 4,
+        "lora": {"tokens_per_s": 80.0},
+        "lora_bf16_adapters": {"tokens_per_s": 100.0},
+        "full_ft": {"tokens_per_s": 100.0},
+        "lora_refit_s": 0.003,
+        "lora_refit_no_merge_s": 0.002,
+    }
+    (gpu / "refit.json").write_text(json.dumps(refit))
+    (gpu / "lora.json").write_text(json.dumps(lora))
+    (gpu / "summary.json").write_text("{not read")  # the runner's own file is skipped
+    results = bench_runner.read_results(gpu)
+    assert not results.cpu
+    assert [r.bench for r in results.rows] == ["lora"] * 3 + ["refit"]
+    assert results.rows[-1].target == "<= 15 (issue 17)" and results.rows[-1].limit == 13.7
+    assert bench_runner.row_verdict(results.rows[-1]) == "pass"
+    assert results.settings == {
+        "lora": "NVIDIA H200: batch=4",  # no args saved: the text and integer fields
+        "refit": "NVIDIA H200: shapes=['qwen2.5-7b'], repeats=3",  # where it wrote: left out
+    }
+    assert bench_runner.main(["--report", str(gpu)]) == 1  # LoRA at 1.0x misses its 1.1x
+    out = capsys.readouterr().out
+    assert "refit: NVIDIA H200: shapes=['qwen2.5-7b']" in out
+    assert "targets: 1 pass, 1 FAIL\n" in out and "CPU results" not in out
+    lora["lora_bf16_adapters"]["tokens_per_s"] = 120.0
+    (gpu / "lora.json").write_text(json.dumps(lora))
+    assert bench_runner.main(["--report", str(gpu)]) == 0
+    assert "targets: 2 pass, 0 FAIL\n" in capsys.readouterr().out
+
+    cpu = tmp_path / "cpu"
+    cpu.mkdir()
+    (cpu / "refit.json").write_text(json.dumps({**refit, "device": "cpu"}))
+    assert bench_runner.read_results(cpu).cpu
+    bench_runner.main(["--report", str(cpu)])
+    assert "(CPU results: the targets are set for full-size GPU runs)" in capsys.readouterr().out
+    (cpu / "broken.json").write_text("{")
+    with pytest.raises(SystemExit):
+        bench_runner.main(["--report", str(cpu)])
+    assert "broken.json is not JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_runner.main(["--report", str(tmp_path / "none")])
+    assert "no <name>.json results there" in capsys.readouterr().err
