@@ -5,8 +5,10 @@
 # No row is timed after a profile in its process (the profiler leaves every later launch slower:
 # bench/common.mark_profiled), so the table's parts profile nothing; PART=4 holds the profiles.
 #   PART=1  train_step.json     packed train step, default config (fusion: auto) vs fusion: none,
-#                               and the default config with LoRA dim 16 (LoRA vs full fine-tuning);
-#                               the log is train_step.log [222 s with a profile on 12-05, A]
+#                               the default config with LoRA dim 16 (LoRA vs full fine-tuning),
+#                               and fusion: none with Liger's RMSNorm/SwiGLU/RoPE kernels (our
+#                               compile vs the field's kernel library); the log is train_step.log
+#                               [222 s with a profile and without the Liger row on 12-05, A]
 #           logprobs.json       get_logprobs at 16k and 32k tokens vs plain and Liger [56 s]
 #           lora.json           LoRA (compute_dtype float32 and auto) vs full fine-tuning, plain
 #                               loop [22 s]
@@ -40,7 +42,7 @@ small=${SMALL:+--small}
 start=$(date +%s)
 stamp() { echo "== $1 done at $(($(date +%s) - start)) s"; }
 if [ "$PART" = 1 ]; then
-  timeout 260 python bench/train_step.py $small --also-fuse none --also-lora-dim 16 \
+  timeout 300 python bench/train_step.py $small --also-fuse none --also-lora-dim 16 --also-liger \
     --skip-padded --skip-baseline --steps 3 --out "$OUT/train_step.json" \
     > "$OUT/train_step.log" 2>&1
   grep -E "^gpu gaps|^idle ms|^ +[0-9.]+  [a-zA-Z]|^metric|^packed|^peak|fusion \(|^after the" \

@@ -20,7 +20,11 @@ plain-HF baseline (when not skipped) still trains every weight.
 warm-up step). `--also-fuse none` measures a second packed worker with that mode on the same
 model and batch, as a row beside the first (e.g. the default vs eager); `--also-lora-dim 16` one
 more, the default config with LoRA of that dim on every linear layer (issue 17's LoRA vs full
-fine-tuning row, through the worker as a user runs it); `--skip-padded` skips the padded worker.
+fine-tuning row, through the worker as a user runs it); `--also-liger` one more, `fusion: none`
+with Liger's Qwen2 kernels (RMSNorm, SwiGLU MLP, RoPE) patched into the worker's model and our
+fused logprob kernels: the field's kernel library in place of our layer compile, everything else
+equal (issue 17: measure both, keep the better; CUDA only, Liger is Triton);
+`--skip-padded` skips the padded worker.
 `--profile` also prints where the first row's worker spends a step (top kernels, where the GPU
 idles: `bench/gpu_gaps.py`, host time) and its speed after the profile; that worker then runs
 after every other row, since a profile slows the rest of its process.
@@ -30,8 +34,10 @@ Prints a table (ours / baseline / limit / ratio) and writes bench/results/train_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -56,6 +62,7 @@ from gpu_gaps import print_profile  # bench/gpu_gaps.py
 
 from policyworker.functional.logprob_kernels import EAGER_KERNELS
 from policyworker.functional.loss import NLLLoss
+from policyworker.shell.fused_logprobs import fused_logprob_kernels
 from policyworker.shell.fusion import FUSION_MODES
 from policyworker.shell.worker import PolicyWorker
 
@@ -109,44 +116,51 @@ def bench_worker(
     fuse: str | None = None,
     lora_dim: int | None = None,
     profile: bool = False,
+    liger: bool = False,
 ) -> dict:
+    """One worker's timed train steps; `liger`: `fusion: none` with Liger's kernels patched in
+    (`liger_layers`) and our fused logprob kernels."""
     lora_dim = args.lora_dim if lora_dim is None else lora_dim
     release()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     worker = PolicyWorker(
-        worker_config(model_path, args, packed=packed, fuse=fuse, lora_dim=lora_dim),
+        worker_config(
+            model_path, args, packed=packed, fuse="none" if liger else fuse, lora_dim=lora_dim
+        ),
         init_reference_model=False,
     )
     if args.eager_logprobs:
         worker.state.logprob_kernels = EAGER_KERNELS
     fusion = fusion_result(
         worker,
-        fuse or args.fuse,
+        "none + Liger" if liger else fuse or args.fuse,
         label=("packed" if packed else "padded")
         + (f", fusion {fuse}" if fuse else "")
+        + (", fusion none + Liger's kernels" if liger else "")
         + (f", LoRA dim {lora_dim}" if lora_dim else ""),
         seconds=time.perf_counter() - start,
     )
     tokens = int(data["input_lengths"].sum())
-    worker_logprobs = worker.state.logprob_kernels.name
     after_profile_s = None
     try:
-        seconds, result = timed(lambda: worker.train(data, NLLLoss()), repeats=args.steps)
-        if profile:
-            profile_step(worker, data)
-            # what the profiler leaves behind in this process (common.mark_profiled)
-            after_profile_s, _ = timed(
-                lambda: worker.train(data, NLLLoss()),
-                repeats=args.steps,
-                warmup=0,
-                after_profile=True,
-            )
-            print(
-                f"after the profile: {tokens / after_profile_s:,.0f} tok/s "
-                f"(before: {tokens / seconds:,.0f})"
-            )
+        with liger_layers(worker) if liger else contextlib.nullcontext():
+            worker_logprobs = worker.state.logprob_kernels.name
+            seconds, result = timed(lambda: worker.train(data, NLLLoss()), repeats=args.steps)
+            if profile:
+                profile_step(worker, data)
+                # what the profiler leaves behind in this process (common.mark_profiled)
+                after_profile_s, _ = timed(
+                    lambda: worker.train(data, NLLLoss()),
+                    repeats=args.steps,
+                    warmup=0,
+                    after_profile=True,
+                )
+                print(
+                    f"after the profile: {tokens / after_profile_s:,.0f} tok/s "
+                    f"(before: {tokens / seconds:,.0f})"
+                )
     finally:
         peak = peak_bytes()
         worker.offload_after_refit()
@@ -164,6 +178,42 @@ def bench_worker(
         "logprob_kernels": worker_logprobs,
         "tokens_per_s_after_profile": tokens / after_profile_s if after_profile_s else None,
     }
+
+
+@contextlib.contextmanager
+def liger_layers(worker: PolicyWorker) -> Iterator[None]:
+    """Liger's Qwen2 kernels (RMSNorm, SwiGLU MLP, RoPE; not its loss) in `worker`'s model and
+    our fused logprob kernels (those the default config runs) for the block. Liger also
+    replaces names in transformers' modeling_qwen2 (RoPE is looked up there at each call); they
+    are put back after it, so every other row runs Hugging Face's own code."""
+    from liger_kernel.transformers import apply_liger_kernel_to_qwen2  # a bench-only wheel
+    from transformers.models.qwen2 import modeling_qwen2
+
+    replaced = ("apply_rotary_pos_emb", "Qwen2RMSNorm", "Qwen2MLP")
+    saved = {name: getattr(modeling_qwen2, name) for name in replaced}
+    try:
+        apply_liger_kernel_to_qwen2(
+            rope=True,
+            rms_norm=True,
+            swiglu=True,
+            cross_entropy=False,
+            fused_linear_cross_entropy=False,  # the worker scores tokens itself
+            model=worker.model,
+        )
+        kernels, reason = fused_logprob_kernels(
+            "layer",
+            device=worker.device,
+            vocab_size=worker.model.config.vocab_size,
+            logits_dtype=worker.dtype,
+            temperature=worker.state.sampling.temperature,
+        )
+        if reason is not None:
+            raise RuntimeError(f"our fused logprob kernels fell back to eager: {reason}")
+        worker.state.logprob_kernels = kernels
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(modeling_qwen2, name, value)
 
 
 def fusion_result(worker: PolicyWorker, mode: str, *, label: str, seconds: float) -> dict:
@@ -304,6 +354,12 @@ def main() -> None:
         help="also measure a packed worker (default fusion) with LoRA of this dim on every "
         "linear layer: a row of LoRA vs full fine-tuning tokens/s and peak memory",
     )
+    parser.add_argument(
+        "--also-liger",
+        action="store_true",
+        help="also measure a packed worker with fusion none, Liger's RMSNorm/SwiGLU/RoPE "
+        "kernels and our fused logprob kernels: Liger's kernels against our compile (CUDA)",
+    )
     parser.add_argument("--skip-padded", action="store_true", help="skip the padded worker")
     parser.add_argument(
         "--eager-logprobs",
@@ -368,6 +424,13 @@ def main() -> None:
             if args.also_lora_dim
             else None
         )
+        liger = None
+        if args.also_liger:  # Liger is Triton: a CPU run records why the row is missing
+            liger = (
+                bench_worker(model_path, args, data, num_params, packed=True, liger=True)
+                if device().type == "cuda"
+                else {"unavailable": "Liger's kernels are Triton (CUDA only)"}
+            )
         padded = {}
         if not args.skip_padded:
             padded = bench_worker(model_path, args, data, num_params, packed=False)
@@ -447,6 +510,27 @@ def main() -> None:
                 "ratio": ratio(lora["peak_gib"], packed["peak_gib"]),
             }
         )
+    if liger is not None and "unavailable" in liger:
+        rows.append({"metric": f"Liger's kernels: not measured ({liger['unavailable']})"})
+    if liger is not None and "tokens_per_s" in liger:
+        rows.append(
+            {
+                "metric": "packed tok/s, our layer compile (default) vs Liger's kernels "
+                "(fusion none + Liger RMSNorm/SwiGLU/RoPE, our fused logprobs)",
+                "ours": packed["tokens_per_s"],
+                "baseline": liger["tokens_per_s"],
+                "limit": "> baseline (issue 17: keep the faster)",
+                "ratio": ratio(packed["tokens_per_s"], liger["tokens_per_s"]),
+            }
+        )
+        rows.append(  # the same model, weights and batch: a kernel that computes wrong shows here
+            {
+                "metric": "loss of the last timed step, default vs Liger's kernels",
+                "ours": packed["loss"],
+                "baseline": liger["loss"],
+                "ratio": ratio(packed["loss"], liger["loss"]),
+            }
+        )
     if base_full is not None:
         rows.append(
             {
@@ -471,6 +555,7 @@ def main() -> None:
             "ours_packed": packed,
             "ours_packed_also_fuse": other,
             "ours_packed_lora": lora,
+            "ours_packed_liger": liger,
             "ours_padded": padded,
             "baseline_small_batch": base_small,
             "baseline_full_batch": base_full,
