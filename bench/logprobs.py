@@ -12,6 +12,10 @@ of `--repeats`) and the extra peak memory of the call beyond the resident weight
   linear-cross-entropy (`reduction="none"`; logprob = -loss) over the hidden states, so its
   [T, V] logits exist only chunk by chunk too: the field's kernel library on the same shape.
 
+At the first token count: `get_logprobs(data, entropy=True, top_k=20)` (the extras read from the
+same LM-head chunks) against `get_logprobs` then `get_topk_logits` (what a user runs without
+them: two forwards), and the logprobs alone, in time and extra peak memory.
+
 On CUDA it also times the scoring kernels alone on one [1, T, V] bf16 block (T = the first
 `--tokens`): the worker's Triton pair against inductor's compile of the same two functions.
 
@@ -51,6 +55,7 @@ from policyworker.shell.model import autocast_context
 from policyworker.shell.worker import PolicyWorker
 
 MEMORY_LIMIT = 0.10  # of the plain path's extra peak (issue 17)
+TOP_K = 20  # the extras row's k (a distillation teacher's usual top-k)
 SPEEDUP_TARGET = 1.5  # x the plain path's throughput (issue 17)
 
 
@@ -119,6 +124,38 @@ def kernel_rows(tokens: int, vocab: int, repeats: int) -> tuple[list[dict], dict
         for phase, passes in (("forward", 1), ("backward", 2))
     ]
     return rows, {**ms, "copy_ceiling_bytes_per_s": copy_rate}
+
+
+def extras_rows(worker, data, tokens: int, repeats: int, rows: list[dict]) -> dict:
+    """get_logprobs(entropy=True, top_k=TOP_K): the extras read from the logprobs' own LM-head
+    chunks, against the two calls a user makes without them (get_logprobs, then
+    get_topk_logits: a second forward) and against logprobs alone; adds its rows to `rows`."""
+    one_pass = measure(lambda: worker.get_logprobs(data, entropy=True, top_k=TOP_K), repeats)
+    two_calls = measure(
+        lambda: (worker.get_logprobs(data), worker.get_topk_logits(data, TOP_K)), repeats
+    )
+    alone = measure(lambda: worker.get_logprobs(data), repeats)
+    seconds = {name: r.get("seconds") for name, r in (("one", one_pass), ("two", two_calls))}
+    rows.append(
+        {
+            "metric": f"{tokens} tok: logprobs + entropy + top-{TOP_K}, one pass (ms) vs "
+            f"get_logprobs then get_topk_logits",
+            "ours": None if seconds["one"] is None else seconds["one"] * 1e3,
+            "baseline": None if seconds["two"] is None else seconds["two"] * 1e3,
+            "limit": f"logprobs alone: {alone.get('seconds', float('nan')) * 1e3:.1f} ms",
+            "ratio": ratio(seconds["two"], seconds["one"]),
+        }
+    )
+    rows.append(
+        {
+            "metric": f"{tokens} tok: extra peak GiB, logprobs + entropy + top-{TOP_K}",
+            "ours": one_pass.get("extra_peak_gib"),
+            "baseline": two_calls.get("extra_peak_gib"),
+            "limit": f"logprobs alone: {alone.get('extra_peak_gib', float('nan')):.2f} GiB",
+            "ratio": ratio(one_pass.get("extra_peak_gib"), two_calls.get("extra_peak_gib")),
+        }
+    )
+    return {"one_pass": one_pass, "two_calls": two_calls, "logprobs_alone": alone}
 
 
 def measure(fn, repeats: int) -> dict:
@@ -260,6 +297,8 @@ def main() -> None:
                     "ratio": ratio(ours.get("extra_peak_gib"), base.get("extra_peak_gib")),
                 }
             )
+            if tokens == args.tokens[0]:  # entropy and top-k beside the logprobs, one pass
+                results[-1]["extras"] = extras_rows(worker, data, real, args.repeats, rows)
     kernels = {}
     if torch.cuda.is_available():
         kernel_table, kernels = kernel_rows(args.tokens[0], vocab, args.repeats)

@@ -16,6 +16,8 @@ dtype: bf16 logits get a bf16 gradient). The per-chunk math lives in
 
 Filters and temperature come as one validated `Sampling` record (``functional.sampling``); the
 vocab-parallel partials of the same log-softmax live in ``functional.vocab_parallel``.
+``token_entropy`` is the softmax's entropy at every position, chunked the same way and built
+from the same partials (with the whole vocab as one shard).
 
 Shape legend: ``B`` batch, ``S`` sequence, ``V`` vocab (or the local vocab shard), ``N`` rows.
 All functions are pure: no communication, no device queries, inputs are never mutated.
@@ -32,7 +34,13 @@ from policyworker.functional.logprob_kernels import (
     filtered_kernels,
 )
 from policyworker.functional.packing import int_list
-from policyworker.functional.sampling import PLAIN_SAMPLING, Sampling
+from policyworker.functional.sampling import PLAIN_SAMPLING, Sampling, check_temperature
+from policyworker.functional.vocab_parallel import (
+    entropy_from_partials,
+    local_max,
+    local_sum_exp,
+    local_sum_exp_centered,
+)
 
 __all__ = [
     "check_logits_and_ids",
@@ -42,6 +50,7 @@ __all__ = [
     "next_token_logprobs",
     "shifted_targets",
     "target_logprobs",
+    "token_entropy",
 ]
 
 # default_chunk_size aims at this many bytes for one chunk's fp32 [chunk, V] block (batch 1).
@@ -199,6 +208,41 @@ def target_logprobs(
     """
     _check_scoring_args(logits_BSV, targets_BS, "targets")
     return _chunked_logprobs(logits_BSV, targets_BS, sampling, chunk_size, kernels)
+
+
+def token_entropy(
+    logits_BSV: torch.Tensor, *, temperature: float = 1.0, chunk_size: int | None = None
+) -> torch.Tensor:
+    """fp32 ``[B, S]``: the entropy ``-sum_v p log p`` of ``softmax(logits[:, t] / T)`` at every
+    position ``t`` (no shift, no sampling filters), in nats.
+
+    Computed ``chunk_size`` positions at a time (default ``default_chunk_size(V)``), so one
+    fp32 chunk is alive; differentiable through plain torch ops (no memory-saving backward).
+
+    Raises:
+        ValueError: ``logits`` is not a floating ``[B, S, V]`` tensor with ``V >= 1``,
+            temperature is not a finite number > 0, or chunk_size < 1.
+    """
+    if logits_BSV.dim() != 3 or not logits_BSV.is_floating_point() or logits_BSV.shape[-1] < 1:
+        msg = (
+            f"logits {tuple(logits_BSV.shape)} ({logits_BSV.dtype}) must be a floating "
+            "[B, S, V] tensor with V >= 1"
+        )
+        raise ValueError(msg)
+    check_temperature(temperature)
+    _check_chunk_size(chunk_size)
+    chunk = chunk_size or default_chunk_size(logits_BSV.shape[-1])
+    parts: list[torch.Tensor] = []
+    for start, stop in _chunk_bounds(logits_BSV.shape[1], chunk):
+        x = logits_BSV[:, start:stop].to(torch.promote_types(logits_BSV.dtype, torch.float32))
+        x = x if temperature == 1.0 else x / temperature
+        max_BS = local_max(x)
+        parts.append(
+            entropy_from_partials(local_sum_exp(x, max_BS), local_sum_exp_centered(x, max_BS))
+        )
+    if not parts:
+        return logits_BSV.new_zeros(logits_BSV.shape[:2], dtype=torch.float32)
+    return torch.cat(parts, dim=1).float()
 
 
 def check_logits_and_ids(

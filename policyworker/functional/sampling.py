@@ -21,6 +21,7 @@ __all__ = [
     "PLAIN_SAMPLING",
     "Sampling",
     "apply_sampling_filters",
+    "check_temperature",
     "sampling_filters_active",
     "sampling_keep_mask",
 ]
@@ -44,7 +45,8 @@ def _check_top_p(top_p: float) -> None:
         raise ValueError(msg)
 
 
-def _check_temperature(temperature: float) -> None:
+def check_temperature(temperature: float) -> None:
+    """``ValueError`` unless `temperature` is a finite number > 0."""
     if not (math.isfinite(temperature) and temperature > 0.0):
         msg = f"temperature {temperature} must be a finite number > 0; use 1.0 for unscaled logits"
         raise ValueError(msg)
@@ -67,7 +69,7 @@ class Sampling:
         ValueError: temperature is not finite and > 0, top_k < -1, or top_p outside (0, 1].
     """
 
-    temperature: float = attrs.field(default=1.0, validator=_validator(_check_temperature))
+    temperature: float = attrs.field(default=1.0, validator=_validator(check_temperature))
     top_k: int | None = attrs.field(default=None, validator=_validator(_check_top_k))
     top_p: float = attrs.field(default=1.0, validator=_validator(_check_top_p))
 

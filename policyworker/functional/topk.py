@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from policyworker.functional.logprobs import default_chunk_size
+from policyworker.functional.sampling import check_temperature
 
 __all__ = ["local_topk", "merge_topk", "topk_logits"]
 
@@ -110,9 +111,7 @@ def topk_logits(
     if k > vocab_size:
         msg = f"k {k} exceeds the vocab size {vocab_size}; use k <= {vocab_size}"
         raise ValueError(msg)
-    if not temperature > 0.0 or temperature == float("inf"):
-        msg = f"temperature {temperature} must be a finite number > 0; use 1.0 for unscaled logits"
-        raise ValueError(msg)
+    check_temperature(temperature)
     if chunk_size is not None and chunk_size < 1:
         msg = f"chunk_size {chunk_size} must be >= 1, or None for the default"
         raise ValueError(msg)

@@ -3,10 +3,11 @@
 A tensor-parallel lm_head leaves each rank the vocab slice ``vocab_range(rank, size, V)``. That
 rank computes partials (``local_max``, ``local_sum_exp``, ``local_target_logit``,
 ``local_logprob_grad``); the shell all-reduces them (MAX, SUM, SUM) and
-``logprobs_from_partials`` finishes. Pass these partials logits that are already fp32 and
-divided by the temperature. Top-k/top-p need whole rows, so the shell redistributes the
-``[B*S, V/tp]`` shards to ``[B*S/tp, V]`` rows (``rows_for_rank``, ``split_rows``,
-``concat_vocab_pieces``) and the gradients back (``split_vocab``).
+``logprobs_from_partials`` finishes. The softmax's entropy has one more partial
+(``local_sum_exp_centered``, SUM) and ``entropy_from_partials``. Pass these partials logits
+that are already fp32 and divided by the temperature. Top-k/top-p need whole rows, so the
+shell redistributes the ``[B*S, V/tp]`` shards to ``[B*S/tp, V]`` rows (``rows_for_rank``,
+``split_rows``, ``concat_vocab_pieces``) and the gradients back (``split_vocab``).
 
 Shape legend: ``B`` batch, ``S`` sequence, ``V`` vocab (or the local vocab shard), ``N`` rows.
 All functions are pure: no communication, no device queries, inputs are never mutated.
@@ -16,9 +17,11 @@ import torch
 
 __all__ = [
     "concat_vocab_pieces",
+    "entropy_from_partials",
     "local_logprob_grad",
     "local_max",
     "local_sum_exp",
+    "local_sum_exp_centered",
     "local_target_logit",
     "logprobs_from_partials",
     "rows_for_rank",
@@ -64,6 +67,23 @@ def local_max(logits_BSV: torch.Tensor) -> torch.Tensor:
 def local_sum_exp(logits_BSV: torch.Tensor, global_max_BS: torch.Tensor) -> torch.Tensor:
     """``sum(exp(x - global_max))`` over the local vocab; combine with all-reduce SUM."""
     return torch.exp(_accumulate(logits_BSV) - global_max_BS[..., None]).sum(dim=-1)
+
+
+def local_sum_exp_centered(logits_BSV: torch.Tensor, global_max_BS: torch.Tensor) -> torch.Tensor:
+    """``sum(exp(x - global_max) * (x - global_max))`` over the local vocab (<= 0); combine with
+    all-reduce SUM. Centred on the max so the entropy does not cancel large logits; a ``-inf``
+    logit adds 0 (its probability is 0)."""
+    centred = _accumulate(logits_BSV) - global_max_BS[..., None]
+    weights = torch.exp(centred)
+    return torch.where(weights > 0, weights * centred, torch.zeros_like(centred)).sum(dim=-1)
+
+
+def entropy_from_partials(
+    global_sum_exp_BS: torch.Tensor, global_sum_exp_centered_BS: torch.Tensor
+) -> torch.Tensor:
+    """``log(sum_exp) - sum_exp_centered / sum_exp``: the entropy ``-sum p log p`` of the
+    softmax, from the reduced partials (both centred on the same global max)."""
+    return torch.log(global_sum_exp_BS) - global_sum_exp_centered_BS / global_sum_exp_BS
 
 
 def _local_index(

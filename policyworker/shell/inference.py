@@ -24,7 +24,6 @@ from policyworker.shell import microbatches as mbatch
 from policyworker.shell import model as model_lib
 from policyworker.shell import next_token
 from policyworker.shell.ipc_logits import TeacherLogitsBuffer, logits_record
-from policyworker.shell.parallel import collectives
 from policyworker.shell.state import WorkerState
 
 __all__ = [
@@ -56,12 +55,14 @@ def run(
 ) -> Any:
     """Run `per_microbatch(mb) -> [b, w, ...]` (or a tuple of such) over all plans.
 
-    Returns [B, S, ...] CPU tensors (a tuple when `per_microbatch` returns one), in input order.
+    Returns [B, S, ...] CPU tensors in input order: a tuple of them when `per_microbatch`
+    returns a tuple (of any length), else one.
     """
     seq_len = data["input_ids"].shape[1]
     planned = plans(state, data, micro_batch_size)
     state.model.eval()
     outputs: list[tuple[torch.Tensor, ...]] = []
+    returns_tuple = False
     try:
         with torch.no_grad():
             for plan in planned:
@@ -69,6 +70,7 @@ def run(
                 out = per_microbatch(mb)
                 if mb.is_dummy:
                     continue
+                returns_tuple = isinstance(out, tuple)
                 outs = out if isinstance(out, tuple) else (out,)
                 outputs.append(tuple(_pad_seq(o, seq_len).cpu() for o in outs))
     finally:
@@ -79,7 +81,7 @@ def run(
     result: tuple[torch.Tensor, ...] = tuple(
         torch.cat(parts)[order] for parts in zip(*outputs, strict=True)
     )
-    return result[0] if len(result) == 1 else result
+    return result if returns_tuple else result[0]
 
 
 def logprobs(
@@ -88,27 +90,57 @@ def logprobs(
     micro_batch_size: int | None,
     *,
     replay_routes: bool = False,
+    entropy: bool = False,
+    top_k: int = 0,
 ) -> BatchedDataDict:
     """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths; with
-    `replay_routes` (and router replay configured) MoE routers follow `routed_experts`."""
+    `replay_routes` (and router replay configured) MoE routers follow `routed_experts`.
+
+    From the same forward and LM-head chunks (`next_token.inference_scores`): with `entropy`,
+    fp32 [B, S] "entropy" on the logprobs' positions (0 where they are 0); with `top_k`, the
+    "topk_logits" / "topk_indices" [B, S, k] of `topk_logits` (no shift, 0/0 at padding).
+    """
     counts = [0]
 
-    def per_mb(mb: mbatch.Microbatch) -> torch.Tensor:
-        lp = logprobs_with_leading_zero(next_token.inference_logprobs(state, mb), mb.lengths)
+    def per_mb(mb: mbatch.Microbatch) -> tuple[torch.Tensor, ...]:
+        scores = next_token.inference_scores(state, mb, entropy=entropy, top_k=top_k)
+        lp = logprobs_with_leading_zero(scores["logprobs"], mb.lengths)
         if next_token.filtering(state) and not mb.is_dummy:
             lp, num_neg_inf = count_and_zero_neg_inf(lp, next_token.valid_mask(mb.data, mb.width))
             counts[0] += num_neg_inf
-        return lp
+        out = [lp]
+        if entropy:
+            out.append(logprobs_with_leading_zero(scores["entropy"], mb.lengths))
+        if top_k:
+            out.extend(_masked_topk(mb, scores))
+        return tuple(out)
 
     with state.moe.replaying(replay_routes):
-        out = run(state, data, micro_batch_size, per_mb)
+        outs = list(run(state, data, micro_batch_size, per_mb))
     if counts[0]:
         warnings.warn(
             f"policy top-k/top-p mismatch: {counts[0]} valid token(s) had -inf "
             f"logprob under the sampling filters; they were set to 0",
             stacklevel=3,
         )
-    return BatchedDataDict(logprobs=out.float())
+    result = BatchedDataDict(logprobs=outs.pop(0).float())
+    if entropy:
+        result["entropy"] = outs.pop(0).float()
+    if top_k:
+        result["topk_logits"], result["topk_indices"] = outs[0].float(), outs[1].to(torch.int64)
+    return result
+
+
+def _masked_topk(
+    mb: mbatch.Microbatch, scores: Mapping[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A microbatch's top-k values and ids, 0/0 at positions >= its lengths."""
+    values, ids = scores["topk_logits"], scores["topk_indices"]
+    valid = mask_from_lengths(mb.lengths, mb.width)[..., None].to(values.device)
+    return (
+        torch.where(valid, values, torch.zeros_like(values)),
+        torch.where(valid, ids, torch.zeros_like(ids)),
+    )
 
 
 @contextlib.contextmanager
@@ -142,24 +174,9 @@ def topk_logits(
     state: WorkerState, data: Mapping[str, Any], k: int, micro_batch_size: int | None
 ) -> BatchedDataDict:
     """Top-k of temperature-scaled logits at every position (no shift), 0/0 at padding."""
-    temperature = state.sampling.temperature
 
     def per_mb(mb: mbatch.Microbatch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits_at, num_positions, vocab = next_token.logit_chunks(state, mb)
-        k_eff = min(k, vocab)
-        chunk = next_token.inference_chunk(state, vocab, rows=mb.input_ids.shape[0])
-        vals, idx = [], []
-        for s in range(0, num_positions, chunk):
-            # Exact fp32 top-k of logits / T (ties -> lower id); vocab shards under TP.
-            v, i = collectives.topk_any(logits_at(s, s + chunk), k_eff, temperature=temperature)
-            vals.append(v)
-            idx.append(i)
-        v, i = mb.unpack_rows(torch.cat(vals, 1)), mb.unpack_rows(torch.cat(idx, 1))
-        valid = mask_from_lengths(mb.lengths, mb.width)[..., None].to(v.device)
-        return (
-            torch.where(valid, v, torch.zeros_like(v)),
-            torch.where(valid, i, torch.zeros_like(i)),
-        )
+        return _masked_topk(mb, next_token.inference_scores(state, mb, logprobs=False, top_k=k))
 
     values, indices = run(state, data, micro_batch_size, per_mb)
     return BatchedDataDict(topk_logits=values.float(), topk_indices=indices.to(torch.int64))

@@ -27,7 +27,7 @@ from policyworker.shell.state import WorkerState
 __all__ = [
     "filtering",
     "inference_chunk",
-    "inference_logprobs",
+    "inference_scores",
     "logit_chunks",
     "logprobs_any",
     "rows_of_next",
@@ -168,20 +168,77 @@ def inference_chunk(state: WorkerState, vocab: int, *, rows: int) -> int:
     return max(default_chunk_size(vocab), -(-_INFERENCE_CHUNK_TOKENS // max(rows, 1)))
 
 
-def inference_logprobs(state: WorkerState, mb: Microbatch) -> torch.Tensor:
-    """[b, w-1] filtered next-token logprobs, chunk by chunk over positions (no grad)."""
+def inference_scores(
+    state: WorkerState,
+    mb: Microbatch,
+    *,
+    logprobs: bool = True,
+    entropy: bool = False,
+    top_k: int = 0,
+) -> dict[str, torch.Tensor]:
+    """One no-grad pass over the LM head, a chunk of positions at a time, for any of:
+
+    - ``"logprobs"`` [b, w-1]: next-token logprobs under the worker's sampling filters;
+    - ``"entropy"`` [b, w-1]: the entropy of ``softmax(logits / T)`` of the same next-token
+      distributions, in nats (sampling filters do not apply, as for top-k);
+    - ``"topk_logits"`` / ``"topk_indices"`` [b, w, k]: the exact top-k of ``logits / T`` at
+      every position (no shift), k at most the vocab.
+
+    Each chunk's logits are made once and read by every statistic asked for: adding entropy or
+    top-k to logprobs costs no second forward or LM-head pass.
+    """
     logits_at, num_positions, vocab = logit_chunks(state, mb)
     chunk = inference_chunk(state, vocab, rows=mb.input_ids.shape[0])
-    parts = [torch.zeros(mb.input_ids.shape[0], 0, device=state.device)]
-    for start in range(0, num_positions - 1, chunk):
-        stop = min(start + chunk, num_positions - 1)
-        parts.append(
-            logprobs_any(
-                state,
-                logits_at(start, stop + 1),
-                mb.input_ids[:, start : stop + 1],
-                sampling=state.sampling,
-                chunk_size=chunk,
+    temperature, k = state.sampling.temperature, min(top_k, vocab)
+    rows = mb.input_ids.shape[0]
+    parts: dict[str, list[torch.Tensor]] = {}
+    if logprobs:
+        parts["logprobs"] = [torch.zeros(rows, 0, device=state.device)]
+    if entropy:
+        parts["entropy"] = [torch.zeros(rows, 0, device=state.device)]
+    if k:
+        parts["topk_logits"] = [torch.zeros(rows, 0, k, device=state.device)]
+        parts["topk_indices"] = [torch.zeros(rows, 0, k, dtype=torch.int64, device=state.device)]
+    # Top-k scores every position, the next-token statistics all but the last. A chunk's logits
+    # reach one position further (the next chunk's first), whose token is the chunk's last
+    # target: the same LM-head shapes whichever statistics are asked for, so each gives the
+    # same bits alone or together.
+    scored = num_positions if k else num_positions - 1
+    for start in range(0, scored, chunk):
+        stop = min(start + chunk, scored)
+        logits = logits_at(start, min(stop + 1, num_positions))
+        num_next = min(stop, num_positions - 1) - start  # next-token positions in this chunk
+        if logprobs and num_next > 0:
+            parts["logprobs"].append(
+                logprobs_any(
+                    state,
+                    _first(logits, num_next + 1),
+                    mb.input_ids[:, start : start + num_next + 1],
+                    sampling=state.sampling,
+                    chunk_size=chunk,
+                )
             )
-        )
-    return rows_of_next(mb, torch.cat(parts, dim=1))
+        if entropy and num_next > 0:
+            parts["entropy"].append(
+                collectives.entropy_any(_first(logits, num_next), temperature=temperature)
+            )
+        if k:
+            values, ids = collectives.topk_any(
+                _first(logits, stop - start), k, temperature=temperature
+            )
+            parts["topk_logits"].append(values)
+            parts["topk_indices"].append(ids)
+    out = {key: torch.cat(chunks, dim=1) for key, chunks in parts.items()}
+    for key in ("logprobs", "entropy"):
+        if key in out:
+            out[key] = rows_of_next(mb, out[key])
+    for key in ("topk_logits", "topk_indices"):
+        if key in out:
+            out[key] = mb.unpack_rows(out[key])
+    return out
+
+
+def _first(logits: torch.Tensor, positions: int) -> torch.Tensor:
+    """The first `positions` positions of a chunk's logits (the chunk itself when it has no
+    more, so a vocab-sharded chunk is passed on as it is)."""
+    return logits if logits.shape[1] == positions else logits[:, :positions]

@@ -56,6 +56,22 @@ def _state_field(name: str, doc: str) -> property:
     )
 
 
+def _check_k(key: str, k: Any) -> None:
+    """``ValueError`` unless `k` (the argument `key`) is an int >= 1."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        msg = f"{key}={k!r} must be a positive int (how many top logits to return per position)"
+        raise ValueError(msg)
+
+
+def _check_extra_scores(entropy: Any, top_k: Any) -> None:
+    """The extra statistics `get_logprobs` may return, checked before any work."""
+    if not isinstance(entropy, bool):
+        msg = f"entropy={entropy!r} must be True or False (True adds the per-token entropy)"
+        raise ValueError(msg)
+    if top_k is not None:
+        _check_k("top_k", top_k)
+
+
 class PolicyWorker(NeMoRLWorkerSurface):
     """Trains a Hugging Face model with a pluggable loss; logprobs, top-k, scores, offload,
     refit and checkpoints (NeMo-RL's policy-worker method names); NeMo-RL's base-worker methods
@@ -148,12 +164,28 @@ class PolicyWorker(NeMoRLWorkerSurface):
         data: Mapping[str, Any],
         micro_batch_size: int | None = None,
         require_router_replay: bool = True,
+        *,
+        entropy: bool = False,
+        top_k: int | None = None,
     ) -> BatchedDataDict:
-        """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths."""
+        """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths.
+
+        From the same forward pass and LM-head chunks, no [B, S, V] fp32 logits made:
+        ``entropy=True`` adds fp32 [B, S] ``"entropy"``, the entropy (nats) of each next-token
+        distribution ``softmax(logits / temperature)`` on the logprobs' positions (0 where they
+        are 0; sampling's top-k/top-p do not apply); ``top_k=k`` adds ``"topk_logits"`` /
+        ``"topk_indices"`` [B, S, k], equal to ``get_topk_logits(data, k)``.
+        """
+        _check_extra_scores(entropy, top_k)
         mbatch.validate(self.state, data)
         self.state.moe.check_replay_data(data, require=require_router_replay)
         return inference.logprobs(
-            self.state, data, micro_batch_size, replay_routes=require_router_replay
+            self.state,
+            data,
+            micro_batch_size,
+            replay_routes=require_router_replay,
+            entropy=entropy,
+            top_k=top_k or 0,
         )
 
     def get_reference_policy_logprobs(
@@ -175,9 +207,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
     ) -> BatchedDataDict:
         """Top-k of temperature-scaled logits at every position (no shift), 0/0 at padding."""
         mbatch.validate(self.state, data)
-        if not isinstance(k, int) or k < 1:
-            msg = f"k={k!r} must be a positive int"
-            raise ValueError(msg)
+        _check_k("k", k)
         return inference.topk_logits(self.state, data, k, micro_batch_size)
 
     def score(self, data: Mapping[str, Any]) -> BatchedDataDict:

@@ -158,6 +158,18 @@ def check_distributed_topk(rank, size, ctx, vocab):
         torch.testing.assert_close(logits.float().gather(-1, indices), want, atol=0, rtol=0)
 
 
+def check_vocab_parallel_entropy(rank, size, ctx, vocab_sizes):
+    """entropy_any of vocab-sharded DTensor logits (some shards may be empty) == the
+    single-process entropy of the whole vocab, at any chunk size."""
+    for vocab in vocab_sizes:
+        logits = (3 * torch.randn(2, 5, vocab, generator=_gen(31))).to(torch.bfloat16)
+        _, dt = _dtensor_leaf(logits, ctx.mesh["tp"], rank, size)
+        want = lp_core.token_entropy(logits, temperature=0.8)
+        for chunk in (None, 2):
+            got = collectives.entropy_any(dt, temperature=0.8, chunk_size=chunk)
+            _close(got, want, f"vocab {vocab} chunk {chunk}: entropy", atol=1e-5)
+
+
 def check_cp_gather(rank, size):
     """Head-tail shards gather back exactly (dims 1 and 0, 2-D); backward per reference §6.6."""
     group = dist.group.WORLD
@@ -221,6 +233,7 @@ def collectives_suite(rank, size, vocab_sizes, run_topk):
     ctx = ParallelContext.from_environment(tp_size=size, timeout_s=60)
     check_vocab_parallel_logprobs(rank, size, ctx, vocab_sizes)
     check_dtensor_logprobs_with_filters(rank, size, ctx, vocab_sizes[0])
+    check_vocab_parallel_entropy(rank, size, ctx, vocab_sizes)
     if run_topk:
         check_distributed_topk(rank, size, ctx, vocab_sizes[-1])
     check_cp_gather(rank, size)
@@ -472,6 +485,10 @@ def _exercise_worker(worker, data, loss_kind, *, calibrate):
     out = {"logprobs": worker.get_logprobs(data)["logprobs"]}
     topk = worker.get_topk_logits(data, 5)
     out["topk_logits"], out["topk_indices"] = topk["topk_logits"], topk["topk_indices"]
+    together = worker.get_logprobs(data, entropy=True, top_k=5)  # one pass under TP too
+    for key in ("logprobs", "topk_logits", "topk_indices"):
+        assert torch.equal(together[key], out[key]), f"{key} with entropy and top-k differs"
+    out["entropy"] = together["entropy"]
     if calibrate:
         out["kv_scales"] = worker.calibrate_qkv_fp8_scales(data)["kv_scales"]
     results = [worker.train(data, _worker_loss(loss_kind)) for _ in range(2)]
@@ -511,7 +528,7 @@ def _check_worker_case(worker, label, loss_kind, want):
         dummies = sum(p.is_dummy for p in worker._inference_plans(shard, None))
         assert (dummies > 0) == (ctx.dp_rank == 1), f"{name}: dummy microbatches {dummies}"
     got = _exercise_worker(worker, shard, loss_kind, calibrate="kv_scales" in want)
-    for key in ("logprobs", "topk_logits", "logprobs_after", "reference_logprobs"):
+    for key in ("logprobs", "entropy", "topk_logits", "logprobs_after", "reference_logprobs"):
         _close(got[key], want[key][rows], f"{name}: {key}")
     assert torch.equal(got["topk_indices"], want["topk_indices"][rows]), f"{name}: top-k ids"
     for step, (g, w) in enumerate(zip(got["losses"], want["losses"], strict=True)):

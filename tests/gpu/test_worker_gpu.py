@@ -163,6 +163,35 @@ def test_fused_worker_matches_eager_on_packed_bf16_logprobs_and_training(tiny_mo
         )
 
 
+def test_entropy_and_topk_come_with_the_default_workers_logprobs_in_bf16(tiny_model_paths):
+    """The default (fused) worker, packed varlen bf16: get_logprobs(entropy, top_k) gives the
+    logprobs and top-k of the separate calls bit for bit, and the entropy of the fp32
+    reference softmax within bf16 compute noise."""
+    import transformers
+
+    path = tiny_model_paths["qwen2"]
+    worker = PolicyWorker(
+        make_config(path, precision="bfloat16", **PACKED, generation={"temperature": 1.3}),
+        init_optimizer=False,
+        init_reference_model=False,
+    )
+    assert worker.fusion_report.logprobs == "fused"
+    data = make_batch(6, 16, seed=36, lengths=[16, 3, 11, 7, 1, 14])
+    out = worker.get_logprobs(data, entropy=True, top_k=3)
+    assert torch.equal(out["logprobs"], worker.get_logprobs(data)["logprobs"])
+    topk = worker.get_topk_logits(data, 3)
+    assert torch.equal(out["topk_indices"], topk["topk_indices"])
+    assert torch.equal(out["topk_logits"], topk["topk_logits"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        x = model(input_ids=data["input_ids"], use_cache=False).logits.double() / 1.3
+    entropy = -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(-1)
+    want = torch.cat([torch.zeros(6, 1), entropy[:, :-1].float()], dim=1)
+    valid = torch.arange(16)[None] < data["input_lengths"][:, None]
+    want = torch.where(valid, want, torch.zeros_like(want))
+    torch.testing.assert_close(out["entropy"], want, atol=0.05, rtol=0.02)  # bf16 compute noise
+
+
 def test_default_worker_fuses_layers_on_cuda(tiny_model_paths):
     """`fusion: auto` (the default) is `layer` on CUDA in one process, with no fallback."""
     worker = PolicyWorker(make_config(tiny_model_paths["qwen2"], precision="bfloat16"))

@@ -1,5 +1,7 @@
 """get_logprobs / top-k / score of PolicyWorker against plain Hugging Face forwards (fp32, CPU)."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -82,6 +84,72 @@ def test_topk_equals_torch_topk_on_fp32_hf_logits(tiny_model_paths, mode):
     assert out["topk_logits"].dtype == torch.float32 and out["topk_indices"].dtype == torch.int64
     assert torch.allclose(out["topk_logits"], torch.where(valid, values, 0.0))
     assert torch.equal(out["topk_indices"], torch.where(valid, indices, 0))
+
+
+def _forwards_of(worker):
+    """A list that grows by one per forward of the worker's decoder stack."""
+    calls = []
+    worker.model.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("mode", list(BATCHING))
+@pytest.mark.parametrize(
+    ("chunk", "generation"),
+    [(None, None), (3, {"temperature": 1.7}), (None, {"temperature": 2.0, "top_k": 2})],
+)
+def test_entropy_and_topk_come_from_the_logprobs_forward(tiny_model_paths, mode, chunk, generation):
+    """get_logprobs(entropy=True, top_k=k): the logprobs unchanged, the entropy of every
+    next-token softmax(logits / T) (filters off), get_topk_logits' result, one forward."""
+    import transformers
+
+    path = tiny_model_paths["qwen2"]
+    cfg = make_config(path, logprob_chunk_size=chunk, generation=generation, **BATCHING[mode])
+    worker = PolicyWorker(cfg, init_optimizer=False, init_reference_model=False)
+    data = make_batch(5, 12, seed=6, lengths=[12, 3, 9, 1, 6])
+    filtered = generation is not None and "top_k" in generation
+    with pytest.warns(UserWarning, match="mismatch") if filtered else contextlib.nullcontext():
+        alone = worker.get_logprobs(data)
+    forwards = _forwards_of(worker)
+    with pytest.warns(UserWarning, match="mismatch") if filtered else contextlib.nullcontext():
+        out = worker.get_logprobs(data, entropy=True, top_k=4)
+    plans = len(worker._inference_plans(data, None))
+    assert len(forwards) == plans  # one decoder pass per microbatch, as for logprobs alone
+    assert set(out) == {"logprobs", "entropy", "topk_logits", "topk_indices"}
+    assert torch.equal(out["logprobs"], alone["logprobs"])
+    topk = worker.get_topk_logits(data, 4)
+    assert torch.equal(out["topk_logits"], topk["topk_logits"])
+    assert torch.equal(out["topk_indices"], topk["topk_indices"])
+
+    temperature = (generation or {}).get("temperature", 1.0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        x = model(input_ids=data["input_ids"], use_cache=False).logits.double() / temperature
+    entropy = -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(-1)  # of position t's
+    want = torch.cat([torch.zeros(5, 1), entropy[:, :-1].float()], dim=1)  # next token, at t+1
+    valid = torch.arange(12)[None] < data["input_lengths"][:, None]
+    want = torch.where(valid, want, torch.zeros_like(want))
+    assert out["entropy"].dtype == torch.float32 and out["entropy"].shape == (5, 12)
+    torch.testing.assert_close(out["entropy"], want, atol=1e-5, rtol=1e-5)
+    assert bool((out["entropy"][:, 0] == 0).all()) and bool((out["entropy"][~valid] == 0).all())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"entropy": "yes"}, "entropy='yes' must be True or False"),
+        ({"top_k": 0}, "top_k=0 must be a positive int"),
+        ({"top_k": True}, "top_k=True must be a positive int"),
+        ({"top_k": 2.5}, "top_k=2.5 must be a positive int"),
+    ],
+)
+def test_bad_extra_statistics_are_refused_before_any_forward(tiny_model_paths, kwargs, match):
+    path = tiny_model_paths["llama"]
+    worker = PolicyWorker(make_config(path), init_optimizer=False, init_reference_model=False)
+    forwards = _forwards_of(worker)
+    with pytest.raises(ValueError, match=match):
+        worker.get_logprobs(make_batch(2, 6, seed=7), **kwargs)
+    assert forwards == []
 
 
 @pytest.mark.parametrize("kind", ["bradley_terry", "regression"])

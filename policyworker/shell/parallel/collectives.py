@@ -1,7 +1,8 @@
 """Distributed logprobs, top-k, CP gather and grad norm: core partials + collectives.
 
 One import for the collectives over shards; they live in `vocab_logprobs` (TP logprobs, with
-and without top-k/top-p), `topk`, `context_parallel` and `grads` (norm and clipping).
+and without top-k/top-p, and the softmax's entropy), `topk`, `context_parallel` and `grads`
+(norm and clipping).
 
 The math lives in `policyworker.functional.logprobs` / `.topk` / `.context_parallel`; this module
 only issues the all-reduces / all-gathers / all-to-alls between the core calls. Every group used
@@ -26,6 +27,7 @@ from policyworker.shell.parallel.context_parallel import (
 from policyworker.shell.parallel.grads import clip_grads_, total_grad_norm
 from policyworker.shell.parallel.topk import distributed_topk, topk_any
 from policyworker.shell.parallel.vocab_logprobs import (
+    entropy_any,
     next_token_logprobs_any,
     target_logprobs_any,
     vocab_parallel_next_token_logprobs,
@@ -38,6 +40,7 @@ __all__ = [
     "context_parallel_forward",
     "cp_next_token_logprobs",
     "distributed_topk",
+    "entropy_any",
     "next_token_logprobs_any",
     "target_logprobs_any",
     "topk_any",

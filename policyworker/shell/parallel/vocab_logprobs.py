@@ -4,7 +4,8 @@ Plain softmax: each rank's partials (max, sum-exp, target logit) from
 `policyworker.functional.vocab_parallel` are all-reduced over the TP group. With top-k/top-p the
 filters need whole rows, so the rows are exchanged (all-to-all: every rank gets all vocab
 shards of `rows / tp` rows), scored there, and gathered back. `*_any` accept plain tensors or
-DTensors and pick the right path. Gradients follow `collectives`' convention.
+DTensors and pick the right path. Gradients follow `collectives`' convention. The softmax's
+entropy (`entropy_any`, inference) reduces its partials the same way.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from policyworker.shell.parallel.context import ParallelContext
 from policyworker.shell.parallel.groups import _all_reduce
 
 __all__ = [
+    "entropy_any",
     "next_token_logprobs_any",
     "target_logprobs_any",
     "vocab_parallel_next_token_logprobs",
@@ -361,3 +363,26 @@ def next_token_logprobs_any(
         temperature=sampling.temperature,
         chunk_size=chunk_size,
     )
+
+
+def entropy_any(
+    logits: torch.Tensor, *, temperature: float = 1.0, chunk_size: int | None = None
+) -> torch.Tensor:
+    """fp32 [B, S] entropy of `softmax(logits / T)` at every position (no shift, no filters) of
+    plain logits (core `token_entropy`) or vocab-sharded DTensor logits: per chunk of positions,
+    all-reduce MAX of the local max, then SUM of the two local partials. For inference: no
+    gradient flows through the all-reduces."""
+    if not isinstance(logits, DTensor):
+        return lp_core.token_entropy(logits, temperature=temperature, chunk_size=chunk_size)
+    local, group, _, _ = _vocab_shard_of(logits)
+    chunk = chunk_size or lp_core.default_chunk_size(logits.shape[-1])
+    parts = [local.new_zeros((local.shape[0], 0), dtype=torch.float32)]
+    for start in range(0, local.shape[1], chunk):
+        x = _scaled(local[:, start : start + chunk].detach(), temperature)
+        global_max = _all_reduce(vp_core.local_max(x).contiguous(), dist.ReduceOp.MAX, group)
+        sums = torch.stack(
+            [vp_core.local_sum_exp(x, global_max), vp_core.local_sum_exp_centered(x, global_max)]
+        )
+        _all_reduce(sums, dist.ReduceOp.SUM, group)
+        parts.append(vp_core.entropy_from_partials(sums[0], sums[1]).float())
+    return torch.cat(parts, dim=1)
