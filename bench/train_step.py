@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import tempfile
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -178,6 +179,19 @@ def bench_worker(
         "logprob_kernels": worker_logprobs,
         "tokens_per_s_after_profile": tokens / after_profile_s if after_profile_s else None,
     }
+
+
+def liger_row(model_path: str, args, data, num_params: int) -> dict:
+    """The Liger worker's result, or why there is none: Liger is Triton (CUDA only), and a
+    failure of the field's library (its patching or kernels) costs this row, not the table."""
+    if device().type != "cuda":
+        return {"unavailable": "Liger's kernels are Triton (CUDA only)"}
+    try:
+        return bench_worker(model_path, args, data, num_params, packed=True, liger=True)
+    except Exception as exc:
+        traceback.print_exc()
+        release()
+        return {"unavailable": f"Liger's worker failed: {type(exc).__name__}: {exc}"[:300]}
 
 
 @contextlib.contextmanager
@@ -425,12 +439,8 @@ def main() -> None:
             else None
         )
         liger = None
-        if args.also_liger:  # Liger is Triton: a CPU run records why the row is missing
-            liger = (
-                bench_worker(model_path, args, data, num_params, packed=True, liger=True)
-                if device().type == "cuda"
-                else {"unavailable": "Liger's kernels are Triton (CUDA only)"}
-            )
+        if args.also_liger:
+            liger = liger_row(model_path, args, data, num_params)
         padded = {}
         if not args.skip_padded:
             padded = bench_worker(model_path, args, data, num_params, packed=False)
