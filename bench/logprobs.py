@@ -17,7 +17,8 @@ same LM-head chunks) against `get_logprobs` then `get_topk_logits` (what a user 
 them: two forwards), and the logprobs alone, in time and extra peak memory.
 
 On CUDA it also times the scoring kernels alone on one [1, T, V] bf16 block (T = the first
-`--tokens`): the worker's Triton pair against inductor's compile of the same two functions.
+`--tokens`): the worker's Triton kernels (logprobs forward, backward, entropy) against
+inductor's compile of the same functions.
 
 Targets (issue 17), each a row's rule: at 16k and 32k tokens throughput >= 1.5x the plain
 path's and ahead of Liger's, extra peak memory <= 10 % of the plain path's.
@@ -88,10 +89,10 @@ def liger_loss():
 
 
 def kernel_rows(tokens: int, vocab: int, repeats: int) -> tuple[list[dict], dict]:
-    """The scoring kernels alone on one [1, tokens, V] bf16 logits block: the worker's fused pair
-    on CUDA (`shell.logprob_triton`) against inductor's compile of the same functions (what the
-    worker ran before), forward and backward, each beside the time one read (+ one write in
-    backward) of the block takes at the measured copy ceiling."""
+    """The scoring kernels alone on one [1, tokens, V] bf16 logits block: the worker's fused
+    kernels on CUDA (`shell.logprob_triton`) against inductor's compile of the same functions
+    (what the worker ran before), forward, backward and entropy, each beside the time one read
+    (+ one write in backward) of the block takes at the measured copy ceiling."""
     from policyworker.shell.fused_logprobs import inductor_kernels
     from policyworker.shell.logprob_triton import TRITON_KERNELS
 
@@ -109,7 +110,8 @@ def kernel_rows(tokens: int, vocab: int, repeats: int) -> tuple[list[dict], dict
             repeats=repeats,
             warmup=2,
         )
-        ms[name] = {"forward_ms": fwd * 1e3, "backward_ms": bwd * 1e3}
+        ent, _ = timed(lambda e=pair.entropy: e(logits, 1.0), repeats=repeats, warmup=2)
+        ms[name] = {"forward_ms": fwd * 1e3, "backward_ms": bwd * 1e3, "entropy_ms": ent * 1e3}
     copy_rate = copy_ceiling_bytes_per_s()
     read_ms = logits.numel() * 2 / copy_rate * 1e3
     rows = [
@@ -121,7 +123,7 @@ def kernel_rows(tokens: int, vocab: int, repeats: int) -> tuple[list[dict], dict
             f"{copy_rate / 1e12:.2f} TB/s, this GPU's copy rate measured now)",
             "ratio": ratio(ms["inductor"][f"{phase}_ms"], ms["triton"][f"{phase}_ms"]),
         }
-        for phase, passes in (("forward", 1), ("backward", 2))
+        for phase, passes in (("forward", 1), ("backward", 2), ("entropy", 1))
     ]
     return rows, {**ms, "copy_ceiling_bytes_per_s": copy_rate}
 

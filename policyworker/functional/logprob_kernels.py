@@ -6,12 +6,14 @@ position, the fp32 logprob of its target and the log-normalizer ``lse = logsumex
 recomputes ``p = exp(x - lse)`` and writes the gradient ``g * (onehot(target) - p) / T`` in the
 logits' dtype, with no second reduction over the vocab.
 
-`LogprobKernels` carries the plain (unfiltered) pair. The eager functions here materialise fp32
-``[chunk, V]`` scratch, so their callers chunk positions; the shell may pass the same two
-functions compiled by inductor (``shell.fused_logprobs.fused_logprob_kernels``), which read the
-bf16 logits once per pass and keep the fp32 values in registers, so one call covers every
-position (``whole=True``). Top-k / top-p filtering always runs eagerly (`filtered_kernels`; its
-sort per row is not worth fusing, and it is off by default).
+`LogprobKernels` carries the plain (unfiltered) pair, and the entropy of the same softmax
+(``plain_entropy``, for `get_logprobs(entropy=True)`; filters never apply to it). The eager
+functions here materialise fp32 ``[chunk, V]`` scratch, so their callers chunk positions; the
+shell may pass the same functions compiled by inductor or written in Triton
+(``shell.fused_logprobs.fused_logprob_kernels``), which read the bf16 logits once per pass and
+keep the fp32 values in registers, so one call covers every position (``whole=True``).
+Top-k / top-p filtering always runs eagerly (`filtered_kernels`; its sort per row is not worth
+fusing, and it is off by default).
 
 Shape legend: ``B`` batch, ``C`` positions of a chunk, ``V`` vocab. Pure functions: inputs are
 never mutated.
@@ -25,6 +27,12 @@ import torch
 from attrs import frozen
 
 from policyworker.functional.sampling import Sampling, sampling_keep_mask
+from policyworker.functional.vocab_parallel import (
+    entropy_from_partials,
+    local_max,
+    local_sum_exp,
+    local_sum_exp_centered,
+)
 
 __all__ = [
     "EAGER_KERNELS",
@@ -32,6 +40,7 @@ __all__ = [
     "filtered_kernels",
     "filtered_logprob_grad",
     "filtered_logprobs_and_lse",
+    "plain_entropy",
     "plain_logprob_grad",
     "plain_logprobs_and_lse",
 ]
@@ -76,6 +85,19 @@ def plain_logprob_grad(
     if temperature != 1.0:
         grad = grad / temperature
     return grad.to(logits_BCV.dtype)
+
+
+def plain_entropy(logits_BCV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 entropy ``-sum p log p`` of ``softmax(logits / temperature)`` per position (the
+    vocab-parallel partials with the whole vocab as one shard: centred on the max, so large
+    logits do not cancel)."""
+    x = logits_BCV.to(torch.promote_types(logits_BCV.dtype, torch.float32))
+    if temperature != 1.0:
+        x = x / temperature
+    max_BC = local_max(x)
+    return entropy_from_partials(
+        local_sum_exp(x, max_BC), local_sum_exp_centered(x, max_BC)
+    ).float()
 
 
 def _filtered_fp32(
@@ -123,18 +145,21 @@ LogprobForward = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tenso
 LogprobBackward = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
 ]
+LogprobEntropy = Callable[[torch.Tensor, float], torch.Tensor]
 
 
 @frozen(kw_only=True)
 class LogprobKernels:
-    """The plain-sampling forward/backward pair `next_token_logprobs` calls per chunk.
+    """The plain-sampling forward/backward pair `next_token_logprobs` calls per chunk, and the
+    softmax's entropy `token_entropy` calls per chunk.
 
-    ``whole=True`` declares that the pair keeps no fp32 ``[C, V]`` scratch (fused kernels), so
-    the caller runs it once over all positions unless the user set a chunk size.
+    ``whole=True`` declares that the three keep no fp32 ``[C, V]`` scratch (fused kernels), so
+    the caller runs them once over all positions unless the user set a chunk size.
     """
 
     forward: LogprobForward = plain_logprobs_and_lse
     backward: LogprobBackward = plain_logprob_grad
+    entropy: LogprobEntropy = plain_entropy
     whole: bool = False
     name: str = "eager"
 

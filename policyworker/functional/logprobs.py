@@ -35,12 +35,6 @@ from policyworker.functional.logprob_kernels import (
 )
 from policyworker.functional.packing import int_list
 from policyworker.functional.sampling import PLAIN_SAMPLING, Sampling, check_temperature
-from policyworker.functional.vocab_parallel import (
-    entropy_from_partials,
-    local_max,
-    local_sum_exp,
-    local_sum_exp_centered,
-)
 
 __all__ = [
     "check_logits_and_ids",
@@ -211,13 +205,18 @@ def target_logprobs(
 
 
 def token_entropy(
-    logits_BSV: torch.Tensor, *, temperature: float = 1.0, chunk_size: int | None = None
+    logits_BSV: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    kernels: LogprobKernels = EAGER_KERNELS,
 ) -> torch.Tensor:
     """fp32 ``[B, S]``: the entropy ``-sum_v p log p`` of ``softmax(logits[:, t] / T)`` at every
     position ``t`` (no shift, no sampling filters), in nats.
 
-    Computed ``chunk_size`` positions at a time (default ``default_chunk_size(V)``), so one
-    fp32 chunk is alive; differentiable through plain torch ops (no memory-saving backward).
+    `kernels.entropy` computes it ``chunk_size`` positions at a time (default: every position
+    at once for fused kernels, ``default_chunk_size(V)`` for the eager one, so one fp32 chunk
+    is alive); differentiable through plain torch ops (no memory-saving backward).
 
     Raises:
         ValueError: ``logits`` is not a floating ``[B, S, V]`` tensor with ``V >= 1``,
@@ -231,18 +230,16 @@ def token_entropy(
         raise ValueError(msg)
     check_temperature(temperature)
     _check_chunk_size(chunk_size)
-    chunk = chunk_size or default_chunk_size(logits_BSV.shape[-1])
-    parts: list[torch.Tensor] = []
+    if chunk_size is not None:
+        chunk = chunk_size
+    elif kernels.whole:
+        chunk = max(logits_BSV.shape[1], 1)
+    else:
+        chunk = default_chunk_size(logits_BSV.shape[-1])
+    parts = [logits_BSV.new_zeros((logits_BSV.shape[0], 0), dtype=torch.float32)]
     for start, stop in _chunk_bounds(logits_BSV.shape[1], chunk):
-        x = logits_BSV[:, start:stop].to(torch.promote_types(logits_BSV.dtype, torch.float32))
-        x = x if temperature == 1.0 else x / temperature
-        max_BS = local_max(x)
-        parts.append(
-            entropy_from_partials(local_sum_exp(x, max_BS), local_sum_exp_centered(x, max_BS))
-        )
-    if not parts:
-        return logits_BSV.new_zeros(logits_BSV.shape[:2], dtype=torch.float32)
-    return torch.cat(parts, dim=1).float()
+        parts.append(kernels.entropy(logits_BSV[:, start:stop], temperature))
+    return torch.cat(parts, dim=1)
 
 
 def check_logits_and_ids(

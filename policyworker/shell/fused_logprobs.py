@@ -24,6 +24,7 @@ import torch
 from policyworker.functional.logprob_kernels import (
     EAGER_KERNELS,
     LogprobKernels,
+    plain_entropy,
     plain_logprob_grad,
     plain_logprobs_and_lse,
 )
@@ -41,10 +42,11 @@ _PROBE_ROWS, _PROBE_POSITIONS = 2, 5
 
 
 def inductor_kernels() -> LogprobKernels:
-    """The plain pair compiled by inductor (once per process)."""
+    """The plain pair and the entropy compiled by inductor (once per process)."""
     return LogprobKernels(
         forward=compiled_once("logprobs_and_lse", plain_logprobs_and_lse),
         backward=compiled_once("logprob_grad", plain_logprob_grad),
+        entropy=compiled_once("entropy", plain_entropy),
         whole=True,
         name="fused",
     )
@@ -69,7 +71,8 @@ def _check_against_eager(
     dtype: torch.dtype,
     temperature: float,
 ) -> None:
-    """Raise AssertionError unless `kernels` match the eager pair on a random block."""
+    """Raise AssertionError unless `kernels` match the eager pair and entropy on a random
+    block."""
     gen = torch.Generator(device=device).manual_seed(0)
     shape = (_PROBE_ROWS, _PROBE_POSITIONS, vocab_size)
     logits = (4 * torch.randn(shape, generator=gen, device=device)).to(dtype)
@@ -82,6 +85,9 @@ def _check_against_eager(
     got = kernels.backward(logits, targets, want_lse, grad, temperature).float()
     want = plain_logprob_grad(logits, targets, want_lse, grad, temperature).float()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=2 * torch.finfo(dtype).eps)
+    got_entropy = kernels.entropy(logits, temperature)
+    want_entropy = plain_entropy(logits, temperature)
+    torch.testing.assert_close(got_entropy, want_entropy, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
 
 
 def fused_logprob_kernels(

@@ -10,8 +10,13 @@ eighth of the memory's speed, and that block is the largest tensor of a train st
   target's logit; out come ``logprob = x[target] - lse`` and ``lse``, both fp32;
 - backward, one program per (position, vocab block): ``g * (onehot(target) - exp(x - lse))``
   (divided by the temperature) written once in the logits' dtype.
+- entropy, one program per position: the forward's walk, also keeping the sum of
+  ``exp(x - max) * (x - max)`` rescaled with it; out comes ``log(sum) - that / sum`` in fp32
+  (for ``get_logprobs(entropy=True)``: the eager version reads and writes about 80 bytes per
+  logit).
 
-The math is `plain_logprobs_and_lse` / `plain_logprob_grad`'s; the sum runs in another order,
+The math is `plain_logprobs_and_lse` / `plain_logprob_grad` / `plain_entropy`'s; the sums run
+in another order,
 so values agree to `shell.fused_logprobs.LOGPROB_ATOL/RTOL` (checked at start-up like the
 compiled pair). Padding positions keep their contract: ``lse = +inf`` with ``grad = 0`` gives
 an exact zero gradient row. Logits may be any [B, C, V] view whose vocab dimension is dense
@@ -28,7 +33,7 @@ import triton.language as tl
 
 from policyworker.functional.logprob_kernels import LogprobKernels
 
-__all__ = ["TRITON_KERNELS", "triton_logprob_grad", "triton_logprobs_and_lse"]
+__all__ = ["TRITON_KERNELS", "triton_entropy", "triton_logprob_grad", "triton_logprobs_and_lse"]
 
 # Logits per block: 4,096 bf16 are 8 KiB, enough loads in flight per program to stream from
 # HBM, and a 151,936 vocab takes 38 blocks.
@@ -139,6 +144,46 @@ def _logprob_grad_kernel(
     tl.store(out_row + offsets, grad.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _entropy_kernel(
+    logits_ptr,
+    entropy_ptr,
+    positions,
+    vocab,
+    logits_stride_b,
+    logits_stride_c,
+    temperature,
+    SCALED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    b = (row // positions).to(tl.int64)
+    c = (row % positions).to(tl.int64)
+    row_ptr = logits_ptr + b * logits_stride_b + c * logits_stride_c
+    running_max = tl.zeros([], dtype=tl.float32) - float("inf")
+    running_sum = tl.zeros([], dtype=tl.float32)  # sum of exp(x - max)
+    running_centred = tl.zeros([], dtype=tl.float32)  # sum of exp(x - max) * (x - max)
+    for start in range(0, vocab, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + offsets, mask=offsets < vocab, other=-float("inf")).to(tl.float32)
+        if SCALED:
+            x = x / temperature
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        # moving the sums from the old max to the new one: exp(x - new) = exp(x - old) * scale
+        # and x - new = (x - old) + moved; an empty prefix (old max -inf) has nothing to move
+        moved = tl.where(running_max == -float("inf"), 0.0, running_max - shift)
+        scale = tl.exp(running_max - shift)
+        centred = x - shift
+        weights = tl.exp(centred)
+        running_centred = scale * (running_centred + moved * running_sum) + tl.sum(
+            tl.where(weights > 0, weights * centred, 0.0), axis=0
+        )
+        running_sum = running_sum * scale + tl.sum(weights, axis=0)
+        running_max = new_max
+    tl.store(entropy_ptr + row, tl.log(running_sum) - running_centred / running_sum)
+
+
 def _dense_vocab(logits_BCV: torch.Tensor) -> torch.Tensor:
     return logits_BCV if logits_BCV.stride(-1) == 1 else logits_BCV.contiguous()
 
@@ -210,8 +255,32 @@ def triton_logprob_grad(
     return out
 
 
-# The pair as the worker runs it (`shell.fused_logprobs` on CUDA): no fp32 [C, V] scratch, so
-# one call covers every position.
+def triton_entropy(logits_BCV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 entropy of ``softmax(logits / temperature)`` per position:
+    `functional.logprob_kernels.plain_entropy` in one read of the logits."""
+    logits = _dense_vocab(logits_BCV)
+    batch, positions, vocab = logits.shape
+    entropy = torch.empty((batch, positions), dtype=torch.float32, device=logits.device)
+    if entropy.numel():
+        _entropy_kernel[(batch * positions,)](
+            logits,
+            entropy,
+            positions,
+            vocab,
+            logits.stride(0),
+            logits.stride(1),
+            float(temperature),
+            **_launch_options(temperature),
+        )
+    return entropy
+
+
+# The kernels as the worker runs them (`shell.fused_logprobs` on CUDA): no fp32 [C, V] scratch,
+# so one call covers every position.
 TRITON_KERNELS = LogprobKernels(
-    forward=triton_logprobs_and_lse, backward=triton_logprob_grad, whole=True, name="fused"
+    forward=triton_logprobs_and_lse,
+    backward=triton_logprob_grad,
+    entropy=triton_entropy,
+    whole=True,
+    name="fused",
 )

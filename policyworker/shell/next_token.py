@@ -220,7 +220,11 @@ def inference_scores(
             )
         if entropy and num_next > 0:
             parts["entropy"].append(
-                collectives.entropy_any(_first(logits, num_next), temperature=temperature)
+                collectives.entropy_any(
+                    _first(logits, num_next),
+                    temperature=temperature,
+                    kernels=state.logprob_kernels,
+                )
             )
         if k:
             values, ids = collectives.topk_any(

@@ -5,12 +5,14 @@ import torch
 
 from policyworker.functional.logprob_kernels import (
     EAGER_KERNELS,
+    plain_entropy,
     plain_logprob_grad,
     plain_logprobs_and_lse,
 )
 from policyworker.shell.fused_logprobs import LOGPROB_ATOL, LOGPROB_RTOL
 from policyworker.shell.logprob_triton import (
     TRITON_KERNELS,
+    triton_entropy,
     triton_logprob_grad,
     triton_logprobs_and_lse,
 )
@@ -50,10 +52,25 @@ def check_a_slice_of_positions_and_a_padding_row(temperature: float):
     assert got.is_contiguous() and torch.equal(got[1, 3], torch.zeros_like(got[1, 3]))
 
 
+def check_entropy(vocab: int, temperature: float):
+    """The one-read entropy against the eager one: peaked and flat rows, a row whose max comes
+    late (the running sums move to a new max in a later block), and a strided slice."""
+    gen = torch.Generator().manual_seed(vocab)
+    block = torch.randn(3, 6, vocab, generator=gen) * torch.tensor([0.1, 5.0, 40.0])[:, None, None]
+    block[0, 2, -1] = 60.0  # the max in the last block
+    block = block.to(torch.bfloat16)
+    logits = block[:, 1:5]  # positions of a longer block, read in place
+    got, want = triton_entropy(logits, temperature), plain_entropy(logits, temperature)
+    assert got.dtype == torch.float32 and got.shape == (3, 4)
+    torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
+
+
 if __name__ == "__main__":
     for temperature in (1.0, 0.7):
         # one block, several blocks with a ragged last one (4096 logits per block)
         for vocab, rows, positions in ((97, 3, 5), (9000, 1, 6)):
             check_through_next_token_logprobs(vocab, rows, positions, temperature)
         check_a_slice_of_positions_and_a_padding_row(temperature)
+        for vocab in (97, 9000):
+            check_entropy(vocab, temperature)
     print("triton logprob kernels match the eager pair")

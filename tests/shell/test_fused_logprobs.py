@@ -59,6 +59,16 @@ def test_fused_kernels_match_eager_values_and_gradients(fused, dtype, rows, posi
     assert torch.equal(got_grad[:, -1], torch.zeros_like(got_grad[:, -1]))
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_fused_entropy_matches_eager_over_all_positions_at_once(fused, temperature):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 7, VOCAB, generator=gen) * torch.tensor([0.1, 5.0, 40.0])[:, None, None]
+    logits = logits.to(torch.bfloat16)
+    want = lp.token_entropy(logits, temperature=temperature, chunk_size=2)
+    got = lp.token_entropy(logits, temperature=temperature, kernels=fused)  # one call
+    torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
+
+
 def test_top_k_top_p_stay_on_the_eager_filtered_path(fused):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 6, VOCAB, generator=gen)

@@ -366,14 +366,20 @@ def next_token_logprobs_any(
 
 
 def entropy_any(
-    logits: torch.Tensor, *, temperature: float = 1.0, chunk_size: int | None = None
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    kernels: LogprobKernels = EAGER_KERNELS,
 ) -> torch.Tensor:
     """fp32 [B, S] entropy of `softmax(logits / T)` at every position (no shift, no filters) of
-    plain logits (core `token_entropy`) or vocab-sharded DTensor logits: per chunk of positions,
-    all-reduce MAX of the local max, then SUM of the two local partials. For inference: no
-    gradient flows through the all-reduces."""
+    plain logits (core `token_entropy` with `kernels`) or vocab-sharded DTensor logits: per
+    chunk of positions, all-reduce MAX of the local max, then SUM of the two local partials.
+    For inference: no gradient flows through the all-reduces."""
     if not isinstance(logits, DTensor):
-        return lp_core.token_entropy(logits, temperature=temperature, chunk_size=chunk_size)
+        return lp_core.token_entropy(
+            logits, temperature=temperature, chunk_size=chunk_size, kernels=kernels
+        )
     local, group, _, _ = _vocab_shard_of(logits)
     chunk = chunk_size or lp_core.default_chunk_size(logits.shape[-1])
     parts = [local.new_zeros((local.shape[0], 0), dtype=torch.float32)]
