@@ -29,18 +29,48 @@ def _check_k(k: int) -> None:
         raise ValueError(msg)
 
 
+# Candidates taken beyond k: enough to hold every id tied with the k-th value in nearly all rows,
+# so ties are settled among k + 16 values instead of with a pass over the vocab per row.
+_TIE_CANDIDATES = 16
+
+
 def _topk_lowest_id_on_ties(x_NV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of the last dim, ties broken towards the lower index; O(V) plus a sort of k items."""
-    lead = x_NV.shape[:-1]
+    """Top-k of the last dim, ties broken towards the lower index.
+
+    ``torch.topk`` of ``k + _TIE_CANDIDATES`` candidates, ordered by (value desc, id asc); a row
+    whose k-th value is above its last candidate's has every id tied with the k-th value among
+    them, so its first k are exact. Rows with more ties than that take `_exact_topk` (a pass
+    over the vocab)."""
+    vocab = x_NV.shape[-1]
     if k == 0:
-        empty_ids = torch.empty((*lead, 0), dtype=torch.int64, device=x_NV.device)
-        return x_NV.new_empty((*lead, 0)), empty_ids
+        empty_ids = torch.empty((*x_NV.shape[:-1], 0), dtype=torch.int64, device=x_NV.device)
+        return x_NV.new_empty((*x_NV.shape[:-1], 0)), empty_ids
+    taken = min(vocab, k + _TIE_CANDIDATES)
+    candidates, ids = torch.topk(x_NV, taken, dim=-1)
+    by_id = torch.sort(ids, dim=-1, stable=True)  # ascending ids first ...
+    candidates = candidates.gather(-1, by_id.indices)
+    # ... then a stable sort by value keeps ascending ids among equal values
+    order = torch.sort(candidates, dim=-1, descending=True, stable=True).indices[..., :k]
+    values, index = candidates.gather(-1, order), by_id.values.gather(-1, order)
+    if taken == vocab:
+        return values, index
+    settled = values[..., -1] > candidates.amin(dim=-1)
+    if bool(settled.all()):
+        return values, index
+    unsettled = ~settled
+    values[unsettled], index[unsettled] = _exact_topk(x_NV[unsettled], k)
+    return values, index
+
+
+def _exact_topk(x_NV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the last dim, ties broken towards the lower index, with a pass over the vocab:
+    everything above the k-th value, then the lowest ids equal to it."""
     kth = torch.topk(x_NV, k, dim=-1).values[..., -1:]  # the k-th largest value is tie-independent
     greater = x_NV > kth
     equal = x_NV == kth
     needed = k - greater.sum(dim=-1, keepdim=True)
     selected = greater | (equal & (equal.cumsum(dim=-1) <= needed))  # exactly k per row
-    index = selected.nonzero()[:, -1].reshape(*lead, k)  # row-major: ascending ids within a row
+    index = selected.nonzero()[:, -1].reshape(*x_NV.shape[:-1], k)  # ascending ids per row
     values = x_NV.gather(-1, index)
     order = torch.sort(values, dim=-1, descending=True, stable=True).indices
     return values.gather(-1, order), index.gather(-1, order)

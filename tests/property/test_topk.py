@@ -84,6 +84,46 @@ def test_chunked_topk_logits_equal_unchunked(case, chunks, temperature):
         assert torch.equal(indices, expected_indices)
 
 
+@settings(max_examples=60)
+@given(
+    seed=SEEDS,
+    rows=st.integers(1, 6),
+    vocab=st.integers(40, 300),
+    k=st.integers(1, 30),
+    levels=st.sampled_from([2.0, 8.0, 64.0, 1e6]),
+)
+def test_rows_with_many_or_few_ties_at_the_kth_value_get_the_exact_order(
+    seed, rows, vocab, k, levels
+):
+    """Logits rounded to a few levels tie far beyond k + 16 candidates at the k-th value (the
+    pass over the vocab settles those rows); many levels tie rarely (the candidates do)."""
+    x = (seeded_randn(seed, (1, rows, vocab)) * levels).round() / levels
+    k = min(k, vocab)
+    want_values, want_ids = oracle_topk(x, k)
+    values, ids = topk_logits(x, k)
+    assert torch.equal(values, want_values) and torch.equal(ids, want_ids)
+
+
+def test_a_batch_mixing_settled_and_tied_rows_takes_the_vocab_pass_for_the_tied_only(
+    monkeypatch,
+):
+    import policyworker.functional.topk as topk_module
+
+    passes = []
+    exact = topk_module._exact_topk
+    monkeypatch.setattr(
+        topk_module, "_exact_topk", lambda x, k: passes.append(x.shape[0]) or exact(x, k)
+    )
+    distinct = torch.randperm(200, generator=torch.Generator().manual_seed(0)).float()
+    tied = torch.zeros(200)  # every id ties with the k-th value
+    x = torch.stack([distinct, tied, distinct.flip(0)])[None]
+    values, ids = topk_logits(x, 4)
+    assert passes == [1]  # the tied row alone
+    assert ids[0, 1].tolist() == [0, 1, 2, 3]
+    want_values, want_ids = oracle_topk(x, 4)
+    assert torch.equal(values, want_values) and torch.equal(ids, want_ids)
+
+
 def test_ties_prefer_lower_ids():
     logits = torch.tensor([[[1.0, 5.0, 5.0, 2.0, 5.0]]])
     values, indices = topk_logits(logits, 2)
