@@ -27,6 +27,8 @@ from policyworker.shell.ipc_logits import TeacherLogitsBuffer, logits_record
 from policyworker.shell.state import WorkerState
 
 __all__ = [
+    "check_extra_scores",
+    "check_k",
     "full_logits_ipc",
     "logprobs",
     "reference_model",
@@ -82,6 +84,23 @@ def run(
         torch.cat(parts)[order] for parts in zip(*outputs, strict=True)
     )
     return result if returns_tuple else result[0]
+
+
+def check_k(key: str, k: Any) -> None:
+    """``ValueError`` unless `k` (the argument `key`) is an int >= 1."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        msg = f"{key}={k!r} must be a positive int (how many top logits to return per position)"
+        raise ValueError(msg)
+
+
+def check_extra_scores(entropy: Any, top_k: Any) -> None:
+    """The extra statistics `get_logprobs` may return (`entropy`, `top_k`), checked before
+    any work."""
+    if not isinstance(entropy, bool):
+        msg = f"entropy={entropy!r} must be True or False (True adds the per-token entropy)"
+        raise ValueError(msg)
+    if top_k is not None:
+        check_k("top_k", top_k)
 
 
 def logprobs(

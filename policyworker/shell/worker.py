@@ -56,22 +56,6 @@ def _state_field(name: str, doc: str) -> property:
     )
 
 
-def _check_k(key: str, k: Any) -> None:
-    """``ValueError`` unless `k` (the argument `key`) is an int >= 1."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        msg = f"{key}={k!r} must be a positive int (how many top logits to return per position)"
-        raise ValueError(msg)
-
-
-def _check_extra_scores(entropy: Any, top_k: Any) -> None:
-    """The extra statistics `get_logprobs` may return, checked before any work."""
-    if not isinstance(entropy, bool):
-        msg = f"entropy={entropy!r} must be True or False (True adds the per-token entropy)"
-        raise ValueError(msg)
-    if top_k is not None:
-        _check_k("top_k", top_k)
-
-
 class PolicyWorker(NeMoRLWorkerSurface):
     """Trains a Hugging Face model with a pluggable loss; logprobs, top-k, scores, offload,
     refit and checkpoints (NeMo-RL's policy-worker method names); NeMo-RL's base-worker methods
@@ -176,7 +160,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
         are 0; sampling's top-k/top-p do not apply); ``top_k=k`` adds ``"topk_logits"`` /
         ``"topk_indices"`` [B, S, k], equal to ``get_topk_logits(data, k)``.
         """
-        _check_extra_scores(entropy, top_k)
+        inference.check_extra_scores(entropy, top_k)
         mbatch.validate(self.state, data)
         self.state.moe.check_replay_data(data, require=require_router_replay)
         return inference.logprobs(
@@ -207,7 +191,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
     ) -> BatchedDataDict:
         """Top-k of temperature-scaled logits at every position (no shift), 0/0 at padding."""
         mbatch.validate(self.state, data)
-        _check_k("k", k)
+        inference.check_k("k", k)
         return inference.topk_logits(self.state, data, k, micro_batch_size)
 
     def score(self, data: Mapping[str, Any]) -> BatchedDataDict:

@@ -82,10 +82,15 @@ def _check_parity(group, want, name):
     data = workers._worker_data()
     got = {"logprobs": group.get_logprobs(data)["logprobs"]}
     topk = group.get_topk_logits(data, 5)
+    together = group.get_logprobs(data, entropy=True, top_k=5)  # the extras, one pass per rank
+    got["entropy"] = together["entropy"]
+    for key in ("topk_logits", "topk_indices"):
+        assert torch.equal(together[key], topk[key]), f"{name}: {key} with the logprobs"
+    assert torch.equal(together["logprobs"], got["logprobs"]), f"{name}: logprobs with extras"
     results = [group.train(data, workers._worker_loss(LOSS)) for _ in range(2)]
     got["logprobs_after"] = group.get_logprobs(data)["logprobs"]
     got["reference_logprobs"] = group.get_reference_policy_logprobs(data)["reference_logprobs"]
-    for key in ("logprobs", "logprobs_after", "reference_logprobs"):
+    for key in ("logprobs", "entropy", "logprobs_after", "reference_logprobs"):
         torch.testing.assert_close(
             got[key],
             want[key],
@@ -241,6 +246,8 @@ def test_tp2_group_on_a_shared_placement_group_matches_one_process_and_bounds_a_
             ) as failed:
                 group.get_topk_logits(workers._worker_data(), 0)
             assert isinstance(failed.value.__cause__, ValueError)
+            with pytest.raises(ValueError, match="top_k=0 must be a positive int"):
+                group.get_logprobs(workers._worker_data(), top_k=0)  # refused before any rank
             assert group.run("is_alive") == [True, True]  # a raise on every rank leaves it usable
             # One rank raises while its peer waits for it in a collective: the call fails within
             # the peers' grace period (not the 60 s collective timeout) and the group closes.

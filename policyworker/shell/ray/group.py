@@ -344,8 +344,22 @@ class RayWorkerGroup:
         }
         return {**parts[0], "all_mb_metrics": metrics}
 
-    def get_logprobs(self, data: Mapping[str, Any], micro_batch_size: int | None = None) -> Any:
-        return self._in_row_order("get_logprobs", data, micro_batch_size=micro_batch_size)
+    def get_logprobs(
+        self,
+        data: Mapping[str, Any],
+        micro_batch_size: int | None = None,
+        *,
+        entropy: bool = False,
+        top_k: int | None = None,
+    ) -> Any:
+        """`PolicyWorker.get_logprobs` on every dp shard, rows in input order (with `entropy` /
+        `top_k`, their keys too)."""
+        from policyworker.shell.inference import check_extra_scores
+
+        check_extra_scores(entropy, top_k)  # here, before any rank starts
+        return self._in_row_order(
+            "get_logprobs", data, micro_batch_size=micro_batch_size, entropy=entropy, top_k=top_k
+        )
 
     def get_reference_policy_logprobs(
         self, data: Mapping[str, Any], micro_batch_size: int | None = None
