@@ -68,16 +68,20 @@ def distillation_topk_logprobs(
             f"[B, S, K] with [B, S] = {tuple(student_logits_BSV.shape[:2])} of the student"
         )
         raise ValueError(msg)
-    logits_BSV = student_logits_BSV.to(torch.promote_types(student_logits_BSV.dtype, torch.float32))
-    ids_BSK = teacher_topk_indices_BSK.to(device=logits_BSV.device, dtype=torch.int64)
+    fp32_or_wider = torch.promote_types(student_logits_BSV.dtype, torch.float32)
+    ids_BSK = teacher_topk_indices_BSK.to(device=student_logits_BSV.device, dtype=torch.int64)
     entropy_BS = None
     if zero_outside_topk:
-        logprobs_BSV = torch.log_softmax(logits_BSV, dim=-1)
+        logprobs_BSV = torch.log_softmax(student_logits_BSV.to(fp32_or_wider), dim=-1)
         student_BSK = logprobs_BSV.gather(-1, ids_BSK)
         if calculate_entropy:
             entropy_BS = (logprobs_BSV.exp() * logprobs_BSV).sum(-1)
     else:
-        student_BSK = torch.log_softmax(logits_BSV.gather(-1, ids_BSK), dim=-1)
+        # Only the K logits are read: gathered first, then cast up. The values (and the
+        # gradient, scattered back in the logits' dtype) are those of casting the whole [B, S, V]
+        # block first, without its fp32 copy.
+        picked_BSK = student_logits_BSV.gather(-1, ids_BSK).to(fp32_or_wider)
+        student_BSK = torch.log_softmax(picked_BSK, dim=-1)
     teacher_BSK = torch.log_softmax(
         teacher_topk_logits_BSK.to(device=student_BSK.device, dtype=student_BSK.dtype), dim=-1
     )

@@ -43,6 +43,28 @@ def test_topk_logprobs_normalize_and_match_the_full_softmax(seed, shape):
 
 
 @settings(max_examples=40, deadline=None)
+@given(seed=SEEDS, shape=shapes, dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_the_student_topk_logprobs_equal_those_of_the_whole_block_cast_up_bit_for_bit(
+    seed, shape, dtype
+):
+    """The default path gathers the K logits before the fp32 cast: values and gradients are
+    those of casting the whole [B, S, V] block first (the reference below)."""
+    student, t_vals, t_ids = _case(seed, *shape)
+    logits = student.to(dtype)
+    weights = torch.randn((shape[0], shape[1] - 1, t_ids.shape[-1]), dtype=torch.float64)
+    got_x, want_x = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    got, _, _ = distillation_topk_logprobs(
+        got_x, t_vals, t_ids, zero_outside_topk=False, calculate_entropy=False
+    )
+    want = torch.log_softmax(want_x.float().gather(-1, t_ids), dim=-1)[:, :-1]
+    assert torch.equal(got, want)
+    (got * weights.float()).sum().backward()
+    (want * weights.float()).sum().backward()
+    assert got_x.grad is not None and got_x.grad.dtype == dtype
+    assert torch.equal(got_x.grad, want_x.grad)
+
+
+@settings(max_examples=40, deadline=None)
 @given(
     seed=SEEDS,
     shape=shapes,
