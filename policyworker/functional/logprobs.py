@@ -216,7 +216,8 @@ def token_entropy(
 
     `kernels.entropy` computes it ``chunk_size`` positions at a time (default: every position
     at once for fused kernels, ``default_chunk_size(V)`` for the eager one, so one fp32 chunk
-    is alive); differentiable through plain torch ops (no memory-saving backward).
+    is alive). The eager one is differentiable through plain torch ops (no memory-saving
+    backward); fused kernels are for inference (no gradient).
 
     Raises:
         ValueError: ``logits`` is not a floating ``[B, S, V]`` tensor with ``V >= 1``,
