@@ -9,13 +9,15 @@ K-point distributions. Shape legend: ``B`` rows, ``S`` positions, ``T = S - 1``,
 """
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import attrs
 import torch
 from torch import Tensor
+from torch.autograd.function import FunctionCtx
 
 from policyworker.errors import ConfigError
+from policyworker.functional.logprobs import default_chunk_size
 from policyworker.functional.loss import LossInputType, LossType
 from policyworker.functional.loss_terms import (
     config_mapping,
@@ -40,6 +42,60 @@ KLDirection = Literal["forward", "reverse", "mixed"]
 LOG_INFINITESIMAL = -100.0
 
 
+class _LogNormalizerAndPLogP(torch.autograd.Function):
+    """Per position of ``x`` = logits in fp32 (or wider): ``lse = logsumexp(x)`` and
+    ``plogp = sum_v p log p`` (minus the entropy), a chunk of positions at a time.
+
+    It saves the logits in their own dtype and the two [B, S] results; backward recomputes
+    ``log p = x - lse`` per chunk, so no fp32 [B, S, V] tensor outlives a chunk.
+    d lse / dx = p and d plogp / dx = p * (log p - plogp). Logits must be finite.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx, logits_BSV: Tensor, chunk: int
+    ) -> tuple[Tensor, Tensor]:
+        wide = torch.promote_types(logits_BSV.dtype, torch.float32)
+        lse_BS = logits_BSV.new_empty(logits_BSV.shape[:2], dtype=wide)
+        plogp_BS = torch.empty_like(lse_BS)
+        for start in range(0, logits_BSV.shape[1], chunk):
+            span = slice(start, start + chunk)
+            logp = logits_BSV[:, span].detach().to(wide, copy=True)  # scratch: changed in place
+            lse_BS[:, span] = torch.logsumexp(logp, dim=-1)
+            logp.sub_(lse_BS[:, span, None])
+            plogp_BS[:, span] = (torch.exp(logp) * logp).sum(dim=-1)
+        ctx.save_for_backward(logits_BSV, lse_BS, plogp_BS)
+        ctx.chunk = chunk  # type: ignore[attr-defined]
+        ctx.set_materialize_grads(False)
+        return lse_BS, plogp_BS
+
+    @staticmethod
+    # autograd passes one grad per forward output; naming them beats base's *grad_outputs
+    def backward(  # pyright: ignore[reportIncompatibleMethodOverride]
+        ctx: Any, grad_lse_BS: Tensor | None, grad_plogp_BS: Tensor | None
+    ) -> tuple[Tensor | None, None]:
+        saved = cast(tuple[Tensor, Tensor, Tensor], ctx.saved_tensors)
+        logits_BSV, lse_BS, plogp_BS = saved
+        if grad_lse_BS is None and grad_plogp_BS is None:
+            return None, None
+        grad_BSV = torch.empty_like(logits_BSV)
+        chunk: int = ctx.chunk
+        for start in range(0, logits_BSV.shape[1], chunk):
+            span = slice(start, start + chunk)
+            logp = logits_BSV[:, span].to(lse_BS.dtype, copy=True).sub_(lse_BS[:, span, None])
+            p = torch.exp(logp)
+            if grad_plogp_BS is None:
+                assert grad_lse_BS is not None
+                grad = p.mul_(grad_lse_BS[:, span, None])
+            else:  # p * (g_lse + g_plogp * (log p - plogp)), in place on the chunk's scratch
+                coef = logp.sub_(plogp_BS[:, span, None]).mul_(grad_plogp_BS[:, span, None])
+                if grad_lse_BS is not None:
+                    coef.add_(grad_lse_BS[:, span, None])
+                grad = p.mul_(coef)
+            grad_BSV[:, span] = grad.to(grad_BSV.dtype)
+        return grad_BSV, None
+
+
 def distillation_topk_logprobs(
     student_logits_BSV: Tensor,
     teacher_topk_logits_BSK: Tensor,
@@ -47,6 +103,7 @@ def distillation_topk_logprobs(
     *,
     zero_outside_topk: bool,
     calculate_entropy: bool,
+    chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(student_topk_logprobs_BTK, teacher_topk_logprobs_BTK, H_all_BT or None).
 
@@ -54,6 +111,10 @@ def distillation_topk_logprobs(
     log-softmax read at those ids when ``zero_outside_topk`` (so they sum to less than 1), else
     the log-softmax of its logits at the K ids. ``H_all`` is Σ_v p·log p over the full vocab
     (only when ``calculate_entropy``). The last position is dropped (it predicts no token).
+
+    Only the K logits are cast up; the full-vocab normalizer and ``H_all`` of
+    ``zero_outside_topk`` are computed ``chunk_size`` positions at a time (default
+    ``default_chunk_size(V)``), so no fp32 [B, S, V] tensor is made, in forward or backward.
     """
     k = teacher_topk_indices_BSK.shape[-1]
     if k < 1:
@@ -70,17 +131,20 @@ def distillation_topk_logprobs(
         raise ValueError(msg)
     fp32_or_wider = torch.promote_types(student_logits_BSV.dtype, torch.float32)
     ids_BSK = teacher_topk_indices_BSK.to(device=student_logits_BSV.device, dtype=torch.int64)
+    # Only the K logits are read: gathered first, then cast up. Their values (and gradient,
+    # scattered back in the logits' dtype) are those of casting the whole [B, S, V] block first,
+    # without its fp32 copy.
+    picked_BSK = student_logits_BSV.gather(-1, ids_BSK).to(fp32_or_wider)
     entropy_BS = None
-    if zero_outside_topk:
-        logprobs_BSV = torch.log_softmax(student_logits_BSV.to(fp32_or_wider), dim=-1)
-        student_BSK = logprobs_BSV.gather(-1, ids_BSK)
+    if zero_outside_topk:  # the full-vocab normalizer (and entropy), chunk by chunk
+        chunk = chunk_size or default_chunk_size(student_logits_BSV.shape[-1])
+        # autograd.Function.apply is untyped in torch's stubs
+        both: Any = _LogNormalizerAndPLogP.apply(student_logits_BSV, chunk)  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+        lse_BS, plogp_BS = cast(tuple[Tensor, Tensor], both)
+        student_BSK = picked_BSK - lse_BS[..., None]
         if calculate_entropy:
-            entropy_BS = (logprobs_BSV.exp() * logprobs_BSV).sum(-1)
+            entropy_BS = plogp_BS
     else:
-        # Only the K logits are read: gathered first, then cast up. The values (and the
-        # gradient, scattered back in the logits' dtype) are those of casting the whole [B, S, V]
-        # block first, without its fp32 copy.
-        picked_BSK = student_logits_BSV.gather(-1, ids_BSK).to(fp32_or_wider)
         student_BSK = torch.log_softmax(picked_BSK, dim=-1)
     teacher_BSK = torch.log_softmax(
         teacher_topk_logits_BSK.to(device=student_BSK.device, dtype=student_BSK.dtype), dim=-1

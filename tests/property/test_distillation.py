@@ -68,6 +68,47 @@ def test_the_student_topk_logprobs_equal_those_of_the_whole_block_cast_up_bit_fo
 @given(
     seed=SEEDS,
     shape=shapes,
+    chunk=st.integers(1, 7),
+    entropy_weight=st.sampled_from([None, 0.0, 1.3]),
+)
+def test_zero_outside_topk_values_and_gradients_match_the_full_log_softmax(
+    seed, shape, chunk, entropy_weight
+):
+    """The chunked full-vocab normalizer and H_all (no fp32 [B, S, V] kept) against autograd of
+    the plain float64 log_softmax, at any chunk size, with or without the entropy term."""
+    student, t_vals, t_ids = _case(seed, *shape)
+    gen = torch.Generator().manual_seed(seed + 7)
+    weights = torch.randn((shape[0], shape[1] - 1, t_ids.shape[-1]), generator=gen).double()
+    got_x, want_x = student.clone().requires_grad_(), student.clone().requires_grad_()
+    got, _, got_h = distillation_topk_logprobs(
+        got_x,
+        t_vals,
+        t_ids,
+        zero_outside_topk=True,
+        calculate_entropy=entropy_weight is not None,
+        chunk_size=chunk,
+    )
+    assert torch.equal(got_x.detach(), student)  # the chunks' scratch is a copy
+    logp = torch.log_softmax(want_x, -1)
+    want, want_h = logp.gather(-1, t_ids)[:, :-1], (logp.exp() * logp).sum(-1)[:, :-1]
+    torch.testing.assert_close(got, want)
+    got_loss, want_loss = (got * weights).sum(), (want * weights).sum()
+    if entropy_weight is not None:
+        assert got_h is not None
+        torch.testing.assert_close(got_h, want_h)
+        got_loss, want_loss = (
+            got_loss + entropy_weight * got_h.sum(),
+            (want_loss + entropy_weight * want_h.sum()),
+        )
+    got_loss.backward()
+    want_loss.backward()
+    torch.testing.assert_close(got_x.grad, want_x.grad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=SEEDS,
+    shape=shapes,
     weight=st.floats(0, 1),
     kind=st.sampled_from(["forward", "reverse", "mixed"]),
     zero=st.booleans(),
