@@ -60,6 +60,25 @@ def _this_position(
 
 
 @triton.jit
+def _scaled_block(row_ptr, start, vocab, temperature, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+    """The row's logits [start, start + BLOCK) in fp32, divided by the temperature (-inf past
+    the vocab, so they add nothing to a max or a sum of exponentials)."""
+    offsets = start + tl.arange(0, BLOCK)
+    x = tl.load(row_ptr + offsets, mask=offsets < vocab, other=-float("inf")).to(tl.float32)
+    if SCALED:
+        x = x / temperature
+    return x
+
+
+@triton.jit
+def _shift_for(running_max, x):
+    """(the new running max with block `x`, the shift the block's exponentials use): 0 while
+    the max is still -inf, so no (-inf) - (-inf) appears."""
+    new_max = tl.maximum(running_max, tl.max(x, axis=0))
+    return new_max, tl.where(new_max == -float("inf"), 0.0, new_max)
+
+
+@triton.jit
 def _logprobs_and_lse_kernel(
     logits_ptr,
     targets_ptr,
@@ -87,13 +106,8 @@ def _logprobs_and_lse_kernel(
     running_max = tl.zeros([], dtype=tl.float32) - float("inf")
     running_sum = tl.zeros([], dtype=tl.float32)
     for start in range(0, vocab, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + offsets, mask=offsets < vocab, other=-float("inf")).to(tl.float32)
-        if SCALED:
-            x = x / temperature
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        # an all -inf prefix keeps max -inf: shift by 0 there so no (-inf) - (-inf) appears
-        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        x = _scaled_block(row_ptr, start, vocab, temperature, SCALED, BLOCK)
+        new_max, shift = _shift_for(running_max, x)
         running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
         running_max = new_max
     lse = running_max + tl.log(running_sum)
@@ -164,12 +178,8 @@ def _entropy_kernel(
     running_sum = tl.zeros([], dtype=tl.float32)  # sum of exp(x - max)
     running_centred = tl.zeros([], dtype=tl.float32)  # sum of exp(x - max) * (x - max)
     for start in range(0, vocab, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + offsets, mask=offsets < vocab, other=-float("inf")).to(tl.float32)
-        if SCALED:
-            x = x / temperature
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        x = _scaled_block(row_ptr, start, vocab, temperature, SCALED, BLOCK)
+        new_max, shift = _shift_for(running_max, x)
         # moving the sums from the old max to the new one: exp(x - new) = exp(x - old) * scale
         # and x - new = (x - old) + moved; an empty prefix (old max -inf) has nothing to move
         moved = tl.where(running_max == -float("inf"), 0.0, running_max - shift)
