@@ -81,6 +81,18 @@ def _chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk_size, length)) for start in range(0, length, chunk_size)]
 
 
+def _positions_per_chunk(
+    logits_BSV: torch.Tensor, chunk_size: int | None, kernels: LogprobKernels
+) -> int:
+    """The caller's `chunk_size`, else every position at once for fused kernels (no fp32
+    scratch), else `default_chunk_size(V)`."""
+    if chunk_size is not None:
+        return chunk_size
+    if kernels.whole:
+        return max(logits_BSV.shape[1], 1)
+    return default_chunk_size(logits_BSV.shape[-1])
+
+
 def _pad_positions(x_BT: torch.Tensor, length: int, value: float) -> torch.Tensor:
     """``x_BT`` extended to ``length`` positions with `value` (no copy when already that long)."""
     missing = length - x_BT.shape[1]
@@ -231,12 +243,7 @@ def token_entropy(
         raise ValueError(msg)
     check_temperature(temperature)
     _check_chunk_size(chunk_size)
-    if chunk_size is not None:
-        chunk = chunk_size
-    elif kernels.whole:
-        chunk = max(logits_BSV.shape[1], 1)
-    else:
-        chunk = default_chunk_size(logits_BSV.shape[-1])
+    chunk = _positions_per_chunk(logits_BSV, chunk_size, kernels)
     parts = [logits_BSV.new_zeros((logits_BSV.shape[0], 0), dtype=torch.float32)]
     for start, stop in _chunk_bounds(logits_BSV.shape[1], chunk):
         parts.append(kernels.entropy(logits_BSV[:, start:stop], temperature))
@@ -279,12 +286,7 @@ def _chunked_logprobs(
     _check_chunk_size(chunk_size)
     if sampling.filters_active:
         kernels = filtered_kernels(sampling)
-    if chunk_size is not None:
-        chunk = chunk_size
-    elif kernels.whole:
-        chunk = max(logits_BSV.shape[1], 1)
-    else:
-        chunk = default_chunk_size(vocab_size)
+    chunk = _positions_per_chunk(logits_BSV, chunk_size, kernels)
     targets_BT = targets_BT.to(device=logits_BSV.device, dtype=torch.int64)
     targets_BT = targets_BT.clamp(0, vocab_size - 1)  # pad ids: callers mask these positions
     # The full logits go in (not a [:, :-1] view): backward then writes one [B, S, V] gradient
