@@ -62,7 +62,7 @@ def run(
     """
     seq_len = data["input_ids"].shape[1]
     planned = plans(state, data, micro_batch_size)
-    state.model.eval()
+    model_lib.set_training_mode(state.model, False)
     outputs: list[tuple[torch.Tensor, ...]] = []
     returns_tuple = False
     try:
@@ -256,7 +256,7 @@ def full_logits_ipc(
     buffer = state.logits_buffer
     storage: torch.Tensor | None = None
     records: list[dict[str, Any]] = []
-    state.model.eval()
+    model_lib.set_training_mode(state.model, False)
     try:
         with torch.no_grad():
             for buf_idx, plan in enumerate(planned):

@@ -40,6 +40,7 @@ __all__ = [
     "resolve_attn_implementation",
     "reward_model_type",
     "section_enabled",
+    "set_training_mode",
     "supports_chunked_lm_head",
 ]
 
@@ -264,6 +265,32 @@ def autocast_context(device: torch.device, dtype: torch.dtype) -> contextlib.Abs
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def set_training_mode(model: torch.nn.Module, training: bool) -> None:
+    """``model.train(training)``, skipped where it would change nothing.
+
+    ``nn.Module.train`` sets the flag on every module through ``nn.Module.__setattr__``: 0.8 ms
+    for a 28-layer decoder's 371 modules on a 2-core CPU, host time before the first kernel of
+    every ``get_logprobs``. A call in the mode the model is already in (``get_logprobs`` after
+    ``get_logprobs`` or before ``get_reference_policy_logprobs``; ``train`` after ``train``)
+    costs a read-only walk instead (0.07 ms). A module whose class overrides ``train`` (other
+    than transformers' root override, which does nothing more when the mode is unchanged)
+    always gets the call: its override may do more than set the flag.
+    """
+    from transformers import PreTrainedModel
+
+    plain_train = (torch.nn.Module.train, PreTrainedModel.train)
+    stack: list[torch.nn.Module | None] = [model]
+    while stack:
+        module = stack.pop()
+        if module is None:  # a registered slot left empty (e.g. ``bias = None`` submodules)
+            continue
+        if module.training != training or type(module).train not in plain_train:
+            model.train(training)
+            return
+        # _modules, not children(): the generator per module costs more than the walk itself.
+        stack.extend(module._modules.values())
 
 
 def _model_kwargs(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen):

@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from policyworker.shell.model import set_training_mode
 from policyworker.shell.parallel import plans as parallel_lib
 from policyworker.shell.state import WorkerState
 
@@ -99,7 +100,7 @@ def prepare_for_training(state: WorkerState) -> None:
         to_device(state, state.model)
         move_optimizer(state, state.device)
     _move_draft(state, state.device)
-    state.model.train()
+    set_training_mode(state.model, True)
     state.empty_cache()
 
 
@@ -109,7 +110,7 @@ def prepare_for_lp_inference(state: WorkerState, keep_train_buffers: bool) -> No
         move_buffers(state, state.model, state.device)
     else:
         to_device(state, state.model)
-    state.model.eval()
+    set_training_mode(state.model, False)
     if (
         not keep_train_buffers
         and state.optimizer is not None
@@ -123,7 +124,7 @@ def finish_inference(state: WorkerState) -> None:
     """Model (and draft) to the CPU, eval mode."""
     _move_draft(state, "cpu")
     to_cpu(state, state.model)
-    state.model.eval()
+    set_training_mode(state.model, False)
 
 
 def offload_before_refit(state: WorkerState) -> None:
@@ -138,7 +139,7 @@ def offload_after_refit(state: WorkerState) -> None:
     engine."""
     _move_draft(state, "cpu")
     to_cpu(state, state.model)
-    state.model.eval()
+    set_training_mode(state.model, False)
     offload_before_refit(state)
     if state.device.type == "cuda":
         log.info(

@@ -30,6 +30,7 @@ from policyworker.functional.metrics import scale_microbatch_metrics
 from policyworker.functional.tokens import mask_within_lengths, valid_token_total
 from policyworker.shell import microbatches as mbatch
 from policyworker.shell import next_token
+from policyworker.shell.model import set_training_mode
 from policyworker.shell.parallel import collectives
 from policyworker.shell.state import WorkerState
 
@@ -88,7 +89,7 @@ def train(
     dp, cp = state.parallel.dp_size, state.parallel.cp_size
     local_gbs = gbs // dp
     num_gb = _num_global_batches(state, data, gbs)
-    state.model.train(not eval_mode)
+    set_training_mode(state.model, not eval_mode)
     grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
     losses, all_mb_metrics = [], {}
     grad_norm, skipped, stepped = None, 0, 0

@@ -10,6 +10,7 @@ from policyworker.shell.model import (
     forward_logits,
     load_policy_model,
     resolve_attn_implementation,
+    set_training_mode,
 )
 from tests.shell.conftest import make_config
 
@@ -175,3 +176,44 @@ def test_reward_models_load_with_one_label(tiny_reward_paths):
         )
         model, _ = load_policy_model(cfg, device=CPU)
         assert type(model).__name__ == cls_name and model.config.num_labels == 1
+
+
+class _CountingTrain(torch.nn.Linear):
+    """A module whose class overrides ``train`` (counts its calls)."""
+
+    calls = 0
+
+    def train(self, mode: bool = True):
+        type(self).calls += 1
+        return super().train(mode)
+
+
+def test_set_training_mode_switches_every_module_and_skips_only_a_call_that_changes_nothing(
+    tiny_model_paths, monkeypatch
+):
+    """The skip is sound: any module (however deep) in the other mode, or a module overriding
+    ``train``, gets the real call; a model wholly in the mode does not."""
+    model, _ = load_policy_model(load_config(make_config(tiny_model_paths["qwen2"])), device=CPU)
+    calls = []
+    real_train = torch.nn.Module.train
+    monkeypatch.setattr(
+        torch.nn.Module,
+        "train",
+        lambda self, mode=True: calls.append(mode) or real_train(self, mode),
+    )
+    set_training_mode(model, False)
+    assert not any(m.training for m in model.modules())
+    calls.clear()
+    set_training_mode(model, False)
+    assert calls == []  # already in eval mode everywhere: no walk through __setattr__
+    deepest = list(model.modules())[-1]
+    deepest.training = True  # one leaf left in train mode: the call must reach it
+    set_training_mode(model, False)
+    assert calls and not any(m.training for m in model.modules())
+    set_training_mode(model, True)
+    assert all(m.training for m in model.modules())
+    model.model.layers[0].mlp.add_module("counted", _CountingTrain(2, 2))
+    model.model.layers[0].mlp.counted.train(True)
+    _CountingTrain.calls = 0
+    set_training_mode(model, True)  # the mode is unchanged, but an override always gets its call
+    assert _CountingTrain.calls == 1
