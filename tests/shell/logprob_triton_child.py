@@ -9,14 +9,18 @@ from policyworker.functional.logprob_kernels import (
     plain_logprob_grad,
     plain_logprobs_and_lse,
 )
-from policyworker.shell.fused_logprobs import LOGPROB_ATOL, LOGPROB_RTOL
+from policyworker.shell.fused_logprobs import (
+    LOGPROB_ATOL,
+    LOGPROB_RTOL,
+    assert_logprob_grads_close,
+)
 from policyworker.shell.logprob_triton import (
     TRITON_KERNELS,
     triton_entropy,
     triton_logprob_grad,
     triton_logprobs_and_lse,
 )
-from tests.shell.test_fused_logprobs import _scored
+from tests.shell.test_fused_logprobs import _scored, assert_scored_grads_close
 
 
 def check_through_next_token_logprobs(vocab: int, rows: int, positions: int, temperature: float):
@@ -28,8 +32,7 @@ def check_through_next_token_logprobs(vocab: int, rows: int, positions: int, tem
     got, got_grad = _scored(TRITON_KERNELS, logits, ids, weights, temperature)
     torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
     assert got_grad.dtype == torch.bfloat16
-    eps = torch.finfo(torch.bfloat16).eps
-    torch.testing.assert_close(got_grad.float(), want_grad.float(), atol=1e-6, rtol=2 * eps)
+    assert_scored_grads_close(got_grad, want_grad, logits, weights, temperature)
     assert torch.equal(got_grad[:, -1], torch.zeros_like(got_grad[:, -1]))
 
 
@@ -47,8 +50,7 @@ def check_a_slice_of_positions_and_a_padding_row(temperature: float):
     lse[1, 3], grad[1, 3] = float("inf"), 0.0
     got = triton_logprob_grad(logits, ids, lse, grad, temperature)
     want = plain_logprob_grad(logits, ids, lse, grad, temperature)
-    eps = torch.finfo(torch.bfloat16).eps
-    torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=2 * eps)
+    assert_logprob_grads_close(got, want, logits=logits, grad=grad, temperature=temperature)
     assert got.is_contiguous() and torch.equal(got[1, 3], torch.zeros_like(got[1, 3]))
 
 

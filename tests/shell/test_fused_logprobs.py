@@ -8,10 +8,19 @@ import pytest
 import torch
 
 from policyworker.functional import logprobs as lp
-from policyworker.functional.logprob_kernels import EAGER_KERNELS
+from policyworker.functional.logprob_kernels import (
+    EAGER_KERNELS,
+    plain_logprob_grad,
+    plain_logprobs_and_lse,
+)
 from policyworker.functional.sampling import Sampling
 from policyworker.shell import fused_logprobs
-from policyworker.shell.fused_logprobs import LOGPROB_ATOL, LOGPROB_RTOL, fused_logprob_kernels
+from policyworker.shell.fused_logprobs import (
+    LOGPROB_ATOL,
+    LOGPROB_RTOL,
+    assert_logprob_grads_close,
+    fused_logprob_kernels,
+)
 
 VOCAB = 97
 
@@ -42,6 +51,15 @@ def _scored(kernels, logits, ids, weights, temperature):
     return out, x.grad
 
 
+def assert_scored_grads_close(got_grad, want_grad, logits, weights, temperature):
+    """`_scored`'s gradients within the documented bound (the last position has no target, so
+    its upstream gradient is 0)."""
+    upstream = torch.nn.functional.pad(weights, (0, 1))
+    assert_logprob_grads_close(
+        got_grad, want_grad, logits=logits, grad=upstream, temperature=temperature
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("rows", "positions"), [(1, 9), (3, 5)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -54,8 +72,7 @@ def test_fused_kernels_match_eager_values_and_gradients(fused, dtype, rows, posi
     got, got_grad = _scored(fused, logits, ids, weights, temperature)
     torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
     assert got_grad.dtype == dtype
-    eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(got_grad.float(), want_grad.float(), atol=1e-6, rtol=2 * eps)
+    assert_scored_grads_close(got_grad, want_grad, logits, weights, temperature)
     assert torch.equal(got_grad[:, -1], torch.zeros_like(got_grad[:, -1]))
 
 
@@ -94,3 +111,27 @@ def test_a_compile_failure_falls_back_to_eager_and_names_the_reason(monkeypatch)
     with pytest.warns(RuntimeWarning, match="fused logprob kernels fell back to eager"):
         kernels, reason = _kernels("layer")
     assert kernels is EAGER_KERNELS and reason == "RuntimeError: no inductor today"
+
+
+def test_the_gradient_bound_takes_rounding_and_rejects_real_errors():
+    """The bound admits what another fp32 order does (the lse shifted by a few of its ulps) and
+    rejects a 1e-4 relative error in the softmax and a missing 1/T."""
+    gen = torch.Generator().manual_seed(11)
+    temperature = 0.7
+    logits = 5 * torch.randn(2, 4, VOCAB, generator=gen)
+    ids = torch.randint(0, VOCAB, (2, 4), generator=gen)
+    grad = torch.randn(2, 4, generator=gen)
+    _, lse = plain_logprobs_and_lse(logits, ids, temperature)
+    want = plain_logprob_grad(logits, ids, lse, grad, temperature)
+    ulp = (torch.nextafter(lse, torch.full_like(lse, float("inf"))) - lse).abs()
+    reordered = plain_logprob_grad(logits, ids, lse + 2 * ulp, grad, temperature)
+    assert not torch.equal(reordered, want)
+    assert_logprob_grads_close(reordered, want, logits=logits, grad=grad, temperature=temperature)
+    off = plain_logprob_grad(logits, ids, lse + 1e-4, grad, temperature)
+    with pytest.raises(AssertionError, match="logprob gradients differ"):
+        assert_logprob_grads_close(off, want, logits=logits, grad=grad, temperature=temperature)
+    no_temperature = want * temperature
+    with pytest.raises(AssertionError, match="worst at"):
+        assert_logprob_grads_close(
+            no_temperature, want, logits=logits, grad=grad, temperature=temperature
+        )
