@@ -1,26 +1,28 @@
 #!/usr/bin/env bash
 # Issue 17's rows on one GPU, in parts that each fit one device call (under 10 minutes; the
-# figures in brackets are the 12-05 H200 timings); run from the repo root, results under $OUT
-# (default bench/results). PART=1..3 make the README's table; PART=4 the profiles.
+# figures in brackets are run C's H200 timings: 12-05, commit 095c59f, PART=1 303 s, PART=2
+# 373 s); run from the repo root, results under $OUT (default bench/results). PART=1 and
+# PART=2 make the README's table, PART=3 runs the GPU tests, PART=4 the profiles.
 # No row is timed after a profile in its process (the profiler leaves every later launch slower:
 # bench/common.mark_profiled), so the table's parts profile nothing; PART=4 holds the profiles.
 #   PART=1  train_step.json     packed train step, default config (fusion: auto) vs fusion: none,
 #                               the default config with LoRA dim 16 (LoRA vs full fine-tuning),
 #                               and fusion: none with Liger's RMSNorm/SwiGLU/RoPE kernels (our
 #                               compile vs the field's kernel library); the log is train_step.log
-#                               [222 s with a profile and without the Liger row on 12-05, A]
-#           logprobs.json       get_logprobs at 16k and 32k tokens vs plain and Liger [56 s]
+#                               [203 s]
+#           logprobs.json       get_logprobs at 16k and 32k tokens vs plain and Liger [54 s]
 #           lora.json           LoRA (compute_dtype float32 and auto) vs full fine-tuning, plain
-#                               loop [22 s]
+#                               loop [30 s]
 #           refit.json          refit 1.5B and 7B shapes vs NeMo-RL's sender path and the ceiling
-#                               [about 40 s]
+#                               [15 s]
 #   PART=2  train_step_8b.json  Qwen2.5-7B shape with LoRA dim 16 on every linear (8B-class row)
+#                               [170 s]
 #           checkpoint.json     async saves (blocked / total), a sync save after them (staging
 #                               kept) and without staging (and its weights-only and
 #                               optimizer-only parts, the latter also with DCP's own copies as
-#                               the baseline), raw write, cold load, raw read [242 s on 12-05,
-#                               A; 195 s with --skip-load on 09075e0]
-#   PART=3  pytest_gpu.xml      pytest -q tests/gpu [about 390 s: the fused-worker tests compile]
+#                               the baseline), raw write, cold load, raw read [203 s]
+#   PART=3  pytest_gpu.xml      pytest -q tests/gpu [256 s; 390 s on 12-05: the fused-worker
+#                               tests compile]
 #   PART=4  train_step_lora.json  the 1.5B default config with LoRA dim 16 alone, --profile (where
 #                               a LoRA step's time goes: kernels, GPU idle, host; and its speed
 #                               after the profile); the log is train_step_lora.log [132 s]
