@@ -70,14 +70,14 @@ def assert_logprob_grads_close(
     eps32 = torch.finfo(torch.float32).eps
     per_position = 4 * eps32 * (lse.abs() + 1) * grad.float().abs() / temperature
     allowed = 1e-6 + per_position[..., None] + 2 * torch.finfo(want.dtype).eps * want.float().abs()
-    excess = (got.float() - want.float()).abs() - allowed
-    if bool((excess > 0).any()):
-        worst = int(excess.argmax())
-        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), excess.shape))
-        diff = float((got.float() - want.float()).abs().flatten()[worst])
+    diff = (got.float() - want.float()).abs()
+    beyond = int((diff > allowed).sum())
+    if beyond:
+        worst = int((diff - allowed).argmax())
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), diff.shape))
         msg = (
-            f"logprob gradients differ at {int((excess > 0).sum())} of {excess.numel()} "
-            f"entries; worst at {index}: |got - want| = {diff:.3g}, allowed "
+            f"logprob gradients differ at {beyond} of {diff.numel()} entries; worst at "
+            f"{index}: |got - want| = {float(diff.flatten()[worst]):.3g}, allowed "
             f"{float(allowed.flatten()[worst]):.3g}"
         )
         raise AssertionError(msg)

@@ -237,9 +237,9 @@ def test_fused_logprob_kernels_match_eager_at_a_real_vocab_in_bf16(temperature):
     from policyworker.shell.fused_logprobs import (
         LOGPROB_ATOL,
         LOGPROB_RTOL,
-        assert_logprob_grads_close,
         fused_logprob_kernels,
     )
+    from tests.shell.test_fused_logprobs import assert_scored_grads_close
 
     vocab, cuda = 151_936, torch.device("cuda")
     kernels, reason = fused_logprob_kernels(
@@ -260,10 +260,7 @@ def test_fused_logprob_kernels_match_eager_at_a_real_vocab_in_bf16(temperature):
         results.append((out, x.grad))
     (want, want_grad), (got, got_grad) = results
     torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
-    upstream = torch.nn.functional.pad(weights, (0, 1))
-    assert_logprob_grads_close(
-        got_grad, want_grad, logits=logits, grad=upstream, temperature=temperature
-    )
+    assert_scored_grads_close(got_grad, want_grad, logits, weights, temperature)
     got_entropy = lp.token_entropy(logits, temperature=temperature, kernels=kernels)
     want_entropy = lp.token_entropy(logits, temperature=temperature)  # eager, chunked
     torch.testing.assert_close(got_entropy, want_entropy, atol=LOGPROB_ATOL, rtol=LOGPROB_RTOL)
