@@ -51,9 +51,9 @@ from common import (  # noqa: I001  (bench/ is run as a script folder)
 )
 from gpu_gaps import print_profile  # bench/gpu_gaps.py
 
-from policyworker.shell.fusion import FUSION_MODES
-from policyworker.shell.model import autocast_context
-from policyworker.shell.worker import PolicyWorker
+from policyworker.shell.kernels.fusion import FUSION_MODES
+from policyworker.shell.model.hf_model import autocast_context
+from policyworker.shell.worker.policy_worker import PolicyWorker
 
 MEMORY_LIMIT = 0.10  # of the plain path's extra peak (issue 17)
 TOP_K = 20  # the extras row's k (a distillation teacher's usual top-k)
@@ -93,8 +93,8 @@ def kernel_rows(tokens: int, vocab: int, repeats: int) -> tuple[list[dict], dict
     kernels on CUDA (`shell.logprob_triton`) against inductor's compile of the same functions
     (what the worker ran before), forward, backward and entropy, each beside the time one read
     (+ one write in backward) of the block takes at the measured copy ceiling."""
-    from policyworker.shell.fused_logprobs import inductor_kernels
-    from policyworker.shell.logprob_triton import TRITON_KERNELS
+    from policyworker.shell.kernels.fused_logprobs import inductor_kernels
+    from policyworker.shell.kernels.logprob_triton import TRITON_KERNELS
 
     cuda = torch.device("cuda")
     gen = torch.Generator(device=cuda).manual_seed(0)

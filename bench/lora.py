@@ -49,7 +49,7 @@ from common import (  # noqa: E402  (bench/ is run as a script folder)
 )
 
 from policyworker.functional.lora import merge_lora_weight  # noqa: E402
-from policyworker.shell.lora import (  # noqa: E402
+from policyworker.shell.model.lora import (  # noqa: E402
     LinearLoRA,
     apply_lora,
     lora_modules,

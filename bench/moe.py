@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from policyworker.functional.loss import NLLLoss  # noqa: E402
-from policyworker.shell.worker import PolicyWorker  # noqa: E402
+from policyworker.shell.worker.policy_worker import PolicyWorker  # noqa: E402
 
 VOCAB = 128
 ADAMW = {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-4}}

@@ -76,7 +76,7 @@ def main() -> None:
     from policyworker.functional.loss import NLLLoss
     from policyworker.shell.parallel.context import ParallelContext
     from policyworker.shell.ray import RayWorkerGroup
-    from policyworker.shell.worker import PolicyWorker
+    from policyworker.shell.worker.policy_worker import PolicyWorker
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

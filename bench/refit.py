@@ -62,14 +62,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from policyworker.functional.buckets import IpcBucket, TensorSpec, align_up  # noqa: E402
-from policyworker.shell.refit.one_pass_sender import OnePassWriter  # noqa: E402
-from policyworker.shell.refit.params import (  # noqa: E402
+from policyworker.shell.refit.one_pass.sender import OnePassWriter  # noqa: E402
+from policyworker.shell.refit.sender import RefitSender  # noqa: E402
+from policyworker.shell.refit.weight_stream import (  # noqa: E402
     RefitSource,
     iter_refit_sources,
     refit_specs,
 )
-from policyworker.shell.refit.sender import RefitSender  # noqa: E402
-from policyworker.shell.refit.staging import CudaStaging, ShmStaging, grouped_copy_  # noqa: E402
+from policyworker.shell.refit.zmq.staging import CudaStaging, ShmStaging, grouped_copy_  # noqa: E402
 
 SHAPES = {
     # hidden, intermediate, layers, heads, kv_heads, vocab, tied
@@ -134,8 +134,8 @@ def build_module(
 
 
 def run_receiver(args: argparse.Namespace) -> None:
+    from policyworker.functional.wire.codec import DTYPES_BY_NAME
     from policyworker.shell.refit.receiver import HFWeightReceiver
-    from policyworker.shell.refit.wire import DTYPES_BY_NAME
 
     torch.set_num_threads(1)
     spec = json.loads(Path(args.spec).read_text())

@@ -57,8 +57,8 @@ from common import REPO, print_table, ratio  # noqa: E402
 from refit import build_module, per_tensor_stream, state_shapes  # noqa: E402
 
 from policyworker.functional.buckets import align_up  # noqa: E402
-from policyworker.shell.refit.params import iter_refit_sources, refit_specs  # noqa: E402
 from policyworker.shell.refit.sender import RefitSender  # noqa: E402
+from policyworker.shell.refit.weight_stream import iter_refit_sources, refit_specs  # noqa: E402
 
 SHAPE = "qwen2.5-7b/64"
 TARGET_BUCKETS = 15  # the real 7B shape at the default 1 GiB buffers
@@ -76,8 +76,8 @@ def _median_ms(fn: Callable[[], Any], repeats: int, warmup: int) -> tuple[float,
 
 
 def run_receiver(spec_path: str) -> None:
+    from policyworker.functional.wire.codec import DTYPES_BY_NAME
     from policyworker.shell.refit.receiver import HFWeightReceiver
-    from policyworker.shell.refit.wire import DTYPES_BY_NAME
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
@@ -245,7 +245,7 @@ def main() -> None:
         "state_dict(keep_vars=True) alone": lambda: model.state_dict(keep_vars=True),
     }
     try:  # the plan-cache check: state_dict + signature compare, no tensor touched
-        from policyworker.shell.refit.params import refit_stream
+        from policyworker.shell.refit.weight_stream import refit_stream
 
         walks["refit_stream (state_dict + signature check)"] = lambda: refit_stream(
             model, torch.bfloat16

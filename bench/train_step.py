@@ -63,9 +63,9 @@ from gpu_gaps import print_profile  # bench/gpu_gaps.py
 
 from policyworker.functional.logprob_kernels import EAGER_KERNELS
 from policyworker.functional.loss import NLLLoss
-from policyworker.shell.fused_logprobs import fused_logprob_kernels
-from policyworker.shell.fusion import FUSION_MODES
-from policyworker.shell.worker import PolicyWorker
+from policyworker.shell.kernels.fused_logprobs import fused_logprob_kernels
+from policyworker.shell.kernels.fusion import FUSION_MODES
+from policyworker.shell.worker.policy_worker import PolicyWorker
 
 # Issue 17's MFU targets with the default config, per `--shape`: the 1.5B shape trained in full,
 # and an 8B-class shape that fits one GPU (LoRA or a CPU-offloaded optimizer).

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
 from policyworker import ClippedPGLossFn, PolicyWorker, flatten_train_metrics
-from policyworker.shell.config_io import load_config_file, log_config, read_config_section
+from policyworker.config.files import load_config_file, log_config, read_config_section
 
 YAML = pathlib.Path(__file__).with_name("nemo_rl_grpo.yaml")
 

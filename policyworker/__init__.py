@@ -11,9 +11,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "PolicyWorker": "policyworker.shell.worker",
-    "AutomodelPolicyWorker": "policyworker.shell.worker",
-    "AutomodelPolicyWorkerImpl": "policyworker.shell.worker",
+    "PolicyWorker": "policyworker.shell.worker.policy_worker",
+    "AutomodelPolicyWorker": "policyworker.shell.worker.policy_worker",
+    "AutomodelPolicyWorkerImpl": "policyworker.shell.worker.policy_worker",
     "HFWeightReceiver": "policyworker.shell.refit.receiver",
     "PolicyConfig": "policyworker.config",
     "load_config": "policyworker.config",

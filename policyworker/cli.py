@@ -3,7 +3,7 @@
 - `demo`: GRPO on a toy task with a separate inference process refit over ZMQ (see
   `policyworker.demo.loop`); exit 0 only if reward rose and trainer/inference logprobs agree.
 - `info`: versions, devices, attention kernels and weight transports usable here.
-- `bench`: run `bench/*.py` and print one table (see `policyworker.bench_runner`).
+- `bench`: run `bench/*.py` and print one table (see `policyworker._dev.bench_runner`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ _positive_float = _bounded(float, 0, inclusive=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from policyworker import bench_runner
+    from policyworker._dev import bench_runner
 
     parser = argparse.ArgumentParser(
         prog="policyworker", description=(__doc__ or "policyworker").splitlines()[0]
@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "info":
         print(format_info(collect_info()))
         return 0
-    from policyworker import bench_runner
+    from policyworker._dev import bench_runner
 
     return bench_runner.run_from_args(args, parser)
 

@@ -4,8 +4,8 @@ A ``BatchedDataDict`` maps keys to tensors or lists that share dim 0 (the batch)
 right-padded: for every tensor with ``ndim >= 2``, dim 1 is the sequence. Sharding for
 data-parallel ranks (plain, dynamic batching, sequence packing) follows NeMo-RL's
 ``shard_by_batch_size``; the planning math lives in ``policyworker.functional.batching`` and
-``...packing``. ``validate_batch`` and the loss checks live in ``policyworker.data_checks``
-and stay importable from here.
+``...packing``. ``validate_batch`` and the loss checks live in
+``policyworker.functional.data_checks`` and stay importable from here.
 
 Why it is over 400 lines: ``BatchedDataDict`` is one class whose public methods are NeMo-RL's,
 name for name (slicing, reordering, microbatch iterators, ``shard_by_batch_size`` with its
@@ -19,9 +19,14 @@ from typing import Any, Literal, Self, get_args
 
 import torch
 
-from policyworker.data_checks import batch_rows, check_loss_fn, train_required_keys, validate_batch
 from policyworker.errors import DataError
 from policyworker.functional.batching import inverse_permutation, round_up, token_budget_boundaries
+from policyworker.functional.data_checks import (
+    batch_rows,
+    check_loss_fn,
+    train_required_keys,
+    validate_batch,
+)
 from policyworker.functional.packing import pack_into_bins
 
 __all__ = [

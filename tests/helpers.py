@@ -242,7 +242,7 @@ def router_weight_dtype(model, dtype):
     transformers keeps `gate.weight` in fp32 (5.2x lists it; 5.19 keeps only the bias)."""
     import torch
 
-    from policyworker.shell.refit.params import keep_fp32_patterns
+    from policyworker.shell.refit.weight_stream import keep_fp32_patterns
 
     return torch.float32 if "gate.weight" in keep_fp32_patterns(model) else dtype
 

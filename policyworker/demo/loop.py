@@ -298,7 +298,7 @@ def run_demo(
     import transformers
 
     from policyworker.shell.parallel.context import ParallelContext
-    from policyworker.shell.worker import PolicyWorker
+    from policyworker.shell.worker.policy_worker import PolicyWorker
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

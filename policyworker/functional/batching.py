@@ -14,6 +14,7 @@ All functions are pure: they never modify their arguments and read no runtime st
 """
 
 from collections.abc import Sequence
+from typing import Literal
 
 import attrs
 import torch
@@ -22,12 +23,14 @@ from policyworker.functional.packing import PackingAlgorithm, int_list, pack_int
 
 __all__ = [
     "MicrobatchPlan",
+    "MicrobatchSpec",
     "dummy_microbatches",
     "dynamic_microbatches",
     "fixed_microbatches",
     "inverse_permutation",
     "num_dummy_microbatches",
     "packed_microbatches",
+    "plan_microbatches",
     "round_up",
     "rows_in_input_order",
     "token_budget_boundaries",
@@ -47,6 +50,50 @@ class MicrobatchPlan:
     width: int
     packed: bool = False
     is_dummy: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class MicrobatchSpec:
+    """How one pass cuts a rank's rows into microbatches, as plain values.
+
+    ``fixed``: ``mbs`` rows at a time. ``dynamic``: rows sorted by length, grown while the
+    padded width times the row count fits ``token_budget`` (widths rounded to
+    ``sequence_length_round``). ``packed``: whole sequences packed into bins of ``token_budget``
+    tokens by ``algorithm``, each length rounded up to ``pad_multiple``.
+    """
+
+    kind: Literal["fixed", "dynamic", "packed"] = "fixed"
+    token_budget: int = 0
+    sequence_length_round: int = 1
+    algorithm: PackingAlgorithm = "modified_first_fit_decreasing"
+    pad_multiple: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind != "fixed" and self.token_budget < 1:
+            raise ValueError(
+                f"a {self.kind} microbatch spec needs token_budget >= 1, got {self.token_budget}"
+            )
+
+
+def plan_microbatches(
+    spec: MicrobatchSpec, lengths_B: torch.Tensor, *, seq_len: int, mbs: int
+) -> list["MicrobatchPlan"]:
+    """This rank's fixed / dynamic / packed microbatch plans for rows of `lengths_B`."""
+    if spec.kind == "fixed":
+        return fixed_microbatches(int(lengths_B.shape[0]), mbs, seq_len=seq_len)
+    if spec.kind == "dynamic":
+        return dynamic_microbatches(
+            lengths_B,
+            max_tokens=spec.token_budget,
+            seq_len=seq_len,
+            sequence_length_round=spec.sequence_length_round,
+        )
+    return packed_microbatches(
+        lengths_B,
+        capacity=spec.token_budget,
+        algorithm=spec.algorithm,
+        pad_multiple=spec.pad_multiple,
+    )
 
 
 def round_up(n: int, multiple: int) -> int:

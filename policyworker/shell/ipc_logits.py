@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
+from policyworker.functional.wire.codec import DTYPES_BY_NAME, SHM_NAME_RE, dtype_name
 from policyworker.shell.parallel.context import ParallelContext
-from policyworker.shell.refit.ipc_files import SHM_DIR
-from policyworker.shell.refit.staging import ShmStaging
-from policyworker.shell.refit.wire import DTYPES_BY_NAME, SHM_NAME_RE, dtype_name
+from policyworker.shell.refit.zmq.ipc_files import SHM_DIR
+from policyworker.shell.refit.zmq.staging import ShmStaging
 
 __all__ = [
     "TeacherLogitsBuffer",

@@ -30,7 +30,7 @@ def draft_config(path, batching):
 
 
 def draft_data():
-    from tests.shell.test_draft import _affine_batch
+    from tests.shell.worker.test_draft import _affine_batch
 
     data = _affine_batch(8, seed=21)
     data["input_lengths"] = torch.tensor(LENGTHS)
@@ -51,7 +51,7 @@ def _train(worker, data):
 
 def draft_reference(path):
     """One process, the whole batch: each batching's draft losses and draft weights."""
-    from policyworker.shell.worker import PolicyWorker
+    from policyworker.shell.worker.policy_worker import PolicyWorker
 
     out = {}
     for batching in BATCHINGS:
@@ -65,7 +65,7 @@ def draft_reference(path):
 def draft_dp2(rank, size, path, want, root):
     """dp2 on half the rows each == one process on all of them; the ranks' drafts are equal;
     a dp2 checkpoint holds that draft."""
-    from policyworker.shell.worker import PolicyWorker
+    from policyworker.shell.worker.policy_worker import PolicyWorker
 
     rows = slice(rank * 4, rank * 4 + 4)
     for batching, (want_losses, want_draft) in want.items():
@@ -93,7 +93,7 @@ def draft_dp2(rank, size, path, want, root):
 def _check_checkpoint(worker, path, draft, root):
     """A dp2 save (the replicated draft written once) loads into one process: the same draft."""
     from policyworker.shell.parallel.context import ParallelContext
-    from policyworker.shell.worker import PolicyWorker
+    from policyworker.shell.worker.policy_worker import PolicyWorker
 
     worker.save_checkpoint(f"{root}/weights", f"{root}/optimizer")
     worker.finalize_async_save()

@@ -34,7 +34,7 @@ def moe_data(routes=None):
 def moe_reference(path):
     """One process: the model's own routes, replayed logprobs, one step's loads and biases."""
     from policyworker.functional.loss import NLLLoss
-    from policyworker.shell.worker import PolicyWorker
+    from policyworker.shell.worker.policy_worker import PolicyWorker
     from tests.helpers import own_moe_routes
 
     worker = PolicyWorker(moe_config(path, "fixed"))
@@ -53,8 +53,8 @@ def moe_dp2(rank, size, path, want):
     """dp2: replayed logprobs match one process; the step's loads are summed over both ranks
     (every microbatch, no dummy) and both ranks move the bias exactly as one process does."""
     from policyworker.functional.loss import NLLLoss
-    from policyworker.shell import microbatches as mbatch
-    from policyworker.shell.worker import PolicyWorker
+    from policyworker.shell.worker import microbatches as mbatch
+    from policyworker.shell.worker.policy_worker import PolicyWorker
 
     data = moe_data(want["routes"])
     rows = slice(rank * 2, rank * 2 + 2)

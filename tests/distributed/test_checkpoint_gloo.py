@@ -8,7 +8,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from policyworker.functional.loss import NLLLoss
 from policyworker.shell import checkpoint as ck
-from policyworker.shell.worker import PolicyWorker
+from policyworker.shell.worker.policy_worker import PolicyWorker
 from tests.distributed import checkpoint_workers as workers
 from tests.distributed.launch import run_on_gloo
 from tests.shell.conftest import _build, make_batch, make_config

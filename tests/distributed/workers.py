@@ -503,7 +503,7 @@ def _exercise_worker(worker, data, loss_kind, *, calibrate):
 
 def worker_references(path, cases):
     """Single-process fp32 outputs of every case (run in the test process, before the fork)."""
-    from policyworker.shell.worker import PolicyWorker
+    from policyworker.shell.worker.policy_worker import PolicyWorker
 
     refs = {}
     for label, batching, sampling, loss_kind, extra in cases:
@@ -589,7 +589,7 @@ def _check_zmq_refit(worker, params):
 
 def worker_parity(rank, size, path, tp_sizes, references, extra_checks=()):
     """PolicyWorker under each tp size (dp = world / tp) == one process, case by case."""
-    from policyworker.shell.worker import PolicyWorker
+    from policyworker.shell.worker.policy_worker import PolicyWorker
 
     cases = [c for c in WORKER_CASES + (LORA_CASE,) if c[0] in references]
     for tp_size in tp_sizes:
@@ -649,7 +649,7 @@ def worker_parity(rank, size, path, tp_sizes, references, extra_checks=()):
 
 def _check_checkpoint(worker, params, root):
     """A sharded save (HF weights + DCP optimizer) loads into one process: the same weights."""
-    from policyworker.shell.worker import PolicyWorker
+    from policyworker.shell.worker.policy_worker import PolicyWorker
 
     worker.save_checkpoint(f"{root}/weights", f"{root}/optimizer")
     worker.finalize_async_save()
@@ -696,7 +696,7 @@ def _check_nan_on_one_rank_skips_everywhere(worker, params):
 def worker_rank_raises(rank, size, path):
     """Rank 1 passes a bad batch (ValueError before any collective); rank 0 waits in train."""
     from policyworker.functional.loss import NLLLoss
-    from policyworker.shell.worker import PolicyWorker
+    from policyworker.shell.worker.policy_worker import PolicyWorker
 
     worker = PolicyWorker(_worker_config(path, tp_size=1))
     data = _worker_data()

@@ -22,7 +22,7 @@ require_vllm()
 
 from policyworker.functional.loss import NLLLoss  # noqa: E402
 from policyworker.shell.engines.vllm import VllmRefit  # noqa: E402
-from policyworker.shell.worker import PolicyWorker  # noqa: E402
+from policyworker.shell.worker.policy_worker import PolicyWorker  # noqa: E402
 from tests.engines.vllm_helpers import hf_continuation, tiny_model  # noqa: E402
 from tests.shell.conftest import make_batch, make_config  # noqa: E402
 
@@ -121,7 +121,7 @@ def _acceptance(llm, prompts) -> tuple[float, int]:
 
 
 def test_vllm_speculates_with_the_refit_draft(llm, worker):
-    from tests.shell.test_draft import _affine_batch
+    from tests.shell.worker.test_draft import _affine_batch
 
     prompts = [row[:4].tolist() for row in _affine_batch(8, seed=999)["input_ids"]]
     VllmRefit(llm, worker).refit()  # the fresh draft of the checkpoint

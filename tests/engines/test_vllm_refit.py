@@ -26,7 +26,7 @@ from policyworker.errors import RefitError  # noqa: E402
 from policyworker.functional.loss import NLLLoss  # noqa: E402
 from policyworker.shell.engines.vllm import VllmRefit  # noqa: E402
 from policyworker.shell.refit.sender import RefitSender  # noqa: E402
-from policyworker.shell.worker import PolicyWorker  # noqa: E402
+from policyworker.shell.worker.policy_worker import PolicyWorker  # noqa: E402
 from tests.shell.conftest import make_batch, make_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -133,7 +133,7 @@ def test_a_version_vllm_cannot_load_is_rolled_back_to_the_previous_weights(llm, 
 def test_a_co_trained_draft_is_refused_by_an_engine_without_a_drafter(llm, model_dir, via):
     """draft.* tensors need vLLM's speculative drafter: without one, VllmRefit raises before
     anything connects, naming the tensors and the fix; the engine serves on."""
-    from policyworker.shell.draft import Eagle3Draft, _draft_config
+    from policyworker.shell.worker.draft import Eagle3Draft, _draft_config
 
     model = _other_model(model_dir, seed=51)
     draft = Eagle3Draft(_draft_config(model.config, 1), num_aux=2)

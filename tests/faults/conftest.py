@@ -13,7 +13,7 @@ import tempfile
 
 import pytest
 
-from policyworker.shell.refit import ipc_files
+from policyworker.shell.refit.zmq import ipc_files
 from tests.faults import scenarios
 
 

@@ -8,7 +8,7 @@ before/after tables came from running the same commands against the code before 
 
 Only public names that exist before and after the fixes are used, so the same scenario measures
 both, except ``SHM_DIR``: it is set directly (the old code has no ``POLICYWORKER_SHM_DIR``), in
-``policyworker.shell.refit.ipc_files`` since the ZMQ transport was split (``zmq_ipc.SHM_DIR``
+``policyworker.shell.refit.zmq.ipc_files`` since the ZMQ transport was split (``zmq_ipc.SHM_DIR``
 before).
 """
 
@@ -80,10 +80,9 @@ def serve_forever(receiver: Any, stop: threading.Event, errors: list[str]) -> th
 
 def grad_mode_zmq(trials: int) -> None:
     """A receiver whose refit_info lacks one streamed name rejects the refit midway."""
-    from policyworker.shell.receiver import HFWeightReceiver
-
     from policyworker.errors import RefitError
-    from policyworker.shell.refit import RefitSender
+    from policyworker.shell.refit.receiver import HFWeightReceiver
+    from policyworker.shell.refit.sender import RefitSender
 
     model = Weights()
     sender = RefitSender(lambda: model, torch.float32)
@@ -125,10 +124,9 @@ def _wait_until_the_sender_counts(sender: Any, receivers: int) -> None:
 
 def grad_mode_sglang(trials: int) -> None:
     """The engine answers its second call with success=False."""
-    from policyworker.shell.params import params_generator
-    from policyworker.shell.transports.sglang import SGLangColocatedSender
-
     from policyworker.errors import RefitError
+    from policyworker.shell.refit.sglang import SGLangColocatedSender
+    from policyworker.shell.refit.weight_stream import params_generator
 
     model = Weights()
 
@@ -166,8 +164,8 @@ COLLECTIVE_CHILD = r"""
 import json, os, signal, sys
 import torch
 torch.set_num_threads(1)
-from policyworker.shell.transports import collective as C
-from policyworker.shell.transports.wire import DTYPES_BY_NAME
+from policyworker.shell.refit import collective as C
+from policyworker.functional.wire.codec import DTYPES_BY_NAME
 port, info_path = int(sys.argv[1]), sys.argv[2]
 info = {n: (s, DTYPES_BY_NAME[d]) for n, (s, d) in json.load(open(info_path)).items()}
 group = C.init_collective("127.0.0.1", port, 2, train_world_size=1, rank=1, timeout_s=30.0)
@@ -185,10 +183,9 @@ def grad_mode_collective(trials: int) -> None:
     """The only inference rank is SIGKILLed after its first bucket; the watchdog fires."""
     import socket
 
-    from policyworker.shell.params import refit_info
-    from policyworker.shell.transports import collective as C
-
     from policyworker.errors import RefitTimeoutError
+    from policyworker.shell.refit import collective as C
+    from policyworker.shell.refit.weight_stream import refit_info
     from tests.helpers import child_env, write_refit_info
 
     model = Weights(32)
@@ -239,10 +236,9 @@ def _catch(fn: Any) -> Any:
 
 def close_while_receiving(trials: int) -> None:
     """close() from the main thread while another thread waits in receive()."""
-    from policyworker.shell.receiver import HFWeightReceiver
-
     from policyworker.errors import RefitError
-    from policyworker.shell.refit import RefitSender
+    from policyworker.shell.refit.receiver import HFWeightReceiver
+    from policyworker.shell.refit.sender import RefitSender
 
     model = Weights()
     sender = RefitSender(lambda: model, torch.float32)
@@ -287,8 +283,9 @@ def failed_construction(trials: int) -> None:
     import gc
 
     import zmq
-    from policyworker.shell.receiver import HFWeightReceiver
-    from policyworker.shell.transports import zmq_ipc
+
+    from policyworker.shell.refit import zmq as zmq_ipc
+    from policyworker.shell.refit.receiver import HFWeightReceiver
 
     def open_zmq() -> int:
         gc.collect()
@@ -346,9 +343,9 @@ def dropped_in_a_cycle(trials: int) -> None:
     import gc
 
     import zmq
-    from policyworker.shell.receiver import HFWeightReceiver
 
-    from policyworker.shell.refit import RefitSender
+    from policyworker.shell.refit.receiver import HFWeightReceiver
+    from policyworker.shell.refit.sender import RefitSender
 
     def open_zmq() -> int:
         return sum(
@@ -388,10 +385,9 @@ def dropped_in_a_cycle(trials: int) -> None:
 
 def two_threads_one_sender(trials: int) -> None:
     """Two threads call stream_weights_via_ipc_zmq on one sender at once."""
-    from policyworker.shell.receiver import HFWeightReceiver
-
     from policyworker.errors import RefitError
-    from policyworker.shell.refit import RefitSender
+    from policyworker.shell.refit.receiver import HFWeightReceiver
+    from policyworker.shell.refit.sender import RefitSender
 
     model = Weights(64)
     sender = RefitSender(lambda: model, torch.float32)
@@ -436,10 +432,9 @@ def two_threads_one_sender(trials: int) -> None:
 def retry_after_idle_timeout(trials: int) -> None:
     """The receiver's receive() times out idle (0.2 s) and is called again at once; the sender
     starts streaming at that moment (within +-1.5 ms of the timeout, swept over the trials)."""
-    from policyworker.shell.receiver import HFWeightReceiver
-
     from policyworker.errors import RefitError, RefitTimeoutError
-    from policyworker.shell.refit import RefitSender
+    from policyworker.shell.refit.receiver import HFWeightReceiver
+    from policyworker.shell.refit.sender import RefitSender
 
     model = Weights()
     sender = RefitSender(lambda: model, torch.float32)
@@ -492,10 +487,9 @@ def retry_after_idle_timeout(trials: int) -> None:
 
 def two_receivers_one_address(trials: int) -> None:
     """Two receivers connect to one sender; both serve in loops."""
-    from policyworker.shell.receiver import HFWeightReceiver
-
     from policyworker.errors import RefitError
-    from policyworker.shell.refit import RefitSender
+    from policyworker.shell.refit.receiver import HFWeightReceiver
+    from policyworker.shell.refit.sender import RefitSender
 
     model = Weights()
     sender = RefitSender(lambda: model, torch.float32)
@@ -535,7 +529,7 @@ RECEIVER_CHILD = r"""
 import json, resource, sys, time
 import torch
 torch.set_num_threads(1)
-from policyworker.shell.receiver import HFWeightReceiver
+from policyworker.shell.refit.receiver import HFWeightReceiver
 address = sys.argv[1]
 info = {f"w{i}": (torch.Size([64, 256]), torch.float32) for i in range(4)}
 receiver = HFWeightReceiver(lambda pairs: None, address=address, refit_info=info, timeout_s=2.0)
@@ -559,7 +553,9 @@ def oversized_messages(trials: int) -> None:
     """A same-user peer binds a REQ socket where a receiver process expecting four tensors
     connects, and sends a 16 MiB manifest of well-formed specs, then a 256 MiB header frame."""
     import zmq
-    from policyworker.shell.transports.wire import (
+
+    from policyworker.functional.buckets import TensorSpec
+    from policyworker.functional.wire.codec import (
         PROTOCOL,
         PROTOCOL_VERSION,
         Abort,
@@ -567,8 +563,6 @@ def oversized_messages(trials: int) -> None:
         decode_reply,
         encode,
     )
-
-    from policyworker.functional.buckets import TensorSpec
     from tests.helpers import child_env
 
     # ~16 MiB of well-formed specs (each about 45 bytes)
@@ -664,10 +658,10 @@ def small_shm(trials: int, folder: str) -> None:
     """CPU refits of 256 KiB of weights (16 tensors of 16 KiB) staged on a 128 KiB tmpfs
     mounted at ``folder``: the default size (one 256 KiB buffer before the fix), then buffers
     too large for it on purpose (2 x 256 KiB), then the default again."""
-    from policyworker.shell.receiver import HFWeightReceiver
-
     from policyworker.errors import RefitError
-    from policyworker.shell.refit import RefitSender, ipc_files
+    from policyworker.shell.refit.receiver import HFWeightReceiver
+    from policyworker.shell.refit.sender import RefitSender
+    from policyworker.shell.refit.zmq import ipc_files
 
     ipc_files.SHM_DIR = folder
     model = Weights(256, parts=16)
@@ -707,10 +701,10 @@ def small_shm(trials: int, folder: str) -> None:
 def truncated_kept_buffer(trials: int) -> None:
     """A keep_staging refit, then its kept staging file is truncated to 0 bytes (e.g. a cleaner
     or another process), then the next refit. Sender and receiver thread share this process."""
-    from policyworker.shell.receiver import HFWeightReceiver
-
     from policyworker.errors import RefitError
-    from policyworker.shell.refit import RefitSender, ipc_files
+    from policyworker.shell.refit.receiver import HFWeightReceiver
+    from policyworker.shell.refit.sender import RefitSender
+    from policyworker.shell.refit.zmq import ipc_files
 
     model = Weights(64)
     for trial in range(trials):
@@ -753,8 +747,9 @@ def truncated_buffer_at_receiver(trials: int) -> None:
     """A same-user peer speaks the wire protocol to a receiver: a refit from a kept staging file,
     then the file is truncated and the next refit names it again. The receiver must reject it."""
     import zmq
-    from policyworker.shell.receiver import HFWeightReceiver
-    from policyworker.shell.transports.wire import (
+
+    from policyworker.functional.buckets import TensorSpec
+    from policyworker.functional.wire.codec import (
         Begin,
         Bucket,
         Complete,
@@ -762,9 +757,8 @@ def truncated_buffer_at_receiver(trials: int) -> None:
         decode_reply,
         encode,
     )
-
-    from policyworker.functional.buckets import TensorSpec
-    from policyworker.shell.refit import ipc_files
+    from policyworker.shell.refit.receiver import HFWeightReceiver
+    from policyworker.shell.refit.zmq import ipc_files
 
     spec = TensorSpec("w", (1024,), torch.float32)
     for trial in range(trials):
@@ -830,8 +824,8 @@ SENDER_CHILD = r"""
 import sys, threading
 import torch
 torch.set_num_threads(1)
-from policyworker.shell.receiver import HFWeightReceiver
-from policyworker.shell.refit import RefitSender
+from policyworker.shell.refit.receiver import HFWeightReceiver
+from policyworker.shell.refit.sender import RefitSender
 from tests.faults.scenarios import Weights
 model = Weights(64)
 sender = RefitSender(lambda: model, torch.float32, keep_staging=True)
@@ -849,7 +843,8 @@ sys.stdin.readline()  # SIGKILLed while waiting here, its staging kept
 def killed_sender_leftovers(trials: int) -> None:
     """A sender keeping its staging is SIGKILLed; the next sender's start removes what it left
     (staging files in the shm folder, its socket folder), and nothing of a live sender."""
-    from policyworker.shell.refit import RefitSender, ipc_files
+    from policyworker.shell.refit.sender import RefitSender
+    from policyworker.shell.refit.zmq import ipc_files
     from tests.helpers import child_env
 
     def ours() -> set[str]:
@@ -895,9 +890,8 @@ def killed_sender_leftovers(trials: int) -> None:
 
 def unbounded_and_long(trials: int) -> None:
     """timeout_s=inf on both sides, and a sender socket path over 107 bytes."""
-    from policyworker.shell.receiver import HFWeightReceiver
-
-    from policyworker.shell.refit import RefitSender
+    from policyworker.shell.refit.receiver import HFWeightReceiver
+    from policyworker.shell.refit.sender import RefitSender
 
     model = Weights()
     for trial in range(trials):
@@ -936,7 +930,7 @@ def unbounded_and_long(trials: int) -> None:
 def shut_down_worker(trials: int) -> None:
     """After shutdown(), a worker refuses to train and to open a refit address."""
     from policyworker.functional.loss import NLLLoss
-    from policyworker.shell.worker import PolicyWorker
+    from policyworker.shell.worker.policy_worker import PolicyWorker
     from tests.shell.conftest import _build, make_batch, make_config
 
     folder = tempfile.mkdtemp()

@@ -11,7 +11,7 @@ import torch
 from policyworker.functional.loss import NLLLoss
 from policyworker.shell import checkpoint as ck
 from policyworker.shell.checkpoint import bounce
-from policyworker.shell.worker import PolicyWorker
+from policyworker.shell.worker.policy_worker import PolicyWorker
 
 # the session fixture tiny_model_paths comes from tests/gpu/conftest.py
 from tests.helpers import (

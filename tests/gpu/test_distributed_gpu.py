@@ -98,7 +98,7 @@ def test_worker_under_a_one_rank_nccl_group_trains_fsdp2_bf16_and_offloads(
     world_of_one, llama_path
 ):
     from policyworker.functional.loss import NLLLoss
-    from policyworker.shell.worker import PolicyWorker
+    from policyworker.shell.worker.policy_worker import PolicyWorker
     from tests.shell.conftest import hf_reference_logprobs, make_batch, make_config
 
     worker = PolicyWorker(make_config(llama_path, precision="bfloat16"))

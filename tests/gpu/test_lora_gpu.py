@@ -7,8 +7,8 @@ from torch import nn
 
 from policyworker.functional.lora import merge_lora_weight
 from policyworker.functional.loss import NLLLoss
-from policyworker.shell.lora import LinearLoRA
-from policyworker.shell.worker import PolicyWorker
+from policyworker.shell.model.lora import LinearLoRA
+from policyworker.shell.worker.policy_worker import PolicyWorker
 
 # the session fixture tiny_model_paths comes from tests/gpu/conftest.py
 from tests.shell.conftest import make_batch, make_config

@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from policyworker.shell.refit.receiver import HFWeightReceiver
-from policyworker.shell.refit.wire import DTYPES_BY_NAME
+from policyworker.functional.wire.codec import DTYPES_BY_NAME
 cmd = json.loads(sys.argv[1])
 config = AutoConfig.from_pretrained(cmd["config_dir"])
 config._attn_implementation = "eager"

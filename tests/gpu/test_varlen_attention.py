@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from policyworker.shell import attention
+from policyworker.shell.model import attention
 
 pytestmark = pytest.mark.gpu
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from policyworker.functional.loss import NLLLoss
-from policyworker.shell.attention import VARLEN_ATTN_NAME, varlen_kernel_available
-from policyworker.shell.worker import PolicyWorker
+from policyworker.shell.model.attention import VARLEN_ATTN_NAME, varlen_kernel_available
+from policyworker.shell.worker.policy_worker import PolicyWorker
 
 # the session fixture tiny_model_paths comes from tests/gpu/conftest.py
 from tests.shell.conftest import (
@@ -34,7 +34,7 @@ def test_low_precision_train_and_logprobs_are_finite_with_fp32_outputs(tiny_mode
 
 
 def test_varlen_packing_matches_unpacked_logprobs_in_bf16(tiny_model_paths, monkeypatch):
-    from policyworker.shell import attention
+    from policyworker.shell.model import attention
 
     calls = []
     flash = attention._flash_varlen
@@ -234,12 +234,12 @@ def test_fused_logprob_kernels_match_eager_at_a_real_vocab_in_bf16(temperature):
     from policyworker.functional import logprobs as lp
     from policyworker.functional.logprob_kernels import EAGER_KERNELS
     from policyworker.functional.sampling import Sampling
-    from policyworker.shell.fused_logprobs import (
+    from policyworker.shell.kernels.fused_logprobs import (
         LOGPROB_ATOL,
         LOGPROB_RTOL,
         fused_logprob_kernels,
     )
-    from tests.shell.test_fused_logprobs import assert_scored_grads_close
+    from tests.shell.kernels.test_fused_logprobs import assert_scored_grads_close
 
     vocab, cuda = 151_936, torch.device("cuda")
     kernels, reason = fused_logprob_kernels(

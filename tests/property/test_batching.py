@@ -6,6 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import policyworker.functional.batching as batching
 from policyworker.functional.batching import (
     MicrobatchPlan,
     dummy_microbatches,
@@ -119,3 +120,17 @@ def test_bad_arguments_name_the_value_and_the_fix():
         inverse_permutation([0, 1, 1])
     with pytest.raises(ValueError, match="from no plans"):
         dummy_microbatches([], 1)
+
+
+@given(st.sampled_from(["dynamic", "packed"]), st.integers(-3, 0))
+def test_a_token_budget_spec_without_a_budget_is_refused(kind, budget):
+    with pytest.raises(ValueError, match="token_budget >= 1"):
+        batching.MicrobatchSpec(kind=kind, token_budget=budget)
+
+
+@given(st.lists(st.integers(0, 16), max_size=12), st.integers(1, 5))
+def test_a_fixed_spec_plans_consecutive_rows_of_mbs(lengths, mbs):
+    plans = batching.plan_microbatches(
+        batching.MicrobatchSpec(), torch.tensor(lengths, dtype=torch.long), seq_len=16, mbs=mbs
+    )
+    assert plans == batching.fixed_microbatches(len(lengths), mbs, seq_len=16)

@@ -4,14 +4,14 @@ import importlib
 import inspect
 import pathlib
 
-from policyworker import api_docs
+from policyworker._dev import api_docs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_committed_api_reference_matches_the_docstrings():
     committed = (ROOT / "docs" / "api.md").read_text()
-    assert committed == api_docs.render(), "run: python -m policyworker.api_docs"
+    assert committed == api_docs.render(), "run: python -m policyworker._dev.api_docs"
 
 
 def test_every_documented_name_and_public_method_has_a_docstring():

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from policyworker import bench_runner, cli, docs_gen
+from policyworker import cli
+from policyworker._dev import bench_runner, docs_gen
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,7 +78,7 @@ def test_cuda_device_without_cuda_is_a_clear_error(capsys):
 
 def test_committed_config_reference_equals_the_generated_text():
     committed = (ROOT / "docs" / "config-reference.md").read_text()
-    assert committed == docs_gen.render(), "run: python -m policyworker.docs_gen"
+    assert committed == docs_gen.render(), "run: python -m policyworker._dev.docs_gen"
 
 
 def test_config_reference_lists_every_field_of_every_section():

@@ -14,7 +14,7 @@ from policyworker.functional.loss import ClippedPGLossFn, DPOLossFn, NLLLoss
 from policyworker.shell import logs
 from policyworker.shell.refit.receiver import HFWeightReceiver
 from policyworker.shell.refit.sender import RefitSender
-from policyworker.shell.worker import PolicyWorker
+from policyworker.shell.worker.policy_worker import PolicyWorker
 from tests.shell.conftest import make_batch, make_config
 
 

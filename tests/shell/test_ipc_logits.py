@@ -12,10 +12,10 @@ import transformers
 from safetensors.torch import load_file
 
 from policyworker.errors import DataError
-from policyworker.shell import inference
 from policyworker.shell import ipc_logits as L
-from policyworker.shell.refit.ipc_files import SHM_DIR
-from policyworker.shell.worker import PolicyWorker
+from policyworker.shell.refit.zmq.ipc_files import SHM_DIR
+from policyworker.shell.worker import inference
+from policyworker.shell.worker.policy_worker import PolicyWorker
 from tests.helpers import child_env
 from tests.shell.conftest import make_batch, make_config
 

@@ -13,15 +13,15 @@ import warnings
 import pytest
 
 from policyworker.config import ConfigWarning, LoRAConfig, config_to_dict, load_config
-from policyworker.errors import ConfigError
-from policyworker.functional.loss_terms import ClippedPGConfig, DPOConfig
-from policyworker.shell.config_io import (
+from policyworker.config.files import (
     load_config_file,
     merge_config_layers,
     read_config_section,
     read_config_with_defaults,
     resolve_subtree,
 )
+from policyworker.errors import ConfigError
+from policyworker.functional.loss_terms import ClippedPGConfig, DPOConfig
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "nemo_rl"
 CORPUS = pathlib.Path(__file__).resolve().parents[3] / "shared" / "reference" / "nemo_rl_configs"

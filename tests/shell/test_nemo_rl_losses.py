@@ -25,7 +25,7 @@ from policyworker.functional.loss import (
     calculate_kl,
     masked_mean,
 )
-from policyworker.shell.worker import PolicyWorker
+from policyworker.shell.worker.policy_worker import PolicyWorker
 from tests.shell.conftest import make_batch, make_config
 
 

@@ -121,7 +121,7 @@ class CheckpointOwner(Protocol):
 
 
 def _lora(owner: CheckpointOwner) -> bool:
-    from policyworker.shell.lora import lora_modules
+    from policyworker.shell.model.lora import lora_modules
 
     return bool(lora_modules(owner.model))
 
@@ -259,7 +259,7 @@ def _model_jobs(
             copy_sources=not sync,
         )
         return [job]
-    from policyworker.shell.peft_adapter import save_peft_adapter
+    from policyworker.shell.model.peft_adapter import save_peft_adapter
 
     cfg = getattr(owner, "cfg", None)
     save_peft_adapter(
@@ -380,7 +380,7 @@ def _read(
         elif load_weights and fmt == "dcp":
             dcp_weights = folder
         elif load_weights:
-            from policyworker.shell.peft_adapter import load_peft_adapter
+            from policyworker.shell.model.peft_adapter import load_peft_adapter
 
             commits.append(lambda: load_peft_adapter(owner.model, folder))
         ref_folder = folder.parent / REFERENCE_DIR if folder.name == MODEL_DIR else None

@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
+import policyworker.shell.checkpoint.bounce as bounce
+import policyworker.shell.checkpoint.layout as checkpoint_layout_settings
 from policyworker.functional.names import canonical_name
-from policyworker.shell.checkpoint import bounce
-from policyworker.shell.checkpoint import layout as checkpoint_layout_settings
 from policyworker.shell.checkpoint.digests import verify_digests
 from policyworker.shell.checkpoint.folders import _interrupted_hint
 from policyworker.shell.checkpoint.layout import OPTIM_DIR, CheckpointError, _model_state

@@ -30,6 +30,8 @@ import attrs
 import torch
 from torch import nn
 
+import policyworker.shell.checkpoint.bounce as bounce
+import policyworker.shell.checkpoint.layout as checkpoint_layout_settings
 from policyworker.functional.safetensors_layout import (
     Box,
     FilePlan,
@@ -40,8 +42,6 @@ from policyworker.functional.safetensors_layout import (
     itemsize,
     plan_safetensors_files,
 )
-from policyworker.shell.checkpoint import bounce
-from policyworker.shell.checkpoint import layout as checkpoint_layout_settings
 from policyworker.shell.checkpoint.commit import _write_json
 from policyworker.shell.checkpoint.folders import validate_hf_folder
 from policyworker.shell.checkpoint.layout import (
@@ -57,7 +57,7 @@ from policyworker.shell.checkpoint.layout import (
 )
 from policyworker.shell.checkpoint.saver import on_threads
 from policyworker.shell.refit.hf_names import checkpoint_layout
-from policyworker.shell.refit.params import tie_word_embeddings
+from policyworker.shell.refit.weight_stream import tie_word_embeddings
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

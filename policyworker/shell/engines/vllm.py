@@ -123,13 +123,13 @@ def engine_kwargs() -> dict[str, Any]:
 def encode_refit_info(info: Mapping[str, tuple[Any, torch.dtype]]) -> dict[str, list[Any]]:
     """``prepare_refit_info()`` as plain lists and dtype names (vLLM's RPCs carry no torch
     types)."""
-    from policyworker.shell.refit.wire import dtype_name
+    from policyworker.functional.wire.codec import dtype_name
 
     return {name: [list(shape), dtype_name(dtype)] for name, (shape, dtype) in info.items()}
 
 
 def decode_refit_info(info: Mapping[str, Any]) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    from policyworker.shell.refit.wire import DTYPES_BY_NAME
+    from policyworker.functional.wire.codec import DTYPES_BY_NAME
 
     out = {}
     for name, (shape, dtype) in info.items():

@@ -34,8 +34,8 @@ from vllm.model_executor.model_loader.reload import (  # pyright: ignore[reportM
 
 from policyworker.errors import RefitError
 from policyworker.shell.engines.vllm import check_vllm_version, decode_refit_info, register_backend
-from policyworker.shell.refit.params import DRAFT_PREFIX
 from policyworker.shell.refit.receiver import HFWeightReceiver
+from policyworker.shell.refit.weight_stream import DRAFT_PREFIX
 
 __all__ = [
     "PolicyWorkerVllmExtension",

@@ -205,8 +205,8 @@ def _apply_tp(
     else:
         check_tp_divisibility(config, ctx.tp_size)
         plan = tensor_parallel_plan(config.model_type, sequence_parallel=sequence_parallel)
-    if _lora_modules(model):  # adapters follow their base layer's sharding (shell/lora.py)
-        from policyworker.shell.lora_tp import lora_tp_plan
+    if _lora_modules(model):  # adapters follow their base layer's sharding (shell/model/lora.py)
+        from policyworker.shell.model.lora_tp import lora_tp_plan
 
         plan = lora_tp_plan(plan)
     if ctx.mesh is None:
@@ -217,7 +217,7 @@ def _apply_tp(
 
 
 def _lora_modules(model: nn.Module) -> list[nn.Module]:
-    from policyworker.shell.lora import lora_modules
+    from policyworker.shell.model.lora import lora_modules
 
     return list(lora_modules(model).values())
 

@@ -130,7 +130,7 @@ class PolicyWorkerActor:
 
         from policyworker.config import load_config
         from policyworker.shell.parallel.context import ParallelContext
-        from policyworker.shell.worker import PolicyWorker
+        from policyworker.shell.worker.policy_worker import PolicyWorker
 
         cfg = load_config(config) if isinstance(config, Mapping) else config
         device = torch.device("cpu")

@@ -266,7 +266,7 @@ class RayWorkerGroup:
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """`PolicyWorker.<method>(*args, **kwargs)` on every rank; the results in rank order."""
-        from policyworker.shell.worker import PolicyWorker
+        from policyworker.shell.worker.policy_worker import PolicyWorker
 
         if method.startswith("_") or not callable(getattr(PolicyWorker, method, None)):
             msg = f"method={method!r} is not a public PolicyWorker method; check the name"
@@ -354,7 +354,7 @@ class RayWorkerGroup:
     ) -> Any:
         """`PolicyWorker.get_logprobs` on every dp shard, rows in input order (with `entropy` /
         `top_k`, their keys too)."""
-        from policyworker.shell.inference import check_extra_scores
+        from policyworker.shell.worker.inference import check_extra_scores
 
         check_extra_scores(entropy, top_k)  # here, before any rank starts
         return self._in_row_order(

@@ -11,7 +11,7 @@ its in-memory source; its (shape, stride, offset) is the ``CheckpointPiece`` the
 cuts from the live tensor (no copy) and the receiver writes into.
 
 Only architectures whose stream is tested against ``save_pretrained`` and ``from_pretrained``
-(tests/shell/test_refit_names.py) are accepted; any other ``model_type`` is refused by name.
+(tests/shell/refit/test_refit_names.py) are accepted; any other ``model_type`` is refused by name.
 A module that is not a transformers model (no ``config.model_type``) has no checkpoint
 conversion: its state-dict names are its names.
 """
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "checkpoint_layout", "model_type_of", "require_supported_model"]
 
-# Each is covered by tests/shell/test_refit_names.py (stream == save_pretrained, logprobs of
+# Each is covered by tests/shell/refit/test_refit_names.py (stream == save_pretrained, logprobs of
 # from_pretrained(stream) == the trainer's).
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -75,7 +75,7 @@ def require_supported_model(module: nn.Module) -> None:
         f"streamed names are verified against save_pretrained only for "
         f"{list(SUPPORTED_MODEL_TYPES)}. "
         f"Use one of these, or add {model_type!r} to policyworker.shell.refit.hf_names."
-        f"SUPPORTED_MODEL_TYPES with a case in tests/shell/test_refit_names.py"
+        f"SUPPORTED_MODEL_TYPES with a case in tests/shell/refit/test_refit_names.py"
     )
     raise UnsupportedModelError(msg)
 

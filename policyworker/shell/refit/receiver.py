@@ -38,8 +38,10 @@ from torch import nn
 
 from policyworker.errors import RefitError
 from policyworker.functional.buckets import TensorSpec
-from policyworker.shell.refit.one_pass_receiver import WeightArena
-from policyworker.shell.refit.refit_server import RefitServer
+from policyworker.functional.wire.codec import (
+    max_message_bytes,
+)
+from policyworker.shell.refit.one_pass.receiver import WeightArena
 from policyworker.shell.refit.watchdog import check_timeout_s
 from policyworker.shell.refit.weight_applier import (
     LoadWeights,
@@ -48,15 +50,13 @@ from policyworker.shell.refit.weight_applier import (
     WeightApplier,
     specs_from,
 )
-from policyworker.shell.refit.wire import (
-    max_message_bytes,
-)
-from policyworker.shell.refit.zmq_checks import (
+from policyworker.shell.refit.zmq.checks import (
     answer_refusal,
     cancel_refusal,
     check_receiver_address,
 )
-from policyworker.shell.refit.zmq_receiver import ZmqIpcReceiver
+from policyworker.shell.refit.zmq.receiver import ZmqIpcReceiver
+from policyworker.shell.refit.zmq.server import RefitServer
 
 __all__ = ["HFWeightReceiver", "PreparedBatch", "RefitReport", "WeightApplier"]
 

@@ -23,12 +23,12 @@ from policyworker.functional.buckets import (
     plan_ipc_buckets,
     split_ipc_budget,
 )
-from policyworker.shell.refit.ipc_files import shm_free_bytes
-from policyworker.shell.refit.one_pass_sender import OnePassWriter, stream_one_pass
-from policyworker.shell.refit.params import refit_info, refit_stream
-from policyworker.shell.refit.staging import CudaStaging, ShmStaging
+from policyworker.shell.refit.one_pass.sender import OnePassWriter, stream_one_pass
 from policyworker.shell.refit.watchdog import check_timeout_s
-from policyworker.shell.refit.zmq_sender import ZmqIpcSender
+from policyworker.shell.refit.weight_stream import refit_info, refit_stream
+from policyworker.shell.refit.zmq.ipc_files import shm_free_bytes
+from policyworker.shell.refit.zmq.sender import ZmqIpcSender
+from policyworker.shell.refit.zmq.staging import CudaStaging, ShmStaging
 
 __all__ = ["CPU_DEFAULT_BUFFER_BYTES", "CUDA_DEFAULT_BUFFER_CAP_BYTES", "RefitSender"]
 

@@ -20,15 +20,15 @@ from torch import nn
 
 from policyworker.functional.buckets import TensorSpec
 from policyworker.functional.names import canonical_name, is_lora_param, pieces_by_checkpoint_name
-from policyworker.shell.refit.hf_names import checkpoint_layout
-from policyworker.shell.refit.params import tie_word_embeddings
-from policyworker.shell.refit.staging import copy_groups, grouped_copy_, run_copy_groups
-from policyworker.shell.refit.wire import (
+from policyworker.functional.wire.codec import (
     ProtocolError,
     check_manifest,
     dtype_name,
 )
-from policyworker.shell.refit.zmq_receiver import expected_from_refit_info
+from policyworker.shell.refit.hf_names import checkpoint_layout
+from policyworker.shell.refit.weight_stream import tie_word_embeddings
+from policyworker.shell.refit.zmq.receiver import expected_from_refit_info
+from policyworker.shell.refit.zmq.staging import copy_groups, grouped_copy_, run_copy_groups
 
 __all__ = ["LoadWeights", "PreparedBatch", "RefitReport", "WeightApplier", "specs_from"]
 

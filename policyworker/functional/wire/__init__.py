@@ -1,0 +1,1 @@
+"""policyworker.functional.wire."""

@@ -1,0 +1,539 @@
+"""The trainer side of a colocated ZMQ refit: ``ZmqIpcSender``.
+
+A REQ socket bound in a private folder (``ipc_files``) streams one refit per ``stream`` call:
+BEGIN (manifest) → BUCKET* → COMPLETE, each answered by one reply, through ping-pong staging
+buffers (``staging``). The encoded manifest is cached per specs object and, per staging
+buffer, each bucket's slot views and frames; with ``keep_staging`` the buffers and caches
+survive the refit.
+
+Why it is over 400 lines: ``_stream`` with ``_abort`` and ``_note_wait`` is one state machine
+(fill a half, send, wait for the reply owed, abort on any failure with the right ordering); its
+steps share the socket, the staging pair and the pending reply, and splitting them apart would
+pass all that state around without making any step readable on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from policyworker.errors import RefitError, RefitTimeoutError
+from policyworker.functional.buckets import (
+    DEFAULT_ALIGNMENT,
+    IpcBucket,
+    TensorSpec,
+)
+from policyworker.functional.wire.codec import (
+    MAX_HEADER_BYTES,
+    Abort,
+    Begin,
+    Bucket,
+    Complete,
+    ProtocolError,
+    RefitRejectedError,
+    Reply,
+    decode_reply,
+    encode,
+    encode_manifest,
+)
+from policyworker.shell.refit.weight_stream import RefitSource
+from policyworker.shell.refit.zmq.ipc_files import (
+    ZmqHandles,
+    check_ipc_address,
+    create_locked_dir,
+    remove_orphans,
+    zmq_timeout_ms,
+)
+from policyworker.shell.refit.zmq.staging import (
+    CudaStaging,
+    Staging,
+    bucket_slots,
+    fill_slots,
+)
+
+__all__ = ["Exchange", "ZmqIpcSender"]
+
+log = logging.getLogger(__name__)
+_ABORT_TIMEOUT_S = 2.0
+_MAX_REPLY_BYTES = MAX_HEADER_BYTES  # as the decoder: a big MoE's one-pass registration is MiBs
+
+
+class Exchange:
+    """Requests and their replies on a sender's socket, within ``ZmqIpcSender.exchange``."""
+
+    def __init__(self, sender: ZmqIpcSender, timeout_s: float) -> None:
+        self._sender = sender
+        self.timeout_s = timeout_s
+
+    def ask(self, frames: list[bytes], *, phase: str) -> Reply:
+        """Send ``frames`` and return the receiver's reply. ``RefitTimeoutError`` when either
+        wait passes ``timeout_s`` (the socket is rebuilt); ``RefitRejectedError`` naming
+        ``phase`` and the receiver's reason when it refuses."""
+        self._sender._send(frames, phase=phase, timeout_s=self.timeout_s)
+        return self._sender._reply(phase=phase, timeout_s=self.timeout_s)
+
+    def abort(self, reason: str) -> None:
+        """Tell the receiver this refit is off (best effort, as the staged refit does)."""
+        self._sender._abort(None, reason, timeout_s=self.timeout_s)
+
+
+class ZmqIpcSender:
+    """The trainer side: a REQ socket in a private folder; streams one refit per ``stream`` call."""
+
+    def __init__(self, *, rank: int) -> None:
+        self.rank = rank
+        remove_orphans()  # what senders killed earlier left in /dev/shm and the temp folder
+        folder, folder_fd = create_locked_dir()
+        self.address = f"ipc://{folder}/rank{rank}.sock"
+        # the socket (its monitor counts the receivers), the context and the folder; freed by
+        # close(), or by the finalizer if this sender is dropped without it
+        self._handles = ZmqHandles(folder, folder_fd)
+        self._release_handles = weakref.finalize(self, self._handles.release)
+        self._release_handles.atexit = False  # at exit a daemon thread may still use the socket
+        self._peers = 0
+        # connections that ended since the socket was bound (counted as connected_receivers()
+        # reads the monitor's events)
+        self.departed_receivers = 0
+        # One thread at a time uses the socket (libzmq sockets are not thread-safe: two refits
+        # at once aborted the process); a second thread is refused, not queued.
+        self._busy = threading.RLock()
+        self._staging_refs: list[weakref.ref[torch.Tensor]] = []
+        self._kept: list[Staging] = []  # ping-pong buffers kept by a keep_staging refit
+        self._kept_bytes = 0
+        self._plan: Sequence[IpcBucket] | None = None  # the plan the staging caches were made for
+        self._manifest: tuple[Sequence[TensorSpec], bytes] | None = None  # (specs object, frame)
+        try:
+            fix = (
+                "set TMPDIR to a shorter folder (e.g. TMPDIR=/tmp) for the trainer process: "
+                "the socket lives in a private folder there"
+            )
+            check_ipc_address(self.address, fix=fix)
+            self._sock()  # bind now: a bad address fails here, not at the first refit
+        except BaseException:
+            self._teardown()
+            raise
+
+    @contextlib.contextmanager
+    def _exclusive(self, call: str) -> Iterator[None]:
+        if not self._busy.acquire(blocking=False):
+            msg = (
+                f"refit rank {self.rank}: {call} was called while another thread is streaming a "
+                "refit on this sender; refits of one worker run one at a time: wait for the "
+                "other call to return, then call again"
+            )
+            raise RefitError(msg)
+        try:
+            if self._handles.context is None:
+                msg = f"refit rank {self.rank}: {call} after close(); this sender is closed"
+                raise RefitError(msg)
+            yield
+        finally:
+            self._busy.release()
+
+    @property
+    def live_staging_bytes(self) -> int:
+        """Bytes of staging tensors of the last stream still alive (0 once they are freed)."""
+        return sum(t.numel() for t in (r() for r in self._staging_refs) if t is not None)
+
+    @property
+    def kept_staging_bytes(self) -> int:
+        """Bytes of the ping-pong buffers kept for the next refit (``keep_staging=True``)."""
+        return sum(s.size for s in self._kept)
+
+    def release_staging(self) -> None:
+        """Free the kept staging buffers (before an offload, or to return the memory for good)."""
+        with self._exclusive("release_staging"):
+            self._release_staging()
+
+    def _release_staging(self) -> None:
+        kept, self._kept, self._kept_bytes = self._kept, [], 0
+        cuda = any(isinstance(s, CudaStaging) for s in kept)
+        for staging in kept:
+            staging.close()
+        if cuda:
+            torch.cuda.ipc_collect()
+            torch.cuda.empty_cache()
+
+    def _sock(self) -> zmq.Socket[Any]:
+        handles = self._handles
+        sock = handles.socket
+        if sock is None:
+            assert handles.context is not None
+            sock = handles.context.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLY_BYTES)
+            handles.socket = sock
+            sock.bind(self.address)
+            handles.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+            self._peers = self.departed_receivers = 0
+        return sock
+
+    def _rebuild(self) -> None:
+        self._handles.close_socket()
+        self._sock()
+
+    def connected_receivers(self) -> int:
+        """How many receivers are connected to this sender's address right now."""
+        # the monitor reports plain ints; zmq.Event members hash equal to them
+        peer_delta: dict[int, int] = {zmq.EVENT_ACCEPTED: 1, zmq.EVENT_DISCONNECTED: -1}
+        while self._handles.monitor is not None:
+            try:
+                event = recv_monitor_message(self._handles.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                break
+            self._peers += peer_delta.get(event, 0)
+            self.departed_receivers += event == zmq.EVENT_DISCONNECTED
+        return self._peers
+
+    def wait_for_receivers(self, connected: int, *, departed: int = 0, timeout_s: float) -> bool:
+        """Wait until exactly ``connected`` receivers are connected and at least ``departed``
+        have left since the socket was bound; False if ``timeout_s`` passes first.
+
+        Call it before a refit when a receiver was just replaced on this address: a BEGIN sent
+        before this sender's I/O thread has seen the old connection end can be queued on it and
+        lost (REQ picks connections in turn), which costs one refit timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self.connected_receivers() != connected or self.departed_receivers < departed:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def _check_one_receiver(self) -> None:
+        """REQ sends each message to the next connected peer in turn: with two receivers on one
+        address each would see part of a refit. Refuse before BEGIN (a receiver that just rebuilt
+        its socket is counted twice for a moment, so give disconnects a short while to arrive)."""
+        deadline = time.monotonic() + 0.5
+        while (count := self.connected_receivers()) > 1:
+            if time.monotonic() > deadline:
+                msg = (
+                    f"refit rank {self.rank}: {count} receivers are connected to {self.address}; "
+                    "one sender streams to exactly one receiver (each would get part of the "
+                    "refit). "
+                    "Close the extra receivers on this address (each engine rank connects to its "
+                    "own trainer rank's get_zmq_address())"
+                )
+                raise RefitError(msg)
+            time.sleep(0.01)
+
+    def _timeout(self, phase: str, timeout_s: float) -> RefitTimeoutError:
+        self._rebuild()
+        msg = (
+            f"refit rank {self.rank}: no progress in phase {phase!r} within {timeout_s:g} s at "
+            f"{self.address}; "
+            "the receiver may be dead or unresponsive. The sender rebuilt its socket: start a "
+            "receiver "
+            "on this address and call stream_weights_via_ipc_zmq again."
+        )
+        return RefitTimeoutError(msg)
+
+    def _send(self, frames: list[bytes], *, phase: str, timeout_s: float) -> None:
+        sock = self._sock()
+        sock.setsockopt(zmq.SNDTIMEO, zmq_timeout_ms(timeout_s))
+        try:
+            sock.send_multipart(frames)  # small frames: copying beats zero-copy bookkeeping
+        except zmq.Again:
+            raise self._timeout(phase, timeout_s) from None
+
+    def _reply(self, *, phase: str, timeout_s: float) -> Reply:
+        sock = self._sock()
+        sock.setsockopt(zmq.RCVTIMEO, zmq_timeout_ms(timeout_s))
+        try:
+            frames = sock.recv_multipart()
+        except zmq.Again:
+            raise self._timeout(phase, timeout_s) from None
+        reply = decode_reply(frames)
+        if not reply.ok:
+            msg = f"refit rank {self.rank}: the receiver rejected {phase}: {reply.reason}"
+            raise RefitRejectedError(msg)
+        return reply
+
+    @contextlib.contextmanager
+    def exchange(self, call: str, *, timeout_s: float) -> Iterator[Exchange]:
+        """One refit's use of the socket (``stream``'s, or a protocol built outside this class:
+        the one-pass refit): held exclusively (``call`` names it in the error a second thread
+        gets), refused when more than one receiver is connected, and the wait for a missing
+        receiver logged."""
+        with self._exclusive(call):
+            self._check_one_receiver()
+            self._note_wait(timeout_s)
+            yield Exchange(self, timeout_s)
+
+    def begin_frames(
+        self, specs: Sequence[TensorSpec], transport: str, *, one_pass: str | None = None
+    ) -> list[bytes]:
+        """The BEGIN of a refit of ``specs`` (``one_pass``: the registration id a one-pass
+        refit holds, "" for none; None for a staged refit). The manifest is encoded once per
+        specs object: a steady-state refit reuses its frame."""
+        if self._manifest is None or self._manifest[0] is not specs:
+            self._manifest = (specs, encode_manifest(specs))
+        begin = Begin(self.rank, transport, DEFAULT_ALIGNMENT, tuple(specs), one_pass)
+        return encode(begin, manifest_frame=self._manifest[1])
+
+    def stream(
+        self,
+        specs: Sequence[TensorSpec],
+        plan: Sequence[IpcBucket],
+        sources: Iterator[RefitSource],
+        *,
+        make_staging: Callable[[int], Staging],
+        buffer_bytes: int,
+        timeout_s: float,
+        transport: str,
+        keep_staging: bool = False,
+    ) -> dict[str, Any]:
+        """One refit: BEGIN, the planned buckets through two ping-pong buffers, COMPLETE.
+
+        Returns the receiver's report. By default the staging buffers are freed before COMPLETE
+        is sent. ``keep_staging=True`` keeps the two ping-pong buffers (and their cached slot
+        views and frames) for the next refit with the same ``buffer_bytes`` until
+        ``release_staging`` or ``close``; the receiver then keeps its mappings too. On any
+        failure every staging buffer, kept or not, is freed before this raises.
+        """
+        # the staged refit pipelines its requests through _send / _reply itself (each reply is
+        # settled by the next request); the exchange gives it the same guards as the one-pass one
+        with self.exchange("stream_weights_via_ipc_zmq", timeout_s=timeout_s):
+            return self._stream(
+                specs,
+                plan,
+                sources,
+                make_staging=make_staging,
+                buffer_bytes=buffer_bytes,
+                timeout_s=timeout_s,
+                transport=transport,
+                keep_staging=keep_staging,
+            )
+
+    def _stream(
+        self,
+        specs: Sequence[TensorSpec],
+        plan: Sequence[IpcBucket],
+        sources: Iterator[RefitSource],
+        *,
+        make_staging: Callable[[int], Staging],
+        buffer_bytes: int,
+        timeout_s: float,
+        transport: str,
+        keep_staging: bool,
+    ) -> dict[str, Any]:
+        if any(not s.intact() for s in self._kept):  # e.g. a kept file truncated meanwhile
+            self._release_staging()
+        if self._kept and (
+            self._kept_bytes != buffer_bytes
+            or not all(isinstance(s, CudaStaging) == (transport == "cuda") for s in self._kept)
+        ):
+            self._release_staging()
+        if plan is not self._plan:  # cached slot views / frames belong to one plan object
+            for staging in self._kept:
+                staging.cache.clear()
+            self._plan = plan
+        ping_pong: list[Staging | None] = [*self._kept, None, None][:2]
+        self._kept, self._kept_bytes = [], 0
+        self._staging_refs = [
+            weakref.ref(s.tensor) for s in ping_pong if s is not None and s.tensor is not None
+        ]
+        pending: str | None = None  # phase of the request whose reply is still owed
+        pending_staging: Staging | None = None  # the buffer that request's bucket is in
+        begun = False
+
+        def new_staging(nbytes: int) -> Staging:
+            staging = make_staging(nbytes)
+            assert staging.tensor is not None
+            self._staging_refs.append(weakref.ref(staging.tensor))
+            return staging
+
+        def new_ping_pong() -> None:
+            """Both buffers from one allocation when at least two buckets will use them."""
+            if sum(not b.oversized for b in plan) < 2:
+                ping_pong[0] = new_staging(buffer_bytes)
+                return
+            whole = make_staging(2 * buffer_bytes)
+            ping_pong[:] = whole.halves(buffer_bytes)
+            self._staging_refs.extend(
+                weakref.ref(s.tensor) for s in ping_pong if s is not None and s.tensor is not None
+            )
+
+        def release() -> None:
+            for i, staging in enumerate(ping_pong):
+                if staging is not None:
+                    staging.close()
+                    ping_pong[i] = None
+
+        def request(frames: list[bytes], phase: str, staging: Staging | None = None) -> None:
+            nonlocal pending, pending_staging
+            settle()
+            self._send(frames, phase=phase, timeout_s=timeout_s)
+            pending, pending_staging = phase, staging
+
+        def settle() -> Reply | None:
+            nonlocal pending, pending_staging
+            if pending is None:
+                return None
+            (owed, pending), (staging, pending_staging) = (pending, None), (pending_staging, None)
+            reply = self._reply(phase=owed, timeout_s=timeout_s)
+            if staging is not None:
+                staging.note_consumed(reply.consumed_event)
+            return reply
+
+        def prepared(
+            staging: Staging, seq: int, bucket: IpcBucket, keep: bool
+        ) -> tuple[list[torch.Tensor], list[bytes]]:
+            """The bucket's slot views and encoded frames in this buffer.
+
+            Cached with the buffer.
+            """
+            hit = staging.cache.get((seq, keep))
+            if hit is None:
+                base = staging.base  # where this half starts in the shared buffer
+                frames = encode(
+                    Bucket(
+                        seq,
+                        staging.ref(keep=keep),
+                        bucket.indices,
+                        tuple(base + o for o in bucket.offsets),
+                        base + bucket.used_bytes,
+                    )
+                )
+                hit = staging.cache[(seq, keep)] = (bucket_slots(staging, bucket, specs), frames)
+            return hit
+
+        def take(bucket: IpcBucket) -> list[RefitSource]:
+            items = [next(sources) for _ in bucket.indices]
+            for i, item in zip(bucket.indices, items, strict=True):
+                want = specs[i]
+                if (
+                    item.name != want.name
+                    or item.dtype != want.dtype
+                    or item.tensor.shape != want.shape
+                ):
+                    msg = (
+                        f"internal: the params stream sent {item.spec} where prepare_refit_info "
+                        f"said {want}"
+                    )
+                    raise RefitError(msg)
+            return items
+
+        try:
+            request(self.begin_frames(specs, transport), "begin")
+            begun = True  # its reply is settled by the first bucket's request: the receiver checks
+            turn = 0  # the manifest while the first buffer is allocated and filled
+            for seq, bucket in enumerate(plan):
+                items = take(bucket)
+                if bucket.oversized:
+                    settle()  # the ping-pong buffer in flight is free; now send this one alone
+                    alone = new_staging(bucket.used_bytes)
+                    try:
+                        slots, frames = prepared(alone, seq, bucket, False)
+                        fill_slots(slots, items)
+                        del slots
+                        alone.mark_filled()
+                        request(frames, f"bucket {seq} (oversized)", alone)
+                        settle()
+                        alone.wait_for_reader()  # the allocator may hand its block out again
+                    finally:
+                        alone.close()
+                    continue
+                slot = turn % 2
+                turn += 1
+                if ping_pong[0] is None and ping_pong[1] is None:
+                    new_ping_pong()
+                if ping_pong[slot] is None:
+                    ping_pong[slot] = new_staging(buffer_bytes)
+                staging = ping_pong[slot]
+                assert staging is not None
+                slots, frames = prepared(staging, seq, bucket, keep_staging)
+                staging.wait_for_reader()
+                fill_slots(
+                    slots, items
+                )  # queued behind the receiver's reads of this buffer's last bucket
+                del slots, items
+                staging.mark_filled()
+                request(frames, f"bucket {seq}", staging)
+            settle()
+            if keep_staging:
+                self._kept = [s for s in ping_pong if s is not None]
+                self._kept_bytes = buffer_bytes
+                ping_pong[:] = [None, None]
+            else:
+                for staging in ping_pong:
+                    if staging is not None:
+                        staging.wait_for_reader()
+                release()
+                if transport == "cuda":
+                    torch.cuda.empty_cache()
+            request(encode(Complete(len(plan))), "complete")
+            reply = settle()
+            begun = False
+            assert reply is not None
+            for staging in self._kept:
+                staging.forget_consumed()
+            return reply.report
+        except BaseException as exc:
+            try:
+                # A timeout rebuilt the socket and a rejection already ended the receiver's
+                # refit; any other failure (our own) is announced so the receiver stops waiting
+                # at once. Before the staging goes: the receiver may still be reading the
+                # bucket whose reply is owed.
+                if begun and not isinstance(exc, (RefitTimeoutError, RefitRejectedError)):
+                    self._abort(pending, f"{type(exc).__name__}: {exc}", timeout_s=timeout_s)
+            finally:
+                release()
+                self._release_staging()
+            raise
+        finally:
+            if transport == "cuda":
+                torch.cuda.ipc_collect()
+
+    def _note_wait(self, timeout_s: float) -> None:
+        """Log where the sender waits when no receiver is connected yet (REQ is not writable)."""
+        if not self._sock().poll(0, zmq.POLLOUT):
+            log.info(
+                "refit rank %d: waiting up to %g s for a receiver at %s (build "
+                "HFWeightReceiver(address=...) there and call receive())",
+                self.rank,
+                timeout_s,
+                self.address,
+            )
+
+    def _abort(self, pending: str | None, reason: str, *, timeout_s: float) -> None:
+        """Tell the receiver the refit is off (best effort; rebuild the socket on failure).
+
+        The reply owed for ``pending`` is awaited first, as long as any reply (the receiver is
+        still reading that bucket). A rejection there means the receiver already ended its refit:
+        no ABORT is sent, so none can wait in its queue for the next refit. The ABORT's own reply
+        gets a short wait: a receiver that is slow to roll back still handles it in this refit.
+        """
+        try:
+            if pending is not None:
+                self._sock().setsockopt(zmq.RCVTIMEO, zmq_timeout_ms(timeout_s))
+                if not decode_reply(self._sock().recv_multipart()).ok:
+                    return
+            self._sock().setsockopt(zmq.SNDTIMEO, zmq_timeout_ms(_ABORT_TIMEOUT_S))
+            self._sock().send_multipart(encode(Abort(reason[:4096])))
+            self._sock().setsockopt(zmq.RCVTIMEO, zmq_timeout_ms(_ABORT_TIMEOUT_S))
+            self._sock().recv_multipart()
+        except (zmq.ZMQError, ProtocolError):
+            self._rebuild()
+
+    def close(self) -> None:
+        """Free the staging, the socket and its folder (idempotent; refused while another thread
+        streams a refit on this sender)."""
+        if self._handles.context is None:
+            return
+        with self._exclusive("close"):
+            self._release_staging()
+            self._teardown()
+
+    def _teardown(self) -> None:
+        """Close every socket, then the context (which cannot block: no socket is left open),
+        then remove the folder and drop its lock."""
+        self._release_handles()

@@ -1,0 +1,372 @@
+"""The receiver's refit state machine, free of sockets: ``RefitServer`` and its buffers.
+
+``RefitServer.handle`` takes the frames of one request (BEGIN, BUCKET, COMPLETE or ABORT) and
+returns the reply frames and an ``Outcome``; the socket loop in ``zmq_receiver`` only moves
+frames. ``ReceivedBuffers`` opens each staging buffer of the sender once (a /dev/shm file or a
+CUDA IPC handle) and caches each bucket's source views; a ``WeightSink`` (the receiver's
+``WeightApplier``) validates and applies the tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from policyworker.errors import RefitError
+from policyworker.functional.buckets import (
+    DEFAULT_ALIGNMENT,
+    SplitLayout,
+    TensorSpec,
+    split_layout,
+    split_views,
+    unpack_tensors,
+)
+from policyworker.functional.wire.codec import (
+    Abort,
+    Begin,
+    Bucket,
+    Complete,
+    CudaBuffer,
+    ManifestCache,
+    ProtocolError,
+    Reply,
+    ShmBuffer,
+    check_bucket,
+    decode_request,
+    encode,
+)
+from policyworker.functional.wire.one_pass import Registration, encode_registration
+from policyworker.shell.refit.zmq.shared_buffers import open_shared_buffer, shm_problem
+from policyworker.shell.refit.zmq.staging import open_event
+
+__all__ = ["Outcome", "ReceivedBuffers", "RefitServer", "WeightSink"]
+
+
+class WeightSink(Protocol):
+    """Where a refit lands (``receiver.WeightApplier``): validated first, written second."""
+
+    def begin(self, manifest: Sequence[TensorSpec]) -> None: ...
+    def apply_batch(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None: ...
+    def apply_indexed(self, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> None: ...
+    def prepare(self, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> Any: ...
+    def apply_prepared(self, batch: Any) -> None: ...
+    def commit(self, *, num_buckets: int) -> Any: ...
+    def abort(self, reason: str) -> None: ...
+    def expect_external_write(self) -> None: ...
+
+
+class OnePassTarget(Protocol):
+    """A receiver's registered memory (``one_pass_receiver.WeightArena``)."""
+
+    def registration(self) -> Registration: ...
+    def before_write(self) -> None: ...
+    def after_write(self, written_event: bytes) -> None: ...
+
+
+_NOT_REGISTERED = (
+    "this receiver did not register for one-pass refits; build it with "
+    "HFWeightReceiver(module, ..., one_pass=True) (an nn.Module target), or stream with "
+    "one_pass=False"
+)
+
+
+class _Mapped:
+    """One opened staging buffer, the source views of the buckets it carried and, for CUDA, per
+    region of the buffer the sender fills (a ping-pong half, named by its filled-event handle):
+    the sender's filled event (opened once) and this side's consumed event."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.views: dict[
+            tuple[Any, ...], Any
+        ] = {}  # (indices, offsets) -> the sink's prepared batch
+        self._events: dict[bytes, tuple[torch.cuda.Event, torch.cuda.Event, bytes]] = {}
+
+    def wait_filled(self, filled_handle: bytes) -> bytes:
+        """Queue, on the current stream, a wait for the sender's casts into this region; the
+        region's key for ``record_consumed``."""
+        events = self._events.get(filled_handle)
+        if events is None:
+            if len(self._events) >= 64:  # a misbehaving sender must not grow this without bound
+                self._events.clear()
+            consumed = torch.cuda.Event(interprocess=True)
+            consumed.record(
+                torch.cuda.current_stream(self.tensor.device)
+            )  # before its handle is taken
+            filled = open_event(self.tensor.device, filled_handle)
+            events = self._events[filled_handle] = (filled, consumed, bytes(consumed.ipc_handle()))
+        torch.cuda.current_stream(self.tensor.device).wait_event(events[0])
+        return filled_handle
+
+    def record_consumed(self, key: bytes) -> bytes:
+        """Record the event the sender waits on, after the queued reads of the region.
+
+        Returns its handle.
+        """
+        _, consumed, handle = self._events[key]
+        consumed.record(torch.cuda.current_stream(self.tensor.device))
+        return handle
+
+
+class ReceivedBuffers:
+    """Receiver-side mappings of the sender's staging buffers, by buffer identity.
+
+    A buffer is opened once; after a complete refit only the mappings of buffers the sender
+    keeps (``keep`` in their reference, used by that refit) stay open; a failed refit closes all.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[Any, _Mapped] = {}
+        self._used: dict[Any, bool] = {}  # key -> keep, for the refit in progress
+
+    @staticmethod
+    def _key(ref: ShmBuffer | CudaBuffer) -> Any:
+        if isinstance(ref, ShmBuffer):
+            return ("shm", ref.name, ref.size)
+        return ("cuda", ref.device_uuid, ref.handle, ref.storage_offset_bytes, ref.size)
+
+    def open(self, ref: ShmBuffer | CudaBuffer) -> _Mapped:
+        key = self._key(ref)
+        mapped = self._open.get(key)
+        if mapped is not None and isinstance(ref, ShmBuffer):
+            problem = shm_problem(ref)  # a kept file truncated since: reading it would SIGBUS
+            if problem is not None:
+                del self._open[key]
+                raise ProtocolError(f"{problem} (it shrank or went away since it was mapped)")
+        if mapped is None:
+            mapped = self._open[key] = _Mapped(open_shared_buffer(ref))
+        self._used[key] = ref.keep
+        return mapped
+
+    def finish(self, *, ok: bool) -> None:
+        """End of a refit: keep only the kept buffers it used (none when it failed)."""
+        keep = {k for k, kept in self._used.items() if kept} if ok else set()
+        self._open = {k: m for k, m in self._open.items() if k in keep}
+        self._used = {}
+
+    def clear(self) -> None:
+        self._open.clear()
+        self._used.clear()
+
+    def forget_views(self) -> None:
+        """Drop the cached bucket views (they were built for another manifest)."""
+        for mapped in self._open.values():
+            mapped.views.clear()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+@attrs.frozen
+class Outcome:
+    """What one handled message means for the serving loop."""
+
+    done: bool = False
+    report: Any = None
+    error: RefitError | None = None
+
+
+class RefitServer:
+    """The receiver's protocol state machine.
+
+    Frames in, reply frames + outcome out; never raises.
+    """
+
+    def __init__(self, sink: WeightSink, *, one_pass: OnePassTarget | None = None) -> None:
+        self.sink = sink
+        self.one_pass = one_pass
+        self._one_pass_session = False  # the refit in progress is written by the sender itself
+        self._registered_id = ""
+        self._manifest: tuple[TensorSpec, ...] | None = None
+        self._views_manifest: tuple[TensorSpec, ...] | None = None
+        self._manifests = ManifestCache()
+        self._sizes: tuple[int, ...] = ()
+        self._alignment = DEFAULT_ALIGNMENT
+        self._received = bytearray()
+        self._count = 0
+        self._buffers = ReceivedBuffers()
+        self._num_buckets = 0
+        self._gpu_pending: torch.device | None = None  # a device with reads queued but not awaited
+        # per (indices, offsets) of this manifest: how to cut a bucket out of a fresh mapping with
+        # one split (None: it needs unpack_tensors); kept across refits that free their staging
+        self._layouts: dict[tuple[Any, ...], SplitLayout | None] = {}
+
+    @property
+    def in_refit(self) -> bool:
+        return self._manifest is not None
+
+    @property
+    def open_buffers(self) -> int:
+        """Staging buffers mapped right now (kept ones stay mapped between refits)."""
+        return len(self._buffers)
+
+    def release_buffers(self) -> None:
+        """Close every kept mapping (the sender's kept staging can then really be freed)."""
+        if self._manifest is None:
+            self._buffers.clear()
+
+    def handle(self, frames: Sequence[bytes]) -> tuple[list[bytes], Outcome]:
+        kind, seq = "unknown", -1
+        try:
+            message = decode_request(frames, manifests=self._manifests)
+            kind = type(message).__name__.lower()
+            if isinstance(message, Bucket):
+                seq = message.seq
+            return self._dispatch(message)
+        except Exception as exc:  # a bad message must be answered, never crash the receiver
+            reason = str(exc) if isinstance(exc, RefitError) else f"{type(exc).__name__}: {exc}"
+            self.fail(reason)
+            error = RefitError(f"refit rejected ({kind}): {reason}")
+            return encode(Reply(False, kind, seq, reason)), Outcome(done=True, error=error)
+
+    def _drain_gpu(self) -> None:
+        """Wait for every queued read of the sender's buffers (before closing their mappings)."""
+        if self._gpu_pending is not None:
+            torch.cuda.current_stream(self._gpu_pending).synchronize()
+            self._gpu_pending = None
+
+    def fail(self, reason: str) -> None:
+        """Drop the refit in progress.
+
+        The sink keeps the previous version or marks itself stale.
+        """
+        self._drain_gpu()
+        if self._manifest is not None:
+            self.sink.abort(reason)
+        self._manifest = None
+        self._one_pass_session = False
+        self._received = bytearray()
+        self._buffers.finish(ok=False)
+
+    def _dispatch(self, message: Begin | Bucket | Complete | Abort) -> tuple[list[bytes], Outcome]:
+        if isinstance(message, Begin):
+            if self._manifest is not None:
+                raise ProtocolError("BEGIN while a refit is in progress; finish or abort it first")
+            if message.one_pass is not None:
+                return self._begin_one_pass(message)
+            self.sink.begin(message.manifest)
+            if message.manifest is not self._views_manifest:  # cached views hold its dtypes/shapes
+                self._buffers.forget_views()
+                self._layouts.clear()
+                self._views_manifest = message.manifest
+            self._manifest = message.manifest
+            self._sizes = (
+                self._manifests.sizes
+                if message.manifest is self._manifests.specs
+                else tuple(s.nbytes for s in message.manifest)
+            )
+            self._alignment, self._num_buckets = message.alignment, 0
+            self._received, self._count = bytearray(len(message.manifest)), 0
+            return encode(Reply(True, "begin")), Outcome()
+        if isinstance(message, Abort):
+            if self._manifest is None:
+                # Nothing to abort: a sender sends ABORT only after BEGIN, so this one belongs to
+                # a refit this side already ended (rejected, timed out). Answered and dropped;
+                # the refit this receive() waits for is still to come.
+                return encode(Reply(True, "abort")), Outcome()
+            self.fail(f"sender aborted: {message.reason}")
+            error = RefitError(f"the sender aborted the refit: {message.reason}")
+            return encode(Reply(True, "abort")), Outcome(done=True, error=error)
+        if self._manifest is None:
+            raise ProtocolError(f"{type(message).__name__.upper()} before BEGIN")
+        if isinstance(message, Complete):
+            return self._complete(message)
+        return self._bucket(message)
+
+    def _begin_one_pass(self, message: Begin) -> tuple[list[bytes], Outcome]:
+        """Check the manifest, then hand the sender the registration: from the ACK on it may
+        write the registered memory (an in-place receiver is stale until COMPLETE)."""
+        if self.one_pass is None:
+            raise ProtocolError(_NOT_REGISTERED)
+        registration = self.one_pass.registration()  # rebuilt (new id) if the layout changed
+        if registration.id != self._registered_id:  # cached staged batches hold old destinations
+            self._buffers.forget_views()
+            self._views_manifest, self._registered_id = None, registration.id
+        self.sink.begin(message.manifest)  # refused here, before the sender may write anything
+        self._manifest, self._one_pass_session = message.manifest, True
+        self._num_buckets = 0
+        self.sink.expect_external_write()
+        self.one_pass.before_write()
+        body, raw = encode_registration(registration, held_id=message.one_pass)
+        reply = Reply(True, "begin", registration=body, registration_frames=tuple(raw))
+        return encode(reply), Outcome()
+
+    def _bucket(self, bucket: Bucket) -> tuple[list[bytes], Outcome]:
+        manifest = self._manifest
+        assert manifest is not None
+        if self._one_pass_session:
+            raise ProtocolError("BUCKET in a one-pass refit (the sender writes registered memory)")
+        problems = check_bucket(
+            bucket,
+            manifest,
+            self._sizes,
+            self._received,
+            alignment=self._alignment,
+            buffer_size=bucket.buffer.size,
+        )
+        if problems:
+            raise ProtocolError(
+                f"bucket {bucket.seq} rejected before any write: " + "; ".join(problems[:20])
+            )
+        mapped = self._buffers.open(bucket.buffer)
+        key = (bucket.indices, bucket.offsets)  # for this manifest (see BEGIN); valid while mapped
+        batch = mapped.views.get(key)
+        if batch is None:
+            if len(mapped.views) > 4096:  # a misbehaving sender must not grow this without bound
+                mapped.views.clear()
+            buffer = mapped.tensor[: bucket.buffer.size]
+            specs = [manifest[i] for i in bucket.indices]
+            if key not in self._layouts:
+                if len(self._layouts) > 4096:
+                    self._layouts.clear()
+                self._layouts[key] = split_layout(specs, bucket.offsets)
+            layout = self._layouts[key]
+            if layout is not None and buffer.data_ptr() % layout.dtype.itemsize == 0:
+                views = split_views(buffer, layout)
+            else:
+                views = unpack_tensors(buffer, specs, bucket.offsets)
+            batch = self.sink.prepare(bucket.indices, views)
+            if bucket.buffer.keep:
+                mapped.views[key] = batch
+        consumed = b""
+        if isinstance(bucket.buffer, CudaBuffer):
+            region = mapped.wait_filled(bucket.buffer.filled_event)
+            self._gpu_pending = mapped.tensor.device
+            self.sink.apply_prepared(batch)
+            consumed = mapped.record_consumed(region)  # the sender's next write there waits on it
+        else:
+            self.sink.apply_prepared(batch)
+        del batch
+        received = self._received
+        for index in bucket.indices:
+            received[index] = 1
+        self._count += len(bucket.indices)
+        self._num_buckets += 1
+        return encode(Reply(True, "bucket", bucket.seq, consumed_event=consumed)), Outcome()
+
+    def _complete(self, message: Complete) -> tuple[list[bytes], Outcome]:
+        manifest = self._manifest
+        assert manifest is not None
+        if message.one_pass != self._one_pass_session:
+            raise ProtocolError(
+                f"a {'one-pass' if message.one_pass else 'staged'} COMPLETE ended a "
+                f"{'one-pass' if self._one_pass_session else 'staged'} refit"
+            )
+        if self.one_pass is not None and self._one_pass_session:
+            self.one_pass.after_write(message.written_event)
+        elif self._count != len(manifest):
+            missing = [s.name for s, got in zip(manifest, self._received, strict=True) if not got]
+            raise ProtocolError(f"COMPLETE with {len(missing)} tensors never sent: {missing[:20]}")
+        self._drain_gpu()  # the new version is in place before anyone is told so
+        self._buffers.finish(ok=True)
+        report = self.sink.commit(num_buckets=self._num_buckets)
+        self._manifest, self._one_pass_session = None, False
+        summary = (
+            attrs.asdict(report, filter=lambda a, _: a.name != "names")
+            if attrs.has(type(report))
+            else {}
+        )
+        return encode(Reply(True, "complete", report=summary)), Outcome(done=True, report=report)

@@ -1,0 +1,1 @@
+"""policyworker.shell.worker.policy_worker."""
