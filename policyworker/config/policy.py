@@ -1,0 +1,189 @@
+"""`PolicyConfig`, the whole `policy` mapping, with its cross-field rules and the rule that needs
+the data-parallel size (`validate_for_world`)."""
+
+from typing import Any
+
+from attrs import field, frozen
+
+from policyworker.config.rules import (
+    NON_EMPTY,
+    POSITIVE,
+    RuleViolationsError,
+    at_least,
+    raise_if_problems,
+)
+from policyworker.config.sections import (
+    DraftConfig,
+    DTensorConfig,
+    DynamicBatchingConfig,
+    GenerationConfig,
+    OptimizerConfig,
+    RewardModelConfig,
+    RouterReplayConfig,
+    SchedulerConfig,
+    SequencePackingConfig,
+    TokenizerConfig,
+    empty_kwargs,
+)
+from policyworker.config.values import Precision
+
+__all__ = ["PolicyConfig", "validate_for_world"]
+
+
+@frozen(kw_only=True)
+class PolicyConfig:
+    """`policy`: everything one PolicyWorker reads. Build it with `load_config(mapping)`.
+
+    Optional sections: absent, `null` and `{enabled: false, ...}` all mean disabled (None); see
+    the `policyworker.config` docstring. Use the `*_enabled` properties rather than testing
+    sections.
+    The microbatch-size rules apply to fixed microbatching only: under sequence packing or
+    dynamic batching `train_micro_batch_size` is not used.
+    """
+
+    model_name: str = field(validator=NON_EMPTY)
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    precision: Precision = "bfloat16"
+    train_global_batch_size: int = field(default=32, validator=at_least(1))
+    train_micro_batch_size: int = field(default=1, validator=at_least(1))
+    logprob_batch_size: int = field(default=8, validator=at_least(1))
+    logprob_chunk_size: int | None = field(default=None, validator=at_least(1))
+    max_grad_norm: float | None = field(default=1.0, validator=POSITIVE)
+    offload_optimizer_for_logprob: bool = False
+    make_sequence_length_divisible_by: int = field(default=1, validator=at_least(1))
+    max_total_sequence_length: int | None = field(default=None, validator=at_least(1))
+    hf_config_overrides: dict[str, Any] = field(factory=empty_kwargs)
+    refit_buffer_size_gb: float | None = field(default=None, validator=POSITIVE)
+    batch_size: int | None = field(default=None, validator=at_least(1))
+    dtensor_cfg: DTensorConfig = DTensorConfig()
+    sequence_packing: SequencePackingConfig | None = None
+    dynamic_batching: DynamicBatchingConfig | None = None
+    optimizer: OptimizerConfig | None = OptimizerConfig()
+    scheduler: SchedulerConfig | None = None
+    generation: GenerationConfig | None = None
+    reward_model_cfg: RewardModelConfig | None = None
+    router_replay: RouterReplayConfig | None = None
+    draft: DraftConfig | None = None
+
+    def __attrs_post_init__(self) -> None:
+        raise_if_problems(_cross_field_problems(self), root="policy")
+
+    @property
+    def tokenizer_name(self) -> str:
+        """`tokenizer.name`, defaulting to `model_name`."""
+        return self.model_name if self.tokenizer.name is None else self.tokenizer.name
+
+    @property
+    def sequence_packing_enabled(self) -> bool:
+        return self.sequence_packing is not None
+
+    @property
+    def dynamic_batching_enabled(self) -> bool:
+        return self.dynamic_batching is not None
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.dtensor_cfg.lora_cfg is not None
+
+    @property
+    def reward_model_enabled(self) -> bool:
+        return self.reward_model_cfg is not None
+
+    @property
+    def router_replay_enabled(self) -> bool:
+        return self.router_replay is not None
+
+    @property
+    def draft_enabled(self) -> bool:
+        return self.draft is not None
+
+    @property
+    def fixed_microbatching(self) -> bool:
+        """True when microbatches have `train_micro_batch_size` rows (no packing/dynamic)."""
+        return self.sequence_packing is None and self.dynamic_batching is None
+
+
+def _cross_field_problems(cfg: PolicyConfig) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    cp = cfg.dtensor_cfg.context_parallel_size
+    if cfg.sequence_packing is not None and cfg.dynamic_batching is not None:
+        problems.append(
+            (
+                "sequence_packing",
+                "sequence_packing and dynamic_batching are both "
+                "enabled but are exclusive; set enabled: false on one of them",
+            )
+        )
+    if cfg.sequence_packing is not None and cp > 1:
+        problems.append(
+            (
+                "sequence_packing",
+                f"sequence packing does not support "
+                f"dtensor_cfg.context_parallel_size > 1 (got {cp}); set "
+                "context_parallel_size: 1 or disable sequence_packing",
+            )
+        )
+    if cfg.sequence_packing is not None and cfg.reward_model_cfg is not None:
+        problems.append(
+            (
+                "sequence_packing",
+                "sequence packing is not supported for reward "
+                "models (reward_model_cfg is enabled); disable sequence_packing",
+            )
+        )
+    tp = cfg.dtensor_cfg.tensor_parallel_size
+    if cfg.draft is not None and tp * cp != 1:
+        problems.append(
+            (
+                "draft",
+                f"draft co-training reads whole sequences and full logits on each rank: it "
+                f"needs dtensor_cfg.tensor_parallel_size = 1 and context_parallel_size = 1 "
+                f"(got {tp} and {cp}); use data parallelism only, or remove the draft",
+            )
+        )
+    gbs, mbs = cfg.train_global_batch_size, cfg.train_micro_batch_size
+    if cfg.fixed_microbatching and gbs % mbs != 0:
+        problems.append(
+            (
+                "train_global_batch_size",
+                f"train_global_batch_size = {gbs} must be "
+                f"a multiple of train_micro_batch_size = {mbs}; change one of them",
+            )
+        )
+    seq = cfg.max_total_sequence_length
+    if cp > 1 and seq is not None and seq % (2 * cp) != 0:
+        problems.append(
+            (
+                "max_total_sequence_length",
+                f"max_total_sequence_length = {seq} must "
+                f"be divisible by 2 * dtensor_cfg.context_parallel_size = {2 * cp} "
+                f"(load-balanced CP chunks); use {(seq // (2 * cp) + 1) * 2 * cp}",
+            )
+        )
+    return problems
+
+
+def validate_for_world(cfg: PolicyConfig, *, dp_size: int) -> None:
+    """Check the rules that need the data-parallel size; raise ConfigError naming the fix."""
+    if dp_size < 1:
+        msg = f"dp_size = {dp_size} must be >= 1"
+        raise ValueError(msg)
+    gbs, mbs = cfg.train_global_batch_size, cfg.train_micro_batch_size
+    unit = dp_size * mbs if cfg.fixed_microbatching else dp_size
+    if gbs % unit != 0:
+        what = (
+            f"dp_size * train_micro_batch_size = {dp_size} * {mbs} = {unit}"
+            if cfg.fixed_microbatching
+            else f"dp_size = {dp_size}"
+        )
+        raise RuleViolationsError(
+            [
+                (
+                    "train_global_batch_size",
+                    f"train_global_batch_size = {gbs} must be a multiple "
+                    f"of {what} so every data-parallel rank gets whole microbatches; use "
+                    f"{max(unit, gbs // unit * unit)}",
+                )
+            ],
+            root="policy",
+        )
