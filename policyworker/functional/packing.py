@@ -152,6 +152,8 @@ def pack_into_bins(
     Bins come out in creation order, indices inside a bin in insertion order. Afterwards, while
     the bin count is below ``min_bin_count`` or not a multiple of ``bin_count_multiple``, the
     largest sequence of the fullest bin holding two or more sequences moves into a new bin.
+    No sequences make no bins (``[]``, as NeMo-RL's packers return), whatever the bin-count
+    arguments say.
 
     Args:
         algorithm: ``first_fit_decreasing``; ``modified_first_fit_decreasing`` (Johnson & Garey's
@@ -160,10 +162,12 @@ def pack_into_bins(
 
     Raises:
         ValueError: unknown algorithm; a length that is negative or above ``capacity``; a bin
-            count that cannot be reached because there are too few sequences.
+            count that cannot be reached because there are too few (but some) sequences.
     """
     sizes = int_list(lengths)
     _check_bin_arguments(sizes, capacity, algorithm, min_bin_count, bin_count_multiple)
+    if not sizes:
+        return []
     if algorithm == "first_fit_decreasing":
         bins = _first_fit(sizes, _decreasing(sizes), capacity, [])
     elif algorithm == "modified_first_fit_decreasing":

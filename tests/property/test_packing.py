@@ -125,6 +125,28 @@ def test_bins_hold_every_sequence_once_and_never_exceed_capacity(
     assert len(bins) >= -(-sum(lengths) // capacity)
 
 
+@given(ALGORITHMS, st.integers(1, 10_000), st.integers(1, 8), st.integers(1, 8), SEEDS)
+def test_no_sequences_make_no_bins(algorithm, capacity, min_bins, multiple, seed):
+    # NeMo-RL's packers return [] for an empty batch; the bin-count rules apply to real sequences
+    for empty in ([], torch.zeros(0, dtype=torch.int64)):
+        bins = pack_into_bins(
+            empty,
+            capacity,
+            algorithm=algorithm,
+            min_bin_count=min_bins,
+            bin_count_multiple=multiple,
+            seed=seed,
+        )
+        assert bins == []
+
+
+def test_no_sequences_still_check_the_arguments():
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        pack_into_bins([], 0, algorithm="concatenative")
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        pack_into_bins([], 8, algorithm="best_fit")  # pyright: ignore[reportArgumentType]
+
+
 @given(
     bin_problems(),
     st.sampled_from(["first_fit_decreasing", "modified_first_fit_decreasing", "first_fit_shuffle"]),
