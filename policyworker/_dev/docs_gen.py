@@ -34,10 +34,12 @@ _HEADER = """\
 are the attribute names below. A bad mapping raises `ConfigError` listing every problem, each
 ending `@ policy.<dotted.path>`. Keys NeMo-RL defines that this worker does not read (last table,
 "accepted, not used") are dropped and listed once at INFO on the `policyworker` logger; any other
-unknown key is an error with a did-you-mean. Config files (`policyworker.config.files.
-load_config_file`) are read as NeMo-RL reads them: `defaults:` chains, absolute and relative
-interpolation (`${policy.model_name}`, `${.temperature}`, `${..max_total_sequence_length}`),
-dotted overrides.
+unknown key is an error with a did-you-mean (PEFT's LoRA spellings `r`, `lora_alpha`,
+`lora_dropout` and `target_modules: all-linear` name ours); `load_config(mapping, strict=False)`
+drops unknown keys instead, naming each in one `ConfigWarning`. Config files
+(`policyworker.config.files.load_config_file`) are read as NeMo-RL reads them: `defaults:`
+chains, absolute and relative interpolation (`${policy.model_name}`, `${.temperature}`,
+`${..max_total_sequence_length}`), dotted overrides.
 
 Optional sections (marked *section*) are disabled when absent, `null`, or written
 `{enabled: false, ...}` (NeMo-RL's form); given without `enabled`, or with `enabled: true`,

@@ -84,6 +84,18 @@ def _structure_lora_compute_dtype(value: Any, type_: Any) -> Any:
     return value  # the field's validator names the value, the rule and the fix
 
 
+def _structure_module_patterns(value: Any, type_: Any) -> tuple[str, ...]:
+    # PEFT writes `target_modules: "all-linear"` (and accepts one module name as a string)
+    if isinstance(value, str):
+        if value.strip().lower().replace("_", "-") == "all-linear":
+            raise InvalidValueError(
+                f"{value!r} is PEFT's spelling of every linear layer; write "
+                "match_all_linear: true and leave target_modules empty"
+            )
+        raise InvalidValueError(f"expected a list, got {describe(value)}; write [{value}]")
+    return _structure_tuple(value, type_)
+
+
 def _is_literal(type_: Any) -> bool:
     return get_origin(type_) is Literal
 
@@ -241,6 +253,8 @@ _FIELD_HOOKS: Final[dict[tuple[str, str], Callable[[Any, Any], Any]]] = {
     ("PolicyConfig", "hf_config_overrides"): _structure_dict_or_none_as_empty,
     ("PolicyConfig", "precision"): _structure_precision,
     ("LoRAConfig", "compute_dtype"): _structure_lora_compute_dtype,
+    ("LoRAConfig", "target_modules"): _structure_module_patterns,
+    ("LoRAConfig", "exclude_modules"): _structure_module_patterns,
     ("PolicyConfig", "scheduler"): _structure_scheduler,
 }
 

@@ -145,14 +145,17 @@ def read_config_section(
     return dict(resolve_subtree(document, (section,)))
 
 
-def load_config_file(path: str | pathlib.Path, *, overrides: Iterable[str] = ()) -> PolicyConfig:
+def load_config_file(
+    path: str | pathlib.Path, *, overrides: Iterable[str] = (), strict: bool = True
+) -> PolicyConfig:
     """Read a YAML/JSON config file the way NeMo-RL does and `load_config` its policy.
 
     `defaults:` chains are merged, overrides are applied before interpolations are resolved (as
     NeMo-RL does), so `max_total_sequence_length=1024` also changes every
-    `${policy.max_total_sequence_length}` and `${..max_total_sequence_length}`.
+    `${policy.max_total_sequence_length}` and `${..max_total_sequence_length}`. `strict=False`
+    drops unknown keys with one `ConfigWarning` (see `load_config`).
     """
-    return load_config(read_config_section(path, "policy", overrides=overrides))
+    return load_config(read_config_section(path, "policy", overrides=overrides), strict=strict)
 
 
 def log_config(cfg: PolicyConfig) -> str:

@@ -2,7 +2,9 @@
 `@ policy.<dotted.path>`; an unknown key gets the known key it most likely meant."""
 
 import difflib
-from typing import Any
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Final
 
 import attrs
 import cattrs.v
@@ -15,9 +17,9 @@ from cattrs.errors import (
 
 from policyworker.config.nemo_rl_keys import IGNORED_NEMO_RL_KEYS
 from policyworker.config.rules import InvalidValueError, RuleViolationsError, join_path
-from policyworker.config.sections import SECTIONS
+from policyworker.config.sections import SECTIONS, LoRAConfig
 
-__all__ = ["closest_key", "error_lines"]
+__all__ = ["closest_key", "error_lines", "known_keys", "unknown_key_hint"]
 
 
 def error_lines(exc: BaseException, path: str, type_: Any) -> list[str]:
@@ -37,7 +39,7 @@ def error_lines(exc: BaseException, path: str, type_: Any) -> list[str]:
     return [f"{_message(exc, type_, path)} @ {path}"]
 
 
-def _known_keys(cls: Any, path: str) -> list[str]:
+def known_keys(cls: Any, path: str) -> list[str]:
     """The keys a mapping at `path` (e.g. `policy.generation`) may hold: the class's fields and
     the accepted-but-unused NeMo-RL keys directly below that path."""
     names = [a.name for a in attrs.fields(cls)] if attrs.has(cls) else []
@@ -62,12 +64,25 @@ def closest_key(key: str, known: list[str]) -> str | None:
 
 
 def _unknown_keys_message(exc: ForbiddenExtraKeysError, path: str) -> str:
-    known = _known_keys(exc.cl, path)
     parts: list[str] = []
     for key in sorted(map(str, exc.extra_fields)):
-        close = closest_key(key, known)
-        parts.append(f"{key}: did you mean {close!r}?" if close else key)
+        hint = unknown_key_hint(exc.cl, key, path)
+        parts.append(f"{key}: {hint}" if hint else key)
     return f"extra fields found ({', '.join(parts)})"
+
+
+# PEFT's `LoraConfig` spellings of our LoRA keys: a user porting a PEFT setup writes these.
+_PEFT_LORA_KEYS: Final[Mapping[str, str]] = MappingProxyType(
+    {"r": "dim", "lora_alpha": "alpha", "lora_dropout": "dropout"}
+)
+
+
+def unknown_key_hint(cls: Any, key: str, path: str) -> str | None:
+    """What an unknown `key` of the mapping at `path` most likely meant, or None."""
+    if cls is LoRAConfig and key in _PEFT_LORA_KEYS:
+        return f"PEFT's name for {_PEFT_LORA_KEYS[key]!r}; write {_PEFT_LORA_KEYS[key]} instead"
+    close = closest_key(key, known_keys(cls, path))
+    return f"did you mean {close!r}?" if close else None
 
 
 def _message(exc: BaseException, type_: Any, path: str = "policy") -> str:
