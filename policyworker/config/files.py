@@ -3,7 +3,7 @@
 
 `load_config_file(path, overrides=[...])` reads YAML or JSON (a bare policy mapping, or a document
 with a top-level `policy:` key as NeMo-RL writes it) the way NeMo-RL reads it: `defaults:` chains
-(relative to each file, recursive, deep merge, `_override_`), dotted overrides
+(relative to each file, recursive, deep merge, `_override_`), Hydra-style overrides
 (`dtensor_cfg.tensor_parallel_size=2`), then OmegaConf-style interpolations, absolute
 (`${policy.model_name}`) and relative (`${.temperature}`, `${..model_name}`), with the resolvers
 mul/add/max/min/div; then `load_config`. `merge_config_layers`, `apply_overrides` and
@@ -22,17 +22,24 @@ from typing import Any
 from policyworker.config.documents import read_config_document, select_policy
 from policyworker.config.interpolation import resolve_interpolations, resolve_subtree
 from policyworker.config.loading import config_to_dict, load_config
-from policyworker.config.overrides import apply_overrides, parse_override
+from policyworker.config.overrides import (
+    OverrideError,
+    apply_overrides,
+    parse_override,
+    read_override,
+)
 from policyworker.config.policy import PolicyConfig
 from policyworker.errors import ConfigError
 
 __all__ = [
     "MISSING_VALUE",
+    "OverrideError",
     "apply_overrides",
     "load_config_file",
     "merge_config_layers",
     "log_config",
     "parse_override",
+    "read_override",
     "read_config_document",
     "read_config_with_defaults",
     "read_config_section",
