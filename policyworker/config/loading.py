@@ -7,12 +7,11 @@ from collections.abc import Mapping
 from typing import Any, cast, get_args
 
 import attrs
-from cattrs.errors import ClassValidationError, IterableValidationError
 
 from policyworker.config.converter import converter
-from policyworker.config.messages import error_lines, unknown_key_hint
+from policyworker.config.messages import unknown_key_hint
 from policyworker.config.nemo_rl_keys import split_ignored_keys
-from policyworker.config.policy import PolicyConfig
+from policyworker.config.policy import PolicyConfig, structure_policy
 from policyworker.config.rules import ConfigWarning, describe
 from policyworker.config.sections import SECTIONS, SchedulerConfig, SchedulerEntry
 from policyworker.errors import ConfigError
@@ -51,12 +50,7 @@ def load_config(mapping: Mapping[str, Any], *, strict: bool = True) -> PolicyCon
                 ConfigWarning,
                 stacklevel=2,
             )
-    try:
-        return converter.structure(cleaned, PolicyConfig)
-    except (ClassValidationError, IterableValidationError, ValueError) as exc:
-        lines = error_lines(exc, "policy", None)
-        msg = f"invalid policy config ({len(lines)} problem{'s' * (len(lines) != 1)}):\n  "
-        raise ConfigError(msg + "\n  ".join(lines)) from None
+    return structure_policy(cleaned)
 
 
 def config_to_dict(cfg: PolicyConfig) -> dict[str, Any]:

@@ -1,10 +1,18 @@
 """`PolicyConfig`, the whole `policy` mapping, with its cross-field rules and the rule that needs
-the data-parallel size (`validate_for_world`)."""
+the data-parallel size (`validate_for_world`), and `structure_policy`, the one place a mapping
+becomes a `PolicyConfig`: `load_config` and the typed constructor both go through it, so both
+refuse the same values with the same `ConfigError`."""
 
+from collections.abc import Mapping
+from contextvars import ContextVar
 from typing import Any
 
+import attrs
 from attrs import field, frozen
+from cattrs.errors import ClassValidationError, IterableValidationError
 
+from policyworker.config.converter import converter
+from policyworker.config.messages import error_lines
 from policyworker.config.rules import (
     NON_EMPTY,
     POSITIVE,
@@ -26,13 +34,19 @@ from policyworker.config.sections import (
     empty_kwargs,
 )
 from policyworker.config.values import Precision
+from policyworker.errors import ConfigError
 
-__all__ = ["PolicyConfig", "validate_for_world"]
+__all__ = ["PolicyConfig", "structure_policy", "validate_for_world"]
+
+# True while the converter builds a PolicyConfig: its arguments are being checked already.
+_STRUCTURING: ContextVar[bool] = ContextVar("policyworker_config_structuring", default=False)
 
 
 @frozen(kw_only=True)
 class PolicyConfig:
-    """`policy`: everything one PolicyWorker reads. Build it with `load_config(mapping)`.
+    """`policy`: everything one PolicyWorker reads. Build it with `load_config(mapping)` or
+    directly (`PolicyConfig(model_name=...)`): both refuse the same values with the same
+    `ConfigError`.
 
     Optional sections: absent, `null` and `{enabled: false, ...}` all mean disabled (None); see
     the `policyworker.config` docstring. Use the `*_enabled` properties rather than testing
@@ -64,6 +78,15 @@ class PolicyConfig:
     reward_model_cfg: RewardModelConfig | None = None
     router_replay: RouterReplayConfig | None = None
     draft: DraftConfig | None = None
+
+    def __attrs_pre_init__(self, **arguments: Any) -> None:
+        # `PolicyConfig(...)` checks its arguments as `load_config` checks a mapping (types,
+        # literal choices, nested sections given as mappings, every field rule, all problems at
+        # once), so a value the mapping path refuses is refused here with the same error.
+        # (attrs passes NOTHING for a factory default the caller left out)
+        if not _STRUCTURING.get():
+            given = {k: v for k, v in arguments.items() if v is not attrs.NOTHING}
+            structure_policy({name: converter.unstructure(v) for name, v in given.items()})
 
     def __attrs_post_init__(self) -> None:
         raise_if_problems(_cross_field_problems(self), root="policy")
@@ -187,3 +210,20 @@ def validate_for_world(cfg: PolicyConfig, *, dp_size: int) -> None:
             ],
             root="policy",
         )
+
+
+def structure_policy(mapping: Mapping[str, Any]) -> PolicyConfig:
+    """Structure a policy mapping (NeMo-RL keys already split off) into a PolicyConfig.
+
+    Raises:
+        ConfigError: listing every problem, one per line, each ending `@ policy.<path>`.
+    """
+    token = _STRUCTURING.set(True)
+    try:
+        return converter.structure(mapping, PolicyConfig)
+    except (ClassValidationError, IterableValidationError, ValueError) as exc:
+        lines = error_lines(exc, "policy", None)
+        msg = f"invalid policy config ({len(lines)} problem{'s' * (len(lines) != 1)}):\n  "
+        raise ConfigError(msg + "\n  ".join(lines)) from None
+    finally:
+        _STRUCTURING.reset(token)
