@@ -17,7 +17,8 @@ The package, by responsibility: `values` (the Literal choices and precision alia
 (single-field rules and their errors), `sections` and `policy` (the attrs classes), `nemo_rl_keys`
 (the NeMo-RL keys accepted and not read), `converter` (the cattrs hooks), `messages` (error
 rendering with did-you-mean), `loading` (`load_config`, `config_to_dict`); `files` reads YAML/JSON
-config files the way NeMo-RL does.
+config files the way NeMo-RL does, from `documents` (YAML 1.2 / JSON), `overrides` (Hydra's
+grammar) and `interpolation` (OmegaConf-style references and resolvers).
 """
 
 from policyworker.config.converter import converter
