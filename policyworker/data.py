@@ -328,7 +328,7 @@ class BatchedDataDict(dict[str, Any]):
         packing_args: Mapping[str, Any] | None,
     ) -> tuple[int, int]:
         if dynamic_args is not None and packing_args is not None:
-            raise ValueError(
+            raise DataError(
                 "dynamic_batching_args and sequence_packing_args cannot be passed "
                 "together; pick one"
             )
