@@ -9,6 +9,7 @@ waiting in FSDP2's first all-gather, and the next good call works on both.
 
 from __future__ import annotations
 
+import pickle
 import time
 
 import pytest
@@ -44,6 +45,8 @@ def agreed_checks_suite(rank: int, size: int) -> None:
         assert str(refused.value) == "rank 1's shard holds token id 999"
     else:
         assert isinstance(refused.value, PeerRefusedError) and refused.value.rank == 1
+        back = pickle.loads(pickle.dumps(refused.value))  # as Ray hands it to the driver
+        assert (type(back), back.rank, str(back)) == (PeerRefusedError, 1, str(refused.value))
         assert str(refused.value) == (
             "rank 1 refused its part of get_logprobs, so rank 0 stops too, before any "
             "collective: ValueError: rank 1's shard holds token id 999"

@@ -13,6 +13,8 @@ It costs one small all-reduce per call when every rank accepts (none without a p
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -27,6 +29,14 @@ class PeerRefusedError(ValueError):
     def __init__(self, message: str, *, rank: int) -> None:
         super().__init__(message)
         self.rank = rank
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled across processes (Ray returns a rank's exception): keep the keyword argument.
+        return (_rebuild_peer_refused, (str(self), self.rank))
+
+
+def _rebuild_peer_refused(message: str, rank: int) -> PeerRefusedError:
+    return PeerRefusedError(message, rank=rank)
 
 
 class AgreedChecks:
