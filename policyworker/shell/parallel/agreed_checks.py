@@ -8,7 +8,8 @@ refusal flag per rank over the world group: if any rank refused, every rank rais
 ranks their own error, the others a ValueError naming the first refusing rank and its reason),
 so all ranks leave the call together and the process group stays usable.
 
-It costs one small all-reduce per call when every rank accepts (none without a process group).
+It costs one all-reduce of one int per rank when every rank accepts (none without a process
+group), and a second one carrying the reason's bytes when one refuses.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch.distributed as dist
 from policyworker.shell.parallel.context import ParallelContext
 
 __all__ = ["AgreedChecks", "PeerRefusedError", "agreed_checks"]
+
+_REASON_BYTES = 4096  # of the first refusing rank's message, sent to the others
 
 
 class PeerRefusedError(ValueError):
@@ -57,24 +60,29 @@ class AgreedChecks:
             return  # KeyboardInterrupt / SystemExit: leave now, no collective
         if parallel.world_size == 1 or not dist.is_initialized():
             return
+        # One int per rank: 0 = accepted, else 1 + the byte length of its reason (capped).
+        mine = b"" if exc is None else f"{type(exc).__name__}: {exc}".encode()[:_REASON_BYTES]
         device = parallel._collective_device()
-        flags = torch.zeros(parallel.world_size, dtype=torch.int32, device=device)
-        flags[parallel.rank] = exc is not None
-        parallel.all_reduce(flags, op="max", axis="world")
-        refused = [int(r) for r in flags.nonzero().flatten()]
+        sizes = torch.zeros(parallel.world_size, dtype=torch.int32, device=device)
+        sizes[parallel.rank] = 0 if exc is None else 1 + len(mine)
+        parallel.all_reduce(sizes, op="max", axis="world")
+        lengths = sizes.tolist()
+        refused = [rank for rank, size in enumerate(lengths) if size]
         if not refused:
             return
-        # Only on the failure path: every rank learns the first refusing rank's reason.
-        reasons: list[str | None] = [None] * parallel.world_size
-        mine = None if exc is None else f"{type(exc).__name__}: {exc}"
-        dist.all_gather_object(reasons, mine, group=parallel.groups["world"])
+        # Only on the failure path: every rank learns the first refusing rank's reason, as
+        # int32 bytes through the same all-reduce (no object collective, no device guess).
+        first = refused[0]
+        text = torch.zeros(parallel.world_size, max(lengths), dtype=torch.int32, device=device)
+        text[parallel.rank, : len(mine)] = torch.tensor(list(mine), dtype=torch.int32)
+        parallel.all_reduce(text, op="sum", axis="world")
+        reason = bytes(text[first, : lengths[first] - 1].tolist()).decode(errors="replace")
         if exc is not None:
             return  # this rank's own error goes on unchanged
-        first = refused[0]
         others = f" (ranks {refused} refused)" if len(refused) > 1 else ""
         msg = (
             f"rank {first} refused its part of {self.what}{others}, so rank {parallel.rank} "
-            f"stops too, before any collective: {reasons[first]}"
+            f"stops too, before any collective: {reason}"
         )
         raise PeerRefusedError(msg, rank=first)
 
