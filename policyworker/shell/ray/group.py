@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from policyworker.errors import WorkerGroupError, WorkerGroupTimeoutError
 from policyworker.functional.worker_group import dp_leader_ranks, local_ranks
@@ -41,6 +41,9 @@ from policyworker.shell.ray.actor import (
 from policyworker.shell.ray.calls import RankResults
 from policyworker.shell.ray.shard_checks import check_shards
 from policyworker.shell.ray.sharding import split_over_dp
+
+if TYPE_CHECKING:
+    from policyworker.config import PolicyConfig
 
 __all__ = ["RayWorkerGroup"]
 
@@ -59,7 +62,7 @@ class RayWorkerGroup:
 
     def __init__(
         self,
-        config: Any,
+        config: PolicyConfig | Mapping[str, Any],
         *,
         num_workers: int,
         strategy: str = "PACK",
@@ -156,7 +159,9 @@ class RayWorkerGroup:
             msg = f"the placement group was not ready within {self.options.timeout_s} s"
             raise WorkerGroupTimeoutError(msg, method="placement_group")
 
-    def _start(self, config: Any, worker_kwargs: dict[str, Any], gpus: float) -> None:
+    def _start(
+        self, config: PolicyConfig | Mapping[str, Any], worker_kwargs: dict[str, Any], gpus: float
+    ) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         opts = self.options
