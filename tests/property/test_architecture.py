@@ -477,7 +477,6 @@ NOT_YET_SPLIT = {
     "functional/loss_terms.py",
     "functional/loss.py",
     "shell/refit/zmq/sender.py",
-    "shell/model/lora.py",
 }
 
 

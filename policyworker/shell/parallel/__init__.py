@@ -1,6 +1,7 @@
 """Parallelism: this rank's place in the process group and what runs across it.
 
 context.py          ParallelContext: dp/cp/tp sizes, coordinates, groups, device, reductions
+agreed_checks.py    checks whose refusal on one rank raises on every rank, before collectives
 plans.py            FSDP2 + tensor-parallel plans, activation checkpointing, reshard
 collectives.py      one import for the collectives over shards, which live in:
   vocab_logprobs.py   logprobs of vocab-sharded logits (with top-k/top-p: rows exchanged)

@@ -44,6 +44,7 @@ from policyworker.config import PolicyConfig, load_config
 from policyworker.data import BatchedDataDict, check_loss_fn, train_required_keys
 from policyworker.shell.logs import apply_env_verbosity, quiet_progress_bars, startup_summary
 from policyworker.shell.model import hf_model as model_lib
+from policyworker.shell.parallel.agreed_checks import agreed_checks
 from policyworker.shell.worker.nemo_rl_surface import NeMoRLWorkerSurface, split_constructor_kwargs
 from policyworker.shell.worker.state import WorkerState
 
@@ -106,7 +107,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
         if tokenizer is not None:
             self.state.tokenizer = tokenizer
         if self.parallel.rank == 0:
-            log.info("%s", startup_summary(self))
+            log.info("%s", startup_summary(self.state, name=type(self).__name__))
 
     @property
     def _sampling(self) -> tuple[float, int | None, float]:
@@ -130,18 +131,19 @@ class PolicyWorker(NeMoRLWorkerSurface):
         `model_dtype` and `skipped_steps` (steps skipped for a non-finite loss or grad norm).
         """
         skip = tuple(check_dim_skip_keys or ())
-        check_loss_fn(loss_fn)
-        mbatch.validate(
-            self.state,
-            data,
-            required=train_required_keys(loss_fn),
-            skip=skip,
-            needed_by=f"train() with {type(loss_fn).__name__}",
-        )
-        self.state.moe.check_replay_data(data)
-        gbs, mbs = training.check_train_call(
-            self.state, data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
-        )
+        with agreed_checks(self.state.parallel, what="train"):  # all ranks refuse, or none
+            check_loss_fn(loss_fn)
+            mbatch.validate(
+                self.state,
+                data,
+                required=train_required_keys(loss_fn),
+                skip=skip,
+                needed_by=f"train() with {type(loss_fn).__name__}",
+            )
+            self.state.moe.check_replay_data(data)
+            gbs, mbs = training.check_train_call(
+                self.state, data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
+            )
         return training.train(
             self.state, data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, skip=skip
         )
@@ -166,8 +168,9 @@ class PolicyWorker(NeMoRLWorkerSurface):
         ``"topk_indices"`` [B, S, k], equal to ``get_topk_logits(data, k)``.
         """
         inference.check_extra_scores(entropy, top_k)
-        mbatch.validate(self.state, data)
-        self.state.moe.check_replay_data(data, require=require_router_replay)
+        with agreed_checks(self.state.parallel, what="get_logprobs"):  # all refuse, or none
+            mbatch.validate(self.state, data)
+            self.state.moe.check_replay_data(data, require=require_router_replay)
         return inference.logprobs(
             self.state,
             data,
