@@ -9,3 +9,25 @@ collectives.py      one import for the collectives over shards, which live in:
   grads.py            grad norm and clipping of sharded parameters
   groups.py           the group helpers they share
 """
+
+from typing import Any
+
+# The names other code imports from this face, resolved on first use (PEP 562): the face imports
+# none of its modules eagerly, so importing one of them never runs another through the face.
+_LAZY = {
+    "ParallelContext": "policyworker.shell.parallel.context",
+    "next_token_logprobs_any": "policyworker.shell.parallel.collectives",
+    "parallelize_model": "policyworker.shell.parallel.plans",
+}
+__all__ = sorted(_LAZY)  # pyright: ignore[reportUnsupportedDunderAll]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        msg = f"module {__name__!r} has no attribute {name!r}"
+        raise AttributeError(msg)
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
