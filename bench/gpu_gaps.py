@@ -143,8 +143,9 @@ def print_profile(fn: Callable[[], Any], *, rows: int = 30, shape_rows: int = 40
     import tempfile
 
     import torch
-    from common import mark_profiled  # bench/common.py, on the path of every bench script
     from torch.profiler import ProfilerActivity, profile
+
+    from bench.common import mark_profiled
 
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():

@@ -22,7 +22,7 @@ inductor's compile of the same functions.
 
 Targets (issue 17), each a row's rule: at 16k and 32k tokens throughput >= 1.5x the plain
 path's and ahead of Liger's, extra peak memory <= 10 % of the plain path's.
-Usage: `python bench/logprobs.py` (CUDA) or `python bench/logprobs.py --small` (CPU smoke);
+Usage: `python -m bench.logprobs` (CUDA) or `python -m bench.logprobs --small` (CPU smoke);
 `--fuse layer|norm_mlp` sets the worker's `dtensor_cfg.fusion`.
 Prints a table (ours / baseline / limit / ratio) and writes bench/results/logprobs.json.
 """
@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 import transformers
-from common import (  # noqa: I001  (bench/ is run as a script folder)
+
+from bench.common import (
     copy_ceiling_bytes_per_s,
     device,
     gib,
@@ -49,11 +50,10 @@ from common import (  # noqa: I001  (bench/ is run as a script folder)
     timed,
     write_results,
 )
-from gpu_gaps import print_profile  # bench/gpu_gaps.py
-
-from policyworker.shell.kernels.fusion import FUSION_MODES
-from policyworker.shell.model.hf_model import autocast_context
-from policyworker.shell.worker.policy_worker import PolicyWorker
+from bench.gpu_gaps import print_profile
+from policyworker import PolicyWorker
+from policyworker.shell.kernels import FUSION_MODES
+from policyworker.shell.model import autocast_context
 
 MEMORY_LIMIT = 0.10  # of the plain path's extra peak (issue 17)
 TOP_K = 20  # the extras row's k (a distillation teacher's usual top-k)
@@ -93,8 +93,7 @@ def kernel_rows(tokens: int, vocab: int, repeats: int) -> tuple[list[dict], dict
     kernels on CUDA (`shell.logprob_triton`) against inductor's compile of the same functions
     (what the worker ran before), forward, backward and entropy, each beside the time one read
     (+ one write in backward) of the block takes at the measured copy ceiling."""
-    from policyworker.shell.kernels.fused_logprobs import inductor_kernels
-    from policyworker.shell.kernels.logprob_triton import TRITON_KERNELS
+    from policyworker.shell.kernels import TRITON_KERNELS, inductor_kernels
 
     cuda = torch.device("cuda")
     gen = torch.Generator(device=cuda).manual_seed(0)
@@ -318,7 +317,7 @@ def main() -> None:
         "logprobs",
         {
             "num_params": num_params,
-            "args": vars(args),
+            "settings": vars(args),
             "results": results,
             "kernels": kernels,
             "memory_limit_fraction": MEMORY_LIMIT,

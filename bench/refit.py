@@ -34,7 +34,7 @@ had launched everything; a ``write`` near the total means the host was the limit
 The ``% ceiling`` column compares each ``one-pass*`` row with ``one-pass-ceiling`` and every
 other row with ``ceiling``.
 
-Usage: ``python bench/refit.py`` (CUDA) or ``python bench/refit.py --small`` (CPU, seconds).
+Usage: ``python -m bench.refit`` (CUDA) or ``python -m bench.refit --small`` (CPU, seconds).
 Prints a table and writes ``bench/results/refit.json``. ``--profile`` also prints the sender's
 cProfile of the ``one-pass`` refits (top 25 by own time).
 """
@@ -58,18 +58,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from policyworker.functional.buckets import IpcBucket, TensorSpec, align_up  # noqa: E402
-from policyworker.shell.refit.one_pass.sender import OnePassWriter  # noqa: E402
-from policyworker.shell.refit.sender import RefitSender  # noqa: E402
-from policyworker.shell.refit.weight_stream import (  # noqa: E402
-    RefitSource,
-    iter_refit_sources,
-    refit_specs,
-)
-from policyworker.shell.refit.zmq.staging import CudaStaging, ShmStaging, grouped_copy_  # noqa: E402
+from bench.common import REPO
+from bench.rows import write_result
+from policyworker.functional.buckets import IpcBucket, TensorSpec, align_up
+from policyworker.shell.refit import RefitSender, RefitSource, iter_refit_sources, refit_specs
+from policyworker.shell.refit.one_pass import OnePassWriter
+from policyworker.shell.refit.zmq import CudaStaging, ShmStaging, grouped_copy_
 
 SHAPES = {
     # hidden, intermediate, layers, heads, kv_heads, vocab, tied
@@ -134,8 +128,8 @@ def build_module(
 
 
 def run_receiver(args: argparse.Namespace) -> None:
+    from policyworker import HFWeightReceiver
     from policyworker.functional.wire.codec import DTYPES_BY_NAME
-    from policyworker.shell.refit.receiver import HFWeightReceiver
 
     torch.set_num_threads(1)
     spec = json.loads(Path(args.spec).read_text())
@@ -333,7 +327,7 @@ def bench_shape(
             )
         )
         child = subprocess.Popen(
-            [sys.executable, __file__, "--role", "receiver", "--spec", str(spec_path)],
+            [sys.executable, "-m", __spec__.name, "--role", "receiver", "--spec", str(spec_path)],
             stdout=subprocess.PIPE,
             text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -474,24 +468,21 @@ def main() -> None:
                 print(f"{'':<16}{'  GPU span ms:':<28}{r['gpu_span_ms']:.2f}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    write_result(
+        out,
+        {
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "repeats": REPEATS,
+            "settings": {
+                "shapes": names,
                 "repeats": REPEATS,
-                "args": {
-                    "shapes": names,
-                    "repeats": REPEATS,
-                    "sweep_gib": args.sweep_gib,
-                    "profile": args.profile,
-                },
-                "rows": summary_rows(rows),
-                "measurements": rows,
+                "sweep_gib": args.sweep_gib,
+                "profile": args.profile,
             },
-            indent=2,
-        )
+            "rows": summary_rows(rows),
+            "measurements": rows,
+        },
     )
-    print(f"wrote {out}")
 
 
 def summary_rows(measurements: list[dict]) -> list[dict]:

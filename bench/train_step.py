@@ -11,7 +11,7 @@ real (unpadded) tokens/s, MFU = 6 * N * real tokens / s / 790 TFLOP/s, and peak 
   logits + log_softmax, NLL, backward, AdamW step; at `--baseline-batch` rows and at `--batch`
   rows (an out-of-memory there is reported, not raised).
 
-Usage: `python bench/train_step.py` (CUDA) or `python bench/train_step.py --small` (CPU smoke).
+Usage: `python -m bench.train_step` (CUDA) or `python -m bench.train_step --small` (CPU smoke).
 8B-class row (issue 17): `--shape 7b --lora-dim 16 --skip-baseline` (Qwen2.5-7B shape, LoRA on
 every linear layer; MFU counts 4 * N per token for the frozen base). With `--lora-dim`, a
 plain-HF baseline (when not skipped) still trains every weight.
@@ -43,7 +43,8 @@ from pathlib import Path
 
 import attrs
 import torch
-from common import (  # bench/common.py: bench/ is run as a script folder
+
+from bench.common import (
     SHAPES,
     device,
     gib,
@@ -59,13 +60,10 @@ from common import (  # bench/common.py: bench/ is run as a script folder
     timed,
     write_results,
 )
-from gpu_gaps import print_profile  # bench/gpu_gaps.py
-
+from bench.gpu_gaps import print_profile
+from policyworker import NLLLoss, PolicyWorker
 from policyworker.functional.logprob_kernels import EAGER_KERNELS
-from policyworker.functional.loss import NLLLoss
-from policyworker.shell.kernels.fused_logprobs import fused_logprob_kernels
-from policyworker.shell.kernels.fusion import FUSION_MODES
-from policyworker.shell.worker.policy_worker import PolicyWorker
+from policyworker.shell.kernels import FUSION_MODES, fused_logprob_kernels
 
 # Issue 17's MFU targets with the default config, per `--shape`: the 1.5B shape trained in full,
 # and an 8B-class shape that fits one GPU (LoRA or a CPU-offloaded optimizer).
@@ -432,8 +430,10 @@ def main() -> None:
         packed = None
         if not args.profile:
             packed = bench_worker(model_path, args, data, num_params, packed=True)
-            partial = {"partial": True, "num_params": num_params, "args": vars(args)}
-            write_results("train_step", {**partial, "ours_packed": packed}, args.out)  # if cut
+            partial = {"partial": True, "num_params": num_params, "settings": vars(args)}
+            write_results(  # if the run is cut short, its first row survives
+                "train_step", {**partial, "ours_packed": packed, "rows": []}, args.out
+            )
         other = (
             bench_worker(model_path, args, data, num_params, packed=True, fuse=args.also_fuse)
             if args.also_fuse
@@ -569,7 +569,7 @@ def main() -> None:
         {
             "num_params": num_params,
             "lengths": lengths,
-            "args": vars(args),
+            "settings": vars(args),
             "ours_packed": packed,
             "ours_packed_also_fuse": other,
             "ours_packed_lora": lora,

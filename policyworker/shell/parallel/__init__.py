@@ -16,8 +16,10 @@ from typing import Any
 # none of its modules eagerly, so importing one of them never runs another through the face.
 _LAZY = {
     "ParallelContext": "policyworker.shell.parallel.context",
+    "clip_grads_": "policyworker.shell.parallel.collectives",
     "next_token_logprobs_any": "policyworker.shell.parallel.collectives",
     "parallelize_model": "policyworker.shell.parallel.plans",
+    "total_grad_norm": "policyworker.shell.parallel.collectives",
 }
 __all__ = sorted(_LAZY)  # pyright: ignore[reportUnsupportedDunderAll]
 
