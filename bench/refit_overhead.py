@@ -50,7 +50,7 @@ import torch
 
 import policyworker
 from bench.common import REPO, print_table, ratio
-from bench.refit import build_module, per_tensor_stream, state_shapes
+from bench.refit_baselines import build_module, per_tensor_stream, state_shapes
 from bench.rows import write_result
 from policyworker.functional.buckets import align_up
 from policyworker.shell.refit import RefitSender, iter_refit_sources, refit_specs, refit_stream

@@ -38,7 +38,6 @@ import contextlib
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -48,7 +47,6 @@ from bench.common import (
     SHAPES,
     device,
     gib,
-    is_oom,
     make_batch,
     mfu,
     peak_bytes,
@@ -60,10 +58,11 @@ from bench.common import (
     timed,
     write_results,
 )
-from bench.gpu_gaps import print_profile
+from bench.gpu_gaps import print_call_profile
+from bench.train_step_baselines import bench_plain_hf, liger_layers
 from policyworker import NLLLoss, PolicyWorker
 from policyworker.functional.logprob_kernels import EAGER_KERNELS
-from policyworker.shell.kernels import FUSION_MODES, fused_logprob_kernels
+from policyworker.shell.kernels import FUSION_MODES
 
 # Issue 17's MFU targets with the default config, per `--shape`: the 1.5B shape trained in full,
 # and an 8B-class shape that fits one GPU (LoRA or a CPU-offloaded optimizer).
@@ -156,7 +155,7 @@ def bench_worker(
             worker_logprobs = worker.state.logprob_kernels.name
             seconds, result = timed(lambda: worker.train(data, NLLLoss()), repeats=args.steps)
             if profile:
-                profile_step(worker, data)
+                print_call_profile(lambda: worker.train(data, NLLLoss()))
                 # what the profiler leaves behind in this process (common.mark_profiled)
                 after_profile_s, _ = timed(
                     lambda: worker.train(data, NLLLoss()),
@@ -200,67 +199,11 @@ def liger_row(model_path: str, args, data, num_params: int) -> dict:
         return {"unavailable": f"Liger's worker failed: {type(exc).__name__}: {exc}"[:300]}
 
 
-@contextlib.contextmanager
-def liger_layers(worker: PolicyWorker) -> Iterator[None]:
-    """Liger's Qwen2 kernels (RMSNorm, SwiGLU MLP, RoPE; not its loss) in `worker`'s model and
-    our fused logprob kernels (those the default config runs) for the block. Liger also
-    replaces names in transformers' modeling_qwen2 (RoPE is looked up there at each call); they
-    are put back after it, so every other row runs Hugging Face's own code."""
-    from liger_kernel.transformers import apply_liger_kernel_to_qwen2  # a bench-only wheel
-    from transformers.models.qwen2 import modeling_qwen2
-
-    replaced = ("apply_rotary_pos_emb", "Qwen2RMSNorm", "Qwen2MLP")
-    saved = {name: getattr(modeling_qwen2, name) for name in replaced}
-    try:
-        apply_liger_kernel_to_qwen2(
-            rope=True,
-            rms_norm=True,
-            swiglu=True,
-            cross_entropy=False,
-            fused_linear_cross_entropy=False,  # the worker scores tokens itself
-            model=worker.model,
-        )
-        kernels, reason = fused_logprob_kernels(
-            "layer",
-            device=worker.device,
-            vocab_size=worker.model.config.vocab_size,
-            logits_dtype=worker.dtype,
-            temperature=worker.state.sampling.temperature,
-        )
-        if reason is not None:
-            raise RuntimeError(f"our fused logprob kernels fell back to eager: {reason}")
-        worker.state.logprob_kernels = kernels
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(modeling_qwen2, name, value)
-
-
 def fusion_result(worker: PolicyWorker, mode: str, *, label: str, seconds: float) -> dict:
     """The worker's fusion report (its init ran the compile probe), printed and as result keys."""
     report = worker.fusion_report
     print(f"fusion ({label}): {report}; worker init {seconds:.1f} s")
     return {"fuse": mode, "fuse_report": attrs.asdict(report), "init_s": seconds}
-
-
-def profile_step(worker: PolicyWorker, data: dict) -> None:
-    """Print where one more train() call spends device time: the top ops (with their input
-    shapes, so a cast of weights can be told from a cast of activations) and dynamo's counters
-    (graph breaks and recompiles show a compiled layer that fell back to eager); then where a
-    further call spends host time (cProfile, by own time: what launching the kernels costs)."""
-    import cProfile
-    import pstats
-
-    from torch._dynamo.utils import counters
-
-    print_profile(lambda: worker.train(data, NLLLoss()))
-    for section in ("graph_break", "recompiles", "stats", "frames"):
-        if counters.get(section):
-            print(f"dynamo {section}: {dict(counters[section])}")
-    host = cProfile.Profile()
-    host.runcall(worker.train, data, NLLLoss())
-    print("host time of one train() call (cProfile, top 30 by own time):")
-    pstats.Stats(host).sort_stats("tottime").print_stats(30)
 
 
 def set_inductor_options(settings: list[str]) -> None:
@@ -276,56 +219,6 @@ def set_inductor_options(settings: list[str]) -> None:
             raise SystemExit(msg)
         setattr(inductor_config, key, ast.literal_eval(value))
         print(f"torch._inductor.config.{key} = {getattr(inductor_config, key)!r}")
-
-
-def bench_plain_hf(model_path: str, args, lengths: list[int], num_params: int) -> dict:
-    """The plain loop; {'oom': True} when it does not fit."""
-    import transformers
-
-    release()
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    dev = device()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=torch.float32, attn_implementation="sdpa"
-    ).to(dev)
-    model.config.use_cache = False
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=1e-6, weight_decay=0.01, fused=dev.type == "cuda"
-    )
-    data = make_batch(lengths, vocab=model.config.vocab_size, seed=1, seq_len=args.max_len)
-    ids, mask = data["input_ids"].to(dev), data["token_mask"].to(dev)
-    dtype = torch.bfloat16 if args.precision == "bfloat16" else torch.float32
-
-    def step() -> float:
-        with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits = model(input_ids=ids, use_cache=False).logits
-        lp = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
-        loss = -(lp * mask[:, 1:]).sum() / mask[:, 1:].sum()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    tokens = sum(lengths)
-    try:
-        seconds, loss = timed(step, repeats=args.steps)
-        out = {
-            "tokens_per_s": tokens / seconds,
-            "mfu": mfu(num_params, tokens, seconds),
-            "step_s": seconds,
-            "peak_gib": gib(peak_bytes()),
-            "loss": loss,
-            "oom": False,
-        }
-    except RuntimeError as exc:
-        if not is_oom(exc):
-            raise
-        out = {"oom": True, "peak_gib": gib(peak_bytes())}
-    model = opt = ids = mask = None  # the last references (step() closes over them)
-    release()
-    return out
 
 
 def main() -> None:
