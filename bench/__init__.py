@@ -10,6 +10,7 @@ that imports the library only through its public faces (`policyworker`, the core
     gpu_gaps.py        where a profiled call's GPU sat idle, blamed on the launching host op
     train_step.py      a packed train step vs plain HF, MFU, fusion and LoRA variants
       train_step_baselines.py   the plain HF loop and Liger's kernels in our worker
+      train_step_rows.py        its rows: ours vs plain HF, MFU, fusion / LoRA / Liger
     logprobs.py        get_logprobs vs plain HF and Liger at 16k-32k tokens
     lora.py            LoRA vs full fine-tuning; the merge cost at refit
     refit.py           the ZMQ / one-pass refit vs a per-tensor sender and the copy ceiling

@@ -105,18 +105,21 @@ def main() -> None:
             "metric": "no-op call (is_alive) round trip",
             "ours": through_group["noop_s"] * 1e3,
             "baseline": direct["noop_s"] * 1e3,
+            "baseline_name": "the worker called in this process",
             "unit": "ms",
         },
         {
             "metric": f"get_logprobs {rows}x{seq}",
             "ours": through_group["get_logprobs_s"] * 1e3,
             "baseline": direct["get_logprobs_s"] * 1e3,
+            "baseline_name": "the worker called in this process",
             "unit": "ms",
         },
         {
             "metric": f"train {rows}x{seq} (one step)",
             "ours": through_group["train_s"] * 1e3,
             "baseline": direct["train_s"] * 1e3,
+            "baseline_name": "the worker called in this process",
             "unit": "ms",
         },
         {
@@ -125,6 +128,7 @@ def main() -> None:
             ),
             "ours": group_start_s,
             "baseline": direct_start_s,
+            "baseline_name": "PolicyWorker() in this process",
             "unit": "s",
         },
     ]

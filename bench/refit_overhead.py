@@ -253,6 +253,7 @@ def main() -> None:
             "metric": f"refit {what}, {name}",
             "ours": results[name + suffix],
             "baseline": results["per-tensor" + suffix],
+            "baseline_name": "per-tensor: one message, buffer and round trip per tensor",
             "limit": results["copy ceiling"] if not suffix else None,
             "ratio": ratio(results[name + suffix], results["per-tensor" + suffix]),
             "unit": "ms",

@@ -53,7 +53,8 @@ def row(
 
 def check_result(payload: Mapping[str, Any]) -> None:
     """Raise ValueError naming the first break of the schema: no `rows` list, a row without a
-    text `metric` or a numeric-or-None `ours`, `settings` that is not a mapping."""
+    text `metric` or a numeric-or-None `ours`, a baseline without its name, `settings` that is
+    not a mapping."""
     rows = payload.get("rows")
     if not isinstance(rows, Sequence) or isinstance(rows, str):
         msg = f"rows={rows!r}: a result needs a list of rows; build them with bench.rows.row"
@@ -65,6 +66,12 @@ def check_result(payload: Mapping[str, Any]) -> None:
             raise ValueError(msg)
         if ours is not None and (isinstance(ours, bool) or not isinstance(ours, int | float)):
             msg = f"rows[{i}]['ours']={ours!r}: a number or None; put text in 'metric'"
+            raise ValueError(msg)
+        if r.get("baseline") is not None and not r.get("baseline_name"):
+            msg = (
+                f"rows[{i}] ({r['metric']!r}) has a baseline but no 'baseline_name': say what "
+                "the baseline is (plain HF, the per-tensor sender, ...)"
+            )
             raise ValueError(msg)
     if not isinstance(payload.get("settings"), Mapping):
         msg = (

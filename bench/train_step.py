@@ -51,7 +51,6 @@ from bench.common import (
     mfu,
     peak_bytes,
     print_table,
-    ratio,
     release,
     rl_lengths,
     save_random_model,
@@ -60,6 +59,7 @@ from bench.common import (
 )
 from bench.gpu_gaps import print_call_profile
 from bench.train_step_baselines import bench_plain_hf, liger_layers
+from bench.train_step_rows import summary_rows
 from policyworker import NLLLoss, PolicyWorker
 from policyworker.functional.logprob_kernels import EAGER_KERNELS
 from policyworker.shell.kernels import FUSION_MODES
@@ -358,99 +358,9 @@ def main() -> None:
         if packed is None:
             packed = bench_worker(model_path, args, data, num_params, packed=True, profile=True)
     target = mfu_target(args)
-    rows = [
-        {
-            "metric": f"packed tok/s (b{args.batch}) vs HF (b{args.baseline_batch})",
-            "ours": packed["tokens_per_s"],
-            "baseline": base_small.get("tokens_per_s"),
-            "ratio": ratio(packed["tokens_per_s"], base_small.get("tokens_per_s")),
-        },
-        {
-            "metric": "packed MFU",
-            "ours": packed["mfu"],
-            "baseline": base_small.get("mfu"),
-            "limit": None if target is None else f">= {target:.2f} (issue 17, {args.shape} shape)",
-            "ratio": None if target is None else ratio(packed["mfu"], target),
-        },
-        {
-            "metric": "padded tok/s",
-            "ours": padded.get("tokens_per_s"),
-            "baseline": base_small.get("tokens_per_s"),
-            "ratio": ratio(padded.get("tokens_per_s"), base_small.get("tokens_per_s")),
-        },
-        {"metric": "padded MFU", "ours": padded.get("mfu"), "baseline": base_small.get("mfu")},
-        {
-            "metric": "peak GiB (packed / HF small batch)",
-            "ours": packed["peak_gib"],
-            "baseline": base_small.get("peak_gib"),
-            "limit": "fits comfortably (< 139)",
-            "ratio": ratio(packed["peak_gib"], base_small.get("peak_gib")),
-        },
-    ]
-    if other is not None:
-        rows.append(
-            {
-                "metric": f"packed tok/s, fusion {args.fuse} vs {args.also_fuse}",
-                "ours": packed["tokens_per_s"],
-                "baseline": other["tokens_per_s"],
-                "ratio": ratio(packed["tokens_per_s"], other["tokens_per_s"]),
-            }
-        )
-        rows.append(
-            {
-                "metric": f"packed MFU, fusion {args.fuse} vs {args.also_fuse}",
-                "ours": packed["mfu"],
-                "baseline": other["mfu"],
-            }
-        )
-    if lora is not None:
-        rows.append(
-            {
-                "metric": f"packed tok/s, LoRA dim {args.also_lora_dim} vs full fine-tuning",
-                "ours": lora["tokens_per_s"],
-                "baseline": packed["tokens_per_s"],
-                "limit": ">= 1.1x (issue 17)",
-                "ratio": ratio(lora["tokens_per_s"], packed["tokens_per_s"]),
-            }
-        )
-        rows.append(
-            {
-                "metric": "peak GiB, LoRA vs full fine-tuning",
-                "ours": lora["peak_gib"],
-                "baseline": packed["peak_gib"],
-                "ratio": ratio(lora["peak_gib"], packed["peak_gib"]),
-            }
-        )
-    if liger is not None and "unavailable" in liger:
-        rows.append({"metric": f"Liger's kernels: not measured ({liger['unavailable']})"})
-    if liger is not None and "tokens_per_s" in liger:
-        rows.append(
-            {
-                "metric": "packed tok/s, our layer compile (default) vs Liger's kernels "
-                "(fusion none + Liger RMSNorm/SwiGLU/RoPE, our fused logprobs)",
-                "ours": packed["tokens_per_s"],
-                "baseline": liger["tokens_per_s"],
-                "limit": "> baseline (issue 17: keep the faster)",
-                "ratio": ratio(packed["tokens_per_s"], liger["tokens_per_s"]),
-            }
-        )
-        rows.append(  # the same model, weights and batch: a kernel that computes wrong shows here
-            {
-                "metric": "loss of the last timed step, default vs Liger's kernels",
-                "ours": packed["loss"],
-                "baseline": liger["loss"],
-                "ratio": ratio(packed["loss"], liger["loss"]),
-            }
-        )
-    if base_full is not None:
-        rows.append(
-            {
-                "metric": f"HF at b{args.batch}",
-                "ours": packed["peak_gib"],
-                "baseline": "OOM" if base_full["oom"] else base_full["peak_gib"],
-                "limit": "peak GiB",
-            }
-        )
+    rows = summary_rows(
+        args, target, packed, padded, base_small, base_full, other=other, lora=lora, liger=liger
+    )
     print_table(
         f"train step, {num_params / 1e9:.2f}B params, {args.batch} rows of "
         f"{args.min_len}..{args.max_len} tokens ({sum(lengths)} real), "

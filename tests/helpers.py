@@ -33,9 +33,9 @@ def save_tiny_llama(folder) -> str:
 
 def tiny_qwen2_config(folder, *, tie: bool = True):
     """The tiny decoder shape as a Qwen2 config, saved in `folder` (receivers load it there)."""
-    from transformers import Qwen2Config
+    from policyworker.testing import tiny_config
 
-    cfg = Qwen2Config(**TINY_DECODER_SHAPE, tie_word_embeddings=tie)
+    cfg = tiny_config("qwen2", **TINY_DECODER_SHAPE, tie_word_embeddings=tie)
     cfg.save_pretrained(folder)
     return cfg
 

@@ -25,6 +25,10 @@ def test_row_fills_the_ratio_and_write_checks_the_schema(tmp_path):
         ({"settings": {}}, "rows=None"),
         ({"rows": [{"ours": 1.0}], "settings": {}}, "rows[0]"),
         ({"rows": [{"metric": "m", "ours": "fast"}], "settings": {}}, "rows[0]['ours']='fast'"),
+        (
+            {"rows": [{"metric": "m", "ours": 1.0, "baseline": 2.0}], "settings": {}},
+            "no 'baseline_name'",
+        ),
         ({"rows": []}, "settings=None"),
     ],
 )
