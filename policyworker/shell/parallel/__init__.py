@@ -10,26 +10,16 @@ collectives.py      one import for the collectives over shards, which live in:
   groups.py           the group helpers they share
 """
 
-from typing import Any
+from policyworker._lazy import lazy_exports
 
-# The names other code imports from this face, resolved on first use (PEP 562): the face imports
-# none of its modules eagerly, so importing one of them never runs another through the face.
-_LAZY = {
-    "ParallelContext": "policyworker.shell.parallel.context",
-    "clip_grads_": "policyworker.shell.parallel.collectives",
-    "next_token_logprobs_any": "policyworker.shell.parallel.collectives",
-    "parallelize_model": "policyworker.shell.parallel.plans",
-    "total_grad_norm": "policyworker.shell.parallel.collectives",
-}
-__all__ = sorted(_LAZY)  # pyright: ignore[reportUnsupportedDunderAll]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        msg = f"module {__name__!r} has no attribute {name!r}"
-        raise AttributeError(msg)
-    import importlib
-
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+# The names other code imports from this face, each resolved on first use
+__getattr__, __all__ = lazy_exports(  # pyright: ignore[reportUnsupportedDunderAll]
+    __name__,
+    {
+        "ParallelContext": "policyworker.shell.parallel.context",
+        "clip_grads_": "policyworker.shell.parallel.collectives",
+        "next_token_logprobs_any": "policyworker.shell.parallel.collectives",
+        "parallelize_model": "policyworker.shell.parallel.plans",
+        "total_grad_norm": "policyworker.shell.parallel.collectives",
+    },
+)

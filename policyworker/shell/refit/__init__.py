@@ -15,26 +15,16 @@
 The wire format both sides speak is pure and lives in the core: `policyworker.functional.wire`.
 """
 
-from typing import Any
+from policyworker._lazy import lazy_exports
 
-# The names other code imports from this face, resolved on first use (PEP 562): the face imports
-# none of its modules eagerly, so importing one of them never runs another through the face.
-_LAZY = {
-    "RefitSender": "policyworker.shell.refit.sender",
-    "RefitSource": "policyworker.shell.refit.weight_stream",
-    "iter_refit_sources": "policyworker.shell.refit.weight_stream",
-    "refit_specs": "policyworker.shell.refit.weight_stream",
-    "refit_stream": "policyworker.shell.refit.weight_stream",
-}
-__all__ = sorted(_LAZY)  # pyright: ignore[reportUnsupportedDunderAll]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        msg = f"module {__name__!r} has no attribute {name!r}"
-        raise AttributeError(msg)
-    import importlib
-
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+# The names other code imports from this face, each resolved on first use
+__getattr__, __all__ = lazy_exports(  # pyright: ignore[reportUnsupportedDunderAll]
+    __name__,
+    {
+        "RefitSender": "policyworker.shell.refit.sender",
+        "RefitSource": "policyworker.shell.refit.weight_stream",
+        "iter_refit_sources": "policyworker.shell.refit.weight_stream",
+        "refit_specs": "policyworker.shell.refit.weight_stream",
+        "refit_stream": "policyworker.shell.refit.weight_stream",
+    },
+)
