@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = [
     "ARCHITECTURES",
@@ -43,7 +46,9 @@ ARCHITECTURES: Mapping[str, tuple[str, Mapping[str, Any]]] = {
 }
 
 
-def tiny_config(arch: str = "llama", *, vocab: int = 128, layers: int | None = None, **config: Any):
+def tiny_config(
+    arch: str = "llama", *, vocab: int = 128, layers: int | None = None, **config: Any
+) -> PretrainedConfig:
     """The HF config of a tiny `arch` decoder: `TINY_SHAPE`, `vocab` tokens, `layers` layers,
     then `config` (any HF config key) over it.
 
@@ -76,7 +81,7 @@ def tiny_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     **config: Any,
-) -> torch.nn.Module:
+) -> PreTrainedModel:
     """A random causal LM of `tiny_config(arch, vocab=..., layers=..., **config)`, built under
     `torch.manual_seed(seed)` (same bits in every process) on `device` in `dtype`.
 
