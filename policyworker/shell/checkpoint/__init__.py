@@ -22,6 +22,7 @@ from policyworker.shell.checkpoint.api import (
 )
 from policyworker.shell.checkpoint.commit import COMMIT_RECORD_PREFIX, recover_checkpoint_commits
 from policyworker.shell.checkpoint.dcp import load_optimizer, save_optimizer
+from policyworker.shell.checkpoint.digests import verify_digests, write_digests
 from policyworker.shell.checkpoint.folders import detect_weights_format, validate_hf_folder
 from policyworker.shell.checkpoint.layout import (
     INDEX_FILE,
@@ -36,7 +37,7 @@ from policyworker.shell.checkpoint.layout import (
     plan_safetensors_files,
 )
 from policyworker.shell.checkpoint.safetensors_io import load_hf_weights, save_hf_weights
-from policyworker.shell.checkpoint.saver import FINALIZE_TIMEOUT_S, AsyncSaver
+from policyworker.shell.checkpoint.saver import FINALIZE_TIMEOUT_S, AsyncSaver, on_threads
 
 __all__ = [
     "COMMIT_RECORD_PREFIX",
@@ -58,10 +59,13 @@ __all__ = [
     "load_checkpoint_at_init",
     "load_hf_weights",
     "load_optimizer",
+    "on_threads",
     "plan_safetensors_files",
     "recover_checkpoint_commits",
     "save_checkpoint",
     "save_hf_weights",
     "save_optimizer",
     "validate_hf_folder",
+    "verify_digests",
+    "write_digests",
 ]

@@ -10,3 +10,17 @@ collectives.py      one import for the collectives over shards, which live in:
   grads.py            grad norm and clipping of sharded parameters
   groups.py           the group helpers they share
 """
+
+from policyworker._lazy import lazy_exports
+
+# The names other code imports from this face, each resolved on first use
+__getattr__, __all__ = lazy_exports(  # pyright: ignore[reportUnsupportedDunderAll]
+    __name__,
+    {
+        "ParallelContext": "policyworker.shell.parallel.context",
+        "clip_grads_": "policyworker.shell.parallel.collectives",
+        "next_token_logprobs_any": "policyworker.shell.parallel.collectives",
+        "parallelize_model": "policyworker.shell.parallel.plans",
+        "total_grad_norm": "policyworker.shell.parallel.collectives",
+    },
+)
