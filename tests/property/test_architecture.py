@@ -475,8 +475,6 @@ NOT_YET_SPLIT = {
     "config/__init__.py",
     "_dev/bench_runner.py",
     "demo/loop.py",
-    "functional/loss_terms.py",
-    "functional/loss.py",
     "shell/refit/zmq/sender.py",
     "shell/model/lora.py",
 }

@@ -17,10 +17,6 @@ parallelism (tp > 1, vocab-parallel lm_head) and FSDP2 over dp (`shell.parallel`
 top-k then read vocab-sharded DTensor logits through `shell.parallel.collectives` (no vocab
 gather), the grad norm is sharding-aware, and FSDP2 roots are resharded after every no-grad pass
 and before any state read. Weight refits gather on every rank; only rank 0 sends over ZMQ.
-
-Why it is over 400 lines: the facade is NeMo-RL's policy-worker surface, one short method per
-call with its docstring (the API reference is generated from them); the length is the surface,
-not logic, which lives in the rooms listed above.
 """
 
 from __future__ import annotations
