@@ -4,7 +4,7 @@ Nothing here communicates, reads the clock or the environment, or mutates an arg
 device and dtype arrive as arguments. Import modules explicitly (this face re-exports nothing):
 
     arena.py              one-pass refit memory layout: where each receiver tensor lives
-    batch_checks/         the one check of a train / inference batch (shapes, token ids, loss inputs)
+    batch_checks/         the one check of a train / inference batch
     batching.py           microbatch plans: fixed, token-budget, packed; dummies; reordering
     buckets.py            refit bucket plans and byte-exact packing into a uint8 buffer
     context_parallel.py   head-tail balanced context-parallel sharding of the sequence dim

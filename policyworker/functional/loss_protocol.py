@@ -8,7 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
-__all__ = ["LossFunction", "LossInputType", "LossType", "Metrics"]
+__all__ = ["LossFunction", "LossInputType", "LossType", "Metrics", "check_loss_output"]
 
 Metrics = dict[str, float]
 
@@ -47,3 +47,65 @@ class LossFunction(Protocol):
     ) -> tuple[Tensor, Metrics]:
         """Return the globally normalized 0-d loss and metrics including ``num_valid_samples``."""
         ...
+
+
+_EXPECTED = (
+    "a tuple (loss, metrics): loss a 0-d floating-point tensor computed from the inputs "
+    "(divided by global_valid_toks or global_valid_seqs), metrics a dict of numbers with "
+    "'num_valid_samples' (docs/custom-loss.md)"
+)
+
+
+def check_loss_output(
+    output: Any, *, owner: str, needs_grad: bool
+) -> tuple[Tensor, Mapping[str, Any]]:
+    """``(loss, metrics)`` of one loss call, after checking it is what the contract says.
+
+    Raises:
+        ValueError: naming what the loss returned and what was expected.
+    """
+    if not isinstance(output, tuple | list) or len(output) != 2:  # pyright: ignore[reportUnknownArgumentType]
+        msg = f"{owner} returned {_describe(output)}; expected {_EXPECTED}"
+        raise ValueError(msg)
+    loss, metrics = output  # pyright: ignore[reportUnknownVariableType]
+    if not isinstance(loss, Tensor) or loss.ndim != 0 or not loss.dtype.is_floating_point:
+        msg = (
+            f"{owner} returned loss {_describe(loss)}; expected a 0-d floating-point tensor "
+            f"(reduce per-token values with masked_mean(..., global_normalization_factor="
+            f"global_valid_toks)): {_EXPECTED}"
+        )
+        raise ValueError(msg)
+    if needs_grad and not loss.requires_grad:
+        msg = (
+            f"{owner} returned a loss that does not require grad, so training cannot "
+            f"backpropagate it; compute it from the logprobs / logits passed (not from detached "
+            f"copies or .item() values): {_EXPECTED}"
+        )
+        raise ValueError(msg)
+    if not isinstance(metrics, Mapping):
+        msg = f"{owner} returned metrics {_describe(metrics)}; expected {_EXPECTED}"
+        raise ValueError(msg)
+    count = metrics.get("num_valid_samples")  # pyright: ignore[reportUnknownMemberType]
+    if not _is_number(count):
+        keys = sorted(str(k) for k in metrics)  # pyright: ignore[reportUnknownVariableType]
+        msg = (
+            f"{owner} returned metrics without a number under 'num_valid_samples' (keys: {keys}, "
+            f"value: {_describe(count)}); add the valid rows of this microbatch, e.g. "
+            f"float(data['sample_mask'].sum()): {_EXPECTED}"
+        )
+        raise ValueError(msg)
+    return loss, metrics  # pyright: ignore[reportUnknownVariableType]
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return value.numel() == 1 and not value.dtype.is_complex
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, tuple | list):
+        return f"a {type(value).__name__} of {len(value)} item(s)"  # pyright: ignore[reportUnknownArgumentType]
+    return f"{type(value).__name__} {value!r}"[:120]

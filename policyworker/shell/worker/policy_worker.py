@@ -37,7 +37,7 @@ import policyworker.shell.worker.offload as offload
 import policyworker.shell.worker.refit_calls as refit_calls
 import policyworker.shell.worker.training as training
 from policyworker.config import PolicyConfig, load_config
-from policyworker.data import BatchedDataDict, check_loss_fn, train_required_keys
+from policyworker.data import BatchedDataDict
 from policyworker.shell.logs import apply_env_verbosity, quiet_progress_bars, startup_summary
 from policyworker.shell.model import hf_model as model_lib
 from policyworker.shell.worker.nemo_rl_surface import NeMoRLWorkerSurface, split_constructor_kwargs
@@ -123,24 +123,22 @@ class PolicyWorker(NeMoRLWorkerSurface):
         """Train on every whole global batch of `data` (one optimizer step per global batch).
 
         Returns `global_loss` [num global batches], `grad_norm`, `all_mb_metrics`, `rank`,
-        `model_dtype` and `skipped_steps` (steps skipped for a non-finite loss or grad norm).
+        `model_dtype`, `skipped_steps` (steps skipped for a non-finite loss or grad norm),
+        `step_time_s` (wall seconds of the call), `tokens_per_s` (this rank's tokens, the
+        `input_lengths` of the rows trained, per second) and `peak_memory_bytes` (on CUDA
+        `torch.cuda.max_memory_allocated` during the call; on the CPU the process's peak RSS).
+
+        The batch is checked once, before any work (docs/batch-format.md; the loss contract:
+        docs/custom-loss.md). If the call raises after some global batches stepped (a loss that
+        raises in global batch 2), their optimizer steps are kept and the LR scheduler steps as
+        after a successful call (once per call that applied a step, as NeMo-RL's worker);
+        the gradients are freed either way.
         """
         skip = tuple(check_dim_skip_keys or ())
-        check_loss_fn(loss_fn)
-        mbatch.validate(
-            self.state,
-            data,
-            required=train_required_keys(loss_fn),
-            skip=skip,
-            needed_by=f"train() with {type(loss_fn).__name__}",
-        )
-        self.state.moe.check_replay_data(data)
-        gbs, mbs = training.check_train_call(
-            self.state, data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
-        )
-        return training.train(
+        batch = training.check_train_call(
             self.state, data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, skip=skip
         )
+        return training.train(self.state, batch, loss_fn, eval_mode=eval_mode, skip=skip)
 
     # ------------------------------------------------------------------------------ inference
 
@@ -162,7 +160,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
         ``"topk_indices"`` [B, S, k], equal to ``get_topk_logits(data, k)``.
         """
         inference.check_extra_scores(entropy, top_k)
-        mbatch.validate(self.state, data)
+        data = mbatch.validate(self.state, data)
         self.state.moe.check_replay_data(data, require=require_router_replay)
         return inference.logprobs(
             self.state,
@@ -191,7 +189,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
         self, data: Mapping[str, Any], k: int, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
         """Top-k of temperature-scaled logits at every position (no shift), 0/0 at padding."""
-        mbatch.validate(self.state, data)
+        data = mbatch.validate(self.state, data)
         inference.check_k("k", k)
         return inference.topk_logits(self.state, data, k, micro_batch_size)
 
@@ -201,7 +199,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
         if kind is None:
             msg = "score() needs a reward model; set reward_model_cfg in the config"
             raise ValueError(msg)
-        mbatch.validate(self.state, data)
+        data = mbatch.validate(self.state, data)
         return inference.scores(self.state, data, kind)
 
     def calibrate_qkv_fp8_scales(
@@ -213,7 +211,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
         include_q: bool = False,
     ) -> dict[str, Any]:
         """Per-attention-layer FP8 (e4m3) scales: percentile(|k|, |v|[, |q|]) * margin / 448."""
-        mbatch.validate(self.state, data)
+        data = mbatch.validate(self.state, data)
         if not 0.0 < percentile <= 100.0 or margin <= 0:
             msg = f"percentile={percentile} must be in (0, 100] and margin={margin} > 0"
             raise ValueError(msg)
