@@ -33,7 +33,20 @@ class LossInputType(enum.StrEnum):
 
 @runtime_checkable
 class LossFunction(Protocol):
-    """A loss the worker can train with (a NeMo-RL custom loss ports by changing imports)."""
+    """A loss the worker can train with (a NeMo-RL custom loss ports by changing imports).
+
+    The contract, in full with a tested example in docs/custom-loss.md: the worker calls
+    ``loss_fn(data=mb, global_valid_seqs=gvs, global_valid_toks=gvt, **inputs)`` once per
+    microbatch, every argument by keyword (``inputs`` by ``input_type``; ``next_token_logprobs``
+    [b, s-1] lines up with ``data[key][:, 1:]``). ``global_valid_toks`` is the number of tokens
+    counted in the whole global batch (``token_mask[:, 1:] · sample_mask`` over every
+    microbatch and data-parallel rank), ``global_valid_seqs`` the sum of ``sample_mask`` there;
+    both are 0-d fp32 tensors. The loss returns ``(loss, metrics)``: ``loss`` a 0-d floating
+    tensor divided by the global count (so the microbatch losses sum to the global-batch mean),
+    ``metrics`` a dict of numbers with ``num_valid_samples`` (this microbatch's valid rows). A
+    return that breaks this raises ``ValueError`` saying what was expected. An optional
+    ``required_keys`` tuple names the batch keys the loss reads (checked before any work).
+    """
 
     loss_type: LossType
     input_type: LossInputType
