@@ -37,9 +37,8 @@ from policyworker.shell.model.hf_model import set_training_mode
 from policyworker.shell.parallel import collectives
 from policyworker.shell.worker.state import WorkerState
 
-__all__ = ["TRAIN_KEYS", "check_train_call", "train"]
+__all__ = ["check_train_call", "train"]
 
-TRAIN_KEYS = ("input_ids", "input_lengths", "sample_mask")
 log = logging.getLogger(__name__)
 
 
