@@ -64,7 +64,7 @@ def check_shard_arguments(
             "allow_uneven_shards=True needs batch_size=None and no "
             "dynamic_batching_args (every dynamic shard must be equally long)"
         )
-    total = batch.size
+    total: int = batch.size
     batch_size = total if batch_size is None else batch_size
     if batch_size < 1 or total % batch_size:
         raise DataError(

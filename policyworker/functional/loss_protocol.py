@@ -4,7 +4,7 @@ implements to be trained with (docs/custom-loss.md). All functions are pure.
 
 import enum
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from torch import Tensor
 
@@ -71,7 +71,7 @@ _EXPECTED = (
 
 def check_loss_output(
     output: Any, *, owner: str, needs_grad: bool
-) -> tuple[Tensor, Mapping[str, Any]]:
+) -> tuple[Tensor, dict[str, Any]]:
     """``(loss, metrics)`` of one loss call, after checking it is what the contract says.
 
     Raises:
@@ -98,16 +98,18 @@ def check_loss_output(
     if not isinstance(metrics, Mapping):
         msg = f"{owner} returned metrics {_describe(metrics)}; expected {_EXPECTED}"
         raise ValueError(msg)
-    count = metrics.get("num_valid_samples")  # pyright: ignore[reportUnknownMemberType]
+    # a copy: the worker adds its own entries (lr, the normalizers) to the dict it reports
+    checked: dict[str, Any] = {str(k): v for k, v in cast("Mapping[Any, Any]", metrics).items()}
+    count = checked.get("num_valid_samples")
     if not _is_number(count):
-        keys = sorted(str(k) for k in metrics)  # pyright: ignore[reportUnknownVariableType]
+        keys = sorted(checked)
         msg = (
             f"{owner} returned metrics without a number under 'num_valid_samples' (keys: {keys}, "
             f"value: {_describe(count)}); add the valid rows of this microbatch, e.g. "
             f"float(data['sample_mask'].sum()): {_EXPECTED}"
         )
         raise ValueError(msg)
-    return loss, metrics  # pyright: ignore[reportUnknownVariableType]
+    return loss, checked
 
 
 def _is_number(value: Any) -> bool:

@@ -76,7 +76,7 @@ def require_token_ids_in_vocab(input_ids: torch.Tensor, vocab_size: int) -> torc
     found = first_out_of_range(ids_BS, 0, vocab_size)
     if found is not None:
         (row, col), _ = found
-        value = input_ids[row, col].tolist()  # the caller's value (a uint64 stays unsigned)
+        value = int(input_ids[row, col].item())  # the caller's value (a uint64 stays unsigned)
         raise DataError(
             f"'input_ids'[{row}, {col}] = {value} is outside the model's vocabulary "
             f"[0, {vocab_size}); every position is embedded, padding included: pad with a real "
