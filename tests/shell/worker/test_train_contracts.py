@@ -200,3 +200,28 @@ def test_train_reports_step_time_tokens_per_second_and_peak_memory(worker):
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     assert 0 < result["peak_memory_bytes"] <= peak_rss
     assert result["peak_memory_bytes"] > 50 * 2**20  # a process with torch loaded: tens of MiB
+
+
+# ------------------------------------------------------------------------------ one check
+
+
+def test_train_checks_its_batch_once(worker, monkeypatch):
+    import policyworker.functional.batch_checks as batch_checks
+    import policyworker.functional.batch_checks.train as train_checks
+
+    calls = {"check_train_batch": 0, "validate_batch": 0, "check_batch": 0}
+
+    def counting(module, name):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    counting(batch_checks, "check_train_batch")
+    counting(batch_checks, "check_batch")
+    counting(train_checks, "validate_batch")
+    worker.train(make_batch(8, 10, seed=59), NLLLoss())  # two global batches, four microbatches
+    assert calls == {"check_train_batch": 1, "validate_batch": 1, "check_batch": 0}
