@@ -8,6 +8,11 @@ collectives are identities.
 
 Padding positions (>= input_lengths) never count: `token_mask` is masked by the lengths before
 the loss sees it.
+
+A call reads: `check_train_call` (validate: the worker's state, then the one check of the batch,
+`batch_checks.check_train_batch`) -> `train`: plan (whole global batches over dp) -> effect (per
+global batch: microbatches, backward, optimizer step) -> finish (free the gradients and step the
+scheduler, also when the effect raised; the result and its timing metrics).
 """
 
 from __future__ import annotations
