@@ -116,6 +116,19 @@ def train(
     dp, cp = state.parallel.dp_size, state.parallel.cp_size
     local_gbs = batch.gbs // dp
     num_gb = _num_global_batches(state, batch.data, batch.gbs)
+    # Every global batch is planned before the first step: a row no microbatch can hold is
+    # refused before any weight changes.
+    seq_len = batch.data["input_ids"].shape[1]
+    plans = [
+        mbatch.plan(
+            state,
+            batch.data["input_lengths"][g * local_gbs : (g + 1) * local_gbs],
+            seq_len=seq_len,
+            mbs=batch.mbs,
+            purpose="train",
+        )
+        for g in range(num_gb)
+    ]
     set_training_mode(state.model, not eval_mode)
     grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
     losses, all_mb_metrics = [], {}
@@ -134,7 +147,7 @@ def train(
                     {k: v[rows] for k, v in batch.data.items()},
                     loss_fn,
                     eval_mode=eval_mode,
-                    mbs=batch.mbs,
+                    plans=plans[g],
                     num_gb=num_gb,
                     skip=skip,
                     dp_cp=dp * cp,
@@ -231,13 +244,10 @@ def _global_normalizers(
 
 
 def _train_global_batch(
-    state: WorkerState, batch, loss_fn, *, eval_mode, mbs, num_gb, skip, dp_cp, untrusted, steps
+    state: WorkerState, batch, loss_fn, *, eval_mode, plans, num_gb, skip, dp_cp, untrusted, steps
 ):
     gvs, gvt, batch = _global_normalizers(state, batch)
     state.draft.begin_global_batch(batch)
-    plans = mbatch.plan(
-        state, batch["input_lengths"], seq_len=batch["input_ids"].shape[1], mbs=mbs, purpose="train"
-    )
     if not eval_mode:
         _optimizer(state).zero_grad(set_to_none=True)
     mb_losses, mb_metrics, finite = [], [], True

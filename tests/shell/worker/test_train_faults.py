@@ -69,3 +69,20 @@ def test_train_works_again_after_a_failed_call(worker):
     result = worker.train(make_batch(4, 10, seed=45), NLLLoss())
     assert result["skipped_steps"] == 0 and result["grad_norm"] > 0
     assert worker.optimizer.param_groups[0]["lr"] == pytest.approx(0.0025)
+
+
+def test_a_row_over_the_token_budget_in_global_batch_two_is_refused_before_any_step(
+    tiny_model_paths,
+):
+    cfg = make_config(
+        tiny_model_paths["llama"],
+        dynamic_batching={"train_mb_tokens": 8, "sequence_length_round": 4},
+    )
+    worker = PolicyWorker(cfg, init_reference_model=False)
+    before = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+    data = make_batch(8, 10, seed=46, lengths=[8, 6, 8, 4, 10, 3, 5, 5])  # row 4: width 12 > 8
+    with pytest.raises(ValueError, match="row 0 has length 10 .* > max_tokens 8"):
+        worker.train(data, NLLLoss())
+    after = worker.model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert not worker.optimizer.state_dict()["state"]
