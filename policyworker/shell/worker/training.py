@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 import policyworker.shell.worker.microbatches as mbatch
 import policyworker.shell.worker.scoring_loop as scoring_loop
-from policyworker.functional import batch_checks
+from policyworker.functional import batch_checks, batching
 from policyworker.functional.distillation import distillation_loss_input
 from policyworker.functional.logprobs import count_and_zero_neg_inf
 from policyworker.functional.loss_protocol import LossInputType, LossType, check_loss_output
@@ -116,19 +116,7 @@ def train(
     dp, cp = state.parallel.dp_size, state.parallel.cp_size
     local_gbs = batch.gbs // dp
     num_gb = _num_global_batches(state, batch.data, batch.gbs)
-    # Every global batch is planned before the first step: a row no microbatch can hold is
-    # refused before any weight changes.
-    seq_len = batch.data["input_ids"].shape[1]
-    plans = [
-        mbatch.plan(
-            state,
-            batch.data["input_lengths"][g * local_gbs : (g + 1) * local_gbs],
-            seq_len=seq_len,
-            mbs=batch.mbs,
-            purpose="train",
-        )
-        for g in range(num_gb)
-    ]
+    plans = _plan_global_batches(state, batch, num_gb)
     set_training_mode(state.model, not eval_mode)
     grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
     losses, all_mb_metrics = [], {}
@@ -166,8 +154,6 @@ def train(
         torch.tensor(losses, dtype=torch.float32, device=state.parallel._collective_device()),
         axis="dp",
     ).cpu()
-    step_time_s = time.perf_counter() - start
-    tokens = int(batch.data["input_lengths"][: num_gb * local_gbs].sum())
     return {
         "global_loss": global_loss,
         "grad_norm": grad_norm,
@@ -175,6 +161,34 @@ def train(
         "rank": state.parallel.rank,
         "model_dtype": state.dtype,
         "skipped_steps": skipped,
+        **_speed(state, batch.data["input_lengths"][: num_gb * local_gbs], start),
+    }
+
+
+def _plan_global_batches(
+    state: WorkerState, batch: batch_checks.TrainBatch, num_gb: int
+) -> list[list[batching.MicrobatchPlan]]:
+    """The microbatch plans of every global batch, made before the first step: a row no
+    microbatch can hold is refused before any weight changes."""
+    local_gbs = batch.gbs // state.parallel.dp_size
+    seq_len = batch.data["input_ids"].shape[1]
+    return [
+        mbatch.plan(
+            state,
+            batch.data["input_lengths"][g * local_gbs : (g + 1) * local_gbs],
+            seq_len=seq_len,
+            mbs=batch.mbs,
+            purpose="train",
+        )
+        for g in range(num_gb)
+    ]
+
+
+def _speed(state: WorkerState, lengths_trained: torch.Tensor, start: float) -> dict[str, float]:
+    """``step_time_s`` since `start`, this rank's ``tokens_per_s`` and ``peak_memory_bytes``."""
+    step_time_s = time.perf_counter() - start
+    tokens = int(lengths_trained.sum())
+    return {
         "step_time_s": step_time_s,
         "tokens_per_s": tokens / step_time_s if step_time_s > 0 else 0.0,
         "peak_memory_bytes": _peak_memory_bytes(state.device),
