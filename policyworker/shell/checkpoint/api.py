@@ -62,6 +62,7 @@ from policyworker.shell.checkpoint.reference import save_reference
 from policyworker.shell.checkpoint.safetensors_io import save_hf_weights
 from policyworker.shell.checkpoint.saver import (
     FINALIZE_TIMEOUT_S,
+    AsyncSaver,
     StagingBuffers,
     _checkpoint_group,
 )
@@ -107,7 +108,6 @@ def save_checkpoint(
     saver, parallel = owner.saver, owner.parallel
     saver.finalize(parallel)
     token = _shared_token(parallel)
-    group = _checkpoint_group(saver)
     meta = {
         "format_version": FORMAT_VERSION,
         "checkpoint_id": token,
@@ -122,20 +122,57 @@ def save_checkpoint(
     tokenizer = pathlib.Path(tokenizer_path) if tokenizer_path is not None else None
     finals = [f for f in (weights / MODEL_DIR, optim, tokenizer, reference) if f is not None]
     finals += list(extra_folders or {})
-    _on_rank0(parallel, "prepare the checkpoint folders", lambda: _prepare_folders(finals))
     commits = [(_tmp_for(f, token), f) for f in finals]
     tmp = dict(zip(finals, (t for t, _ in commits), strict=True))
+    _on_rank0(
+        parallel,
+        "prepare the checkpoint folders",
+        lambda: _prepare_folders(finals, list(tmp.values()), saver),
+    )
+    try:
+        jobs = _stage(
+            owner,
+            tmp,
+            meta,
+            reference=reference,
+            optim=optim,
+            tokenizer=tokenizer,
+            extra_folders=extra_folders or {},
+            sync=is_final_checkpoint,
+        )
+        saver.staging.wait()  # every copy landed: training may change the weights once we return
+    except BaseException:  # Ctrl-C or a failure while staging: no folder of it stays behind
+        saver.discard_staged()
+        raise
+    saver.start(jobs, commits, background=not is_final_checkpoint)
+    if is_final_checkpoint:
+        saver.finalize(parallel)
+
+
+def _stage(
+    owner: CheckpointOwner,
+    tmp: Mapping[pathlib.Path, pathlib.Path],
+    meta: Mapping[str, Any],
+    *,
+    reference: pathlib.Path | None,
+    optim: pathlib.Path | None,
+    tokenizer: pathlib.Path | None,
+    extra_folders: Mapping[pathlib.Path, StageFolder],
+    sync: bool,
+) -> list[Callable[[], None]]:
+    """Stage every folder of one save into its temporary folder; returns the write jobs."""
+    saver, parallel, ref = owner.saver, owner.parallel, owner.reference_state
+    group = _checkpoint_group(saver)
+    finals = list(tmp)
     # async: copies into the saver's reused (pinned) buffers, waited for below; sync: the jobs
     # run inside this call, so CPU state is written where it is and device state is copied out
     # through the writer threads' bounce buffers as they write, unless an async save already
     # holds buffers: copying into them at pinned bandwidth and writing from host memory is a
     # little faster (the final save of a loop that saved asynchronously; H200, 1.5B + AdamW,
     # same run: 11.4 s from staging, 12.0 s through the bounce buffers)
-    reuse_staging = not is_final_checkpoint or saver.staging.nbytes > 0
+    reuse_staging = not sync or saver.staging.nbytes > 0
     staging = saver.staging if reuse_staging else None
-    jobs = _model_jobs(
-        owner, tmp[finals[0]], meta, lora=lora, staging=staging, sync=is_final_checkpoint
-    )
+    jobs = _model_jobs(owner, tmp[finals[0]], meta, lora=_lora(owner), staging=staging, sync=sync)
     if reference is not None and ref is not None:  # reference is set only with ref
         jobs += save_reference(owner.model, owner.parallel, saver, ref, reference, tmp[reference])
     if optim is not None and owner.optimizer is not None:  # _check_save_args: both or neither
@@ -149,19 +186,16 @@ def save_checkpoint(
                 group=group,
                 meta=meta,
                 staging=staging,
-                copy_sources=not is_final_checkpoint,
+                copy_sources=not sync,
             )
         )
     if tokenizer is not None and parallel.rank == 0:
         owner.tokenizer.save_pretrained(tmp[tokenizer])
-    for final, stage in (extra_folders or {}).items():
+    for final, stage in extra_folders.items():
         job = stage(tmp[final])
         if job is not None:
             jobs.append(job)
-    saver.staging.wait()  # every copy landed: training may change the weights once we return
-    saver.start(jobs, commits, background=not is_final_checkpoint)
-    if is_final_checkpoint:
-        saver.finalize(parallel)
+    return jobs
 
 
 def _check_save_args(owner: CheckpointOwner, optimizer_path: Any, tokenizer_path: Any) -> None:
@@ -180,9 +214,12 @@ def _check_save_args(owner: CheckpointOwner, optimizer_path: Any, tokenizer_path
         raise ValueError(msg)
 
 
-def _prepare_folders(finals: Sequence[pathlib.Path]) -> None:
-    """Rank 0: finish a committed save first (cleanup would delete its folders), then clear
-    what interrupted saves left next to the final folders."""
+def _prepare_folders(
+    finals: Sequence[pathlib.Path], tmps: Sequence[pathlib.Path], saver: AsyncSaver
+) -> None:
+    """Rank 0: finish a committed save first (cleanup would delete its folders), clear what
+    interrupted saves left next to the final folders (never another live save's staged folders),
+    then create and claim this save's staged folders."""
     for final in finals:
         final.parent.mkdir(parents=True, exist_ok=True)
     parents = sorted({f.parent for f in finals})
@@ -190,6 +227,7 @@ def _prepare_folders(finals: Sequence[pathlib.Path]) -> None:
     with _locked(parents):
         for final in finals:
             _clear_stale(final)
+        saver.claim(tmps)
 
 
 def _model_jobs(
