@@ -278,13 +278,18 @@ def load_checkpoint(
     owner: CheckpointOwner,
     weights_path: str | os.PathLike[str],
     optimizer_path: str | os.PathLike[str] | None = None,
+    *,
+    verify_digests: bool = True,
 ) -> None:
     """Load weights (safetensors / DCP / PEFT, any layout), the saved reference, optimizer state.
 
     Collective. Validates and reads everything before changing the worker: a missing or
-    truncated file raises `CheckpointError` naming it and leaves the worker as it was.
+    truncated file raises `CheckpointError` naming it and leaves the worker as it was. Each
+    folder's files are checked against the digests its save recorded; a folder a policyworker
+    save wrote must have them. ``verify_digests=False`` skips those checks (a folder another
+    tool rewrote on purpose).
     """
-    load(owner, weights_path, optimizer_path, load_weights=True)
+    load(owner, weights_path, optimizer_path, load_weights=True, verify_digests=verify_digests)
 
 
 def load_checkpoint_at_init(

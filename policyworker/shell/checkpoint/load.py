@@ -79,7 +79,12 @@ def _record_dirs(weights_path: Any, optimizer_path: Any) -> list[pathlib.Path]:
 
 
 def load(
-    owner: CheckpointOwner, weights_path: Any, optimizer_path: Any, *, load_weights: bool
+    owner: CheckpointOwner,
+    weights_path: Any,
+    optimizer_path: Any,
+    *,
+    load_weights: bool,
+    verify_digests: bool = True,
 ) -> None:
     """Verify every folder's digests while reading everything into staging, then commit.
 
@@ -96,7 +101,8 @@ def load(
         lambda: recover_checkpoint_commits(_record_dirs(weights_path, optimizer_path)),
     )
     group = _checkpoint_group(saver)
-    checks = DigestChecks(_digest_folders(owner, weights_path, optimizer_path))
+    folders = _digest_folders(owner, weights_path, optimizer_path) if verify_digests else []
+    checks = DigestChecks(folders)
     try:
         commits = _read(owner, weights_path, optimizer_path, load_weights=load_weights, group=group)
     except (Exception, CheckpointException):  # DCP's is a BaseException

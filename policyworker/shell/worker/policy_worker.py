@@ -400,12 +400,17 @@ class PolicyWorker(NeMoRLWorkerSurface):
         with quiet_progress_bars():
             checkpoint.finalize_async_save(self.state)
 
-    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+    def load_checkpoint(
+        self, weights_path: str, optimizer_path: str | None = None, *, verify_digests: bool = True
+    ) -> None:
         """Load weights (safetensors / DCP / PEFT, any layout), reference and optimizer state;
-        nothing changes when a file is missing or truncated."""
+        nothing changes when a file is missing, truncated or differs from the save's digests
+        (``verify_digests=False``: a folder another tool rewrote on purpose, loaded unchecked)."""
         with quiet_progress_bars():
             self.state.draft.check_saved(weights_path, optimizer_path)  # before anything loads
-            checkpoint.load_checkpoint(self.state, weights_path, optimizer_path)
+            checkpoint.load_checkpoint(
+                self.state, weights_path, optimizer_path, verify_digests=verify_digests
+            )
             self.state.draft.load_beside(weights_path, optimizer_path)
 
     # ------------------------------------------------------------------------------ misc
