@@ -208,6 +208,7 @@ def load_optimizer(
         if fresh:  # that initialised the state (a zero-lr step); the worker changes at commit only
             optimizer.state.clear()
         _require_same_parameters(folder, keys, live)
+        _require_same_optimizer(folder, keys, live, optimizer)
         request["optim"] = _tree_map(live, _empty_like)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming single process" without a group
@@ -219,7 +220,8 @@ def load_optimizer(
                 no_dist=group is None,
             )
         except CheckpointException as exc:  # a BaseException: `except Exception` misses it
-            msg = f"DCP could not read the optimizer checkpoint {str(folder)!r}: {exc}"
+            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+            msg = f"DCP could not read the optimizer checkpoint {str(folder)!r}: {last}"
             raise CheckpointError(msg) from None
     extra = _from_bytes(request["extra"])
     rng = _from_bytes(request[f"rng_rank{rank}"]) if f"rng_rank{rank}" in request else None
@@ -258,6 +260,36 @@ def _require_same_parameters(folder: pathlib.Path, keys: set[str], live: Mapping
             f"weights (optimizer_path=None)"
         )
         raise CheckpointError(msg)
+
+
+_GROUP_PREFIX = "optim.param_groups."
+
+
+def _require_same_optimizer(
+    folder: pathlib.Path, keys: set[str], live: Mapping[str, Any], optimizer: torch.optim.Optimizer
+) -> None:
+    """Refuse optimizer state of another optimizer class (AdamW state into SGD): DCP would fail
+    on the first setting the checkpoint lacks, with its whole traceback."""
+    saved_settings = {
+        k[len(_GROUP_PREFIX) :].split(".", 1)[1]
+        for k in keys
+        if k.startswith(_GROUP_PREFIX) and "." in k[len(_GROUP_PREFIX) :]
+    }
+    live_settings = {k for group in live["param_groups"] for k in group}
+    saved_state = {k.rsplit(".", 1)[1] for k in keys if k.startswith(_STATE_PREFIX)}
+    live_state = {k for per_param in live["state"].values() for k in per_param}
+    lacks = sorted(live_settings - saved_settings)
+    if not lacks and (not live_state or saved_state <= live_state):
+        return
+    name = type(optimizer).__name__
+    msg = (
+        f"optimizer checkpoint {str(folder)!r} was saved by another optimizer than this "
+        f"worker's {name}: it lacks {name}'s settings {lacks} and holds settings "
+        f"{sorted(saved_settings - live_settings)} and state {sorted(saved_state - live_state)}; "
+        f"build the worker with the optimizer it was saved with (policy.optimizer.name), or "
+        f"load only the weights (optimizer_path=None)"
+    )
+    raise CheckpointError(msg)
 
 
 def _optim_folder(optimizer_path: str | os.PathLike[str]) -> pathlib.Path:

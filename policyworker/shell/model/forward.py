@@ -84,7 +84,18 @@ def forward_logits(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
 ) -> torch.Tensor:
-    """Logits [B, S, V] (or classification logits) of one microbatch under autocast."""
+    """Logits [B, S, V] of one microbatch under autocast; per-token scores [B, S, 1] of a
+    sequence-classification (reward) model, whose HF forward would pool them at a pad-searched
+    last token instead (the losses pick the last real token by `input_lengths`)."""
+    if type(model).__name__.endswith("ForSequenceClassification"):
+        return _per_token_scores(
+            model,
+            input_ids,
+            position_ids=position_ids,
+            autocast_dtype=autocast_dtype,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+        )
     kwargs = _model_kwargs(
         input_ids,
         position_ids,
@@ -95,6 +106,23 @@ def forward_logits(
     with autocast_context(input_ids.device, autocast_dtype):
         out = model(**kwargs)
     return out.logits if hasattr(out, "logits") else out[0]
+
+
+def _per_token_scores(
+    model: torch.nn.Module, input_ids: torch.Tensor, *, autocast_dtype: torch.dtype, **kwargs: Any
+) -> torch.Tensor:
+    # Any: a Hugging Face model's `score` head is a dynamic attribute torch's nn.Module can't type.
+    head = cast(Any, model).score
+    if hasattr(head.weight, "device_mesh"):
+        msg = (
+            f"{type(model).__name__}: a reward model's per-token scores are computed from its "
+            f"base model and score head directly, which FSDP2 / TP sharding does not gather; "
+            f"train or use it in one process (no dtensor_cfg sharding)"
+        )
+        raise ValueError(msg)
+    hidden = forward_hidden(model, input_ids, autocast_dtype=autocast_dtype, **kwargs)
+    with autocast_context(input_ids.device, autocast_dtype):
+        return head(hidden)
 
 
 def forward_hidden(

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from policyworker.shell.model import sources
 from policyworker.shell.model.attention import VARLEN_ATTN_NAME, ensure_varlen_registered
 from policyworker.shell.model.forward import (
     autocast_context,
@@ -137,7 +138,7 @@ def resolve_attn_implementation(
     return requested
 
 
-def load_tokenizer(name: str) -> Any | None:
+def load_tokenizer(name: str, *, local_files_only: bool = False) -> Any | None:
     """AutoTokenizer for `name`, or None when `name` is a local folder without tokenizer files."""
     if os.path.isdir(name) and not any(
         os.path.exists(os.path.join(name, f)) for f in _TOKENIZER_FILES
@@ -145,29 +146,51 @@ def load_tokenizer(name: str) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name)
+    tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_files_only)
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def _load_hf_config(source: str, key: str, overrides: dict[str, Any]) -> Any:
+def _load_hf_config(source: str, key: str, overrides: dict[str, Any], *, offline: bool) -> Any:
     """The HF config of `source`; a ValueError naming the key and what was looked for."""
     import transformers
 
     try:
-        return transformers.AutoConfig.from_pretrained(source, **overrides)
-    except OSError as err:
-        where = (
-            "that folder has no config.json"
-            if os.path.isdir(source)
-            else "no such local folder, and no Hugging Face Hub model of that id could be read"
+        return transformers.AutoConfig.from_pretrained(
+            source, local_files_only=offline, **overrides
         )
+    except OSError as err:
+        if os.path.isdir(source):
+            where = "that folder has no config.json"
+        elif offline:
+            where = (
+                "not a local folder, and not in the local Hugging Face cache while the Hub is "
+                "not used (HF_HUB_OFFLINE is set, or the Hub is unreachable); download it "
+                "where there is a network and copy the cache (HF_HOME) here"
+            )
+        else:
+            where = "no such local folder, and no Hugging Face Hub model of that id could be read"
         msg = (
             f"{key}={source!r}: {where} ({err}); pass a folder that holds config.json and "
             f"the weights (as save_pretrained writes them), or a Hub model id"
         )
         raise ValueError(msg) from err
+
+
+def _load_configs(cfg: Any, weights_from: str | None) -> tuple[Any, bool]:
+    """The config to build the model from (`weights_from`'s when given, checked to describe the
+    same model as `model_name`'s) and whether to read the Hub's cache only."""
+    overrides = dict(_get(cfg, "hf_config_overrides") or {})
+    sources.check_local_folder(cfg.model_name, "model_name", weights=weights_from is None)
+    offline = sources.hub_local_files_only(cfg.model_name, "model_name")
+    config = _load_hf_config(cfg.model_name, "model_name", overrides, offline=offline)
+    if weights_from is None:
+        return config, offline
+    sources.check_local_folder(weights_from, "weights_path")
+    weights_config = _load_hf_config(weights_from, "weights_path", overrides, offline=True)
+    sources.check_same_model(config, weights_config, model=cfg.model_name, weights=weights_from)
+    return weights_config, offline
 
 
 def load_policy_model(
@@ -204,21 +227,25 @@ def load_policy_model(
     #   a checkpoint whose head has another size fails loudly in from_pretrained.
     # - attn_implementation picks the kernel only (packing safety is verified separately);
     #   dtype=float32 upcasts the stored weights exactly.
-    overrides = dict(_get(cfg, "hf_config_overrides") or {})
-    config = _load_hf_config(
-        source, "model_name" if weights_from is None else "weights_from", overrides
-    )
+    config, offline = _load_configs(cfg, weights_from)
     tokenizer_name = _get(_get(cfg, "tokenizer"), "name") or cfg.model_name
-    tokenizer = load_tokenizer(tokenizer_name)
+    tokenizer = load_tokenizer(tokenizer_name, local_files_only=offline)
     config.use_cache = False
     kind = reward_model_type(cfg)
     auto_cls = getattr(transformers, _REWARD_CLASSES[kind] if kind else "AutoModelForCausalLM")
     if kind:
         config.num_labels = 1
     attn = attn_the_model_supports(auto_cls, config, attn, requested=requested_attn)
-    model = auto_cls.from_pretrained(
-        source, config=config, dtype=torch.float32, attn_implementation=attn
+    model, info = auto_cls.from_pretrained(
+        source,
+        config=config,
+        dtype=torch.float32,
+        attn_implementation=attn,
+        local_files_only=offline or weights_from is not None,
+        output_loading_info=True,
     )
+    if kind:
+        sources.warn_if_untrained_head(source, info.get("missing_keys", ()), kind=kind)
     model.config.use_cache = False
     # Re-tie after loading: a tied checkpoint stores one tensor; this keeps lm_head a view of it.
     if (

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -42,6 +43,7 @@ import policyworker.shell.worker.refit_calls as refit_calls
 import policyworker.shell.worker.training as training
 from policyworker.config import PolicyConfig, load_config
 from policyworker.data import BatchedDataDict, check_loss_fn, train_required_keys
+from policyworker.errors import ConfigError
 from policyworker.shell.logs import apply_env_verbosity, quiet_progress_bars, startup_summary
 from policyworker.shell.model import hf_model as model_lib
 from policyworker.shell.worker.nemo_rl_surface import NeMoRLWorkerSurface, split_constructor_kwargs
@@ -92,6 +94,13 @@ class PolicyWorker(NeMoRLWorkerSurface):
         from `weights_path` / `optimizer_path` when given. `parallel=` injects a context; the
         keyword arguments NeMo-RL's Policy passes are accepted (`nemo_rl_surface`)."""
         apply_env_verbosity()
+        if isinstance(config, (str, os.PathLike)):  # a model folder or id where a config goes
+            msg = (
+                f"PolicyWorker(config={str(config)!r}): config is a policy mapping or a "
+                f"PolicyConfig, not a model; pass PolicyWorker({{'model_name': {str(config)!r}}}) "
+                f"(plus any other policy keys)"
+            )
+            raise ConfigError(msg)
         cfg = config if isinstance(config, PolicyConfig) else load_config(config)
         parallel, tokenizer = split_constructor_kwargs(kwargs)
         with quiet_progress_bars():  # transformers' "Loading weights" bars
