@@ -64,3 +64,24 @@ def test_a_bradley_terry_reward_model_learns_a_preference_with_train(tiny_reward
     assert set(first["all_mb_metrics"]) >= {"accuracy", "rewards_chosen_mean", "loss"}
     assert float(last["global_loss"].mean()) < 0.5 * float(first["global_loss"][0])  # ln 2 at start
     assert bool((after[0::2] > after[1::2]).all()), (before, after)
+
+
+def test_the_training_example_of_docs_reward_models_runs(tiny_model_paths, tmp_path):
+    """The how-to's python block, with the tiny model, a temp folder and a batch filled in."""
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).resolve().parents[3] / "docs" / "reward-models.md").read_text()
+    [code] = re.findall(r"```python\n(.*?)```", doc, re.S)
+    code = code.replace("/models/llama-1b", tiny_model_paths["llama"])
+    code = code.replace("/runs/rm/step-100", str(tmp_path / "rm"))
+    batch = _pairs(4, seed=0)
+    namespace = {"input_ids": batch["input_ids"], "input_lengths": batch["input_lengths"]}
+    exec(compile(code, "docs/reward-models.md", "exec"), namespace)  # noqa: S102 -- our own doc
+    assert (tmp_path / "rm" / "model" / "config.json").is_file()
+    saved = PolicyWorker(
+        make_config(str(tmp_path / "rm" / "model"), **RM),
+        init_optimizer=False,
+        init_reference_model=False,
+    )
+    assert saved.score(batch)["scores"].shape == (8,)
