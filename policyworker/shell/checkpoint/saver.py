@@ -236,8 +236,12 @@ class AsyncSaver:
 
     def claim(self, tmps: Sequence[pathlib.Path]) -> None:
         """Create and claim the staged folders of a save (rank 0, under the parents' lock)."""
-        for tmp in tmps:
-            self._claims[tmp] = claim_folder(tmp)
+        try:
+            for tmp in tmps:
+                self._claims[tmp] = claim_folder(tmp)
+        except BaseException:  # none of this save's folders stays behind
+            self.discard_staged()
+            raise
 
     def discard_staged(self) -> list[pathlib.Path]:
         """Remove the staged folders this process claimed and drop the claims; returns them."""
