@@ -34,19 +34,19 @@ Reported, all against the same folder on the same disk in the same run:
   the staged values into the model and optimizer. `load_checkpoint` overlaps the verification
   with the reads, so its time is about max(verify, reads) + commit, not their sum.
 
-    python bench/checkpoint.py            # on a GPU: prints a table, writes bench_checkpoint.json
-    python bench/checkpoint.py --small    # CPU smoke run on a tiny shape (seconds)
-    python bench/checkpoint.py --skip-load   # saves only: no digest timing, no cold load
-    python bench/checkpoint.py --load-phases # also each load phase alone (slower: 1.5B > 3 min)
+    python -m bench.checkpoint            # on a GPU: prints a table, writes bench_checkpoint.json
+    python -m bench.checkpoint --small    # CPU smoke run on a tiny shape (seconds)
+    python -m bench.checkpoint --skip-load   # saves only: no digest timing, no cold load
+    python -m bench.checkpoint --load-phases # also each load phase alone (slower: 1.5B > 3 min)
 
 The async saves run first and the JSON is rewritten after each phase, so a run cut short keeps
 what it measured.
 """
 
 import argparse
-import json
 import os
 import pathlib
+import pkgutil
 import shutil
 import sys
 import tempfile
@@ -56,16 +56,25 @@ from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from bench.checkpoint_report import print_results, summary_rows
+from bench.common import QWEN25_15B, TINY
+from bench.rows import write_result
+from policyworker.shell import checkpoint as ck
+from policyworker.shell.checkpoint import on_threads
+from policyworker.shell.parallel import ParallelContext
+from policyworker.testing import tiny_model
 
-from common import QWEN25_15B, TINY  # noqa: E402  (bench/ is run as a script folder)
+# Two baselines are the paths the library replaced, reached by patching the one setting each
+# change added (no public knob: they exist for these rows only). A move of either module fails
+# the row loudly at the patch, not silently.
+_WRITER_THREADS = "policyworker.shell.checkpoint.layout.WRITER_THREADS"
+_BOUNCED = "policyworker.shell.checkpoint.bounce.bounced"
 
-from policyworker.shell import checkpoint as ck  # noqa: E402
-from policyworker.shell.checkpoint import dcp as ck_dcp  # noqa: E402
-from policyworker.shell.checkpoint import digests  # noqa: E402
-from policyworker.shell.checkpoint import layout as ck_layout  # noqa: E402
-from policyworker.shell.checkpoint.saver import on_threads  # noqa: E402
-from policyworker.shell.parallel.context import ParallelContext  # noqa: E402
+
+def _writer_threads() -> int:
+    """Threads per rank that write a save's files (the library's setting, read at each save)."""
+    return int(pkgutil.resolve_name(_WRITER_THREADS))
+
 
 SHAPE_1P5B, SHAPE_SMALL = QWEN25_15B, TINY  # bench/common.py's shapes
 # ~0.36B params (4.3 GB with AdamW): the disk path at a size a CPU host holds in memory.
@@ -87,11 +96,7 @@ class _Worker:
     """The attributes the checkpoint functions read."""
 
     def __init__(self, shape: dict, device: torch.device, seed: int) -> None:
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        torch.manual_seed(seed)
-        with torch.device(device):
-            self.model = Qwen2ForCausalLM(Qwen2Config(**shape)).float()
+        self.model = tiny_model("qwen2", seed=seed, device=device, **shape)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
         for p in self.model.parameters():
@@ -202,15 +207,11 @@ def _raw_parallel_read(files: list[pathlib.Path], streams: int) -> float:
 
 def _one_writer_sync_save(worker: _Worker, root: pathlib.Path) -> float:
     """Seconds of a sync save written by one thread (the path the writer pool replaced)."""
-    threads = ck_layout.WRITER_THREADS
     weights, optim = root / "one-writer-weights", root / "one-writer-optimizer"
-    ck_layout.WRITER_THREADS = 1
-    try:
+    with mock.patch(_WRITER_THREADS, 1):
         t0 = time.perf_counter()
         ck.save_checkpoint(worker, weights, optim, is_final_checkpoint=True)
         seconds = time.perf_counter() - t0
-    finally:
-        ck_layout.WRITER_THREADS = threads
     _evict(_files(weights, optim))
     shutil.rmtree(weights)
     shutil.rmtree(optim)
@@ -239,7 +240,7 @@ def _load_phases(
 
     def verify() -> None:
         for folder in folders:
-            digests.verify_digests(folder)
+            ck.verify_digests(folder)
 
     def read_hf() -> object:
         return ck.load_hf_weights(fresh.model, folders[0], parallel=fresh.parallel)
@@ -314,7 +315,7 @@ def run(
         "sync_save_GBps": gb / sync_s,
         "async_blocked_share_of_sync": async_blocked_s / sync_s,
         "async_first_blocked_share_of_sync": first_blocked_s / sync_s,
-        "writer_threads": ck_layout.WRITER_THREADS,
+        "writer_threads": _writer_threads(),
     }
     report(out)
     out |= _sync_weights_only(worker, root, device)  # the sync save's split: weights vs optimizer
@@ -326,7 +327,7 @@ def run(
     report(out)
     raw_s = _raw_write(root / "raw.bin", nbytes)
     out |= {"raw_write_s": raw_s, "raw_write_GBps": gb / raw_s}
-    streams = ck_layout.WRITER_THREADS
+    streams = _writer_threads()
     raw_parallel_s = _raw_parallel_write(root, nbytes, streams)
     out |= {
         "raw_streams": streams,
@@ -341,14 +342,14 @@ def run(
     folders = [weights / ck.MODEL_DIR, optim / ck.OPTIM_DIR]
     t0 = time.perf_counter()
     for folder in folders:
-        digests.write_digests(folder)
+        ck.write_digests(folder)
     digest_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for folder in folders:
-        digests.verify_digests(folder)
+        ck.verify_digests(folder)
     verify_s = time.perf_counter() - t0
     raw_read_s = _raw_read(files)
-    raw_read_parallel_s = _raw_parallel_read(files, ck_layout.WRITER_THREADS)
+    raw_read_parallel_s = _raw_parallel_read(files, _writer_threads())
     _evict(files)
     fresh = _Worker(shape, device, seed=1)
     _sync(device)
@@ -402,7 +403,7 @@ def _sync_optimizer_only(
     before the save planner copied through their bounce buffers: that change's baseline."""
 
     def save(folder: pathlib.Path) -> None:
-        ck_dcp.save_optimizer(
+        ck.save_optimizer(
             worker.model,
             worker.optimizer,
             worker.scheduler,
@@ -415,7 +416,7 @@ def _sync_optimizer_only(
 
     if not dcp_copies:
         return _save_part("optimizer", root / "optimizer-only", save, device)
-    with mock.patch.object(ck_dcp.bounce, "bounced", lambda tensor: False):
+    with mock.patch(_BOUNCED, lambda tensor: False):
         return _save_part("optimizer_dcp_copies", root / "optimizer-only", save, device)
 
 
@@ -463,9 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     root = pathlib.Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     shape_name = args.shape or ("small" if args.small else "qwen2-1.5b")
 
-    def report(partial: dict) -> None:
+    def report(partial: dict) -> None:  # what a run cut short leaves: no rows yet
         payload = {**partial, "shape": shape_name, "partial": True}
-        pathlib.Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        write_result(args.json, {"rows": [], "settings": vars(args), **payload})
 
     try:
         results = run(
@@ -479,88 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results["shape"] = shape_name
-    results["args"] = {**vars(args), "shape": shape_name}
-    print(
-        f"checkpoint ({results['shape']}, {results['bytes'] / 1e9:.2f} GB weights + AdamW, "
-        f"{results['num_files']} files, {results['device']})"
-    )
-    nan = float("nan")
-    rows = [
-        ("raw disk write + fsync", results["raw_write_s"], results["raw_write_GBps"]),
-        (
-            f"  {results['raw_streams']} files side by side",
-            results["raw_write_parallel_s"],
-            results["raw_write_parallel_GBps"],
-        ),
-        (
-            f"sync save, {results['writer_threads']} writers",
-            results["sync_save_s"],
-            results["sync_save_GBps"],
-        ),
-        (
-            f"  of it: weights only ({results['sync_save_weights_only_bytes'] / 1e9:.1f} GB)",
-            results["sync_save_weights_only_s"],
-            results["sync_save_weights_only_bytes"] / 1e9 / results["sync_save_weights_only_s"],
-        ),
-        (
-            f"  of it: optimizer only ({results['sync_save_optimizer_only_bytes'] / 1e9:.1f} GB)",
-            results["sync_save_optimizer_only_s"],
-            results["sync_save_optimizer_only_bytes"] / 1e9 / results["sync_save_optimizer_only_s"],
-        ),
-        (
-            "    DCP's own .cpu() (baseline)",
-            results["sync_save_optimizer_dcp_copies_only_s"],
-            results["sync_save_optimizer_dcp_copies_only_bytes"]
-            / 1e9
-            / results["sync_save_optimizer_dcp_copies_only_s"],
-        ),
-        (
-            "sync save, after async (staged)",
-            results["sync_save_staged_s"],
-            results["sync_save_staged_GBps"],
-        ),
-        (
-            "sync save, 1 writer (baseline)",
-            results["sync_save_one_writer_s"],
-            results["sync_save_one_writer_GBps"],
-        ),
-        ("async save 1: blocked (pins)", results["async_first_blocked_s"], nan),
-        ("async save 2: blocked (reuses)", results["async_blocked_s"], nan),
-        ("async save 2: until finalized", results["async_total_s"], results["async_save_GBps"]),
-    ]
-    if "load_s" in results:
-        rows.append(("raw disk read (cold cache)", results["raw_read_s"], results["raw_read_GBps"]))
-        rows.append(
-            (
-                f"  {results['raw_streams']} streams",
-                results["raw_read_parallel_s"],
-                results["raw_read_parallel_GBps"],
-            )
-        )
-        rows.append(("load (cold page cache)", results["load_s"], results["load_GBps"]))
-        rows += [
-            (f"  phase: {key[len('phase_') : -len('_s')]}", results[key], nan)
-            for key in results
-            if key.startswith("phase_")
-        ]
-    print(f"{'':32s} {'seconds':>9s} {'GB/s':>7s}")
-    for name, seconds, gbps in rows:
-        print(f"{name:32s} {seconds:9.3f} {gbps:7.2f}")
-    print(
-        f"async blocked / sync save: {100 * results['async_blocked_share_of_sync']:.1f} % "
-        f"(first save {100 * results['async_first_blocked_share_of_sync']:.1f} %; target <= 10 %)"
-        f"; staging buffers {results['staging_bytes'] / 1e9:.2f} GB"
-    )
-    if "load_s" in results:
-        print(f"load bit-exact: {results['load_exact']}")
-        share = results["digest_share_of_sync_save"]
-        print(
-            f"per-file digests: {results['digest_s']:.3f} s at save = {100 * share:.1f} % of the "
-            f"sync save (target < 5 %: {'met' if share < 0.05 else 'missed'}); "
-            f"verify at load {results['verify_s']:.3f} s"
-        )
-    pathlib.Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    settings = {**vars(args), "shape": shape_name}
+    print_results(results)
+    write_result(args.json, {"rows": summary_rows(results), "settings": settings, **results})
     return 0 if results.get("load_exact", True) else 1
 
 

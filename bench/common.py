@@ -8,9 +8,7 @@ seconds (a smoke test of the code path, not a measurement).
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,12 +16,13 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.rows import write_result
+from policyworker.testing import tiny_model
+
+REPO = Path(__file__).resolve().parent.parent  # the checkout: results go to bench/results
 # The H200's device-to-device copy rate measured here (KINDS.md): the memory limit of the kernel
 # rows where no GPU measures its own (`copy_ceiling_bytes_per_s`; an H100 copies about 3.0e12)
 COPY_CEILING_BYTES_PER_S = 4.2e12
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 # measured bf16 matmul ceiling of one H200 here (KINDS.md); the H100s here ran 779-798 TFLOP/s
 BF16_PEAK_FLOPS = 790e12
@@ -73,12 +72,8 @@ def save_random_model(folder: Path, *, small: bool, seed: int = 0, shape: str = 
 
     `shape` names one of `SHAPES` (ignored with `small`).
     """
-    import transformers
-
-    cfg = transformers.Qwen2Config(**(TINY if small else SHAPES[shape]))
-    torch.manual_seed(seed)
-    with torch.device(device()):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    keys = TINY if small else SHAPES[shape]
+    model = tiny_model("qwen2", seed=seed, dtype=torch.bfloat16, device=device(), **keys)
     num_params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(folder)
     del model
@@ -253,9 +248,6 @@ def ratio(ours: float | None, baseline: float | None) -> float | None:
 
 
 def write_results(name: str, payload: dict[str, Any], out: str | None = None) -> Path:
-    """Write `payload` as JSON to bench/results/<name>.json (or `out`)."""
-    path = Path(out) if out else REPO / "bench" / "results" / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=str))
-    print(f"\nwrote {path}")
-    return path
+    """Write `payload` (the row schema, `bench.rows`) as JSON to bench/results/<name>.json (or
+    `out`)."""
+    return write_result(Path(out) if out else REPO / "bench" / "results" / f"{name}.json", payload)

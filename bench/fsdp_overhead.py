@@ -7,7 +7,7 @@ sharding-aware grad norm + clip, AdamW. The plain side is the single-process wor
 world-of-one process group (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`).
 Target: FSDP2 within 5 % of plain.
 
-Usage: `python bench/fsdp_overhead.py` (CUDA) or `... --small` (CPU smoke).
+Usage: `python -m bench.fsdp_overhead` (CUDA) or `... --small` (CPU smoke).
 """
 
 from __future__ import annotations
@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from bench.common import (
     device,
     gib,
     peak_bytes,
@@ -34,10 +32,13 @@ from common import (  # noqa: E402
     timed,
     write_results,
 )
-
-from policyworker.shell.parallel import collectives  # noqa: E402
-from policyworker.shell.parallel.context import ParallelContext  # noqa: E402
-from policyworker.shell.parallel.plans import parallelize_model  # noqa: E402
+from policyworker.shell.parallel import (
+    ParallelContext,
+    clip_grads_,
+    next_token_logprobs_any,
+    parallelize_model,
+    total_grad_norm,
+)
 
 
 def load_fp32(path: str) -> torch.nn.Module:
@@ -63,10 +64,10 @@ def make_step(model, ctx, ids, *, autocast: bool, fused: bool):
         opt.zero_grad(set_to_none=True)
         with amp:
             logits = model(input_ids=ids).logits
-        loss = -collectives.next_token_logprobs_any(logits, ids, ctx).mean()
+        loss = -next_token_logprobs_any(logits, ids, ctx).mean()
         loss.backward()
-        norm = collectives.total_grad_norm(model.parameters(), ctx)
-        collectives.clip_grads_(model.parameters(), 1.0, norm)
+        norm = total_grad_norm(model.parameters(), ctx)
+        clip_grads_(model.parameters(), 1.0, norm)
         opt.step()
         return float(loss.detach())
 
@@ -151,6 +152,7 @@ def main() -> None:
             "metric": "train step ms",
             "ours": fsdp["step_s"] * 1e3,
             "baseline": plain["step_s"] * 1e3,
+            "baseline_name": "the plain model in one process, no FSDP",
             "limit": "<= 1.05x",
             "ratio": ratio(fsdp["step_s"], plain["step_s"]),
         },
@@ -158,12 +160,14 @@ def main() -> None:
             "metric": "tokens/s",
             "ours": fsdp["tokens_per_s"],
             "baseline": plain["tokens_per_s"],
+            "baseline_name": "the plain model in one process, no FSDP",
             "ratio": ratio(fsdp["tokens_per_s"], plain["tokens_per_s"]),
         },
         {
             "metric": "peak GiB",
             "ours": fsdp["peak_gib"],
             "baseline": plain["peak_gib"],
+            "baseline_name": "the plain model in one process, no FSDP",
             "ratio": ratio(fsdp["peak_gib"], plain["peak_gib"]),
         },
     ]
@@ -175,7 +179,7 @@ def main() -> None:
     print(f"overhead: {overhead * 100:+.1f} %")
     payload = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "small": args.small,
+        "settings": {**vars(args), "batch": batch, "seq": seq},
         "num_params": num_params,
         "batch": batch,
         "seq": seq,
@@ -185,7 +189,6 @@ def main() -> None:
         "rows": rows,
         "torch": torch.__version__,
     }
-    payload["small"], payload["fused_adamw"] = args.small, args.fused
     write_results("fsdp_overhead", payload, args.out)
 
 

@@ -1,8 +1,8 @@
 """Where the GPU waits: idle gaps of a torch.profiler chrome trace, each blamed on the host op
 that launched the kernel ending it.
 
-Used by `bench/train_step.py --profile` (a helper with no main guard, so `policyworker bench` does
-not run it as a benchmark).
+Used by `bench.train_step --profile` and `bench.logprobs --profile` (a helper with no main
+guard, so `policyworker bench` does not run it as a benchmark).
 The GPU's busy time is the union of its kernel/memcpy/memset intervals (all streams); a gap is
 a stretch inside the profiled span where none runs. The kernel after a gap was launched by a
 runtime call (matched by correlation id) inside some host ops: the gap's time is added to the
@@ -143,8 +143,9 @@ def print_profile(fn: Callable[[], Any], *, rows: int = 30, shape_rows: int = 40
     import tempfile
 
     import torch
-    from common import mark_profiled  # bench/common.py, on the path of every bench script
     from torch.profiler import ProfilerActivity, profile
+
+    from bench.common import mark_profiled
 
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
@@ -166,3 +167,22 @@ def print_profile(fn: Callable[[], Any], *, rows: int = 30, shape_rows: int = 40
             sort_by=key, row_limit=shape_rows, max_name_column_width=40, max_shapes_column_width=80
         )
     )
+
+
+def print_call_profile(fn: Callable[[], Any]) -> None:
+    """`print_profile` of one call of `fn`, then dynamo's counters (graph breaks and recompiles
+    show a compiled layer that fell back to eager), then where a further call spends host time
+    (cProfile, top 30 by own time: what launching the kernels costs)."""
+    import cProfile
+    import pstats
+
+    from torch._dynamo.utils import counters
+
+    print_profile(fn)
+    for section in ("graph_break", "recompiles", "stats", "frames"):
+        if counters.get(section):
+            print(f"dynamo {section}: {dict(counters[section])}")
+    host = cProfile.Profile()
+    host.runcall(fn)
+    print("host time of one more call (cProfile, top 30 by own time):")
+    pstats.Stats(host).sort_stats("tottime").print_stats(30)

@@ -22,40 +22,36 @@ commit 8a1796c, inductor's reduction fused with the cast); the limit is one fp32
 one bf16 write at this GPU's copy rate, measured in the same run
 (`common.copy_ceiling_bytes_per_s`).
 
-    python bench/lora.py                  # on a GPU: prints a table, writes bench_lora.json
-    python bench/lora.py --small          # CPU smoke run on a tiny shape (seconds)
+    python -m bench.lora                  # on a GPU: prints a table, writes bench_lora.json
+    python -m bench.lora --small          # CPU smoke run on a tiny shape (seconds)
 """
 
 import argparse
 import contextlib
 import functools
 import gc
-import json
-import pathlib
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from common import (  # noqa: E402  (bench/ is run as a script folder)
+from bench.common import (
     QWEN25_15B,
     TINY,
     copy_ceiling_bytes_per_s,
     device_seconds_per_call,
 )
-
-from policyworker.functional.lora import merge_lora_weight  # noqa: E402
-from policyworker.shell.model.lora import (  # noqa: E402
+from bench.rows import row, write_result
+from policyworker.functional.lora import merge_lora_weight
+from policyworker.shell.model import (
     LinearLoRA,
     apply_lora,
     lora_modules,
     lora_parameters,
     resolve_compute_dtype,
 )
+from policyworker.testing import tiny_model
 
 SHAPE_1P5B, SHAPE_SMALL = QWEN25_15B, TINY  # bench/common.py's shapes
 LORA_CFG = {"match_all_linear": True, "dim": 16, "alpha": 32}
@@ -67,12 +63,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _build(shape: dict, device: torch.device) -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(**shape, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device(device):
-        return Qwen2ForCausalLM(config).float().train()
+    return tiny_model("qwen2", device=device, attn_implementation="sdpa", **shape).train()
 
 
 def _train_tokens_per_s(model, params, *, device, batch, seq, steps, warmup) -> dict:
@@ -241,6 +232,49 @@ def run(
     return results
 
 
+def summary_rows(r: dict) -> list[dict]:
+    """The row schema: LoRA against full fine-tuning in tokens/s, the merge at refit against a
+    cast alone, and (CUDA) the compiled merge against the reduction it replaced and the memory
+    limit."""
+    full = r["full_ft"]["tokens_per_s"]
+    rows = [
+        row(
+            f"train tokens/s, LoRA ({label}) vs full fine-tuning",
+            r[key]["tokens_per_s"],
+            unit="tok/s",
+            baseline=full,
+            baseline_name="full fine-tuning, same model and batch",
+            target=target,
+        )
+        for label, key, target in (
+            ("default compute_dtype", "lora_bf16_adapters", ">= 1.1x (issue 17)"),
+            ("fp32 adapters", "lora", ""),
+        )
+    ]
+    rows.append(
+        row(
+            "refit tensors, LoRA merge+cast vs cast only",
+            r["lora_refit_s"] * 1e3,
+            unit="ms",
+            baseline=r["lora_refit_no_merge_s"] * 1e3,
+            baseline_name="the same model's tensors cast without the merge",
+        )
+    )
+    merge = r.get("compiled_merge")  # CUDA runs only
+    if merge is not None:
+        rows.append(
+            row(
+                f"compiled LoRA merge + cast {merge['shape']}, GEMM vs reduction (before)",
+                merge["gemm_us"],
+                unit="us",
+                baseline=merge["reduction_us"],
+                baseline_name="the merge as a sum of broadcast products",
+                limit=merge["limit_us"],
+            )
+        )
+    return rows
+
+
 def _table(r: dict) -> str:
     rows = [
         (
@@ -339,10 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": 1 if args.small else args.warmup,
         "repeats": 2 if args.small else args.repeats,
     }
-    results = {**run(device=device, **settings), "args": settings}
+    results = run(device=device, **settings)
     print(_table(results))
-    pathlib.Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    write_result(args.json, {"rows": summary_rows(results), "settings": settings, **results})
     return 0
 
 

@@ -10,21 +10,19 @@
 3. Draft agreement: a tiny Llama policy trained on an affine token rule with a one-layer
    Eagle3-style draft; the draft's top-1 agreement with the policy on a held-out batch.
 
-    python bench/moe.py [--steps 20] [--json bench_moe.json]
+    python -m bench.moe [--steps 20] [--json bench_moe.json]
 """
 
 import argparse
 import json
 import pathlib
-import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from policyworker.functional.loss import NLLLoss  # noqa: E402
-from policyworker.shell.worker.policy_worker import PolicyWorker  # noqa: E402
+from bench.rows import row, write_result
+from policyworker import NLLLoss, PolicyWorker
+from policyworker.testing import tiny_model_folder
 
 VOCAB = 128
 ADAMW = {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-4}}
@@ -195,19 +193,7 @@ def replay(root):
 
 
 def draft(root, steps):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).save_pretrained(root / "llama")
+    tiny_model_folder(root / "llama", "llama", vocab=VOCAB, seed=0)
     worker = PolicyWorker(
         _config(
             root / "llama",
@@ -229,9 +215,50 @@ def draft(root, steps):
     return curve
 
 
+def summary_rows(report: dict, steps: int) -> list[dict]:
+    """The row schema: balance with the bias update against the control without it, replay's
+    logprob change against zero, the draft's agreement against its untrained start."""
+    on, off = report["balance"]["rate=0.02"]["after"], report["balance"]["rate=0.0"]["after"]
+    rows = [
+        row(
+            f"expert load CV after {steps} steps, router bias update on (rate 0.02)",
+            on["cv"],
+            baseline=off["cv"],
+            baseline_name="the same steps with the update off",
+        )
+    ]
+    for key, r in report["replay"].items():
+        rows += [
+            row(
+                f"{key}: max |logprob change| replaying the model's own routes",
+                r["own_routes_max_abs_diff"],
+                unit="nats",
+                limit=0.0,
+            ),
+            row(
+                f"{key}: logprobs changed by re-routing {r['altered_tokens']} tokens",
+                r["changed_logprobs"],
+                baseline=r["altered_tokens"],
+                baseline_name="tokens re-routed (one logprob each expected)",
+            ),
+        ]
+    curve = report["draft_agreement"]
+    rows.append(
+        row(
+            f"draft top-1 agreement after {curve[-1][0]} steps",
+            curve[-1][1],
+            baseline=curve[0][1],
+            baseline_name="the untrained draft",
+            limit=1.0,
+        )
+    )
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--small", action="store_true", help="accepted: the models are tiny")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -243,8 +270,14 @@ def main():
             "draft_agreement": draft(root, args.steps),
         }
     print(json.dumps(report, indent=1))
+    payload = {
+        "rows": summary_rows(report, args.steps),
+        "settings": vars(args),
+        "device": "cpu",
+        **report,
+    }
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
+        write_result(args.json, payload)
 
 
 if __name__ == "__main__":

@@ -11,21 +11,19 @@ Rows (ours = through the group, baseline = the worker called directly):
 One worker on each side, so both run the same kernels on the same device: the difference is
 the group. The local Ray cluster is started before any timing (`ray.init` is not counted).
 
-Usage: `python bench/ray_overhead.py` (GPU when present) or `--small` (tiny model on CPU).
+Usage: `python -m bench.ray_overhead` (GPU when present) or `--small` (tiny model on CPU).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from bench.common import (
     device,
     make_batch,
     print_table,
@@ -73,10 +71,9 @@ def main() -> None:
 
     import ray
 
-    from policyworker.functional.loss import NLLLoss
-    from policyworker.shell.parallel.context import ParallelContext
+    from policyworker import NLLLoss, PolicyWorker
+    from policyworker.shell.parallel import ParallelContext
     from policyworker.shell.ray import RayWorkerGroup
-    from policyworker.shell.worker.policy_worker import PolicyWorker
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -108,18 +105,21 @@ def main() -> None:
             "metric": "no-op call (is_alive) round trip",
             "ours": through_group["noop_s"] * 1e3,
             "baseline": direct["noop_s"] * 1e3,
+            "baseline_name": "the worker called in this process",
             "unit": "ms",
         },
         {
             "metric": f"get_logprobs {rows}x{seq}",
             "ours": through_group["get_logprobs_s"] * 1e3,
             "baseline": direct["get_logprobs_s"] * 1e3,
+            "baseline_name": "the worker called in this process",
             "unit": "ms",
         },
         {
             "metric": f"train {rows}x{seq} (one step)",
             "ours": through_group["train_s"] * 1e3,
             "baseline": direct["train_s"] * 1e3,
+            "baseline_name": "the worker called in this process",
             "unit": "ms",
         },
         {
@@ -128,6 +128,7 @@ def main() -> None:
             ),
             "ours": group_start_s,
             "baseline": direct_start_s,
+            "baseline_name": "PolicyWorker() in this process",
             "unit": "s",
         },
     ]
@@ -143,7 +144,7 @@ def main() -> None:
         "ray_overhead",
         {
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "small": args.small,
+            "settings": {**vars(args), "batch": [rows, seq]},
             "num_params": num_params,
             "rows": rows_out,
             "batch": [rows, seq],

@@ -21,11 +21,12 @@ Also the sender's parameter walks on their own (metadata walk, live walk, ``stat
 and the plan-cache check: ``state_dict`` + signature compare), so each cost can be traced.
 
 ``--stage NAME`` also records the headline numbers under ``stages`` in the JSON (earlier stages
-in the file are kept), to compare the code before and after each change; ``--code DIR`` measures
-the ``policyworker`` package under DIR instead (e.g. ``git archive <commit> policyworker | tar -x
--C DIR``), so the versions can be run back to back under the same machine load.
+in the file are kept), to compare the code before and after each change. To measure another
+copy of ``policyworker`` (e.g. ``git archive <commit> policyworker | tar -x -C DIR``), run from
+DIR with this checkout on the path: ``cd DIR && PYTHONPATH=$REPO python -m bench.refit_overhead``
+(the folder run from comes first on the path), so versions run back to back under one load.
 
-Usage: ``python bench/refit_overhead.py [--repeats 30] [--stage NAME] [--json PATH]`` (``--small``:
+Usage: ``python -m bench.refit_overhead [--repeats 30] [--stage NAME] [--json PATH]`` (``--small``:
 20 repeats, for the bench runner); writes ``bench/results/refit_overhead.json`` with the
 ``{"rows": [...]}`` schema of the other benches.
 """
@@ -47,18 +48,12 @@ from typing import Any
 
 import torch
 
-CODE = sys.argv[sys.argv.index("--code") + 1] if "--code" in sys.argv else None
-if CODE:  # measure another copy of policyworker (e.g. the code before a change): import it first
-    sys.path.insert(0, CODE)
-import policyworker  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, print_table, ratio  # noqa: E402
-from refit import build_module, per_tensor_stream, state_shapes  # noqa: E402
-
-from policyworker.functional.buckets import align_up  # noqa: E402
-from policyworker.shell.refit.sender import RefitSender  # noqa: E402
-from policyworker.shell.refit.weight_stream import iter_refit_sources, refit_specs  # noqa: E402
+import policyworker
+from bench.common import REPO, print_table, ratio
+from bench.refit_baselines import build_module, per_tensor_stream, state_shapes
+from bench.rows import write_result
+from policyworker.functional.buckets import align_up
+from policyworker.shell.refit import RefitSender, iter_refit_sources, refit_specs, refit_stream
 
 SHAPE = "qwen2.5-7b/64"
 TARGET_BUCKETS = 15  # the real 7B shape at the default 1 GiB buffers
@@ -76,8 +71,8 @@ def _median_ms(fn: Callable[[], Any], repeats: int, warmup: int) -> tuple[float,
 
 
 def run_receiver(spec_path: str) -> None:
+    from policyworker import HFWeightReceiver
     from policyworker.functional.wire.codec import DTYPES_BY_NAME
-    from policyworker.shell.refit.receiver import HFWeightReceiver
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
@@ -115,9 +110,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--stage", help="record the headline numbers under this name in the JSON")
-    parser.add_argument(
-        "--code", help="a folder holding another policyworker package to measure instead"
-    )
     parser.add_argument(
         "--out",
         "--json",
@@ -195,12 +187,12 @@ def main() -> None:
         child = subprocess.Popen(
             [
                 sys.executable,
-                __file__,
+                "-m",
+                __spec__.name,
                 "--role",
                 "receiver",
                 "--spec",
                 str(spec_path),
-                *(["--code", CODE] if CODE else []),
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -244,14 +236,10 @@ def main() -> None:
         "live walk (iter_refit_sources)": lambda: list(iter_refit_sources(model, torch.bfloat16)),
         "state_dict(keep_vars=True) alone": lambda: model.state_dict(keep_vars=True),
     }
-    try:  # the plan-cache check: state_dict + signature compare, no tensor touched
-        from policyworker.shell.refit.weight_stream import refit_stream
-
-        walks["refit_stream (state_dict + signature check)"] = lambda: refit_stream(
-            model, torch.bfloat16
-        )
-    except ImportError:  # --code of a version without it
-        pass
+    # the plan-cache check: state_dict + signature compare, no tensor touched
+    walks["refit_stream (state_dict + signature check)"] = lambda: refit_stream(
+        model, torch.bfloat16
+    )
     for name, fn in walks.items():
         results[name], _ = _median_ms(fn, args.repeats, args.warmup)
     staging = [torch.empty(s, dtype=torch.bfloat16) for s in shapes.values()]
@@ -265,6 +253,7 @@ def main() -> None:
             "metric": f"refit {what}, {name}",
             "ours": results[name + suffix],
             "baseline": results["per-tensor" + suffix],
+            "baseline_name": "per-tensor: one message, buffer and round trip per tensor",
             "limit": results["copy ceiling"] if not suffix else None,
             "ratio": ratio(results[name + suffix], results["per-tensor" + suffix]),
             "unit": "ms",
@@ -306,14 +295,12 @@ def main() -> None:
         "model_bytes": model_bytes,
         "buffer_bytes": per_buffer,
         "num_buckets": buckets,
-        "repeats": args.repeats,
+        "settings": {"repeats": args.repeats, "warmup": args.warmup, "stage": args.stage},
         "torch": torch.__version__,
         "rows": rows,
         "stages": stages,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2))
-    print(f"wrote {out}")
+    write_result(out, payload)
 
 
 if __name__ == "__main__":

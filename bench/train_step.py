@@ -11,7 +11,7 @@ real (unpadded) tokens/s, MFU = 6 * N * real tokens / s / 790 TFLOP/s, and peak 
   logits + log_softmax, NLL, backward, AdamW step; at `--baseline-batch` rows and at `--batch`
   rows (an out-of-memory there is reported, not raised).
 
-Usage: `python bench/train_step.py` (CUDA) or `python bench/train_step.py --small` (CPU smoke).
+Usage: `python -m bench.train_step` (CUDA) or `python -m bench.train_step --small` (CPU smoke).
 8B-class row (issue 17): `--shape 7b --lora-dim 16 --skip-baseline` (Qwen2.5-7B shape, LoRA on
 every linear layer; MFU counts 4 * N per token for the frozen base). With `--lora-dim`, a
 plain-HF baseline (when not skipped) still trains every weight.
@@ -38,34 +38,31 @@ import contextlib
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
 import torch
-from common import (  # bench/common.py: bench/ is run as a script folder
+
+from bench.common import (
     SHAPES,
     device,
     gib,
-    is_oom,
     make_batch,
     mfu,
     peak_bytes,
     print_table,
-    ratio,
     release,
     rl_lengths,
     save_random_model,
     timed,
     write_results,
 )
-from gpu_gaps import print_profile  # bench/gpu_gaps.py
-
+from bench.gpu_gaps import print_call_profile
+from bench.train_step_baselines import bench_plain_hf, liger_layers
+from bench.train_step_rows import summary_rows
+from policyworker import NLLLoss, PolicyWorker
 from policyworker.functional.logprob_kernels import EAGER_KERNELS
-from policyworker.functional.loss import NLLLoss
-from policyworker.shell.kernels.fused_logprobs import fused_logprob_kernels
-from policyworker.shell.kernels.fusion import FUSION_MODES
-from policyworker.shell.worker.policy_worker import PolicyWorker
+from policyworker.shell.kernels import FUSION_MODES
 
 # Issue 17's MFU targets with the default config, per `--shape`: the 1.5B shape trained in full,
 # and an 8B-class shape that fits one GPU (LoRA or a CPU-offloaded optimizer).
@@ -158,7 +155,7 @@ def bench_worker(
             worker_logprobs = worker.state.logprob_kernels.name
             seconds, result = timed(lambda: worker.train(data, NLLLoss()), repeats=args.steps)
             if profile:
-                profile_step(worker, data)
+                print_call_profile(lambda: worker.train(data, NLLLoss()))
                 # what the profiler leaves behind in this process (common.mark_profiled)
                 after_profile_s, _ = timed(
                     lambda: worker.train(data, NLLLoss()),
@@ -202,67 +199,11 @@ def liger_row(model_path: str, args, data, num_params: int) -> dict:
         return {"unavailable": f"Liger's worker failed: {type(exc).__name__}: {exc}"[:300]}
 
 
-@contextlib.contextmanager
-def liger_layers(worker: PolicyWorker) -> Iterator[None]:
-    """Liger's Qwen2 kernels (RMSNorm, SwiGLU MLP, RoPE; not its loss) in `worker`'s model and
-    our fused logprob kernels (those the default config runs) for the block. Liger also
-    replaces names in transformers' modeling_qwen2 (RoPE is looked up there at each call); they
-    are put back after it, so every other row runs Hugging Face's own code."""
-    from liger_kernel.transformers import apply_liger_kernel_to_qwen2  # a bench-only wheel
-    from transformers.models.qwen2 import modeling_qwen2
-
-    replaced = ("apply_rotary_pos_emb", "Qwen2RMSNorm", "Qwen2MLP")
-    saved = {name: getattr(modeling_qwen2, name) for name in replaced}
-    try:
-        apply_liger_kernel_to_qwen2(
-            rope=True,
-            rms_norm=True,
-            swiglu=True,
-            cross_entropy=False,
-            fused_linear_cross_entropy=False,  # the worker scores tokens itself
-            model=worker.model,
-        )
-        kernels, reason = fused_logprob_kernels(
-            "layer",
-            device=worker.device,
-            vocab_size=worker.model.config.vocab_size,
-            logits_dtype=worker.dtype,
-            temperature=worker.state.sampling.temperature,
-        )
-        if reason is not None:
-            raise RuntimeError(f"our fused logprob kernels fell back to eager: {reason}")
-        worker.state.logprob_kernels = kernels
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(modeling_qwen2, name, value)
-
-
 def fusion_result(worker: PolicyWorker, mode: str, *, label: str, seconds: float) -> dict:
     """The worker's fusion report (its init ran the compile probe), printed and as result keys."""
     report = worker.fusion_report
     print(f"fusion ({label}): {report}; worker init {seconds:.1f} s")
     return {"fuse": mode, "fuse_report": attrs.asdict(report), "init_s": seconds}
-
-
-def profile_step(worker: PolicyWorker, data: dict) -> None:
-    """Print where one more train() call spends device time: the top ops (with their input
-    shapes, so a cast of weights can be told from a cast of activations) and dynamo's counters
-    (graph breaks and recompiles show a compiled layer that fell back to eager); then where a
-    further call spends host time (cProfile, by own time: what launching the kernels costs)."""
-    import cProfile
-    import pstats
-
-    from torch._dynamo.utils import counters
-
-    print_profile(lambda: worker.train(data, NLLLoss()))
-    for section in ("graph_break", "recompiles", "stats", "frames"):
-        if counters.get(section):
-            print(f"dynamo {section}: {dict(counters[section])}")
-    host = cProfile.Profile()
-    host.runcall(worker.train, data, NLLLoss())
-    print("host time of one train() call (cProfile, top 30 by own time):")
-    pstats.Stats(host).sort_stats("tottime").print_stats(30)
 
 
 def set_inductor_options(settings: list[str]) -> None:
@@ -278,56 +219,6 @@ def set_inductor_options(settings: list[str]) -> None:
             raise SystemExit(msg)
         setattr(inductor_config, key, ast.literal_eval(value))
         print(f"torch._inductor.config.{key} = {getattr(inductor_config, key)!r}")
-
-
-def bench_plain_hf(model_path: str, args, lengths: list[int], num_params: int) -> dict:
-    """The plain loop; {'oom': True} when it does not fit."""
-    import transformers
-
-    release()
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    dev = device()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=torch.float32, attn_implementation="sdpa"
-    ).to(dev)
-    model.config.use_cache = False
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=1e-6, weight_decay=0.01, fused=dev.type == "cuda"
-    )
-    data = make_batch(lengths, vocab=model.config.vocab_size, seed=1, seq_len=args.max_len)
-    ids, mask = data["input_ids"].to(dev), data["token_mask"].to(dev)
-    dtype = torch.bfloat16 if args.precision == "bfloat16" else torch.float32
-
-    def step() -> float:
-        with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits = model(input_ids=ids, use_cache=False).logits
-        lp = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
-        loss = -(lp * mask[:, 1:]).sum() / mask[:, 1:].sum()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    tokens = sum(lengths)
-    try:
-        seconds, loss = timed(step, repeats=args.steps)
-        out = {
-            "tokens_per_s": tokens / seconds,
-            "mfu": mfu(num_params, tokens, seconds),
-            "step_s": seconds,
-            "peak_gib": gib(peak_bytes()),
-            "loss": loss,
-            "oom": False,
-        }
-    except RuntimeError as exc:
-        if not is_oom(exc):
-            raise
-        out = {"oom": True, "peak_gib": gib(peak_bytes())}
-    model = opt = ids = mask = None  # the last references (step() closes over them)
-    release()
-    return out
 
 
 def main() -> None:
@@ -432,8 +323,10 @@ def main() -> None:
         packed = None
         if not args.profile:
             packed = bench_worker(model_path, args, data, num_params, packed=True)
-            partial = {"partial": True, "num_params": num_params, "args": vars(args)}
-            write_results("train_step", {**partial, "ours_packed": packed}, args.out)  # if cut
+            partial = {"partial": True, "num_params": num_params, "settings": vars(args)}
+            write_results(  # if the run is cut short, its first row survives
+                "train_step", {**partial, "ours_packed": packed, "rows": []}, args.out
+            )
         other = (
             bench_worker(model_path, args, data, num_params, packed=True, fuse=args.also_fuse)
             if args.also_fuse
@@ -465,99 +358,9 @@ def main() -> None:
         if packed is None:
             packed = bench_worker(model_path, args, data, num_params, packed=True, profile=True)
     target = mfu_target(args)
-    rows = [
-        {
-            "metric": f"packed tok/s (b{args.batch}) vs HF (b{args.baseline_batch})",
-            "ours": packed["tokens_per_s"],
-            "baseline": base_small.get("tokens_per_s"),
-            "ratio": ratio(packed["tokens_per_s"], base_small.get("tokens_per_s")),
-        },
-        {
-            "metric": "packed MFU",
-            "ours": packed["mfu"],
-            "baseline": base_small.get("mfu"),
-            "limit": None if target is None else f">= {target:.2f} (issue 17, {args.shape} shape)",
-            "ratio": None if target is None else ratio(packed["mfu"], target),
-        },
-        {
-            "metric": "padded tok/s",
-            "ours": padded.get("tokens_per_s"),
-            "baseline": base_small.get("tokens_per_s"),
-            "ratio": ratio(padded.get("tokens_per_s"), base_small.get("tokens_per_s")),
-        },
-        {"metric": "padded MFU", "ours": padded.get("mfu"), "baseline": base_small.get("mfu")},
-        {
-            "metric": "peak GiB (packed / HF small batch)",
-            "ours": packed["peak_gib"],
-            "baseline": base_small.get("peak_gib"),
-            "limit": "fits comfortably (< 139)",
-            "ratio": ratio(packed["peak_gib"], base_small.get("peak_gib")),
-        },
-    ]
-    if other is not None:
-        rows.append(
-            {
-                "metric": f"packed tok/s, fusion {args.fuse} vs {args.also_fuse}",
-                "ours": packed["tokens_per_s"],
-                "baseline": other["tokens_per_s"],
-                "ratio": ratio(packed["tokens_per_s"], other["tokens_per_s"]),
-            }
-        )
-        rows.append(
-            {
-                "metric": f"packed MFU, fusion {args.fuse} vs {args.also_fuse}",
-                "ours": packed["mfu"],
-                "baseline": other["mfu"],
-            }
-        )
-    if lora is not None:
-        rows.append(
-            {
-                "metric": f"packed tok/s, LoRA dim {args.also_lora_dim} vs full fine-tuning",
-                "ours": lora["tokens_per_s"],
-                "baseline": packed["tokens_per_s"],
-                "limit": ">= 1.1x (issue 17)",
-                "ratio": ratio(lora["tokens_per_s"], packed["tokens_per_s"]),
-            }
-        )
-        rows.append(
-            {
-                "metric": "peak GiB, LoRA vs full fine-tuning",
-                "ours": lora["peak_gib"],
-                "baseline": packed["peak_gib"],
-                "ratio": ratio(lora["peak_gib"], packed["peak_gib"]),
-            }
-        )
-    if liger is not None and "unavailable" in liger:
-        rows.append({"metric": f"Liger's kernels: not measured ({liger['unavailable']})"})
-    if liger is not None and "tokens_per_s" in liger:
-        rows.append(
-            {
-                "metric": "packed tok/s, our layer compile (default) vs Liger's kernels "
-                "(fusion none + Liger RMSNorm/SwiGLU/RoPE, our fused logprobs)",
-                "ours": packed["tokens_per_s"],
-                "baseline": liger["tokens_per_s"],
-                "limit": "> baseline (issue 17: keep the faster)",
-                "ratio": ratio(packed["tokens_per_s"], liger["tokens_per_s"]),
-            }
-        )
-        rows.append(  # the same model, weights and batch: a kernel that computes wrong shows here
-            {
-                "metric": "loss of the last timed step, default vs Liger's kernels",
-                "ours": packed["loss"],
-                "baseline": liger["loss"],
-                "ratio": ratio(packed["loss"], liger["loss"]),
-            }
-        )
-    if base_full is not None:
-        rows.append(
-            {
-                "metric": f"HF at b{args.batch}",
-                "ours": packed["peak_gib"],
-                "baseline": "OOM" if base_full["oom"] else base_full["peak_gib"],
-                "limit": "peak GiB",
-            }
-        )
+    rows = summary_rows(
+        args, target, packed, padded, base_small, base_full, other=other, lora=lora, liger=liger
+    )
     print_table(
         f"train step, {num_params / 1e9:.2f}B params, {args.batch} rows of "
         f"{args.min_len}..{args.max_len} tokens ({sum(lengths)} real), "
@@ -569,7 +372,7 @@ def main() -> None:
         {
             "num_params": num_params,
             "lengths": lengths,
-            "args": vars(args),
+            "settings": vars(args),
             "ours_packed": packed,
             "ours_packed_also_fuse": other,
             "ours_packed_lora": lora,

@@ -8,7 +8,7 @@ import multiprocessing as mp
 import tempfile
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
 import policyworker
@@ -19,6 +19,7 @@ from policyworker import (
     decode_refit_info,
     encode_refit_info,
 )
+from policyworker.testing import tiny_model_folder
 
 
 def inference_process(model_dir, address, refit_info, ids, results):
@@ -35,18 +36,7 @@ def inference_process(model_dir, address, refit_info, ids, results):
 def main(folder):
     policyworker.set_verbosity("info")  # the worker's start-up line and the refit's wait
     hf_logging.disable_progress_bar()  # our own save_pretrained below (the library is quiet)
-    torch.manual_seed(0)
-    model_dir = f"{folder}/model"
-    LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).save_pretrained(model_dir)
+    model_dir = tiny_model_folder(f"{folder}/model", "llama", vocab=64, seed=0)
     config = {
         "model_name": model_dir,
         "precision": "float32",

@@ -10,27 +10,18 @@ import pathlib
 import tempfile
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
 from policyworker import ClippedPGLossFn, PolicyWorker, flatten_train_metrics
 from policyworker.config.files import load_config_file, log_config, read_config_section
+from policyworker.testing import tiny_model_folder
 
 YAML = pathlib.Path(__file__).with_name("nemo_rl_grpo.yaml")
 
 
 def main(folder):
     hf_logging.disable_progress_bar()  # our own save_pretrained below (the library is quiet)
-    LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).save_pretrained(folder)
+    tiny_model_folder(folder, "llama", vocab=64)
     config = load_config_file(YAML, overrides=[f"model_name={folder}"])
     print("policy config:", log_config(config)[:120], "...")
     print("precision:", config.precision, "| dynamic batching:", config.dynamic_batching)

@@ -7,11 +7,11 @@ Run: python examples/sft_dpo.py
 import tempfile
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
 import policyworker
 from policyworker import DPOLossFn, NLLLoss, PolicyWorker
+from policyworker.testing import tiny_model_folder
 
 VOCAB, ROWS, SEQ = 64, 8, 10
 
@@ -30,17 +30,7 @@ def batch(ids, prompt_len):
 
 def main(folder):
     hf_logging.disable_progress_bar()  # our own save_pretrained below (the library is quiet)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).save_pretrained(folder)
+    tiny_model_folder(folder, "qwen2", vocab=VOCAB, seed=0, tie_word_embeddings=False)
     worker = PolicyWorker(
         {
             "model_name": folder,

@@ -3,7 +3,8 @@
 - `demo`: GRPO on a toy task with a separate inference process refit over ZMQ (see
   `policyworker.demo.loop`); exit 0 only if reward rose and trainer/inference logprobs agree.
 - `info`: versions, devices, attention kernels and weight transports usable here.
-- `bench`: run `bench/*.py` and print one table (see `policyworker._dev.bench_runner`).
+- `bench`: run the `bench/` modules (`python -m bench.<name>`) and print one table (see
+  `policyworker._dev.bench_runner`).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         "'policyworker[vllm]')",
     )
     sub.add_parser("info", help="versions, devices, attention kernels and transports")
-    bench = sub.add_parser("bench", help="run bench/*.py and print one table")
+    bench = sub.add_parser("bench", help="run the bench/ modules and print one table")
     bench_runner.add_arguments(bench)
     return parser
 

@@ -4,30 +4,27 @@ A ``BatchedDataDict`` maps keys to tensors or lists that share dim 0 (the batch)
 right-padded: for every tensor with ``ndim >= 2``, dim 1 is the sequence. Sharding for
 data-parallel ranks (plain, dynamic batching, sequence packing) follows NeMo-RL's
 ``shard_by_batch_size``; the planning math lives in ``policyworker.functional.batching`` and
-``...packing``. ``validate_batch`` and the loss checks live in
+``...packing``, the dynamic and packed sharding in ``policyworker.data_sharding``.
+``validate_batch`` and the loss checks live in
 ``policyworker.functional.data_checks`` and stay importable from here.
-
-Why it is over 400 lines: ``BatchedDataDict`` is one class whose public methods are NeMo-RL's,
-name for name (slicing, reordering, microbatch iterators, ``shard_by_batch_size`` with its
-dynamic-batching and packing variants); they share private row helpers and splitting the class
-would scatter a surface that users read as one.
 """
 
 import copy as _copy
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal, Self, get_args
+from typing import Any, Self
 
 import torch
 
+from policyworker import data_sharding
+from policyworker.data_sharding import MICROBATCH_ORDERS, MicrobatchOrder
 from policyworker.errors import DataError
-from policyworker.functional.batching import inverse_permutation, round_up, token_budget_boundaries
+from policyworker.functional.batching import inverse_permutation
 from policyworker.functional.data_checks import (
     batch_rows,
     check_loss_fn,
     train_required_keys,
     validate_batch,
 )
-from policyworker.functional.packing import pack_into_bins
 
 __all__ = [
     "MICROBATCH_ORDERS",
@@ -38,15 +35,6 @@ __all__ = [
     "validate_batch",
 ]
 
-MicrobatchOrder = Literal["packer", "largest_first"]
-MICROBATCH_ORDERS: tuple[str, ...] = get_args(MicrobatchOrder)
-_DYNAMIC_KEYS = (
-    "max_tokens_per_microbatch",
-    "sequence_length_round",
-    "input_key",
-    "input_lengths_key",
-)
-_PACKING_KEYS = ("max_tokens_per_microbatch", "input_key", "input_lengths_key", "algorithm")
 
 Indices = Sequence[int] | torch.Tensor
 
@@ -71,12 +59,6 @@ def _batch_rows(batch: Mapping[str, Any], index: int) -> int:
 
 def _ints(values: Any) -> list[int]:
     return [int(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values)]
-
-
-def _require_keys(args: Mapping[str, Any], keys: Sequence[str], what: str) -> None:
-    missing = [k for k in keys if k not in args]
-    if missing:
-        raise ValueError(f"{what} is missing {missing}; it needs {list(keys)}")
 
 
 class BatchedDataDict(dict[str, Any]):
@@ -301,13 +283,18 @@ class BatchedDataDict(dict[str, Any]):
         Example: rows ``[0..7]``, ``batch_size=4``, ``shards=2`` -> ``[0, 1, 4, 5]`` and
         ``[2, 3, 6, 7]``.
         """
-        total, batch_size = self._check_shard_arguments(
-            shards, batch_size, allow_uneven_shards, dynamic_batching_args, sequence_packing_args
+        total, batch_size = data_sharding.check_shard_arguments(
+            self,
+            shards,
+            batch_size,
+            allow_uneven_shards,
+            dynamic_batching_args,
+            sequence_packing_args,
         )
         if sequence_packing_args is not None:
-            return self._shard_packed(shards, batch_size, sequence_packing_args)
+            return data_sharding.shard_packed(self, shards, batch_size, sequence_packing_args)
         if dynamic_batching_args is not None:
-            return self._shard_dynamic(shards, batch_size, dynamic_batching_args)
+            return data_sharding.shard_dynamic(self, shards, batch_size, dynamic_batching_args)
         shard_size = -(-batch_size // shards)
         result = []
         for r in range(shards):
@@ -318,139 +305,6 @@ class BatchedDataDict(dict[str, Any]):
             ]
             result.append(self.select_indices(rows))
         return result
-
-    def _check_shard_arguments(
-        self,
-        shards: int,
-        batch_size: int | None,
-        allow_uneven_shards: bool,
-        dynamic_args: Mapping[str, Any] | None,
-        packing_args: Mapping[str, Any] | None,
-    ) -> tuple[int, int]:
-        if dynamic_args is not None and packing_args is not None:
-            raise DataError(
-                "dynamic_batching_args and sequence_packing_args cannot be passed "
-                "together; pick one"
-            )
-        if shards < 1:
-            raise ValueError(f"shards must be >= 1, got {shards}")
-        if allow_uneven_shards and (batch_size is not None or dynamic_args is not None):
-            raise ValueError(
-                "allow_uneven_shards=True needs batch_size=None and no "
-                "dynamic_batching_args (every dynamic shard must be equally long)"
-            )
-        total = self.size
-        batch_size = total if batch_size is None else batch_size
-        if batch_size < 1 or total % batch_size:
-            raise DataError(
-                f"Total batch size ({total}) is not a multiple of batch_size "
-                f"({batch_size}); pass a batch_size that divides it"
-            )
-        if not allow_uneven_shards and batch_size % shards:
-            raise DataError(
-                f"Batch size ({batch_size}) is not a multiple of shards ({shards}); "
-                "pass allow_uneven_shards=True or a divisible batch_size"
-            )
-        if dynamic_args is not None:
-            _require_keys(dynamic_args, _DYNAMIC_KEYS, "dynamic_batching_args")
-        if packing_args is not None:
-            _require_keys(packing_args, _PACKING_KEYS, "sequence_packing_args")
-            order = packing_args.get("microbatch_order", "packer")
-            if order not in MICROBATCH_ORDERS:
-                raise ValueError(
-                    f"sequence_packing_args['microbatch_order'] must be one of "
-                    f"{list(MICROBATCH_ORDERS)}, got {order!r}"
-                )
-        for args in (dynamic_args, packing_args):
-            if args is not None:
-                for key in (args["input_key"], args["input_lengths_key"]):
-                    if key not in self:
-                        raise DataError(
-                            f"key {key!r} named in the sharding args is not in the "
-                            f"batch (keys: {sorted(self)})"
-                        )
-        return total, batch_size
-
-    def _shard_dynamic(
-        self, shards: int, batch_size: int, args: Mapping[str, Any]
-    ) -> tuple[list[Self], list[int]]:
-        lengths = _ints(self[args["input_lengths_key"]])
-        seq_len = self[args["input_key"]].shape[1]
-        max_tokens = int(args["max_tokens_per_microbatch"])
-        rounding = int(args["sequence_length_round"])
-        rows_per_shard: list[list[int]] = [[] for _ in range(shards)]
-        indices: list[list[list[int]]] = []
-        widths_per_gb: list[list[int]] = []
-        for start in range(0, len(lengths), batch_size):
-            ordered = sorted(range(start, start + batch_size), key=lambda i: lengths[i])
-            strided = [ordered[r::shards] for r in range(shards)]
-            widths = []
-            for position in range(batch_size // shards):
-                longest = max(
-                    (strided[r][position] for r in range(shards)), key=lambda i: lengths[i]
-                )
-                width = min(round_up(max(lengths[longest], 1), rounding), seq_len)
-                if width > max_tokens:
-                    raise DataError(
-                        f"row {longest} has {args['input_lengths_key']!r} {lengths[longest]} "
-                        f"(width {width} after rounding to {rounding}) > max_tokens_per_microbatch "
-                        f"{max_tokens}; raise max_tokens_per_microbatch or truncate the row"
-                    )
-                widths.append(width)
-            groups = token_budget_boundaries(widths, max_tokens=max_tokens)
-            indices.append([[s, e] for s, e, _ in groups])
-            widths_per_gb.append([w for _, _, w in groups])
-            for r in range(shards):
-                rows_per_shard[r].extend(strided[r])
-        result = [self.select_indices(rows) for rows in rows_per_shard]
-        for shard in result:
-            shard.micro_batch_indices = _copy.deepcopy(indices)
-            shard.micro_batch_lengths = _copy.deepcopy(widths_per_gb)
-        return result, [i for rows in rows_per_shard for i in rows]
-
-    def _shard_packed(
-        self, shards: int, batch_size: int, args: Mapping[str, Any]
-    ) -> tuple[list[Self], list[int]]:
-        lengths = _ints(self[args["input_lengths_key"]])
-        capacity = int(args["max_tokens_per_microbatch"])
-        multiple = int(args.get("sequence_length_pad_multiple", 1))
-        padded = [round_up(n, multiple) for n in lengths]
-        for row, (n, p) in enumerate(zip(lengths, padded, strict=True)):
-            if p > capacity:
-                raise DataError(
-                    f"row {row} has {args['input_lengths_key']!r} {n} (padded to {p} with "
-                    f"sequence_length_pad_multiple {multiple}) > max_tokens_per_microbatch "
-                    f"{capacity}; raise max_tokens_per_microbatch to at least the longest padded "
-                    "sequence"
-                )
-        rows_per_shard: list[list[int]] = [[] for _ in range(shards)]
-        plans: list[tuple[list[list[list[int]]], list[list[int]], list[int]]] = [
-            ([], [], []) for _ in range(shards)
-        ]
-        for start in range(0, len(lengths), batch_size):
-            bins = pack_into_bins(
-                padded[start : start + batch_size],
-                capacity,
-                algorithm=args["algorithm"],
-                min_bin_count=shards,
-                bin_count_multiple=shards,
-            )
-            for r in range(shards):
-                mine = [[start + i for i in b] for b in bins[r::shards]]
-                if args.get("microbatch_order", "packer") == "largest_first":
-                    mine.sort(key=lambda b: -sum(padded[i] for i in b))  # stable
-                bounds = [sum(len(b) for b in mine[:k]) for k in range(len(mine) + 1)]
-                plans[r][0].append([[bounds[k], bounds[k + 1]] for k in range(len(mine))])
-                plans[r][1].append([sum(padded[i] for i in b) for b in mine])
-                plans[r][2].append(bounds[-1])
-                rows_per_shard[r].extend(i for b in mine for i in b)
-        result = []
-        for rows, (indices, loads, counts) in zip(rows_per_shard, plans, strict=True):
-            shard = self.select_indices(rows)
-            shard.micro_batch_indices, shard.micro_batch_lengths = indices, loads
-            shard.elem_counts_per_gb = counts
-            result.append(shard)
-        return result, [i for rows in rows_per_shard for i in rows]
 
 
 def _concat_values(key: str, values: list[Any], pad_value: int | float) -> Any:

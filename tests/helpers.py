@@ -24,26 +24,18 @@ TINY_DECODER_SHAPE = dict(
 
 
 def save_tiny_llama(folder) -> str:
-    """Write the tiny Llama the multi-process tests share (seed 0, TINY_DECODER_SHAPE) to
-    `folder`; return its path."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """Write the tiny Llama the multi-process tests share (seed 0, TINY_DECODER_SHAPE, matrices
+    from N(0, 0.2)) to `folder`; return its path."""
+    from policyworker.testing import tiny_model_folder
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY_DECODER_SHAPE))
-    with torch.no_grad():  # larger-than-default init so logprobs are far from uniform
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.2)
-    model.save_pretrained(folder)
-    return str(folder)
+    return tiny_model_folder(folder, "llama", init_std=0.2, **TINY_DECODER_SHAPE)
 
 
 def tiny_qwen2_config(folder, *, tie: bool = True):
     """The tiny decoder shape as a Qwen2 config, saved in `folder` (receivers load it there)."""
-    from transformers import Qwen2Config
+    from policyworker.testing import tiny_config
 
-    cfg = Qwen2Config(**TINY_DECODER_SHAPE, tie_word_embeddings=tie)
+    cfg = tiny_config("qwen2", **TINY_DECODER_SHAPE, tie_word_embeddings=tie)
     cfg.save_pretrained(folder)
     return cfg
 

@@ -66,7 +66,12 @@ def validate_batch(
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise DataError(
                 f"'input_ids' must hold integer token ids, got dtype {ids.dtype} with "
-                f"shape {tuple(ids.shape)}; cast with .long()"
+                f"shape {tuple(ids.shape)}; any integer dtype works: cast with .long()"
+            )
+        if ids.shape[1] == 0:
+            raise DataError(
+                f"'input_ids' has shape {tuple(ids.shape)}: no token positions (S = 0); every "
+                f"row needs at least one token column: pass right-padded ids [B, S] with S >= 1"
             )
     lengths = data.get("input_lengths")
     if lengths is not None:
@@ -163,10 +168,13 @@ def _validate_lengths_type(lengths: Any) -> None:
 
 def _validate_lengths_range(lengths: torch.Tensor, ids: torch.Tensor) -> None:
     S = ids.shape[1]
-    outside = (lengths > S) | (lengths < 0)
+    # int64 first: a narrower dtype would wrap S, and uint64 has no comparison; uint64 values of
+    # 2**63 or more turn negative and are refused with the caller's value below.
+    lengths64 = lengths.to(torch.int64)
+    outside = (lengths64 > S) | (lengths64 < 0)
     if bool(outside.any()):
         row = int(outside.nonzero()[0, 0])
         raise DataError(
-            f"'input_lengths'[{row}] = {int(lengths[row])} is outside [0, S={S}] of "
+            f"'input_lengths'[{row}] = {lengths[row].tolist()} is outside [0, S={S}] of "
             f"'input_ids' {tuple(ids.shape)}; fix the lengths or pad input_ids wider"
         )

@@ -18,15 +18,10 @@ from torch.autograd.function import FunctionCtx
 
 from policyworker.errors import ConfigError
 from policyworker.functional.logprobs import default_chunk_size
-from policyworker.functional.loss import LossInputType, LossType
-from policyworker.functional.loss_terms import (
-    config_mapping,
-    masked_mean,
-    masks_from_data,
-    read_config_mapping,
-    require_tensor,
-    sanitize,
-)
+from policyworker.functional.loss_inputs import masks_from_data, require_tensor
+from policyworker.functional.loss_options import config_mapping, read_config_mapping
+from policyworker.functional.loss_protocol import LossInputType, LossType
+from policyworker.functional.loss_terms import masked_mean, sanitize
 
 __all__ = [
     "DistillationConfig",

@@ -18,12 +18,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from policyworker.config import PolicyConfig
+    from policyworker.shell.kernels.fusion import FusionReport
+    from policyworker.shell.parallel.context import ParallelContext
 
 __all__ = [
     "ENV_LOG_LEVEL",
     "LOGGER_NAME",
+    "SummarizedWorker",
     "apply_env_verbosity",
     "quiet_progress_bars",
     "set_verbosity",
@@ -102,8 +111,32 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def startup_summary(worker: Any) -> str:
-    """One line: what a built worker is (model, parameters, precision, layout, kernel, batching)."""
+class SummarizedWorker(Protocol):
+    """What `startup_summary` reads of a built worker (a PolicyWorker's `WorkerState` is one)."""
+
+    @property
+    def cfg(self) -> PolicyConfig: ...
+    @property
+    def parallel(self) -> ParallelContext: ...
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
+    @property
+    def lora_module_names(self) -> Sequence[str]: ...
+    @property
+    def fusion_report(self) -> FusionReport: ...
+    @property
+    def reference_state(self) -> dict[str, torch.Tensor] | None: ...
+
+
+def startup_summary(worker: SummarizedWorker, *, name: str) -> str:
+    """One line: what a built worker (`name`, its class) is: model, parameters, precision,
+    layout, kernel, batching."""
     cfg, parallel, model = worker.cfg, worker.parallel, worker.model
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -138,12 +171,12 @@ def startup_summary(worker: Any) -> str:
         extras.append("activation checkpointing")
     optimizer = cfg.optimizer.name if worker.optimizer is not None and cfg.optimizer else "none"
     return (
-        f"{type(worker).__name__} ready: model={cfg.model_name} "
+        f"{name} ready: model={cfg.model_name} "
         f"({getattr(model.config, 'model_type', '?')}, {params}) "
         f"precision={str(worker.dtype).removeprefix('torch.')} (fp32 master weights) "
         f"device={worker.device.type} dp×cp×tp={parallel.dp_size}×{parallel.cp_size}×"
         f"{parallel.tp_size} attention={getattr(model.config, '_attn_implementation', '?')} "
         f"batching={batching} optimizer={optimizer} "
-        f"reference={'kept' if worker._reference_state is not None else 'none'}"
+        f"reference={'kept' if worker.reference_state is not None else 'none'}"
         + (f" ({', '.join(extras)})" if extras else "")
     )

@@ -6,10 +6,13 @@ and a free port as MASTER_ADDR / MASTER_PORT), a tp2 group on the caller's STRIC
 group shares its bundles with another actor (colocation). Both match one process (fp32, the
 tolerances of test_worker_parallel): logprobs, top-k, loss and grad norm of two train calls,
 reference logprobs, the trained weights. A refit from the dp2 group reaches a receiver bitwise
-(equal to the group's own checkpoint); a killed actor fails the next call with an error naming
-the rank and the method within seconds; shutdown leaves no actor, no placement group and every
-CPU free. `policyworker demo --ray 2` runs its loop with exact fp32 parity. (The README's
-"Running as Ray actors" example runs as written in tests/shell/test_readme.py.)
+(equal to the group's own checkpoint); an out-of-vocabulary id in one dp rank's shard is refused
+on the driver by dp rank and rows (and, sent to one rank past the driver, raises on both ranks
+at once), leaving the group usable and its weights unchanged; a killed actor fails the next call
+with an error naming the rank and the method within seconds; shutdown leaves no actor, no
+placement group and every CPU free. `policyworker demo --ray 2` runs its loop with exact fp32
+parity. (The README's "Running as Ray actors" example runs as written in
+tests/shell/test_readme.py.)
 """
 
 from __future__ import annotations
@@ -155,6 +158,33 @@ def _receive_refit(group, path):
     return {n: p.detach() for n, p in target.named_parameters()}
 
 
+def _check_bad_shard_leaves_the_group_usable(group):
+    """Rows 2, 3 go to dp rank 1; one bad id there must not strand rank 0 in a collective."""
+    from policyworker.errors import DataError, WorkerGroupError
+
+    good = workers._worker_data()
+    bad = workers._worker_data()
+    bad["input_ids"][3, 2] = 10_000  # the tiny llama's vocabulary is far smaller
+    before = group.get_logprobs(good)["logprobs"]
+    refusal = (
+        r"{}: the shard of data-parallel rank 1 \(rows 2, 3 of data, in this order\) is refused "
+        r"before any rank starts: 'input_ids'\[1, 2\] = 10000 is outside the model's vocabulary"
+    )
+    with pytest.raises(DataError, match=refusal.format("get_logprobs")):
+        group.get_logprobs(bad)
+    with pytest.raises(DataError, match=refusal.format("train")):
+        group.train(bad, workers._worker_loss(LOSS))
+    # Past the driver's check, straight to rank 1: both ranks refuse before any collective.
+    start = time.monotonic()
+    with pytest.raises(WorkerGroupError, match=r"rank \d raised in get_logprobs: \w+: ") as failed:
+        group._call("get_logprobs", [((good,), {}), ((bad,), {})])
+    assert isinstance(failed.value.__cause__, ValueError), failed.value.__cause__
+    assert "outside the model's vocabulary" in str(failed.value)
+    assert time.monotonic() - start < DEATH_NOTICE_S
+    assert group.run("is_alive") == [True, True]
+    assert torch.equal(group.get_logprobs(good)["logprobs"], before), "a refused call changed it"
+
+
 def _assert_freed(placement_group=None, *, free_cpus=4, timeout_s=DEATH_NOTICE_S):
     """No live actor of ours, the group's placement group removed, `free_cpus` of the 4 CPUs
     free again (the caller's own placement groups still hold theirs)."""
@@ -197,6 +227,7 @@ def test_dp2_group_over_two_nodes_matches_one_process_refits_and_fails_loudly(
         assert received.keys() == weights.keys()
         for name, value in received.items():
             assert torch.equal(value, weights[name]), f"refit: {name} differs from the group's"
+        _check_bad_shard_leaves_the_group_usable(group)
 
         ray.kill(group.actors[1], no_restart=True)
         start = time.monotonic()

@@ -694,7 +694,8 @@ def _check_nan_on_one_rank_skips_everywhere(worker, params):
 
 
 def worker_rank_raises(rank, size, path):
-    """Rank 1 passes a bad batch (ValueError before any collective); rank 0 waits in train."""
+    """Rank 1 passes a bad batch (ValueError before any collective); its refusal reaches rank 0
+    before train's first collective, so both ranks raise and the job ends at once."""
     from policyworker.functional.loss import NLLLoss
     from policyworker.shell.worker.policy_worker import PolicyWorker
 

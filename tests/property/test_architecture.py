@@ -472,12 +472,8 @@ def test_layering_checks_catch_upward_imports_folder_breaks_and_cycles():
 MAX_MODULE_LINES = 500
 # Split as the renovation goes on; this list only shrinks.
 NOT_YET_SPLIT = {
-    "_dev/bench_runner.py",
     "demo/loop.py",
-    "functional/loss_terms.py",
-    "functional/loss.py",
     "shell/refit/zmq/sender.py",
-    "shell/model/lora.py",
 }
 
 
@@ -498,3 +494,87 @@ def test_size_check_catches_a_long_module(tmp_path):
     (tmp_path / "long.py").write_text('"""Long."""\n' + "x = 1\n" * MAX_MODULE_LINES)
     (tmp_path / "short.py").write_text('"""Short."""\nx = 1\n')
     assert long_modules(tmp_path) == ["long.py"]
+
+
+# ------------------------------------------------------------------------------ bench/
+
+BENCH = PACKAGE.parent / "bench"
+
+
+def _is_face(module: str) -> bool:
+    """A package of ours (an `__init__.py`), not one of its modules, nor the dev tools."""
+    folder = PACKAGE.parent / module.replace(".", "/")
+    return (folder / "__init__.py").is_file() and not _matches(module, ["policyworker._dev"])
+
+
+def _face_exports(module: str) -> set[str]:
+    import importlib
+
+    return set(getattr(importlib.import_module(module), "__all__", ()))
+
+
+def _public(module: str, names: list[str]) -> bool:
+    """Whether `from module import names` uses only public faces: the core's modules and the
+    test builder are public as they are; anything else must be a package face exporting the
+    names (or a name that is itself a face)."""
+    if _matches(module, ["policyworker.functional", "policyworker.testing"]):
+        return True
+    if not _is_face(module):
+        return False
+    exported = _face_exports(module)
+    return all(n in exported or _is_face(f"{module}.{n}") for n in names)
+
+
+def bench_import_problems(root: pathlib.Path) -> list[str]:
+    """Imports of the library's internals and `sys.path` edits in the modules under `root`."""
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        found: list[tuple[int, str]] = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [
+                    (node.lineno, f"imports {a.name}")
+                    for a in node.names
+                    if a.name.startswith("policyworker") and not _public(a.name, [])
+                ]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "policyworker"
+            ):
+                names = [a.name for a in node.names]
+                if not _public(node.module or "", names):
+                    found.append((node.lineno, f"imports {names} from {node.module}"))
+            elif isinstance(node, ast.Attribute) and _dotted(node) == ["sys", "path"]:
+                found.append((node.lineno, "edits sys.path"))
+        problems += [f"{path.relative_to(root)}:{line} {what}" for line, what in sorted(found)]
+    return problems
+
+
+def test_bench_imports_only_public_faces():
+    assert bench_import_problems(BENCH) == [], "export the name from a package face"
+
+
+def test_bench_import_check_catches_internals_and_path_edits(tmp_path):
+    (tmp_path / "ok.py").write_text(
+        "import policyworker\n"
+        "from policyworker import PolicyWorker\n"
+        "from policyworker.functional.buckets import align_up\n"
+        "from policyworker.shell import checkpoint\n"
+        "from policyworker.shell.refit.zmq import ShmStaging\n"
+    )
+    (tmp_path / "bad.py").write_text(
+        "import sys\n"
+        "sys.path.insert(0, '.')\n"
+        "from policyworker.shell.refit.sender import RefitSender\n"
+        "from policyworker.shell.checkpoint import layout\n"
+        "import policyworker.shell.worker.policy_worker\n"
+    )
+    assert bench_import_problems(tmp_path) == [
+        "bad.py:2 edits sys.path",
+        "bad.py:3 imports ['RefitSender'] from policyworker.shell.refit.sender",
+        "bad.py:4 imports ['layout'] from policyworker.shell.checkpoint",
+        "bad.py:5 imports policyworker.shell.worker.policy_worker",
+    ]
+
+
+def test_no_bench_module_is_over_the_limit():
+    assert long_modules(BENCH) == [], "split it by responsibility"

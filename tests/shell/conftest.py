@@ -8,67 +8,35 @@ from __future__ import annotations
 import pytest
 import torch
 
+from policyworker.testing import tiny_config, tiny_model_folder
+
 # Tiny models on a shared 2-core box: extra intra-op threads only add OpenMP contention.
 torch.set_num_threads(1)
 
 VOCAB = 128
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    use_cache=True,
-    eos_token_id=1,
-    bos_token_id=2,
-)
+# Tokens 1 and 2 end and start a sequence (the generation tests stop on eos 1).
+_COMMON = dict(use_cache=True, eos_token_id=1, bos_token_id=2)
 
 
-def _build(kind: str):
-    import transformers
-
-    torch.manual_seed({"llama": 0, "qwen2": 1, "qwen3": 2}[kind])
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(**_COMMON)
-    elif kind == "qwen2":
-        cfg = transformers.Qwen2Config(**_COMMON, tie_word_embeddings=True)
-    else:
-        cfg = transformers.Qwen3Config(**_COMMON, head_dim=8)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # larger-than-default init so logprobs are far from uniform
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.2)
-    return model
+_SEEDS = {"llama": 0, "qwen2": 1, "qwen3": 2}
 
 
 @pytest.fixture(scope="session")
 def tiny_model_paths(tmp_path_factory) -> dict[str, str]:
-    """{'llama' | 'qwen2' | 'qwen3': folder} of tiny causal LMs without tokenizer files."""
+    """{'llama' | 'qwen2' | 'qwen3': folder} of tiny causal LMs without tokenizer files
+    (matrices drawn from N(0, 0.2) so logprobs are far from uniform)."""
     root = tmp_path_factory.mktemp("tiny_models")
-    paths = {}
-    for kind in ("llama", "qwen2", "qwen3"):
-        folder = root / kind
-        _build(kind).save_pretrained(folder)
-        paths[kind] = str(folder)
-    return paths
+    return {
+        kind: tiny_model_folder(root / kind, kind, vocab=VOCAB, seed=seed, init_std=0.2, **_COMMON)
+        for kind, seed in _SEEDS.items()
+    }
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer_model_path(tmp_path_factory) -> str:
     """A tiny Llama folder that also holds a word-level tokenizer (no pad token, eos 't1')."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
     folder = tmp_path_factory.mktemp("tiny_with_tokenizer") / "llama"
-    _build("llama").save_pretrained(folder)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", unk_token="t0").save_pretrained(
-        folder
-    )
-    return str(folder)
+    return tiny_model_folder(folder, "llama", vocab=VOCAB, init_std=0.2, tokenizer=True, **_COMMON)
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +45,7 @@ def tiny_reward_paths(tmp_path_factory) -> dict[str, str]:
     import transformers
 
     root = tmp_path_factory.mktemp("tiny_rm")
-    cfg = transformers.LlamaConfig(**_COMMON, num_labels=1, pad_token_id=0)
+    cfg = tiny_config("llama", vocab=VOCAB, num_labels=1, pad_token_id=0, **_COMMON)
     paths = {}
     for kind, cls in (
         ("bradley_terry", transformers.LlamaForSequenceClassification),

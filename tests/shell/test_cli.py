@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from policyworker import cli
-from policyworker._dev import bench_runner, docs_gen
+from policyworker._dev import bench_runner, bench_table, docs_gen
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,7 +103,7 @@ def test_config_reference_lists_every_field_of_every_section():
 
 
 def test_rows_in_the_agreed_schema_get_a_ratio_when_missing():
-    rows = bench_runner.normalize_rows(
+    rows = bench_table.normalize_rows(
         "refit",
         {
             "rows": [
@@ -114,65 +114,24 @@ def test_rows_in_the_agreed_schema_get_a_ratio_when_missing():
     )
     assert [r.ratio for r in rows] == [0.5, 2.5]
     assert rows[0].limit == 1.0 and rows[0].unit == "s" and rows[0].bench == "refit"
-    assert bench_runner.normalize_rows("x", [{"metric": "m", "ours": 1}])[0].ours == 1.0
+    assert bench_table.normalize_rows("x", [{"metric": "m", "ours": 1}])[0].ours == 1.0
 
 
-def test_older_layouts_are_normalized_by_their_adapters_and_unknown_ones_by_leaves():
-    lora = {
-        "lora": {"tokens_per_s": 300.0},
-        "full_ft": {"tokens_per_s": 100.0},
-        "lora_refit_s": 0.003,
-        "lora_refit_no_merge_s": 0.002,
-        "shape": {"hidden": 64},
-    }
-    rows = bench_runner.normalize_rows("lora", lora)
-    assert [round(r.ratio, 6) for r in rows] == [3.0, 1.5] and rows[1].unit == "ms"
-    ckpt = {
-        "raw_write_GBps": 2.0,
-        "raw_write_parallel_GBps": 3.0,
-        "sync_save_GBps": 1.0,
-        "async_blocked_s": 0.1,
-        "sync_save_s": 1.0,
-        "load_GBps": 3.0,
-        "raw_read_GBps": 2.5,
-        "raw_read_parallel_GBps": 4.0,
-        "load_exact": True,
-    }
-    rows = bench_runner.normalize_rows("checkpoint", ckpt)
-    assert rows[0].ratio == 0.5 and rows[0].limit == 3.0 and rows[-1].ours == 1.0
-    load = rows[2]
-    assert (load.baseline, load.limit, load.ratio) == (2.5, 4.0, 1.2)
-    assert bench_runner.row_verdict(load) == "pass"  # 120 % of the one-stream read >= 80 %
-    assert bench_runner.row_verdict(rows[0]) == "fail"  # 50 % of the raw write < 80 %
-    staged = bench_runner.normalize_rows("checkpoint", {**ckpt, "sync_save_staged_GBps": 1.8})
-    assert staged[1].metric.startswith("sync save after an async one") and staged[1].ratio == 0.9
-    assert bench_runner.row_verdict(staged[1]) == "pass" and staged[3].metric.startswith("load")
-    optimizer = {
-        "sync_save_optimizer_only_s": 4.0,
-        "sync_save_optimizer_only_bytes": 8e9,
-        "sync_save_optimizer_dcp_copies_only_s": 10.0,
-        "sync_save_optimizer_dcp_copies_only_bytes": 8e9,
-    }
-    split = bench_runner.normalize_rows("checkpoint", {**ckpt, **optimizer})
-    bounced = next(r for r in split if r.metric.startswith("sync save of the optimizer alone"))
-    assert (bounced.ours, bounced.baseline, bounced.ratio, bounced.limit) == (2.0, 0.8, 2.5, 3.0)
-    merge = {"shape": [8, 4], "gemm_us": 70.0, "reduction_us": 490.0, "limit_us": 20.0}
-    merge_row = bench_runner.normalize_rows("lora", {**lora, "compiled_merge": merge})[-1]
-    assert (merge_row.ours, merge_row.baseline, merge_row.limit) == (70.0, 490.0, 20.0)
-    assert merge_row.ratio == 70.0 / 490.0 and merge_row.unit == "us"
-    without_parallel = {k: v for k, v in ckpt.items() if "parallel" not in k}
-    rows = bench_runner.normalize_rows("checkpoint", without_parallel)
-    assert rows[0].limit == 2.0 and rows[2].limit == 2.5  # older results: one stream
-    generic = bench_runner.normalize_rows("other", {"a": {"b": 1.5}, "c": "text", "d": True})
+def test_a_result_without_rows_becomes_one_row_per_numeric_leaf():
+    generic = bench_table.normalize_rows("other", {"a": {"b": 1.5}, "c": "text", "d": True})
     assert [(r.metric, r.ours) for r in generic] == [("a.b", 1.5)]
+    named = bench_table.normalize_rows(
+        "x", {"rows": [{"metric": "m", "ours": 1.0, "baseline_name": "plain HF"}]}
+    )
+    assert named[0].baseline_name == "plain HF"
 
 
 def test_table_has_one_line_per_row_under_a_header():
     rows = [
-        bench_runner.BenchRow(bench="b", metric="m", ours=1234.5, baseline=None, unit="ms"),
-        bench_runner.BenchRow(bench="b", metric="n", ours=2e-5, baseline=1e-5, ratio=2.0),
+        bench_table.BenchRow(bench="b", metric="m", ours=1234.5, baseline=None, unit="ms"),
+        bench_table.BenchRow(bench="b", metric="n", ours=2e-5, baseline=1e-5, ratio=2.0),
     ]
-    lines = bench_runner.format_table(rows).splitlines()
+    lines = bench_table.format_table(rows).splitlines()
     assert lines[0].split() == [
         "bench",
         "metric",
@@ -187,10 +146,10 @@ def test_table_has_one_line_per_row_under_a_header():
 
 
 def _judged(target, ours, baseline=None):
-    row = bench_runner.normalize_rows(
+    row = bench_table.normalize_rows(
         "b", [{"metric": "m", "ours": ours, "baseline": baseline, "limit": target}]
     )[0]
-    return bench_runner.row_verdict(row)
+    return bench_table.row_verdict(row)
 
 
 def test_text_targets_get_a_pass_or_fail_and_cpu_only_figures_are_n_a():
@@ -202,11 +161,11 @@ def test_text_targets_get_a_pass_or_fail_and_cpu_only_figures_are_n_a():
     assert _judged("<= 25% of baseline", 0.0, 0.0) == "n/a"  # no ratio without a baseline
     assert _judged("peak GiB", 1.0) is None and _judged(None, 1.0) is None
     rows = [
-        bench_runner.BenchRow(
+        bench_table.BenchRow(
             bench="t", metric="packed MFU", ours=0.0001, baseline=0.0, target=">= 0.4", ratio=0.0002
         ),
-        bench_runner.BenchRow(bench="c", metric="load", ours=math.nan, unit="GB/s"),
-        bench_runner.BenchRow(
+        bench_table.BenchRow(bench="c", metric="load", ours=math.nan, unit="GB/s"),
+        bench_table.BenchRow(
             bench="f",
             metric="train step ms",
             ours=7.03,
@@ -215,11 +174,11 @@ def test_text_targets_get_a_pass_or_fail_and_cpu_only_figures_are_n_a():
             target="<= 1.05x",
         ),
     ]
-    cpu = bench_runner.format_table(rows, cpu=True).splitlines()
+    cpu = bench_table.format_table(rows, cpu=True).splitlines()
     assert cpu[2].split()[-6:] == ["n/a", "n/a", ">=", "0.4", "n/a", "n/a"]
     assert "nan" not in "\n".join(cpu) and "0.00x" not in "\n".join(cpu)
     assert cpu[3].split()[2] == "n/a" and cpu[4].rstrip().endswith("FAIL")
-    gpu = bench_runner.format_table(rows).splitlines()
+    gpu = bench_table.format_table(rows).splitlines()
     assert gpu[2].rstrip().endswith("fail".upper()) and "0.00x" in gpu[2]
 
 
@@ -264,22 +223,6 @@ def test_python_dash_m_entry_point_exists(monkeypatch):
     assert exc.value.code == 0
 
 
-def test_new_layouts_add_the_default_lora_row_and_skip_absent_load_rows():
-    lora = {
-        "lora": {"tokens_per_s": 80.0},
-        "lora_bf16_adapters": {"tokens_per_s": 120.0},
-        "full_ft": {"tokens_per_s": 100.0},
-        "lora_refit_s": 0.003,
-        "lora_refit_no_merge_s": 0.002,
-    }
-    rows = bench_runner.normalize_rows("lora", lora)
-    assert [round(r.ratio, 6) for r in rows] == [1.2, 0.8, 1.5]
-    assert bench_runner.row_verdict(rows[0]) == "pass"
-    ckpt = {"raw_write_GBps": 2.0, "sync_save_GBps": 1.0, "async_blocked_s": 0.2}
-    rows = bench_runner.normalize_rows("checkpoint", {**ckpt, "sync_save_s": 1.0})
-    assert len(rows) == 2 and bench_runner.row_verdict(rows[1]) == "fail"  # 20 % > 10 %
-
-
 def test_a_results_folder_is_reported_with_its_settings_and_verdicts_without_running(
     tmp_path, capsys
 ):
@@ -292,32 +235,32 @@ def test_a_results_folder_is_reported_with_its_settings_and_verdicts_without_run
             {"metric": "one-pass ms", "ours": 13.3, "limit": 13.7, "target": "<= 15 (issue 17)"}
         ],
     }
-    lora = {  # bench/lora.py's own layout, through its adapter
+    lora = {  # the schema with its settings
         "device": "NVIDIA H200",
-        "batch": 4,
-        "lora": {"tokens_per_s": 80.0},
-        "lora_bf16_adapters": {"tokens_per_s": 100.0},
-        "full_ft": {"tokens_per_s": 100.0},
-        "lora_refit_s": 0.003,
-        "lora_refit_no_merge_s": 0.002,
+        "settings": {"batch": 4},
+        "rows": [
+            {"metric": "LoRA tok/s", "ours": 100.0, "baseline": 100.0, "target": ">= 1.1x"},
+            {"metric": "LoRA fp32 tok/s", "ours": 80.0, "baseline": 100.0},
+            {"metric": "refit ms", "ours": 3.0, "baseline": 2.0, "unit": "ms"},
+        ],
     }
     (gpu / "refit.json").write_text(json.dumps(refit))
     (gpu / "lora.json").write_text(json.dumps(lora))
     (gpu / "summary.json").write_text("{not read")  # the runner's own file is skipped
-    results = bench_runner.read_results(gpu)
+    results = bench_table.read_results(gpu)
     assert not results.cpu
     assert [r.bench for r in results.rows] == ["lora"] * 3 + ["refit"]
     assert results.rows[-1].target == "<= 15 (issue 17)" and results.rows[-1].limit == 13.7
-    assert bench_runner.row_verdict(results.rows[-1]) == "pass"
+    assert bench_table.row_verdict(results.rows[-1]) == "pass"
     assert results.settings == {
-        "lora": "NVIDIA H200: batch=4",  # no args saved: the text and integer fields
+        "lora": "NVIDIA H200: batch=4",
         "refit": "NVIDIA H200: shapes=['qwen2.5-7b'], repeats=3",  # where it wrote: left out
     }
     assert bench_runner.main(["--report", str(gpu)]) == 1  # LoRA at 1.0x misses its 1.1x
     out = capsys.readouterr().out
     assert "refit: NVIDIA H200: shapes=['qwen2.5-7b']" in out
     assert "targets: 1 pass, 1 FAIL\n" in out and "CPU results" not in out
-    lora["lora_bf16_adapters"]["tokens_per_s"] = 120.0
+    lora["rows"][0]["ours"] = 120.0
     (gpu / "lora.json").write_text(json.dumps(lora))
     assert bench_runner.main(["--report", str(gpu)]) == 0
     assert "targets: 2 pass, 0 FAIL\n" in capsys.readouterr().out
@@ -325,7 +268,7 @@ def test_a_results_folder_is_reported_with_its_settings_and_verdicts_without_run
     cpu = tmp_path / "cpu"
     cpu.mkdir()
     (cpu / "refit.json").write_text(json.dumps({**refit, "device": "cpu"}))
-    assert bench_runner.read_results(cpu).cpu
+    assert bench_table.read_results(cpu).cpu
     bench_runner.main(["--report", str(cpu)])
     assert "(CPU results: the targets are set for full-size GPU runs)" in capsys.readouterr().out
     (cpu / "broken.json").write_text("{")

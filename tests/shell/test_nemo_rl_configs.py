@@ -21,7 +21,7 @@ from policyworker.config.files import (
     resolve_subtree,
 )
 from policyworker.errors import ConfigError
-from policyworker.functional.loss_terms import ClippedPGConfig, DPOConfig
+from policyworker.functional.loss_options import ClippedPGConfig, DPOConfig
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "nemo_rl"
 CORPUS = pathlib.Path(__file__).resolve().parents[3] / "shared" / "reference" / "nemo_rl_configs"

@@ -1,16 +1,35 @@
-"""The Eagle3 draft model itself: its layers, its config shaped like the policy's, and the
-Hugging Face Eagle3 config.json that vLLM loads as a speculative model. Training it beside the
-policy is `shell/worker/draft.py`.
+"""The Eagle3 draft model itself: its layers, its config shaped like the policy's, the
+Hugging Face Eagle3 config.json that vLLM loads as a speculative model, and reading one back.
+Training it beside the policy is `shell/worker/draft.py`.
+
+Layer numbering: vLLM's `eagle_aux_hidden_state_layer_ids` number an aux hidden state by the
+decoder layer it enters (id k = the output of layer k - 1); `aux_layer_indices` (ours, and
+NeMo-RL's) by the layer it leaves. A config.json names the ids at its top level (vLLM's loader,
+published Eagle3 checkpoints), under `eagle_config` (what `eagle3_config` writes), or not at all
+(vLLM then reads its default layers of the policy).
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["Eagle3Draft", "default_aux_layers", "eagle3_config"]
+__all__ = [
+    "AUX_IDS_KEY",
+    "Eagle3Draft",
+    "default_aux_layers",
+    "eagle3_aux_layer_ids",
+    "eagle3_config",
+    "read_eagle3_config",
+    "vllm_default_aux_ids",
+]
+
+AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -134,3 +153,64 @@ def eagle3_config(draft: Eagle3Draft, aux_layers: tuple[int, ...]) -> dict[str, 
         aux_layer_indices=list(aux_layers),
     )
     return config
+
+
+def vllm_default_aux_ids(num_layers: int) -> tuple[int, ...]:
+    """The aux layer ids vLLM reads when a draft's config names none (its Eagle3 models'
+    `get_eagle3_default_aux_hidden_state_layers`): early, middle and late."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def eagle3_aux_layer_ids(
+    meta: Mapping[str, Any], *, num_policy_layers: int, source: str
+) -> tuple[int, ...]:
+    """vLLM's aux layer ids of an Eagle3 draft config (`source` names the file in errors): the
+    top-level key, the one under `eagle_config`, or vLLM's default for the policy's layers.
+    Anything else (both keys disagreeing, not a list of distinct ints in 1..num_policy_layers)
+    is a ValueError naming the key."""
+    nested_config = meta.get("eagle_config")
+    if nested_config is not None and not isinstance(nested_config, Mapping):
+        msg = (
+            f"{source}: 'eagle_config' must be a mapping, got {type(nested_config).__name__} "
+            f"{nested_config!r}; write {{{AUX_IDS_KEY!r}: [...]}} there, or remove it"
+        )
+        raise ValueError(msg)
+    top = meta.get(AUX_IDS_KEY)
+    nested = None if nested_config is None else nested_config.get(AUX_IDS_KEY)
+    if top is not None and nested is not None and list(top) != list(nested):
+        msg = (
+            f"{source}: {AUX_IDS_KEY!r} is {top!r} at the top level but {nested!r} under "
+            f"'eagle_config'; keep one of them (vLLM reads the top-level one)"
+        )
+        raise ValueError(msg)
+    ids = top if top is not None else nested
+    key = AUX_IDS_KEY if top is not None else f"eagle_config.{AUX_IDS_KEY}"
+    if ids is None:
+        ids = vllm_default_aux_ids(num_policy_layers)
+        key = f"{AUX_IDS_KEY} (absent: vLLM's default for a {num_policy_layers}-layer policy)"
+    rule = f"distinct ints in 1..{num_policy_layers} (the policy has {num_policy_layers} layers)"
+    if (
+        not isinstance(ids, list | tuple)
+        or not ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        or not all(1 <= i <= num_policy_layers for i in ids)
+        or len(set(ids)) != len(ids)
+    ):
+        msg = (
+            f"{source}: {key} = {ids!r} must be a non-empty list of {rule}; id k reads the "
+            f"output of decoder layer k - 1: write the policy layers the draft was trained on "
+            f"as {AUX_IDS_KEY!r} at the top level of config.json"
+        )
+        raise ValueError(msg)
+    return tuple(ids)
+
+
+def read_eagle3_config(folder: Path, *, num_policy_layers: int) -> tuple[Any, tuple[int, ...]]:
+    """The draft's Llama config from `folder`/config.json and the policy layers it reads, as
+    `aux_layer_indices` (the layer each aux hidden state leaves)."""
+    from transformers import LlamaConfig
+
+    path = folder / "config.json"
+    meta = json.loads(path.read_text())
+    ids = eagle3_aux_layer_ids(meta, num_policy_layers=num_policy_layers, source=str(path))
+    return LlamaConfig(**meta), tuple(i - 1 for i in ids)

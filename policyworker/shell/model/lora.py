@@ -7,10 +7,9 @@ through `policyworker.functional.lora.merge_lora_weight`). Order of use in the w
 lora_tp_plan(plan))` (`shell.lora_tp`) -> `fully_shard` -> optimizer over
 `lora_parameters(model)`. The PEFT adapter folder (export/import) is `shell.peft_adapter`.
 
-Why it is over 400 lines: `LinearLoRA` has three forward paths (the general one; under autocast
-in the adapter's dtype, the adapter merged into the frozen weight, `_MergedAdapterLinear`, or
-with input dropout added inside the up-projection's GEMM) next to its construction, and the
-settings and injection that build it sit with the class they configure.
+`LinearLoRA` has three forward paths: the general one; under autocast in the adapter's dtype,
+the adapter merged into the frozen weight (`_MergedAdapterLinear`); or with input dropout added
+inside the up-projection's GEMM. The `lora_cfg` settings it is built from are `lora_settings.py`.
 """
 
 import math
@@ -19,7 +18,6 @@ from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
-from attrs import frozen
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -28,7 +26,11 @@ from policyworker.functional.lora import (
     matches_target,
     merge_lora_weight,
     unmatched_entries,
-    validate_target_entries,
+)
+from policyworker.shell.model.lora_settings import (
+    LoRASettings,
+    lora_settings,
+    resolve_compute_dtype,
 )
 
 __all__ = [
@@ -44,94 +46,6 @@ __all__ = [
 ]
 
 _WRAPPER_FRAGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-_SETTING_KEYS = (
-    "enabled", "target_modules", "exclude_modules", "match_all_linear", "dim", "alpha", "dropout",
-    "dropout_position", "lora_A_init", "use_rslora", "use_triton", "compute_dtype",
-)  # fmt: skip
-_COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@frozen(kw_only=True)
-class LoRASettings:
-    """The `lora_cfg` values this module reads.
-
-    Defaults equal `policyworker.config.LoRAConfig`'s.
-    """
-
-    enabled: bool = True
-    target_modules: tuple[str, ...] = ()
-    exclude_modules: tuple[str, ...] = ()
-    match_all_linear: bool = False
-    dim: int = 8
-    alpha: float = 32.0
-    dropout: float = 0.0
-    dropout_position: Literal["pre", "post"] = "post"
-    lora_A_init: Literal["xavier", "uniform"] = "xavier"  # noqa: N815 (NeMo-RL's key)
-    use_rslora: bool = False
-    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-
-
-def resolve_compute_dtype(
-    setting: str, *, device: torch.device, base_dtype: torch.dtype
-) -> torch.dtype:
-    """The adapter matmul dtype that `lora_cfg.compute_dtype` names on `device`.
-
-    ``"auto"`` is bfloat16 on CUDA when the base layers compute in bfloat16 (``base_dtype``: the
-    base weights' dtype, or the autocast dtype over fp32 master weights), float32 otherwise.
-
-    Raises:
-        ValueError: ``setting`` is not "auto" or a dtype name.
-    """
-    if setting == "auto":
-        cuda_bf16 = device.type == "cuda" and base_dtype == torch.bfloat16
-        return torch.bfloat16 if cuda_bf16 else torch.float32
-    if setting not in _COMPUTE_DTYPES:
-        msg = (
-            f"lora_cfg.compute_dtype {setting!r} must be 'auto' or one of "
-            f"{list(_COMPUTE_DTYPES)}; use 'auto' unless you need a fixed dtype"
-        )
-        raise ValueError(msg)
-    return _COMPUTE_DTYPES[setting]
-
-
-def lora_settings(lora_cfg: Any) -> LoRASettings:
-    """Read a `LoRAConfig` (attrs) or a plain mapping with the NeMo-RL `lora_cfg` keys.
-
-    Raises:
-        ValueError: unknown mapping keys, or a value outside its rule (named with the fix).
-    """
-    if isinstance(lora_cfg, Mapping):
-        unknown = sorted(set(lora_cfg) - set(_SETTING_KEYS))
-        if unknown:
-            msg = f"unknown lora_cfg key(s) {unknown}; allowed keys are {list(_SETTING_KEYS)}"
-            raise ValueError(msg)
-        values = {k: lora_cfg[k] for k in _SETTING_KEYS if k in lora_cfg and k != "use_triton"}
-    else:
-        values = {
-            k: getattr(lora_cfg, k)
-            for k in _SETTING_KEYS
-            if hasattr(lora_cfg, k) and k != "use_triton"
-        }
-    for key in ("target_modules", "exclude_modules"):
-        entries = values.get(key) or ()
-        if isinstance(entries, str):
-            entries = (entries,)
-        values[key] = tuple(entries)
-        validate_target_entries(values[key], what=f"lora_cfg.{key}")
-    settings = LoRASettings(**values)
-    lora_scale(settings.alpha, settings.dim)  # validates dim
-    if settings.dropout_position not in ("pre", "post"):
-        msg = f"lora_cfg.dropout_position {settings.dropout_position!r} must be 'pre' or 'post'"
-        raise ValueError(msg)
-    if settings.lora_A_init not in ("xavier", "uniform"):
-        msg = f"lora_cfg.lora_A_init {settings.lora_A_init!r} must be 'xavier' or 'uniform'"
-        raise ValueError(msg)
-    if not 0.0 <= settings.dropout < 1.0:
-        msg = f"lora_cfg.dropout {settings.dropout!r} must be in [0, 1)"
-        raise ValueError(msg)
-    cpu = torch.device("cpu")
-    resolve_compute_dtype(settings.compute_dtype, device=cpu, base_dtype=torch.float32)
-    return settings
 
 
 class LinearLoRA(nn.Linear):

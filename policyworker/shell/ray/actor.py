@@ -10,13 +10,17 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from attrs import field, frozen
 from attrs.validators import ge, gt, in_, optional
 
 from policyworker.errors import WorkerGroupTimeoutError
 from policyworker.functional.worker_group import version_in_range
+
+if TYPE_CHECKING:
+    from policyworker.config import PolicyConfig
+    from policyworker.shell.worker.policy_worker import PolicyWorker
 
 __all__ = [
     "RAY_SUPPORTED",
@@ -100,7 +104,15 @@ class PolicyWorkerActor:
         import torch
 
         torch.set_num_threads(torch_threads)  # N workers on one node must not oversubscribe it
-        self.worker: Any = None
+        self._worker: PolicyWorker | None = None
+
+    @property
+    def worker(self) -> PolicyWorker:
+        """This rank's worker, once `start` built it."""
+        if self._worker is None:
+            msg = "this actor's PolicyWorker is not built yet: call start() first"
+            raise RuntimeError(msg)
+        return self._worker
 
     def where(self) -> dict[str, Any]:
         import ray
@@ -119,7 +131,7 @@ class PolicyWorkerActor:
     def start(
         self,
         env: Mapping[str, str],
-        config: Any,
+        config: PolicyConfig | Mapping[str, Any],
         worker_kwargs: Mapping[str, Any],
         *,
         use_gpu: bool,
@@ -143,8 +155,12 @@ class PolicyWorkerActor:
             device=device,
             timeout_s=collective_timeout_s,
         )
-        self.worker = PolicyWorker(cfg, parallel=parallel, **worker_kwargs)
+        self._worker = PolicyWorker(cfg, parallel=parallel, **worker_kwargs)
         return parallel.local_coords()
+
+    def vocab_rows(self) -> int:
+        """Rows of the model's input embedding: the driver checks token ids against it."""
+        return self.worker.state.vocab_rows
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)

@@ -16,18 +16,18 @@ Colocation: pass your own `placement_group` (and `bundle_indices`) to share bund
 inference actors; `group.bundle_indices[r]` is rank r's bundle, `group.refit_node_id` the node
 a ZMQ refit receiver must run on (ipc:// sockets and shared memory are node-local).
 
-Ray narrows CUDA_VISIBLE_DEVICES to an actor's GPU, so a GPU worker's device is cuda:0.
+Bad input: every dp rank's shard passes the worker's own batch checks on the driver before any
+rank starts (`shard_checks`), so a bad row refuses the call by its dp rank and rows and the group
+stays usable; the workers' own checks agree across ranks too (`shell.parallel.agreed_checks`).
 
-Why it is over 400 lines: ``RayWorkerGroup`` is one class whose placement, environment,
-sharded calls and failure handling all share the actor list and the group's broken state; it
-holds no math (the sharding is ``BatchedDataDict``'s), only the order of Ray effects.
+Ray narrows CUDA_VISIBLE_DEVICES to an actor's GPU, so a GPU worker's device is cuda:0.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from policyworker.errors import WorkerGroupError, WorkerGroupTimeoutError
 from policyworker.functional.worker_group import dp_leader_ranks, local_ranks
@@ -38,11 +38,16 @@ from policyworker.shell.ray.actor import (
     import_ray,
     make_placement_group,
 )
+from policyworker.shell.ray.calls import RankResults
+from policyworker.shell.ray.shard_checks import check_shards
+from policyworker.shell.ray.sharding import split_over_dp
+
+if TYPE_CHECKING:
+    from policyworker.config import PolicyConfig
 
 __all__ = ["RayWorkerGroup"]
 
 _WORKER_KWARGS = ("weights_path", "optimizer_path", "init_optimizer", "init_reference_model")
-_PEER_GRACE_S = 5.0  # after one rank raised: how long the others get to finish the same call
 _SHUTDOWN_WAIT_S = 10.0
 
 
@@ -57,7 +62,7 @@ class RayWorkerGroup:
 
     def __init__(
         self,
-        config: Any,
+        config: PolicyConfig | Mapping[str, Any],
         *,
         num_workers: int,
         strategy: str = "PACK",
@@ -102,7 +107,7 @@ class RayWorkerGroup:
             ray.init()  # no cluster yet: start a local one, as Ray itself would on first use
         gpus = self._gpus_per_worker()
         self._actors: list[Any] = []
-        self._broken: str | None = None
+        self._results = RankResults(ray, timeout_s=timeout_s)
         self._owns_placement_group = placement_group is None
         bundle = {"CPU": cpus_per_worker} | ({"GPU": gpus} if gpus else {})
         self.start_phases: dict[str, float] = {}  # seconds: placement_group, actors, workers
@@ -154,7 +159,9 @@ class RayWorkerGroup:
             msg = f"the placement group was not ready within {self.options.timeout_s} s"
             raise WorkerGroupTimeoutError(msg, method="placement_group")
 
-    def _start(self, config: Any, worker_kwargs: dict[str, Any], gpus: float) -> None:
+    def _start(
+        self, config: PolicyConfig | Mapping[str, Any], worker_kwargs: dict[str, Any], gpus: float
+    ) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         opts = self.options
@@ -199,63 +206,20 @@ class RayWorkerGroup:
                 )
             )
         self.coords = tuple(self._collect("start", refs))
+        self.vocab_rows: int = self._collect("vocab_rows", [self._actors[0].vocab_rows.remote()])[0]
         self.start_phases["workers"] = time.perf_counter() - started - self.start_phases["actors"]
 
     # ------------------------------------------------------------------------------ calls
 
     def _collect(self, method: str, refs: Sequence[Any]) -> list[Any]:
         """Every ref's value in rank order; the first failure (or the timeout) raises."""
-        exceptions = self._ray.exceptions
-        deadline = time.monotonic() + self.options.timeout_s
-        pending = {ref: rank for rank, ref in enumerate(refs)}
-        results: list[Any] = [None] * len(refs)
-        failure: WorkerGroupError | None = None
-        while pending:
-            ready, _ = self._ray.wait(
-                list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic())
-            )
-            if not ready:
-                break
-            rank = pending.pop(ready[0])
-            try:
-                results[rank] = self._ray.get(ready[0])
-            except exceptions.RayActorError as err:
-                self._broken = f"rank {rank} died during {method}"
-                msg = (
-                    f"rank {rank} died during {method} ({type(err).__name__}); the group "
-                    f"cannot go on without it: call shutdown() and start a new group"
-                )
-                raise WorkerGroupError(msg, rank=rank, method=method) from err
-            except exceptions.RayTaskError as err:
-                cause = err.cause if isinstance(err.cause, BaseException) else err
-                if failure is None:
-                    failure = WorkerGroupError(
-                        f"rank {rank} raised in {method}: {type(cause).__name__}: {cause}",
-                        rank=rank,
-                        method=method,
-                    )
-                    failure.__cause__ = cause
-                    deadline = min(deadline, time.monotonic() + _PEER_GRACE_S)
-        if pending:
-            ranks = sorted(pending.values())
-            self._broken = f"ranks {ranks} did not finish {method}"
-            if failure is not None:
-                msg = f"{failure}; ranks {ranks} are still inside {method}: call shutdown()"
-                raise WorkerGroupError(msg, rank=failure.rank, method=method) from failure.__cause__
-            msg = (
-                f"{method} did not return on ranks {ranks} within timeout_s="
-                f"{self.options.timeout_s} s; call shutdown() and start a new group"
-            )
-            raise WorkerGroupTimeoutError(msg, rank=ranks[0], method=method)
-        if failure is not None:
-            raise failure
-        return results
+        return self._results.collect(method, refs)
 
     def _call(
         self, method: str, per_rank: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]]
     ) -> list[Any]:
-        if self._broken is not None or not self._actors:
-            state = self._broken or "it was shut down"
+        if self._results.broken is not None or not self._actors:
+            state = self._results.broken or "it was shut down"
             msg = f"cannot call {method}: the group is unusable ({state}); start a new group"
             raise WorkerGroupError(msg, method=method)
         refs = [
@@ -276,37 +240,24 @@ class RayWorkerGroup:
     def _sharded(
         self, method: str, data: Mapping[str, Any], *, batch_size: int | None, **kwargs: Any
     ) -> tuple[list[Any], Any]:
-        """Run `method(shard, **kwargs)` with each dp rank's shard; the dp leaders' results and
-        the original row index of every row of the concatenated shards."""
+        """Run `method(shard, **kwargs)` with each dp rank's shard (checked here first); the dp
+        leaders' results and the original row index of every row of the concatenated shards."""
         import torch
 
-        from policyworker.data import BatchedDataDict
-
-        batch = BatchedDataDict(data)
-        size, uneven = batch.size, batch_size is None
-        # Without dynamic batching or packing arguments it returns the plain list of shards.
-        shards = cast(
-            "list[BatchedDataDict]",
-            batch.shard_by_batch_size(self.dp_size, batch_size, allow_uneven_shards=uneven),
+        shards, rows = split_over_dp(data, dp_size=self.dp_size, batch_size=batch_size)
+        check_shards(
+            method,
+            shards,
+            rows,
+            vocab_rows=self.vocab_rows,
+            loss_fn=kwargs.get("loss_fn"),
+            skip=kwargs.get("check_dim_skip_keys") or (),
         )
-        rows = cast(
-            "list[BatchedDataDict]",
-            BatchedDataDict(rows=torch.arange(size)).shard_by_batch_size(
-                self.dp_size, batch_size, allow_uneven_shards=uneven
-            ),
-        )
-        if any(shard.size == 0 for shard in shards):
-            msg = (
-                f"data has {size} rows: split over {self.dp_size} data-parallel ranks "
-                f"(ceil({size} / {self.dp_size}) each) some rank gets none; pass a multiple "
-                f"of {self.dp_size} rows"
-            )
-            raise ValueError(msg)
         block = self.world_size // self.dp_size
         results = self._call(
             method, [((shards[r // block],), kwargs) for r in range(self.world_size)]
         )
-        return [results[r] for r in self._leaders], torch.cat([s["rows"] for s in rows])
+        return [results[r] for r in self._leaders], torch.cat(rows)
 
     def _in_row_order(self, method: str, data: Mapping[str, Any], **kwargs: Any) -> Any:
         from policyworker.data import BatchedDataDict
@@ -459,7 +410,7 @@ class RayWorkerGroup:
         """Close the workers (briefly), kill every actor, remove the group's placement group."""
         ray, actors = self._ray, self._actors
         self._actors = []
-        if actors and self._broken is None:  # let healthy workers close sockets and shm
+        if actors and self._results.broken is None:  # let healthy workers close sockets and shm
             refs = [a.call.remote("shutdown", (), {}) for a in actors]
             ray.wait(refs, num_returns=len(refs), timeout=_SHUTDOWN_WAIT_S)
         for actor in actors:

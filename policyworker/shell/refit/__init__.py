@@ -14,3 +14,17 @@
 
 The wire format both sides speak is pure and lives in the core: `policyworker.functional.wire`.
 """
+
+from policyworker._lazy import lazy_exports
+
+# The names other code imports from this face, each resolved on first use
+__getattr__, __all__ = lazy_exports(  # pyright: ignore[reportUnsupportedDunderAll]
+    __name__,
+    {
+        "RefitSender": "policyworker.shell.refit.sender",
+        "RefitSource": "policyworker.shell.refit.weight_stream",
+        "iter_refit_sources": "policyworker.shell.refit.weight_stream",
+        "refit_specs": "policyworker.shell.refit.weight_stream",
+        "refit_stream": "policyworker.shell.refit.weight_stream",
+    },
+)

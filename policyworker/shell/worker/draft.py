@@ -42,6 +42,7 @@ from policyworker.shell.model.draft_model import (
     _draft_config,
     default_aux_layers,
     eagle3_config,
+    read_eagle3_config,
 )
 
 __all__ = ["DraftTrainer", "Eagle3Draft", "default_aux_layers", "eagle3_config"]
@@ -89,7 +90,7 @@ class DraftTrainer:
                 f"below {len(layers)}"
             )
             raise ValueError(msg)
-        self.model = self._build(policy).to(device)
+        self.model = self._build(policy, num_policy_layers=len(layers)).to(device)
         self._broadcast_from_first_rank()
         self.optimizer = (
             build_optimizer(self.model, cfg.optimizer)
@@ -104,7 +105,7 @@ class DraftTrainer:
         for index in self.aux_layers:
             self._handles.append(layers[index].register_forward_hook(self._keep(f"aux{index}")))
 
-    def _build(self, policy: nn.Module) -> Eagle3Draft:
+    def _build(self, policy: nn.Module, *, num_policy_layers: int) -> Eagle3Draft:
         name = self.cfg.model_name
         if name is None:
             config = _draft_config(policy.config, self.cfg.num_layers or 1)
@@ -116,18 +117,18 @@ class DraftTrainer:
                     head.full_tensor() if isinstance(head, DTensor) else head
                 )
             return draft
-        from transformers import LlamaConfig
-
         folder = Path(name)
-        meta = json.loads((folder / "config.json").read_text())
-        num_aux = len(meta["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
-        draft = Eagle3Draft(LlamaConfig(**meta), num_aux=num_aux)
-        if draft.num_aux != len(self.aux_layers):
-            msg = (
-                f"draft.model_name={name!r} fuses {draft.num_aux} policy layers but "
-                f"draft.aux_layer_indices has {len(self.aux_layers)}; make them agree"
-            )
-            raise ValueError(msg)
+        config, saved_layers = read_eagle3_config(folder, num_policy_layers=num_policy_layers)
+        draft = Eagle3Draft(config, num_aux=len(saved_layers))
+        if saved_layers != self.aux_layers:
+            if self.cfg.aux_layer_indices is not None:
+                msg = (
+                    f"draft.model_name={name!r} reads policy layers {list(saved_layers)} but "
+                    f"draft.aux_layer_indices is {list(self.aux_layers)}; make them agree "
+                    f"(or drop draft.aux_layer_indices to use the draft's)"
+                )
+                raise ValueError(msg)
+            self.aux_layers = saved_layers  # the layers the saved draft was trained on
         from safetensors.torch import load_file
 
         draft.load_state_dict(load_file(str(folder / _DRAFT_WEIGHTS)))

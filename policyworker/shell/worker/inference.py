@@ -247,7 +247,7 @@ def full_logits_ipc(
             f"{par.cp_size}); run the teacher with context_parallel_size: 1"
         )
         raise ValueError(msg)
-    mbatch.validate(state, data)
+    data = mbatch.validate(state, data)
     seq_len = int(data["input_ids"].shape[1])
     planned = plans(state, data, micro_batch_size)
     rows_per_mb = max(len(p.rows) for p in planned)

@@ -13,7 +13,6 @@ from typing import Any, Literal
 import torch
 
 from policyworker.config import PolicyConfig
-from policyworker.data import validate_batch
 from policyworker.functional import batch_checks, batching
 from policyworker.functional.batching import MicrobatchSpec
 from policyworker.functional.packing import pack, packed_position_ids, packed_token_slots
@@ -95,19 +94,18 @@ def validate(
     required=("input_ids", "input_lengths"),
     skip=(),
     needed_by: str = "",
-) -> None:
-    """Refuse a batch the worker cannot use (missing keys, shapes, mask types, token ids outside
-    the model's vocabulary), before any work; `needed_by` names who reads the required keys."""
+) -> dict[str, Any]:
+    """The batch as the worker reads it (token ids and lengths int64), after refusing one it
+    cannot use (missing keys, shapes, mask types, token ids outside the model's vocabulary),
+    before any work; `needed_by` names who reads the required keys."""
     state.require_running("a batch call (train, logprobs, top-k, score)")
-    validate_batch(
-        data, required=required, check_dim_skip_keys=tuple(skip or ()), needed_by=needed_by
+    return batch_checks.check_batch(
+        data,
+        vocab_size=state.vocab_rows,
+        required=required,
+        skip=tuple(skip or ()),
+        needed_by=needed_by,
     )
-    for key in ("token_mask", "sample_mask"):
-        if key in data and not isinstance(data[key], torch.Tensor):
-            msg = f"data[{key!r}] must be a tensor, got {type(data[key]).__name__}"
-            raise ValueError(msg)
-    if isinstance(data.get("input_ids"), torch.Tensor):
-        batch_checks.require_token_ids_in_vocab(data["input_ids"], state.vocab_rows)
 
 
 def plan(

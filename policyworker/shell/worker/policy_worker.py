@@ -17,16 +17,13 @@ parallelism (tp > 1, vocab-parallel lm_head) and FSDP2 over dp (`shell.parallel`
 top-k then read vocab-sharded DTensor logits through `shell.parallel.collectives` (no vocab
 gather), the grad norm is sharding-aware, and FSDP2 roots are resharded after every no-grad pass
 and before any state read. Weight refits gather on every rank; only rank 0 sends over ZMQ.
-
-Why it is over 400 lines: the facade is NeMo-RL's policy-worker surface, one short method per
-call with its docstring (the API reference is generated from them); the length is the surface,
-not logic, which lives in the rooms listed above.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -41,9 +38,11 @@ import policyworker.shell.worker.offload as offload
 import policyworker.shell.worker.refit_calls as refit_calls
 import policyworker.shell.worker.training as training
 from policyworker.config import PolicyConfig, load_config
-from policyworker.data import BatchedDataDict, check_loss_fn, train_required_keys
+from policyworker.data import BatchedDataDict
+from policyworker.errors import ConfigError
 from policyworker.shell.logs import apply_env_verbosity, quiet_progress_bars, startup_summary
 from policyworker.shell.model import hf_model as model_lib
+from policyworker.shell.parallel.agreed_checks import agreed_checks
 from policyworker.shell.worker.nemo_rl_surface import NeMoRLWorkerSurface, split_constructor_kwargs
 from policyworker.shell.worker.state import WorkerState
 
@@ -92,6 +91,13 @@ class PolicyWorker(NeMoRLWorkerSurface):
         from `weights_path` / `optimizer_path` when given. `parallel=` injects a context; the
         keyword arguments NeMo-RL's Policy passes are accepted (`nemo_rl_surface`)."""
         apply_env_verbosity()
+        if isinstance(config, (str, os.PathLike)):  # a model folder or id where a config goes
+            msg = (
+                f"PolicyWorker(config={str(config)!r}): config is a policy mapping or a "
+                f"PolicyConfig, not a model; pass PolicyWorker({{'model_name': {str(config)!r}}}) "
+                f"(plus any other policy keys)"
+            )
+            raise ConfigError(msg)
         cfg = config if isinstance(config, PolicyConfig) else load_config(config)
         parallel, tokenizer = split_constructor_kwargs(kwargs)
         with quiet_progress_bars():  # transformers' "Loading weights" bars
@@ -106,7 +112,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
         if tokenizer is not None:
             self.state.tokenizer = tokenizer
         if self.parallel.rank == 0:
-            log.info("%s", startup_summary(self))
+            log.info("%s", startup_summary(self.state, name=type(self).__name__))
 
     @property
     def _sampling(self) -> tuple[float, int | None, float]:
@@ -127,24 +133,23 @@ class PolicyWorker(NeMoRLWorkerSurface):
         """Train on every whole global batch of `data` (one optimizer step per global batch).
 
         Returns `global_loss` [num global batches], `grad_norm`, `all_mb_metrics`, `rank`,
-        `model_dtype` and `skipped_steps` (steps skipped for a non-finite loss or grad norm).
+        `model_dtype`, `skipped_steps` (steps skipped for a non-finite loss or grad norm),
+        `step_time_s` (wall seconds of the call), `tokens_per_s` (this rank's tokens, the
+        `input_lengths` of the rows trained, per second) and `peak_memory_bytes` (on CUDA
+        `torch.cuda.max_memory_allocated` during the call; on the CPU the process's peak RSS).
+
+        The batch is checked once, before any work (docs/batch-format.md; the loss contract:
+        docs/custom-loss.md). If the call raises after some global batches stepped (a loss that
+        raises in global batch 2), their optimizer steps are kept and the LR scheduler steps as
+        after a successful call (once per call that applied a step, as NeMo-RL's worker);
+        the gradients are freed either way.
         """
         skip = tuple(check_dim_skip_keys or ())
-        check_loss_fn(loss_fn)
-        mbatch.validate(
-            self.state,
-            data,
-            required=train_required_keys(loss_fn),
-            skip=skip,
-            needed_by=f"train() with {type(loss_fn).__name__}",
-        )
-        self.state.moe.check_replay_data(data)
-        gbs, mbs = training.check_train_call(
-            self.state, data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
-        )
-        return training.train(
-            self.state, data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, skip=skip
-        )
+        with agreed_checks(self.state.parallel, what="train"):  # all ranks refuse, or none
+            batch = training.check_train_call(
+                self.state, data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, skip=skip
+            )
+        return training.train(self.state, batch, loss_fn, eval_mode=eval_mode, skip=skip)
 
     # ------------------------------------------------------------------------------ inference
 
@@ -166,8 +171,9 @@ class PolicyWorker(NeMoRLWorkerSurface):
         ``"topk_indices"`` [B, S, k], equal to ``get_topk_logits(data, k)``.
         """
         inference.check_extra_scores(entropy, top_k)
-        mbatch.validate(self.state, data)
-        self.state.moe.check_replay_data(data, require=require_router_replay)
+        with agreed_checks(self.state.parallel, what="get_logprobs"):  # all refuse, or none
+            data = mbatch.validate(self.state, data)
+            self.state.moe.check_replay_data(data, require=require_router_replay)
         return inference.logprobs(
             self.state,
             data,
@@ -195,7 +201,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
         self, data: Mapping[str, Any], k: int, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
         """Top-k of temperature-scaled logits at every position (no shift), 0/0 at padding."""
-        mbatch.validate(self.state, data)
+        data = mbatch.validate(self.state, data)
         inference.check_k("k", k)
         return inference.topk_logits(self.state, data, k, micro_batch_size)
 
@@ -205,7 +211,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
         if kind is None:
             msg = "score() needs a reward model; set reward_model_cfg in the config"
             raise ValueError(msg)
-        mbatch.validate(self.state, data)
+        data = mbatch.validate(self.state, data)
         return inference.scores(self.state, data, kind)
 
     def calibrate_qkv_fp8_scales(
@@ -217,7 +223,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
         include_q: bool = False,
     ) -> dict[str, Any]:
         """Per-attention-layer FP8 (e4m3) scales: percentile(|k|, |v|[, |q|]) * margin / 448."""
-        mbatch.validate(self.state, data)
+        data = mbatch.validate(self.state, data)
         if not 0.0 < percentile <= 100.0 or margin <= 0:
             msg = f"percentile={percentile} must be in (0, 100] and margin={margin} > 0"
             raise ValueError(msg)
@@ -400,12 +406,17 @@ class PolicyWorker(NeMoRLWorkerSurface):
         with quiet_progress_bars():
             checkpoint.finalize_async_save(self.state)
 
-    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+    def load_checkpoint(
+        self, weights_path: str, optimizer_path: str | None = None, *, verify_digests: bool = True
+    ) -> None:
         """Load weights (safetensors / DCP / PEFT, any layout), reference and optimizer state;
-        nothing changes when a file is missing or truncated."""
+        nothing changes when a file is missing, truncated or differs from the save's digests
+        (``verify_digests=False``: a folder another tool rewrote on purpose, loaded unchecked)."""
         with quiet_progress_bars():
             self.state.draft.check_saved(weights_path, optimizer_path)  # before anything loads
-            checkpoint.load_checkpoint(self.state, weights_path, optimizer_path)
+            checkpoint.load_checkpoint(
+                self.state, weights_path, optimizer_path, verify_digests=verify_digests
+            )
             self.state.draft.load_beside(weights_path, optimizer_path)
 
     # ------------------------------------------------------------------------------ misc

@@ -8,6 +8,11 @@ collectives are identities.
 
 Padding positions (>= input_lengths) never count: `token_mask` is masked by the lengths before
 the loss sees it.
+
+A call reads: `check_train_call` (validate: the worker's state, then the one check of the batch,
+`batch_checks.check_train_batch`) -> `train`: plan (whole global batches over dp) -> effect (per
+global batch: microbatches, backward, optimizer step) -> finish (free the gradients and step the
+scheduler, also when the effect raised; the result and its timing metrics).
 """
 
 from __future__ import annotations
@@ -15,28 +20,30 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import resource
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
 import policyworker.shell.worker.microbatches as mbatch
 import policyworker.shell.worker.scoring_loop as scoring_loop
-from policyworker.functional import batch_checks
+from policyworker.functional import batch_checks, batching
 from policyworker.functional.distillation import distillation_loss_input
 from policyworker.functional.logprobs import count_and_zero_neg_inf
-from policyworker.functional.loss import LossInputType, LossType
+from policyworker.functional.loss_protocol import LossInputType, LossType, check_loss_output
 from policyworker.functional.metrics import scale_microbatch_metrics
 from policyworker.functional.tokens import mask_within_lengths, valid_token_total
 from policyworker.shell.model.hf_model import set_training_mode
 from policyworker.shell.parallel import collectives
 from policyworker.shell.worker.state import WorkerState
 
-__all__ = ["TRAIN_KEYS", "check_train_call", "train"]
+__all__ = ["check_train_call", "train"]
 
-TRAIN_KEYS = ("input_ids", "input_lengths", "sample_mask")
 log = logging.getLogger(__name__)
 
 
@@ -48,8 +55,11 @@ def check_train_call(
     eval_mode: bool,
     gbs: int | None,
     mbs: int | None,
-) -> tuple[int, int]:
-    """Refuse a `train` call this worker cannot run; the global and micro batch sizes to use."""
+    skip: tuple[str, ...] = (),
+) -> batch_checks.TrainBatch:
+    """Refuse a `train` call this worker cannot run, before any work; the checked batch (the
+    one check of the data, `batch_checks.check_train_batch`) with the batch sizes to use."""
+    state.require_running("a batch call (train, logprobs, top-k, score)")
     if not eval_mode and state.optimizer is None:
         msg = "train() needs an optimizer but the worker was built with init_optimizer=False"
         raise ValueError(msg)
@@ -64,67 +74,82 @@ def check_train_call(
             "'sdpa' for training on CPU (flex_attention works for inference)"
         )
         raise ValueError(msg)
-    gbs = batch_checks.batch_size_argument("gbs", gbs, state.cfg.train_global_batch_size)
-    mbs = batch_checks.batch_size_argument("mbs", mbs, state.cfg.train_micro_batch_size)
-    batch_checks.require_nonempty_rows(data["input_lengths"])
-    dp = state.parallel.dp_size
-    if gbs % dp != 0:
-        msg = f"gbs={gbs} must be a multiple of the data-parallel size {dp}"
-        raise ValueError(msg)
-    return gbs, mbs
+    batch = batch_checks.check_train_batch(
+        data,
+        loss_fn,
+        vocab_size=state.vocab_rows,
+        dp_size=state.parallel.dp_size,
+        gbs=gbs,
+        mbs=mbs,
+        default_gbs=state.cfg.train_global_batch_size,
+        default_mbs=state.cfg.train_micro_batch_size,
+        skip=skip,
+    )
+    state.moe.check_replay_data(batch.data)
+    return batch
+
+
+@attrs.define
+class _Steps:
+    """Optimizer steps applied so far in one `train` call (read on the error path too)."""
+
+    applied: int = 0
 
 
 def train(
     state: WorkerState,
-    data: Mapping[str, Any],
+    batch: batch_checks.TrainBatch,
     loss_fn: Any,
     *,
     eval_mode: bool,
-    gbs: int,
-    mbs: int,
     skip: tuple[str, ...],
 ) -> dict[str, Any]:
-    """One optimizer step per whole global batch of `data`; the worker's `train` result."""
-    data = batch_checks.cast_loss_inputs(data)
+    """One optimizer step per whole global batch of the checked `batch`; the worker's `train`
+    result.
+
+    Whatever happens, the gradients are freed (``zero_grad(set_to_none=True)``) and the LR
+    scheduler steps once if any optimizer step was applied: a loss that raises in global batch
+    2 keeps batch 1's optimizer step and its scheduler step, and the error propagates.
+    """
+    start = time.perf_counter()
+    _reset_peak_memory(state.device)
     dp, cp = state.parallel.dp_size, state.parallel.cp_size
-    local_gbs = gbs // dp
-    num_gb = _num_global_batches(state, data, gbs)
+    local_gbs = batch.gbs // dp
+    num_gb = _num_global_batches(state, batch.data, batch.gbs)
+    plans = _plan_global_batches(state, batch, num_gb)
     set_training_mode(state.model, not eval_mode)
     grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
     losses, all_mb_metrics = [], {}
-    grad_norm, skipped, stepped = None, 0, 0
-    with (
-        grad_ctx,
-        state.moe.replaying(),
-        state.moe.counting(not eval_mode),
-        state.draft.capturing(),
-    ):
-        for g in range(num_gb):
-            rows = slice(g * local_gbs, (g + 1) * local_gbs)
-            batch = {k: v[rows] for k, v in data.items()}
-            out = _train_global_batch(
-                state,
-                batch,
-                loss_fn,
-                eval_mode=eval_mode,
-                mbs=mbs,
-                num_gb=num_gb,
-                skip=skip,
-                dp_cp=dp * cp,
-            )
-            mb_losses, mb_metrics, grad_norm, was_skipped = out
-            skipped += int(was_skipped)
-            stepped += int(not eval_mode and not was_skipped)
-            losses.append(math.fsum(mb_losses))
-            for m in mb_metrics:
-                for k, v in m.items():
-                    all_mb_metrics.setdefault(k, []).append(v)
-    if state.optimizer is not None:
-        state.optimizer.zero_grad(set_to_none=True)
-    if stepped and state.scheduler is not None:
-        state.scheduler.step()
-    if state.cfg.dtensor_cfg.release_cache_after_train:  # NeMo-RL's behaviour; see the config
-        state.empty_cache()
+    grad_norm, skipped, steps = None, 0, _Steps()
+    try:
+        with (
+            grad_ctx,
+            state.moe.replaying(),
+            state.moe.counting(not eval_mode),
+            state.draft.capturing(),
+        ):
+            for g in range(num_gb):
+                rows = slice(g * local_gbs, (g + 1) * local_gbs)
+                out = _train_global_batch(
+                    state,
+                    {k: v[rows] for k, v in batch.data.items()},
+                    loss_fn,
+                    eval_mode=eval_mode,
+                    plans=plans[g],
+                    num_gb=num_gb,
+                    skip=skip,
+                    dp_cp=dp * cp,
+                    untrusted=batch.reason_untrusted(g),
+                    steps=steps,
+                )
+                mb_losses, mb_metrics, grad_norm, was_skipped = out
+                skipped += int(was_skipped)
+                losses.append(math.fsum(mb_losses))
+                for m in mb_metrics:
+                    for k, v in m.items():
+                        all_mb_metrics.setdefault(k, []).append(v)
+    finally:
+        _finish_train_call(state, steps.applied)
     global_loss = state.parallel.all_reduce(
         torch.tensor(losses, dtype=torch.float32, device=state.parallel._collective_device()),
         axis="dp",
@@ -136,7 +161,62 @@ def train(
         "rank": state.parallel.rank,
         "model_dtype": state.dtype,
         "skipped_steps": skipped,
+        **_speed(state, batch.data["input_lengths"][: num_gb * local_gbs], start),
     }
+
+
+def _plan_global_batches(
+    state: WorkerState, batch: batch_checks.TrainBatch, num_gb: int
+) -> list[list[batching.MicrobatchPlan]]:
+    """The microbatch plans of every global batch, made before the first step: a row no
+    microbatch can hold is refused before any weight changes."""
+    local_gbs = batch.gbs // state.parallel.dp_size
+    seq_len = batch.data["input_ids"].shape[1]
+    return [
+        mbatch.plan(
+            state,
+            batch.data["input_lengths"][g * local_gbs : (g + 1) * local_gbs],
+            seq_len=seq_len,
+            mbs=batch.mbs,
+            purpose="train",
+        )
+        for g in range(num_gb)
+    ]
+
+
+def _speed(state: WorkerState, lengths_trained: torch.Tensor, start: float) -> dict[str, float]:
+    """``step_time_s`` since `start`, this rank's ``tokens_per_s`` and ``peak_memory_bytes``."""
+    step_time_s = time.perf_counter() - start
+    tokens = int(lengths_trained.sum())
+    return {
+        "step_time_s": step_time_s,
+        "tokens_per_s": tokens / step_time_s if step_time_s > 0 else 0.0,
+        "peak_memory_bytes": _peak_memory_bytes(state.device),
+    }
+
+
+def _finish_train_call(state: WorkerState, applied: int) -> None:
+    """Free the gradients, step the scheduler if an optimizer step was applied, and release
+    the cache when configured; runs when `train` returns and when it raises."""
+    if state.optimizer is not None:
+        state.optimizer.zero_grad(set_to_none=True)
+    if applied and state.scheduler is not None:
+        state.scheduler.step()
+    if state.cfg.dtensor_cfg.release_cache_after_train:  # NeMo-RL's behaviour; see the config
+        state.empty_cache()
+
+
+def _reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this call on CUDA (allocated by tensors); on the CPU the process's peak
+    resident set since it started (the OS keeps no per-call peak)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def _num_global_batches(state: WorkerState, data: Mapping[str, Any], gbs: int) -> int:
@@ -177,17 +257,17 @@ def _global_normalizers(
     return gvs.to(state.device), gvt.to(state.device), batch
 
 
-def _train_global_batch(state: WorkerState, batch, loss_fn, *, eval_mode, mbs, num_gb, skip, dp_cp):
+def _train_global_batch(
+    state: WorkerState, batch, loss_fn, *, eval_mode, plans, num_gb, skip, dp_cp, untrusted, steps
+):
     gvs, gvt, batch = _global_normalizers(state, batch)
     state.draft.begin_global_batch(batch)
-    plans = mbatch.plan(
-        state, batch["input_lengths"], seq_len=batch["input_ids"].shape[1], mbs=mbs, purpose="train"
-    )
     if not eval_mode:
         _optimizer(state).zero_grad(set_to_none=True)
     mb_losses, mb_metrics, finite = [], [], True
-    untrusted = None if eval_mode else batch_checks.nonfinite_loss_input(batch)
-    if untrusted is not None:  # skipped below, by every rank (the flag is all-reduced)
+    if (
+        untrusted is not None and not eval_mode
+    ):  # skipped below, by every rank (the flag is all-reduced)
         warnings.warn(f"train(): {untrusted}", stacklevel=4)
         finite = False
     lr = state.optimizer.param_groups[0]["lr"] if state.optimizer is not None else 0.0
@@ -229,6 +309,7 @@ def _train_global_batch(state: WorkerState, batch, loss_fn, *, eval_mode, mbs, n
         grad_norm, skipped = 0.0, True
     else:
         grad_norm, skipped = _optimizer_step(state, finite)
+        steps.applied += int(not skipped)
     state.moe.finish_step(applied=not skipped)
     state.draft.finish_step(applied=not skipped)
     for i, m in enumerate(mb_metrics):
@@ -237,6 +318,13 @@ def _train_global_batch(state: WorkerState, batch, loss_fn, *, eval_mode, mbs, n
 
 
 def _loss(state: WorkerState, mb: mbatch.Microbatch, loss_fn, gvs, gvt):
+    """The loss's (loss, metrics) on one microbatch, checked against the loss contract."""
+    output = _call_loss(state, mb, loss_fn, gvs, gvt)
+    owner = f"loss_fn {type(loss_fn).__name__}"
+    return check_loss_output(output, owner=owner, needs_grad=torch.is_grad_enabled())
+
+
+def _call_loss(state: WorkerState, mb: mbatch.Microbatch, loss_fn, gvs, gvt):
     # Every loss is called by keyword, as NeMo-RL calls it; the inputs follow its input_type.
     logits = mbatch.forward(state, mb)
     kind = loss_fn.input_type

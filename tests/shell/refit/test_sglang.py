@@ -11,12 +11,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM
 
 from policyworker.errors import RefitError
 from policyworker.functional.dtypes import precision_dtype
 from policyworker.shell.refit import sglang as S
 from policyworker.shell.refit.weight_stream import params_generator, refit_info
+from policyworker.testing import tiny_config
 from tests.helpers import tiny_deepseek_v3_config
 
 
@@ -27,15 +28,7 @@ def _model(cfg, seed):
 
 
 def _qwen2(tie=False):
-    return Qwen2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        tie_word_embeddings=tie,
-    )
+    return tiny_config("qwen2", tie_word_embeddings=tie)
 
 
 IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))

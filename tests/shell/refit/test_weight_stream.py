@@ -6,13 +6,12 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import (
     DeepseekV3ForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
     Qwen3MoeForCausalLM,
 )
 
 from policyworker.errors import LoRAMergeError
 from policyworker.shell.refit.weight_stream import params_generator, refit_info
+from policyworker.testing import tiny_model
 from tests.helpers import router_weight_dtype, tiny_deepseek_v3_config, tiny_qwen3_moe_config
 
 torch.manual_seed(0)
@@ -65,16 +64,7 @@ def test_deepseek_router_state_stays_fp32_and_the_rest_is_cast():
 
 
 def test_tied_lm_head_is_omitted_and_metadata_matches_the_stream():
-    cfg = Qwen2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        tie_word_embeddings=True,
-    )
-    model = Qwen2ForCausalLM(cfg)
+    model = tiny_model("qwen2", layers=1)  # tied embeddings
     streamed = list(params_generator(model, torch.bfloat16))
     assert "lm_head.weight" not in dict(streamed) and streamed[0][0] == "model.embed_tokens.weight"
     assert refit_info(model, torch.bfloat16) == {n: (t.shape, t.dtype) for n, t in streamed}

@@ -13,7 +13,8 @@ import torch
 
 from policyworker.functional.loss import NLLLoss
 from policyworker.shell.worker.policy_worker import PolicyWorker
-from tests.shell.conftest import VOCAB, _build, make_batch, make_config
+from policyworker.testing import tiny_model_folder
+from tests.shell.conftest import VOCAB, make_batch, make_config
 
 EOS = 1  # the tiny models' eos_token_id
 BATCHINGS = {
@@ -66,9 +67,15 @@ def _worker_embedding_grad(worker: PolicyWorker, data: dict) -> torch.Tensor:
 def model_paths(tmp_path_factory, tiny_model_paths, tiny_tokenizer_model_path) -> dict[str, str]:
     """No pad id (EOS becomes the tokenizer's pad), and an explicit pad id in the config."""
     folder = tmp_path_factory.mktemp("with_pad") / "llama"
-    model = _build("llama")
-    model.config.pad_token_id = 0
-    model.save_pretrained(folder)
+    tiny_model_folder(
+        folder,
+        vocab=VOCAB,
+        init_std=0.2,
+        pad_token_id=0,
+        use_cache=True,
+        eos_token_id=EOS,
+        bos_token_id=2,
+    )
     return {
         "no_pad_id": tiny_model_paths["llama"],
         "no_pad_id_tokenizer_pads_with_eos": tiny_tokenizer_model_path,

@@ -80,6 +80,9 @@ def test_result_dict_and_scheduler_step_once_per_call(tiny_model_paths):
         "rank",
         "model_dtype",
         "skipped_steps",
+        "step_time_s",
+        "tokens_per_s",
+        "peak_memory_bytes",
     }
     assert result["rank"] == 0 and result["model_dtype"] == torch.float32
     assert result["skipped_steps"] == 0 and result["grad_norm"] > 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 17's rows on one GPU, in parts that each fit one device call (under 10 minutes; the
-# figures in brackets are run C's H200 timings: 12-05, commit 095c59f, PART=1 303 s, PART=2
-# 373 s); run from the repo root, results under $OUT (default bench/results). PART=1 and
+# The README table's GPU rows (issue 17's targets) on one GPU, in parts that each fit one device
+# call (under 10 minutes; the figures in brackets are run C's H200 timings: 12-05, commit
+# 095c59f, PART=1 303 s, PART=2 373 s); run from the repo root, results under $OUT (default bench/results). PART=1 and
 # PART=2 make the README's table, PART=3 runs the GPU tests, PART=4 the profiles.
 # No row is timed after a profile in its process (the profiler leaves every later launch slower:
 # bench/common.mark_profiled), so the table's parts profile nothing; PART=4 holds the profiles.
@@ -44,34 +44,34 @@ small=${SMALL:+--small}
 start=$(date +%s)
 stamp() { echo "== $1 done at $(($(date +%s) - start)) s"; }
 if [ "$PART" = 1 ]; then
-  timeout 300 python bench/train_step.py $small --also-fuse none --also-lora-dim 16 --also-liger \
+  timeout 300 python -m bench.train_step $small --also-fuse none --also-lora-dim 16 --also-liger \
     --skip-padded --skip-baseline --steps 3 --out "$OUT/train_step.json" \
     > "$OUT/train_step.log" 2>&1
   grep -E "^gpu gaps|^idle ms|^ +[0-9.]+  [a-zA-Z]|^metric|^packed|^peak|fusion \(|^after the" \
     "$OUT/train_step.log"
   stamp train_step
-  timeout 120 python bench/logprobs.py $small --tokens 16384 32768 --out "$OUT/logprobs.json" \
+  timeout 120 python -m bench.logprobs $small --tokens 16384 32768 --out "$OUT/logprobs.json" \
     2>&1 | tail -12
   stamp logprobs
-  timeout 60 python bench/lora.py $small --steps 4 --warmup 1 --repeats 2 \
+  timeout 60 python -m bench.lora $small --steps 4 --warmup 1 --repeats 2 \
     --json "$OUT/lora.json" 2>&1 | tail -9
   stamp lora
-  timeout 90 python bench/refit.py $small --out "$OUT/refit.json" 2>&1 | tail -24
+  timeout 90 python -m bench.refit $small --out "$OUT/refit.json" 2>&1 | tail -24
   stamp refit
 elif [ "$PART" = 2 ]; then
   # 7B: ~117 s of worker start (random model written, loaded, compiled) before the steps
-  timeout 330 python bench/train_step.py $small --shape 7b --lora-dim 16 --skip-padded \
+  timeout 330 python -m bench.train_step $small --shape 7b --lora-dim 16 --skip-padded \
     --skip-baseline --steps 3 --out "$OUT/train_step_8b.json" 2>&1 | tail -6
   stamp train_step_8b
-  timeout 255 python bench/checkpoint.py $small --json "$OUT/checkpoint.json" 2>&1 | tail -20
+  timeout 255 python -m bench.checkpoint $small --json "$OUT/checkpoint.json" 2>&1 | tail -20
   stamp checkpoint
 elif [ "$PART" = 4 ]; then
-  timeout 240 python bench/train_step.py $small --lora-dim 16 --skip-padded --skip-baseline \
+  timeout 240 python -m bench.train_step $small --lora-dim 16 --skip-padded --skip-baseline \
     --steps 3 --profile --out "$OUT/train_step_lora.json" > "$OUT/train_step_lora.log" 2>&1
   grep -E "^gpu gaps|^idle ms|^ +[0-9.]+  [a-zA-Z]|^metric|^packed|^peak|fusion \(|^after the" \
     "$OUT/train_step_lora.log"
   stamp train_step_lora
-  timeout 150 python bench/logprobs.py $small --tokens 16384 --profile \
+  timeout 150 python -m bench.logprobs $small --tokens 16384 --profile \
     --out "$OUT/logprobs_profile.json" > "$OUT/logprobs_profile.log" 2>&1
   grep -E "^== profile|^gpu gaps|^idle ms|^call |^host ms|^ +[0-9.]+  [a-zA-Z(]" \
     "$OUT/logprobs_profile.log"

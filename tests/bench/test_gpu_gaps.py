@@ -1,15 +1,8 @@
 """bench/gpu_gaps.py: idle time of a synthetic chrome trace, blamed on the launching host ops."""
 
-import importlib.util
-import pathlib
-
 import pytest
 
-_PATH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "gpu_gaps.py"
-_spec = importlib.util.spec_from_file_location("gpu_gaps", _PATH)
-assert _spec is not None and _spec.loader is not None
-gpu_gaps = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_gaps)
+from bench import common, gpu_gaps
 
 
 def _op(name, ts, dur, cat="cpu_op"):
@@ -107,9 +100,6 @@ def test_a_profiled_call_splits_its_host_time_outside_the_device_span():
 def test_a_bench_cannot_time_a_row_after_a_profile_in_its_process(monkeypatch, capsys):
     """torch.profiler leaves CUPTI attached, so a row timed after a profile would measure a
     slower process: `timed` refuses it unless the caller measures exactly that slowdown."""
-    monkeypatch.syspath_prepend(str(_PATH.parent))
-    import common  # bench/common.py, as the bench scripts import it
-
     monkeypatch.setattr(common, "_profile_ran", False)
     calls = []
     seconds, result = common.timed(lambda: calls.append(1) or len(calls), repeats=2)

@@ -1,0 +1,139 @@
+"""The rows of a train-step run: our packed and padded steps against the plain Hugging Face
+loop, MFU against its target, and the optional rows (another fusion mode, LoRA against full
+fine-tuning, our layer compile against Liger's kernels). See `bench.train_step`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from bench.common import ratio
+
+__all__ = ["summary_rows"]
+
+LIGER = "fusion none with Liger's RMSNorm/SwiGLU/RoPE and our fused logprobs"
+
+
+def summary_rows(
+    args: argparse.Namespace,
+    target: float | None,
+    packed: dict[str, Any],
+    padded: dict[str, Any],
+    base_small: dict[str, Any],
+    base_full: dict[str, Any] | None,
+    *,
+    other: dict[str, Any] | None,
+    lora: dict[str, Any] | None,
+    liger: dict[str, Any] | None,
+) -> list[dict[str, Any]]:
+    """The row schema of one run (`bench.rows`); a result that is None adds no rows."""
+    rows = [
+        {
+            "metric": f"packed tok/s (b{args.batch}) vs HF (b{args.baseline_batch})",
+            "ours": packed["tokens_per_s"],
+            "baseline": base_small.get("tokens_per_s"),
+            "baseline_name": f"plain Hugging Face loop at b{args.baseline_batch}",
+            "ratio": ratio(packed["tokens_per_s"], base_small.get("tokens_per_s")),
+        },
+        {
+            "metric": "packed MFU",
+            "ours": packed["mfu"],
+            "baseline": base_small.get("mfu"),
+            "baseline_name": f"plain Hugging Face loop at b{args.baseline_batch}",
+            "limit": None if target is None else f">= {target:.2f} (issue 17, {args.shape} shape)",
+            "ratio": None if target is None else ratio(packed["mfu"], target),
+        },
+        {
+            "metric": "padded tok/s",
+            "ours": padded.get("tokens_per_s"),
+            "baseline": base_small.get("tokens_per_s"),
+            "baseline_name": f"plain Hugging Face loop at b{args.baseline_batch}",
+            "ratio": ratio(padded.get("tokens_per_s"), base_small.get("tokens_per_s")),
+        },
+        {
+            "metric": "padded MFU",
+            "ours": padded.get("mfu"),
+            "baseline": base_small.get("mfu"),
+            "baseline_name": f"plain Hugging Face loop at b{args.baseline_batch}",
+        },
+        {
+            "metric": "peak GiB (packed / HF small batch)",
+            "ours": packed["peak_gib"],
+            "baseline": base_small.get("peak_gib"),
+            "baseline_name": f"plain Hugging Face loop at b{args.baseline_batch}",
+            "limit": "fits comfortably (< 139)",
+            "ratio": ratio(packed["peak_gib"], base_small.get("peak_gib")),
+        },
+    ]
+    if other is not None:
+        rows.append(
+            {
+                "metric": f"packed tok/s, fusion {args.fuse} vs {args.also_fuse}",
+                "ours": packed["tokens_per_s"],
+                "baseline": other["tokens_per_s"],
+                "baseline_name": f"the same worker with fusion {args.also_fuse}",
+                "ratio": ratio(packed["tokens_per_s"], other["tokens_per_s"]),
+            }
+        )
+        rows.append(
+            {
+                "metric": f"packed MFU, fusion {args.fuse} vs {args.also_fuse}",
+                "ours": packed["mfu"],
+                "baseline": other["mfu"],
+                "baseline_name": f"the same worker with fusion {args.also_fuse}",
+            }
+        )
+    if lora is not None:
+        rows.append(
+            {
+                "metric": f"packed tok/s, LoRA dim {args.also_lora_dim} vs full fine-tuning",
+                "ours": lora["tokens_per_s"],
+                "baseline": packed["tokens_per_s"],
+                "baseline_name": "full fine-tuning, the same worker",
+                "limit": ">= 1.1x (issue 17)",
+                "ratio": ratio(lora["tokens_per_s"], packed["tokens_per_s"]),
+            }
+        )
+        rows.append(
+            {
+                "metric": "peak GiB, LoRA vs full fine-tuning",
+                "ours": lora["peak_gib"],
+                "baseline": packed["peak_gib"],
+                "baseline_name": "full fine-tuning, the same worker",
+                "ratio": ratio(lora["peak_gib"], packed["peak_gib"]),
+            }
+        )
+    if liger is not None and "unavailable" in liger:
+        rows.append({"metric": f"Liger's kernels: not measured ({liger['unavailable']})"})
+    if liger is not None and "tokens_per_s" in liger:
+        rows.append(
+            {
+                "metric": "packed tok/s, our layer compile (default) vs Liger's kernels "
+                "(fusion none + Liger RMSNorm/SwiGLU/RoPE, our fused logprobs)",
+                "ours": packed["tokens_per_s"],
+                "baseline": liger["tokens_per_s"],
+                "baseline_name": LIGER,
+                "limit": "> baseline (issue 17: keep the faster)",
+                "ratio": ratio(packed["tokens_per_s"], liger["tokens_per_s"]),
+            }
+        )
+        rows.append(  # the same model, weights and batch: a kernel that computes wrong shows here
+            {
+                "metric": "loss of the last timed step, default vs Liger's kernels",
+                "ours": packed["loss"],
+                "baseline": liger["loss"],
+                "baseline_name": LIGER,
+                "ratio": ratio(packed["loss"], liger["loss"]),
+            }
+        )
+    if base_full is not None:
+        rows.append(
+            {
+                "metric": f"HF at b{args.batch}",
+                "ours": packed["peak_gib"],
+                "baseline": "OOM" if base_full["oom"] else base_full["peak_gib"],
+                "baseline_name": f"plain Hugging Face loop at b{args.batch}",
+                "limit": "peak GiB",
+            }
+        )
+    return rows

@@ -1,0 +1,126 @@
+"""The loss contract: ``LossType``, ``LossInputType`` and the ``LossFunction`` protocol a loss
+implements to be trained with (docs/custom-loss.md). All functions are pure.
+"""
+
+import enum
+from collections.abc import Mapping
+from typing import Any, Protocol, cast, runtime_checkable
+
+from torch import Tensor
+
+__all__ = ["LossFunction", "LossInputType", "LossType", "Metrics", "check_loss_output"]
+
+Metrics = dict[str, float]
+
+
+class LossType(enum.StrEnum):
+    """How the loss is normalized: per valid token or per valid sequence."""
+
+    TOKEN_LEVEL = "token_level"
+    SEQUENCE_LEVEL = "sequence_level"
+
+
+class LossInputType(enum.StrEnum):
+    """What the worker passes besides ``data`` (by keyword, as NeMo-RL does): LOGPROB
+    ``next_token_logprobs`` [B, S-1]; LOGIT ``logits`` [B, S, V]; DISTILLATION
+    ``student_topk_logprobs`` and ``teacher_topk_logprobs`` [B, S-1, K] and ``H_all`` [B, S-1]
+    or None (see `policyworker.functional.distillation`)."""
+
+    LOGPROB = "logprob"
+    LOGIT = "logit"
+    DISTILLATION = "distillation"
+
+
+@runtime_checkable
+class LossFunction(Protocol):
+    """A loss the worker can train with (a NeMo-RL custom loss ports by changing imports).
+
+    The contract, in full with a tested example in docs/custom-loss.md: the worker calls
+    ``loss_fn(data=mb, global_valid_seqs=gvs, global_valid_toks=gvt, **inputs)`` once per
+    microbatch, every argument by keyword (``inputs`` by ``input_type``; ``next_token_logprobs``
+    [b, s-1] lines up with ``data[key][:, 1:]``). ``global_valid_toks`` is the number of tokens
+    counted in the whole global batch (``token_mask[:, 1:] · sample_mask`` over every
+    microbatch and data-parallel rank), ``global_valid_seqs`` the sum of ``sample_mask`` there;
+    both are 0-d fp32 tensors. The loss returns ``(loss, metrics)``: ``loss`` a 0-d floating
+    tensor divided by the global count (so the microbatch losses sum to the global-batch mean),
+    ``metrics`` a dict of numbers with ``num_valid_samples`` (this microbatch's valid rows). A
+    return that breaks this raises ``ValueError`` saying what was expected. An optional
+    ``required_keys`` tuple names the batch keys the loss reads (checked before any work).
+    """
+
+    loss_type: LossType
+    input_type: LossInputType
+
+    def __call__(
+        self,
+        data: Mapping[str, Any],
+        global_valid_seqs: Tensor,
+        global_valid_toks: Tensor,
+        **inputs: Tensor,
+    ) -> tuple[Tensor, Metrics]:
+        """Return the globally normalized 0-d loss and metrics including ``num_valid_samples``."""
+        ...
+
+
+_EXPECTED = (
+    "a tuple (loss, metrics): loss a 0-d floating-point tensor computed from the inputs "
+    "(divided by global_valid_toks or global_valid_seqs), metrics a dict of numbers with "
+    "'num_valid_samples' (docs/custom-loss.md)"
+)
+
+
+def check_loss_output(
+    output: Any, *, owner: str, needs_grad: bool
+) -> tuple[Tensor, dict[str, Any]]:
+    """``(loss, metrics)`` of one loss call, after checking it is what the contract says.
+
+    Raises:
+        ValueError: naming what the loss returned and what was expected.
+    """
+    if not isinstance(output, tuple | list) or len(output) != 2:  # pyright: ignore[reportUnknownArgumentType]
+        msg = f"{owner} returned {_describe(output)}; expected {_EXPECTED}"
+        raise ValueError(msg)
+    loss, metrics = output  # pyright: ignore[reportUnknownVariableType]
+    if not isinstance(loss, Tensor) or loss.ndim != 0 or not loss.dtype.is_floating_point:
+        msg = (
+            f"{owner} returned loss {_describe(loss)}; expected a 0-d floating-point tensor "
+            f"(reduce per-token values with masked_mean(..., global_normalization_factor="
+            f"global_valid_toks)): {_EXPECTED}"
+        )
+        raise ValueError(msg)
+    if needs_grad and not loss.requires_grad:
+        msg = (
+            f"{owner} returned a loss that does not require grad, so training cannot "
+            f"backpropagate it; compute it from the logprobs / logits passed (not from detached "
+            f"copies or .item() values): {_EXPECTED}"
+        )
+        raise ValueError(msg)
+    if not isinstance(metrics, Mapping):
+        msg = f"{owner} returned metrics {_describe(metrics)}; expected {_EXPECTED}"
+        raise ValueError(msg)
+    # a copy: the worker adds its own entries (lr, the normalizers) to the dict it reports
+    checked: dict[str, Any] = {str(k): v for k, v in cast("Mapping[Any, Any]", metrics).items()}
+    count = checked.get("num_valid_samples")
+    if not _is_number(count):
+        keys = sorted(checked)
+        msg = (
+            f"{owner} returned metrics without a number under 'num_valid_samples' (keys: {keys}, "
+            f"value: {_describe(count)}); add the valid rows of this microbatch, e.g. "
+            f"float(data['sample_mask'].sum()): {_EXPECTED}"
+        )
+        raise ValueError(msg)
+    return loss, checked
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return value.numel() == 1 and not value.dtype.is_complex
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, tuple | list):
+        return f"a {type(value).__name__} of {len(value)} item(s)"  # pyright: ignore[reportUnknownArgumentType]
+    return f"{type(value).__name__} {value!r}"[:120]
