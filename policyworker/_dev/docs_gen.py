@@ -39,8 +39,8 @@ unknown key is an error with a did-you-mean (PEFT's LoRA spellings `r`, `lora_al
 drops unknown keys instead, naming each in one `ConfigWarning`. Config files
 (`policyworker.config.files.load_config_file`) are read as NeMo-RL reads them: `defaults:`
 chains, absolute and relative interpolation (`${policy.model_name}`, `${.temperature}`,
-`${..max_total_sequence_length}`), overrides in Hydra's grammar (`key=v` sets an existing key, `+key=v` adds a
-new key, `++key=v` sets or adds, `~key` deletes).
+`${..max_total_sequence_length}`), overrides in Hydra's grammar (`key=v` sets an existing key,
+`+key=v` adds a new key, `++key=v` sets or adds, `~key` deletes).
 
 Optional sections (marked *section*) are disabled when absent, `null`, or written
 `{enabled: false, ...}` (NeMo-RL's form); given without `enabled`, or with `enabled: true`,

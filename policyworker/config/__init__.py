@@ -13,7 +13,8 @@ Optional sections (`sequence_packing`, `dynamic_batching`, `dtensor_cfg.lora_cfg
 and so does NeMo-RL's `{enabled: false, ...}` form; both structure to `None`. A section given
 without `enabled`, or with `enabled: true`, is enabled and structures to its class (which has no
 `enabled` attribute). The keys of a disabled section are still checked by name (a typo is an
-error) but their values are not read; `PolicyConfig.disabled_sections` keeps them as given. `PolicyConfig` has `*_enabled` properties for consumers.
+error) but their values are not read; `PolicyConfig.disabled_sections` keeps them as given.
+`PolicyConfig` has `*_enabled` properties for consumers.
 
 The package, by responsibility: `values` (the Literal choices and precision aliases), `rules`
 (single-field rules and their errors), `sections` and `policy` (the attrs classes), `nemo_rl_keys`

@@ -132,7 +132,9 @@ class PolicyWorker(NeMoRLWorkerSurface):
     ) -> dict[str, Any]:
         """Train on every whole global batch of `data` (one optimizer step per global batch).
 
-        Returns `global_loss` [num global batches], `grad_norm`, `all_mb_metrics`, `rank`,
+        Returns `global_loss` [num global batches], `grad_norm`, `all_mb_metrics`,
+        `metric_reductions` (how each metric reduces across microbatches, from the loss's
+        `metric_normalizations`; {} for a loss without them), `rank`,
         `model_dtype`, `skipped_steps` (steps skipped for a non-finite loss or grad norm),
         `step_time_s` (wall seconds of the call), `tokens_per_s` (this rank's tokens, the
         `input_lengths` of the rows trained, per second) and `peak_memory_bytes` (on CUDA
