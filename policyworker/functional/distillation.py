@@ -114,7 +114,7 @@ def distillation_topk_logprobs(
     """
     k = teacher_topk_indices_BSK.shape[-1]
     if k < 1:
-        msg = f"teacher_topk_indices has k = {k}; distillation needs k >= 1 (topk_logits_k)"
+        msg = f"topk must be positive: teacher_topk_indices has k = {k}; set topk_logits_k >= 1"
         raise ValueError(msg)
     if teacher_topk_indices_BSK.shape != teacher_topk_logits_BSK.shape or tuple(
         teacher_topk_indices_BSK.shape[:2]
