@@ -1,11 +1,20 @@
 """The losses and loss helpers under NeMo-RL's names (`nemo_rl.algorithms.loss` and
-`nemo_rl.algorithms.utils`), plus `prepare_loss_input`."""
+`nemo_rl.algorithms.utils`), plus `prepare_loss_input`.
 
-from policyworker.functional.distillation import DistillationLossConfig, DistillationLossFn
+The `*LossConfig` faces are built as NeMo-RL's are: the keys given, read back as attributes with
+the loss's defaults, extra keys allowed, and the rules between keys checked when the loss is
+built from it (`ClippedPGLossFn(cfg)` raises the `ConfigError`, an AssertionError as NeMo-RL's).
+The core's attrs configs (`ClippedPGConfig`, ...) check everything when they are built."""
+
+from typing import Any, ClassVar
+
+import attrs
+
+from policyworker.functional.distillation import DistillationConfig, DistillationLossFn
 from policyworker.functional.loss import (
-    ClippedPGLossConfig,
+    ClippedPGConfig,
     ClippedPGLossFn,
-    DPOLossConfig,
+    DPOConfig,
     DPOLossFn,
     LossFunction,
     LossInputType,
@@ -16,6 +25,45 @@ from policyworker.functional.loss import (
     masked_mean,
 )
 from policyworker.nemo_rl.logits import prepare_loss_input
+
+
+class _LossConfigFace(dict[str, Any]):
+    """A loss config as NeMo-RL builds one: the given keys (a mapping the loss reads), each
+    field also an attribute, unset fields reading the loss's default."""
+
+    core: ClassVar[type[Any]]
+
+    def __init__(self, **given: Any) -> None:
+        super().__init__(given)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self:
+            return self[name]
+        fields = {a.name: a for a in attrs.fields(self.core)}
+        if name not in fields:
+            msg = f"{type(self).__name__} has no key {name!r}"
+            raise AttributeError(msg)
+        default = fields[name].default
+        return default.factory() if isinstance(default, attrs.Factory) else default  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+
+
+class ClippedPGLossConfig(_LossConfigFace):
+    """NeMo-RL's `ClippedPGLossConfig`; its keys and defaults are `ClippedPGConfig`'s."""
+
+    core = ClippedPGConfig
+
+
+class DPOLossConfig(_LossConfigFace):
+    """NeMo-RL's `DPOLossConfig`; its keys and defaults are `DPOConfig`'s."""
+
+    core = DPOConfig
+
+
+class DistillationLossConfig(_LossConfigFace):
+    """NeMo-RL's `DistillationLossConfig`; its keys and defaults are `DistillationConfig`'s."""
+
+    core = DistillationConfig
+
 
 __all__ = [
     "ClippedPGLossConfig",

@@ -172,3 +172,39 @@ def test_without_omegaconf_the_config_faces_refuse_by_name(monkeypatch, tmp_path
     ):
         with pytest.raises(ImportError, match="need the omegaconf package"):
             call()
+
+
+@settings(max_examples=30)
+@given(
+    given_keys=st.fixed_dictionaries(
+        {},
+        optional={
+            "ratio_clip_min": st.floats(0.01, 0.5),
+            "token_level_loss": st.booleans(),
+            "reference_policy_kl_penalty": st.floats(0.0, 1.0),
+            "some_extra_key": st.integers(),
+        },
+    )
+)
+def test_a_loss_config_face_reads_back_given_keys_and_the_core_defaults(given_keys):
+    import attrs
+
+    from policyworker.functional.loss_options import ClippedPGConfig
+    from policyworker.nemo_rl.loss import ClippedPGLossConfig
+
+    cfg = ClippedPGLossConfig(**given_keys)
+    assert dict(cfg) == given_keys
+    for field in attrs.fields(ClippedPGConfig):
+        want = given_keys.get(field.name, field.default)
+        assert getattr(cfg, field.name) == want
+    with pytest.raises(AttributeError, match="has no key 'nope'"):
+        _ = cfg.nope
+
+
+def test_a_loss_config_face_is_checked_when_the_loss_is_built_as_in_nemo_rl():
+    from policyworker.nemo_rl.loss import ClippedPGLossConfig, ClippedPGLossFn
+
+    cfg = ClippedPGLossConfig(use_cispo=True, ratio_clip_c=3.0)  # no check yet
+    with pytest.raises(AssertionError, match="use_cispo cannot be combined with ratio_clip_c"):
+        ClippedPGLossFn(cfg)
+    assert ClippedPGLossFn(ClippedPGLossConfig()).cfg == ClippedPGLossFn().cfg
