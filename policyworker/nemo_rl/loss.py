@@ -9,22 +9,57 @@ The core's attrs configs (`ClippedPGConfig`, ...) check everything when they are
 from typing import Any, ClassVar
 
 import attrs
+from torch import Tensor
 
+from policyworker.functional import loss as core_loss
 from policyworker.functional.distillation import DistillationConfig, DistillationLossFn
 from policyworker.functional.loss import (
     ClippedPGConfig,
-    ClippedPGLossFn,
     DPOConfig,
-    DPOLossFn,
     LossFunction,
     LossInputType,
     LossType,
     MetricNormalizer,
-    NLLLossFn,
     calculate_kl,
     masked_mean,
 )
 from policyworker.nemo_rl.logits import prepare_loss_input
+
+# NeMo-RL's positional order of a loss call: the model input first, then the batch and counts.
+_INPUT_NAME = {
+    LossInputType.LOGPROB: "next_token_logprobs",
+    LossInputType.LOGIT: "logits",
+}
+
+
+class _PositionalCall:
+    """NeMo-RL's positional call `loss_fn(next_token_logprobs, data, global_valid_seqs,
+    global_valid_toks)` (`logits` first for a LOGIT loss) beside the keyword call the worker
+    makes; the core losses take keywords only."""
+
+    input_type: LossInputType
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args and isinstance(args[0], Tensor) and self.input_type in _INPUT_NAME:
+            names = (_INPUT_NAME[self.input_type], "data", "global_valid_seqs", "global_valid_toks")
+            if len(args) > len(names):
+                msg = f"{type(self).__name__} takes at most {len(names)} positional arguments"
+                raise TypeError(msg)
+            kwargs.update(zip(names, args, strict=False))
+            args = ()
+        return super().__call__(*args, **kwargs)  # pyright: ignore[reportAttributeAccessIssue]
+
+
+class ClippedPGLossFn(_PositionalCall, core_loss.ClippedPGLossFn):
+    """`ClippedPGLossFn`, also called positionally as NeMo-RL calls it."""
+
+
+class NLLLossFn(_PositionalCall, core_loss.NLLLossFn):
+    """`NLLLossFn`, also called positionally as NeMo-RL calls it."""
+
+
+class DPOLossFn(_PositionalCall, core_loss.DPOLossFn):
+    """`DPOLossFn`, also called positionally as NeMo-RL calls it."""
 
 
 class _LossConfigFace(dict[str, Any]):

@@ -208,3 +208,22 @@ def test_a_loss_config_face_is_checked_when_the_loss_is_built_as_in_nemo_rl():
     with pytest.raises(AssertionError, match="use_cispo cannot be combined with ratio_clip_c"):
         ClippedPGLossFn(cfg)
     assert ClippedPGLossFn(ClippedPGLossConfig()).cfg == ClippedPGLossFn().cfg
+
+
+@settings(max_examples=30)
+@given(seed=st.integers(0, 999), rows=st.integers(1, 4), length=st.integers(2, 6))
+def test_a_loss_face_called_positionally_equals_the_keyword_call(seed, rows, length):
+    from policyworker.nemo_rl.loss import NLLLossFn as FaceNLL
+
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(rows, length - 1, generator=g)
+    data = {"token_mask": torch.ones(rows, length), "sample_mask": torch.ones(rows)}
+    gvs, gvt = torch.tensor(float(rows)), torch.tensor(float(rows * (length - 1)))
+    positional = FaceNLL()(lp, data, gvs, gvt)
+    keyword = NLLLossFn()(
+        data=data, global_valid_seqs=gvs, global_valid_toks=gvt, next_token_logprobs=lp
+    )
+    assert torch.equal(positional[0], keyword[0]) and positional[1] == keyword[1]
+    assert FaceNLL()(data, gvs, gvt, next_token_logprobs=lp)[1] == keyword[1]
+    with pytest.raises(TypeError, match="at most 4 positional arguments"):
+        FaceNLL()(lp, data, gvs, gvt, 1)
