@@ -247,7 +247,7 @@ def format_counts(counts: dict[str, Counter[str]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("source", type=Path, help="NeMo-RL checkout or bare git directory")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")

@@ -11,7 +11,7 @@ import attrs
 from attrs import frozen
 
 from policyworker.config.converter import converter
-from policyworker.config.messages import unknown_key_hint
+from policyworker.config.messages import closest_key, unknown_key_hint
 from policyworker.config.nemo_rl_keys import split_ignored_keys
 from policyworker.config.policy import PolicyConfig, place_disabled_sections, structure_policy
 from policyworker.config.rules import ConfigWarning, describe
@@ -139,7 +139,15 @@ def _drop_scheduler(value: Any, path: str, found: list[UnknownKey]) -> Any:
             found += [UnknownKey(where, str(key), None) for key in entry if key != "milestones"]
             items.append({"milestones": entry["milestones"]})
         else:
-            items.append(_drop(entry, SchedulerEntry, where, found))
+            mine: list[UnknownKey] = []
+            items.append(_drop(entry, SchedulerEntry, where, mine))
+            # an item may be the {milestones: [...]} one with that key misspelt
+            found += [
+                UnknownKey(k.parent, k.key, "did you mean 'milestones'?")
+                if k.hint is None and closest_key(k.key, ["milestones"])
+                else k
+                for k in mine
+            ]
     return items
 
 

@@ -233,24 +233,27 @@ def with_disabled_sections(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
     for path in SECTION_PATHS:
         node: Any = mapping
         for part in path.split("."):
-            node = node.get(part) if isinstance(node, Mapping) else None
-        if isinstance(node, Mapping) and node.get("enabled", True) is False:
+            node = cast(Mapping[str, Any], node).get(part) if isinstance(node, Mapping) else None
+        if isinstance(node, Mapping):
             body = cast(Mapping[str, Any], node)
-            found[path] = {k: v for k, v in body.items() if k != "enabled"}
+            if body.get("enabled", True) is False:
+                found[path] = {k: v for k, v in body.items() if k != "enabled"}
     if not found:
         return mapping
-    given = mapping.get("disabled_sections")
-    merged = {**given, **found} if isinstance(given, Mapping) else found
+    given: Any = mapping.get("disabled_sections")
+    merged: dict[str, Any] = (
+        {**cast(Mapping[str, Any], given), **found} if isinstance(given, Mapping) else found
+    )
     return {**mapping, "disabled_sections": merged}
 
 
 def place_disabled_sections(tree: dict[str, Any]) -> dict[str, Any]:
     """The inverse of `with_disabled_sections` on an unstructured config: each kept disabled
     section goes back to its path as `{enabled: false, ...}` (unless that section is enabled)."""
-    kept = tree.pop("disabled_sections", None) or {}
+    kept: dict[str, dict[str, Any]] = tree.pop("disabled_sections", None) or {}
     for path, values in kept.items():
         *parents, leaf = path.split(".")
-        node = tree
+        node: dict[str, Any] = tree
         for part in parents:
             node = node.setdefault(part, {})
         if node.get(leaf) is None:
@@ -269,13 +272,14 @@ def structure_policy(mapping: Mapping[str, Any], *, problems: Sequence[str] = ()
     """
     token = _STRUCTURING.set(True)
     lines = list(problems)
+    cfg: PolicyConfig | None = None
     try:
         cfg = converter.structure(with_disabled_sections(mapping), PolicyConfig)
     except (ClassValidationError, IterableValidationError, ValueError) as exc:
         lines += error_lines(exc, "policy", None)
     finally:
         _STRUCTURING.reset(token)
-    if lines:
+    if lines or cfg is None:
         msg = f"invalid policy config ({len(lines)} problem{'s' * (len(lines) != 1)}):\n  "
         raise ConfigError(msg + "\n  ".join(lines)) from None
     return cfg

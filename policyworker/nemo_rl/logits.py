@@ -6,7 +6,7 @@ must be None (the worker handles its own tensor parallelism)."""
 
 from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -85,8 +85,8 @@ def get_next_token_logprobs_from_logits(
     _single_process(
         vocab_parallel_group=vocab_parallel_group, context_parallel_group=context_parallel_group
     )
-    full = getattr(next_token_logits, "full_tensor", None)
-    logits = full() if callable(full) else next_token_logits
+    full = getattr(next_token_logits, "full_tensor", None)  # a DTensor: score the whole vocab
+    logits = cast(torch.Tensor, full()) if callable(full) else next_token_logits
     sampling = Sampling(
         top_k=None if sampling_params is None else sampling_params.top_k,
         top_p=1.0 if sampling_params is None else sampling_params.top_p,

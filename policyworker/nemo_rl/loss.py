@@ -78,8 +78,9 @@ class _LossConfigFace(dict[str, Any]):
         if name not in fields:
             msg = f"{type(self).__name__} has no key {name!r}"
             raise AttributeError(msg)
-        default = fields[name].default
-        return default.factory() if isinstance(default, attrs.Factory) else default  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+        default: Any = fields[name].default
+        factory = getattr(default, "factory", None)  # an attrs Factory: make the default
+        return factory() if callable(factory) else default
 
 
 class ClippedPGLossConfig(_LossConfigFace):
