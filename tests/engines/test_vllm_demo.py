@@ -13,7 +13,7 @@ from tests.helpers import child_env, run_three_step_demo
 
 require_vllm()
 
-from policyworker.demo.loop import VLLM_FP32_TOLERANCE  # noqa: E402
+from policyworker.demo.options import VLLM_FP32_TOLERANCE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_RE = re.compile(
