@@ -29,8 +29,10 @@ class VllmRollouts:
         self, model_dir: str, *, dtype_name: str, max_model_len: int, seed: int, timeout_s: float
     ) -> None:
         from policyworker.shell.engines.vllm import engine_kwargs, require_vllm
+        from policyworker.shell.engines.vllm_logs import silence_expected_vllm_noise
 
         require_vllm()
+        silence_expected_vllm_noise()
         for key, value in _ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         # vLLM is an optional extra, absent from the lint environment.
@@ -109,7 +111,10 @@ class VllmRollouts:
         return responses, gen_lp
 
     def close(self) -> None:
+        from policyworker.shell.engines.vllm_logs import expected_vllm_shutdown
+
         engine = getattr(self.llm, "llm_engine", None)
         core = getattr(engine, "engine_core", None)
         if core is not None:
-            core.shutdown()
+            with expected_vllm_shutdown():
+                core.shutdown()
