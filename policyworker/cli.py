@@ -135,10 +135,13 @@ def _run_demo(args: argparse.Namespace) -> int:
         if problem:
             print(f"policyworker demo: error: --plot {args.plot}: {problem}", file=sys.stderr)
             return 2
+    owner = os.getpid()
     with _interrupt_once():
         try:
             return _demo_exit_code(args)
         except KeyboardInterrupt:
+            if os.getpid() != owner:  # a forked child of the run (vLLM's): not ours to report
+                raise
             _stop_child_processes(timeout_s=10.0)
             err = sys.stderr
             print("policyworker demo: interrupted; every process it started is stopped", file=err)
