@@ -11,16 +11,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.metadata
 import importlib.util
 import os
 import platform
-import signal
 import sys
-import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["build_parser", "collect_info", "format_info", "main"]
@@ -135,14 +131,16 @@ def _run_demo(args: argparse.Namespace) -> int:
         if problem:
             print(f"policyworker demo: error: --plot {args.plot}: {problem}", file=sys.stderr)
             return 2
+    from policyworker.demo.interrupt import interrupt_once, stop_descendants
+
     owner = os.getpid()
-    with _interrupt_once():
+    with interrupt_once():
         try:
             return _demo_exit_code(args)
         except KeyboardInterrupt:
             if os.getpid() != owner:  # a forked child of the run (vLLM's): not ours to report
                 raise
-            _stop_child_processes(timeout_s=10.0)
+            stop_descendants(timeout_s=10.0)
             err = sys.stderr
             print("policyworker demo: interrupted; every process it started is stopped", file=err)
             return 130  # 128 + SIGINT, as a shell reports a run ended by Ctrl-C
@@ -173,42 +171,6 @@ def _demo_exit_code(args: argparse.Namespace) -> int:
         print(f"policyworker demo: error: {exc}", file=sys.stderr)
         return 2
     return result.exit_code
-
-
-@contextlib.contextmanager
-def _interrupt_once() -> Iterator[None]:
-    """The first Ctrl-C raises KeyboardInterrupt; later ones are ignored until the block ends,
-    so the clean-up the first one starts (the inference process, Ray actors, vLLM's engine)
-    runs to its end instead of being cut into a second traceback."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def first_interrupt(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGINT, first_interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _stop_child_processes(*, timeout_s: float) -> None:
-    """Terminate, then kill, the processes this one started that are still alive (an inference
-    process or a vLLM engine interrupted half-way through starting)."""
-    import multiprocessing
-
-    children = multiprocessing.active_children()
-    for child in children:
-        child.terminate()
-    deadline = time.monotonic() + timeout_s
-    for child in children:
-        child.join(max(0.0, deadline - time.monotonic()))
-        if child.is_alive():
-            child.kill()
-            child.join(1.0)
 
 
 def _plot_problem(path: str) -> str:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -61,3 +62,48 @@ def test_one_ctrl_c_during_start_up_ends_the_demo_with_130_and_nothing_left(stag
     while _group_alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _group_alive(proc.pid), "a process of the demo outlived it"
+
+
+def test_stop_descendants_ends_children_and_grandchildren_even_orphan_to_be():
+    """A child that started a grandchild (as a Ray head starts its dashboard's helpers): both
+    end, the grandchild too although its parent goes first. Run in a process of its own, so
+    nothing else below the test runner is touched."""
+    script = textwrap.dedent(
+        """
+        import subprocess, sys, time
+        from policyworker.demo.interrupt import descendant_pids, stop_descendants
+        grandchild = "import time; time.sleep(60)"
+        child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', %r]); "
+        child += "time.sleep(60)"
+        subprocess.Popen([sys.executable, "-c", child % grandchild])
+        deadline = time.monotonic() + 30
+        while len(descendant_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = descendant_pids()
+        stop_descendants(timeout_s=5.0)
+        print(*tree)
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=child_env(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    tree = [int(pid) for pid in run.stdout.split()]
+    assert len(tree) == 2, run.stdout + run.stderr
+    deadline = time.monotonic() + 5
+    while any(_running(pid) for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_running(pid) for pid in tree)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
