@@ -21,7 +21,7 @@ from tests.engines.vllm_helpers import (
 
 require_vllm()
 
-from policyworker.demo.loop import VLLM_FP32_TOLERANCE  # noqa: E402
+from policyworker.demo.options import VLLM_FP32_TOLERANCE  # noqa: E402
 from policyworker.errors import RefitError  # noqa: E402
 from policyworker.functional.loss import NLLLoss  # noqa: E402
 from policyworker.shell.engines.vllm import VllmRefit  # noqa: E402
@@ -187,7 +187,7 @@ def test_train_then_refit_keeps_vllm_within_fp32_parity_of_get_logprobs(llm, mod
 
 
 def test_a_lora_workers_merged_refit_reaches_vllm(llm, model_dir, senders):
-    from policyworker.demo.loop import LORA_FP32_TOLERANCE
+    from policyworker.demo.options import LORA_FP32_TOLERANCE
 
     lora = {
         "lora_cfg": {
