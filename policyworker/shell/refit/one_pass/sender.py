@@ -188,7 +188,7 @@ def stream_one_pass(
             exchange.abort(f"{type(exc).__name__}: {exc}")
             raise
         try:
-            complete = encode(Complete(0, one_pass=True, written_event=event))
+            complete = encode(Complete(0, one_pass=True, written_event=event, refit=exchange.refit))
             return exchange.ask(complete, phase="complete").report
         except (RefitTimeoutError, RefitRejectedError):
             writer.close()  # the receiver may have re-registered since: ask for all of it again

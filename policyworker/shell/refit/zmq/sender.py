@@ -14,14 +14,17 @@ pass all that state around without making any step readable on its own.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import secrets
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import attrs
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -74,16 +77,26 @@ class Exchange:
         self._sender = sender
         self.timeout_s = timeout_s
 
+    @property
+    def refit(self) -> str:
+        """The id of this refit: every request carries it and every reply must echo it."""
+        return self._sender.refit_id
+
     def ask(self, frames: list[bytes], *, phase: str) -> Reply:
-        """Send ``frames`` and return the receiver's reply. ``RefitTimeoutError`` when either
-        wait passes ``timeout_s`` (the socket is rebuilt); ``RefitRejectedError`` naming
-        ``phase`` and the receiver's reason when it refuses."""
+        """Send ``frames`` (a BEGIN or a COMPLETE: ``phase`` is "begin" or "complete") and
+        return the receiver's reply to it. ``RefitTimeoutError`` when either wait passes
+        ``timeout_s`` (the socket is rebuilt); ``RefitRejectedError`` naming ``phase`` and the
+        receiver's reason when it refuses; ``ProtocolError`` for a reply to another request."""
         self._sender._send(frames, phase=phase, timeout_s=self.timeout_s)
-        return self._sender._reply(phase=phase, timeout_s=self.timeout_s)
+        return self._sender._reply((phase, phase, -1), timeout_s=self.timeout_s)
 
     def abort(self, reason: str) -> None:
         """Tell the receiver this refit is off (best effort, as the staged refit does)."""
         self._sender._abort(None, reason, timeout_s=self.timeout_s)
+
+
+# A request whose reply is owed: (phase for messages, kind, bucket sequence or -1).
+Owed = tuple[str, str, int]
 
 
 class ZmqIpcSender:
@@ -111,6 +124,9 @@ class ZmqIpcSender:
         self._kept_bytes = 0
         self._plan: Sequence[IpcBucket] | None = None  # the plan the staging caches were made for
         self._manifest: tuple[Sequence[TensorSpec], bytes] | None = None  # (specs object, frame)
+        # the refit in progress and the last ones: a reply naming an old one is late, dropped
+        self.refit_id = ""
+        self._old_refit_ids: collections.deque[str] = collections.deque(maxlen=256)
         try:
             fix = (
                 "set TMPDIR to a shorter folder (e.g. TMPDIR=/tmp) for the trainer process: "
@@ -168,7 +184,9 @@ class ZmqIpcSender:
         sock = handles.socket
         if sock is None:
             assert handles.context is not None
-            sock = handles.context.socket(zmq.REQ)
+            # DEALER, not REQ: a late reply to an old refit can be read and dropped while the
+            # reply owed is still awaited (REQ would take it as that reply)
+            sock = handles.context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLY_BYTES)
             handles.socket = sock
@@ -240,22 +258,61 @@ class ZmqIpcSender:
         sock = self._sock()
         sock.setsockopt(zmq.SNDTIMEO, zmq_timeout_ms(timeout_s))
         try:
-            sock.send_multipart(frames)  # small frames: copying beats zero-copy bookkeeping
+            # the empty frame is the envelope a REP peer expects; small frames: copying beats
+            # zero-copy bookkeeping
+            sock.send_multipart([b"", *frames])
         except zmq.Again:
             raise self._timeout(phase, timeout_s) from None
 
-    def _reply(self, *, phase: str, timeout_s: float) -> Reply:
-        sock = self._sock()
-        sock.setsockopt(zmq.RCVTIMEO, zmq_timeout_ms(timeout_s))
-        try:
-            frames = sock.recv_multipart()
-        except zmq.Again:
-            raise self._timeout(phase, timeout_s) from None
-        reply = decode_reply(frames)
+    def _reply(self, owed: Owed, *, timeout_s: float) -> Reply:
+        """The reply to the request ``owed``; late replies to earlier refits are dropped."""
+        phase = owed[0]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = self._recv_reply(phase, deadline, timeout_s)
+            if reply.answers(owed[1], self.refit_id, owed[2]):
+                break
+            if reply.refit in self._old_refit_ids:
+                log.info(
+                    "refit rank %d: dropped a late %r reply of an earlier refit while waiting "
+                    "for %s",
+                    self.rank,
+                    reply.reply_to,
+                    phase,
+                )
+                continue
+            if not reply.ok and not reply.refit:  # the receiver could not read the request
+                break
+            self._rebuild()
+            msg = (
+                f"refit rank {self.rank}: the receiver's reply names request "
+                f"({reply.reply_to!r}, refit {reply.refit!r:.80}, seq {reply.seq}) but the one "
+                f"sent was ({owed[1]!r}, refit {self.refit_id!r}, seq {owed[2]}); the receiver "
+                "does not speak this protocol (the sender rebuilt its socket): receive with "
+                "HFWeightReceiver from the same policyworker version"
+            )
+            raise ProtocolError(msg)
         if not reply.ok:
             msg = f"refit rank {self.rank}: the receiver rejected {phase}: {reply.reason}"
             raise RefitRejectedError(msg)
         return reply
+
+    def _recv_reply(self, phase: str, deadline: float, timeout_s: float) -> Reply:
+        sock = self._sock()
+        sock.setsockopt(zmq.RCVTIMEO, zmq_timeout_ms(max(deadline - time.monotonic(), 0.001)))
+        try:
+            frames = sock.recv_multipart()
+        except zmq.Again:
+            raise self._timeout(phase, timeout_s) from None
+        if not frames or frames[0] != b"":
+            self._rebuild()
+            msg = f"refit rank {self.rank}: a reply in phase {phase!r} lacks its empty envelope"
+            raise ProtocolError(msg)
+        try:
+            return decode_reply(frames[1:])
+        except ProtocolError:
+            self._rebuild()
+            raise
 
     @contextlib.contextmanager
     def exchange(self, call: str, *, timeout_s: float) -> Iterator[Exchange]:
@@ -266,6 +323,9 @@ class ZmqIpcSender:
         with self._exclusive(call):
             self._check_one_receiver()
             self._note_wait(timeout_s)
+            if self.refit_id:
+                self._old_refit_ids.append(self.refit_id)
+            self.refit_id = secrets.token_hex(8)
             yield Exchange(self, timeout_s)
 
     def begin_frames(
@@ -276,7 +336,9 @@ class ZmqIpcSender:
         specs object: a steady-state refit reuses its frame."""
         if self._manifest is None or self._manifest[0] is not specs:
             self._manifest = (specs, encode_manifest(specs))
-        begin = Begin(self.rank, transport, DEFAULT_ALIGNMENT, tuple(specs), one_pass)
+        begin = Begin(
+            self.rank, transport, DEFAULT_ALIGNMENT, tuple(specs), one_pass, self.refit_id
+        )
         return encode(begin, manifest_frame=self._manifest[1])
 
     def stream(
@@ -341,7 +403,7 @@ class ZmqIpcSender:
         self._staging_refs = [
             weakref.ref(s.tensor) for s in ping_pong if s is not None and s.tensor is not None
         ]
-        pending: str | None = None  # phase of the request whose reply is still owed
+        pending: Owed | None = None  # the request whose reply is still owed
         pending_staging: Staging | None = None  # the buffer that request's bucket is in
         begun = False
 
@@ -368,18 +430,18 @@ class ZmqIpcSender:
                     staging.close()
                     ping_pong[i] = None
 
-        def request(frames: list[bytes], phase: str, staging: Staging | None = None) -> None:
+        def request(frames: list[bytes], owed: Owed, staging: Staging | None = None) -> None:
             nonlocal pending, pending_staging
             settle()
-            self._send(frames, phase=phase, timeout_s=timeout_s)
-            pending, pending_staging = phase, staging
+            self._send(frames, phase=owed[0], timeout_s=timeout_s)
+            pending, pending_staging = owed, staging
 
         def settle() -> Reply | None:
             nonlocal pending, pending_staging
             if pending is None:
                 return None
             (owed, pending), (staging, pending_staging) = (pending, None), (pending_staging, None)
-            reply = self._reply(phase=owed, timeout_s=timeout_s)
+            reply = self._reply(owed, timeout_s=timeout_s)
             if staging is not None:
                 staging.note_consumed(reply.consumed_event)
             return reply
@@ -387,24 +449,20 @@ class ZmqIpcSender:
         def prepared(
             staging: Staging, seq: int, bucket: IpcBucket, keep: bool
         ) -> tuple[list[torch.Tensor], list[bytes]]:
-            """The bucket's slot views and encoded frames in this buffer.
-
-            Cached with the buffer.
-            """
+            """The bucket's slot views (cached with the buffer) and its frames in this refit."""
             hit = staging.cache.get((seq, keep))
             if hit is None:
                 base = staging.base  # where this half starts in the shared buffer
-                frames = encode(
-                    Bucket(
-                        seq,
-                        staging.ref(keep=keep),
-                        bucket.indices,
-                        tuple(base + o for o in bucket.offsets),
-                        base + bucket.used_bytes,
-                    )
+                message = Bucket(
+                    seq,
+                    staging.ref(keep=keep),
+                    bucket.indices,
+                    tuple(base + o for o in bucket.offsets),
+                    base + bucket.used_bytes,
                 )
-                hit = staging.cache[(seq, keep)] = (bucket_slots(staging, bucket, specs), frames)
-            return hit
+                hit = staging.cache[(seq, keep)] = (bucket_slots(staging, bucket, specs), message)
+            slots, message = hit
+            return slots, encode(attrs.evolve(message, refit=self.refit_id))
 
         def take(bucket: IpcBucket) -> list[RefitSource]:
             items = [next(sources) for _ in bucket.indices]
@@ -423,7 +481,7 @@ class ZmqIpcSender:
             return items
 
         try:
-            request(self.begin_frames(specs, transport), "begin")
+            request(self.begin_frames(specs, transport), ("begin", "begin", -1))
             begun = True  # its reply is settled by the first bucket's request: the receiver checks
             turn = 0  # the manifest while the first buffer is allocated and filled
             for seq, bucket in enumerate(plan):
@@ -436,7 +494,7 @@ class ZmqIpcSender:
                         fill_slots(slots, items)
                         del slots
                         alone.mark_filled()
-                        request(frames, f"bucket {seq} (oversized)", alone)
+                        request(frames, (f"bucket {seq} (oversized)", "bucket", seq), alone)
                         settle()
                         alone.wait_for_reader()  # the allocator may hand its block out again
                     finally:
@@ -457,7 +515,7 @@ class ZmqIpcSender:
                 )  # queued behind the receiver's reads of this buffer's last bucket
                 del slots, items
                 staging.mark_filled()
-                request(frames, f"bucket {seq}", staging)
+                request(frames, (f"bucket {seq}", "bucket", seq), staging)
             settle()
             if keep_staging:
                 self._kept = [s for s in ping_pong if s is not None]
@@ -470,7 +528,7 @@ class ZmqIpcSender:
                 release()
                 if transport == "cuda":
                     torch.cuda.empty_cache()
-            request(encode(Complete(len(plan))), "complete")
+            request(encode(Complete(len(plan), refit=self.refit_id)), ("complete", "complete", -1))
             reply = settle()
             begun = False
             assert reply is not None
@@ -483,7 +541,9 @@ class ZmqIpcSender:
                 # refit; any other failure (our own) is announced so the receiver stops waiting
                 # at once. Before the staging goes: the receiver may still be reading the
                 # bucket whose reply is owed.
-                if begun and not isinstance(exc, (RefitTimeoutError, RefitRejectedError)):
+                if begun and not isinstance(
+                    exc, (RefitTimeoutError, RefitRejectedError, ProtocolError)
+                ):
                     self._abort(pending, f"{type(exc).__name__}: {exc}", timeout_s=timeout_s)
             finally:
                 release()
@@ -504,7 +564,7 @@ class ZmqIpcSender:
                 self.address,
             )
 
-    def _abort(self, pending: str | None, reason: str, *, timeout_s: float) -> None:
+    def _abort(self, pending: Owed | None, reason: str, *, timeout_s: float) -> None:
         """Tell the receiver the refit is off (best effort; rebuild the socket on failure).
 
         The reply owed for ``pending`` is awaited first, as long as any reply (the receiver is
@@ -514,14 +574,14 @@ class ZmqIpcSender:
         """
         try:
             if pending is not None:
-                self._sock().setsockopt(zmq.RCVTIMEO, zmq_timeout_ms(timeout_s))
-                if not decode_reply(self._sock().recv_multipart()).ok:
+                try:
+                    self._reply(pending, timeout_s=timeout_s)
+                except RefitRejectedError:
                     return
-            self._sock().setsockopt(zmq.SNDTIMEO, zmq_timeout_ms(_ABORT_TIMEOUT_S))
-            self._sock().send_multipart(encode(Abort(reason[:4096])))
-            self._sock().setsockopt(zmq.RCVTIMEO, zmq_timeout_ms(_ABORT_TIMEOUT_S))
-            self._sock().recv_multipart()
-        except (zmq.ZMQError, ProtocolError):
+            abort = encode(Abort(reason[:4096], self.refit_id))
+            self._send(abort, phase="abort", timeout_s=_ABORT_TIMEOUT_S)
+            self._reply(("abort", "abort", -1), timeout_s=_ABORT_TIMEOUT_S)
+        except (zmq.ZMQError, RefitError):
             self._rebuild()
 
     def close(self) -> None:

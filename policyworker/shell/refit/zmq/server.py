@@ -180,6 +180,7 @@ class RefitServer:
         self.one_pass = one_pass
         self._one_pass_session = False  # the refit in progress is written by the sender itself
         self._registered_id = ""
+        self._refit = ""  # the id of the refit in progress (its BEGIN's), echoed in each reply
         self._manifest: tuple[TensorSpec, ...] | None = None
         self._views_manifest: tuple[TensorSpec, ...] | None = None
         self._manifests = ManifestCache()
@@ -209,10 +210,12 @@ class RefitServer:
             self._buffers.clear()
 
     def handle(self, frames: Sequence[bytes]) -> tuple[list[bytes], Outcome]:
-        kind, seq = "unknown", -1
+        """Every reply names the request it answers: its kind, refit id and bucket sequence
+        (a rejection of a message that could not be read names none)."""
+        kind, seq, refit = "unknown", -1, ""
         try:
             message = decode_request(frames, manifests=self._manifests)
-            kind = type(message).__name__.lower()
+            kind, refit = type(message).__name__.lower(), message.refit
             if isinstance(message, Bucket):
                 seq = message.seq
             return self._dispatch(message)
@@ -220,7 +223,8 @@ class RefitServer:
             reason = str(exc) if isinstance(exc, RefitError) else f"{type(exc).__name__}: {exc}"
             self.fail(reason)
             error = RefitError(f"refit rejected ({kind}): {reason}")
-            return encode(Reply(False, kind, seq, reason)), Outcome(done=True, error=error)
+            reply = Reply(False, kind, seq, reason, refit=refit)
+            return encode(reply), Outcome(done=True, error=error)
 
     def _drain_gpu(self) -> None:
         """Wait for every queued read of the sender's buffers (before closing their mappings)."""
@@ -243,8 +247,13 @@ class RefitServer:
 
     def _dispatch(self, message: Begin | Bucket | Complete | Abort) -> tuple[list[bytes], Outcome]:
         if isinstance(message, Begin):
-            if self._manifest is not None:
+            if self._manifest is not None and message.refit == self._refit:
                 raise ProtocolError("BEGIN while a refit is in progress; finish or abort it first")
+            if self._manifest is not None:
+                # a sender begins a new refit only after giving up the last (a timeout): the
+                # unfinished one is dropped, so a retry after a timeout works at once
+                self.fail(f"superseded by refit {message.refit!r}")
+            self._refit = message.refit
             if message.one_pass is not None:
                 return self._begin_one_pass(message)
             self.sink.begin(message.manifest)
@@ -260,18 +269,24 @@ class RefitServer:
             )
             self._alignment, self._num_buckets = message.alignment, 0
             self._received, self._count = bytearray(len(message.manifest)), 0
-            return encode(Reply(True, "begin")), Outcome()
+            return encode(Reply(True, "begin", refit=self._refit)), Outcome()
         if isinstance(message, Abort):
-            if self._manifest is None:
+            answer = encode(Reply(True, "abort", refit=message.refit))
+            if self._manifest is None or message.refit != self._refit:
                 # Nothing to abort: a sender sends ABORT only after BEGIN, so this one belongs to
                 # a refit this side already ended (rejected, timed out). Answered and dropped;
                 # the refit this receive() waits for is still to come.
-                return encode(Reply(True, "abort")), Outcome()
+                return answer, Outcome()
             self.fail(f"sender aborted: {message.reason}")
             error = RefitError(f"the sender aborted the refit: {message.reason}")
-            return encode(Reply(True, "abort")), Outcome(done=True, error=error)
+            return answer, Outcome(done=True, error=error)
         if self._manifest is None:
             raise ProtocolError(f"{type(message).__name__.upper()} before BEGIN")
+        if message.refit != self._refit:
+            raise ProtocolError(
+                f"{type(message).__name__.upper()} of refit {message.refit!r:.80} inside refit "
+                f"{self._refit!r}"
+            )
         if isinstance(message, Complete):
             return self._complete(message)
         return self._bucket(message)
@@ -291,7 +306,13 @@ class RefitServer:
         self.sink.expect_external_write()
         self.one_pass.before_write()
         body, raw = encode_registration(registration, held_id=message.one_pass)
-        reply = Reply(True, "begin", registration=body, registration_frames=tuple(raw))
+        reply = Reply(
+            True,
+            "begin",
+            registration=body,
+            registration_frames=tuple(raw),
+            refit=self._refit,
+        )
         return encode(reply), Outcome()
 
     def _bucket(self, bucket: Bucket) -> tuple[list[bytes], Outcome]:
@@ -345,7 +366,8 @@ class RefitServer:
             received[index] = 1
         self._count += len(bucket.indices)
         self._num_buckets += 1
-        return encode(Reply(True, "bucket", bucket.seq, consumed_event=consumed)), Outcome()
+        reply = Reply(True, "bucket", bucket.seq, consumed_event=consumed, refit=self._refit)
+        return encode(reply), Outcome()
 
     def _complete(self, message: Complete) -> tuple[list[bytes], Outcome]:
         manifest = self._manifest
@@ -369,4 +391,5 @@ class RefitServer:
             if attrs.has(type(report))
             else {}
         )
-        return encode(Reply(True, "complete", report=summary)), Outcome(done=True, report=report)
+        reply = Reply(True, "complete", report=summary, refit=self._refit)
+        return encode(reply), Outcome(done=True, report=report)
