@@ -1,6 +1,6 @@
 """Colocated refit over ZMQ: ping-pong staging buffers shared by CUDA IPC or POSIX shared memory.
 
-Sender (``ZmqIpcSender``, a REQ socket bound in a private 0700 folder) and receiver
+Sender (``ZmqIpcSender``, a DEALER socket bound in a private 0700 folder) and receiver
 (``ZmqIpcReceiver``, a REP socket, driving a ``RefitServer``) speak the protocol of
 docs/refit-protocol.md through ``wire.py``: BEGIN (manifest) → BUCKET* → COMPLETE, each answered
 by one reply; a rejection or an ABORT ends the refit on both sides at once. Buffers: CUDA tensors
