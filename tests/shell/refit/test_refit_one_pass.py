@@ -203,12 +203,18 @@ def _pair(*, atomic=False, sender_dtype=torch.float32, receiver_one_pass=True):
 def test_one_pass_writes_the_arena_reports_the_version_and_opens_the_arena_once(monkeypatch):
     opened = []
     original = one_pass_sender.open_shared_buffer
+    original_file = one_pass_sender.SharedFile
 
     def counting(ref):
         opened.append(ref)
         return original(ref)
 
+    def counting_file(ref):  # a CPU arena is held by descriptor, then mapped
+        opened.append(ref)
+        return original_file(ref)
+
     monkeypatch.setattr(one_pass_sender, "open_shared_buffer", counting)
+    monkeypatch.setattr(one_pass_sender, "SharedFile", counting_file)
     with _pair(sender_dtype=torch.bfloat16) as (model, target, sender, receiver):
         for version in (1, 2, 3):
             with torch.no_grad():

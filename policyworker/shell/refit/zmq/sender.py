@@ -100,7 +100,7 @@ Owed = tuple[str, str, int]
 
 
 class ZmqIpcSender:
-    """The trainer side: a DEALER socket in a private folder; streams one refit per ``stream`` call."""
+    """The trainer side: a DEALER socket in a private folder; one refit per ``stream`` call."""
 
     def __init__(self, *, rank: int) -> None:
         self.rank = rank

@@ -39,7 +39,7 @@ from policyworker.functional.wire.codec import (
     encode,
 )
 from policyworker.functional.wire.one_pass import Registration, encode_registration
-from policyworker.shell.refit.zmq.shared_buffers import open_shared_buffer, shm_problem
+from policyworker.shell.refit.zmq.shared_buffers import SharedFile, open_shared_buffer, shm_problem
 from policyworker.shell.refit.zmq.staging import open_event
 
 __all__ = ["Outcome", "ReceivedBuffers", "RefitServer", "WeightSink"]
@@ -78,8 +78,10 @@ class _Mapped:
     region of the buffer the sender fills (a ping-pong half, named by its filled-event handle):
     the sender's filled event (opened once) and this side's consumed event."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, file: SharedFile | None = None) -> None:
         self.tensor = tensor
+        # a shm buffer: ``tensor`` is this side's own copy, filled per bucket from ``file``
+        self.file = file
         self.views: dict[
             tuple[Any, ...], Any
         ] = {}  # (indices, offsets) -> the sink's prepared batch
@@ -100,6 +102,15 @@ class _Mapped:
             events = self._events[filled_handle] = (filled, consumed, bytes(consumed.ipc_handle()))
         torch.cuda.current_stream(self.tensor.device).wait_event(events[0])
         return filled_handle
+
+    def load(self, start: int, end: int) -> None:
+        """Copy bytes ``[start, end)`` of a shm buffer into this side's copy (no-op for CUDA)."""
+        if self.file is not None:
+            self.file.read_into(self.tensor, start, end)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
     def record_consumed(self, key: bytes) -> bytes:
         """Record the event the sender waits on, after the queued reads of the region.
@@ -132,22 +143,34 @@ class ReceivedBuffers:
         key = self._key(ref)
         mapped = self._open.get(key)
         if mapped is not None and isinstance(ref, ShmBuffer):
-            problem = shm_problem(ref)  # a kept file truncated since: reading it would SIGBUS
+            problem = shm_problem(ref)  # a kept file truncated or removed since it was opened
             if problem is not None:
-                del self._open[key]
+                self._open.pop(key).close()
                 raise ProtocolError(f"{problem} (it shrank or went away since it was mapped)")
         if mapped is None:
-            mapped = self._open[key] = _Mapped(open_shared_buffer(ref))
+            if isinstance(ref, ShmBuffer):
+                # read by descriptor into this side's memory: a mapping of a file its owner
+                # shrinks is a SIGBUS mid-copy, a short read is an error
+                file = SharedFile(ref)
+                mapped = _Mapped(torch.empty(max(ref.size, 1), dtype=torch.uint8)[: ref.size], file)
+            else:
+                mapped = _Mapped(open_shared_buffer(ref))
+            self._open[key] = mapped
         self._used[key] = ref.keep
         return mapped
 
     def finish(self, *, ok: bool) -> None:
         """End of a refit: keep only the kept buffers it used (none when it failed)."""
         keep = {k for k, kept in self._used.items() if kept} if ok else set()
+        for key, mapped in self._open.items():
+            if key not in keep:
+                mapped.close()
         self._open = {k: m for k, m in self._open.items() if k in keep}
         self._used = {}
 
     def clear(self) -> None:
+        for mapped in self._open.values():
+            mapped.close()
         self._open.clear()
         self._used.clear()
 
@@ -333,6 +356,7 @@ class RefitServer:
                 f"bucket {bucket.seq} rejected before any write: " + "; ".join(problems[:20])
             )
         mapped = self._buffers.open(bucket.buffer)
+        mapped.load(bucket.offsets[0] if bucket.offsets else 0, bucket.used_bytes)
         key = (bucket.indices, bucket.offsets)  # for this manifest (see BEGIN); valid while mapped
         batch = mapped.views.get(key)
         if batch is None:
