@@ -48,6 +48,8 @@ __all__ = ["Outcome", "ReceivedBuffers", "RefitServer", "WeightSink"]
 class WeightSink(Protocol):
     """Where a refit lands (``receiver.WeightApplier``): validated first, written second."""
 
+    @property
+    def generation(self) -> int: ...
     def begin(self, manifest: Sequence[TensorSpec]) -> None: ...
     def apply_batch(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None: ...
     def apply_indexed(self, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> None: ...
@@ -206,6 +208,7 @@ class RefitServer:
         self._refit = ""  # the id of the refit in progress (its BEGIN's), echoed in each reply
         self._manifest: tuple[TensorSpec, ...] | None = None
         self._views_manifest: tuple[TensorSpec, ...] | None = None
+        self._sink_generation = sink.generation
         self._manifests = ManifestCache()
         self._sizes: tuple[int, ...] = ()
         self._alignment = DEFAULT_ALIGNMENT
@@ -279,11 +282,14 @@ class RefitServer:
             self._refit = message.refit
             if message.one_pass is not None:
                 return self._begin_one_pass(message)
-            self.sink.begin(message.manifest)
+            self.sink.begin(message.manifest)  # finds the destinations again if they moved
             if message.manifest is not self._views_manifest:  # cached views hold its dtypes/shapes
                 self._buffers.forget_views()
                 self._layouts.clear()
                 self._views_manifest = message.manifest
+            if self.sink.generation != self._sink_generation:  # cached batches hold old targets
+                self._buffers.forget_views()
+                self._sink_generation = self.sink.generation
             self._manifest = message.manifest
             self._sizes = (
                 self._manifests.sizes
