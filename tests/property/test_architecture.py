@@ -477,7 +477,6 @@ NOT_YET_SPLIT = {
     "demo/loop.py",
     "functional/loss_terms.py",
     "functional/loss.py",
-    "shell/refit/zmq/sender.py",
     "shell/model/lora.py",
 }
 

@@ -1,15 +1,10 @@
 """The trainer side of a colocated ZMQ refit: ``ZmqIpcSender``.
 
-A REQ socket bound in a private folder (``ipc_files``) streams one refit per ``stream`` call:
+A DEALER socket bound in a private folder (``ipc_files``) streams one refit per ``stream`` call:
 BEGIN (manifest) → BUCKET* → COMPLETE, each answered by one reply, through ping-pong staging
-buffers (``staging``). The encoded manifest is cached per specs object and, per staging
-buffer, each bucket's slot views and frames; with ``keep_staging`` the buffers and caches
-survive the refit.
-
-Why it is over 400 lines: ``_stream`` with ``_abort`` and ``_note_wait`` is one state machine
-(fill a half, send, wait for the reply owed, abort on any failure with the right ordering); its
-steps share the socket, the staging pair and the pending reply, and splitting them apart would
-pass all that state around without making any step readable on its own.
+buffers (``staged.StagedRefit`` over ``staging``). The encoded manifest is cached per specs
+object and, per staging buffer, each bucket's slot views and message; with ``keep_staging`` the
+buffers and caches survive the refit.
 """
 
 from __future__ import annotations
@@ -24,7 +19,6 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import attrs
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -39,8 +33,6 @@ from policyworker.functional.wire.codec import (
     MAX_HEADER_BYTES,
     Abort,
     Begin,
-    Bucket,
-    Complete,
     ProtocolError,
     RefitRejectedError,
     Reply,
@@ -56,12 +48,8 @@ from policyworker.shell.refit.zmq.ipc_files import (
     remove_orphans,
     zmq_timeout_ms,
 )
-from policyworker.shell.refit.zmq.staging import (
-    CudaStaging,
-    Staging,
-    bucket_slots,
-    fill_slots,
-)
+from policyworker.shell.refit.zmq.staged import Owed, StagedRefit
+from policyworker.shell.refit.zmq.staging import CudaStaging, Staging
 
 __all__ = ["Exchange", "ZmqIpcSender"]
 
@@ -90,13 +78,18 @@ class Exchange:
         self._sender._send(frames, phase=phase, timeout_s=self.timeout_s)
         return self._sender._reply((phase, phase, -1), timeout_s=self.timeout_s)
 
-    def abort(self, reason: str) -> None:
-        """Tell the receiver this refit is off (best effort, as the staged refit does)."""
-        self._sender._abort(None, reason, timeout_s=self.timeout_s)
+    def send(self, frames: list[bytes], *, phase: str) -> None:
+        """Send a request without waiting for its reply (``receive`` reads it later)."""
+        self._sender._send(frames, phase=phase, timeout_s=self.timeout_s)
 
+    def receive(self, owed: Owed) -> Reply:
+        """The reply to the request ``owed`` (see ``ask`` for the errors)."""
+        return self._sender._reply(owed, timeout_s=self.timeout_s)
 
-# A request whose reply is owed: (phase for messages, kind, bucket sequence or -1).
-Owed = tuple[str, str, int]
+    def abort(self, reason: str, *, pending: Owed | None = None) -> None:
+        """Tell the receiver this refit is off (best effort), after the reply owed for
+        ``pending`` if one is."""
+        self._sender._abort(pending, reason, timeout_s=self.timeout_s)
 
 
 class ZmqIpcSender:
@@ -361,32 +354,28 @@ class ZmqIpcSender:
         ``release_staging`` or ``close``; the receiver then keeps its mappings too. On any
         failure every staging buffer, kept or not, is freed before this raises.
         """
-        # the staged refit pipelines its requests through _send / _reply itself (each reply is
-        # settled by the next request); the exchange gives it the same guards as the one-pass one
-        with self.exchange("stream_weights_via_ipc_zmq", timeout_s=timeout_s):
-            return self._stream(
+        with self.exchange("stream_weights_via_ipc_zmq", timeout_s=timeout_s) as exchange:
+            refit = StagedRefit(
+                exchange,
                 specs,
                 plan,
                 sources,
                 make_staging=make_staging,
                 buffer_bytes=buffer_bytes,
-                timeout_s=timeout_s,
                 transport=transport,
                 keep_staging=keep_staging,
+                ping_pong=self._take_kept(plan, buffer_bytes, transport),
             )
+            self._staging_refs = refit.staging_refs
+            report = refit.run(self.begin_frames(specs, transport))
+            self._kept, self._kept_bytes = refit.kept, buffer_bytes if refit.kept else 0
+            return report
 
-    def _stream(
-        self,
-        specs: Sequence[TensorSpec],
-        plan: Sequence[IpcBucket],
-        sources: Iterator[RefitSource],
-        *,
-        make_staging: Callable[[int], Staging],
-        buffer_bytes: int,
-        timeout_s: float,
-        transport: str,
-        keep_staging: bool,
-    ) -> dict[str, Any]:
+    def _take_kept(
+        self, plan: Sequence[IpcBucket], buffer_bytes: int, transport: str
+    ) -> list[Staging]:
+        """The buffers a ``keep_staging`` refit left, if this refit can use them (same size
+        and kind, intact), with their caches cleared for a new plan; the rest are freed."""
         if any(not s.intact() for s in self._kept):  # e.g. a kept file truncated meanwhile
             self._release_staging()
         if self._kept and (
@@ -398,160 +387,8 @@ class ZmqIpcSender:
             for staging in self._kept:
                 staging.cache.clear()
             self._plan = plan
-        ping_pong: list[Staging | None] = [*self._kept, None, None][:2]
-        self._kept, self._kept_bytes = [], 0
-        self._staging_refs = [
-            weakref.ref(s.tensor) for s in ping_pong if s is not None and s.tensor is not None
-        ]
-        pending: Owed | None = None  # the request whose reply is still owed
-        pending_staging: Staging | None = None  # the buffer that request's bucket is in
-        begun = False
-
-        def new_staging(nbytes: int) -> Staging:
-            staging = make_staging(nbytes)
-            assert staging.tensor is not None
-            self._staging_refs.append(weakref.ref(staging.tensor))
-            return staging
-
-        def new_ping_pong() -> None:
-            """Both buffers from one allocation when at least two buckets will use them."""
-            if sum(not b.oversized for b in plan) < 2:
-                ping_pong[0] = new_staging(buffer_bytes)
-                return
-            whole = make_staging(2 * buffer_bytes)
-            ping_pong[:] = whole.halves(buffer_bytes)
-            self._staging_refs.extend(
-                weakref.ref(s.tensor) for s in ping_pong if s is not None and s.tensor is not None
-            )
-
-        def release() -> None:
-            for i, staging in enumerate(ping_pong):
-                if staging is not None:
-                    staging.close()
-                    ping_pong[i] = None
-
-        def request(frames: list[bytes], owed: Owed, staging: Staging | None = None) -> None:
-            nonlocal pending, pending_staging
-            settle()
-            self._send(frames, phase=owed[0], timeout_s=timeout_s)
-            pending, pending_staging = owed, staging
-
-        def settle() -> Reply | None:
-            nonlocal pending, pending_staging
-            if pending is None:
-                return None
-            (owed, pending), (staging, pending_staging) = (pending, None), (pending_staging, None)
-            reply = self._reply(owed, timeout_s=timeout_s)
-            if staging is not None:
-                staging.note_consumed(reply.consumed_event)
-            return reply
-
-        def prepared(
-            staging: Staging, seq: int, bucket: IpcBucket, keep: bool
-        ) -> tuple[list[torch.Tensor], list[bytes]]:
-            """The bucket's slot views (cached with the buffer) and its frames in this refit."""
-            hit = staging.cache.get((seq, keep))
-            if hit is None:
-                base = staging.base  # where this half starts in the shared buffer
-                message = Bucket(
-                    seq,
-                    staging.ref(keep=keep),
-                    bucket.indices,
-                    tuple(base + o for o in bucket.offsets),
-                    base + bucket.used_bytes,
-                )
-                hit = staging.cache[(seq, keep)] = (bucket_slots(staging, bucket, specs), message)
-            slots, message = hit
-            return slots, encode(attrs.evolve(message, refit=self.refit_id))
-
-        def take(bucket: IpcBucket) -> list[RefitSource]:
-            items = [next(sources) for _ in bucket.indices]
-            for i, item in zip(bucket.indices, items, strict=True):
-                want = specs[i]
-                if (
-                    item.name != want.name
-                    or item.dtype != want.dtype
-                    or item.tensor.shape != want.shape
-                ):
-                    msg = (
-                        f"internal: the params stream sent {item.spec} where prepare_refit_info "
-                        f"said {want}"
-                    )
-                    raise RefitError(msg)
-            return items
-
-        try:
-            request(self.begin_frames(specs, transport), ("begin", "begin", -1))
-            begun = True  # its reply is settled by the first bucket's request: the receiver checks
-            turn = 0  # the manifest while the first buffer is allocated and filled
-            for seq, bucket in enumerate(plan):
-                items = take(bucket)
-                if bucket.oversized:
-                    settle()  # the ping-pong buffer in flight is free; now send this one alone
-                    alone = new_staging(bucket.used_bytes)
-                    try:
-                        slots, frames = prepared(alone, seq, bucket, False)
-                        fill_slots(slots, items)
-                        del slots
-                        alone.mark_filled()
-                        request(frames, (f"bucket {seq} (oversized)", "bucket", seq), alone)
-                        settle()
-                        alone.wait_for_reader()  # the allocator may hand its block out again
-                    finally:
-                        alone.close()
-                    continue
-                slot = turn % 2
-                turn += 1
-                if ping_pong[0] is None and ping_pong[1] is None:
-                    new_ping_pong()
-                if ping_pong[slot] is None:
-                    ping_pong[slot] = new_staging(buffer_bytes)
-                staging = ping_pong[slot]
-                assert staging is not None
-                slots, frames = prepared(staging, seq, bucket, keep_staging)
-                staging.wait_for_reader()
-                fill_slots(
-                    slots, items
-                )  # queued behind the receiver's reads of this buffer's last bucket
-                del slots, items
-                staging.mark_filled()
-                request(frames, (f"bucket {seq}", "bucket", seq), staging)
-            settle()
-            if keep_staging:
-                self._kept = [s for s in ping_pong if s is not None]
-                self._kept_bytes = buffer_bytes
-                ping_pong[:] = [None, None]
-            else:
-                for staging in ping_pong:
-                    if staging is not None:
-                        staging.wait_for_reader()
-                release()
-                if transport == "cuda":
-                    torch.cuda.empty_cache()
-            request(encode(Complete(len(plan), refit=self.refit_id)), ("complete", "complete", -1))
-            reply = settle()
-            begun = False
-            assert reply is not None
-            for staging in self._kept:
-                staging.forget_consumed()
-            return reply.report
-        except BaseException as exc:
-            try:
-                # A timeout rebuilt the socket and a rejection already ended the receiver's
-                # refit; any other failure (our own) is announced so the receiver stops waiting
-                # at once. Before the staging goes: the receiver may still be reading the
-                # bucket whose reply is owed.
-                if begun and not isinstance(
-                    exc, (RefitTimeoutError, RefitRejectedError, ProtocolError)
-                ):
-                    self._abort(pending, f"{type(exc).__name__}: {exc}", timeout_s=timeout_s)
-            finally:
-                release()
-                self._release_staging()
-            raise
-        finally:
-            if transport == "cuda":
-                torch.cuda.ipc_collect()
+        kept, self._kept, self._kept_bytes = self._kept, [], 0
+        return kept
 
     def _note_wait(self, timeout_s: float) -> None:
         """Log where the sender waits when no receiver is connected yet (REQ is not writable)."""
