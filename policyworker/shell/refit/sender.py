@@ -23,6 +23,7 @@ from policyworker.functional.buckets import (
     plan_ipc_buckets,
     split_ipc_budget,
 )
+from policyworker.shell.refit.live_state import StateReader
 from policyworker.shell.refit.one_pass.sender import OnePassWriter, stream_one_pass
 from policyworker.shell.refit.watchdog import check_timeout_s
 from policyworker.shell.refit.weight_stream import (
@@ -108,6 +109,7 @@ class RefitSender:
         self.rank = rank
         self.device = torch.device(device)
         self._sender: ZmqIpcSender | None = None
+        self._state_reader = StateReader()  # this sender's state-dict walks, refit after refit
         self._closed = False
         self._creating = threading.Lock()  # two threads asking for the address get one sender
         self._stats_key: Any = None
@@ -203,7 +205,9 @@ class RefitSender:
 
     def weight_stream(self) -> RefitStream:
         """This refit's weights: the specs and the sources of one walk of the model."""
-        return refit_stream(self._model_fn(), self.refit_dtype, self._draft_model_fn())
+        return refit_stream(
+            self._model_fn(), self.refit_dtype, self._draft_model_fn(), reader=self._state_reader
+        )
 
     def send(
         self,

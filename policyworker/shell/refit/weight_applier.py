@@ -26,7 +26,7 @@ from policyworker.functional.wire.codec import (
     dtype_name,
 )
 from policyworker.shell.refit.hf_names import checkpoint_layout
-from policyworker.shell.refit.live_state import live_state_dict
+from policyworker.shell.refit.live_state import StateReader
 from policyworker.shell.refit.weight_stream import tie_word_embeddings
 from policyworker.shell.refit.zmq.receiver import expected_from_refit_info
 from policyworker.shell.refit.zmq.staging import copy_groups, grouped_copy_, run_copy_groups
@@ -88,11 +88,11 @@ def _module_destinations(
     return dests
 
 
-def _where(module: nn.Module) -> tuple[Any, ...]:
+def _where(module: nn.Module, reader: StateReader) -> tuple[Any, ...]:
     """Where the module's tensors live: their names, objects and addresses. It changes when a
     parameter is re-pointed (``.to()`` round trip, ``load_state_dict(assign=True)``); the old
     destinations are still alive (the applier holds them), so no address can come back."""
-    state = live_state_dict(module)
+    state = reader.read(module)
     return (
         tuple(state),
         tuple(id(v) for v in state.values()),
@@ -135,13 +135,14 @@ class WeightApplier:
     ) -> None:
         self.expected = expected_from_refit_info(refit_info)
         self._module: nn.Module | None = None
+        self._reader = StateReader()
         self._where: tuple[Any, ...] = ()  # where the module's tensors were at the last bind
         self._generation = 0  # bumped each time the destinations are found again
         if isinstance(target, nn.Module):
             self._dests: dict[str, torch.Tensor] | None = _module_destinations(
                 target, self.expected
             )
-            self._module, self._where = target, _where(target)
+            self._module, self._where = target, _where(target, self._reader)
             self._load: LoadWeights | None = None
         elif callable(target):
             self._dests, self._load = None, target
@@ -173,7 +174,7 @@ class WeightApplier:
             msg = "rebind during a refit: finish or abort it first"
             raise ValueError(msg)
         self._dests = _module_destinations(target, self.expected)
-        self._module, self._where = target, _where(target)
+        self._module, self._where = target, _where(target, self._reader)
         self._generation += 1  # prepared copy groups hold the old destinations
         self._accepted, self._dest_list = None, None  # derived from the old destinations
 
@@ -186,7 +187,7 @@ class WeightApplier:
         """Find the destinations again when the module's tensors were re-pointed since the
         last bind: a refit written into the old storage would report success and change
         nothing. ``ProtocolError`` naming what the module no longer holds."""
-        if self._module is None or _where(self._module) == self._where:
+        if self._module is None or _where(self._module, self._reader) == self._where:
             return
         try:
             self.rebind(self._module)

@@ -68,17 +68,16 @@ def stream_via_zmq(
     the transport's error).
     """
     from policyworker.shell.refit.sender import check_stream_args
-    from policyworker.shell.refit.weight_stream import refit_stream
 
     check_stream_args(buffer_size_bytes, kv_scales, timeout_s, one_pass=one_pass)
     state.reshard()
-    sender = zmq_sender(state) if state.parallel.rank == 0 else None
-    stream = refit_stream(state.model, state.dtype, state.draft.model)
+    sender = zmq_sender(state)  # on every rank (it opens no socket until rank 0 sends)
+    stream = sender.weight_stream()
     sources = _Draining(stream.sources)
     sharded = state.parallel.world_size > 1
     report, failed = None, 0
     try:
-        if sender is not None:
+        if state.parallel.rank == 0:
             report = sender.send(
                 stream,
                 sources,

@@ -2,10 +2,11 @@
 
 Sender (``ZmqIpcSender``, a DEALER socket bound in a private 0700 folder) and receiver
 (``ZmqIpcReceiver``, a REP socket, driving a ``RefitServer``) speak the protocol of
-docs/refit-protocol.md through ``functional.wire.codec``: BEGIN (manifest) → BUCKET* → COMPLETE, each answered
-by one reply; a rejection or an ABORT ends the refit on both sides at once. Buffers: CUDA tensors
-shared by their ``_share_cuda_()`` handle, or files in /dev/shm mapped with ``torch.from_file``
-on CPU — the same protocol code either way, so CPU tests cover it.
+docs/refit-protocol.md through ``functional.wire.codec``: BEGIN (manifest) → BUCKET* →
+COMPLETE, each answered by one reply naming its request; a rejection or an ABORT ends the refit
+on both sides at once. Buffers: CUDA tensors shared by their ``_share_cuda_()`` handle, or files
+in /dev/shm on CPU (filled through a mapping, read by descriptor) — the same protocol code either
+way, so CPU tests cover it.
 
 Per-refit host work is kept small: the sender caches the encoded manifest per specs object and,
 per staging buffer, each bucket's typed slot views and message record; with ``keep_staging`` the
