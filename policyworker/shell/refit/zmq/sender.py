@@ -211,7 +211,7 @@ class ZmqIpcSender:
 
         Call it before a refit when a receiver was just replaced on this address: a BEGIN sent
         before this sender's I/O thread has seen the old connection end can be queued on it and
-        lost (REQ picks connections in turn), which costs one refit timeout."""
+        lost (DEALER picks connections in turn), which costs one refit timeout."""
         deadline = time.monotonic() + timeout_s
         while self.connected_receivers() != connected or self.departed_receivers < departed:
             if time.monotonic() > deadline:
@@ -220,7 +220,7 @@ class ZmqIpcSender:
         return True
 
     def _check_one_receiver(self) -> None:
-        """REQ sends each message to the next connected peer in turn: with two receivers on one
+        """DEALER sends each message to the next connected peer in turn: with two receivers on one
         address each would see part of a refit. Refuse before BEGIN (a receiver that just rebuilt
         its socket is counted twice for a moment, so give disconnects a short while to arrive)."""
         deadline = time.monotonic() + 0.5
@@ -391,7 +391,7 @@ class ZmqIpcSender:
         return kept
 
     def _note_wait(self, timeout_s: float) -> None:
-        """Log where the sender waits when no receiver is connected yet (REQ is not writable)."""
+        """Log where the sender waits when no receiver is connected yet (DEALER is not writable)."""
         if not self._sock().poll(0, zmq.POLLOUT):
             log.info(
                 "refit rank %d: waiting up to %g s for a receiver at %s (build "
