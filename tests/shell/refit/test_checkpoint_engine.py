@@ -1,0 +1,219 @@
+"""Checkpoint-engine refit with the collective backend: this process is the policy worker
+(NeMo-RL's ``checkpoint_engine_rpc`` lifecycle), child processes are rollout ranks hosting an HF
+model in ``CheckpointEngineRollout``, driven the way NeMo-RL's weight synchronizer drives them.
+"""
+
+import asyncio
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from policyworker.errors import RefitError, RefitTimeoutError
+from policyworker.shell.worker.policy_worker import PolicyWorker
+from tests.helpers import JsonCommandChild, single_thread_logprobs, write_refit_info
+from tests.shell.conftest import make_config
+
+CHILD = r"""
+import json, os, sys
+import torch
+torch.set_num_threads(1)
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+from policyworker.functional.wire.codec import DTYPES_BY_NAME
+from policyworker.shell.refit.checkpoint_engine import CheckpointEngineRollout
+
+def say(obj):
+    print("@@" + json.dumps(obj), flush=True)
+
+rollout = model = None
+for line in sys.stdin:
+    cmd = json.loads(line)
+    try:
+        if cmd["op"] == "setup":
+            config = AutoConfig.from_pretrained(cmd["model_dir"])
+            config._attn_implementation = "eager"
+            torch.manual_seed(99)  # weights differ from the trainer's until a refit lands
+            model = AutoModelForCausalLM.from_config(config).eval()
+            info = {n: (s, DTYPES_BY_NAME[d]) for n, (s, d) in json.load(open(cmd["info"])).items()}
+            rollout = CheckpointEngineRollout(model, refit_info=info, rank=cmd["rank"])
+            say({"ok": True})
+        elif cmd["op"] == "rpc":
+            result = rollout.checkpoint_engine_rpc(cmd["method"], tuple(cmd.get("args", ())))
+            say({"ok": True, "result": result})
+        elif cmd["op"] == "receive":
+            if cmd.get("die_after_buckets") is not None:
+                apply, seen = rollout.receiver.apply_batch, [0]
+                def dying(pairs):
+                    seen[0] += 1
+                    if seen[0] > cmd["die_after_buckets"]:
+                        os._exit(3)
+                    return apply(pairs)
+                rollout.receiver.apply_batch = dying
+            ok = rollout.checkpoint_engine_rpc("update_weights_from_checkpoint_engine")
+            with torch.no_grad():
+                ids = load_file(cmd["batch"])["input_ids"]
+                out = {"logprobs": torch.log_softmax(model(ids).logits.float(), -1)}
+            out.update({k: v.contiguous() for k, v in model.state_dict().items()
+                        if k != "lm_head.weight" or not model.config.tie_word_embeddings})
+            save_file(out, cmd["out"])
+            say({"ok": ok, "version": rollout.receiver.version,
+                 "num_buckets": rollout.last_report.num_buckets})
+        elif cmd["op"] == "exit":
+            os._exit(0)  # a broken group's stuck collective would block a normal exit
+    except Exception as exc:
+        say({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+"""
+
+IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+ENGINE = {
+    "backend": "collective",
+    "bucket_size_bytes": 4096,
+    "engine_kwargs": {"host": "127.0.0.1", "device": "cpu", "timeout_s": 30.0},
+}
+
+
+def rpc(worker, method, **kwargs):
+    return asyncio.run(worker.checkpoint_engine_rpc(method, kwargs))
+
+
+def child_rpc(child, method, *args):
+    child.send(op="rpc", method=method, args=list(args))
+    answer = child.reply()
+    assert answer["ok"], answer
+    return answer["result"]
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model_paths):
+    return PolicyWorker(make_config(tiny_model_paths["qwen2"]), init_reference_model=False)
+
+
+def _children(n, worker, model_dir, tmp_path):
+    write_refit_info(worker.prepare_refit_info(), tmp_path / "info.json")
+    save_file({"input_ids": IDS}, tmp_path / "batch.safetensors")
+    children = [JsonCommandChild(CHILD) for _ in range(n)]
+    for child in children:  # one engine per child: each is rank 0 of its own engine
+        child.send(op="setup", model_dir=model_dir, info=str(tmp_path / "info.json"), rank=0)
+    for child in children:
+        assert child.reply()["ok"]
+    return children
+
+
+def _connect(worker, children, engine=ENGINE):
+    """NeMo-RL's synchronizer setup: init (twice: idempotent), prepare, process groups."""
+    rpc(worker, "init_checkpoint_engine", **engine)
+    first = worker.checkpoint_engine
+    rpc(worker, "init_checkpoint_engine", **engine)
+    assert worker.checkpoint_engine is first
+    args = (engine["backend"], engine["bucket_size_bytes"], engine["engine_kwargs"])
+    for child in children:
+        child_rpc(child, "init_checkpoint_engine", *args)
+    policy_meta = [rpc(worker, "prepare_checkpoint_engine")]
+    rollout_meta = [child_rpc(child, "prepare_checkpoint_engine") for child in children]
+    assert policy_meta[0]["rank"] == 0 and all(m["rank"] == 0 for m in rollout_meta)
+    metadata = policy_meta + rollout_meta
+    for prefix, child in enumerate(children):
+        child.send(
+            op="rpc",
+            method="init_checkpoint_engine_process_group",
+            args=[prefix, 1, len(children), metadata],
+        )
+    rpc(
+        worker,
+        "init_checkpoint_engine_process_group",
+        train_world_size=1,
+        rollout_world_size=len(children),
+        metadata=metadata,
+    )
+    for child in children:
+        assert child.reply()["ok"]
+
+
+def _receive(children, tmp_path, **cmd):
+    for i, child in enumerate(children):
+        child.send(
+            op="receive",
+            batch=str(tmp_path / "batch.safetensors"),
+            out=str(tmp_path / f"out{i}.safetensors"),
+            **cmd,
+        )
+
+
+def _trainer_logprobs(model_dir, weights):
+    config = AutoConfig.from_pretrained(model_dir)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.load_state_dict(weights, strict=False)  # a tied lm_head follows the embedding
+    return single_thread_logprobs(model, IDS)
+
+
+def _close(children):
+    for child in children:
+        child.close()
+
+
+def test_collective_lifecycle_one_policy_two_rollout_ranks_bitwise_fp32(
+    worker, tiny_model_paths, tmp_path
+):
+    model_dir = tiny_model_paths["qwen2"]
+    children = _children(2, worker, model_dir, tmp_path)
+    try:
+        assert rpc(worker, "checkpoint_engine_total_memory_bytes") > 0
+        assert child_rpc(children[0], "checkpoint_engine_total_memory_bytes") > 0
+        _connect(worker, children)
+        for version in (1, 2):
+            _receive(children, tmp_path)
+            assert rpc(worker, "send_weights_via_checkpoint_engine", kv_scales=None) is None
+            answers = [child.reply() for child in children]
+            assert all(a["ok"] and a["version"] == version for a in answers), answers
+            assert answers[0]["num_buckets"] > 1  # 4096-byte buckets: the stream was split
+            sent = dict(worker._checkpoint_engine_params())
+            expected = _trainer_logprobs(model_dir, sent)
+            for i in range(len(children)):
+                got = load_file(tmp_path / f"out{i}.safetensors")
+                for name, tensor in sent.items():
+                    assert torch.equal(got[name], tensor), name
+                assert torch.equal(got["logprobs"], expected)
+            worker._add_noise_to_weights()  # the next refit must carry new weights
+        rpc(worker, "finalize_checkpoint_engine")
+        for child in children:
+            child_rpc(child, "finalize_checkpoint_engine")
+        with pytest.raises(RefitError, match="needs a group"):
+            rpc(worker, "send_weights_via_checkpoint_engine")
+    finally:
+        rpc(worker, "finalize_checkpoint_engine")
+        _close(children)
+
+
+def test_killed_rollout_rank_is_a_named_error_within_the_timeout_then_a_new_group_works(
+    worker, tiny_model_paths, tmp_path
+):
+    model_dir = tiny_model_paths["qwen2"]
+    engine = {**ENGINE, "engine_kwargs": {**ENGINE["engine_kwargs"], "timeout_s": 10.0}}
+    dying = _children(1, worker, model_dir, tmp_path)
+    fresh = []
+    try:
+        _connect(worker, dying, engine)
+        _receive(dying, tmp_path, die_after_buckets=1)
+        started = time.monotonic()
+        with pytest.raises(RefitTimeoutError, match="collective refit rank 0/2"):
+            rpc(worker, "send_weights_via_checkpoint_engine")
+        assert time.monotonic() - started < 25
+        assert dying[0].reply()["error"] == "exited"
+        # NeMo-RL's recovery: finalize everywhere, then set the engine up again with live ranks.
+        rpc(worker, "finalize_checkpoint_engine")
+        fresh = _children(1, worker, model_dir, tmp_path)
+        _connect(worker, fresh, engine)
+        _receive(fresh, tmp_path)
+        rpc(worker, "send_weights_via_checkpoint_engine")
+        answer = fresh[0].reply()
+        assert answer["ok"] and answer["version"] == 1, answer
+        got = load_file(tmp_path / "out0.safetensors")
+        for name, tensor in worker._checkpoint_engine_params():
+            assert torch.equal(got[name], tensor), name
+    finally:
+        rpc(worker, "finalize_checkpoint_engine")
+        _close(dying + fresh)
