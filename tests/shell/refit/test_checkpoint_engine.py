@@ -91,9 +91,19 @@ def worker(tiny_model_paths):
     return PolicyWorker(make_config(tiny_model_paths["qwen2"]), init_reference_model=False)
 
 
+@pytest.fixture(scope="module")
+def children(worker, tiny_model_paths, tmp_path_factory):
+    """Two rollout processes, started once (the fault test kills the second one last)."""
+    started = _children(2, worker, tiny_model_paths["qwen2"], tmp_path_factory.mktemp("rollout"))
+    try:
+        yield started
+    finally:
+        rpc(worker, "finalize_checkpoint_engine")
+        _close(started)
+
+
 def _children(n, worker, model_dir, tmp_path):
     write_refit_info(worker.prepare_refit_info(), tmp_path / "info.json")
-    save_file({"input_ids": IDS}, tmp_path / "batch.safetensors")
     children = [JsonCommandChild(CHILD) for _ in range(n)]
     for child in children:  # one engine per child: each is rank 0 of its own engine
         child.send(op="setup", model_dir=model_dir, info=str(tmp_path / "info.json"), rank=0)
@@ -133,6 +143,7 @@ def _connect(worker, children, engine=ENGINE):
 
 
 def _receive(children, tmp_path, **cmd):
+    save_file({"input_ids": IDS}, tmp_path / "batch.safetensors")
     for i, child in enumerate(children):
         child.send(
             op="receive",
@@ -156,64 +167,54 @@ def _close(children):
 
 
 def test_collective_lifecycle_one_policy_two_rollout_ranks_bitwise_fp32(
-    worker, tiny_model_paths, tmp_path
+    worker, children, tiny_model_paths, tmp_path
 ):
     model_dir = tiny_model_paths["qwen2"]
-    children = _children(2, worker, model_dir, tmp_path)
-    try:
-        assert rpc(worker, "checkpoint_engine_total_memory_bytes") > 0
-        assert child_rpc(children[0], "checkpoint_engine_total_memory_bytes") > 0
-        _connect(worker, children)
-        for version in (1, 2):
-            _receive(children, tmp_path)
-            assert rpc(worker, "send_weights_via_checkpoint_engine", kv_scales=None) is None
-            answers = [child.reply() for child in children]
-            assert all(a["ok"] and a["version"] == version for a in answers), answers
-            assert answers[0]["num_buckets"] > 1  # 4096-byte buckets: the stream was split
-            sent = dict(worker._checkpoint_engine_params())
-            expected = _trainer_logprobs(model_dir, sent)
-            for i in range(len(children)):
-                got = load_file(tmp_path / f"out{i}.safetensors")
-                for name, tensor in sent.items():
-                    assert torch.equal(got[name], tensor), name
-                assert torch.equal(got["logprobs"], expected)
-            worker._add_noise_to_weights()  # the next refit must carry new weights
-        rpc(worker, "finalize_checkpoint_engine")
-        for child in children:
-            child_rpc(child, "finalize_checkpoint_engine")
-        with pytest.raises(RefitError, match="needs a group"):
-            rpc(worker, "send_weights_via_checkpoint_engine")
-    finally:
-        rpc(worker, "finalize_checkpoint_engine")
-        _close(children)
+    assert rpc(worker, "checkpoint_engine_total_memory_bytes") > 0
+    assert child_rpc(children[0], "checkpoint_engine_total_memory_bytes") > 0
+    _connect(worker, children)
+    for version in (1, 2):
+        _receive(children, tmp_path)
+        assert rpc(worker, "send_weights_via_checkpoint_engine", kv_scales=None) is None
+        answers = [child.reply() for child in children]
+        assert all(a["ok"] and a["version"] == version for a in answers), answers
+        assert answers[0]["num_buckets"] > 1  # 4096-byte buckets: the stream was split
+        sent = dict(worker._checkpoint_engine_params())
+        expected = _trainer_logprobs(model_dir, sent)
+        for i in range(len(children)):
+            got = load_file(tmp_path / f"out{i}.safetensors")
+            for name, tensor in sent.items():
+                assert torch.equal(got[name], tensor), name
+            assert torch.equal(got["logprobs"], expected)
+        worker._add_noise_to_weights()  # the next refit must carry new weights
+    rpc(worker, "finalize_checkpoint_engine")
+    for child in children:
+        child_rpc(child, "finalize_checkpoint_engine")
+    with pytest.raises(RefitError, match="needs a group"):
+        rpc(worker, "send_weights_via_checkpoint_engine")
 
 
 def test_killed_rollout_rank_is_a_named_error_within_the_timeout_then_a_new_group_works(
-    worker, tiny_model_paths, tmp_path
+    worker, children, tmp_path
 ):
-    model_dir = tiny_model_paths["qwen2"]
+    live, dying = children
     engine = {**ENGINE, "engine_kwargs": {**ENGINE["engine_kwargs"], "timeout_s": 10.0}}
-    dying = _children(1, worker, model_dir, tmp_path)
-    fresh = []
-    try:
-        _connect(worker, dying, engine)
-        _receive(dying, tmp_path, die_after_buckets=1)
-        started = time.monotonic()
-        with pytest.raises(RefitTimeoutError, match="collective refit rank 0/2"):
-            rpc(worker, "send_weights_via_checkpoint_engine")
-        assert time.monotonic() - started < 25
-        assert dying[0].reply()["error"] == "exited"
-        # NeMo-RL's recovery: finalize everywhere, then set the engine up again with live ranks.
-        rpc(worker, "finalize_checkpoint_engine")
-        fresh = _children(1, worker, model_dir, tmp_path)
-        _connect(worker, fresh, engine)
-        _receive(fresh, tmp_path)
+    _connect(worker, [dying], engine)
+    _receive([dying], tmp_path, die_after_buckets=1)
+    started = time.monotonic()
+    with pytest.raises(RefitTimeoutError, match="collective refit rank 0/2"):
         rpc(worker, "send_weights_via_checkpoint_engine")
-        answer = fresh[0].reply()
-        assert answer["ok"] and answer["version"] == 1, answer
-        got = load_file(tmp_path / "out0.safetensors")
-        for name, tensor in worker._checkpoint_engine_params():
-            assert torch.equal(got[name], tensor), name
-    finally:
-        rpc(worker, "finalize_checkpoint_engine")
-        _close(dying + fresh)
+    assert time.monotonic() - started < 25
+    assert dying.reply()["error"] == "exited"
+    # NeMo-RL's recovery: finalize everywhere, then set the engine up again with live ranks.
+    rpc(worker, "finalize_checkpoint_engine")
+    child_rpc(live, "finalize_checkpoint_engine")
+    worker._add_noise_to_weights()
+    _connect(worker, [live], engine)
+    _receive([live], tmp_path)
+    rpc(worker, "send_weights_via_checkpoint_engine")
+    answer = live.reply()
+    assert answer["ok"], answer
+    got = load_file(tmp_path / "out0.safetensors")
+    for name, tensor in worker._checkpoint_engine_params():
+        assert torch.equal(got[name], tensor), name
