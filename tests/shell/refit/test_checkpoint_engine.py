@@ -4,6 +4,9 @@ model in ``CheckpointEngineRollout``, driven the way NeMo-RL's weight synchroniz
 """
 
 import asyncio
+import json
+import pathlib
+import threading
 import time
 
 import pytest
@@ -13,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from policyworker.errors import RefitError, RefitTimeoutError
 from policyworker.shell.worker.policy_worker import PolicyWorker
+from tests.distributed.launch import run_on_gloo
 from tests.helpers import JsonCommandChild, single_thread_logprobs, write_refit_info
 from tests.shell.conftest import make_config
 
@@ -192,6 +196,69 @@ def test_collective_lifecycle_one_policy_two_rollout_ranks_bitwise_fp32(
         child_rpc(child, "finalize_checkpoint_engine")
     with pytest.raises(RefitError, match="needs a group"):
         rpc(worker, "send_weights_via_checkpoint_engine")
+
+
+def _two_policy_ranks(rank, world_size, model_dir, tmp):
+    """One policy rank of a dp2 worker: the lifecycle, metadata gathered over the group."""
+    import torch.distributed as dist
+
+    tmp = pathlib.Path(tmp)
+    worker = PolicyWorker(make_config(model_dir), init_reference_model=False)
+    assert worker.parallel.dp_size == world_size  # FSDP2-sharded: the send gathers
+    rpc(worker, "init_checkpoint_engine", **ENGINE)
+    policy_meta = [None] * world_size
+    dist.all_gather_object(policy_meta, rpc(worker, "prepare_checkpoint_engine"))
+    assert [m["rank"] for m in policy_meta] == list(range(world_size))
+    metadata = policy_meta + [json.loads((tmp / "rollout_meta.json").read_text())]
+    if rank == 0:  # the driver's view, handed to the rollout rank
+        (tmp / "meta.tmp").write_text(json.dumps(metadata))
+        (tmp / "meta.tmp").rename(tmp / "meta.json")
+    rpc(
+        worker,
+        "init_checkpoint_engine_process_group",
+        train_world_size=world_size,
+        rollout_world_size=1,
+        metadata=metadata,
+    )
+    rpc(worker, "send_weights_via_checkpoint_engine")
+    sent = dict(worker._checkpoint_engine_params())  # a gather on every rank
+    if rank == 0:
+        save_file(sent, tmp / "sent.safetensors")
+    rpc(worker, "finalize_checkpoint_engine")
+
+
+def test_two_policy_ranks_into_one_rollout_rank_bitwise_fp32(children, tiny_model_paths, tmp_path):
+    live, model_dir = children[0], tiny_model_paths["qwen2"]
+    args = (ENGINE["backend"], ENGINE["bucket_size_bytes"], ENGINE["engine_kwargs"])
+    child_rpc(live, "finalize_checkpoint_engine")
+    child_rpc(live, "init_checkpoint_engine", *args)
+    (tmp_path / "rollout_meta.json").write_text(
+        json.dumps(child_rpc(live, "prepare_checkpoint_engine"))
+    )
+    answers = []
+
+    def drive_rollout():  # NeMo-RL's driver: rollout calls run beside the policy ranks' calls
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "meta.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        metadata = json.loads((tmp_path / "meta.json").read_text())
+        live.send(op="rpc", method="init_checkpoint_engine_process_group", args=[0, 2, 1, metadata])
+        answers.append(live.reply())
+        _receive([live], tmp_path)
+        answers.append(live.reply())
+
+    thread = threading.Thread(target=drive_rollout, daemon=True)
+    thread.start()
+    run_on_gloo(_two_policy_ranks, 2, model_dir, str(tmp_path))
+    thread.join(timeout=60)
+    assert len(answers) == 2 and all(a["ok"] for a in answers), answers
+    assert answers[1]["num_buckets"] > 1
+    sent = load_file(tmp_path / "sent.safetensors")
+    got = load_file(tmp_path / "out0.safetensors")
+    for name, tensor in sent.items():
+        assert torch.equal(got[name], tensor), name
+    assert torch.equal(got["logprobs"], _trainer_logprobs(model_dir, sent))
+    child_rpc(live, "finalize_checkpoint_engine")
 
 
 def test_killed_rollout_rank_is_a_named_error_within_the_timeout_then_a_new_group_works(
