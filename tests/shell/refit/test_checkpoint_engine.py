@@ -48,14 +48,17 @@ for line in sys.stdin:
             result = rollout.checkpoint_engine_rpc(cmd["method"], tuple(cmd.get("args", ())))
             say({"ok": True, "result": result})
         elif cmd["op"] == "receive":
-            if cmd.get("die_after_buckets") is not None:
-                apply, seen = rollout.receiver.apply_batch, [0]
-                def dying(pairs):
-                    seen[0] += 1
-                    if seen[0] > cmd["die_after_buckets"]:
-                        os._exit(3)
-                    return apply(pairs)
-                rollout.receiver.apply_batch = dying
+            if cmd.get("die_after_buckets") is not None:  # whichever way a backend applies
+                applier, seen = rollout.receiver.applier, [0]
+                def dying(apply):
+                    def counted(*args):
+                        seen[0] += 1
+                        if seen[0] > cmd["die_after_buckets"]:
+                            os._exit(3)
+                        return apply(*args)
+                    return counted
+                for name in ("apply_batch", "apply_indexed", "apply_prepared"):
+                    setattr(applier, name, dying(getattr(applier, name)))
             ok = rollout.checkpoint_engine_rpc("update_weights_from_checkpoint_engine")
             with torch.no_grad():
                 ids = load_file(cmd["batch"])["input_ids"]

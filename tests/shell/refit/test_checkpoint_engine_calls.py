@@ -235,3 +235,17 @@ def test_rollout_host_refuses_calls_before_its_engine_exists():
         host.checkpoint_engine_rpc("update_weights_from_checkpoint_engine")
     with pytest.raises(ValueError, match="rank -1"):
         CheckpointEngineRollout(nn.Linear(2, 1), refit_info={}, rank=-1)
+
+
+def test_ipc_refuses_more_rollout_ranks_than_colocated_policy_ranks():
+    engine = create_checkpoint_engine(
+        "ipc", bucket_size_bytes=4096, engine_kwargs={"device": "cpu", "timeout_s": 5.0}
+    )
+    try:
+        metadata = [engine.prepare(), {"backend": "ipc"}, {"backend": "ipc"}]
+        with pytest.raises(ValueError, match="train_world_size 1 < rollout_world_size 2"):
+            engine.init_policy_process_group(
+                worker_rank=0, train_world_size=1, rollout_world_size=2, metadata=metadata
+            )
+    finally:
+        engine.finalize()

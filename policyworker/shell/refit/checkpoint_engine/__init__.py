@@ -4,6 +4,7 @@
                    init_rollout_process_group / send_weights / receive_weights / finalize
     registry.py    backends by name (collective, ipc, nixl where it imports, "module:Class")
     collective.py  our packed broadcast over a trainer + rollout group (gloo / NCCL)
+    ipc.py         colocated: our ZMQ transport, CUDA IPC / shared-memory staging
     rollout.py     CheckpointEngineRollout: the rollout rank hosting a receiver target
 
 The policy side is ``PolicyWorker.checkpoint_engine_rpc``

@@ -29,6 +29,7 @@ __all__ = [
 _HERE = "policyworker.shell.refit.checkpoint_engine"
 BACKENDS: Mapping[str, str] = {
     "collective": f"{_HERE}.collective:CollectiveCheckpointEngine",
+    "ipc": f"{_HERE}.ipc:IpcCheckpointEngine",
     "nixl": "nemo_rl.utils.checkpoint_engines.nixl:NIXLCheckpointEngine",
 }
 

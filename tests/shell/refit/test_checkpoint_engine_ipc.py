@@ -1,0 +1,85 @@
+"""Checkpoint-engine refit with the ipc backend (colocated: our ZMQ transport over /dev/shm on
+CPU): this process is the policy worker, a child process the rollout rank hosting an HF model,
+driven through the same lifecycle as the collective backend's test."""
+
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from policyworker.errors import RefitTimeoutError
+from tests.shell.refit.test_checkpoint_engine import (
+    _children,
+    _close,
+    _connect,
+    _receive,
+    _trainer_logprobs,
+    rpc,
+    worker,  # noqa: F401 -- the module's policy worker fixture
+)
+
+ENGINE = {
+    "backend": "ipc",
+    "bucket_size_bytes": 4096,
+    "engine_kwargs": {"device": "cpu", "timeout_s": 5.0},
+}
+
+
+@pytest.fixture(scope="module")
+def children(worker, tiny_model_paths, tmp_path_factory):  # noqa: F811
+    started = _children(2, worker, tiny_model_paths["qwen2"], tmp_path_factory.mktemp("ipc"))
+    try:
+        yield started
+    finally:
+        rpc(worker, "finalize_checkpoint_engine")
+        _close(started)
+
+
+def test_ipc_lifecycle_into_a_colocated_rollout_process_bitwise_fp32(
+    worker,  # noqa: F811
+    children,
+    tiny_model_paths,
+    tmp_path,
+):
+    live = children[0]
+    _connect(worker, [live], ENGINE)
+    for version in (1, 2):
+        _receive([live], tmp_path)
+        assert rpc(worker, "send_weights_via_checkpoint_engine") is None
+        answer = live.reply()
+        assert answer["ok"] and answer["version"] == version, answer
+        assert answer["num_buckets"] > 1
+        sent = dict(worker._checkpoint_engine_params())
+        got = load_file(tmp_path / "out0.safetensors")
+        for name, tensor in sent.items():
+            assert torch.equal(got[name], tensor), name
+        assert torch.equal(got["logprobs"], _trainer_logprobs(tiny_model_paths["qwen2"], sent))
+        worker._add_noise_to_weights()
+    assert worker.checkpoint_engine.last_report is not None
+    rpc(worker, "finalize_checkpoint_engine")
+
+
+def test_ipc_killed_rollout_rank_is_a_timeout_error_then_a_new_connection_works(
+    worker,  # noqa: F811
+    children,
+    tmp_path,
+):
+    live, dying = children
+    _connect(worker, [dying], ENGINE)
+    _receive([dying], tmp_path, die_after_buckets=1)
+    started = time.monotonic()
+    with pytest.raises(RefitTimeoutError, match="receiver may be dead or unresponsive"):
+        rpc(worker, "send_weights_via_checkpoint_engine")
+    assert time.monotonic() - started < 15
+    assert dying.reply()["error"] == "exited"
+    rpc(worker, "finalize_checkpoint_engine")
+    live.send(op="rpc", method="finalize_checkpoint_engine", args=[])
+    assert live.reply()["ok"]
+    _connect(worker, [live], ENGINE)
+    _receive([live], tmp_path)
+    rpc(worker, "send_weights_via_checkpoint_engine")
+    assert live.reply()["ok"]
+    got = load_file(tmp_path / "out0.safetensors")
+    for name, tensor in worker._checkpoint_engine_params():
+        assert torch.equal(got[name], tensor), name
