@@ -2,6 +2,8 @@
 the offload hooks around a send, and a policy + rollout engine pair on two threads."""
 
 import asyncio
+import pathlib
+import re
 import sys
 import threading
 import types
@@ -249,3 +251,10 @@ def test_ipc_refuses_more_rollout_ranks_than_colocated_policy_ranks():
             )
     finally:
         engine.finalize()
+
+
+def test_the_docs_example_runs():
+    text = (pathlib.Path(__file__).parents[3] / "docs" / "checkpoint-engine.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "docs/checkpoint-engine.md", "exec"), {})
