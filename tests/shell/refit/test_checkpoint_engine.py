@@ -40,7 +40,7 @@ for line in sys.stdin:
             config = AutoConfig.from_pretrained(cmd["model_dir"])
             config._attn_implementation = "eager"
             torch.manual_seed(99)  # weights differ from the trainer's until a refit lands
-            model = AutoModelForCausalLM.from_config(config).eval()
+            model = AutoModelForCausalLM.from_config(config).eval().to(cmd.get("device", "cpu"))
             info = {n: (s, DTYPES_BY_NAME[d]) for n, (s, d) in json.load(open(cmd["info"])).items()}
             rollout = CheckpointEngineRollout(model, refit_info=info, rank=cmd["rank"])
             say({"ok": True})
@@ -61,9 +61,9 @@ for line in sys.stdin:
                     setattr(applier, name, dying(getattr(applier, name)))
             ok = rollout.checkpoint_engine_rpc("update_weights_from_checkpoint_engine")
             with torch.no_grad():
-                ids = load_file(cmd["batch"])["input_ids"]
-                out = {"logprobs": torch.log_softmax(model(ids).logits.float(), -1)}
-            out.update({k: v.contiguous() for k, v in model.state_dict().items()
+                ids = load_file(cmd["batch"])["input_ids"].to(model.device)
+                out = {"logprobs": torch.log_softmax(model(ids).logits.float(), -1).cpu()}
+            out.update({k: v.cpu().contiguous() for k, v in model.state_dict().items()
                         if k != "lm_head.weight" or not model.config.tie_word_embeddings})
             save_file(out, cmd["out"])
             say({"ok": ok, "version": rollout.receiver.version,
@@ -109,11 +109,17 @@ def children(worker, tiny_model_paths, tmp_path_factory):
         _close(started)
 
 
-def _children(n, worker, model_dir, tmp_path):
+def _children(n, worker, model_dir, tmp_path, *, devices=None):
     write_refit_info(worker.prepare_refit_info(), tmp_path / "info.json")
     children = [JsonCommandChild(CHILD) for _ in range(n)]
-    for child in children:  # one engine per child: each is rank 0 of its own engine
-        child.send(op="setup", model_dir=model_dir, info=str(tmp_path / "info.json"), rank=0)
+    for i, child in enumerate(children):  # one engine per child: each is rank 0 of its own
+        child.send(
+            op="setup",
+            model_dir=model_dir,
+            info=str(tmp_path / "info.json"),
+            rank=0,
+            device=(devices or ["cpu"] * n)[i],
+        )
     for child in children:
         assert child.reply()["ok"]
     return children
