@@ -258,3 +258,97 @@ def test_the_docs_example_runs():
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert len(blocks) == 1
     exec(compile(blocks[0], "docs/checkpoint-engine.md", "exec"), {})
+
+
+def _serve_in_thread(rollout, metadata, refits, errors, **sizes):
+    """A rollout rank on a thread: join, then serve ``refits`` refits (errors collected)."""
+
+    def body():
+        try:
+            rollout.init_checkpoint_engine_process_group(0, 1, 1, metadata)
+            for _ in range(refits):
+                try:
+                    rollout.update_weights_from_checkpoint_engine()
+                except Exception as exc:  # the main thread asserts on it
+                    errors.append(exc)
+        except Exception as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_a_refit_broken_midway_leaves_an_atomic_rollout_serving_the_previous_weights(atomic):
+    torch.manual_seed(0)
+    trainer, served = nn.Linear(16, 16), nn.Linear(16, 16)
+    info = {n: (t.shape, t.dtype) for n, t in trainer.state_dict().items()}
+    options = {**CPU, "timeout_s": 3.0}
+    rollout = CheckpointEngineRollout(served, refit_info=info, atomic=atomic)
+    rollout.init_checkpoint_engine("collective", 512, options)
+    policy = create_checkpoint_engine("collective", bucket_size_bytes=512, engine_kwargs=options)
+    metadata = [policy.prepare(), rollout.prepare_checkpoint_engine()]
+    errors = []
+    thread = _serve_in_thread(rollout, metadata, 2, errors)
+    policy.init_policy_process_group(
+        worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=metadata
+    )
+    first = {n: t.clone() for n, t in trainer.state_dict().items()}
+    asyncio.run(policy.send_weights(iter(first.items()), refit_info=info))
+
+    def breaks_after_the_weight():
+        yield "weight", first["weight"] + 1  # several 512-byte buckets: some are applied
+        raise RuntimeError("the trainer failed mid-stream")
+
+    with pytest.raises(RuntimeError, match="mid-stream"):
+        asyncio.run(policy.send_weights(breaks_after_the_weight(), refit_info=info))
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], RefitError), errors
+    assert rollout.receiver.version == 1
+    if atomic:  # nothing of the broken refit was written
+        assert not rollout.receiver.stale
+        assert torch.equal(served.weight, first["weight"])
+    else:  # written in place: marked stale until the next complete refit
+        assert rollout.receiver.stale
+    policy.finalize()
+    rollout.finalize_checkpoint_engine()
+
+
+def test_lora_worker_sends_merged_weights_and_no_adapter_tensors(tiny_model_paths):
+    from transformers import AutoModelForCausalLM
+
+    lora = {"lora_cfg": {"target_modules": ["q_proj"], "dim": 4, "alpha": 8}}
+    path = tiny_model_paths["llama"]
+    w = PolicyWorker(make_config(path, dtensor_cfg=lora), init_reference_model=False)
+    q_name = next(n for n in w.lora_module_names if n.endswith("q_proj"))
+    q = w.model.get_submodule(q_name)
+    with torch.no_grad():
+        q.lora_B.weight.normal_()  # a trained adapter: the merge must show
+    merged = q.weight + q.scale * (q.lora_B.weight @ q.lora_A.weight)
+    info = w.prepare_refit_info()
+    assert not any("lora" in name for name in info)
+    served = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rollout = CheckpointEngineRollout(served, refit_info=info)
+    rollout.init_checkpoint_engine("collective", 4096, CPU)
+    rpc(
+        w, "init_checkpoint_engine", backend="collective", bucket_size_bytes=4096, engine_kwargs=CPU
+    )
+    metadata = [rpc(w, "prepare_checkpoint_engine"), rollout.prepare_checkpoint_engine()]
+    errors = []
+    thread = _serve_in_thread(rollout, metadata, 1, errors)
+    rpc(
+        w,
+        "init_checkpoint_engine_process_group",
+        train_world_size=1,
+        rollout_world_size=1,
+        metadata=metadata,
+    )
+    rpc(w, "send_weights_via_checkpoint_engine")
+    thread.join(timeout=30)
+    assert not errors and rollout.receiver.version == 1
+    got = served.get_submodule(q_name).weight
+    assert torch.allclose(got, merged, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got, q.weight)
+    rpc(w, "finalize_checkpoint_engine")
