@@ -352,3 +352,11 @@ def test_lora_worker_sends_merged_weights_and_no_adapter_tensors(tiny_model_path
     assert torch.allclose(got, merged, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(got, q.weight)
     rpc(w, "finalize_checkpoint_engine")
+
+
+def test_ipc_send_before_joining_is_refused_not_a_silent_no_op():
+    engine = create_checkpoint_engine(
+        "ipc", bucket_size_bytes=4096, engine_kwargs={"device": "cpu", "timeout_s": 5.0}
+    )
+    with pytest.raises(RefitError, match="init_policy_process_group"):
+        asyncio.run(engine.send_weights(iter([("w", torch.zeros(2))])))

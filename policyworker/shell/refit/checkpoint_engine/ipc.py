@@ -58,7 +58,7 @@ class IpcCheckpointEngine(CheckpointEngine):
         self.device = torch.device(device)
         self.timeout_s = float(options.get("timeout_s", DEFAULT_TIMEOUT_S))
         self.sender: ZmqIpcSender | None = None
-        self.has_peer = False
+        self.has_peer: bool | None = None  # None until this policy rank joined
         self.address: str | None = None
         self._socket: ZmqIpcReceiver | None = None
         self._served: tuple[HFWeightReceiver, RefitServer] | None = None
@@ -137,6 +137,9 @@ class IpcCheckpointEngine(CheckpointEngine):
         refit_info: Mapping[str, Any] | None = None,
     ) -> dict[str, Any] | None:
         """One refit to this rank's colocated rollout rank; its report (None without a peer)."""
+        if self.has_peer is None:
+            msg = "send_weights needs prepare() and init_policy_process_group on every member first"
+            raise RefitError(msg)
         try:
             if not self.has_peer:
                 for _ in weights:  # the gathers are collective: take part, send nothing
@@ -193,7 +196,7 @@ class IpcCheckpointEngine(CheckpointEngine):
             self._socket.close()
         if self._served is not None:
             self._served[1].release_buffers()
-        self.sender, self._socket, self._served, self.has_peer = None, None, None, False
+        self.sender, self._socket, self._served, self.has_peer = None, None, None, None
 
 
 def _check_colocated(train_world_size: int, rollout_world_size: int) -> None:
