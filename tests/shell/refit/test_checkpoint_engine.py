@@ -207,14 +207,14 @@ def test_collective_lifecycle_one_policy_two_rollout_ranks_bitwise_fp32(
         rpc(worker, "send_weights_via_checkpoint_engine")
 
 
-def _two_policy_ranks(rank, world_size, model_dir, tmp):
+def _two_policy_ranks(rank, world_size, model_dir, tmp, engine):
     """One policy rank of a dp2 worker: the lifecycle, metadata gathered over the group."""
     import torch.distributed as dist
 
     tmp = pathlib.Path(tmp)
     worker = PolicyWorker(make_config(model_dir), init_reference_model=False)
     assert worker.parallel.dp_size == world_size  # FSDP2-sharded: the send gathers
-    rpc(worker, "init_checkpoint_engine", **ENGINE)
+    rpc(worker, "init_checkpoint_engine", **engine)
     policy_meta = [None] * world_size
     dist.all_gather_object(policy_meta, rpc(worker, "prepare_checkpoint_engine"))
     assert [m["rank"] for m in policy_meta] == list(range(world_size))
@@ -237,8 +237,12 @@ def _two_policy_ranks(rank, world_size, model_dir, tmp):
 
 
 def test_two_policy_ranks_into_one_rollout_rank_bitwise_fp32(children, tiny_model_paths, tmp_path):
-    live, model_dir = children[0], tiny_model_paths["qwen2"]
-    args = (ENGINE["backend"], ENGINE["bucket_size_bytes"], ENGINE["engine_kwargs"])
+    run_two_policy_ranks(children[0], ENGINE, tiny_model_paths["qwen2"], tmp_path)
+
+
+def run_two_policy_ranks(live, engine, model_dir, tmp_path):
+    """A dp2 policy worker (forked gloo ranks) into the rollout process ``live``."""
+    args = (engine["backend"], engine["bucket_size_bytes"], engine["engine_kwargs"])
     child_rpc(live, "finalize_checkpoint_engine")
     child_rpc(live, "init_checkpoint_engine", *args)
     (tmp_path / "rollout_meta.json").write_text(
@@ -258,7 +262,7 @@ def test_two_policy_ranks_into_one_rollout_rank_bitwise_fp32(children, tiny_mode
 
     thread = threading.Thread(target=drive_rollout, daemon=True)
     thread.start()
-    run_on_gloo(_two_policy_ranks, 2, model_dir, str(tmp_path))
+    run_on_gloo(_two_policy_ranks, 2, model_dir, str(tmp_path), engine)
     thread.join(timeout=60)
     assert len(answers) == 2 and all(a["ok"] for a in answers), answers
     assert answers[1]["num_buckets"] > 1

@@ -16,6 +16,7 @@ from tests.shell.refit.test_checkpoint_engine import (
     _receive,
     _trainer_logprobs,
     rpc,
+    run_two_policy_ranks,
     worker,  # noqa: F401 -- the module's policy worker fixture
 )
 
@@ -58,6 +59,12 @@ def test_ipc_lifecycle_into_a_colocated_rollout_process_bitwise_fp32(
         worker._add_noise_to_weights()
     assert worker.checkpoint_engine.last_report is not None
     rpc(worker, "finalize_checkpoint_engine")
+
+
+def test_ipc_two_policy_ranks_into_one_rollout_rank_rank_one_only_gathers(
+    children, tiny_model_paths, tmp_path
+):
+    run_two_policy_ranks(children[0], ENGINE, tiny_model_paths["qwen2"], tmp_path)
 
 
 def test_ipc_killed_rollout_rank_is_a_timeout_error_then_a_new_connection_works(
