@@ -10,6 +10,7 @@ The backends live in ``shell/refit/checkpoint_engine``.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -103,7 +104,7 @@ class CheckpointEngineCalls:
             NotImplementedError: ``kv_scales`` given (no FP8 KV-cache path here).
             RefitError: no engine yet, or the transfer failed (the backend's named error).
         """
-        weights = self._checkpoint_engine_weight_iterator(kv_scales=kv_scales)
+        weights = _Drainable(self._checkpoint_engine_weight_iterator(kv_scales=kv_scales))
         engine = self._require_checkpoint_engine("send_weights_via_checkpoint_engine")
         self.state.require_running("send_weights_via_checkpoint_engine")
         self.state.reshard()
@@ -112,6 +113,7 @@ class CheckpointEngineCalls:
             if is_ours(engine)
             else None
         )
+        parallel = self.state.parallel
         self._prepare_checkpoint_engine_weight_send()
         try:
             with torch.no_grad():
@@ -119,8 +121,22 @@ class CheckpointEngineCalls:
                     await engine.send_weights(weights)
                 else:
                     await engine.send_weights(weights, refit_info=info)
+        except BaseException:
+            # The other policy ranks wait in this rank's next weight gather: finish them, and
+            # tell every rank, so all of them raise instead of hanging.
+            with contextlib.suppress(Exception), torch.no_grad():
+                weights.drain()
+                parallel.all_reduce_int(1, op="max", axis="world")
+            raise
         finally:
             self._finalize_checkpoint_engine_weight_send()
+        if parallel.all_reduce_int(0, op="max", axis="world"):
+            msg = (
+                f"checkpoint-engine send failed on another policy rank (rank {parallel.rank} "
+                "finished its part); see that rank's error, then finalize_checkpoint_engine and "
+                "set the engine up again on every rank"
+            )
+            raise RefitError(msg)
 
     def _checkpoint_engine_weight_iterator(
         self, kv_scales: dict[str, float] | None = None
@@ -156,3 +172,21 @@ class CheckpointEngineCalls:
             )
             raise RefitError(msg)
         return self.checkpoint_engine
+
+
+class _Drainable:
+    """The weight stream as an engine sees it (no ``close``: an engine that stops early leaves
+    the rest to ``drain``, so every policy rank finishes the same sequence of gathers)."""
+
+    def __init__(self, it: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._it = it
+
+    def __iter__(self) -> _Drainable:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._it)
+
+    def drain(self) -> None:
+        for _ in self._it:
+            pass

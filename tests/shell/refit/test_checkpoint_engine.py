@@ -207,7 +207,7 @@ def test_collective_lifecycle_one_policy_two_rollout_ranks_bitwise_fp32(
         rpc(worker, "send_weights_via_checkpoint_engine")
 
 
-def _two_policy_ranks(rank, world_size, model_dir, tmp, engine):
+def _two_policy_ranks(rank, world_size, model_dir, tmp, engine, fails):
     """One policy rank of a dp2 worker: the lifecycle, metadata gathered over the group."""
     import torch.distributed as dist
 
@@ -229,6 +229,14 @@ def _two_policy_ranks(rank, world_size, model_dir, tmp, engine):
         rollout_world_size=1,
         metadata=metadata,
     )
+    if fails:  # the rollout rank dies mid-refit: every policy rank raises, none hangs
+        started = time.monotonic()
+        expected = RefitTimeoutError if rank == 0 else RefitError
+        with pytest.raises(expected) as caught:
+            rpc(worker, "send_weights_via_checkpoint_engine")
+        (tmp / f"error{rank}.txt").write_text(f"{time.monotonic() - started:.1f} {caught.value}")
+        rpc(worker, "finalize_checkpoint_engine")
+        return
     rpc(worker, "send_weights_via_checkpoint_engine")
     sent = dict(worker._checkpoint_engine_params())  # a gather on every rank
     if rank == 0:
@@ -240,8 +248,9 @@ def test_two_policy_ranks_into_one_rollout_rank_bitwise_fp32(children, tiny_mode
     run_two_policy_ranks(children[0], ENGINE, tiny_model_paths["qwen2"], tmp_path)
 
 
-def run_two_policy_ranks(live, engine, model_dir, tmp_path):
+def run_two_policy_ranks(live, engine, model_dir, tmp_path, *, die_after_buckets=None):
     """A dp2 policy worker (forked gloo ranks) into the rollout process ``live``."""
+    fails = die_after_buckets is not None
     args = (engine["backend"], engine["bucket_size_bytes"], engine["engine_kwargs"])
     child_rpc(live, "finalize_checkpoint_engine")
     child_rpc(live, "init_checkpoint_engine", *args)
@@ -257,13 +266,16 @@ def run_two_policy_ranks(live, engine, model_dir, tmp_path):
         metadata = json.loads((tmp_path / "meta.json").read_text())
         live.send(op="rpc", method="init_checkpoint_engine_process_group", args=[0, 2, 1, metadata])
         answers.append(live.reply())
-        _receive([live], tmp_path)
+        _receive([live], tmp_path, die_after_buckets=die_after_buckets)
         answers.append(live.reply())
 
     thread = threading.Thread(target=drive_rollout, daemon=True)
     thread.start()
-    run_on_gloo(_two_policy_ranks, 2, model_dir, str(tmp_path), engine)
+    run_on_gloo(_two_policy_ranks, 2, model_dir, str(tmp_path), engine, fails)
     thread.join(timeout=60)
+    if fails:
+        assert answers[1]["error"] == "exited", answers
+        return [(tmp_path / f"error{r}.txt").read_text() for r in range(2)]
     assert len(answers) == 2 and all(a["ok"] for a in answers), answers
     assert answers[1]["num_buckets"] > 1
     sent = load_file(tmp_path / "sent.safetensors")

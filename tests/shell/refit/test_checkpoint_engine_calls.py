@@ -156,7 +156,7 @@ class _OffloadedWorker(CheckpointEngineCalls):
             model=self.model,
             dtype=torch.float32,
             draft=types.SimpleNamespace(model=None),
-            parallel=types.SimpleNamespace(rank=0),
+            parallel=types.SimpleNamespace(rank=0, all_reduce_int=lambda value, **_: value),
             require_running=lambda call: None,
             reshard=lambda: None,
         )
