@@ -360,3 +360,44 @@ def test_ipc_send_before_joining_is_refused_not_a_silent_no_op():
     )
     with pytest.raises(RefitError, match="init_policy_process_group"):
         asyncio.run(engine.send_weights(iter([("w", torch.zeros(2))])))
+
+
+class ForeignEngine:
+    """An engine written against NeMo-RL's base: ``cls(bucket_size=, **kwargs)``, a stream-only
+    ``send_weights`` and extra calls of its own."""
+
+    def __init__(self, *, bucket_size, tag):
+        self.bucket_size, self.tag, self.sent = bucket_size, tag, None
+
+    def prepare(self):
+        return {"agent": self.tag}
+
+    def init_policy_process_group(self, *, worker_rank, **kwargs):
+        self.worker_rank = worker_rank
+
+    async def send_weights(self, weights):
+        self.sent = [name for name, _ in weights]
+
+    def describe(self, *, verbose=False):
+        return f"{self.tag} verbose={verbose}"
+
+    def finalize(self):
+        pass
+
+
+def test_a_module_class_engine_written_for_nemo_rl_runs_the_worker_lifecycle(worker):
+    path = f"{__name__}:ForeignEngine"
+    w = PolicyWorker.__new__(PolicyWorker)  # the module worker already holds a collective one
+    w.state = worker.state
+    rpc(w, "init_checkpoint_engine", backend=path, bucket_size_bytes=64, engine_kwargs={"tag": "x"})
+    assert rpc(w, "prepare_checkpoint_engine") == {"agent": "x", "rank": 0}
+    rpc(
+        w,
+        "init_checkpoint_engine_process_group",
+        train_world_size=1,
+        rollout_world_size=1,
+        metadata=[{}, {}],
+    )
+    assert asyncio.run(w.send_weights_via_checkpoint_engine()) is None
+    assert w.checkpoint_engine.sent == list(worker.prepare_refit_info())
+    assert rpc(w, "describe", verbose=True) == "x verbose=True"  # forwarded to the engine
