@@ -121,6 +121,7 @@ class CheckpointEngineCalls:
                     await engine.send_weights(weights)
                 else:
                     await engine.send_weights(weights, refit_info=info)
+                weights.drain()  # an engine that sends nothing from this rank may not iterate
         except BaseException:
             # The other policy ranks wait in this rank's next weight gather: finish them, and
             # tell every rank, so all of them raise instead of hanging.
@@ -144,7 +145,7 @@ class CheckpointEngineCalls:
         if kv_scales is not None:
             msg = (
                 "FP8 kvcache is not supported by this worker's checkpoint-engine refit (no "
-                f"kv-scale path); got kv_scales with {len(kv_scales)} entries, pass None"
+                f"kv-scale path); got kv_scales={type(kv_scales).__name__}, pass None"
             )
             raise NotImplementedError(msg)
         return self._checkpoint_engine_params()
