@@ -191,13 +191,19 @@ def test_cpu_offload_moves_once_each_way_even_when_the_send_fails(fail):
     assert list(engine.refit_info) == ["weight", "bias"] and not engine.grad_enabled
 
 
-def test_policy_and_rollout_engines_on_two_threads_stream_batches_without_refit_info():
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"use_legacy_packing": True, "num_buffers": 3, "refit_timeout_s": 20.0}],
+    ids=["aligned", "legacy-3-buffers-watchdog"],
+)
+def test_policy_and_rollout_engines_on_two_threads_stream_batches_without_refit_info(extra):
     """The NeMo-RL form on both sides: ``send_weights(generator)`` with no manifest given (the
     engine builds it) and ``receive_weight_batches`` on the rollout side."""
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3, bias=False))
     sent = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    policy = create_checkpoint_engine("collective", bucket_size_bytes=64, engine_kwargs=CPU)
-    rollout = create_checkpoint_engine("collective", bucket_size_bytes=64, engine_kwargs=CPU)
+    options = {**CPU, **extra}
+    policy = create_checkpoint_engine("collective", bucket_size_bytes=64, engine_kwargs=options)
+    rollout = create_checkpoint_engine("collective", bucket_size_bytes=64, engine_kwargs=options)
     metadata = [policy.prepare(), rollout.prepare()]
     sizes = {"train_world_size": 1, "rollout_world_size": 1, "metadata": metadata}
     got, errors = [], []
@@ -222,6 +228,8 @@ def test_policy_and_rollout_engines_on_two_threads_stream_batches_without_refit_
     thread.join(timeout=30)
     assert not errors and not thread.is_alive()
     assert report["num_buckets"] == len(got) > 1
+    assert report["layout"] == ("legacy" if extra else "aligned")
+    assert report["num_buffers"] == extra.get("num_buffers", 2)
     received = dict(pair for batch in got for pair in batch)
     assert list(received) == list(sent)
     assert all(torch.equal(received[n], sent[n]) for n in sent)
