@@ -1,0 +1,7 @@
+"""The data plane: rows held by key outside the driver (client interface and its adapters).
+
+client.py          DataPlaneClient (register, put/get by key and field, clear, close)
+in_process.py      a dictionary in this process (tests without Ray)
+transfer_queue.py  the TransferQueue package on a Ray cluster (imported when used)
+build.py           build_client(config): the adapter a `data_plane:` section names
+"""
