@@ -83,12 +83,14 @@ class DataPlaneCalls:
     ) -> None:
         """Attach this rank to the data plane (`cfg` None: the policy config's `data_plane`).
 
-        Called once by the driver after the workers are built; a second call does nothing.
-        `client` hands in a client already built (tests, a caller's own adapter)."""
-        if self._dp_client is not None:
-            return
+        Called by the driver after the workers are built; a second call keeps the client and
+        takes the new section's `fetch_policy`. `client` hands in a client already built
+        (tests, a caller's own adapter)."""
         config = data_plane_config(self.cfg.data_plane if cfg is None else cfg)  # type: ignore[attr-defined]
-        self._dp_client = client if client is not None else build_client(config, bootstrap=False)
+        if self._dp_client is None:
+            self._dp_client = (
+                client if client is not None else build_client(config, bootstrap=False)
+            )
         self._dp_config = config
 
     def train_presharded(

@@ -112,8 +112,9 @@ def test_setup_data_plane_checks_the_section_and_is_idempotent(tiny_model_paths)
         worker.setup_data_plane({**DP, "fetch_policy": "leader"})
     worker.setup_data_plane({**DP, "fetch_policy": "independent"})
     first = worker._dp_client
-    worker.setup_data_plane(DP, client=InProcessDataPlane())
-    assert worker._dp_client is first
+    worker.setup_data_plane({**DP, "fetch_policy": "auto"}, client=InProcessDataPlane())
+    assert worker._dp_client is first  # the client stays; the fetch policy is the new one
+    assert worker._dp_config.fetch_policy == "auto"
 
 
 def test_leader_broadcast_without_a_replica_group_is_refused(tiny_model_paths):
