@@ -124,7 +124,9 @@ def main() -> None:
     from policyworker.shell.data_plane.build import build_client
 
     # TransferQueue's controller and storage unit hold a CPU each, beside the ranks.
-    ray.init(num_cpus=max(args.ranks) + 2, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=max(args.ranks) + 2, include_dashboard=False, log_to_driver=False
+    )
     client = build_client(DataPlaneConfig(), bootstrap=True)
     out: list[dict[str, Any]] = []
     try:

@@ -35,7 +35,7 @@ CALL_TIMEOUT_S = 300.0
 
 @pytest.fixture(scope="module")
 def client():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     dp = build_client(DataPlaneConfig(impl="transfer_queue"), bootstrap=True)
     yield dp
     dp.close()

@@ -120,19 +120,23 @@ class TransferQueueDataPlane(DataPlaneClient):
         self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]
     ) -> dict[str, torch.Tensor]:
         keys, names = list(sample_ids), list(select_fields)
-        listing = self._tq.kv_list(partition_id=partition_id).get(partition_id)
-        if listing is None or missing(keys, list(listing)):
-            # names the partition or the absent keys (fields are checked after the read)
-            check_rows(
-                partition_id,
-                keys,
-                None if listing is None else dict.fromkeys(listing, names),
-                names,
-            )
-        got = self._tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=names)
+        try:
+            got = self._tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=names)
+        except ValueError as exc:  # TransferQueue names neither the keys nor the partition
+            self._name_missing_keys(partition_id, keys, names)
+            raise DataPlaneError(
+                f"partition {partition_id!r}: reading {names} failed: {exc}"
+            ) from exc
         if got.batch_size[0] != len(keys) or missing(names, list(got.keys())):
+            self._name_missing_keys(partition_id, keys, names)
             self._name_missing_fields(partition_id, keys, names)
         return {name: _dense(got[name]) for name in names}
+
+    def _name_missing_keys(self, partition_id: str, keys: list[str], names: list[str]) -> None:
+        # Only on the error path (one more round trip): which partition or keys are absent.
+        listing = self._tq.kv_list(partition_id=partition_id).get(partition_id)
+        held = None if listing is None else dict.fromkeys(listing, names)
+        check_rows(partition_id, keys, held, names)
 
     def _name_missing_fields(self, partition_id: str, keys: list[str], names: list[str]) -> None:
         # Only on the error path: read row by row to name the rows that lack a field.
