@@ -28,11 +28,19 @@ def _store_with(data, keys, fields=FIELDS):
     return store, store.put_samples(keys, "train", {k: data[k] for k in fields})
 
 
-@pytest.fixture
-def pair(tiny_model_paths):
-    """Two identical fresh workers (one for the plain call, one presharded) and a batch."""
-    path = tiny_model_paths["llama"]
-    return _worker(path), _worker(path), make_batch(4, 10, seed=5)
+BATCHING = {
+    "fixed": {},
+    "packed": {"sequence_packing": {"train_mb_tokens": 24}},
+    "dynamic": {"dynamic_batching": {"train_mb_tokens": 24, "sequence_length_round": 4}},
+}
+
+
+@pytest.fixture(params=sorted(BATCHING))
+def pair(request, tiny_model_paths):
+    """Two identical fresh workers (one for the plain call, one presharded) and a batch; the
+    microbatches of packing / dynamic batching are planned on the fetched rows."""
+    path, extra = tiny_model_paths["llama"], BATCHING[request.param]
+    return _worker(path, **extra), _worker(path, **extra), make_batch(4, 10, seed=5)
 
 
 def test_presharded_logprobs_and_reference_equal_the_plain_calls_and_are_written_back(pair):
