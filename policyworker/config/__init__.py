@@ -31,6 +31,7 @@ from policyworker.config.policy import PolicyConfig, validate_for_world
 from policyworker.config.rules import ConfigWarning
 from policyworker.config.sections import (
     ColocatedConfig,
+    DataPlaneConfig,
     DraftConfig,
     DTensorConfig,
     DynamicBatchingConfig,
@@ -64,6 +65,7 @@ __all__ = [
     "ColocatedConfig",
     "ConfigWarning",
     "DTensorConfig",
+    "DataPlaneConfig",
     "DraftConfig",
     "DropoutPosition",
     "FusionMode",

@@ -21,6 +21,7 @@ from policyworker.config.rules import (
     raise_if_problems,
 )
 from policyworker.config.sections import (
+    DataPlaneConfig,
     DraftConfig,
     DTensorConfig,
     DynamicBatchingConfig,
@@ -80,6 +81,7 @@ class PolicyConfig:
     reward_model_cfg: RewardModelConfig | None = None
     router_replay: RouterReplayConfig | None = None
     draft: DraftConfig | None = None
+    data_plane: DataPlaneConfig | None = None
     disabled_sections: dict[str, Any] = field(factory=empty_kwargs, eq=False)
 
     def __attrs_pre_init__(self, **arguments: Any) -> None:
@@ -122,6 +124,10 @@ class PolicyConfig:
     @property
     def draft_enabled(self) -> bool:
         return self.draft is not None
+
+    @property
+    def data_plane_enabled(self) -> bool:
+        return self.data_plane is not None
 
     @property
     def fixed_microbatching(self) -> bool:

@@ -32,6 +32,7 @@ import torch
 
 import policyworker.shell.checkpoint as checkpoint
 import policyworker.shell.worker.calibration as calibration
+import policyworker.shell.worker.data_plane_calls as data_plane_calls
 import policyworker.shell.worker.inference as inference
 import policyworker.shell.worker.microbatches as mbatch
 import policyworker.shell.worker.offload as offload
@@ -61,7 +62,7 @@ def _state_field(name: str, doc: str) -> property:
     )
 
 
-class PolicyWorker(NeMoRLWorkerSurface, CheckpointEngineCalls):
+class PolicyWorker(data_plane_calls.DataPlaneCalls, NeMoRLWorkerSurface, CheckpointEngineCalls):
     """Trains a Hugging Face model with a pluggable loss; logprobs, top-k, scores, offload,
     refit and checkpoints (NeMo-RL's policy-worker method names); NeMo-RL's base-worker methods
     via the mixin."""
