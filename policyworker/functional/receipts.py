@@ -58,7 +58,7 @@ class KVBatchMeta:
     task_name: str | None = None
     fields: tuple[str, ...] | None = field(default=None, converter=_opt_str_tuple)
     sequence_lengths: tuple[int, ...] | None = field(default=None, converter=_opt_int_tuple)
-    extra_info: Mapping[str, Any] = field(factory=dict)
+    extra_info: Mapping[str, Any] = field(factory=lambda: dict[str, Any]())
 
     def __attrs_post_init__(self) -> None:
         problems = receipt_problems(self)
@@ -97,7 +97,7 @@ class KVBatchMeta:
 
 def receipt_problems(meta: KVBatchMeta) -> list[str]:
     """What is wrong with a receipt on its own (empty: nothing), each naming key and fix."""
-    problems = []
+    problems: list[str] = []
     if not meta.partition_id:
         problems.append("partition_id is empty: name the partition the rows were put in")
     duplicated = sorted({k for k in meta.sample_ids if meta.sample_ids.count(k) > 1})

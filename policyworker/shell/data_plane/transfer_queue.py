@@ -127,7 +127,8 @@ class TransferQueueDataPlane(DataPlaneClient):
             raise DataPlaneError(
                 f"partition {partition_id!r}: reading {names} failed: {exc}"
             ) from exc
-        if got.batch_size[0] != len(keys) or missing(names, list(got.keys())):
+        present = [k for k in got.keys() if isinstance(k, str)]  # noqa: SIM118 (a TensorDict)
+        if got.batch_size[0] != len(keys) or missing(names, present):
             self._name_missing_keys(partition_id, keys, names)
             self._name_missing_fields(partition_id, keys, names)
         return {name: _dense(got[name]) for name in names}

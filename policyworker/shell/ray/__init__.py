@@ -9,19 +9,18 @@ data_plane.py    presharded group calls: each rank fetches its rows from the dat
 """
 
 from policyworker._lazy import lazy_exports
-from policyworker.shell.ray.actor import (
-    RAY_SUPPORTED,
-    WorkerGroupOptions,
-    import_ray,
-    make_placement_group,
-)
-from policyworker.shell.ray.group import RayWorkerGroup
 
+_ACTOR = "policyworker.shell.ray.actor"
 _DATA_PLANE = "policyworker.shell.ray.data_plane"
-# The data-plane calls and the dp split import the worker's data code: resolved on first use.
-_lazy_getattr, _lazy_all = lazy_exports(
+# Resolved on first use: importing one of the package's modules runs no other through the face.
+__getattr__, __all__ = lazy_exports(
     __name__,
     {
+        "RAY_SUPPORTED": _ACTOR,
+        "WorkerGroupOptions": _ACTOR,
+        "import_ray": _ACTOR,
+        "make_placement_group": _ACTOR,
+        "RayWorkerGroup": "policyworker.shell.ray.group",
         "split_over_dp": "policyworker.shell.ray.sharding",
         "rank_receipts": _DATA_PLANE,
         "read_fields": _DATA_PLANE,
@@ -31,13 +30,3 @@ _lazy_getattr, _lazy_all = lazy_exports(
         "get_reference_policy_logprobs_presharded": _DATA_PLANE,
     },
 )
-__getattr__ = _lazy_getattr
-
-__all__ = [
-    "RAY_SUPPORTED",
-    "RayWorkerGroup",
-    "WorkerGroupOptions",
-    "import_ray",
-    "make_placement_group",
-    *_lazy_all,
-]

@@ -56,7 +56,8 @@ def data_plane_config(cfg: DataPlaneConfig | Mapping[str, Any] | None) -> DataPl
         return cfg
     if cfg is not None:
         try:
-            built = converter.structure(dict(cfg), DataPlaneConfig | None)
+            optional_section: Any = DataPlaneConfig | None  # disabled: None, as in the config
+            built = converter.structure(dict(cfg), optional_section)
         except BaseValidationError as exc:
             lines = error_lines(exc, "data_plane", DataPlaneConfig)
             raise ConfigError("invalid data_plane config:\n  " + "\n  ".join(lines)) from None
