@@ -24,6 +24,8 @@ __all__ = [
     "grpo_advantages",
     "prompt_indices",
     "reduce_step_metrics",
+    "response_length",
+    "rollout_batch",
     "run_summary",
 ]
 
@@ -173,4 +175,51 @@ def run_summary(history: Sequence[Mapping[str, float]]) -> dict[str, float]:
         "step_s_mean": total / len(history),
         "tokens_per_s_mean": math.fsum(h["tokens_per_s"] for h in history) / len(history),
         "total_s": total,
+    }
+
+
+def response_length(response: Sequence[int], *, eos_token_id: int | None) -> int:
+    """Tokens of `response` that count: up to and including the first eos (all without one)."""
+    if eos_token_id is not None and eos_token_id in response:
+        return list(response).index(eos_token_id) + 1
+    return len(response)
+
+
+def rollout_batch(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    response_logprobs: Sequence[Sequence[float]],
+    advantages_N: torch.Tensor,
+    *,
+    pad_token_id: int,
+) -> dict[str, torch.Tensor]:
+    """The worker's training batch of N rollouts of different lengths, right-padded to the
+    longest: ids, lengths, loss mask on the response tokens only, per-token advantages and the
+    sampler's logprobs at the response positions (0 elsewhere)."""
+    n = len(prompts)
+    if not n == len(responses) == len(response_logprobs) == advantages_N.shape[0]:
+        msg = (
+            f"{n} prompts, {len(responses)} responses, {len(response_logprobs)} logprob rows, "
+            f"{advantages_N.shape[0]} advantages: pass one of each per rollout"
+        )
+        raise ValueError(msg)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    s = max(lengths)
+    ids = torch.full((n, s), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros(n, s, dtype=torch.float32)
+    gen = torch.zeros(n, s, dtype=torch.float32)
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, response_logprobs, strict=True)):
+        if len(lp) != len(r):
+            msg = f"rollout {i}: {len(r)} response tokens but {len(lp)} logprobs; pass one each"
+            raise ValueError(msg)
+        ids[i, : len(p) + len(r)] = torch.tensor([*p, *r], dtype=torch.int64)
+        mask[i, len(p) : len(p) + len(r)] = 1.0
+        gen[i, len(p) : len(p) + len(r)] = torch.tensor(lp, dtype=torch.float32)
+    return {
+        "input_ids": ids,
+        "input_lengths": torch.tensor(lengths, dtype=torch.int64),
+        "sample_mask": torch.ones(n, dtype=torch.float32),
+        "token_mask": mask,
+        "advantages": advantages_N.to(torch.float32)[:, None].expand(n, s).contiguous(),
+        "generation_logprobs": gen,
     }

@@ -13,6 +13,8 @@ from policyworker.functional.grpo import (
     grpo_advantages,
     prompt_indices,
     reduce_step_metrics,
+    response_length,
+    rollout_batch,
     run_summary,
 )
 
@@ -159,4 +161,34 @@ def test_step_metrics_reduce_rewards_and_rate(rewards, step_s, refit_s):
     with pytest.raises(ValueError, match="step_s=0"):
         reduce_step_metrics(
             rewards_N=r, response_lengths_N=lengths, train_metrics={}, step_s=0, refit_s=0
+        )
+
+
+token_rows = st.lists(st.integers(2, 9), min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(token_rows, token_rows), min_size=1, max_size=5), st.integers(0, 9))
+def test_rollout_batch_round_trips_rows_and_masks_only_responses(rows, eos):
+    prompts = [p for p, _ in rows]
+    responses = [r[: response_length(r, eos_token_id=eos)] for _, r in rows]
+    logprobs = [[-0.5 * (j + 1) for j in range(len(r))] for r in responses]
+    adv = torch.arange(len(rows), dtype=torch.float32)
+    batch = rollout_batch(prompts, responses, logprobs, adv, pad_token_id=0)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        n = int(batch["input_lengths"][i])
+        assert n == len(p) + len(r)
+        assert batch["input_ids"][i, :n].tolist() == [*p, *r]
+        assert batch["input_ids"][i, n:].eq(0).all()
+        assert (
+            batch["token_mask"][i].sum() == len(r) and batch["token_mask"][i, : len(p)].eq(0).all()
+        )
+        assert batch["generation_logprobs"][i].sum().item() == pytest.approx(sum(logprobs[i]))
+        assert batch["advantages"][i].eq(float(i)).all()
+    for _, r in rows:
+        k = response_length(r, eos_token_id=eos)
+        assert eos not in r[: k - 1] and (k == len(r) or r[k - 1] == eos)
+    with pytest.raises(ValueError, match="one of each"):
+        rollout_batch(
+            prompts, responses[:-1] if len(rows) > 1 else [], logprobs, adv, pad_token_id=0
         )

@@ -1,0 +1,1 @@
+"""GRPO runner: `policyworker grpo --config run.yaml`."""
