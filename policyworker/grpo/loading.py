@@ -31,6 +31,19 @@ from policyworker.grpo.config import RunConfig, RunSections
 
 __all__ = ["import_reward_fn", "load_run_config", "read_prompt_rows"]
 
+# The keys of `functional.grpo.reduce_step_metrics`, which checkpoints can be ranked by.
+STEP_METRICS = (
+    "reward_mean",
+    "reward_std",
+    "reward_min",
+    "reward_max",
+    "response_len_mean",
+    "loss",
+    "kl",
+    "tokens_per_s",
+    "refit_ms",
+    "step_s",
+)
 _SECTIONS = ("grpo", "data", "env", "generation", "checkpointing", "logger")
 _KNOWN = {"policy", "loss_fn", "defaults", *_SECTIONS}
 
@@ -116,7 +129,25 @@ def _cross_section_problems(run: RunSections, policy: Any) -> list[str]:
             f"{policy_t}; the trainer's logprobs must use the sampler's temperature: set both "
             f"alike @ generation.temperature"
         )
+    metric = run.checkpointing.metric_name.removeprefix("train:")
+    if metric not in STEP_METRICS:
+        problems.append(
+            f"metric_name = {run.checkpointing.metric_name!r}: no such step metric; use one of "
+            f"{['train:' + m for m in STEP_METRICS]} @ checkpointing.metric_name"
+        )
     return problems
+
+
+def _apply_run_overrides(document: Mapping[str, Any], overrides: Iterable[str]) -> Any:
+    """Overrides by full path; `policy.*` ones go to the policy section (whose override reader
+    takes paths relative to it)."""
+    result = dict(document)
+    for text in overrides:
+        if text.lstrip("+~").startswith("policy."):
+            result["policy"] = apply_overrides(result.get("policy") or {}, [text])
+        else:
+            result = apply_overrides(result, [text])
+    return result
 
 
 def load_run_config(path: str | pathlib.Path, overrides: Iterable[str] = ()) -> RunConfig:
@@ -128,7 +159,9 @@ def load_run_config(path: str | pathlib.Path, overrides: Iterable[str] = ()) -> 
     file = pathlib.Path(path).resolve()
     if not file.is_file():
         raise ConfigError(f"--config {str(path)!r}: no such file; pass a run YAML")
-    document = resolve_interpolations(apply_overrides(read_config_with_defaults(file), overrides))
+    document = resolve_interpolations(
+        _apply_run_overrides(read_config_with_defaults(file), overrides)
+    )
     if not isinstance(document, Mapping):
         raise ConfigError(f"{file}: a run file is a mapping of sections")
     problems = [
