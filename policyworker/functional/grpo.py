@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 __all__ = [
+    "STEP_METRICS",
     "baseline_and_std",
     "checkpoints_to_remove",
     "grpo_advantages",
@@ -28,6 +29,21 @@ __all__ = [
     "rollout_batch",
     "run_summary",
 ]
+
+
+# The keys of `reduce_step_metrics`, one JSONL field each; checkpoints rank by one of them.
+STEP_METRICS = (
+    "reward_mean",
+    "reward_std",
+    "reward_min",
+    "reward_max",
+    "response_len_mean",
+    "loss",
+    "kl",
+    "tokens_per_s",
+    "refit_ms",
+    "step_s",
+)
 
 
 def _groups(rewards_N: torch.Tensor, group_size: int) -> torch.Tensor:

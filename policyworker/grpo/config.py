@@ -12,6 +12,7 @@ from attrs import field, frozen
 
 from policyworker.config import PolicyConfig
 from policyworker.config.rules import POSITIVE, Rule, at_least
+from policyworker.functional.grpo import STEP_METRICS
 
 __all__ = [
     "CheckpointingSection",
@@ -30,9 +31,9 @@ _IMPORT_PATH = Rule(
     "write it like my_rewards:score (a module on sys.path or beside the run file)",
 )
 _TRAIN_METRIC = Rule(
-    lambda v: v.startswith("train:") and len(v) > len("train:"),
-    "must be train:<metric> (this runner has no validation pass)",
-    "use train:reward_mean",
+    lambda v: v.startswith("train:") and v.removeprefix("train:") in STEP_METRICS,
+    "must be train:<metric> of a step (this runner has no validation pass)",
+    f"use one of {', '.join('train:' + m for m in STEP_METRICS)}",
 )
 _HF_ONLY = Rule(
     lambda v: v == "hf",

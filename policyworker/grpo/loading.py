@@ -31,19 +31,6 @@ from policyworker.grpo.config import RunConfig, RunSections
 
 __all__ = ["import_reward_fn", "load_run_config", "read_prompt_rows"]
 
-# The keys of `functional.grpo.reduce_step_metrics`, which checkpoints can be ranked by.
-STEP_METRICS = (
-    "reward_mean",
-    "reward_std",
-    "reward_min",
-    "reward_max",
-    "response_len_mean",
-    "loss",
-    "kl",
-    "tokens_per_s",
-    "refit_ms",
-    "step_s",
-)
 _SECTIONS = ("grpo", "data", "env", "generation", "checkpointing", "logger")
 _KNOWN = {"policy", "loss_fn", "defaults", *_SECTIONS}
 
@@ -128,12 +115,6 @@ def _cross_section_problems(run: RunSections, policy: Any) -> list[str]:
             f"temperature = {run.generation.temperature} but policy.generation.temperature = "
             f"{policy_t}; the trainer's logprobs must use the sampler's temperature: set both "
             f"alike @ generation.temperature"
-        )
-    metric = run.checkpointing.metric_name.removeprefix("train:")
-    if metric not in STEP_METRICS:
-        problems.append(
-            f"metric_name = {run.checkpointing.metric_name!r}: no such step metric; use one of "
-            f"{['train:' + m for m in STEP_METRICS]} @ checkpointing.metric_name"
         )
     return problems
 

@@ -172,7 +172,7 @@ def run_grpo(run: RunConfig, *, out: TextIO | None = None) -> dict[str, float]:
             logger.step(step, total, metrics)
             if saver.due(step, last_step=total):
                 value = metrics.get(key, math.nan)
-                saver.save(step, {"step": step, "metrics": {key: value}, "history": history})
+                saver.save(step, {"step": step, "metrics": {key: value}, "history": list(history)})
         saver.commit()
         summary = run_summary(history)
         logger.summary(summary, resumed_from=start_step)

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policyworker.functional.grpo import (
+    STEP_METRICS,
     baseline_and_std,
     checkpoints_to_remove,
     grpo_advantages,
@@ -153,6 +154,7 @@ def test_step_metrics_reduce_rewards_and_rate(rewards, step_s, refit_s):
     )
     assert m["reward_min"] <= m["reward_mean"] + 1e-9 and m["reward_mean"] <= m["reward_max"] + 1e-9
     assert math.isclose(m["tokens_per_s"] * step_s, 3 * len(rewards), rel_tol=1e-9)
+    assert sorted(m) == sorted(STEP_METRICS)
     assert m["kl"] == 0.0 and m["loss"] == 2.0 and math.isclose(m["refit_ms"], refit_s * 1e3)
     summary = run_summary([m, {**m, "reward_mean": m["reward_mean"] + 1}])
     assert summary["steps"] == 2 and summary["reward_last"] == summary["reward_best"]
