@@ -114,6 +114,7 @@ def _jsonl(path: Path) -> list[dict]:
 SAME = ("reward_mean", "reward_std", "loss", "kl", "response_len_mean")
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_resumes_exactly(tmp_path, tiny_tokenizer_model_path, capsys):
     whole = _run_file(tmp_path / "whole", tiny_tokenizer_model_path)
     keep_all = ["checkpointing.save_period=1", "checkpointing.keep_top_k=null"]
@@ -152,3 +153,34 @@ def test_an_interrupted_run_resumes_exactly(tmp_path, tiny_tokenizer_model_path,
 
     # Nothing left to do: a third start runs no step and says so.
     assert run_grpo(load_run_config(cut))["steps"] == 4
+
+
+class _FakeWorker:
+    """Writes the folders a save would, synchronously."""
+
+    def __init__(self):
+        self.finalized = 0
+
+    def save_checkpoint(self, weights, optimizer):
+        Path(weights).mkdir(parents=True)
+        Path(optimizer).mkdir(parents=True)
+
+    def finalize_async_save(self):
+        self.finalized += 1
+
+
+def test_checkpoints_commit_after_the_save_and_keep_the_top_k_and_the_latest(tmp_path):
+    from policyworker.grpo.checkpoints import Checkpointer, committed_steps
+    from policyworker.grpo.config import CheckpointingSection
+
+    section = CheckpointingSection(checkpoint_dir=str(tmp_path), save_period=2, keep_top_k=2)
+    worker = _FakeWorker()
+    saver = Checkpointer(section, worker)
+    assert [s for s in range(1, 8) if saver.due(s, last_step=7)] == [2, 4, 6, 7]
+    for step, reward in ((2, 0.9), (4, 0.1), (6, 0.5), (7, 0.2)):
+        saver.save(step, {"step": step, "metrics": {"reward_mean": reward}, "history": []})
+        assert step not in committed_steps(tmp_path)  # not before it is finalised
+    saver.commit()
+    assert worker.finalized == 4
+    assert sorted(committed_steps(tmp_path)) == [2, 6, 7]
+    assert latest_committed(tmp_path)[0] == 7
