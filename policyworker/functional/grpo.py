@@ -107,13 +107,13 @@ def prompt_indices(
         )
         raise ValueError(msg)
     orders: dict[int, list[int]] = {}
-    rows = []
+    rows: list[int] = []
     for pos in range((step - 1) * per_step, step * per_step):
         epoch, offset = divmod(pos, num_items)
         if epoch not in orders:
             if shuffle:
                 g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-                orders[epoch] = torch.randperm(num_items, generator=g).tolist()
+                orders[epoch] = [int(i) for i in torch.randperm(num_items, generator=g)]
             else:
                 orders[epoch] = list(range(num_items))
         rows.append(orders[epoch][offset])

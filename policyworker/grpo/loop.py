@@ -143,13 +143,12 @@ def run_grpo(run: RunConfig, *, out: TextIO | None = None) -> dict[str, float]:
     worker = None
     logger = None
     try:
-        kwargs = {}
-        if resume:
-            kwargs = {
-                "weights_path": str(resume[1] / "weights"),
-                "optimizer_path": str(resume[1] / "optimizer"),
-            }
-        worker = PolicyWorker(run.policy, **kwargs)
+        folder = resume[1] if resume else None
+        worker = PolicyWorker(
+            run.policy,
+            weights_path=None if folder is None else str(folder / "weights"),
+            optimizer_path=None if folder is None else str(folder / "optimizer"),
+        )
         if worker.tokenizer is None:
             msg = (
                 f"policy.model_name {run.policy.model_name!r} has no tokenizer files; the grpo "

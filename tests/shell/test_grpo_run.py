@@ -137,7 +137,7 @@ def test_an_interrupted_run_resumes_exactly(tmp_path, tiny_tokenizer_model_path,
     (tmp_path / "cut/logs/metrics.jsonl").write_text(
         "".join(json.dumps(m) + "\n" for m in full[:3])
     )
-    assert latest_committed(ckpt)[0] == 2
+    assert (latest_committed(ckpt) or (0,))[0] == 2
     capsys.readouterr()
     resumed = run_grpo(load_run_config(cut))
     out = capsys.readouterr().out
@@ -183,4 +183,4 @@ def test_checkpoints_commit_after_the_save_and_keep_the_top_k_and_the_latest(tmp
     saver.commit()
     assert worker.finalized == 4
     assert sorted(committed_steps(tmp_path)) == [2, 6, 7]
-    assert latest_committed(tmp_path)[0] == 7
+    assert (latest_committed(tmp_path) or (0,))[0] == 7
