@@ -35,10 +35,12 @@ _TRAIN_METRIC = Rule(
     "must be train:<metric> of a step (this runner has no validation pass)",
     f"use one of {', '.join('train:' + m for m in STEP_METRICS)}",
 )
-_HF_ONLY = Rule(
-    lambda v: v == "hf",
-    "is not wired into the grpo runner yet",
-    "use hf (the HF inference process refit over ZMQ)",
+_BACKENDS = ("hf", "vllm")
+_BACKEND = Rule(
+    lambda v: v in _BACKENDS,
+    f"must be one of {list(_BACKENDS)}",
+    "hf: the HF inference process refit over ZMQ; vllm: a vLLM engine (pip install "
+    "'policyworker[vllm]')",
 )
 
 
@@ -78,9 +80,10 @@ class EnvSection:
 @frozen(kw_only=True)
 class GenerationSection:
     """Sampling: `max_new_tokens` per response (cut at the first eos for the reward and the
-    loss), at `temperature` (the policy's `generation.temperature` must agree)."""
+    loss), at `temperature` (the policy's `generation.temperature` must agree; 1.0 with vllm,
+    whose logprobs are of the unscaled distribution)."""
 
-    backend: str = field(default="hf", validator=_HF_ONLY)
+    backend: str = field(default="hf", validator=_BACKEND)
     max_new_tokens: int = field(default=16, validator=at_least(1))
     temperature: float = field(default=1.0, validator=POSITIVE)
     stop_at_eos: bool = True

@@ -116,6 +116,17 @@ def _cross_section_problems(run: RunSections, policy: Any) -> list[str]:
             f"{policy_t}; the trainer's logprobs must use the sampler's temperature: set both "
             f"alike @ generation.temperature"
         )
+    if run.generation.backend == "vllm" and run.generation.temperature != 1.0:
+        problems.append(
+            f"temperature = {run.generation.temperature} with backend vllm: vLLM reports "
+            f"logprobs of the unscaled distribution, so the runner samples it at 1.0; set 1.0 "
+            f"or use backend hf @ generation.temperature"
+        )
+    if run.generation.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        problems.append(
+            "backend = 'vllm' but vLLM is not installed; pip install 'policyworker[vllm]' or "
+            "use backend hf @ generation.backend"
+        )
     return problems
 
 

@@ -34,7 +34,7 @@ from policyworker.grpo.checkpoints import Checkpointer, latest_committed
 from policyworker.grpo.config import RunConfig
 from policyworker.grpo.data import PromptSet, decode_responses, load_prompts
 from policyworker.grpo.logger import RunLogger
-from policyworker.grpo.rollout import HfRollouts
+from policyworker.grpo.rollout import HfRollouts, VllmBackend, start_backend
 
 __all__ = ["last_step", "run_grpo"]
 
@@ -67,14 +67,19 @@ def _rewards(
 
 
 def _step(
-    step: int, run: RunConfig, worker: Any, engine: HfRollouts, data: PromptSet, loss_fn: Any
+    step: int,
+    run: RunConfig,
+    tokenizer: Any,
+    worker: Any,
+    engine: HfRollouts | VllmBackend,
+    data: PromptSet,
+    loss_fn: Any,
 ) -> dict[str, float]:
     from policyworker.functional.metrics import aggregate_microbatch_metrics
 
     g = run.sections.grpo
     start = time.perf_counter()
     refit_s = engine.refit(worker)
-    tokenizer = worker.tokenizer
     rows = prompt_indices(
         step,
         num_items=len(data),
@@ -120,6 +125,27 @@ def _step(
     )
 
 
+def _load_tokenizer(name: str) -> Any:
+    """The tokenizer of `name` (pad = eos when it has no pad token, as the worker does).
+
+    Raises:
+        ValueError: `name` has no tokenizer files."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        msg = (
+            f"policy.model_name / policy.tokenizer.name {name!r}: no tokenizer loads from it "
+            f"({type(exc).__name__}: {exc}); the grpo runner tokenises text prompts: save a "
+            f"tokenizer there or set policy.tokenizer.name"
+        )
+        raise ValueError(msg) from exc
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def run_grpo(run: RunConfig, *, out: TextIO | None = None) -> dict[str, float]:
     """Run (or resume) the GRPO run `run`; returns the summary of all its steps."""
     import transformers
@@ -133,12 +159,19 @@ def run_grpo(run: RunConfig, *, out: TextIO | None = None) -> dict[str, float]:
     resume = latest_committed(pathlib.Path(cp.checkpoint_dir)) if cp.enabled else None
     start_step, history = (resume[0], list(resume[2]["history"])) if resume else (0, [])
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    # Started first: its imports overlap the worker's construction.
-    engine = HfRollouts(
+    tokenizer = _load_tokenizer(run.policy.tokenizer_name)
+    data = load_prompts(run.sections.data, base_dir=run.base_dir, tokenizer=tokenizer)
+    total = last_step(run, len(data))
+    longest = max(len(p) for p in data.token_ids) + run.sections.generation.max_new_tokens
+    # Started before the worker, as the demo does: the HF process's imports overlap the
+    # worker's construction, and vLLM's engine sets up its processes first.
+    engine = start_backend(
         run.policy.model_name,
         run.sections.generation,
         device=device,
         dtype_name=run.policy.precision,
+        seed=run.sections.grpo.seed,
+        max_model_len=max(64, longest),
     )
     worker = None
     logger = None
@@ -149,15 +182,6 @@ def run_grpo(run: RunConfig, *, out: TextIO | None = None) -> dict[str, float]:
             weights_path=None if folder is None else str(folder / "weights"),
             optimizer_path=None if folder is None else str(folder / "optimizer"),
         )
-        if worker.tokenizer is None:
-            msg = (
-                f"policy.model_name {run.policy.model_name!r} has no tokenizer files; the grpo "
-                f"runner tokenises text prompts: save a tokenizer there or set "
-                f"policy.tokenizer.name"
-            )
-            raise ValueError(msg)
-        data = load_prompts(run.sections.data, base_dir=run.base_dir, tokenizer=worker.tokenizer)
-        total = last_step(run, len(data))
         loss_fn = ClippedPGLossFn(run.loss_fn)
         logger = RunLogger(run.sections.logger, out=stream, resume_step=start_step)
         if resume:
@@ -166,7 +190,7 @@ def run_grpo(run: RunConfig, *, out: TextIO | None = None) -> dict[str, float]:
         saver = Checkpointer(cp, worker)
         key = cp.metric_name.removeprefix("train:")
         for step in range(start_step + 1, total + 1):
-            metrics = _step(step, run, worker, engine, data, loss_fn)
+            metrics = _step(step, run, tokenizer, worker, engine, data, loss_fn)
             history.append(metrics)
             logger.step(step, total, metrics)
             if saver.due(step, last_step=total):

@@ -1,5 +1,11 @@
-"""The `hf` generation backend: the demo's HF inference process, refit from the worker over
-ZMQ before every step, sampling each prompt's group in one request."""
+"""The generation backends, one interface (`connect`, `refit`, `generate`, `close`):
+
+- `hf`: the demo's HF inference process, refit from the worker over ZMQ before every step,
+  sampling each prompt's group in one request;
+- `vllm`: the demo's vLLM engine, refit through vLLM's weight-sync calls (`VllmRefit`).
+
+Both cut each response after its first eos (with `stop_at_eos`) and return the sampler's
+logprobs of the kept tokens."""
 
 from __future__ import annotations
 
@@ -14,7 +20,22 @@ from policyworker.functional.dtypes import encode_refit_info
 from policyworker.functional.grpo import response_length
 from policyworker.grpo.config import GenerationSection
 
-__all__ = ["Group", "HfRollouts"]
+__all__ = ["Group", "HfRollouts", "VllmBackend", "start_backend"]
+
+
+def _cut(
+    responses: Sequence[Sequence[int]],
+    row_logprobs: Sequence[Sequence[float]],
+    *,
+    prompt_len: int,
+    eos_token_id: int | None,
+) -> Group:
+    kept, logprobs = [], []
+    for tokens, lp in zip(responses, row_logprobs, strict=True):
+        n = response_length(tokens, eos_token_id=eos_token_id)
+        kept.append(tuple(int(t) for t in tokens[:n]))
+        logprobs.append(tuple(float(x) for x in lp[prompt_len : prompt_len + n]))
+    return Group(responses=tuple(kept), logprobs=tuple(logprobs))
 
 
 @frozen(kw_only=True)
@@ -67,13 +88,78 @@ class HfRollouts:
             score_micro_batch_size=count,
             temperature=self.section.temperature,
         )
-        eos = eos_token_id if self.section.stop_at_eos else None
-        responses, logprobs = [], []
-        for tokens, lp in zip(reply["responses"], reply["generation_logprobs"], strict=True):
-            n = response_length(tokens, eos_token_id=eos)
-            responses.append(tuple(tokens[:n]))
-            logprobs.append(tuple(lp[len(prompt) : len(prompt) + n]))
-        return Group(responses=tuple(responses), logprobs=tuple(logprobs))
+        return _cut(
+            reply["responses"],
+            reply["generation_logprobs"],
+            prompt_len=len(prompt),
+            eos_token_id=eos_token_id if self.section.stop_at_eos else None,
+        )
 
     def close(self) -> None:
         self.process.close()
+
+
+class VllmBackend:
+    """A vLLM engine (vLLM's default CPU layout, or a GPU) holding the model of `model_dir`."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        section: GenerationSection,
+        *,
+        dtype_name: str,
+        max_model_len: int,
+        seed: int,
+    ) -> None:
+        from policyworker.demo.vllm_rollouts import VllmRollouts
+
+        self.section = section
+        self.engine = VllmRollouts(
+            model_dir,
+            dtype_name=dtype_name,
+            max_model_len=max_model_len,
+            seed=seed,
+            timeout_s=section.timeout_s,
+        )
+
+    def connect(self, worker: Any) -> None:
+        self.engine.connect(worker)
+
+    def refit(self, worker: Any) -> float:
+        start = time.perf_counter()
+        self.engine.refit()  # vLLM's weight-sync calls around the worker's stream
+        return time.perf_counter() - start
+
+    def generate(
+        self, prompt: Sequence[int], *, count: int, seed: int, eos_token_id: int | None
+    ) -> Group:
+        import torch
+
+        rows = torch.tensor([list(prompt)] * count, dtype=torch.int64)
+        responses, gen_lp = self.engine.generate(rows, self.section.max_new_tokens, seed)
+        return _cut(
+            responses.tolist(),
+            gen_lp.tolist(),
+            prompt_len=len(prompt),
+            eos_token_id=eos_token_id if self.section.stop_at_eos else None,
+        )
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def start_backend(
+    model_dir: str,
+    section: GenerationSection,
+    *,
+    device: str,
+    dtype_name: str,
+    seed: int,
+    max_model_len: int,
+) -> HfRollouts | VllmBackend:
+    """The backend `section.backend` names, started."""
+    if section.backend == "vllm":
+        return VllmBackend(
+            model_dir, section, dtype_name=dtype_name, max_model_len=max_model_len, seed=seed
+        )
+    return HfRollouts(model_dir, section, device=device, dtype_name=dtype_name)

@@ -66,7 +66,7 @@ def test_every_problem_is_listed_with_its_path_before_anything_starts(tmp_path):
         "grpo.num_prompts_per_step=0",
         "env.reward_fn=broken:fn",
         "data.train_file=nope.jsonl",
-        "generation.backend=vllm",
+        "generation.backend=sglang",
         "checkpointing.metric_name=train:nothing",
     ]
     with pytest.raises(ConfigError) as info:
