@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the latest committed checkpoint of checkpointing.checkpoint_dir.",
     )
     grpo.add_argument("--config", required=True, metavar="RUN_YAML", help="the run file")
+    grpo.add_argument(
+        "--plot",
+        metavar="PATH",
+        default=None,
+        help="write the reward and KL curves as a PNG at the end (needs matplotlib)",
+    )
     grpo.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. grpo.max_num_steps=3")
     sub.add_parser("info", help="versions, devices, attention kernels and transports")
     bench = sub.add_parser("bench", help="run the bench/ modules and print one table")
@@ -187,13 +193,18 @@ def _run_grpo(args: argparse.Namespace) -> int:
     from policyworker.errors import ConfigError
     from policyworker.grpo import load_run_config, run_grpo
 
+    if args.plot is not None:  # before the run, not after it
+        problem = _plot_problem(args.plot)
+        if problem:
+            print(f"policyworker grpo: error: --plot {args.plot}: {problem}", file=sys.stderr)
+            return 2
     try:
         run = load_run_config(args.config, args.overrides)
     except ConfigError as exc:  # every problem listed, nothing started
         print(f"policyworker grpo: error: {exc}", file=sys.stderr)
         return 2
     try:
-        run_grpo(run)
+        run_grpo(run, plot=args.plot)
     except ValueError as exc:  # a caller error found once the model is loaded
         print(f"policyworker grpo: error: {exc}", file=sys.stderr)
         return 2

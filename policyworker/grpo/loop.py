@@ -125,6 +125,16 @@ def _step(
     )
 
 
+def _plot(path: str, history: list[dict[str, float]], out: TextIO) -> None:
+    from policyworker.demo.report import save_plot
+
+    rewards = [h["reward_mean"] for h in history]
+    if save_plot(path, rewards, [h["kl"] for h in history]):
+        out.write(f"plot: {path}\n")
+    else:
+        out.write("note: matplotlib is not installed; no PNG written (pip install matplotlib)\n")
+
+
 def _load_tokenizer(name: str) -> Any:
     """The tokenizer of `name` (pad = eos when it has no pad token, as the worker does).
 
@@ -146,8 +156,11 @@ def _load_tokenizer(name: str) -> Any:
     return tokenizer
 
 
-def run_grpo(run: RunConfig, *, out: TextIO | None = None) -> dict[str, float]:
-    """Run (or resume) the GRPO run `run`; returns the summary of all its steps."""
+def run_grpo(
+    run: RunConfig, *, out: TextIO | None = None, plot: str | None = None
+) -> dict[str, float]:
+    """Run (or resume) the GRPO run `run`; returns the summary of all its steps (with `plot`,
+    their reward and KL curves are also written there as a PNG, as the demo's `--plot`)."""
     import transformers
 
     from policyworker.functional.loss import ClippedPGLossFn
@@ -199,6 +212,8 @@ def run_grpo(run: RunConfig, *, out: TextIO | None = None) -> dict[str, float]:
         saver.commit()
         summary = run_summary(history)
         logger.summary(summary, resumed_from=start_step)
+        if plot is not None:
+            _plot(plot, history, stream)
         return summary
     finally:
         if logger is not None:

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_example_run_file_trains_three_steps_on_vllm(tmp_path):
     from policyworker.testing import tiny_model_folder
 
-    shape = {k: v for k, v in TINY_LLAMA.items() if k != "vocab_size"}
+    shape: dict[str, Any] = {k: v for k, v in TINY_LLAMA.items() if k != "vocab_size"}
     model = tiny_model_folder(
         tmp_path / "model", vocab=TINY_LLAMA["vocab_size"], tokenizer=True, **shape
     )

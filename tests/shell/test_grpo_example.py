@@ -25,8 +25,10 @@ def test_the_example_run_file_trains_three_steps_and_checkpoints(tmp_path):
         f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
         f"logger.log_dir={tmp_path / 'logs'}",
     ]
+    plot = tmp_path / "curve.png"
+    command = ["grpo", "--config", str(RUN), "--plot", str(plot), *overrides]
     run = subprocess.run(
-        [sys.executable, "-m", "policyworker", "grpo", "--config", str(RUN), *overrides],
+        [sys.executable, "-m", "policyworker", *command],
         cwd=tmp_path,
         env=child_env(ROOT),
         capture_output=True,
@@ -44,6 +46,7 @@ def test_the_example_run_file_trains_three_steps_and_checkpoints(tmp_path):
     logged = [json.loads(x) for x in (tmp_path / "logs/metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged] == [1, 2, 3]
     assert (tmp_path / "ckpt/step_3/grpo_state.json").is_file()  # the last step always saves
+    assert f"plot: {plot}" in output and plot.read_bytes().startswith(b"\x89PNG")
 
 
 def test_a_bad_override_is_reported_before_anything_starts(tmp_path, capsys):
@@ -53,3 +56,5 @@ def test_a_bad_override_is_reported_before_anything_starts(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert "@ grpo.max_num_steps" in err and "@ policy.precision" in err
+    code = main(["grpo", "--config", str(RUN), "--plot", str(tmp_path / "no/dir/x.png")])
+    assert code == 2 and "does not exist" in capsys.readouterr().err
