@@ -204,6 +204,9 @@ def run_grpo(
         key = cp.metric_name.removeprefix("train:")
         for step in range(start_step + 1, total + 1):
             metrics = _step(step, run, tokenizer, worker, engine, data, loss_fn)
+            # The save of an earlier step was written while this step ran; commit it now, so a
+            # run killed later resumes from there (at most one step is ever uncommitted).
+            saver.commit()
             history.append(metrics)
             logger.step(step, total, metrics)
             if saver.due(step, last_step=total):

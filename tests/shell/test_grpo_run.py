@@ -1,9 +1,14 @@
 """`policyworker grpo`: the run file's checks, the tokenizer path, checkpoints and exact resume,
 on a tiny model with a word-level tokenizer (CPU, nothing downloaded)."""
 
+import contextlib
 import json
-import shutil
+import os
+import signal
+import subprocess
+import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,6 +17,9 @@ from policyworker.errors import ConfigError
 from policyworker.grpo import load_run_config, run_grpo
 from policyworker.grpo.checkpoints import latest_committed
 from policyworker.grpo.data import decode_responses, encode_prompt
+from tests.helpers import child_env
+
+ROOT = Path(__file__).resolve().parents[2]
 
 REWARD = """
 def even_words(prompts, responses, metadata):
@@ -115,29 +123,44 @@ SAME = ("reward_mean", "reward_std", "loss", "kl", "response_len_mean")
 
 
 @pytest.mark.slow
-def test_an_interrupted_run_resumes_exactly(tmp_path, tiny_tokenizer_model_path, capsys):
+def test_a_run_killed_after_step_3_resumes_exactly(tmp_path, tiny_tokenizer_model_path, capsys):
     whole = _run_file(tmp_path / "whole", tiny_tokenizer_model_path)
-    keep_all = ["checkpointing.save_period=1", "checkpointing.keep_top_k=null"]
-    summary = run_grpo(load_run_config(whole, keep_all))
+    summary = run_grpo(load_run_config(whole))
     assert summary["steps"] == 4
     full = _jsonl(tmp_path / "whole/logs/metrics.jsonl")
     assert [m["step"] for m in full] == [1, 2, 3, 4]
     assert len({m["reward_mean"] for m in full}) > 1 and any(m["loss"] != 0 for m in full)
-    assert sorted(p.name for p in (tmp_path / "whole/ckpt").iterdir()) == [
-        f"step_{k}" for k in (1, 2, 3, 4)
-    ]
 
-    # The run killed after step 2 committed, halfway through saving step 4 and having logged
-    # step 3 (whose checkpoint never committed).
+    # The same run in a fresh interpreter, killed (SIGKILL, with its inference process) once it
+    # printed step 3: step 2's save is committed, step 3 was logged but never saved.
     cut = _run_file(tmp_path / "cut", tiny_tokenizer_model_path)
-    ckpt = tmp_path / "cut/ckpt"
-    shutil.copytree(tmp_path / "whole/ckpt/step_2", ckpt / "step_2")
-    (ckpt / "step_4/weights").mkdir(parents=True)  # an unfinished save: no state file
-    (tmp_path / "cut/logs").mkdir(parents=True)
-    (tmp_path / "cut/logs/metrics.jsonl").write_text(
-        "".join(json.dumps(m) + "\n" for m in full[:3])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "policyworker", "grpo", "--config", str(cut)],
+        cwd=tmp_path,
+        env=child_env(ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
+    watchdog = threading.Timer(240, os.killpg, (proc.pid, signal.SIGKILL))
+    watchdog.start()
+    seen = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("step 3/4"):
+                break
+    finally:
+        watchdog.cancel()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert any(line.startswith("step 3/4") for line in seen), "".join(seen)[-4000:]
+    ckpt = tmp_path / "cut/ckpt"
     assert (latest_committed(ckpt) or (0,))[0] == 2
+
     capsys.readouterr()
     resumed = run_grpo(load_run_config(cut))
     out = capsys.readouterr().out
@@ -151,7 +174,7 @@ def test_an_interrupted_run_resumes_exactly(tmp_path, tiny_tokenizer_model_path,
     kept = sorted(p.name for p in ckpt.iterdir())
     assert "step_4" in kept and len(kept) <= 2
 
-    # Nothing left to do: a third start runs no step and says so.
+    # Nothing left to do: a third start runs no step.
     assert run_grpo(load_run_config(cut))["steps"] == 4
 
 
