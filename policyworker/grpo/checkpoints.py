@@ -5,7 +5,8 @@ The worker writes weights, reference, optimizer, scheduler and RNG asynchronousl
 that save is finalised (after the next step, or at the end) and `grpo_state.json` (the step, the
 ranking metric, the metrics so far) is renamed into place after it. Resume picks the highest
 committed step; a folder without the state file is a save that did not finish and is removed
-before its step is saved again. After each commit the keep-top-k rule (`functional.grpo.checkpoints_to_remove`) deletes the folders that lost.
+before its step is saved again. After each commit the keep-top-k rule
+(`functional.grpo.checkpoints_to_remove`) deletes the folders that lost.
 """
 
 from __future__ import annotations
