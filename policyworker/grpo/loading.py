@@ -68,6 +68,12 @@ def read_prompt_rows(path: pathlib.Path, *, prompt_key: str) -> list[dict[str, A
     """
     if not path.is_file():
         raise ConfigError(f"train_file: no such file {str(path)!r}; check the path")
+    if path.suffix == ".parquet":
+        msg = (
+            f"train_file {str(path)!r}: Parquet prompt files are not read yet; write the rows "
+            f"as JSONL (one JSON object per line)"
+        )
+        raise ConfigError(msg)
     rows: list[dict[str, Any]] = []
     bad: list[str] = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):

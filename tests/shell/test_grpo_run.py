@@ -102,6 +102,9 @@ def test_missing_reward_function_and_bad_rows_are_named(tmp_path):
     assert "has no function 'absent'" in text
     assert "line 2: no text field 'prompt'" in text and "line 3: not JSON" in text
     assert "is not a multiple of policy.train_global_batch_size = 8" in text
+    (tmp_path / "p.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ConfigError, match="Parquet prompt files are not read yet"):
+        load_run_config(path, ["data.train_file=p.parquet"])
 
 
 def test_prompts_use_the_chat_template_when_the_tokenizer_has_one(tiny_tokenizer_model_path):
