@@ -210,3 +210,30 @@ def test_checkpoints_commit_after_the_save_and_keep_the_top_k_and_the_latest(tmp
     assert worker.finalized == 4
     assert sorted(committed_steps(tmp_path)) == [2, 6, 7]
     assert (latest_committed(tmp_path) or (0,))[0] == 7
+
+
+def test_epochs_bound_the_steps_and_metadata_keys_pick_the_fields(
+    tmp_path, tiny_tokenizer_model_path
+):
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    from policyworker.grpo.data import load_prompts
+    from policyworker.grpo.loop import last_step
+
+    path = _run_file(tmp_path, tiny_tokenizer_model_path)
+    run = load_run_config(path, ["grpo.max_num_epochs=1", "grpo.max_num_steps=100"])
+    assert last_step(run, 6) == 3  # 6 prompts, 2 per step, one epoch
+    assert last_step(load_run_config(path), 6) == 4
+    run = load_run_config(path, ["+data.metadata_keys=[tag, missing]"])
+    data = load_prompts(
+        run.sections.data,
+        base_dir=run.base_dir,
+        tokenizer=AutoTokenizer.from_pretrained(tiny_tokenizer_model_path),
+    )
+    assert data.token_ids[0] == (3, 20, 40) and data.texts[0] == "t3 t20 t40"
+    assert data.metadata[0] == {"tag": "x", "missing": None}
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(ConfigError, match="tensorboard is not installed"):
+            load_run_config(path, ["logger.tensorboard_enabled=true"])
