@@ -1,7 +1,8 @@
-"""Command line: `policyworker demo | info | bench` (also `python -m policyworker ...`).
+"""Command line: `policyworker demo | grpo | info | bench` (also `python -m policyworker ...`).
 
 - `demo`: GRPO on a toy task with a separate inference process refit over ZMQ (see
   `policyworker.demo.loop`); exit 0 only if reward rose and trainer/inference logprobs agree.
+- `grpo --config run.yaml [key=value ...]`: a GRPO run from one file (see `policyworker.grpo`).
 - `info`: versions (engines and extras included), devices, attention kernels and weight
   transports usable here.
 - `--version`: the package version.
@@ -120,6 +121,20 @@ def build_parser() -> argparse.ArgumentParser:
         "real vLLM engine refit through vLLM's weight-sync calls (pip install "
         "'policyworker[vllm]')",
     )
+    grpo = sub.add_parser(
+        "grpo",
+        help="a GRPO run from one YAML (policy, loss_fn, grpo, data, env, generation, ...)",
+        description="Run GRPO from a run file (NeMo-RL's layout, docs/grpo.md); resumes from "
+        "the latest committed checkpoint of checkpointing.checkpoint_dir.",
+    )
+    grpo.add_argument("--config", required=True, metavar="RUN_YAML", help="the run file")
+    grpo.add_argument(
+        "--plot",
+        metavar="PATH",
+        default=None,
+        help="write the reward and KL curves as a PNG at the end (needs matplotlib)",
+    )
+    grpo.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. grpo.max_num_steps=3")
     sub.add_parser("info", help="versions, devices, attention kernels and transports")
     bench = sub.add_parser("bench", help="run the bench/ modules and print one table")
     bench_runner.add_arguments(bench)
@@ -172,6 +187,28 @@ def _demo_exit_code(args: argparse.Namespace) -> int:
         print(f"policyworker demo: error: {exc}", file=sys.stderr)
         return 2
     return result.exit_code
+
+
+def _run_grpo(args: argparse.Namespace) -> int:
+    from policyworker.errors import ConfigError
+    from policyworker.grpo import load_run_config, run_grpo
+
+    if args.plot is not None:  # before the run, not after it
+        problem = _plot_problem(args.plot)
+        if problem:
+            print(f"policyworker grpo: error: --plot {args.plot}: {problem}", file=sys.stderr)
+            return 2
+    try:
+        run = load_run_config(args.config, args.overrides)
+    except ConfigError as exc:  # every problem listed, nothing started
+        print(f"policyworker grpo: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        run_grpo(run, plot=args.plot)
+    except ValueError as exc:  # a caller error found once the model is loaded
+        print(f"policyworker grpo: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _plot_problem(path: str) -> str:
@@ -316,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _run_demo(args)
+    if args.command == "grpo":
+        return _run_grpo(args)
     if args.command == "info":
         print(format_info(collect_info()))
         return 0

@@ -135,12 +135,11 @@ def tiny_model_folder(
 
 def save_word_tokenizer(path: str | Path, *, vocab: int) -> None:
     """A word-level tokenizer of `vocab` words `t0..t{vocab-1}` into `path` (eos `t1`, unknown
-    `t0`, no pad token)."""
-    from tokenizers import Tokenizer, models
+    `t0`, no pad token); text splits on whitespace, so "t2 t3" is [2, 3] and decodes back."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(words), eos_token="t1", unk_token="t0"
-    )
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t1", unk_token="t0")
     fast.save_pretrained(path)

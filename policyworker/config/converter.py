@@ -221,7 +221,8 @@ def _is_own_attrs_class(type_: Any) -> bool:
     return (
         isinstance(type_, type)
         and attrs.has(type_)
-        and type_.__module__.startswith("policyworker.config.")
+        # the GRPO runner's run-file sections are read by the same rules as the policy's
+        and type_.__module__.startswith(("policyworker.config.", "policyworker.grpo."))
     )
 
 

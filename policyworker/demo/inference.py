@@ -9,8 +9,8 @@ arrives through `HFWeightReceiver` from the trainer's ZMQ refit stream.
 Requests (op, payload) -> replies ("ok", payload) or ("error", message):
 - `connect` {address, refit_info (`encode_refit_info`'s form), timeout_s}: build the receiver.
 - `refit` {}: serve one refit; reply {version, num_bytes, num_tensors}.
-- `generate` {prompts, response_len, seed, score_micro_batch_size}: sample `response_len`
-  tokens per prompt row at temperature 1 (no KV cache), then score the whole rows with a plain
+- `generate` {prompts, response_len, seed, score_micro_batch_size, temperature (optional, 1)}:
+  sample `response_len` tokens per prompt row (no KV cache), then score the whole rows with a plain
   HF forward + fp32 log_softmax; reply {responses, generation_logprobs, logprobs}.
 - `close` {}: exit.
 """
@@ -82,9 +82,14 @@ def _logprobs_of_rows(
 
 @torch.no_grad()
 def _generate(
-    model: torch.nn.Module, prompts_NL: torch.Tensor, response_len: int, seed: int
+    model: torch.nn.Module,
+    prompts_NL: torch.Tensor,
+    response_len: int,
+    seed: int,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample `response_len` tokens per row; returns ([N, Lr] tokens, [N, S] sampler logprobs)."""
+    """Sample `response_len` tokens per row at `temperature`; returns ([N, Lr] tokens, [N, S]
+    sampler logprobs, of the temperature-scaled distribution)."""
     g = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     ids = prompts_NL.to(device)
@@ -92,7 +97,7 @@ def _generate(
     gen_lp = torch.zeros(n, lp + response_len, dtype=torch.float32)
     for t in range(response_len):
         logits = model(input_ids=ids, use_cache=False).logits[:, -1].float().cpu()
-        logp = torch.log_softmax(logits, dim=-1)
+        logp = torch.log_softmax(logits / temperature, dim=-1)
         tok = torch.multinomial(logp.exp(), 1, generator=g)
         gen_lp[:, lp + t] = logp.gather(-1, tok)[:, 0]
         ids = torch.cat([ids, tok.to(device)], dim=1)
@@ -155,7 +160,11 @@ def serve(
                 elif op == "generate":
                     prompts = torch.tensor(payload["prompts"], dtype=torch.int64)
                     responses, gen_lp = _generate(
-                        model, prompts, payload["response_len"], payload["seed"]
+                        model,
+                        prompts,
+                        payload["response_len"],
+                        payload["seed"],
+                        payload.get("temperature", 1.0),
                     )
                     ids = torch.cat([prompts, responses], dim=1).to(next(model.parameters()).device)
                     scored = _logprobs_of_rows(model, ids, payload["score_micro_batch_size"])

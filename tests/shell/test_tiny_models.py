@@ -64,3 +64,5 @@ def test_folder_reloads_to_the_same_model_and_tokenizer(tmp_path):
     tok = AutoTokenizer.from_pretrained(path)
     assert tok.convert_tokens_to_ids(["t5", "t7", "t63"]) == [5, 7, 63]
     assert tok.eos_token == "t1" and tok.convert_tokens_to_ids("nope") == 0
+    assert tok("t5 t7  t63")["input_ids"] == [5, 7, 63]
+    assert tok.decode([5, 7, 63]) == "t5 t7 t63"

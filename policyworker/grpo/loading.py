@@ -1,0 +1,215 @@
+"""Read a GRPO run file: every section checked, every problem listed, before anything starts.
+
+`load_run_config(path, overrides)` reads the YAML the way `policyworker.config.files` reads a
+policy file (`defaults:` chains, Hydra-style overrides with full paths such as
+`grpo.max_num_steps=3`, then interpolations), then structures `policy:` (the config package),
+`loss_fn:` (ClippedPGLossFn's keys), the runner's sections, imports the reward function and
+reads the prompts file. Problems from all of them are collected and raised as one
+`ConfigError`, one line per problem, each ending `@ <section>.<path>`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import pathlib
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from cattrs.errors import ClassValidationError, IterableValidationError
+
+from policyworker.config import load_config
+from policyworker.config.converter import converter
+from policyworker.config.files import apply_overrides, read_config_with_defaults
+from policyworker.config.interpolation import resolve_interpolations
+from policyworker.config.messages import error_lines
+from policyworker.errors import ConfigError
+from policyworker.functional.loss_options import ClippedPGConfig
+from policyworker.grpo.config import RunConfig, RunSections
+
+__all__ = ["import_reward_fn", "load_run_config", "read_prompt_rows"]
+
+_SECTIONS = ("grpo", "data", "env", "generation", "checkpointing", "logger")
+_KNOWN = {"policy", "loss_fn", "defaults", *_SECTIONS}
+
+
+def import_reward_fn(path: str, *, base_dir: str) -> Callable[..., Any]:
+    """The function `module:function` names, `module` imported with `base_dir` on sys.path.
+
+    Raises:
+        ConfigError: naming the import path and the import's own error.
+    """
+    module_name, _, attr = path.partition(":")
+    if base_dir not in sys.path:
+        sys.path.insert(0, base_dir)  # the reward module beside the run file imports by name
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any failure inside the user's module is a config problem
+        msg = f"reward_fn = {path!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+        raise ConfigError(msg) from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        msg = (
+            f"reward_fn = {path!r}: module {module_name!r} ({getattr(module, '__file__', '?')}) "
+            f"has no function {attr!r}; define {attr}(prompts, responses, metadata) -> rewards"
+        )
+        raise ConfigError(msg)
+    return fn
+
+
+def read_prompt_rows(path: pathlib.Path, *, prompt_key: str) -> list[dict[str, Any]]:
+    """The JSONL rows of `path` (blank lines skipped).
+
+    Raises:
+        ConfigError: the file is missing or empty, or lines are not objects with a text
+        `prompt_key` (the first five bad lines named).
+    """
+    if not path.is_file():
+        raise ConfigError(f"train_file: no such file {str(path)!r}; check the path")
+    if path.suffix == ".parquet":
+        msg = (
+            f"train_file {str(path)!r}: Parquet prompt files are not read yet; write the rows "
+            f"as JSONL (one JSON object per line)"
+        )
+        raise ConfigError(msg)
+    rows: list[dict[str, Any]] = []
+    bad: list[str] = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            bad.append(f"line {number}: not JSON ({exc.msg})")
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get(prompt_key), str):
+            bad.append(f"line {number}: no text field {prompt_key!r}")
+            continue
+        rows.append(row)
+    if bad:
+        raise ConfigError(f"train_file {str(path)!r}: " + "; ".join(bad[:5]))
+    if not rows:
+        raise ConfigError(f"train_file {str(path)!r} holds no prompt; add JSONL lines")
+    return rows
+
+
+def _structure_sections(document: Mapping[str, Any], problems: list[str]) -> RunSections | None:
+    body = {k: v for k, v in document.items() if k in _SECTIONS}
+    try:
+        return converter.structure(body, RunSections)
+    except (ClassValidationError, IterableValidationError, ValueError) as exc:
+        problems += [line.replace("@ run.", "@ ") for line in error_lines(exc, "run", None)]
+        return None
+
+
+def _cross_section_problems(run: RunSections, policy: Any) -> list[str]:
+    problems = []
+    rollouts = run.grpo.num_prompts_per_step * run.grpo.num_generations_per_prompt
+    gbs = policy.train_global_batch_size
+    if rollouts % gbs:
+        problems.append(
+            f"num_prompts_per_step * num_generations_per_prompt = {rollouts} is not a multiple "
+            f"of policy.train_global_batch_size = {gbs}; make the rollouts of a step whole "
+            f"global batches @ grpo.num_prompts_per_step"
+        )
+    sampling = policy.generation
+    policy_t = 1.0 if sampling is None else sampling.temperature
+    if policy_t != run.generation.temperature:
+        problems.append(
+            f"temperature = {run.generation.temperature} but policy.generation.temperature = "
+            f"{policy_t}; the trainer's logprobs must use the sampler's temperature: set both "
+            f"alike @ generation.temperature"
+        )
+    if run.generation.backend == "vllm" and run.generation.temperature != 1.0:
+        problems.append(
+            f"temperature = {run.generation.temperature} with backend vllm: vLLM reports "
+            f"logprobs of the unscaled distribution, so the runner samples it at 1.0; set 1.0 "
+            f"or use backend hf @ generation.temperature"
+        )
+    if run.generation.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        problems.append(
+            "backend = 'vllm' but vLLM is not installed; pip install 'policyworker[vllm]' or "
+            "use backend hf @ generation.backend"
+        )
+    return problems
+
+
+def _apply_run_overrides(document: Mapping[str, Any], overrides: Iterable[str]) -> Any:
+    """Overrides by full path; `policy.*` ones go to the policy section (whose override reader
+    takes paths relative to it)."""
+    result = dict(document)
+    for text in overrides:
+        if text.lstrip("+~").startswith("policy."):
+            result["policy"] = apply_overrides(result.get("policy") or {}, [text])
+        else:
+            result = apply_overrides(result, [text])
+    return result
+
+
+def load_run_config(path: str | pathlib.Path, overrides: Iterable[str] = ()) -> RunConfig:
+    """The checked run of `path` with `overrides` (`section.key=value`) applied.
+
+    Raises:
+        ConfigError: listing every problem of every section, each with its path.
+    """
+    file = pathlib.Path(path).resolve()
+    if not file.is_file():
+        raise ConfigError(f"--config {str(path)!r}: no such file; pass a run YAML")
+    document = resolve_interpolations(
+        _apply_run_overrides(read_config_with_defaults(file), overrides)
+    )
+    if not isinstance(document, Mapping):
+        raise ConfigError(f"{file}: a run file is a mapping of sections")
+    problems = [
+        f"unknown section {key!r}; the sections are {sorted(_KNOWN - {'defaults'})} @ {key}"
+        for key in document
+        if key not in _KNOWN
+    ]
+    policy = None
+    try:
+        policy = load_config(document.get("policy") or {})
+    except ConfigError as exc:
+        problems += [line.strip() for line in str(exc).splitlines()[1:] if line.strip()]
+    loss = dict(document.get("loss_fn") or {})
+    try:
+        ClippedPGConfig.from_mapping(loss)
+    except (ConfigError, ValueError) as exc:
+        problems += [line.strip() for line in str(exc).splitlines() if line.strip()]
+    sections = _structure_sections(document, problems)
+    base_dir = str(file.parent)
+    if sections is not None and policy is not None:
+        problems += _cross_section_problems(sections, policy)
+    # The reward and the prompts are checked even when another section failed: all at once.
+    env, data = document.get("env"), document.get("data")
+    reward_path = env.get("reward_fn") if isinstance(env, Mapping) else None
+    reward_fn = None
+    if isinstance(reward_path, str) and ":" in reward_path:
+        try:
+            reward_fn = import_reward_fn(reward_path, base_dir=base_dir)
+        except ConfigError as exc:
+            problems.append(f"{exc} @ env.reward_fn")
+    train_file = data.get("train_file") if isinstance(data, Mapping) else None
+    if isinstance(train_file, str):
+        prompt_key = data.get("prompt_key", "prompt") if isinstance(data, Mapping) else "prompt"
+        try:
+            read_prompt_rows(pathlib.Path(base_dir, train_file), prompt_key=str(prompt_key))
+        except ConfigError as exc:
+            problems.append(f"{exc} @ data.train_file")
+    if (
+        sections is not None
+        and sections.logger.tensorboard_enabled
+        and importlib.util.find_spec("tensorboard") is None
+    ):
+        problems.append(
+            "tensorboard_enabled = true but tensorboard is not installed; pip install "
+            "tensorboard, or set it false @ logger.tensorboard_enabled"
+        )
+    if problems:
+        head = f"invalid run config {file} ({len(problems)} problem{'s' * (len(problems) != 1)}):"
+        raise ConfigError("\n  ".join([head, *problems]))
+    assert policy is not None and sections is not None
+    return RunConfig(
+        policy=policy, loss_fn=loss, sections=sections, reward_fn=reward_fn, base_dir=base_dir
+    )
