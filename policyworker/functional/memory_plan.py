@@ -38,6 +38,8 @@ from collections.abc import Callable
 import attrs
 from attrs import frozen
 
+from policyworker.functional.logprobs import default_chunk_size
+
 __all__ = [
     "PHASES",
     "MemoryKnobs",
@@ -82,7 +84,7 @@ class MemoryKnobs:
     train_mb_tokens: int
     logprob_mb_tokens: int
     logprob_chunk_tokens: int
-    train_logprob_chunk: int = 0
+    train_logprob_chunk: int = 0  # 0: the logprob functions' own default_chunk_size(vocab)
     activation_checkpointing: bool = False
     fused_logprobs: bool = False
     master_bytes: int = 4
@@ -159,7 +161,8 @@ def _train_activations(shape: ModelShape, knobs: MemoryKnobs) -> int:
     embed = knobs.master_bytes * shape.hidden * tokens  # the embedding output, fp32 residual
     if not knobs.activation_checkpointing:
         return embed + shape.num_layers * per_layer
-    kept_inputs = shape.num_layers * knobs.master_bytes * shape.hidden * tokens
+    # The recomputed layer's own input is its first norm's input, counted in `per_layer`.
+    kept_inputs = max(shape.num_layers - 1, 0) * knobs.master_bytes * shape.hidden * tokens
     return embed + kept_inputs + (per_layer if shape.num_layers else 0)
 
 
@@ -167,8 +170,9 @@ def _train_logits(shape: ModelShape, knobs: MemoryKnobs) -> int:
     """The [T, V] logits kept for the backward and their gradient, plus fp32 chunk scratch."""
     block = knobs.train_mb_tokens * shape.vocab * knobs.compute_bytes
     scratch = 0
-    if not knobs.fused_logprobs:
-        chunk = min(knobs.train_logprob_chunk or knobs.train_mb_tokens, knobs.train_mb_tokens)
+    if not knobs.fused_logprobs and shape.vocab:
+        default = default_chunk_size(shape.vocab)
+        chunk = min(knobs.train_logprob_chunk or default, knobs.train_mb_tokens)
         scratch = _EAGER_SCRATCH_COPIES * 4 * chunk * shape.vocab
     return 2 * block + scratch
 
