@@ -47,6 +47,7 @@ __all__ = [
     "ModelShape",
     "PhasePlan",
     "activation_bytes_per_token_layer",
+    "inference_chunk_tokens",
     "largest_fitting",
     "plan_memory",
     "with_knob",
@@ -56,6 +57,8 @@ PHASES = ("train_step", "optimizer_step", "logprobs", "reference", "topk", "refi
 # Eager chunked logprobs: the fp32 upcast of a chunk, its log-softmax and (backward) its grad.
 _EAGER_SCRATCH_COPIES = 3
 _TOPK_INDEX_BYTES = 8  # int64 indices beside each kept value
+# The scoring loop's LM-head chunk when `logprob_chunk_size` is unset (packed: one row).
+_INFERENCE_CHUNK_TOKENS = 2048
 
 
 @frozen(kw_only=True)
@@ -83,7 +86,7 @@ class MemoryKnobs:
 
     train_mb_tokens: int
     logprob_mb_tokens: int
-    logprob_chunk_tokens: int
+    logprob_chunk_tokens: int = 0  # 0: the scoring loop's default (`inference_chunk_tokens`)
     train_logprob_chunk: int = 0  # 0: the logprob functions' own default_chunk_size(vocab)
     activation_checkpointing: bool = False
     fused_logprobs: bool = False
@@ -177,6 +180,15 @@ def _train_logits(shape: ModelShape, knobs: MemoryKnobs) -> int:
     return 2 * block + scratch
 
 
+def inference_chunk_tokens(shape: ModelShape, knobs: MemoryKnobs) -> int:
+    """Tokens of one no-grad LM-head chunk: `logprob_chunk_tokens`, else the scoring loop's
+    default (the larger of 2048 and `default_chunk_size(vocab)`), at most the microbatch."""
+    chunk = knobs.logprob_chunk_tokens
+    if not chunk:
+        chunk = max(default_chunk_size(shape.vocab), _INFERENCE_CHUNK_TOKENS) if shape.vocab else 0
+    return min(chunk, knobs.logprob_mb_tokens)
+
+
 def _inference_terms(shape: ModelShape, knobs: MemoryKnobs) -> list[tuple[str, int]]:
     weights, _, state = _resident(shape, knobs)
     tokens, h = knobs.logprob_mb_tokens, shape.hidden
@@ -187,7 +199,7 @@ def _inference_terms(shape: ModelShape, knobs: MemoryKnobs) -> list[tuple[str, i
     layer_cast = max(layer_params, 0) * knobs.compute_bytes if head_cast else 0
     residual = 2 * knobs.master_bytes * h * tokens
     mlp = 3 * knobs.compute_bytes * shape.intermediate * tokens if shape.num_layers else 0
-    chunk = min(knobs.logprob_chunk_tokens, tokens)
+    chunk = inference_chunk_tokens(shape, knobs)
     return [
         ("weights", weights),
         ("optimizer_state", state if knobs.optimizer_on_device_for_logprobs else 0),
@@ -223,7 +235,7 @@ def plan_memory(shape: ModelShape, knobs: MemoryKnobs) -> MemoryPlan:
         ),
     )
     inference = tuple(_inference_terms(shape, knobs))
-    chunk = min(knobs.logprob_chunk_tokens, knobs.logprob_mb_tokens)
+    chunk = inference_chunk_tokens(shape, knobs)
     topk_out = knobs.logprob_mb_tokens * knobs.top_k * (knobs.master_bytes + _TOPK_INDEX_BYTES)
     topk_scratch = chunk * knobs.top_k * (4 + _TOPK_INDEX_BYTES)
     staging = _div(shape.num_params * knobs.export_bytes, knobs.shards)

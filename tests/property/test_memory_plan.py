@@ -6,11 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from policyworker.functional.logprobs import default_chunk_size
 from policyworker.functional.memory_plan import (
     PHASES,
     MemoryKnobs,
     ModelShape,
     activation_bytes_per_token_layer,
+    inference_chunk_tokens,
     largest_fitting,
     plan_memory,
     with_knob,
@@ -90,6 +92,14 @@ def test_every_phase_grows_with_the_model_dimensions(field, shape, kn, extra):
     assert activation_bytes_per_token_layer(bigger, kn) >= activation_bytes_per_token_layer(
         shape, kn
     )
+
+
+@given(shapes(), knobs())
+def test_the_default_inference_chunk_is_the_scoring_loops_and_never_past_the_microbatch(shape, kn):
+    chunk = inference_chunk_tokens(shape, attrs.evolve(kn, logprob_chunk_tokens=0))
+    expected = max(default_chunk_size(shape.vocab), 2048)
+    assert chunk == min(expected, kn.logprob_mb_tokens)
+    assert inference_chunk_tokens(shape, kn) <= kn.logprob_mb_tokens
 
 
 @given(shapes(), knobs())

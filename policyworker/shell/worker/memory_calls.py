@@ -42,8 +42,6 @@ _GIB = 2**30
 # Where the planner does not count: the CUDA context, cuBLAS/attention workspaces and the
 # caching allocator's fragmentation. A budget taken from the card keeps this much back.
 _CUDA_RESERVE_BYTES = 2 * _GIB
-# The inference LM-head chunk the scoring loop uses when `logprob_chunk_size` is unset.
-_DEFAULT_INFERENCE_CHUNK_TOKENS = 2048
 _AUTO_TUNE_MAX_TOKENS = 1 << 20
 _AUTO_TUNE_MULTIPLE = 256
 # Past this many positions a bigger LM-head chunk no longer speeds the head GEMM up.
@@ -160,7 +158,7 @@ def knobs_from_config(
     return MemoryKnobs(
         train_mb_tokens=_train_tokens(cfg),
         logprob_mb_tokens=_logprob_tokens(cfg),
-        logprob_chunk_tokens=cfg.logprob_chunk_size or _DEFAULT_INFERENCE_CHUNK_TOKENS,
+        logprob_chunk_tokens=cfg.logprob_chunk_size or 0,
         train_logprob_chunk=cfg.logprob_chunk_size or 0,
         activation_checkpointing=cfg.dtensor_cfg.activation_checkpointing,
         fused_logprobs=fused_logprobs,
