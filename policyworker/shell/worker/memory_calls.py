@@ -3,7 +3,10 @@ from a `PolicyConfig`, the device budget, and the pre-flight check and auto-tune
 `PolicyWorker` runs before it allocates anything. The arithmetic is `functional.memory_plan`.
 
 Pre-flight runs only where a budget is known: `dtensor_cfg.memory_budget_gb`, or the GPU's total
-memory on CUDA. The CPU is never refused by default (its RAM is shared with everything else).
+memory on CUDA less a 2 GiB reserve. The CPU is never refused by default (its RAM is shared with
+everything else). With the card's budget and fixed microbatches only the data-independent terms
+are checked (a padded microbatch is as wide as its batch's longest row, not
+`max_total_sequence_length`); an explicit budget checks every term at the configured maximum.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Any
 
 import attrs
 import torch
+import torch.distributed as dist
 
 from policyworker.config import PolicyConfig
 from policyworker.errors import ConfigError
@@ -291,10 +295,17 @@ def preflight(cfg: PolicyConfig) -> PolicyConfig:
     lora = cfg.dtensor_cfg.lora_cfg
     shape = shape_from_hf_config(hf_config, lora_rank=None if lora is None else lora.dim)
     fused = device.type == "cuda" and cfg.dtensor_cfg.fusion in ("auto", "layer", "norm_mlp")
-    knobs = knobs_from_config(cfg, device=device, fused_logprobs=fused)
+    # FSDP shards weights, gradients and state over every rank of the process group.
+    shards = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    knobs = knobs_from_config(cfg, device=device, fused_logprobs=fused, shards=shards)
     if cfg.dtensor_cfg.auto_tune:
         cfg = _tuned(cfg, shape, knobs, budget)
-        knobs = knobs_from_config(cfg, device=device, fused_logprobs=fused)
+        knobs = knobs_from_config(cfg, device=device, fused_logprobs=fused, shards=shards)
+    if cfg.dtensor_cfg.memory_budget_gb is None and _batching(cfg) is None:
+        # The card's own budget with fixed microbatches: their width is the batch's longest
+        # row, usually far below max_total_sequence_length, so only what the data cannot
+        # shrink (weights, gradients, optimizer state) is refused by default.
+        knobs = attrs.evolve(knobs, train_mb_tokens=0, logprob_mb_tokens=0)
     check_fits(plan_memory(shape, knobs), budget)
     return cfg
 
