@@ -92,20 +92,26 @@ def _piece_digest(path: pathlib.Path, offset: int, new_hash: Callable[[Any], Any
             view.release()
 
 
-def _file_digests(folder: pathlib.Path, names: list[str], algorithm: str) -> dict[str, str]:
+def _digests_of(paths: list[pathlib.Path], algorithm: str) -> list[str]:
+    """The tree digest of each file, every piece of every file hashed in one thread pool (the
+    folders of one save share it, so a folder of few files does not leave threads idle)."""
     new_hash = _hash_function(algorithm)
     jobs = [
-        (name, offset)
-        for name in names
-        for offset in range(0, max((folder / name).stat().st_size, 1), _PIECE_BYTES)
+        (i, offset)
+        for i, path in enumerate(paths)
+        for offset in range(0, max(path.stat().st_size, 1), _PIECE_BYTES)
     ]
     workers = max(1, min(len(jobs), os.cpu_count() or 1, 16))
     with ThreadPoolExecutor(workers, thread_name_prefix="checkpoint-digest") as pool:
-        pieces = list(pool.map(lambda job: _piece_digest(folder / job[0], job[1], new_hash), jobs))
-    per_file: dict[str, list[bytes]] = {name: [] for name in names}
-    for (name, _), piece in zip(jobs, pieces, strict=True):
-        per_file[name].append(piece)
-    return {name: str(new_hash(b"".join(parts)).hexdigest()) for name, parts in per_file.items()}
+        pieces = list(pool.map(lambda job: _piece_digest(paths[job[0]], job[1], new_hash), jobs))
+    per_file: list[list[bytes]] = [[] for _ in paths]
+    for (i, _), piece in zip(jobs, pieces, strict=True):
+        per_file[i].append(piece)
+    return [str(new_hash(b"".join(parts)).hexdigest()) for parts in per_file]
+
+
+def _file_digests(folder: pathlib.Path, names: list[str], algorithm: str) -> dict[str, str]:
+    return dict(zip(names, _digests_of([folder / n for n in names], algorithm), strict=True))
 
 
 def _listed_files(folder: pathlib.Path) -> list[str]:
@@ -121,19 +127,29 @@ def write_digests(folder: str | os.PathLike[str], *, algorithm: str | None = Non
 
     `algorithm` (default `save_algorithm()`): "blake3-tree-64MiB" or "sha256-tree-64MiB".
     """
-    folder = pathlib.Path(folder)
+    write_digests_of([folder], algorithm=algorithm)
+
+
+def write_digests_of(
+    folders: Sequence[str | os.PathLike[str]], *, algorithm: str | None = None
+) -> None:
+    """`write_digests` of several folders, their files hashed together in one thread pool."""
     algorithm = save_algorithm() if algorithm is None else algorithm
-    names = _listed_files(folder)
-    digests = _file_digests(folder, names, algorithm)
-    files = {
-        name: {"digest": digests[name], "bytes": (folder / name).stat().st_size} for name in names
-    }
-    body = {"algorithm": algorithm, "files": files, "files_digest": _list_digest(files)}
-    # A fresh inode, never an in-place rewrite: an unchanged reference folder is hard-linked
-    # from the previous checkpoint, and truncating a shared file would corrupt that one.
-    staged = folder / f"{DIGESTS_FILE}.tmp"
-    staged.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
-    os.replace(staged, folder / DIGESTS_FILE)
+    paths = [pathlib.Path(f) for f in folders]
+    names = [_listed_files(folder) for folder in paths]
+    flat = [folder / n for folder, ns in zip(paths, names, strict=True) for n in ns]
+    digests = iter(_digests_of(flat, algorithm))
+    for folder, folder_names in zip(paths, names, strict=True):
+        files = {
+            name: {"digest": next(digests), "bytes": (folder / name).stat().st_size}
+            for name in folder_names
+        }
+        body = {"algorithm": algorithm, "files": files, "files_digest": _list_digest(files)}
+        # A fresh inode, never an in-place rewrite: an unchanged reference folder is hard-linked
+        # from the previous checkpoint, and truncating a shared file would corrupt that one.
+        staged = folder / f"{DIGESTS_FILE}.tmp"
+        staged.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+        os.replace(staged, folder / DIGESTS_FILE)
 
 
 def _list_digest(files: object) -> str:
