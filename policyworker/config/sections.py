@@ -122,7 +122,13 @@ class DTensorConfig:
     (1.5B shape, packed; host profile of issue 17) and makes the next step allocate again.
     Off by default: `offload_before_refit`, the call a colocated loop makes next, releases them
     (as do the other offload calls); true restores NeMo-RL's behaviour, for a loop that hands
-    the memory to an engine without an offload call."""
+    the memory to an engine without an offload call.
+    `memory_budget_gb` (ours): the device bytes one worker may use; the memory planner
+    (`PolicyWorker.plan_memory`, docs/memory.md) refuses at construction a config whose predicted
+    peak exceeds it, naming the phase and the knob. None: the GPU's total memory on CUDA, no
+    check on the CPU. `auto_tune` (ours): set the sequence-packing / dynamic-batching
+    `train_mb_tokens` and `logprob_mb_tokens` and `logprob_chunk_size` to the largest values the
+    planner predicts to fit that budget (needs a budget: CUDA or `memory_budget_gb`)."""
 
     tensor_parallel_size: int = field(default=1, validator=at_least(1))
     context_parallel_size: int = field(default=1, validator=at_least(1))
@@ -136,6 +142,8 @@ class DTensorConfig:
         default=0.0, validator=Rule(lambda v: v >= 0.0, "must be >= 0 (0 disables the update)")
     )
     release_cache_after_train: bool = False
+    memory_budget_gb: float | None = field(default=None, validator=POSITIVE)
+    auto_tune: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.sequence_parallel and self.tensor_parallel_size == 1:

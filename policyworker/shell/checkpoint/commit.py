@@ -326,10 +326,10 @@ def read_json(path: pathlib.Path) -> Any:
 def _commit(commits: Sequence[tuple[pathlib.Path, pathlib.Path]]) -> None:
     """Digest and fsync every temporary folder, write the commit records, then rename into
     place."""
-    from policyworker.shell.checkpoint.digests import write_digests
+    from policyworker.shell.checkpoint.digests import write_digests_of
 
+    write_digests_of([tmp for tmp, _ in commits])
     for tmp, _ in commits:
-        write_digests(tmp)
         _fsync_tree(tmp)
     token = commits[0][0].name.rsplit(".tmp-", 1)[1]
     with _locked([final.parent for _, final in commits]):

@@ -34,6 +34,7 @@ import policyworker.shell.checkpoint as checkpoint
 import policyworker.shell.worker.calibration as calibration
 import policyworker.shell.worker.data_plane_calls as data_plane_calls
 import policyworker.shell.worker.inference as inference
+import policyworker.shell.worker.memory_calls as memory_calls
 import policyworker.shell.worker.microbatches as mbatch
 import policyworker.shell.worker.offload as offload
 import policyworker.shell.worker.refit_calls as refit_calls
@@ -101,6 +102,7 @@ class PolicyWorker(data_plane_calls.DataPlaneCalls, NeMoRLWorkerSurface, Checkpo
             )
             raise ConfigError(msg)
         cfg = config if isinstance(config, PolicyConfig) else load_config(config)
+        cfg = memory_calls.preflight(cfg)  # auto-tune, and refuse what cannot fit, before loading
         parallel, tokenizer = split_constructor_kwargs(kwargs)
         with quiet_progress_bars():  # transformers' "Loading weights" bars
             self.state = WorkerState.build(
@@ -115,6 +117,12 @@ class PolicyWorker(data_plane_calls.DataPlaneCalls, NeMoRLWorkerSurface, Checkpo
             self.state.tokenizer = tokenizer
         if self.parallel.rank == 0:
             log.info("%s", startup_summary(self.state, name=type(self).__name__))
+
+    def plan_memory(self) -> dict[str, dict[str, Any]]:
+        """Predicted peak device bytes per phase (train step, optimizer step, logprobs,
+        reference, top-k, refit, checkpoint): each phase's terms, total, budget and whether it
+        fits (docs/memory.md)."""
+        return memory_calls.plan_for_state(self.state)
 
     @property
     def _sampling(self) -> tuple[float, int | None, float]:

@@ -115,3 +115,35 @@ def test_the_policy_worker_names_the_edited_digests_file_not_config_json(
     with pytest.raises(ck.CheckpointError, match=rf"{record}' was edited") as err:
         worker.load_checkpoint(tmp_path / "w")
     assert "config.json' does not match" not in str(err.value)
+
+
+@pytest.mark.parametrize("algorithm", ["sha256-tree-64MiB", "blake3-tree-64MiB"])
+def test_folders_digested_with_either_algorithm_load_and_a_flipped_byte_is_named(copy, algorithm):
+    """Folders saved with SHA-256 (before BLAKE3 was used) keep verifying; both catch a flip."""
+    for folder in ("w/model", "w/reference", "o/optim"):
+        digests.write_digests(copy / folder, algorithm=algorithm)
+        assert json.loads((copy / folder / digests.DIGESTS_FILE).read_text())["algorithm"] == (
+            algorithm
+        )
+    ck.load_checkpoint(_fresh(), copy / "w", copy / "o")
+    shard = sorted((copy / "w" / "model").glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ck.CheckpointError, match=rf"{shard}' does not match the digest"):
+        ck.load_checkpoint(_fresh(), copy / "w", copy / "o")
+
+
+def test_a_save_records_blake3_where_it_is_installed(saved):
+    """vLLM brings blake3; the test environment has it, so a save here uses the faster hash."""
+    body = json.loads((saved / "w" / "model" / digests.DIGESTS_FILE).read_text())
+    assert body["algorithm"] == digests.save_algorithm() == "blake3-tree-64MiB"
+
+
+def test_an_unknown_digest_algorithm_is_named(copy):
+    record = copy / "w" / "model" / digests.DIGESTS_FILE
+    body = json.loads(record.read_text())
+    body["algorithm"] = "md5"
+    record.write_text(json.dumps(body))
+    with pytest.raises(ck.CheckpointError, match=r"uses digest 'md5'; expected sha256"):
+        ck.load_checkpoint(_fresh(), copy / "w", copy / "o")
