@@ -30,6 +30,7 @@ import attrs
 import torch
 
 import policyworker.shell.checkpoint as checkpoint
+import policyworker.shell.worker.adapters as adapters
 import policyworker.shell.worker.calibration as calibration
 import policyworker.shell.worker.inference as inference
 import policyworker.shell.worker.microbatches as mbatch
@@ -120,6 +121,8 @@ class PolicyWorker(NeMoRLWorkerSurface):
         gbs: int | None = None,
         mbs: int | None = None,
         check_dim_skip_keys: Any = None,
+        *,
+        adapter: str | None = None,
     ) -> dict[str, Any]:
         """Train on every whole global batch of `data` (one optimizer step per global batch).
 
@@ -133,13 +136,16 @@ class PolicyWorker(NeMoRLWorkerSurface):
         docs/custom-loss.md). If the call raises after some global batches stepped (a loss that
         raises in global batch 2), their optimizer steps are kept and the LR scheduler steps as
         after a successful call (once per call that applied a step, as NeMo-RL's worker);
-        the gradients are freed either way.
+        the gradients are freed either way. ``adapter`` (a `lora_cfg.adapters` name) trains
+        that adapter with its own optimizer state; it stays the active one.
         """
         skip = tuple(check_dim_skip_keys or ())
         with agreed_checks(self.state.parallel, what="train"):  # all ranks refuse, or none
+            adapters.check_name(self.state, adapter)
             batch = training.check_train_call(
                 self.state, data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, skip=skip
             )
+        adapters.select(self.state, adapter)
         return training.train(self.state, batch, loss_fn, eval_mode=eval_mode, skip=skip)
 
     # ------------------------------------------------------------------------------ inference
@@ -152,6 +158,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
         *,
         entropy: bool = False,
         top_k: int | None = None,
+        adapter: str | None = None,
     ) -> BatchedDataDict:
         """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths.
 
@@ -159,12 +166,15 @@ class PolicyWorker(NeMoRLWorkerSurface):
         ``entropy=True`` adds fp32 [B, S] ``"entropy"``, the entropy (nats) of each next-token
         distribution ``softmax(logits / temperature)`` on the logprobs' positions (0 where they
         are 0; sampling's top-k/top-p do not apply); ``top_k=k`` adds ``"topk_logits"`` /
-        ``"topk_indices"`` [B, S, k], equal to ``get_topk_logits(data, k)``.
+        ``"topk_indices"`` [B, S, k], equal to ``get_topk_logits(data, k)``. ``adapter``: as
+        in `train` (it becomes the active adapter).
         """
         inference.check_extra_scores(entropy, top_k)
         with agreed_checks(self.state.parallel, what="get_logprobs"):  # all refuse, or none
+            adapters.check_name(self.state, adapter)
             data = mbatch.validate(self.state, data)
             self.state.moe.check_replay_data(data, require=require_router_replay)
+        adapters.select(self.state, adapter)
         return inference.logprobs(
             self.state,
             data,
@@ -184,9 +194,20 @@ class PolicyWorker(NeMoRLWorkerSurface):
 
     @contextlib.contextmanager
     def use_reference_model(self) -> Iterator[None]:
-        """Swap the reference weights in place; restore the policy weights even on error."""
+        """Swap the reference weights in place (or, with `lora_cfg.reference: base`, switch the
+        adapters off); restore the policy weights even on error."""
+        if adapters.base_is_reference(self.state):
+            with adapters.base_reference(self.state):
+                yield
+            return
         with inference.reference_model(self.state):
             yield
+
+    def select_adapter(self, adapter: str) -> None:
+        """Make `adapter` (a `lora_cfg.adapters` name) the model's adapter: the one refits,
+        `save_checkpoint` and calls without ``adapter=`` use."""
+        adapters.check_name(self.state, adapter)
+        adapters.select(self.state, adapter)
 
     def get_topk_logits(
         self, data: Mapping[str, Any], k: int, micro_batch_size: int | None = None
