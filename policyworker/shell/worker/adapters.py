@@ -94,8 +94,9 @@ def select(state: Any, name: str | None) -> None:
     if name is None or bank is None or name == bank.active:
         return
     incoming = bank.parked.pop(name)
-    bank.parked[bank.active] = _park(state, keep_optimizer_state=False)
-    _unpark(state, incoming)
+    outgoing = _park(state, keep_optimizer_state=False)
+    bank.parked[bank.active] = outgoing
+    _unpark(state, incoming, like=outgoing.optimizer_state)
     bank.active = name
 
 
@@ -125,22 +126,37 @@ def _park(state: Any, *, keep_optimizer_state: bool) -> _Parked:
     )
 
 
-def _unpark(state: Any, parked: _Parked) -> None:
+def _unpark(state: Any, parked: _Parked, *, like: list[dict[str, Any] | None]) -> None:
+    """Put `parked` into the model and the optimizer; its optimizer state tensors move to the
+    devices of the state they replace (`like`): an offload (`move_optimizer_to_device`) moved
+    only the state the optimizer held then."""
     params = _live(state)
     opt, sched = state.optimizer, state.scheduler
     with torch.no_grad():
         for p, w in zip(params, parked.weights, strict=True):
             p.copy_(w)
     if opt is not None:
-        for p, s in zip(params, parked.optimizer_state, strict=True):
+        for p, s, here in zip(params, parked.optimizer_state, like, strict=True):
             if s is None:
                 opt.state.pop(p, None)
             else:
-                opt.state[p] = s
+                opt.state[p] = _on_devices_of(s, here)
         for g, lr in zip(opt.param_groups, parked.lrs, strict=True):
             g["lr"] = lr
     if sched is not None and parked.scheduler_state is not None:
         sched.load_state_dict(parked.scheduler_state)
+
+
+def _on_devices_of(opt_state: dict[str, Any], like: dict[str, Any] | None) -> dict[str, Any]:
+    """`opt_state` with each tensor on the device of `like`'s tensor of the same key."""
+    if not like:
+        return opt_state
+    out = dict(opt_state)
+    for key, value in opt_state.items():
+        target = like.get(key)
+        if isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor):
+            out[key] = value.to(target.device)
+    return out
 
 
 @contextlib.contextmanager

@@ -102,3 +102,23 @@ def test_lora_cfg_adapters_must_be_distinct_plain_names(tiny_model_paths, names)
     cfg = make_config(tiny_model_paths["llama"], dtensor_cfg={"lora_cfg": {"adapters": names}})
     with pytest.raises(ConfigError, match="adapters"):
         PolicyWorker(cfg)
+
+
+def test_an_adapter_comes_back_on_the_device_of_the_optimizer_state_it_replaces(
+    tiny_model_paths,
+):
+    """An offload moves only the state the optimizer holds: a parked adapter's state is moved
+    where the live state is when it comes back (here the "meta" device stands in for another)."""
+    worker = _worker(tiny_model_paths["llama"], adapters=["a", "b"])
+    worker.train(make_batch(4, 10, seed=1), NLLLoss(), adapter="a")
+    worker.train(make_batch(4, 10, seed=2), NLLLoss(), adapter="b")
+    for opt_state in worker.optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            opt_state[key] = opt_state[key].to("meta")  # b's state, "offloaded"
+    worker.select_adapter("a")
+    devices = {
+        s[key].device.type
+        for s in worker.optimizer.state.values()
+        for key in ("exp_avg", "exp_avg_sq")
+    }
+    assert devices == {"meta"}
