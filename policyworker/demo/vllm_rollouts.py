@@ -10,16 +10,45 @@ logprobs: temperature 1, no top-k/top-p, so equal to the full-vocabulary log-sof
 from __future__ import annotations
 
 import os
+import threading
 import time
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 
 __all__ = ["VllmRollouts"]
 
+T = TypeVar("T")
+
 # vLLM's CPU KV cache defaults to a share of RAM (the demo's rows need a few MiB); its INFO logs
 # go to stdout and would bury the step lines. Both stay overridable from the environment.
 _ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def _interruptible(build: Callable[[], T]) -> T:
+    """`build()` on a daemon thread while this thread waits in short steps.
+
+    vLLM's start-up waits for its engine process in one long ZMQ poll; a Ctrl-C that the kernel
+    hands to another thread of this process cannot end that poll, so the interrupt would wait
+    out vLLM's engine-ready timeout (minutes). A join with a timeout returns to Python often,
+    where the KeyboardInterrupt is raised; the caller then stops the engine's processes.
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = build()
+        except BaseException as exc:  # re-raised on the caller's thread below
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="policyworker-demo-vllm-start", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 class VllmRollouts:
@@ -29,23 +58,27 @@ class VllmRollouts:
         self, model_dir: str, *, dtype_name: str, max_model_len: int, seed: int, timeout_s: float
     ) -> None:
         from policyworker.shell.engines.vllm import engine_kwargs, require_vllm
+        from policyworker.shell.engines.vllm_logs import silence_expected_vllm_noise
 
         require_vllm()
+        silence_expected_vllm_noise()
         for key, value in _ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         # vLLM is an optional extra, absent from the lint environment.
         from vllm import LLM  # pyright: ignore[reportMissingImports]
 
         started = time.perf_counter()
-        self.llm = LLM(
-            model=model_dir,
-            # vLLM types dtype as a Literal of names; ours is one of them ("float32", ...).
-            dtype=cast(Any, dtype_name),
-            enforce_eager=True,
-            max_model_len=max_model_len,
-            skip_tokenizer_init=True,
-            seed=seed,
-            **engine_kwargs(),
+        self.llm = _interruptible(
+            lambda: LLM(
+                model=model_dir,
+                # vLLM types dtype as a Literal of names; ours is one of them ("float32", ...).
+                dtype=cast(Any, dtype_name),
+                enforce_eager=True,
+                max_model_len=max_model_len,
+                skip_tokenizer_init=True,
+                seed=seed,
+                **engine_kwargs(),
+            )
         )
         self.start_s = time.perf_counter() - started
         self.timeout_s = timeout_s
@@ -109,7 +142,10 @@ class VllmRollouts:
         return responses, gen_lp
 
     def close(self) -> None:
+        from policyworker.shell.engines.vllm_logs import expected_vllm_shutdown
+
         engine = getattr(self.llm, "llm_engine", None)
         core = getattr(engine, "engine_core", None)
         if core is not None:
-            core.shutdown()
+            with expected_vllm_shutdown():
+                core.shutdown()

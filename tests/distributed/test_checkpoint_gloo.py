@@ -11,7 +11,7 @@ from policyworker.shell import checkpoint as ck
 from policyworker.shell.worker.policy_worker import PolicyWorker
 from tests.distributed import checkpoint_workers as workers
 from tests.distributed.launch import run_on_gloo
-from tests.shell.conftest import _build, make_batch, make_config
+from tests.shell.conftest import make_batch, make_config, save_tiny
 
 pytestmark = pytest.mark.distributed
 
@@ -43,7 +43,7 @@ def _config(path):
 
 def test_checkpoints_round_trip_exactly_between_dp1_dp2_and_tp2(tmp_path):
     torch.manual_seed(0)
-    _build("llama").save_pretrained(tmp_path / "llama")
+    save_tiny(tmp_path / "llama")
     path = str(tmp_path / "llama")
     single = PolicyWorker(_config(path))
     single.train(make_batch(4, 10, seed=1), NLLLoss())

@@ -333,7 +333,7 @@ def test_the_demo_runs_its_grpo_loop_on_a_ray_group_with_exact_fp32_parity(clust
     result = run_demo(DemoOptions(steps=2, ray=2, require_rise=False), out=out, err=err)
     assert result.exit_code == 0, out.getvalue() + err.getvalue()
     assert result.max_dlogp == (0.0, 0.0) and all(ms > 0 for ms in result.refit_ms)
-    assert re.search(r"^ray: 2 policy workers started in [0-9.]+ s$", err.getvalue(), re.M)
+    assert re.search(r"^start: ray: 2 policy workers started \([0-9.]+ s\)$", err.getvalue(), re.M)
     assert len([line for line in out.getvalue().splitlines() if line.startswith("step=")]) == 2
     _assert_freed()
 

@@ -13,7 +13,7 @@ from tests.helpers import child_env, run_three_step_demo
 
 require_vllm()
 
-from policyworker.demo.loop import VLLM_FP32_TOLERANCE  # noqa: E402
+from policyworker.demo.options import VLLM_FP32_TOLERANCE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_RE = re.compile(
@@ -36,3 +36,6 @@ def test_three_step_vllm_demo_runs_with_fp32_parity_on_every_step():
         assert float(m.group(4)) > 0.0  # a refit reached vLLM before every step
     assert re.search(r"^ok: 3 steps", run.stdout, re.M)
     assert "vLLM engine started in" in run.stderr
+    # Expected vLLM noise is filtered (shell/engines/vllm_logs.py), in every process of the run.
+    for noise in ("Failed to load weights", "Chat template warmup failed", "force killing"):
+        assert noise not in run.stdout + run.stderr, noise

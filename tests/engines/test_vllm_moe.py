@@ -19,7 +19,7 @@ from tests.engines.vllm_helpers import (
 
 require_vllm()
 
-from policyworker.demo.loop import VLLM_FP32_TOLERANCE  # noqa: E402
+from policyworker.demo.options import VLLM_FP32_TOLERANCE  # noqa: E402
 from policyworker.shell.engines.vllm import VllmRefit  # noqa: E402
 from policyworker.shell.refit.sender import RefitSender  # noqa: E402
 

@@ -6,6 +6,7 @@ One engine for the module (a start costs 15-60 s on 2 cores); each test connects
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -21,7 +22,7 @@ from tests.engines.vllm_helpers import (
 
 require_vllm()
 
-from policyworker.demo.loop import VLLM_FP32_TOLERANCE  # noqa: E402
+from policyworker.demo.options import VLLM_FP32_TOLERANCE  # noqa: E402
 from policyworker.errors import RefitError  # noqa: E402
 from policyworker.functional.loss import NLLLoss  # noqa: E402
 from policyworker.shell.engines.vllm import VllmRefit  # noqa: E402
@@ -105,10 +106,16 @@ def test_a_refit_that_fails_midway_leaves_vllm_serving_the_previous_weights(
                 raise RuntimeError("trainer died mid-refit")
             yield source
 
-    refit = VllmRefit(llm, senders(new))
+    sender = senders(new)
+    walk = sender.weight_stream
+    sender.weight_stream = lambda: attrs.evolve(
+        (stream := walk()), sources=dies_after_ten(stream.sources)
+    )
+    refit = VllmRefit(llm, sender)
     with pytest.raises(RefitError, match="keeps serving version 0") as info:
         # small buffers: several buckets have reached vLLM's worker before the failure
-        refit.refit(buffer_size_bytes=256 << 10, wrap_sources=dies_after_ten)
+        refit.refit(buffer_size_bytes=256 << 10)
+    del sender.weight_stream  # the next refit streams the whole model again
     assert "trainer died mid-refit" in str(info.value)
     assert generate(llm, PROMPTS, max_tokens=6) == served  # bit for bit the old version
     # The next complete refit goes through at once (no staging file gone, no stale ABORT).
@@ -187,7 +194,7 @@ def test_train_then_refit_keeps_vllm_within_fp32_parity_of_get_logprobs(llm, mod
 
 
 def test_a_lora_workers_merged_refit_reaches_vllm(llm, model_dir, senders):
-    from policyworker.demo.loop import LORA_FP32_TOLERANCE
+    from policyworker.demo.options import LORA_FP32_TOLERANCE
 
     lora = {
         "lora_cfg": {

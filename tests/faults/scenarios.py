@@ -931,10 +931,9 @@ def shut_down_worker(trials: int) -> None:
     """After shutdown(), a worker refuses to train and to open a refit address."""
     from policyworker.functional.loss import NLLLoss
     from policyworker.shell.worker.policy_worker import PolicyWorker
-    from tests.shell.conftest import _build, make_batch, make_config
+    from tests.shell.conftest import make_batch, make_config, save_tiny
 
-    folder = tempfile.mkdtemp()
-    _build("llama").save_pretrained(folder)
+    folder = save_tiny(tempfile.mkdtemp())
     for trial in range(trials):
         worker = PolicyWorker(make_config(folder), init_reference_model=False)
         first = worker.get_zmq_address()

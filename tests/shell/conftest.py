@@ -21,15 +21,18 @@ _COMMON = dict(use_cache=True, eos_token_id=1, bos_token_id=2)
 _SEEDS = {"llama": 0, "qwen2": 1, "qwen3": 2}
 
 
+def save_tiny(folder, kind: str = "llama") -> str:
+    """Save the session fixture's tiny `kind` model into `folder` (for tests outside pytest's
+    fixtures: subprocess scenarios and spawned ranks); return the folder as text."""
+    return tiny_model_folder(folder, kind, vocab=VOCAB, seed=_SEEDS[kind], init_std=0.2, **_COMMON)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_paths(tmp_path_factory) -> dict[str, str]:
     """{'llama' | 'qwen2' | 'qwen3': folder} of tiny causal LMs without tokenizer files
     (matrices drawn from N(0, 0.2) so logprobs are far from uniform)."""
     root = tmp_path_factory.mktemp("tiny_models")
-    return {
-        kind: tiny_model_folder(root / kind, kind, vocab=VOCAB, seed=seed, init_std=0.2, **_COMMON)
-        for kind, seed in _SEEDS.items()
-    }
+    return {kind: save_tiny(root / kind, kind) for kind in _SEEDS}
 
 
 @pytest.fixture(scope="session")

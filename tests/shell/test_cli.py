@@ -42,6 +42,33 @@ def test_info_reports_versions_devices_kernels_and_transports(capsys):
         assert word in out
 
 
+def test_info_names_each_engine_and_extra_with_its_version_or_not_installed(capsys, monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+
+    def version(dist):
+        if dist == "sglang":
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return "9.9.9" if dist in ("vllm", "ray", "peft") else real(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    info = cli.collect_info()
+    assert info["extras"] == {"vllm": "9.9.9", "ray": "9.9.9", "sglang": None, "peft": "9.9.9"}
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "vllm 9.9.9, ray 9.9.9, sglang not installed, peft 9.9.9" in out
+
+
+def test_version_flag_prints_the_package_version_and_exits_0(capsys):
+    import policyworker
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"policyworker {policyworker.__version__}"
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policyworker.demo.loop import DemoOptions, DemoResult, demo_config
+from policyworker.demo.options import DemoOptions, DemoResult, demo_config
 from policyworker.demo.report import ProgressBar, final_line, format_dlogp, sparkline, step_line
 from policyworker.demo.task import (
     TargetTokenTask,
@@ -58,6 +58,38 @@ def test_short_demo_reports_the_reward_but_not_a_rise_it_did_not_check(short_run
     assert re.search(r"^ok: 3 steps", short_run.stdout, re.M)
 
 
+@pytest.mark.slow
+def test_short_demo_says_what_it_starts_and_times_the_steps_apart_from_start_up(short_run):
+    stages = re.findall(r"^start: (.+) \(([0-9.]+) s\)$", short_run.stderr, re.M)
+    assert [s for s, _ in stages] == [
+        "torch and transformers imported",
+        "tiny model saved",
+        "policy worker built",
+        "inference process ready",
+        "refit connected; step 1 starts",
+    ], short_run.stderr
+    seconds = [float(t) for _, t in stages]
+    assert seconds == sorted(seconds)
+    ok = re.search(r"^ok: 3 steps in ([0-9.]+) s \(start-up ([0-9.]+) s", short_run.stdout, re.M)
+    assert ok, short_run.stdout
+    assert float(ok.group(2)) >= seconds[-1] - 0.1  # start-up is reported, not in the steps' time
+
+
+def test_startup_log_writes_one_line_per_stage_and_nothing_on_other_ranks():
+    from policyworker.demo.report import StartupLog
+
+    stream = io.StringIO()
+    log = StartupLog(stream)
+    log.done("model saved")
+    log.done("worker built")
+    assert re.fullmatch(
+        r"start: model saved \([0-9.]+ s\)\nstart: worker built \([0-9.]+ s\)\n", stream.getvalue()
+    )
+    quiet = io.StringIO()
+    StartupLog(quiet, enabled=False).done("model saved")
+    assert quiet.getvalue() == ""
+
+
 def _result(**kw):
     base = dict(
         rewards=(0.1, 0.9),
@@ -96,7 +128,7 @@ def test_demo_config_is_a_valid_policy_config_with_one_optimizer_step_per_rl_ste
 
 
 def test_parity_is_exact_in_fp32_and_rounding_noise_with_lora_or_low_precision():
-    from policyworker.demo.loop import parity_tolerance
+    from policyworker.demo.options import parity_tolerance
 
     assert parity_tolerance("float32", lora=False) == 0.0
     assert 0.0 < parity_tolerance("float32", lora=True) <= 1e-4

@@ -3,6 +3,9 @@
 ``check_manifest`` compares an announced manifest with the receiver's ``refit_info``;
 ``check_bucket`` checks one bucket's indices, offsets and sizes against that manifest and its
 buffer. Both return every problem found (empty: fine), so one rejection names them all.
+``self_overlap_problem`` refuses a one-pass destination whose elements may share memory (a
+write into it is undefined, and torch refuses it only once the sender is mid-refit).
+All functions are pure.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 from policyworker.functional.buckets import TensorSpec
 from policyworker.functional.wire.messages import Bucket, dtype_name
 
-__all__ = ["check_bucket", "check_manifest"]
+__all__ = ["check_bucket", "check_manifest", "self_overlap_problem"]
 
 
 def _first(names: Sequence[str], limit: int = 20) -> str:
@@ -91,3 +94,29 @@ def check_bucket(
                 f"{manifest[index].name!r}: byte range [{offset}, {end}) exceeds used_bytes {used}"
             )
     return problems
+
+
+def self_overlap_problem(name: str, shape: Sequence[int], strides: Sequence[int]) -> str | None:
+    """Why a strided destination of ``shape``/``strides`` (in elements) may map two of its
+    elements to one memory location, or None when it cannot.
+
+    Sufficient, not exact: the dimensions of size > 1, taken by increasing stride, must each
+    step past everything the smaller ones reach (``stride >= reach + 1``). Every layout a
+    tensor gets from ``contiguous()``, a permute or a slice of one passes; a zero stride on a
+    dimension of size > 1 (``expand``) never does.
+    """
+    if len(shape) != len(strides):
+        return f"{name!r}: {len(strides)} strides for {len(shape)} dimensions"
+    dims = sorted((st, size) for size, st in zip(shape, strides, strict=True) if size > 1)
+    if any(size == 0 for size in shape):
+        return None  # no element at all
+    reach = 0
+    for stride, size in dims:
+        if stride <= reach:
+            return (
+                f"{name!r}: shape {list(shape)} with strides {list(strides)} lets two elements "
+                "share memory (a zero or too-small stride); register a tensor whose elements "
+                "are distinct (call .contiguous() on it)"
+            )
+        reach += (size - 1) * stride
+    return None

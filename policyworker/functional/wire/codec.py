@@ -13,6 +13,9 @@ their index in that manifest plus a byte offset each (no names, dtypes or shapes
 its buffer carries ``keep`` (the sender keeps the buffer for the next refit, so the receiver may
 keep its mapping).
 
+Version 4 binds replies to requests: every message carries ``refit``, the id the sender chose
+at BEGIN, and a reply echoes it with the kind (``reply_to``) and sequence of the request.
+
 One-pass refits add optional fields, so a staged refit's frames are unchanged: BEGIN's
 ``one_pass`` (the registration id the sender holds), the ACK's ``registration`` (its JSON
 and handle frames are read by ``wire_one_pass``) and COMPLETE's ``one_pass`` with its written
@@ -20,10 +23,6 @@ event.
 
 The message records and limits live in ``wire_messages`` and the receiver's checks in
 ``wire_checks``; every name stays importable from here.
-
-Why it is over 400 lines: it is the codec of every message, each encoder beside its strict
-decoder, so one reading checks a format both ways; the records, limits and checks already
-live in their own modules.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from policyworker.functional.wire.messages import (
     MAX_HEADER_BYTES,
     MAX_NAME_CHARS,
     MAX_NDIM,
+    MAX_REFIT_ID_CHARS,
     MAX_TENSORS,
     PROTOCOL,
     PROTOCOL_VERSION,
@@ -129,7 +129,11 @@ def encode(message: Request | Reply, *, manifest_frame: bytes | None = None) -> 
 
     ``manifest_frame``: ``encode_manifest(message.manifest)`` when the caller has it already.
     """
-    header: dict[str, Any] = {"protocol": PROTOCOL, "version": PROTOCOL_VERSION}
+    header: dict[str, Any] = {
+        "protocol": PROTOCOL,
+        "version": PROTOCOL_VERSION,
+        "refit": message.refit,
+    }
     raw: list[bytes] = []
     if isinstance(message, Begin):
         header.update(
@@ -235,6 +239,8 @@ def _json(raw: bytes, what: str) -> Any:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise _fail(f"{what} is not UTF-8 JSON: {exc}") from None
+    except RecursionError:  # json nests by recursion: a deep enough frame exhausts the stack
+        raise _fail(f"{what} nests JSON deeper than this reader's recursion limit") from None
 
 
 def decode_versioned_json(raw: bytes, *, protocol: str, version: int, what: str) -> dict[str, Any]:
@@ -352,6 +358,7 @@ def decode_request(frames: Sequence[bytes], *, manifests: ManifestCache | None =
     header = _header(frames)
     raw = [bytes(f) for f in frames[1:]]
     kind = header.get("kind")
+    refit = _refit_id(header)
     if kind == "begin":
         if len(raw) != 1:
             raise _fail(
@@ -373,11 +380,12 @@ def decode_request(frames: Sequence[bytes], *, manifests: ManifestCache | None =
             _int(header, "alignment", low=1, high=1 << 20),
             specs,
             one_pass,
+            refit,
         )
     if kind == "complete" and header.get("one_pass") is True:
         if len(raw) > 1 or any(len(r) > MAX_HANDLE_BYTES for r in raw):
             raise _fail("a one-pass complete carries at most 1 raw frame (its written event)")
-        return Complete(_int(header, "num_buckets"), True, raw[0] if raw else b"")
+        return Complete(_int(header, "num_buckets"), True, raw[0] if raw else b"", refit)
     if kind != "bucket" and raw:
         raise _fail(f"a {kind!r:.20} message carries no raw frames, got {len(raw)}")
     if kind == "bucket":
@@ -388,12 +396,17 @@ def decode_request(frames: Sequence[bytes], *, manifests: ManifestCache | None =
                 "in length"
             )
         return Bucket(
-            _int(header, "seq"), _buffer(header, raw), indices, offsets, _int(header, "used_bytes")
+            _int(header, "seq"),
+            _buffer(header, raw),
+            indices,
+            offsets,
+            _int(header, "used_bytes"),
+            refit,
         )
     if kind == "complete":
-        return Complete(_int(header, "num_buckets"))
+        return Complete(_int(header, "num_buckets"), refit=refit)
     if kind == "abort":
-        return Abort(_str(header, "reason", max_chars=1 << 16))
+        return Abort(_str(header, "reason", max_chars=1 << 16), refit)
     raise _fail(f"message kind {kind!r:.40} is unknown; expected begin, bucket, complete or abort")
 
 
@@ -424,4 +437,12 @@ def decode_reply(frames: Sequence[bytes]) -> Reply:
         raw[0] if raw and registration is None else b"",
         registration,
         tuple(raw) if registration is not None else (),
+        _refit_id(header),
     )
+
+
+def _refit_id(header: Mapping[str, Any]) -> str:
+    """The ``refit`` field: the id of the refit a message belongs to ("" when absent)."""
+    if "refit" not in header:
+        return ""
+    return _str(header, "refit", max_chars=MAX_REFIT_ID_CHARS)

@@ -5,7 +5,10 @@ BEGIN (the manifest and the first staging buffer), BUCKET (tensor indices into t
 with byte offsets, and the buffer that carries them), COMPLETE, ABORT and the REPLY to each;
 ``ShmBuffer`` / ``CudaBuffer`` name a staging buffer. The limits (``MAX_*``) bound what a
 decoder accepts, and ``DTYPES_BY_NAME`` is the fixed table of dtypes that may cross the wire.
-``wire`` encodes and decodes these records (docs/refit-protocol.md).
+``wire`` encodes and decodes these records (docs/refit-protocol.md). Every request carries
+the id of its refit (``refit``, chosen by the sender at BEGIN) and every reply echoes it with
+the request's kind and sequence, so a sender can tell a late answer to an old refit from the
+answer it waits for.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "MAX_NAME_CHARS",
     "MAX_NDIM",
+    "MAX_REFIT_ID_CHARS",
     "MAX_TENSORS",
     "PROTOCOL",
     "PROTOCOL_VERSION",
@@ -45,13 +49,14 @@ __all__ = [
 ]
 
 PROTOCOL = "policyworker-refit"
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_HANDLE_BYTES = 4096
 MAX_HEADER_BYTES = 64 << 20
 MAX_NAME_CHARS = 1024
 MAX_NDIM = 16
 MAX_DIM = 1 << 48
 MAX_TENSORS = 1 << 22
+MAX_REFIT_ID_CHARS = 64
 SHM_NAME_RE = re.compile(r"^pw-refit-[0-9a-f]{8,64}$")
 DTYPES_BY_NAME: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -138,6 +143,7 @@ class Begin:
     alignment: int
     manifest: tuple[TensorSpec, ...]
     one_pass: str | None = None
+    refit: str = ""
 
 
 @attrs.frozen
@@ -149,6 +155,7 @@ class Bucket:
     indices: tuple[int, ...]
     offsets: tuple[int, ...]
     used_bytes: int
+    refit: str = ""
 
 
 @attrs.frozen
@@ -159,11 +166,13 @@ class Complete:
     num_buckets: int
     one_pass: bool = False
     written_event: bytes = b""
+    refit: str = ""
 
 
 @attrs.frozen
 class Abort:
     reason: str
+    refit: str = ""
 
 
 @attrs.frozen
@@ -174,7 +183,8 @@ class Reply:
     event recorded after its reads of that buffer were queued; the sender's stream waits on it
     before it writes the buffer again (empty otherwise). ``registration``: on the ACK of a
     one-pass BEGIN, where the receiver's weights live (``wire_one_pass``), its raw frames in
-    ``registration_frames``.
+    ``registration_frames``. ``reply_to``, ``refit`` and ``seq`` name the request answered:
+    its kind, the refit id its BEGIN carried, and its bucket sequence (-1 for the others).
     """
 
     ok: bool
@@ -185,6 +195,11 @@ class Reply:
     consumed_event: bytes = b""
     registration: dict[str, Any] | None = None
     registration_frames: tuple[bytes, ...] = ()
+    refit: str = ""
+
+    def answers(self, kind: str, refit: str, seq: int) -> bool:
+        """Whether this reply names the request ``(kind, refit, seq)``."""
+        return self.reply_to == kind and self.refit == refit and self.seq == seq
 
 
 Request = Begin | Bucket | Complete | Abort

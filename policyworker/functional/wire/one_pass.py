@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from policyworker.functional.arena import Destination
+from policyworker.functional.wire.checks import self_overlap_problem
 from policyworker.functional.wire.codec import (
     DTYPES_BY_NAME,
     CudaBuffer,
@@ -102,6 +103,9 @@ def _destination(item: Any, where: str) -> Destination:
     strides_t = _ints(strides, f"{where} ({name!r}) strides", limit=_MAX_OFFSET)
     if len(strides_t) != len(shape_t) or type(offset) is not int or not 0 <= offset < _MAX_OFFSET:
         raise _fail(f"{where} ({name!r}): one stride per dimension and an offset >= 0")
+    overlap = self_overlap_problem(name, shape_t, strides_t)
+    if overlap is not None:
+        raise _fail(f"{where}: {overlap}")
     return Destination(name, DTYPES_BY_NAME[dtype], shape_t, strides_t, offset)
 
 

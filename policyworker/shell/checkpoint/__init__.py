@@ -2,15 +2,19 @@
 
     layout.py           folder and file names, the HF tensor boxes, safetensors file plans
     folders.py          what a folder holds: complete safetensors files, the weights format
-    safetensors_io.py   staging, `pwrite`, validation and loading of HF safetensors weights
-    dcp.py              optimizer, scheduler and RNG state (and DCP weights) via torch DCP
+    safetensors_io.py   staging and `pwrite` of HF safetensors weights (the save)
+    safetensors_load.py validation and loading of HF safetensors weights
+    dcp.py              saving optimizer, scheduler and RNG state via torch DCP
+    dcp_load.py         loading them (and DCP-format weights), with the fit checks
     commit.py           fsync, commit records, renames, recovery of interrupted commits
     saver.py            AsyncSaver: the background writes of one save and their commit
+    load.py             the worker-level load: digests checked beside the reads, one commit
     api.py              save_checkpoint / load_checkpoint / finalize_async_save on a worker's
                         state (`CheckpointOwner`)
 
-Dependencies run down this list's reverse: api -> saver -> dcp -> safetensors_io -> folders
--> commit -> layout. The names below are the package's public surface (docs/checkpoints.md).
+Dependencies run down this list's reverse: api -> load -> dcp_load -> dcp, safetensors_load
+-> safetensors_io -> saver -> folders -> commit -> layout. The names below are the package's
+public surface (docs/checkpoints.md).
 """
 
 from policyworker.shell.checkpoint.api import (
@@ -21,7 +25,8 @@ from policyworker.shell.checkpoint.api import (
     save_checkpoint,
 )
 from policyworker.shell.checkpoint.commit import COMMIT_RECORD_PREFIX, recover_checkpoint_commits
-from policyworker.shell.checkpoint.dcp import load_optimizer, save_optimizer
+from policyworker.shell.checkpoint.dcp import save_optimizer
+from policyworker.shell.checkpoint.dcp_load import load_optimizer
 from policyworker.shell.checkpoint.digests import verify_digests, write_digests
 from policyworker.shell.checkpoint.folders import detect_weights_format, validate_hf_folder
 from policyworker.shell.checkpoint.layout import (
@@ -36,7 +41,8 @@ from policyworker.shell.checkpoint.layout import (
     hf_layout,
     plan_safetensors_files,
 )
-from policyworker.shell.checkpoint.safetensors_io import load_hf_weights, save_hf_weights
+from policyworker.shell.checkpoint.safetensors_io import save_hf_weights
+from policyworker.shell.checkpoint.safetensors_load import load_hf_weights
 from policyworker.shell.checkpoint.saver import FINALIZE_TIMEOUT_S, AsyncSaver, on_threads
 
 __all__ = [

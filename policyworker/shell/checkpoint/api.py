@@ -29,30 +29,16 @@ record. A crash after the record is rolled forward by the next load or save
 A sync save (`is_final_checkpoint=True`) stages nothing: its writer threads copy device state
 out as they write (see `saver`), so copies and disk writes overlap and no memory is kept.
 
-A save writes its folders side by side (`saver.run_jobs_concurrently`). A load checks every
-folder's digests in background threads while it reads the same files into staging (the
-safetensors files and the DCP files each on several threads, the two folders side by side),
-then commits (`_load`): the files stream through the page cache once, and the worker changes
-only after every read and every check passed.
-
-Why it is over 400 lines: it is the worker-level sequence of both directions, save and load,
-over every folder kind (weights, reference, optimizer, tokenizer, extra folders); each function
-is one ordered run of effects, and the folder rules both directions share (`_record_dirs`,
-`_manifest_id`, the folder names) would otherwise be split from one of their users.
+A save writes its folders side by side (`saver.run_jobs_concurrently`). The load side (digest
+checks beside the reads, then one commit) is in `load`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
-
-import torch
-from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
+from typing import Any
 
 from policyworker.shell.checkpoint.commit import (
     _clear_stale,
@@ -61,27 +47,19 @@ from policyworker.shell.checkpoint.commit import (
     _shared_token,
     _tmp_for,
     _write_json,
-    read_json,
     recover_checkpoint_commits,
 )
-from policyworker.shell.checkpoint.dcp import (
-    _load_dcp_weights,
-    _optim_folder,
-    load_optimizer,
-    save_optimizer,
-)
-from policyworker.shell.checkpoint.digests import DigestChecks
-from policyworker.shell.checkpoint.folders import _model_folder, detect_weights_format
+from policyworker.shell.checkpoint.dcp import save_optimizer
 from policyworker.shell.checkpoint.layout import (
     FORMAT_VERSION,
     MANIFEST_FILE,
     MODEL_DIR,
     OPTIM_DIR,
     REFERENCE_DIR,
-    CheckpointError,
 )
+from policyworker.shell.checkpoint.load import CheckpointOwner, _lora, load
 from policyworker.shell.checkpoint.reference import save_reference
-from policyworker.shell.checkpoint.safetensors_io import load_hf_weights, save_hf_weights
+from policyworker.shell.checkpoint.safetensors_io import save_hf_weights
 from policyworker.shell.checkpoint.saver import (
     FINALIZE_TIMEOUT_S,
     AsyncSaver,
@@ -104,26 +82,6 @@ __all__ = [
 # A stager of an extra checkpoint folder: given the folder to write, it copies what it saves
 # (now, on the caller's thread) and returns the write job for the background thread, or None.
 StageFolder = Callable[[pathlib.Path], Callable[[], None] | None]
-
-
-class CheckpointOwner(Protocol):
-    """What the worker-level functions read and restore: a `shell.state.WorkerState`, or any
-    object with these attributes (tests and benchmarks use small ones around a plain module)."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer | None
-    scheduler: Any
-    tokenizer: Any
-    cfg: Any  # PolicyConfig or None: the LoRA config and model name of a PEFT adapter
-    parallel: Any  # ParallelContext
-    reference_state: dict[str, torch.Tensor] | None
-    saver: AsyncSaver
-
-
-def _lora(owner: CheckpointOwner) -> bool:
-    from policyworker.shell.model.lora import lora_modules
-
-    return bool(lora_modules(owner.model))
 
 
 def save_checkpoint(
@@ -150,7 +108,6 @@ def save_checkpoint(
     saver, parallel = owner.saver, owner.parallel
     saver.finalize(parallel)
     token = _shared_token(parallel)
-    group = _checkpoint_group(saver)
     meta = {
         "format_version": FORMAT_VERSION,
         "checkpoint_id": token,
@@ -165,20 +122,57 @@ def save_checkpoint(
     tokenizer = pathlib.Path(tokenizer_path) if tokenizer_path is not None else None
     finals = [f for f in (weights / MODEL_DIR, optim, tokenizer, reference) if f is not None]
     finals += list(extra_folders or {})
-    _on_rank0(parallel, "prepare the checkpoint folders", lambda: _prepare_folders(finals))
     commits = [(_tmp_for(f, token), f) for f in finals]
     tmp = dict(zip(finals, (t for t, _ in commits), strict=True))
+    _on_rank0(
+        parallel,
+        "prepare the checkpoint folders",
+        lambda: _prepare_folders(finals, list(tmp.values()), saver),
+    )
+    try:
+        jobs = _stage(
+            owner,
+            tmp,
+            meta,
+            reference=reference,
+            optim=optim,
+            tokenizer=tokenizer,
+            extra_folders=extra_folders or {},
+            sync=is_final_checkpoint,
+        )
+        saver.staging.wait()  # every copy landed: training may change the weights once we return
+    except BaseException:  # Ctrl-C or a failure while staging: no folder of it stays behind
+        saver.discard_staged()
+        raise
+    saver.start(jobs, commits, background=not is_final_checkpoint)
+    if is_final_checkpoint:
+        saver.finalize(parallel)
+
+
+def _stage(
+    owner: CheckpointOwner,
+    tmp: Mapping[pathlib.Path, pathlib.Path],
+    meta: Mapping[str, Any],
+    *,
+    reference: pathlib.Path | None,
+    optim: pathlib.Path | None,
+    tokenizer: pathlib.Path | None,
+    extra_folders: Mapping[pathlib.Path, StageFolder],
+    sync: bool,
+) -> list[Callable[[], None]]:
+    """Stage every folder of one save into its temporary folder; returns the write jobs."""
+    saver, parallel, ref = owner.saver, owner.parallel, owner.reference_state
+    group = _checkpoint_group(saver)
+    finals = list(tmp)
     # async: copies into the saver's reused (pinned) buffers, waited for below; sync: the jobs
     # run inside this call, so CPU state is written where it is and device state is copied out
     # through the writer threads' bounce buffers as they write, unless an async save already
     # holds buffers: copying into them at pinned bandwidth and writing from host memory is a
     # little faster (the final save of a loop that saved asynchronously; H200, 1.5B + AdamW,
     # same run: 11.4 s from staging, 12.0 s through the bounce buffers)
-    reuse_staging = not is_final_checkpoint or saver.staging.nbytes > 0
+    reuse_staging = not sync or saver.staging.nbytes > 0
     staging = saver.staging if reuse_staging else None
-    jobs = _model_jobs(
-        owner, tmp[finals[0]], meta, lora=lora, staging=staging, sync=is_final_checkpoint
-    )
+    jobs = _model_jobs(owner, tmp[finals[0]], meta, lora=_lora(owner), staging=staging, sync=sync)
     if reference is not None and ref is not None:  # reference is set only with ref
         jobs += save_reference(owner.model, owner.parallel, saver, ref, reference, tmp[reference])
     if optim is not None and owner.optimizer is not None:  # _check_save_args: both or neither
@@ -192,19 +186,16 @@ def save_checkpoint(
                 group=group,
                 meta=meta,
                 staging=staging,
-                copy_sources=not is_final_checkpoint,
+                copy_sources=not sync,
             )
         )
     if tokenizer is not None and parallel.rank == 0:
         owner.tokenizer.save_pretrained(tmp[tokenizer])
-    for final, stage in (extra_folders or {}).items():
+    for final, stage in extra_folders.items():
         job = stage(tmp[final])
         if job is not None:
             jobs.append(job)
-    saver.staging.wait()  # every copy landed: training may change the weights once we return
-    saver.start(jobs, commits, background=not is_final_checkpoint)
-    if is_final_checkpoint:
-        saver.finalize(parallel)
+    return jobs
 
 
 def _check_save_args(owner: CheckpointOwner, optimizer_path: Any, tokenizer_path: Any) -> None:
@@ -223,9 +214,12 @@ def _check_save_args(owner: CheckpointOwner, optimizer_path: Any, tokenizer_path
         raise ValueError(msg)
 
 
-def _prepare_folders(finals: Sequence[pathlib.Path]) -> None:
-    """Rank 0: finish a committed save first (cleanup would delete its folders), then clear
-    what interrupted saves left next to the final folders."""
+def _prepare_folders(
+    finals: Sequence[pathlib.Path], tmps: Sequence[pathlib.Path], saver: AsyncSaver
+) -> None:
+    """Rank 0: finish a committed save first (cleanup would delete its folders), clear what
+    interrupted saves left next to the final folders (never another live save's staged folders),
+    then create and claim this save's staged folders."""
     for final in finals:
         final.parent.mkdir(parents=True, exist_ok=True)
     parents = sorted({f.parent for f in finals})
@@ -233,6 +227,7 @@ def _prepare_folders(finals: Sequence[pathlib.Path]) -> None:
     with _locked(parents):
         for final in finals:
             _clear_stale(final)
+        saver.claim(tmps)
 
 
 def _model_jobs(
@@ -279,182 +274,22 @@ def finalize_async_save(owner: CheckpointOwner, *, timeout_s: float = FINALIZE_T
     owner.saver.finalize(owner.parallel, timeout_s=timeout_s)
 
 
-def _manifest_id(folder: pathlib.Path) -> str | None:
-    path = folder / MANIFEST_FILE
-    if not path.is_file():
-        return None
-    manifest = read_json(path)
-    return manifest.get("checkpoint_id") if isinstance(manifest, dict) else None
-
-
-def _record_dirs(weights_path: Any, optimizer_path: Any) -> list[pathlib.Path]:
-    """Folders where a save of these paths keeps its commit records."""
-    dirs = []
-    for path, sub in ((weights_path, MODEL_DIR), (optimizer_path, OPTIM_DIR)):
-        if path is not None:
-            path = pathlib.Path(path)
-            dirs += [path, path.parent] if path.name == sub else [path]
-    return dirs
-
-
-def _load(
-    owner: CheckpointOwner, weights_path: Any, optimizer_path: Any, *, load_weights: bool
-) -> None:
-    """Verify every folder's digests while reading everything into staging, then commit.
-
-    The digest checks (one background thread per folder) and the reads stream the same files
-    once through the page cache instead of one after the other; nothing in the worker changes
-    until both finished. When a read fails and a digest check fails too, the digest error wins:
-    it names the file whose bytes changed, which is the cause of the read error.
-    """
-    saver, parallel = owner.saver, owner.parallel
-    saver.finalize(parallel)
-    _on_rank0(
-        parallel,
-        "recover an interrupted checkpoint commit",
-        lambda: recover_checkpoint_commits(_record_dirs(weights_path, optimizer_path)),
-    )
-    group = _checkpoint_group(saver)
-    checks = DigestChecks(_digest_folders(owner, weights_path, optimizer_path))
-    try:
-        commits = _read(owner, weights_path, optimizer_path, load_weights=load_weights, group=group)
-    except (Exception, CheckpointException):  # DCP's is a BaseException
-        checks.wait()  # raises the digest error instead, if there is one
-        raise
-    checks.wait()
-    for commit in commits:
-        commit()
-
-
-def _digest_folders(
-    owner: CheckpointOwner, weights_path: Any, optimizer_path: Any
-) -> list[pathlib.Path]:
-    """The folders `_read` reads, in its order (the first failing one is reported)."""
-    folders = []
-    if weights_path is not None:
-        folder = _model_folder(weights_path)
-        folders.append(folder)
-        ref_folder = folder.parent / REFERENCE_DIR if folder.name == MODEL_DIR else None
-        if owner.reference_state is not None and ref_folder is not None and ref_folder.is_dir():
-            folders.append(ref_folder)
-    if optimizer_path is not None and owner.optimizer is not None:
-        # no optimizer folder: the read raises this same error in its turn
-        with contextlib.suppress(CheckpointError):
-            folders.append(_optim_folder(optimizer_path))
-    return folders
-
-
-def _read(
-    owner: CheckpointOwner,
-    weights_path: Any,
-    optimizer_path: Any,
-    *,
-    load_weights: bool,
-    group: Any,
-) -> list[Callable[[], object]]:
-    """Validate and read every folder into staging (digests unchecked); returns the commits.
-
-    The safetensors reads (weights, reference) run on a thread beside the DCP reads on this one
-    (optimizer; DCP-format weights), so the disk serves both folders at once; they use no
-    collectives, so the process group sees only DCP's, in the same order on every rank. When
-    both fail, the weights' error is raised, as when they were read first.
-    """
-    saver, parallel = owner.saver, owner.parallel
-    commits: list[Callable[[], object]] = []
-    file_reads: list[Callable[[], Callable[[], object]]] = []
-    weights_id, dcp_weights, reads_reference = None, None, False
-    if weights_path is not None:
-        folder = _model_folder(weights_path)
-        fmt = detect_weights_format(weights_path)
-        if fmt == "peft" and not _lora(owner):
-            msg = (
-                f"{str(folder)!r} holds a LoRA adapter (adapter_config.json) but this worker has "
-                f"no LoRA: its adapters would be added beside weights the optimizer does not "
-                f"train. Build the worker with the same dtensor_cfg.lora_cfg to resume it, or "
-                f"merge the adapter and load the merged weights"
-            )
-            raise CheckpointError(msg)
-        weights_id = _manifest_id(folder)
-        if load_weights and fmt == "safetensors":
-            file_reads.append(lambda: load_hf_weights(owner.model, folder, parallel=parallel))
-        elif load_weights and fmt == "dcp":
-            dcp_weights = folder
-        elif load_weights:
-            from policyworker.shell.model.peft_adapter import load_peft_adapter
-
-            commits.append(lambda: load_peft_adapter(owner.model, folder))
-        ref_folder = folder.parent / REFERENCE_DIR if folder.name == MODEL_DIR else None
-        ref = owner.reference_state
-        if ref is not None and ref_folder is not None and ref_folder.is_dir():
-            file_reads.append(
-                lambda: load_hf_weights(owner.model, ref_folder, parallel=parallel, state=ref)
-            )
-            reads_reference = True
-    if optimizer_path is not None and owner.optimizer is None:
-        msg = (
-            "load_checkpoint(optimizer_path=...) but the worker has no optimizer "
-            "(init_optimizer=False); pass optimizer_path=None"
-        )
-        raise ValueError(msg)
-    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-read-weights") as pool:
-        file_commits = pool.submit(lambda: [read() for read in file_reads])
-        try:
-            if dcp_weights is not None:
-                commits.append(_load_dcp_weights(owner.model, dcp_weights, group=group))
-            if optimizer_path is not None:
-                commits.append(
-                    _read_optimizer(owner, optimizer_path, weights_path, weights_id, group=group)
-                )
-        except (Exception, CheckpointException):  # DCP's is a BaseException
-            file_commits.result()  # waits; the weights' error, if any, wins
-            raise
-    read_commits = file_commits.result()
-    if reads_reference:  # the next save writes the reference instead of linking the old files
-        saver.last_reference = None
-    return read_commits + commits
-
-
-def _read_optimizer(
-    owner: CheckpointOwner,
-    optimizer_path: Any,
-    weights_path: Any,
-    weights_id: str | None,
-    *,
-    group: Any,
-) -> Callable[[], object]:
-    """Read the optimizer folder (DCP) into staging; refuse one from another save's weights."""
-    assert owner.optimizer is not None  # _read checked
-    commit = load_optimizer(
-        owner.optimizer,
-        owner.scheduler,
-        optimizer_path,
-        model=owner.model,
-        parallel=owner.parallel,
-        group=group,
-        verify=False,  # checked by _load, concurrently with this read
-    )
-    saved_id = getattr(commit, "checkpoint_id", None)
-    if weights_id is not None and saved_id is not None and saved_id != weights_id:
-        msg = (
-            f"weights {str(weights_path)!r} (checkpoint id {weights_id}) and optimizer "
-            f"{str(optimizer_path)!r} (id {saved_id}) come from different saves; pass the "
-            f"optimizer_path saved together with these weights"
-        )
-        raise CheckpointError(msg)
-    return commit
-
-
 def load_checkpoint(
     owner: CheckpointOwner,
     weights_path: str | os.PathLike[str],
     optimizer_path: str | os.PathLike[str] | None = None,
+    *,
+    verify_digests: bool = True,
 ) -> None:
     """Load weights (safetensors / DCP / PEFT, any layout), the saved reference, optimizer state.
 
     Collective. Validates and reads everything before changing the worker: a missing or
-    truncated file raises `CheckpointError` naming it and leaves the worker as it was.
+    truncated file raises `CheckpointError` naming it and leaves the worker as it was. Each
+    folder's files are checked against the digests its save recorded; a folder a policyworker
+    save wrote must have them. ``verify_digests=False`` skips those checks (a folder another
+    tool rewrote on purpose).
     """
-    _load(owner, weights_path, optimizer_path, load_weights=True)
+    load(owner, weights_path, optimizer_path, load_weights=True, verify_digests=verify_digests)
 
 
 def load_checkpoint_at_init(
@@ -471,4 +306,4 @@ def load_checkpoint_at_init(
     """
     if weights_path is None and optimizer_path is None:
         return
-    _load(owner, weights_path, optimizer_path, load_weights=not weights_loaded)
+    load(owner, weights_path, optimizer_path, load_weights=not weights_loaded)

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from policyworker.shell.checkpoint.claims import claim_path, remove_unclaimed
 from policyworker.shell.checkpoint.layout import FORMAT_VERSION, CheckpointError
 
 __all__ = ["COMMIT_RECORD_PREFIX", "LOCK_TIMEOUT_S", "recover_checkpoint_commits"]
@@ -218,8 +219,9 @@ def _apply_record(record: pathlib.Path) -> str:
         _put_in_place(tmp, final, inode, token)
     for parent in sorted({final.parent for _, final, _ in body["pairs"]}):
         _fsync_path(parent)  # the renames are durable before the record goes
-    for _, final, _ in body["pairs"]:
+    for tmp, final, _ in body["pairs"]:
         shutil.rmtree(_old_for(final, token), ignore_errors=True)
+        claim_path(tmp).unlink(missing_ok=True)  # the folder it claimed is committed
     for other in body["records"]:
         if other != record:
             other.unlink(missing_ok=True)
@@ -275,12 +277,14 @@ def recover_checkpoint_commits(dirs: Sequence[str | os.PathLike[str]]) -> list[s
 
 
 def _clear_stale(final: pathlib.Path) -> None:
-    """Remove `<final>.tmp-*` / `<final>.old-*` leftovers: saves that died before their commit
-    record (never committed) and copies a finished commit replaced. Run after recovery."""
+    """Remove `<final>.tmp-*` folders no live process claims (saves that died before their
+    commit record: never committed) and `<final>.old-*` copies a finished commit replaced.
+    Run after recovery, under the parent folder's lock."""
     if not final.parent.is_dir():
         return
+    remove_unclaimed(final.parent, f"{final.name}.tmp-")
     for p in final.parent.iterdir():
-        if p.name.startswith((f"{final.name}.tmp-", f"{final.name}.old-")) and p.is_dir():
+        if p.name.startswith(f"{final.name}.old-") and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
 
 

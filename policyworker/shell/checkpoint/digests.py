@@ -2,8 +2,11 @@
 
 A flipped byte or an edited header in a shard otherwise loads silently. Each folder a save
 commits (model/, optim/, reference/) gets `policyworker_digests.json` listing every other file
-with its SHA-256 tree digest; a load checks every listed file first and names the one that
-differs. Folders without the file (older saves, plain HF folders) load unchecked.
+with its SHA-256 tree digest, and the digest of that list itself; a load checks every listed
+file first and names the one that differs. A folder this library wrote (`written_by_us`) whose
+digests file is missing, or lists fewer files than the folder holds, is an error: a flipped
+bit in it would otherwise load unchecked. Folders of other tools (plain HF folders) load
+unchecked, and `load_checkpoint(..., verify_digests=False)` skips the checks on purpose.
 
 The digest of a file is SHA-256 over the SHA-256 digests of its 64 MiB pieces, so one large
 shard is hashed by several threads (hashlib releases the GIL) and the cost stays a small part
@@ -22,9 +25,21 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from policyworker.shell.checkpoint.layout import CheckpointError
+from policyworker.shell.checkpoint.layout import (
+    MANIFEST_FILE,
+    MODEL_DIR,
+    REFERENCE_DIR,
+    CheckpointError,
+)
 
-__all__ = ["DIGESTS_FILE", "VERIFY_TIMEOUT_S", "DigestChecks", "verify_digests", "write_digests"]
+__all__ = [
+    "DIGESTS_FILE",
+    "VERIFY_TIMEOUT_S",
+    "DigestChecks",
+    "verify_digests",
+    "write_digests",
+    "written_by_us",
+]
 
 DIGESTS_FILE = "policyworker_digests.json"
 _PIECE_BYTES = 64 * 2**20
@@ -78,7 +93,7 @@ def write_digests(folder: str | os.PathLike[str]) -> None:
     files = {
         name: {"digest": digests[name], "bytes": (folder / name).stat().st_size} for name in names
     }
-    body = {"algorithm": _ALGORITHM, "files": files}
+    body = {"algorithm": _ALGORITHM, "files": files, "files_digest": _list_digest(files)}
     # A fresh inode, never an in-place rewrite: an unchanged reference folder is hard-linked
     # from the previous checkpoint, and truncating a shared file would corrupt that one.
     staged = folder / f"{DIGESTS_FILE}.tmp"
@@ -86,23 +101,83 @@ def write_digests(folder: str | os.PathLike[str]) -> None:
     os.replace(staged, folder / DIGESTS_FILE)
 
 
-def verify_digests(folder: str | os.PathLike[str]) -> None:
-    """Raise CheckpointError naming the first file whose bytes differ from the save's record."""
-    folder = pathlib.Path(folder)
-    record = folder / DIGESTS_FILE
-    if not record.is_file():
-        return
+def _list_digest(files: object) -> str:
+    """SHA-256 of the file list itself: an edited entry then blames the digests file."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def written_by_us(folder: pathlib.Path) -> bool:
+    """True for a folder a policyworker save wrote: a weights folder (manifest), the reference
+    beside one, or a DCP optimizer folder with our keys ('extra', 'rng_rank<r>')."""
+    if (folder / MANIFEST_FILE).is_file():
+        return True
+    if folder.name == REFERENCE_DIR and (folder.parent / MODEL_DIR / MANIFEST_FILE).is_file():
+        return True
+    if not (folder / ".metadata").is_file():
+        return False
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    try:
+        keys = set(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+    except Exception:  # unreadable: the load's own check names the file
+        return False
+    return "extra" in keys and any(k.startswith("rng_rank") for k in keys)
+
+
+_OPT_OUT = (
+    "restore it from the save, or load the folder unchecked with "
+    "load_checkpoint(..., verify_digests=False) if another tool rewrote it on purpose"
+)
+
+
+def _read_record(
+    folder: pathlib.Path, record: pathlib.Path
+) -> tuple[dict[str, str], dict[str, int]]:
     try:
         body = json.loads(record.read_text())
         expected = {str(k): str(v["digest"]) for k, v in body["files"].items()}
         sizes = {str(k): int(v["bytes"]) for k, v in body["files"].items()}
         algorithm = body["algorithm"]
-    except (ValueError, KeyError, TypeError) as exc:
-        msg = f"checkpoint file {str(record)!r} is unreadable ({exc}); it was edited"
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        msg = f"checkpoint file {str(record)!r} is unreadable ({exc}); it was edited -- {_OPT_OUT}"
         raise CheckpointError(msg) from exc
     if algorithm != _ALGORITHM:
         msg = f"checkpoint file {str(record)!r} uses digest {algorithm!r}; expected {_ALGORITHM}"
         raise CheckpointError(msg)
+    if "files_digest" in body and body["files_digest"] != _list_digest(body["files"]):
+        msg = (
+            f"checkpoint file {str(record)!r} was edited: its entries no longer match the digest "
+            f"the save recorded for them (the other files are not blamed) -- {_OPT_OUT}"
+        )
+        raise CheckpointError(msg)
+    unlisted = sorted(set(_listed_files(folder)) - set(expected))
+    if unlisted:
+        msg = (
+            f"checkpoint file {str(record)!r} has no digest entry for {unlisted} in "
+            f"{str(folder)!r}: a save lists every file it wrote, so these were added or the "
+            f"entries removed -- {_OPT_OUT}"
+        )
+        raise CheckpointError(msg)
+    return expected, sizes
+
+
+def verify_digests(folder: str | os.PathLike[str], *, required: bool | None = None) -> None:
+    """Raise CheckpointError naming the first file whose bytes differ from the save's record.
+
+    `required`: whether a missing digests file is an error; None decides by `written_by_us`.
+    """
+    folder = pathlib.Path(folder)
+    record = folder / DIGESTS_FILE
+    if not record.is_file():
+        if required or (required is None and written_by_us(folder)):
+            msg = (
+                f"checkpoint file {str(record)!r} does not exist, but {str(folder)!r} was "
+                f"written by a policyworker save, which always records the digests of its "
+                f"files: without them a changed byte would load unchecked -- {_OPT_OUT}"
+            )
+            raise CheckpointError(msg)
+        return
+    expected, sizes = _read_record(folder, record)
     for name in sorted(expected):
         path = folder / name
         if not path.is_file():

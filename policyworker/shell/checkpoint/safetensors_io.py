@@ -1,4 +1,4 @@
-"""HF safetensors weights: staged per rank, `pwrite`n at planned offsets, validated, loaded.
+"""Saving HF safetensors weights: staged per rank, `pwrite`n at planned offsets.
 
 Every rank writes the bytes of the boxes its local shard owns at offsets that every rank
 computes identically (`layout.plan_safetensors_files`); a load validates headers and names
@@ -10,9 +10,7 @@ runs out in `bounce.BOUNCE_BYTES` chunks through its own page-locked buffer and 
 disk writes instead of all running before the first write; CPU pieces are written from where
 they are.
 
-Why it is over 400 lines: the save (stage, then the writer threads with their chunked device
-copy-out) and the load (validate, read, commit) of one format share its piece layout (`_Piece`,
-the runs and their offsets), and a change to one side must be read against the other.
+The load side is `safetensors_load`.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ from torch import nn
 import policyworker.shell.checkpoint.bounce as bounce
 import policyworker.shell.checkpoint.layout as checkpoint_layout_settings
 from policyworker.functional.safetensors_layout import (
-    Box,
     FilePlan,
     HFTensor,
     contiguous_runs,
@@ -43,11 +40,9 @@ from policyworker.functional.safetensors_layout import (
     plan_safetensors_files,
 )
 from policyworker.shell.checkpoint.commit import _write_json
-from policyworker.shell.checkpoint.folders import validate_hf_folder
 from policyworker.shell.checkpoint.layout import (
     INDEX_FILE,
     MANIFEST_FILE,
-    CheckpointError,
     _Local,
     _locals,
     _model_state,
@@ -55,16 +50,13 @@ from policyworker.shell.checkpoint.layout import (
     hf_layout,
     saved_keys,
 )
-from policyworker.shell.checkpoint.saver import on_threads
 from policyworker.shell.refit.hf_names import checkpoint_layout
 from policyworker.shell.refit.weight_stream import tie_word_embeddings
 
 if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
-
     from policyworker.shell.checkpoint.saver import StagingBuffers
 
-__all__ = ["load_hf_weights", "model_hf_layout", "save_hf_weights"]
+__all__ = ["model_hf_layout", "save_hf_weights"]
 
 
 def model_hf_layout(
@@ -237,6 +229,25 @@ def _hf_class_name(model: nn.Module) -> str:
     return type(model).__name__
 
 
+def _as_local(value: torch.Tensor, like: _Local) -> torch.Tensor:
+    """A reference/state value as this rank's local block of the live tensor `like`."""
+    value = value.detach()
+    if hasattr(value, "device_mesh"):
+        dvalue = cast("DTensor", value)
+        return dvalue.full_tensor() if like.gathered else dvalue.to_local()
+    if like.gathered and tuple(value.shape) != tuple(like.tensor.shape):  # a local shard
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            value.to(like.tensor.device),
+            like.mesh,
+            like.placements,
+            run_check=False,
+            shape=like.tensor.shape,
+        ).full_tensor()
+    return value
+
+
 def save_hf_weights(
     model: nn.Module,
     folder: pathlib.Path,
@@ -289,134 +300,3 @@ def save_hf_weights(
             _write_json(folder / MANIFEST_FILE, dict(manifest))
     write_headers = parallel.rank == 0
     return lambda: _write_hf_files(folder, plans, pieces, write_headers=write_headers)
-
-
-def _as_local(value: torch.Tensor, like: _Local) -> torch.Tensor:
-    """A reference/state value as this rank's local block of the live tensor `like`."""
-    value = value.detach()
-    if hasattr(value, "device_mesh"):
-        dvalue = cast("DTensor", value)
-        return dvalue.full_tensor() if like.gathered else dvalue.to_local()
-    if like.gathered and tuple(value.shape) != tuple(like.tensor.shape):  # a local shard
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(
-            value.to(like.tensor.device),
-            like.mesh,
-            like.placements,
-            run_check=False,
-            shape=like.tensor.shape,
-        ).full_tensor()
-    return value
-
-
-def _check_names(
-    model_layout: Sequence[HFTensor],
-    found: Mapping[str, tuple[pathlib.Path, dict[str, Any]]],
-    folder: pathlib.Path,
-) -> None:
-    missing = [t.name for t in model_layout if t.name not in found]
-    wrong = [
-        f"{t.name}: file {found[t.name][1]['shape']} vs model {list(t.shape)}"
-        for t in model_layout
-        if t.name in found and list(found[t.name][1]["shape"]) != list(t.shape)
-    ]
-    if missing or wrong:
-        msg = (
-            f"checkpoint {str(folder)!r} does not fit the model: missing tensors {missing[:8]}"
-            f"{' ...' if len(missing) > 8 else ''}, shape mismatches {wrong[:8]}; load a "
-            f"checkpoint saved from this model architecture and size"
-        )
-        raise CheckpointError(msg)
-
-
-def load_hf_weights(
-    model: nn.Module,
-    folder: str | os.PathLike[str],
-    *,
-    parallel: Any,
-    state: Mapping[str, torch.Tensor] | None = None,
-) -> Callable[[], None]:
-    """Read an HF safetensors folder into staging for this rank's shards; returns the commit.
-
-    Everything is validated and read before the returned callable copies into `state` (default:
-    the live model), so a failed load leaves the model unchanged. Works for any layout: each
-    rank reads only the slices its shards cover.
-    """
-    from safetensors import safe_open
-
-    folder = pathlib.Path(folder)
-    found = validate_hf_folder(folder)
-    live = _model_state(model)
-    layout = model_hf_layout(model, _specs(live))
-    _check_names(layout, found, folder)
-    locals_ = _locals(live, rank=parallel.rank, world_size=parallel.world_size)
-    in_layout = {t.key for t in layout}
-    staging = {
-        k: torch.empty(tuple(b - a for a, b in loc.box), dtype=loc.tensor.dtype)
-        for k, loc in locals_.items()
-        if k in in_layout
-    }
-    by_file: dict[pathlib.Path, list[tuple[HFTensor, Box]]] = {}
-    for t in layout:
-        sub = intersect_boxes(t.box, locals_[t.key].box)
-        if sub is not None:
-            by_file.setdefault(found[t.name][0], []).append((t, sub))
-
-    def read_file(file: pathlib.Path) -> None:
-        handle = safe_open(str(file), framework="pt")
-        for t, sub in by_file[file]:
-            loc = locals_[t.key]
-            squeeze = len(t.box) - len(t.shape)
-            src = tuple(
-                slice(a - b0, b - b0)
-                for (a, b), (b0, _) in zip(sub[squeeze:], t.box[squeeze:], strict=True)
-            )
-            block = handle.get_slice(t.name)[src] if src else handle.get_tensor(t.name)
-            dst = tuple(slice(a - lb, b - lb) for (a, b), (lb, _) in zip(sub, loc.box, strict=True))
-            staging[t.key][dst] = block.reshape(staging[t.key][dst].shape)
-
-    # one file per thread: a cold read keeps several disk requests in flight (the copies out of
-    # the mapped file release the GIL); the boxes are disjoint, so the staging writes never meet
-    on_threads(
-        read_file,
-        sorted(by_file),
-        threads=checkpoint_layout_settings.WRITER_THREADS,
-        name="checkpoint-read",
-    )
-    target = live if state is None else state
-
-    # Keys outside the layout (a tied lm_head) alias a loaded tensor: fill them from it.
-    aliases = {
-        k: next(o for o in staging if live[o] is live[k])
-        for k in target
-        if k in live and k not in staging and any(live[o] is live[k] for o in staging)
-    }
-
-    def commit() -> None:
-        with torch.no_grad():
-            for key, value in staging.items():
-                _copy_into(target[key], value, locals_[key])
-            for key, source in aliases.items():
-                if target[key] is not target[source]:
-                    _copy_into(target[key], staging[source], locals_[source])
-
-    return commit
-
-
-def _copy_into(dest: torch.Tensor, value: torch.Tensor, local: _Local) -> None:
-    dest = dest.detach()
-    if hasattr(dest, "device_mesh"):
-        ddest = cast("DTensor", dest)
-        if local.gathered:  # full value on every rank: keep this rank's part of the placement
-            from torch.distributed.tensor import DTensor, Replicate
-
-            full = DTensor.from_local(
-                value.to(ddest.device),
-                ddest.device_mesh,
-                [Replicate()] * ddest.device_mesh.ndim,
-                run_check=False,
-            )
-            value = full.redistribute(ddest.device_mesh, ddest.placements).to_local()
-        dest = ddest.to_local()
-    dest.copy_(value)

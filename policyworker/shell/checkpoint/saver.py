@@ -42,8 +42,11 @@ from typing import Any, TypeVar
 import attrs
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from policyworker.shell.checkpoint.claims import claim_folder, release_claim
 from policyworker.shell.checkpoint.commit import _all_ranks_max, _commit, _on_rank0
+from policyworker.shell.checkpoint.layout import CheckpointError
 
 __all__ = [
     "AsyncSaver",
@@ -216,8 +219,9 @@ class AsyncSaver:
         self._error: BaseException | None = None
         self._commits: list[tuple[pathlib.Path, pathlib.Path]] = []
         self.group: Any = None  # gloo group for DCP's collectives off the main thread
-        self.last_reference: tuple[pathlib.Path, tuple[Any, ...]] | None = None
+        self.last_reference: tuple[pathlib.Path, tuple[Any, ...], int | None] | None = None
         self.staging = StagingBuffers()  # reused by async saves; freed by release_staging
+        self._claims: dict[pathlib.Path, int] = {}  # staged folder -> descriptor of its claim
         self._exit_hook = False
 
     @property
@@ -230,18 +234,57 @@ class AsyncSaver:
             self._thread.join()
         self.staging.release()
 
+    def claim(self, tmps: Sequence[pathlib.Path]) -> None:
+        """Create and claim the staged folders of a save (rank 0, under the parents' lock)."""
+        try:
+            for tmp in tmps:
+                self._claims[tmp] = claim_folder(tmp)
+        except BaseException:  # none of this save's folders stays behind
+            self.discard_staged()
+            raise
+
+    def discard_staged(self) -> list[pathlib.Path]:
+        """Remove the staged folders this process claimed and drop the claims; returns them."""
+        removed = sorted(self._claims)
+        for tmp, fd in sorted(self._claims.items()):
+            shutil.rmtree(tmp, ignore_errors=True)
+            release_claim(tmp, fd)
+        self._claims.clear()
+        return removed
+
+    def _release_claims(self) -> None:
+        for tmp, fd in sorted(self._claims.items()):
+            release_claim(tmp, fd)
+        self._claims.clear()
+
     def warn_if_pending(self) -> None:
-        """At interpreter exit: a staged save that nobody finalized is not a checkpoint yet.
+        """At interpreter exit (after Ctrl-C, or a script that never finalized its last save):
+        a staged save that nobody finalized is not a checkpoint, and it is removed.
 
         Committing here is not safe under a process group (other ranks may be gone), so the
-        exit only says which folders were left staged and how to avoid it."""
-        if self._commits:
-            staged = ", ".join(str(tmp) for tmp, _ in self._commits)
+        process that staged the folders (rank 0) deletes them and says so; another rank names
+        what is left and how to remove it. The last committed checkpoint is unchanged."""
+        if not self._commits and not self._claims:
+            return
+        staged = sorted({tmp for tmp, _ in self._commits} | set(self._claims))
+        self._commits = []
+        removed = self.discard_staged()
+        left = [tmp for tmp in staged if tmp not in removed and tmp.exists()]
+        if removed:
             log.warning(
                 "exiting with an asynchronous checkpoint save that was never finalized; its "
-                "staged folders (%s) are not a checkpoint. Call worker.finalize_async_save() or "
-                "worker.shutdown() before exit, or save with is_final_checkpoint=True",
-                staged,
+                "staged folders were removed (not a checkpoint): %s. The last finalized "
+                "checkpoint in those folders is unchanged. To keep the last save of a run, save "
+                "it with is_final_checkpoint=True or end the run with worker.shutdown()",
+                ", ".join(map(str, removed)),
+            )
+        if left:
+            log.warning(
+                "exiting with an asynchronous checkpoint save that was never finalized; its "
+                "staged folders are not a checkpoint and are left on disk: %s. The next save "
+                "into the same folders removes them, or remove them now with: rm -rf %s",
+                ", ".join(map(str, left)),
+                " ".join(f"'{tmp}'" for tmp in left),
             )
 
     def start(
@@ -290,11 +333,20 @@ class AsyncSaver:
             if parallel.rank == 0:
                 for tmp, _ in commits:
                     shutil.rmtree(tmp, ignore_errors=True)
+                self._release_claims()
+            if isinstance(error, CheckpointException):  # a BaseException: `except Exception`
+                msg = (  # would miss it
+                    f"the checkpoint save into {[str(tmp) for tmp, _ in commits]} failed in "
+                    f"torch.distributed.checkpoint ({type(error).__name__}: {error}); nothing "
+                    f"was renamed into place, the last finalized checkpoint is unchanged"
+                )
+                raise CheckpointError(msg) from error
             if error is not None:
                 raise error
             msg = "checkpoint writes failed on another rank; nothing was renamed into place"
             raise RuntimeError(msg)
         _on_rank0(parallel, "commit the checkpoint folders", lambda: _commit(commits))
+        self._release_claims()
 
 
 def _checkpoint_group(saver: AsyncSaver) -> Any:

@@ -34,6 +34,7 @@ from vllm.model_executor.model_loader.reload import (  # pyright: ignore[reportM
 
 from policyworker.errors import RefitError
 from policyworker.shell.engines.vllm import check_vllm_version, decode_refit_info, register_backend
+from policyworker.shell.engines.vllm_logs import silence_expected_vllm_noise
 from policyworker.shell.refit.receiver import HFWeightReceiver
 from policyworker.shell.refit.weight_stream import DRAFT_PREFIX
 
@@ -362,3 +363,5 @@ class PolicyWorkerVllmExtension:
 # pyright reads `vllm` as our sibling engines/vllm.py, which has no __version__.
 check_vllm_version(vllm.__version__)  # pyright: ignore[reportAttributeAccessIssue]
 register_backend()
+# This module is imported in vLLM's worker processes, where the refit's reload logs.
+silence_expected_vllm_noise()

@@ -1,4 +1,4 @@
-"""Load a Hugging Face model for the policy worker and run its forward.
+"""Load a Hugging Face model (config, weights, tokenizer) for the policy worker.
 
 Master weights are fp32; compute runs in `precision` through autocast. The attention implementation
 is chosen here (`dtensor_cfg.attn_implementation`): `auto` is sdpa (eager for a model class without
@@ -11,22 +11,28 @@ verified by a perturbation probe (`check_document_isolation`).
 Seams for other modules: a parallelize hook (FSDP2 / TP) would wrap the module returned by
 `load_policy_model`; LoRA injection happens on that module before the optimizer is built.
 
-Why it is over 400 lines: loading, the attention-implementation rule and the packed-document
-isolation probe must agree on one decision (which kernel is document-safe on which device), so
-they are kept in one module.
+The forward and the isolation probe are in `forward` (re-exported here for the worker).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 
+from policyworker.shell.model import sources
 from policyworker.shell.model.attention import VARLEN_ATTN_NAME, ensure_varlen_registered
+from policyworker.shell.model.forward import (
+    autocast_context,
+    check_document_isolation,
+    forward_hidden,
+    forward_logits,
+    set_training_mode,
+    supports_chunked_lm_head,
+)
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
@@ -132,7 +138,7 @@ def resolve_attn_implementation(
     return requested
 
 
-def load_tokenizer(name: str) -> Any | None:
+def load_tokenizer(name: str, *, local_files_only: bool = False) -> Any | None:
     """AutoTokenizer for `name`, or None when `name` is a local folder without tokenizer files."""
     if os.path.isdir(name) and not any(
         os.path.exists(os.path.join(name, f)) for f in _TOKENIZER_FILES
@@ -140,29 +146,51 @@ def load_tokenizer(name: str) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name)
+    tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_files_only)
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def _load_hf_config(source: str, key: str, overrides: dict[str, Any]) -> Any:
+def _load_hf_config(source: str, key: str, overrides: dict[str, Any], *, offline: bool) -> Any:
     """The HF config of `source`; a ValueError naming the key and what was looked for."""
     import transformers
 
     try:
-        return transformers.AutoConfig.from_pretrained(source, **overrides)
-    except OSError as err:
-        where = (
-            "that folder has no config.json"
-            if os.path.isdir(source)
-            else "no such local folder, and no Hugging Face Hub model of that id could be read"
+        return transformers.AutoConfig.from_pretrained(
+            source, local_files_only=offline, **overrides
         )
+    except OSError as err:
+        if os.path.isdir(source):
+            where = "that folder has no config.json"
+        elif offline:
+            where = (
+                "not a local folder, and not in the local Hugging Face cache while the Hub is "
+                "not used (HF_HUB_OFFLINE is set, or the Hub is unreachable); download it "
+                "where there is a network and copy the cache (HF_HOME) here"
+            )
+        else:
+            where = "no such local folder, and no Hugging Face Hub model of that id could be read"
         msg = (
             f"{key}={source!r}: {where} ({err}); pass a folder that holds config.json and "
             f"the weights (as save_pretrained writes them), or a Hub model id"
         )
         raise ValueError(msg) from err
+
+
+def _load_configs(cfg: Any, weights_from: str | None) -> tuple[Any, bool]:
+    """The config to build the model from (`weights_from`'s when given, checked to describe the
+    same model as `model_name`'s) and whether to read the Hub's cache only."""
+    overrides = dict(_get(cfg, "hf_config_overrides") or {})
+    sources.check_local_folder(cfg.model_name, "model_name", weights=weights_from is None)
+    offline = sources.hub_local_files_only(cfg.model_name, "model_name")
+    config = _load_hf_config(cfg.model_name, "model_name", overrides, offline=offline)
+    if weights_from is None:
+        return config, offline
+    sources.check_local_folder(weights_from, "weights_path")
+    weights_config = _load_hf_config(weights_from, "weights_path", overrides, offline=True)
+    sources.check_same_model(config, weights_config, model=cfg.model_name, weights=weights_from)
+    return weights_config, offline
 
 
 def load_policy_model(
@@ -199,21 +227,25 @@ def load_policy_model(
     #   a checkpoint whose head has another size fails loudly in from_pretrained.
     # - attn_implementation picks the kernel only (packing safety is verified separately);
     #   dtype=float32 upcasts the stored weights exactly.
-    overrides = dict(_get(cfg, "hf_config_overrides") or {})
-    config = _load_hf_config(
-        source, "model_name" if weights_from is None else "weights_from", overrides
-    )
+    config, offline = _load_configs(cfg, weights_from)
     tokenizer_name = _get(_get(cfg, "tokenizer"), "name") or cfg.model_name
-    tokenizer = load_tokenizer(tokenizer_name)
+    tokenizer = load_tokenizer(tokenizer_name, local_files_only=offline)
     config.use_cache = False
     kind = reward_model_type(cfg)
     auto_cls = getattr(transformers, _REWARD_CLASSES[kind] if kind else "AutoModelForCausalLM")
     if kind:
         config.num_labels = 1
     attn = attn_the_model_supports(auto_cls, config, attn, requested=requested_attn)
-    model = auto_cls.from_pretrained(
-        source, config=config, dtype=torch.float32, attn_implementation=attn
+    model, info = auto_cls.from_pretrained(
+        source,
+        config=config,
+        dtype=torch.float32,
+        attn_implementation=attn,
+        local_files_only=offline or weights_from is not None,
+        output_loading_info=True,
     )
+    if kind:
+        sources.warn_if_untrained_head(source, info.get("missing_keys", ()), kind=kind)
     model.config.use_cache = False
     # Re-tie after loading: a tied checkpoint stores one tensor; this keeps lm_head a view of it.
     if (
@@ -258,178 +290,3 @@ def attn_the_model_supports(auto_cls: Any, config: Any, attn: str, *, requested:
             model_cls.__name__,
         )
     return "eager"
-
-
-def autocast_context(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
-    """Autocast to `dtype` on `device`; a no-op context for fp32."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def set_training_mode(model: torch.nn.Module, training: bool) -> None:
-    """``model.train(training)``, skipped where it would change nothing.
-
-    ``nn.Module.train`` sets the flag on every module through ``nn.Module.__setattr__``: 0.8 ms
-    for a 28-layer decoder's 371 modules on a 2-core CPU, host time before the first kernel of
-    every ``get_logprobs``. A call in the mode the model is already in (``get_logprobs`` after
-    ``get_logprobs`` or before ``get_reference_policy_logprobs``; ``train`` after ``train``)
-    costs a read-only walk instead (0.07 ms). A module whose class overrides ``train`` (other
-    than transformers' root override, which does nothing more when the mode is unchanged)
-    always gets the call: its override may do more than set the flag.
-    """
-    from transformers import PreTrainedModel
-
-    plain_train = (torch.nn.Module.train, PreTrainedModel.train)
-    stack: list[torch.nn.Module | None] = [model]
-    while stack:
-        module = stack.pop()
-        if module is None:  # a registered slot left empty (e.g. ``bias = None`` submodules)
-            continue
-        if module.training != training or type(module).train not in plain_train:
-            model.train(training)
-            return
-        # _modules, not children(): the generator per module costs more than the walk itself.
-        stack.extend(module._modules.values())
-
-
-def _model_kwargs(input_ids, position_ids, attention_mask, cu_seqlens, max_seqlen):
-    kwargs: dict[str, Any] = {
-        "input_ids": input_ids,
-        "position_ids": position_ids,
-        "attention_mask": attention_mask,
-        "use_cache": False,
-    }
-    if cu_seqlens is not None:  # read by our varlen kernel; ignored (by name) by the others
-        kwargs.update(
-            cu_seq_lens_q=cu_seqlens,
-            cu_seq_lens_k=cu_seqlens,
-            max_length_q=max_seqlen,
-            max_length_k=max_seqlen,
-        )
-    return kwargs
-
-
-def forward_logits(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    *,
-    position_ids: torch.Tensor | None,
-    attention_mask: torch.Tensor | None = None,
-    autocast_dtype: torch.dtype = torch.float32,
-    cu_seqlens: torch.Tensor | None = None,
-    max_seqlen: int | None = None,
-) -> torch.Tensor:
-    """Logits [B, S, V] (or classification logits) of one microbatch under autocast."""
-    kwargs = _model_kwargs(
-        input_ids,
-        position_ids,
-        attention_mask,
-        cu_seqlens if _uses_varlen(model) else None,
-        max_seqlen,
-    )
-    with autocast_context(input_ids.device, autocast_dtype):
-        out = model(**kwargs)
-    return out.logits if hasattr(out, "logits") else out[0]
-
-
-def forward_hidden(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    *,
-    position_ids: torch.Tensor | None,
-    autocast_dtype: torch.dtype = torch.float32,
-    cu_seqlens: torch.Tensor | None = None,
-    max_seqlen: int | None = None,
-    through_root: bool = False,
-) -> torch.Tensor:
-    """Last hidden states [B, S, H] of the base model (no LM / classification head).
-
-    `through_root=True` calls the whole model (a causal LM's head on its last position only)
-    and captures the base model's output with a hook: FSDP2 gathers parameters in the hooks of
-    the module that is called, so calling the base model directly would skip the root's.
-    """
-    # Any: a Hugging Face model's base_model_prefix/config are class attributes torch can't type.
-    hf_model = cast(Any, model)
-    base = getattr(model, hf_model.base_model_prefix)
-    kwargs = _model_kwargs(
-        input_ids, position_ids, None, cu_seqlens if _uses_varlen(model) else None, max_seqlen
-    )
-    if not through_root:
-        with autocast_context(input_ids.device, autocast_dtype):
-            out = base(**kwargs)
-        return out.last_hidden_state
-    captured: list[torch.Tensor] = []
-
-    def keep(_module, _args, out):
-        captured.append(out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])
-
-    if type(model).__name__.endswith("ForCausalLM"):
-        kwargs["logits_to_keep"] = 1
-    handle = base.register_forward_hook(keep)
-    try:
-        with autocast_context(input_ids.device, autocast_dtype):
-            model(**kwargs)
-    finally:
-        handle.remove()
-    return captured[-1]
-
-
-def supports_chunked_lm_head(model: torch.nn.Module) -> bool:
-    """True when logits are exactly `lm_head(last_hidden_state)` (a plain causal LM head)."""
-    # Any: a Hugging Face model's methods and class attributes are not on torch's nn.Module.
-    hf_model = cast(Any, model)
-    config = hf_model.config
-    return (
-        type(model).__name__.endswith("ForCausalLM")
-        and hf_model.get_output_embeddings() is not None
-        and hasattr(model, hf_model.base_model_prefix)
-        and getattr(config, "final_logit_softcapping", None) is None
-        and getattr(config, "logits_scaling", None) in (None, 1, 1.0)
-    )
-
-
-def _uses_varlen(model: torch.nn.Module) -> bool:
-    return getattr(model.config, "_attn_implementation", None) == VARLEN_ATTN_NAME
-
-
-@torch.no_grad()
-def check_document_isolation(model: torch.nn.Module, *, autocast_dtype: torch.dtype) -> None:
-    """Raise ValueError if, in a packed row [A | B], B's logits depend on document A's tokens."""
-    device = next(model.parameters()).device
-    # Any: a Hugging Face model's config is a dynamic attribute torch's nn.Module can't type.
-    hf_config = cast(Any, model).config
-    vocab = int(hf_config.vocab_size)
-    gen = torch.Generator().manual_seed(0)
-    doc_a = torch.randint(0, vocab, (5,), generator=gen)
-    doc_b = torch.randint(0, vocab, (6,), generator=gen)
-    position_ids = torch.cat([torch.arange(5), torch.arange(6)])[None].to(device)
-    was_training = model.training
-    model.eval()
-    try:
-        outs = []
-        for first in (doc_a, (doc_a + 1) % vocab):
-            ids = torch.cat([first, doc_b])[None].to(device)
-            outs.append(
-                forward_logits(
-                    model,
-                    ids,
-                    position_ids=position_ids,
-                    autocast_dtype=autocast_dtype,
-                    cu_seqlens=torch.tensor([0, 5, 11], dtype=torch.int32, device=device),
-                    max_seqlen=6,
-                )[0, 5:].float()
-            )
-            if hasattr(outs[-1], "full_tensor"):  # vocab-parallel (TP) logits
-                outs[-1] = outs[-1].full_tensor()
-    finally:
-        model.train(was_training)
-    diff = (outs[0] - outs[1]).abs().max().item()
-    if diff > 1e-3 * max(1.0, outs[0].abs().max().item()):
-        msg = (
-            f"attention implementation {hf_config._attn_implementation!r} lets packed "
-            f"documents attend to each other (logits of a document changed by {diff:.3g} "
-            f"when the previous document changed); disable sequence_packing or use "
-            f"attn_implementation 'auto'/'sdpa'"
-        )
-        raise ValueError(msg)

@@ -315,6 +315,7 @@ class RayWorkerGroup:
     def get_reference_policy_logprobs(
         self, data: Mapping[str, Any], micro_batch_size: int | None = None
     ) -> Any:
+        """`PolicyWorker.get_reference_policy_logprobs`, rows split over the dp ranks."""
         return self._in_row_order(
             "get_reference_policy_logprobs", data, micro_batch_size=micro_batch_size
         )
@@ -322,9 +323,11 @@ class RayWorkerGroup:
     def get_topk_logits(
         self, data: Mapping[str, Any], k: int, micro_batch_size: int | None = None
     ) -> Any:
+        """`PolicyWorker.get_topk_logits`, rows split over the dp ranks, in row order."""
         return self._in_row_order("get_topk_logits", data, k=k, micro_batch_size=micro_batch_size)
 
     def score(self, data: Mapping[str, Any]) -> Any:
+        """`PolicyWorker.score` (reward models), rows split over the dp ranks, in row order."""
         return self._in_row_order("score", data)
 
     def calibrate_qkv_fp8_scales(self, data: Mapping[str, Any], **kwargs: Any) -> dict[str, Any]:
@@ -339,6 +342,7 @@ class RayWorkerGroup:
         return self.node_ids[0]
 
     def prepare_refit_info(self) -> dict[str, Any]:
+        """The refit metadata (every rank computes it; rank 0's is returned)."""
         return self.run("prepare_refit_info")[0]
 
     def get_zmq_address(self) -> str:
@@ -365,38 +369,49 @@ class RayWorkerGroup:
     def init_collective(
         self, ip: str, port: int, world_size: int, *, train_world_size: int
     ) -> None:
+        """Join every rank to the collective refit group (see refit-collective.md)."""
         self.run("init_collective", ip, port, world_size, train_world_size=train_world_size)
 
     def broadcast_weights_for_collective(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """One collective refit on every rank; rank 0's report."""
         return self.run("broadcast_weights_for_collective", *args, **kwargs)[0]
 
     # ------------------------------------------------------------------------------ every rank
 
     def prepare_for_training(self) -> None:
+        """`PolicyWorker.prepare_for_training` on every rank."""
         self.run("prepare_for_training")
 
     def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
+        """`PolicyWorker.prepare_for_lp_inference` on every rank."""
         self.run("prepare_for_lp_inference", keep_train_buffers)
 
     def finish_training(self) -> None:
+        """`PolicyWorker.finish_training` on every rank."""
         self.run("finish_training")
 
     def finish_inference(self) -> None:
+        """`PolicyWorker.finish_inference` on every rank."""
         self.run("finish_inference")
 
     def offload_before_refit(self) -> None:
+        """`PolicyWorker.offload_before_refit` on every rank."""
         self.run("offload_before_refit")
 
     def offload_after_refit(self) -> None:
+        """`PolicyWorker.offload_after_refit` on every rank."""
         self.run("offload_after_refit")
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        """`PolicyWorker.save_checkpoint` on every rank (each writes its shards)."""
         self.run("save_checkpoint", *args, **kwargs)
 
     def finalize_async_save(self) -> None:
+        """`PolicyWorker.finalize_async_save` on every rank."""
         self.run("finalize_async_save")
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        """`PolicyWorker.load_checkpoint` on every rank."""
         self.run("load_checkpoint", *args, **kwargs)
 
     # ------------------------------------------------------------------------------ shutdown

@@ -1,6 +1,9 @@
-"""A module's state dict as the refit walks it: ``live_state_dict(module)`` is
+"""A module's state dict as the refit walks it: ``StateReader.read(module)`` is
 ``module.state_dict(keep_vars=True)`` (the same keys, order and tensor objects), read straight from
 the modules' parameters and persistent buffers while none customises its state dict.
+
+A reader remembers, per module class, whether that class customises its state dict; its owner (a
+refit sender, a receiver's applier) keeps one for its lifetime and passes it where a refit walks.
 """
 
 from __future__ import annotations
@@ -8,57 +11,72 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["live_state_dict"]
+__all__ = ["StateReader", "live_state_dict"]
 
-# Per class: is its state dict exactly its parameters and persistent buffers (nn.Module's own
-# ``state_dict``, ``_save_to_state_dict`` and ``get_extra_state``, none overridden)?
-_PLAIN_STATE_CLASSES: dict[type, bool] = {}
 _STATE_METHODS = ("state_dict", "_save_to_state_dict", "get_extra_state")
 
 
-def live_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module.state_dict(keep_vars=True)``: the same keys in the same order, the same tensor
-    objects. Read straight from each module's parameters and persistent buffers while no module
-    in the tree customises its state dict, which takes about a third of torch's time; torch's
-    own walk as soon as one does (a state-dict hook, as FSDP2 registers, or ``state_dict``,
-    ``_save_to_state_dict`` or ``get_extra_state`` overridden by its class or on the instance).
+class StateReader:
+    """``state_dict(keep_vars=True)`` without torch's per-module overhead, for one owner."""
 
-    A refit walks its model's state dict once per call, before the first byte moves (on a GPU,
-    while the device idles), which is why this is worth having beside torch's walk.
-    """
-    state: dict[str, torch.Tensor] = {}
-    if _collect_plain_state(module, "", state):
-        return state
-    return module.state_dict(keep_vars=True)
+    def __init__(self) -> None:
+        # Per class: is its state dict exactly its parameters and persistent buffers (nn.Module's
+        # own ``state_dict``, ``_save_to_state_dict`` and ``get_extra_state``, none overridden)?
+        self._plain_classes: dict[type, bool] = {}
 
+    def read(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module.state_dict(keep_vars=True)``: the same keys in the same order, the same
+        tensor objects. Read straight from each module's parameters and persistent buffers
+        while no module in the tree customises its state dict, which takes about a third of
+        torch's time; torch's own walk as soon as one does (a state-dict hook, as FSDP2
+        registers, or ``state_dict``, ``_save_to_state_dict`` or ``get_extra_state``
+        overridden by its class or on the instance).
 
-def _collect_plain_state(module: nn.Module, prefix: str, out: dict[str, torch.Tensor]) -> bool:
-    """Add ``module``'s tree to ``out`` as ``nn.Module.state_dict`` would; False (``out``
-    partial) at the first module whose state dict is customised."""
-    cls = type(module)
-    plain = _PLAIN_STATE_CLASSES.get(cls)
-    if plain is None:
-        plain = _PLAIN_STATE_CLASSES[cls] = all(
-            getattr(cls, method) is getattr(nn.Module, method) for method in _STATE_METHODS
-        )
-    instance = module.__dict__  # the three names spelled out: a generator here doubled the cost
-    if (
-        not plain
-        or module._state_dict_pre_hooks
-        or module._state_dict_hooks
-        or "state_dict" in instance
-        or "_save_to_state_dict" in instance
-        or "get_extra_state" in instance
-    ):
-        return False
-    for name, param in module._parameters.items():
-        if param is not None:
-            out[prefix + name] = param
-    non_persistent = module._non_persistent_buffers_set
-    for name, buffer in module._buffers.items():
-        if buffer is not None and name not in non_persistent:
-            out[prefix + name] = buffer
-    for name, child in module._modules.items():
-        if child is not None and not _collect_plain_state(child, prefix + name + ".", out):
+        A refit walks its model's state dict once per call, before the first byte moves (on a
+        GPU, while the device idles), which is why this is worth having beside torch's walk.
+        """
+        state: dict[str, torch.Tensor] = {}
+        if self.collect_plain_state(module, "", state):
+            return state
+        return module.state_dict(keep_vars=True)
+
+    def collect_plain_state(
+        self, module: nn.Module, prefix: str, out: dict[str, torch.Tensor]
+    ) -> bool:
+        """Add ``module``'s tree to ``out`` as ``nn.Module.state_dict`` would; False (``out``
+        partial) at the first module whose state dict is customised."""
+        cls = type(module)
+        plain = self._plain_classes.get(cls)
+        if plain is None:
+            plain = self._plain_classes[cls] = all(
+                getattr(cls, method) is getattr(nn.Module, method) for method in _STATE_METHODS
+            )
+        instance = module.__dict__  # the three names spelled out: a generator here doubled the cost
+        if (
+            not plain
+            or module._state_dict_pre_hooks
+            or module._state_dict_hooks
+            or "state_dict" in instance
+            or "_save_to_state_dict" in instance
+            or "get_extra_state" in instance
+        ):
             return False
-    return True
+        for name, param in module._parameters.items():
+            if param is not None:
+                out[prefix + name] = param
+        non_persistent = module._non_persistent_buffers_set
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in non_persistent:
+                out[prefix + name] = buffer
+        for name, child in module._modules.items():
+            if child is not None and not self.collect_plain_state(child, prefix + name + ".", out):
+                return False
+        return True
+
+
+def live_state_dict(
+    module: nn.Module, reader: StateReader | None = None
+) -> dict[str, torch.Tensor]:
+    """``(reader or a fresh StateReader()).read(module)``: a caller that walks once keeps no
+    reader; one that walks every refit passes its own."""
+    return (reader if reader is not None else StateReader()).read(module)

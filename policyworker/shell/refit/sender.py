@@ -23,9 +23,15 @@ from policyworker.functional.buckets import (
     plan_ipc_buckets,
     split_ipc_budget,
 )
+from policyworker.shell.refit.live_state import StateReader
 from policyworker.shell.refit.one_pass.sender import OnePassWriter, stream_one_pass
 from policyworker.shell.refit.watchdog import check_timeout_s
-from policyworker.shell.refit.weight_stream import refit_info, refit_stream
+from policyworker.shell.refit.weight_stream import (
+    RefitSource,
+    RefitStream,
+    refit_info,
+    refit_stream,
+)
 from policyworker.shell.refit.zmq.ipc_files import shm_free_bytes
 from policyworker.shell.refit.zmq.sender import ZmqIpcSender
 from policyworker.shell.refit.zmq.staging import CudaStaging, ShmStaging
@@ -103,6 +109,7 @@ class RefitSender:
         self.rank = rank
         self.device = torch.device(device)
         self._sender: ZmqIpcSender | None = None
+        self._state_reader = StateReader()  # this sender's state-dict walks, refit after refit
         self._closed = False
         self._creating = threading.Lock()  # two threads asking for the address get one sender
         self._stats_key: Any = None
@@ -155,7 +162,6 @@ class RefitSender:
         *,
         timeout_s: float = 120.0,
         keep_staging: bool | None = None,
-        wrap_sources: Callable[[Iterator[Any]], Iterator[Any]] | None = None,
         one_pass: bool | None = None,
     ) -> dict[str, Any]:
         """One colocated refit; returns the receiver's report (version, tensors, bytes, buckets).
@@ -184,39 +190,60 @@ class RefitSender:
             RefitError: the receiver rejected the stream (its reason is in the message).
         """
         check_stream_args(buffer_size_bytes, kv_scales, timeout_s, keep_staging, one_pass)
-        stream = refit_stream(self._model_fn(), self.refit_dtype, self._draft_model_fn())
+        stream = self.weight_stream()
         try:
-            with torch.no_grad():  # a plain function's context: the caller's grad mode comes back
-                if self.one_pass if one_pass is None else one_pass:
-                    sources = (
-                        stream.sources if wrap_sources is None else wrap_sources(stream.sources)
-                    )
-                    transport = "cuda" if self.device.type == "cuda" else "shm"
-                    return stream_one_pass(
-                        self._zmq(),
-                        self._one_pass_writer,
-                        stream.specs,
-                        sources,
-                        timeout_s=timeout_s,
-                        transport=transport,
-                    )
-                return self._stream(
-                    stream, buffer_size_bytes, timeout_s, keep_staging, wrap_sources
-                )
+            return self.send(
+                stream,
+                stream.sources,
+                buffer_size_bytes=buffer_size_bytes,
+                timeout_s=timeout_s,
+                keep_staging=keep_staging,
+                one_pass=one_pass,
+            )
         finally:
-            if wrap_sources is None:  # a wrapper's owner drains or closes the stream itself
-                stream.sources.close()
+            stream.sources.close()
+
+    def weight_stream(self) -> RefitStream:
+        """This refit's weights: the specs and the sources of one walk of the model."""
+        return refit_stream(
+            self._model_fn(), self.refit_dtype, self._draft_model_fn(), reader=self._state_reader
+        )
+
+    def send(
+        self,
+        stream: RefitStream,
+        sources: Iterator[RefitSource],
+        *,
+        buffer_size_bytes: int,
+        timeout_s: float,
+        keep_staging: bool | None = None,
+        one_pass: bool | None = None,
+    ) -> dict[str, Any]:
+        """One refit of ``stream``, reading its tensors from ``sources`` (``stream.sources``,
+        or an iterator over them whose owner finishes it: a sharded worker's ranks all run the
+        gathers). The arguments were checked by the caller (``check_stream_args``)."""
+        with torch.no_grad():  # a plain function's context: the caller's grad mode comes back
+            if self.one_pass if one_pass is None else one_pass:
+                transport = "cuda" if self.device.type == "cuda" else "shm"
+                return stream_one_pass(
+                    self._zmq(),
+                    self._one_pass_writer,
+                    stream.specs,
+                    sources,
+                    timeout_s=timeout_s,
+                    transport=transport,
+                )
+            return self._stream(stream, sources, buffer_size_bytes, timeout_s, keep_staging)
 
     def _stream(
         self,
-        stream: Any,
+        stream: RefitStream,
+        sources: Iterator[RefitSource],
         buffer_size_bytes: int,
         timeout_s: float,
         keep_staging: bool | None,
-        wrap_sources: Callable[[Iterator[Any]], Iterator[Any]] | None,
     ) -> dict[str, Any]:
         specs = stream.specs
-        sources = stream.sources if wrap_sources is None else wrap_sources(stream.sources)
         cuda = self.device.type == "cuda"
         if (
             stream.key != self._stats_key

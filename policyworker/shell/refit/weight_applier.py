@@ -26,6 +26,7 @@ from policyworker.functional.wire.codec import (
     dtype_name,
 )
 from policyworker.shell.refit.hf_names import checkpoint_layout
+from policyworker.shell.refit.live_state import StateReader
 from policyworker.shell.refit.weight_stream import tie_word_embeddings
 from policyworker.shell.refit.zmq.receiver import expected_from_refit_info
 from policyworker.shell.refit.zmq.staging import copy_groups, grouped_copy_, run_copy_groups
@@ -87,15 +88,29 @@ def _module_destinations(
     return dests
 
 
+def _where(module: nn.Module, reader: StateReader) -> tuple[Any, ...]:
+    """Where the module's tensors live: their names, objects and addresses. It changes when a
+    parameter is re-pointed (``.to()`` round trip, ``load_state_dict(assign=True)``); the old
+    destinations are still alive (the applier holds them), so no address can come back."""
+    state = reader.read(module)
+    return (
+        tuple(state),
+        tuple(id(v) for v in state.values()),
+        tuple(v.data_ptr() for v in state.values()),
+    )
+
+
 @attrs.frozen(eq=False)
 class PreparedBatch:
     """``tensors[k]`` is manifest entry ``indices[k]``; ``groups``: the ``(destinations, sources)``
-    lists of each copy launch of an in-place module write (None: no precomputed write)."""
+    lists of each copy launch of an in-place module write (None: no precomputed write), valid
+    while the applier's destinations are those of ``generation``."""
 
     manifest: tuple[TensorSpec, ...]
     indices: tuple[int, ...]
     tensors: list[torch.Tensor]
     groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None
+    generation: int = 0
 
 
 @attrs.define
@@ -119,10 +134,15 @@ class WeightApplier:
         self, target: nn.Module | LoadWeights, refit_info: Mapping[str, Any], *, atomic: bool
     ) -> None:
         self.expected = expected_from_refit_info(refit_info)
+        self._module: nn.Module | None = None
+        self._reader = StateReader()
+        self._where: tuple[Any, ...] = ()  # where the module's tensors were at the last bind
+        self._generation = 0  # bumped each time the destinations are found again
         if isinstance(target, nn.Module):
             self._dests: dict[str, torch.Tensor] | None = _module_destinations(
                 target, self.expected
             )
+            self._module, self._where = target, _where(target, self._reader)
             self._load: LoadWeights | None = None
         elif callable(target):
             self._dests, self._load = None, target
@@ -154,7 +174,26 @@ class WeightApplier:
             msg = "rebind during a refit: finish or abort it first"
             raise ValueError(msg)
         self._dests = _module_destinations(target, self.expected)
+        self._module, self._where = target, _where(target, self._reader)
+        self._generation += 1  # prepared copy groups hold the old destinations
         self._accepted, self._dest_list = None, None  # derived from the old destinations
+
+    @property
+    def generation(self) -> int:
+        """Bumped whenever the destinations are found again: batches prepared before are stale."""
+        return self._generation
+
+    def _follow_module(self) -> None:
+        """Find the destinations again when the module's tensors were re-pointed since the
+        last bind: a refit written into the old storage would report success and change
+        nothing. ``ProtocolError`` naming what the module no longer holds."""
+        if self._module is None or _where(self._module, self._reader) == self._where:
+            return
+        try:
+            self.rebind(self._module)
+        except ValueError as exc:
+            msg = f"the target module's parameters were re-pointed and no longer fit: {exc}"
+            raise ProtocolError(msg) from None
 
     def destinations(self) -> dict[str, torch.Tensor] | None:
         """The live tensor each refit name is written into (None for a ``load_weights`` target)."""
@@ -178,6 +217,7 @@ class WeightApplier:
     def begin(self, manifest: Sequence[TensorSpec]) -> None:
         if self._session is not None:
             self.abort("a new refit began before the previous one completed")
+        self._follow_module()
         if manifest is not self._accepted:
             specs = tuple(manifest)
             problems = check_manifest(specs, self.expected)
@@ -232,12 +272,19 @@ class WeightApplier:
         if not self.atomic and session.dests is not None:
             dests = session.dests
             groups = copy_groups([dests[i] for i in indices], tensors)
-        return PreparedBatch(session.manifest, tuple(indices), list(tensors), groups)
+        return PreparedBatch(
+            session.manifest, tuple(indices), list(tensors), groups, self._generation
+        )
 
     def apply_prepared(self, batch: PreparedBatch) -> None:
         """``apply_indexed(batch.indices, batch.tensors)``, with the precomputed copy groups."""
         session = self._require_session()
-        if batch.groups is None or batch.manifest is not session.manifest or self.atomic:
+        if (
+            batch.groups is None
+            or batch.manifest is not session.manifest
+            or batch.generation != self._generation
+            or self.atomic
+        ):
             self.apply_indexed(batch.indices, batch.tensors)
             return
         self._check_indices(session, batch.indices)

@@ -42,7 +42,7 @@ from policyworker.functional.names import (
     to_checkpoint,
 )
 from policyworker.shell.refit.hf_names import checkpoint_layout
-from policyworker.shell.refit.live_state import live_state_dict
+from policyworker.shell.refit.live_state import StateReader, live_state_dict
 
 __all__ = [
     "DRAFT_PREFIX",
@@ -265,8 +265,10 @@ def refit_stream(
     draft_model: nn.Module | None = None,
     *,
     keep_fp32: Sequence[str] | None = None,
+    reader: StateReader | None = None,
 ) -> RefitStream:
-    """Specs and live sources of one refit from one ``state_dict`` walk per model.
+    """Specs and live sources of one refit from one ``state_dict`` walk per model (``reader``:
+    the caller's ``StateReader``, kept across its refits).
 
     The names, dtypes, LoRA merges and expert splits are compiled once per model and reused
     while the model's ``state_dict`` keys, shapes and dtypes are unchanged (checked every call,
@@ -274,7 +276,7 @@ def refit_stream(
     """
     parts = []
     for module, keep, prefix in _models(model, draft_model, keep_fp32):
-        state = live_state_dict(module)
+        state = live_state_dict(module, reader)
         parts.append(
             (module, state, _walk_of(module, state, target_dtype, keep_fp32=keep, prefix=prefix))
         )

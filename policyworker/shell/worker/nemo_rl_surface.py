@@ -12,6 +12,7 @@ device reports describe the CPU (NeMo-RL's versions need CUDA and NVML).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import os
 import socket
@@ -37,6 +38,10 @@ NEMO_RL_WORKER_KWARGS: Mapping[str, str] = {
 }
 
 
+# PolicyWorker's own parameters, offered as corrections of a misspelled keyword.
+_NAMED_PARAMETERS = ("weights_path", "optimizer_path", "init_optimizer", "init_reference_model")
+
+
 def split_constructor_kwargs(kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
     """(parallel, tokenizer) from a worker constructor's `**kwargs`; NeMo-RL's keys accepted.
 
@@ -46,9 +51,17 @@ def split_constructor_kwargs(kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
     """
     unknown = sorted(set(kwargs) - set(NEMO_RL_WORKER_KWARGS) - {"parallel"})
     if unknown:
+        known = [*_NAMED_PARAMETERS, "parallel", *NEMO_RL_WORKER_KWARGS]
+        hints = [
+            f"{k!r} -> did you mean {close[0]!r}?"
+            for k in unknown
+            if (close := difflib.get_close_matches(k, known, n=1, cutoff=0.75))
+        ]
         msg = (
-            f"unexpected PolicyWorker keyword arguments {unknown}; accepted: parallel and "
-            f"NeMo-RL's {sorted(NEMO_RL_WORKER_KWARGS)}"
+            f"unexpected PolicyWorker keyword arguments {unknown}"
+            + (f" ({'; '.join(hints)})" if hints else "")
+            + f"; accepted: {list(_NAMED_PARAMETERS)}, parallel and NeMo-RL's "
+            f"{sorted(NEMO_RL_WORKER_KWARGS)}"
         )
         raise ValueError(msg)
     if kwargs.get("processor") is not None:

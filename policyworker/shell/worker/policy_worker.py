@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -39,6 +40,7 @@ import policyworker.shell.worker.refit_calls as refit_calls
 import policyworker.shell.worker.training as training
 from policyworker.config import PolicyConfig, load_config
 from policyworker.data import BatchedDataDict
+from policyworker.errors import ConfigError
 from policyworker.shell.logs import apply_env_verbosity, quiet_progress_bars, startup_summary
 from policyworker.shell.model import hf_model as model_lib
 from policyworker.shell.parallel.agreed_checks import agreed_checks
@@ -90,6 +92,13 @@ class PolicyWorker(NeMoRLWorkerSurface):
         from `weights_path` / `optimizer_path` when given. `parallel=` injects a context; the
         keyword arguments NeMo-RL's Policy passes are accepted (`nemo_rl_surface`)."""
         apply_env_verbosity()
+        if isinstance(config, (str, os.PathLike)):  # a model folder or id where a config goes
+            msg = (
+                f"PolicyWorker(config={str(config)!r}): config is a policy mapping or a "
+                f"PolicyConfig, not a model; pass PolicyWorker({{'model_name': {str(config)!r}}}) "
+                f"(plus any other policy keys)"
+            )
+            raise ConfigError(msg)
         cfg = config if isinstance(config, PolicyConfig) else load_config(config)
         parallel, tokenizer = split_constructor_kwargs(kwargs)
         with quiet_progress_bars():  # transformers' "Loading weights" bars
@@ -418,12 +427,17 @@ class PolicyWorker(NeMoRLWorkerSurface):
         with quiet_progress_bars():
             checkpoint.finalize_async_save(self.state)
 
-    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+    def load_checkpoint(
+        self, weights_path: str, optimizer_path: str | None = None, *, verify_digests: bool = True
+    ) -> None:
         """Load weights (safetensors / DCP / PEFT, any layout), reference and optimizer state;
-        nothing changes when a file is missing or truncated."""
+        nothing changes when a file is missing, truncated or differs from the save's digests
+        (``verify_digests=False``: a folder another tool rewrote on purpose, loaded unchecked)."""
         with quiet_progress_bars():
             self.state.draft.check_saved(weights_path, optimizer_path)  # before anything loads
-            checkpoint.load_checkpoint(self.state, weights_path, optimizer_path)
+            checkpoint.load_checkpoint(
+                self.state, weights_path, optimizer_path, verify_digests=verify_digests
+            )
             self.state.draft.load_beside(weights_path, optimizer_path)
 
     # ------------------------------------------------------------------------------ misc

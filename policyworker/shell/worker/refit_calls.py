@@ -62,46 +62,41 @@ def stream_via_zmq(
 ) -> dict[str, Any] | None:
     """One colocated refit over ZMQ + CUDA IPC (shared memory on CPU); the receiver's report.
 
-    If rank 0's stream fails it still finishes the gathers, so the others are released, and
-    every rank raises (rank 0 with the transport's error).
+    The arguments are checked once, then every rank walks the weights once (the walk gathers
+    a sharded model's tensors) and rank 0 alone sends them. If rank 0's send fails, every rank
+    still finishes its walk, so the others are released, and every rank raises (rank 0 with
+    the transport's error).
     """
     from policyworker.shell.refit.sender import check_stream_args
-    from policyworker.shell.refit.weight_stream import refit_stream
 
-    state.reshard()
-    if state.parallel.world_size == 1:
-        return zmq_sender(state).stream_weights_via_ipc_zmq(
-            buffer_size_bytes, kv_scales, timeout_s=timeout_s, one_pass=one_pass
-        )
     check_stream_args(buffer_size_bytes, kv_scales, timeout_s, one_pass=one_pass)
-    gathers: list[_Draining] = []
-
-    def drainable(sources: Iterator[Any]) -> _Draining:
-        gathers.append(_Draining(sources))
-        return gathers[-1]
-
+    state.reshard()
+    sender = zmq_sender(state)  # on every rank (it opens no socket until rank 0 sends)
+    stream = sender.weight_stream()
+    sources = _Draining(stream.sources)
+    sharded = state.parallel.world_size > 1
     report, failed = None, 0
     try:
         if state.parallel.rank == 0:
-            report = zmq_sender(state).stream_weights_via_ipc_zmq(
-                buffer_size_bytes,
-                kv_scales,
+            report = sender.send(
+                stream,
+                sources,
+                buffer_size_bytes=buffer_size_bytes,
                 timeout_s=timeout_s,
-                wrap_sources=drainable,
                 one_pass=one_pass,
             )
-        else:
-            drainable(refit_stream(state.model, state.dtype, state.draft.model).sources)
     except BaseException:
         failed = 1
-        with contextlib.suppress(Exception):  # release the peers' gathers, keep our error
-            for sources in gathers:
-                sources.drain()
+        if not sharded:
+            stream.sources.close()
+            raise
+        with contextlib.suppress(Exception), torch.no_grad():  # release the peers' gathers
+            sources.drain()
             state.parallel.all_reduce_int(failed, op="max", axis="world")
         raise
-    for sources in gathers:
+    with torch.no_grad():
         sources.drain()
-    if state.parallel.all_reduce_int(failed, op="max", axis="world"):
+    if sharded and state.parallel.all_reduce_int(failed, op="max", axis="world"):
         msg = (
             f"refit over ZMQ failed on rank 0 (rank {state.parallel.rank} took part in the "
             f"weight gathers only); see rank 0's error, then call "

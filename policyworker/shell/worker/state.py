@@ -34,6 +34,7 @@ from policyworker.shell.model.optim import build_optimizer, build_scheduler
 from policyworker.shell.parallel import plans as parallel_lib
 from policyworker.shell.parallel.context import ParallelContext
 from policyworker.shell.worker.adapters import AdapterBank
+from policyworker.shell.worker.cpu_precision import warn_if_slow_cpu_precision
 from policyworker.shell.worker.draft import DraftTrainer
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ class WorkerState:
         )
         _validate(cfg, parallel)
         device, dtype = parallel.device, precision_dtype(cfg.precision)
+        warn_if_slow_cpu_precision(device, dtype, rank=parallel.rank)
         weights_folder = _hf_weights_folder(weights_path)
         model, tokenizer = model_lib.load_policy_model(
             cfg, device=device, weights_from=weights_folder

@@ -37,6 +37,16 @@ cuda = st.builds(
     st.binary(max_size=64),
     st.binary(min_size=1, max_size=64),
 )
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.insert(0, step)
+        step *= max(size, 1)
+    return tuple(strides)
+
+
 destinations = st.lists(
     st.builds(
         Destination,
@@ -45,7 +55,7 @@ destinations = st.lists(
         st.lists(st.integers(0, 9), max_size=3).map(tuple),
         st.just(()),
         st.integers(0, 1 << 30),
-    ).map(lambda d: Destination(d.name, d.dtype, d.shape, (1,) * len(d.shape), d.offset_bytes)),
+    ).map(lambda d: Destination(d.name, d.dtype, d.shape, _contiguous(d.shape), d.offset_bytes)),
     max_size=6,
 )
 

@@ -23,6 +23,7 @@ from policyworker.functional.safetensors_layout import contiguous_runs
 from policyworker.shell import checkpoint as ck
 from policyworker.shell.checkpoint import api as ck_api
 from policyworker.shell.checkpoint import commit as ck_commit
+from policyworker.shell.checkpoint import load as ck_load
 from policyworker.shell.worker.policy_worker import PolicyWorker
 from tests.shell.checkpoint import checkpoint_crash_child as child
 from tests.shell.conftest import make_batch, make_config
@@ -380,7 +381,7 @@ def test_sigkill_between_renames_and_during_recovery_rolls_the_save_forward(tmp_
     [record] = _records(root / "weights")
     token = record.removeprefix(ck.COMMIT_RECORD_PREFIX).removesuffix(".json")
     assert _records(root / "optimizer") == [record]
-    assert ck_api._manifest_id(root / "weights" / "model") == token  # renamed
+    assert ck_load._manifest_id(root / "weights" / "model") == token  # renamed
     assert (root / "optimizer" / f"optim.tmp-{token}").is_dir()  # not yet renamed
     assert (root / "weights" / f"reference.tmp-{token}").is_dir()
 
@@ -401,10 +402,10 @@ def test_next_save_recovers_a_killed_commit_before_it_clears_leftovers(tmp_path,
     _kill_when(proc, tmp_path / "stop")
     assert _records(root / "weights")
     seen = []
-    clear = ck_api._clear_stale
+    clear = ck_commit._clear_stale
 
     def spy(final):
-        saved_id = ck_api._manifest_id(root / "weights/model")
+        saved_id = ck_load._manifest_id(root / "weights/model")
         seen.append((final.name, _records(final.parent), saved_id))
         clear(final)
 

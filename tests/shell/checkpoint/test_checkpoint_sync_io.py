@@ -20,7 +20,7 @@ import torch
 
 from policyworker.functional.loss import NLLLoss
 from policyworker.shell import checkpoint as ck
-from policyworker.shell.checkpoint import bounce, digests, safetensors_io
+from policyworker.shell.checkpoint import bounce, digests, safetensors_io, safetensors_load
 from policyworker.shell.checkpoint.layout import CheckpointError
 from policyworker.shell.worker.policy_worker import PolicyWorker
 from tests.helpers import (
@@ -222,7 +222,7 @@ def test_a_load_reads_several_weight_files_on_several_threads_into_the_same_stat
 
     monkeypatch.setattr(safetensors, "safe_open", recording)
     fresh = PolicyWorker(make_config(path), init_reference_model=False)
-    commit = safetensors_io.load_hf_weights(
+    commit = safetensors_load.load_hf_weights(
         fresh.model, tmp_path / "model", parallel=fresh.state.parallel
     )
     commit()
@@ -261,7 +261,9 @@ def test_the_writer_threads_take_the_weight_files_in_turn_and_the_files_load_bac
     switches = sum(a != b for a, b in itertools.pairwise(order))
     assert switches >= len(order) // 2, order  # in file order there would be files - 1
     fresh = PolicyWorker(make_config(path), init_reference_model=False)
-    safetensors_io.load_hf_weights(fresh.model, tmp_path / "model", parallel=fresh.state.parallel)()
+    safetensors_load.load_hf_weights(
+        fresh.model, tmp_path / "model", parallel=fresh.state.parallel
+    )()
     want, got = worker.model.state_dict(), fresh.model.state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 

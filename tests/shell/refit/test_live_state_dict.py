@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from policyworker.config import LoRAConfig
 from policyworker.shell.model.lora import apply_lora
-from policyworker.shell.refit.live_state import _collect_plain_state, live_state_dict
+from policyworker.shell.refit.live_state import StateReader, live_state_dict
 from policyworker.shell.refit.weight_stream import refit_stream
 from tests.helpers import eager_model, save_tiny_llama, tiny_qwen2_config
 
@@ -20,7 +20,7 @@ def _assert_same_state(module: nn.Module, *, read_directly: bool | None = None) 
     assert list(got) == list(want)
     assert all(got[k] is v for k, v in want.items())
     if read_directly is not None:  # whether the fast walk applied (or torch's was needed)
-        assert _collect_plain_state(module, "", {}) is read_directly
+        assert StateReader().collect_plain_state(module, "", {}) is read_directly
 
 
 _EXTRA = torch.tensor([7])
@@ -118,3 +118,18 @@ def test_a_refit_stream_reads_the_live_parameters_after_one_is_replaced():
     model[1].weight = nn.Parameter(torch.full((2, 3), 5.0))  # same shape: the walk is reused
     again = {s.name: s.tensor for s in refit_stream(model, torch.float32).sources}
     assert again["1.weight"].eq(5.0).all() and not first["1.weight"].eq(5.0).all()
+
+
+def test_a_reader_s_class_cache_is_its_own():
+    """Two readers share nothing: a class customised after one reader met it is seen afresh by
+    a new reader (the owner decides how long its cache lives)."""
+
+    class Late(nn.Linear):
+        pass
+
+    module = nn.Sequential(Late(2, 2))
+    first = StateReader()
+    assert first.collect_plain_state(module, "", {})
+    Late.get_extra_state = lambda self: 1  # customised after the first reader met it
+    assert not StateReader().collect_plain_state(module, "", {})
+    assert list(StateReader().read(module)) == list(module.state_dict(keep_vars=True))

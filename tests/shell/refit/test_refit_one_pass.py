@@ -203,12 +203,18 @@ def _pair(*, atomic=False, sender_dtype=torch.float32, receiver_one_pass=True):
 def test_one_pass_writes_the_arena_reports_the_version_and_opens_the_arena_once(monkeypatch):
     opened = []
     original = one_pass_sender.open_shared_buffer
+    original_file = one_pass_sender.SharedFile
 
     def counting(ref):
         opened.append(ref)
         return original(ref)
 
+    def counting_file(ref):  # a CPU arena is held by descriptor, then mapped
+        opened.append(ref)
+        return original_file(ref)
+
     monkeypatch.setattr(one_pass_sender, "open_shared_buffer", counting)
+    monkeypatch.setattr(one_pass_sender, "SharedFile", counting_file)
     with _pair(sender_dtype=torch.bfloat16) as (model, target, sender, receiver):
         for version in (1, 2, 3):
             with torch.no_grad():
@@ -314,16 +320,22 @@ def test_a_registration_that_does_not_fit_the_manifest_is_refused_by_the_sender_
         assert _refit(sender, receiver)[0]["version"] == 1
 
 
-def _failing_after(count):
-    def wrap(sources):
+def _failing_after(monkeypatch, sender, count):
+    """The sender's next weight streams fail after ``count`` tensors (the trainer's disk burns)."""
+    walk = sender.weight_stream
+
+    def failing():
+        stream = walk()
+
         def gen():
             for _ in range(count):
-                yield next(sources)
+                yield next(stream.sources)
             raise OSError("disk on fire")
 
-        return gen()
+        return attrs.evolve(stream, sources=gen())
 
-    return wrap
+    monkeypatch.setattr(sender, "weight_stream", failing)
+    return lambda: monkeypatch.setattr(sender, "weight_stream", walk)
 
 
 @pytest.mark.parametrize("atomic", [False, True], ids=["in_place", "atomic"])
@@ -333,8 +345,10 @@ def test_a_sender_failing_midway_leaves_the_version_unchanged_and_the_next_refit
     monkeypatch.setattr(one_pass_sender, "_GROUP_TENSORS", 1)  # each tensor lands at once
     with _pair(atomic=atomic) as (model, target, sender, receiver):
         before = _state(target)
+        healed = _failing_after(monkeypatch, sender, 2)
         with pytest.raises(OSError, match="disk on fire"):
-            _refit(sender, receiver, wrap_sources=_failing_after(2))
+            _refit(sender, receiver)
+        healed()
         assert receiver.version == 0
         written = sum(not torch.equal(v, before[k]) for k, v in _state(target).items())
         if atomic:  # the sender wrote the spare only: the live weights are the old version
@@ -350,8 +364,9 @@ def test_a_sender_failing_midway_leaves_the_version_unchanged_and_the_next_refit
 def test_the_receiver_reports_why_the_sender_aborted(monkeypatch):
     with _pair() as (model, target, sender, receiver):
         thread, box = _serve(receiver)
+        _failing_after(monkeypatch, sender, 1)
         with pytest.raises(OSError, match="disk on fire"):
-            sender.stream_weights_via_ipc_zmq(timeout_s=30, wrap_sources=_failing_after(1))
+            sender.stream_weights_via_ipc_zmq(timeout_s=30)
         thread.join(30)
         assert isinstance(box["error"], RefitError)
         assert "sender aborted" in str(box["error"]) and "disk on fire" in str(box["error"])
@@ -447,8 +462,10 @@ def test_a_sender_that_vanishes_midway_times_the_receiver_out_without_a_new_vers
         monkeypatch.setattr(zmq, "_abort", lambda *args, **kwargs: None)  # it dies: no ABORT
         before = _state(target)
         thread, box = _serve(receiver)
+        healed = _failing_after(monkeypatch, sender, 2)
         with pytest.raises(OSError, match="disk on fire"):
-            sender.stream_weights_via_ipc_zmq(timeout_s=30, wrap_sources=_failing_after(2))
+            sender.stream_weights_via_ipc_zmq(timeout_s=30)
+        healed()
         thread.join(30)
         assert "timed out" in str(box["error"]) or "no message" in str(box["error"]), box
         assert receiver.version == 0 and receiver.stale == (not atomic)

@@ -33,6 +33,7 @@ from policyworker.functional.arena import (
     plan_arena,
 )
 from policyworker.functional.buckets import DEFAULT_ALIGNMENT
+from policyworker.functional.wire.checks import self_overlap_problem
 from policyworker.functional.wire.codec import ProtocolError
 from policyworker.functional.wire.one_pass import Registration
 from policyworker.shell.refit.weight_applier import WeightApplier
@@ -103,6 +104,14 @@ class WeightArena:
                 "arena); a load_weights callable transforms what it is given, so the sender "
                 "cannot write its memory. Pass one_pass=False"
             )
+            raise ValueError(msg)
+        overlaps = [
+            p
+            for n, t in dests.items()
+            if (p := self_overlap_problem(n, tuple(t.shape), t.stride())) is not None
+        ]
+        if overlaps:
+            msg = "one_pass: cannot register " + "; ".join(overlaps[:20])
             raise ValueError(msg)
         bases = _bases(self.module, dests)
         device = bases[0].device if bases else torch.device("cpu")

@@ -32,13 +32,14 @@ from policyworker.functional.wire.codec import (
     Complete,
     RefitRejectedError,
     Reply,
+    ShmBuffer,
     encode,
 )
 from policyworker.functional.wire.one_pass import Registration, decode_registration
 from policyworker.shell.refit.weight_stream import RefitSource
 from policyworker.shell.refit.zmq import staging
 from policyworker.shell.refit.zmq.sender import ZmqIpcSender
-from policyworker.shell.refit.zmq.shared_buffers import open_shared_buffer
+from policyworker.shell.refit.zmq.shared_buffers import SharedFile, open_shared_buffer
 from policyworker.shell.refit.zmq.staging import grouped_copy_
 
 __all__ = ["OnePassWriter", "stream_one_pass"]
@@ -56,6 +57,7 @@ class OnePassWriter:
         self.rank = rank
         self._registration: Registration | None = None
         self._target: torch.Tensor | None = None  # the opened arena (or spare) the sender writes
+        self._file: SharedFile | None = None  # a CPU arena's file, held to check its size
         self._views: tuple[Sequence[TensorSpec], list[torch.Tensor]] | None = None
         self._numels: list[int] = []  # elements of each view, in manifest order
         self._written: torch.cuda.Event | None = None
@@ -80,7 +82,12 @@ class OnePassWriter:
                 raise RefitError(msg)
             return
         self.close()
-        target = open_shared_buffer(decoded.write_target)
+        ref = decoded.write_target
+        if isinstance(ref, ShmBuffer):
+            self._file = SharedFile(ref)
+            target = self._file.map()
+        else:
+            target = open_shared_buffer(ref)
         if target.numel() < decoded.arena_bytes:
             msg = (
                 f"refit rank {self.rank}: the registered arena holds {target.numel()} bytes, "
@@ -110,6 +117,15 @@ class OnePassWriter:
         self._views, self._numels = (specs, views), [d.numel for d in ordered]
         return views
 
+    def check_arena(self) -> None:
+        """``RefitError`` naming the arena's file when the receiver shrank it since it was
+        mapped: a write past a shared file's end is a SIGBUS, so this runs around the writes."""
+        problem = None if self._file is None else self._file.problem()
+        if problem is not None:
+            self.close()  # ask for the whole registration at the next BEGIN
+            msg = f"refit rank {self.rank}: the receiver's registered arena: {problem}"
+            raise RefitError(msg)
+
     def write(
         self, specs: Sequence[TensorSpec], views: list[torch.Tensor], sources: Iterator[RefitSource]
     ) -> bytes:
@@ -117,8 +133,17 @@ class OnePassWriter:
         after the casts (b"" on CPU, where the writes are done when this returns).
 
         A large tensor's cast is launched as soon as its source arrives (the GPU works while
-        this loop walks the rest); small ones are cast in grouped launches.
+        this loop walks the rest); small ones are cast in grouped launches. A CPU arena's file
+        size is checked before and after (``check_arena``).
         """
+        self.check_arena()
+        event = self._write(specs, views, sources)
+        self.check_arena()
+        return event
+
+    def _write(
+        self, specs: Sequence[TensorSpec], views: list[torch.Tensor], sources: Iterator[RefitSource]
+    ) -> bytes:
         large_numel = staging.LARGE_COPY_NUMEL
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
@@ -161,6 +186,9 @@ class OnePassWriter:
     def close(self) -> None:
         """Forget the registration and unmap its arena."""
         self._registration = self._target = self._views = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def stream_one_pass(
@@ -188,7 +216,7 @@ def stream_one_pass(
             exchange.abort(f"{type(exc).__name__}: {exc}")
             raise
         try:
-            complete = encode(Complete(0, one_pass=True, written_event=event))
+            complete = encode(Complete(0, one_pass=True, written_event=event, refit=exchange.refit))
             return exchange.ask(complete, phase="complete").report
         except (RefitTimeoutError, RefitRejectedError):
             writer.close()  # the receiver may have re-registered since: ask for all of it again

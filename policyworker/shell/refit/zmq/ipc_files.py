@@ -1,6 +1,6 @@
 """The operating-system side of a colocated ZMQ refit: socket folders, staging files, limits.
 
-A sender binds its REQ socket in a fresh private (0700) ``pw-refit-*`` folder in the temp folder
+A sender binds its DEALER socket in a fresh private (0700) ``pw-refit-*`` folder in the temp folder
 and stages CPU buckets in fresh 0600 ``pw-refit-*`` files in ``SHM_DIR``. Each entry carries a
 shared ``flock`` for as long as its sender lives, so ``remove_orphans`` (run by every new
 sender) removes exactly what dead senders left. Also here: the Unix socket path limit, ZMQ's

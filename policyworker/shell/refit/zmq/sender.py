@@ -1,21 +1,18 @@
 """The trainer side of a colocated ZMQ refit: ``ZmqIpcSender``.
 
-A REQ socket bound in a private folder (``ipc_files``) streams one refit per ``stream`` call:
+A DEALER socket bound in a private folder (``ipc_files``) streams one refit per ``stream`` call:
 BEGIN (manifest) → BUCKET* → COMPLETE, each answered by one reply, through ping-pong staging
-buffers (``staging``). The encoded manifest is cached per specs object and, per staging
-buffer, each bucket's slot views and frames; with ``keep_staging`` the buffers and caches
-survive the refit.
-
-Why it is over 400 lines: ``_stream`` with ``_abort`` and ``_note_wait`` is one state machine
-(fill a half, send, wait for the reply owed, abort on any failure with the right ordering); its
-steps share the socket, the staging pair and the pending reply, and splitting them apart would
-pass all that state around without making any step readable on its own.
+buffers (``staged.StagedRefit`` over ``staging``). The encoded manifest is cached per specs
+object and, per staging buffer, each bucket's slot views and message; with ``keep_staging`` the
+buffers and caches survive the refit.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import secrets
 import threading
 import time
 import weakref
@@ -36,8 +33,6 @@ from policyworker.functional.wire.codec import (
     MAX_HEADER_BYTES,
     Abort,
     Begin,
-    Bucket,
-    Complete,
     ProtocolError,
     RefitRejectedError,
     Reply,
@@ -53,12 +48,8 @@ from policyworker.shell.refit.zmq.ipc_files import (
     remove_orphans,
     zmq_timeout_ms,
 )
-from policyworker.shell.refit.zmq.staging import (
-    CudaStaging,
-    Staging,
-    bucket_slots,
-    fill_slots,
-)
+from policyworker.shell.refit.zmq.staged import Owed, StagedRefit
+from policyworker.shell.refit.zmq.staging import CudaStaging, Staging
 
 __all__ = ["Exchange", "ZmqIpcSender"]
 
@@ -74,20 +65,35 @@ class Exchange:
         self._sender = sender
         self.timeout_s = timeout_s
 
-    def ask(self, frames: list[bytes], *, phase: str) -> Reply:
-        """Send ``frames`` and return the receiver's reply. ``RefitTimeoutError`` when either
-        wait passes ``timeout_s`` (the socket is rebuilt); ``RefitRejectedError`` naming
-        ``phase`` and the receiver's reason when it refuses."""
-        self._sender._send(frames, phase=phase, timeout_s=self.timeout_s)
-        return self._sender._reply(phase=phase, timeout_s=self.timeout_s)
+    @property
+    def refit(self) -> str:
+        """The id of this refit: every request carries it and every reply must echo it."""
+        return self._sender.refit_id
 
-    def abort(self, reason: str) -> None:
-        """Tell the receiver this refit is off (best effort, as the staged refit does)."""
-        self._sender._abort(None, reason, timeout_s=self.timeout_s)
+    def ask(self, frames: list[bytes], *, phase: str) -> Reply:
+        """Send ``frames`` (a BEGIN or a COMPLETE: ``phase`` is "begin" or "complete") and
+        return the receiver's reply to it. ``RefitTimeoutError`` when either wait passes
+        ``timeout_s`` (the socket is rebuilt); ``RefitRejectedError`` naming ``phase`` and the
+        receiver's reason when it refuses; ``ProtocolError`` for a reply to another request."""
+        self._sender._send(frames, phase=phase, timeout_s=self.timeout_s)
+        return self._sender._reply((phase, phase, -1), timeout_s=self.timeout_s)
+
+    def send(self, frames: list[bytes], *, phase: str) -> None:
+        """Send a request without waiting for its reply (``receive`` reads it later)."""
+        self._sender._send(frames, phase=phase, timeout_s=self.timeout_s)
+
+    def receive(self, owed: Owed) -> Reply:
+        """The reply to the request ``owed`` (see ``ask`` for the errors)."""
+        return self._sender._reply(owed, timeout_s=self.timeout_s)
+
+    def abort(self, reason: str, *, pending: Owed | None = None) -> None:
+        """Tell the receiver this refit is off (best effort), after the reply owed for
+        ``pending`` if one is."""
+        self._sender._abort(pending, reason, timeout_s=self.timeout_s)
 
 
 class ZmqIpcSender:
-    """The trainer side: a REQ socket in a private folder; streams one refit per ``stream`` call."""
+    """The trainer side: a DEALER socket in a private folder; one refit per ``stream`` call."""
 
     def __init__(self, *, rank: int) -> None:
         self.rank = rank
@@ -111,6 +117,9 @@ class ZmqIpcSender:
         self._kept_bytes = 0
         self._plan: Sequence[IpcBucket] | None = None  # the plan the staging caches were made for
         self._manifest: tuple[Sequence[TensorSpec], bytes] | None = None  # (specs object, frame)
+        # the refit in progress and the last ones: a reply naming an old one is late, dropped
+        self.refit_id = ""
+        self._old_refit_ids: collections.deque[str] = collections.deque(maxlen=256)
         try:
             fix = (
                 "set TMPDIR to a shorter folder (e.g. TMPDIR=/tmp) for the trainer process: "
@@ -168,7 +177,9 @@ class ZmqIpcSender:
         sock = handles.socket
         if sock is None:
             assert handles.context is not None
-            sock = handles.context.socket(zmq.REQ)
+            # DEALER, not REQ: a late reply to an old refit can be read and dropped while the
+            # reply owed is still awaited (REQ would take it as that reply)
+            sock = handles.context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLY_BYTES)
             handles.socket = sock
@@ -200,7 +211,7 @@ class ZmqIpcSender:
 
         Call it before a refit when a receiver was just replaced on this address: a BEGIN sent
         before this sender's I/O thread has seen the old connection end can be queued on it and
-        lost (REQ picks connections in turn), which costs one refit timeout."""
+        lost (DEALER picks connections in turn), which costs one refit timeout."""
         deadline = time.monotonic() + timeout_s
         while self.connected_receivers() != connected or self.departed_receivers < departed:
             if time.monotonic() > deadline:
@@ -209,7 +220,7 @@ class ZmqIpcSender:
         return True
 
     def _check_one_receiver(self) -> None:
-        """REQ sends each message to the next connected peer in turn: with two receivers on one
+        """DEALER sends each message to the next connected peer in turn: with two receivers on one
         address each would see part of a refit. Refuse before BEGIN (a receiver that just rebuilt
         its socket is counted twice for a moment, so give disconnects a short while to arrive)."""
         deadline = time.monotonic() + 0.5
@@ -240,22 +251,61 @@ class ZmqIpcSender:
         sock = self._sock()
         sock.setsockopt(zmq.SNDTIMEO, zmq_timeout_ms(timeout_s))
         try:
-            sock.send_multipart(frames)  # small frames: copying beats zero-copy bookkeeping
+            # the empty frame is the envelope a REP peer expects; small frames: copying beats
+            # zero-copy bookkeeping
+            sock.send_multipart([b"", *frames])
         except zmq.Again:
             raise self._timeout(phase, timeout_s) from None
 
-    def _reply(self, *, phase: str, timeout_s: float) -> Reply:
-        sock = self._sock()
-        sock.setsockopt(zmq.RCVTIMEO, zmq_timeout_ms(timeout_s))
-        try:
-            frames = sock.recv_multipart()
-        except zmq.Again:
-            raise self._timeout(phase, timeout_s) from None
-        reply = decode_reply(frames)
+    def _reply(self, owed: Owed, *, timeout_s: float) -> Reply:
+        """The reply to the request ``owed``; late replies to earlier refits are dropped."""
+        phase = owed[0]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = self._recv_reply(phase, deadline, timeout_s)
+            if reply.answers(owed[1], self.refit_id, owed[2]):
+                break
+            if reply.refit in self._old_refit_ids:
+                log.info(
+                    "refit rank %d: dropped a late %r reply of an earlier refit while waiting "
+                    "for %s",
+                    self.rank,
+                    reply.reply_to,
+                    phase,
+                )
+                continue
+            if not reply.ok and not reply.refit:  # the receiver could not read the request
+                break
+            self._rebuild()
+            msg = (
+                f"refit rank {self.rank}: the receiver's reply names request "
+                f"({reply.reply_to!r}, refit {reply.refit!r:.80}, seq {reply.seq}) but the one "
+                f"sent was ({owed[1]!r}, refit {self.refit_id!r}, seq {owed[2]}); the receiver "
+                "does not speak this protocol (the sender rebuilt its socket): receive with "
+                "HFWeightReceiver from the same policyworker version"
+            )
+            raise ProtocolError(msg)
         if not reply.ok:
             msg = f"refit rank {self.rank}: the receiver rejected {phase}: {reply.reason}"
             raise RefitRejectedError(msg)
         return reply
+
+    def _recv_reply(self, phase: str, deadline: float, timeout_s: float) -> Reply:
+        sock = self._sock()
+        sock.setsockopt(zmq.RCVTIMEO, zmq_timeout_ms(max(deadline - time.monotonic(), 0.001)))
+        try:
+            frames = sock.recv_multipart()
+        except zmq.Again:
+            raise self._timeout(phase, timeout_s) from None
+        if not frames or frames[0] != b"":
+            self._rebuild()
+            msg = f"refit rank {self.rank}: a reply in phase {phase!r} lacks its empty envelope"
+            raise ProtocolError(msg)
+        try:
+            return decode_reply(frames[1:])
+        except ProtocolError:
+            self._rebuild()
+            raise
 
     @contextlib.contextmanager
     def exchange(self, call: str, *, timeout_s: float) -> Iterator[Exchange]:
@@ -266,6 +316,9 @@ class ZmqIpcSender:
         with self._exclusive(call):
             self._check_one_receiver()
             self._note_wait(timeout_s)
+            if self.refit_id:
+                self._old_refit_ids.append(self.refit_id)
+            self.refit_id = secrets.token_hex(8)
             yield Exchange(self, timeout_s)
 
     def begin_frames(
@@ -276,7 +329,9 @@ class ZmqIpcSender:
         specs object: a steady-state refit reuses its frame."""
         if self._manifest is None or self._manifest[0] is not specs:
             self._manifest = (specs, encode_manifest(specs))
-        begin = Begin(self.rank, transport, DEFAULT_ALIGNMENT, tuple(specs), one_pass)
+        begin = Begin(
+            self.rank, transport, DEFAULT_ALIGNMENT, tuple(specs), one_pass, self.refit_id
+        )
         return encode(begin, manifest_frame=self._manifest[1])
 
     def stream(
@@ -299,32 +354,28 @@ class ZmqIpcSender:
         ``release_staging`` or ``close``; the receiver then keeps its mappings too. On any
         failure every staging buffer, kept or not, is freed before this raises.
         """
-        # the staged refit pipelines its requests through _send / _reply itself (each reply is
-        # settled by the next request); the exchange gives it the same guards as the one-pass one
-        with self.exchange("stream_weights_via_ipc_zmq", timeout_s=timeout_s):
-            return self._stream(
+        with self.exchange("stream_weights_via_ipc_zmq", timeout_s=timeout_s) as exchange:
+            refit = StagedRefit(
+                exchange,
                 specs,
                 plan,
                 sources,
                 make_staging=make_staging,
                 buffer_bytes=buffer_bytes,
-                timeout_s=timeout_s,
                 transport=transport,
                 keep_staging=keep_staging,
+                ping_pong=self._take_kept(plan, buffer_bytes, transport),
             )
+            self._staging_refs = refit.staging_refs
+            report = refit.run(self.begin_frames(specs, transport))
+            self._kept, self._kept_bytes = refit.kept, buffer_bytes if refit.kept else 0
+            return report
 
-    def _stream(
-        self,
-        specs: Sequence[TensorSpec],
-        plan: Sequence[IpcBucket],
-        sources: Iterator[RefitSource],
-        *,
-        make_staging: Callable[[int], Staging],
-        buffer_bytes: int,
-        timeout_s: float,
-        transport: str,
-        keep_staging: bool,
-    ) -> dict[str, Any]:
+    def _take_kept(
+        self, plan: Sequence[IpcBucket], buffer_bytes: int, transport: str
+    ) -> list[Staging]:
+        """The buffers a ``keep_staging`` refit left, if this refit can use them (same size
+        and kind, intact), with their caches cleared for a new plan; the rest are freed."""
         if any(not s.intact() for s in self._kept):  # e.g. a kept file truncated meanwhile
             self._release_staging()
         if self._kept and (
@@ -336,165 +387,11 @@ class ZmqIpcSender:
             for staging in self._kept:
                 staging.cache.clear()
             self._plan = plan
-        ping_pong: list[Staging | None] = [*self._kept, None, None][:2]
-        self._kept, self._kept_bytes = [], 0
-        self._staging_refs = [
-            weakref.ref(s.tensor) for s in ping_pong if s is not None and s.tensor is not None
-        ]
-        pending: str | None = None  # phase of the request whose reply is still owed
-        pending_staging: Staging | None = None  # the buffer that request's bucket is in
-        begun = False
-
-        def new_staging(nbytes: int) -> Staging:
-            staging = make_staging(nbytes)
-            assert staging.tensor is not None
-            self._staging_refs.append(weakref.ref(staging.tensor))
-            return staging
-
-        def new_ping_pong() -> None:
-            """Both buffers from one allocation when at least two buckets will use them."""
-            if sum(not b.oversized for b in plan) < 2:
-                ping_pong[0] = new_staging(buffer_bytes)
-                return
-            whole = make_staging(2 * buffer_bytes)
-            ping_pong[:] = whole.halves(buffer_bytes)
-            self._staging_refs.extend(
-                weakref.ref(s.tensor) for s in ping_pong if s is not None and s.tensor is not None
-            )
-
-        def release() -> None:
-            for i, staging in enumerate(ping_pong):
-                if staging is not None:
-                    staging.close()
-                    ping_pong[i] = None
-
-        def request(frames: list[bytes], phase: str, staging: Staging | None = None) -> None:
-            nonlocal pending, pending_staging
-            settle()
-            self._send(frames, phase=phase, timeout_s=timeout_s)
-            pending, pending_staging = phase, staging
-
-        def settle() -> Reply | None:
-            nonlocal pending, pending_staging
-            if pending is None:
-                return None
-            (owed, pending), (staging, pending_staging) = (pending, None), (pending_staging, None)
-            reply = self._reply(phase=owed, timeout_s=timeout_s)
-            if staging is not None:
-                staging.note_consumed(reply.consumed_event)
-            return reply
-
-        def prepared(
-            staging: Staging, seq: int, bucket: IpcBucket, keep: bool
-        ) -> tuple[list[torch.Tensor], list[bytes]]:
-            """The bucket's slot views and encoded frames in this buffer.
-
-            Cached with the buffer.
-            """
-            hit = staging.cache.get((seq, keep))
-            if hit is None:
-                base = staging.base  # where this half starts in the shared buffer
-                frames = encode(
-                    Bucket(
-                        seq,
-                        staging.ref(keep=keep),
-                        bucket.indices,
-                        tuple(base + o for o in bucket.offsets),
-                        base + bucket.used_bytes,
-                    )
-                )
-                hit = staging.cache[(seq, keep)] = (bucket_slots(staging, bucket, specs), frames)
-            return hit
-
-        def take(bucket: IpcBucket) -> list[RefitSource]:
-            items = [next(sources) for _ in bucket.indices]
-            for i, item in zip(bucket.indices, items, strict=True):
-                want = specs[i]
-                if (
-                    item.name != want.name
-                    or item.dtype != want.dtype
-                    or item.tensor.shape != want.shape
-                ):
-                    msg = (
-                        f"internal: the params stream sent {item.spec} where prepare_refit_info "
-                        f"said {want}"
-                    )
-                    raise RefitError(msg)
-            return items
-
-        try:
-            request(self.begin_frames(specs, transport), "begin")
-            begun = True  # its reply is settled by the first bucket's request: the receiver checks
-            turn = 0  # the manifest while the first buffer is allocated and filled
-            for seq, bucket in enumerate(plan):
-                items = take(bucket)
-                if bucket.oversized:
-                    settle()  # the ping-pong buffer in flight is free; now send this one alone
-                    alone = new_staging(bucket.used_bytes)
-                    try:
-                        slots, frames = prepared(alone, seq, bucket, False)
-                        fill_slots(slots, items)
-                        del slots
-                        alone.mark_filled()
-                        request(frames, f"bucket {seq} (oversized)", alone)
-                        settle()
-                        alone.wait_for_reader()  # the allocator may hand its block out again
-                    finally:
-                        alone.close()
-                    continue
-                slot = turn % 2
-                turn += 1
-                if ping_pong[0] is None and ping_pong[1] is None:
-                    new_ping_pong()
-                if ping_pong[slot] is None:
-                    ping_pong[slot] = new_staging(buffer_bytes)
-                staging = ping_pong[slot]
-                assert staging is not None
-                slots, frames = prepared(staging, seq, bucket, keep_staging)
-                staging.wait_for_reader()
-                fill_slots(
-                    slots, items
-                )  # queued behind the receiver's reads of this buffer's last bucket
-                del slots, items
-                staging.mark_filled()
-                request(frames, f"bucket {seq}", staging)
-            settle()
-            if keep_staging:
-                self._kept = [s for s in ping_pong if s is not None]
-                self._kept_bytes = buffer_bytes
-                ping_pong[:] = [None, None]
-            else:
-                for staging in ping_pong:
-                    if staging is not None:
-                        staging.wait_for_reader()
-                release()
-                if transport == "cuda":
-                    torch.cuda.empty_cache()
-            request(encode(Complete(len(plan))), "complete")
-            reply = settle()
-            begun = False
-            assert reply is not None
-            for staging in self._kept:
-                staging.forget_consumed()
-            return reply.report
-        except BaseException as exc:
-            try:
-                # A timeout rebuilt the socket and a rejection already ended the receiver's
-                # refit; any other failure (our own) is announced so the receiver stops waiting
-                # at once. Before the staging goes: the receiver may still be reading the
-                # bucket whose reply is owed.
-                if begun and not isinstance(exc, (RefitTimeoutError, RefitRejectedError)):
-                    self._abort(pending, f"{type(exc).__name__}: {exc}", timeout_s=timeout_s)
-            finally:
-                release()
-                self._release_staging()
-            raise
-        finally:
-            if transport == "cuda":
-                torch.cuda.ipc_collect()
+        kept, self._kept, self._kept_bytes = self._kept, [], 0
+        return kept
 
     def _note_wait(self, timeout_s: float) -> None:
-        """Log where the sender waits when no receiver is connected yet (REQ is not writable)."""
+        """Log where the sender waits when no receiver is connected yet (DEALER is not writable)."""
         if not self._sock().poll(0, zmq.POLLOUT):
             log.info(
                 "refit rank %d: waiting up to %g s for a receiver at %s (build "
@@ -504,7 +401,7 @@ class ZmqIpcSender:
                 self.address,
             )
 
-    def _abort(self, pending: str | None, reason: str, *, timeout_s: float) -> None:
+    def _abort(self, pending: Owed | None, reason: str, *, timeout_s: float) -> None:
         """Tell the receiver the refit is off (best effort; rebuild the socket on failure).
 
         The reply owed for ``pending`` is awaited first, as long as any reply (the receiver is
@@ -514,14 +411,14 @@ class ZmqIpcSender:
         """
         try:
             if pending is not None:
-                self._sock().setsockopt(zmq.RCVTIMEO, zmq_timeout_ms(timeout_s))
-                if not decode_reply(self._sock().recv_multipart()).ok:
+                try:
+                    self._reply(pending, timeout_s=timeout_s)
+                except RefitRejectedError:
                     return
-            self._sock().setsockopt(zmq.SNDTIMEO, zmq_timeout_ms(_ABORT_TIMEOUT_S))
-            self._sock().send_multipart(encode(Abort(reason[:4096])))
-            self._sock().setsockopt(zmq.RCVTIMEO, zmq_timeout_ms(_ABORT_TIMEOUT_S))
-            self._sock().recv_multipart()
-        except (zmq.ZMQError, ProtocolError):
+            abort = encode(Abort(reason[:4096], self.refit_id))
+            self._send(abort, phase="abort", timeout_s=_ABORT_TIMEOUT_S)
+            self._reply(("abort", "abort", -1), timeout_s=_ABORT_TIMEOUT_S)
+        except (zmq.ZMQError, RefitError):
             self._rebuild()
 
     def close(self) -> None:

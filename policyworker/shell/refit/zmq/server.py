@@ -39,7 +39,7 @@ from policyworker.functional.wire.codec import (
     encode,
 )
 from policyworker.functional.wire.one_pass import Registration, encode_registration
-from policyworker.shell.refit.zmq.shared_buffers import open_shared_buffer, shm_problem
+from policyworker.shell.refit.zmq.shared_buffers import SharedFile, open_shared_buffer, shm_problem
 from policyworker.shell.refit.zmq.staging import open_event
 
 __all__ = ["Outcome", "ReceivedBuffers", "RefitServer", "WeightSink"]
@@ -48,6 +48,8 @@ __all__ = ["Outcome", "ReceivedBuffers", "RefitServer", "WeightSink"]
 class WeightSink(Protocol):
     """Where a refit lands (``receiver.WeightApplier``): validated first, written second."""
 
+    @property
+    def generation(self) -> int: ...
     def begin(self, manifest: Sequence[TensorSpec]) -> None: ...
     def apply_batch(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None: ...
     def apply_indexed(self, indices: Sequence[int], tensors: Sequence[torch.Tensor]) -> None: ...
@@ -78,8 +80,10 @@ class _Mapped:
     region of the buffer the sender fills (a ping-pong half, named by its filled-event handle):
     the sender's filled event (opened once) and this side's consumed event."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, file: SharedFile | None = None) -> None:
         self.tensor = tensor
+        # a shm buffer: ``tensor`` is this side's own copy, filled per bucket from ``file``
+        self.file = file
         self.views: dict[
             tuple[Any, ...], Any
         ] = {}  # (indices, offsets) -> the sink's prepared batch
@@ -100,6 +104,15 @@ class _Mapped:
             events = self._events[filled_handle] = (filled, consumed, bytes(consumed.ipc_handle()))
         torch.cuda.current_stream(self.tensor.device).wait_event(events[0])
         return filled_handle
+
+    def load(self, start: int, end: int) -> None:
+        """Copy bytes ``[start, end)`` of a shm buffer into this side's copy (no-op for CUDA)."""
+        if self.file is not None:
+            self.file.read_into(self.tensor, start, end)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
     def record_consumed(self, key: bytes) -> bytes:
         """Record the event the sender waits on, after the queued reads of the region.
@@ -132,22 +145,34 @@ class ReceivedBuffers:
         key = self._key(ref)
         mapped = self._open.get(key)
         if mapped is not None and isinstance(ref, ShmBuffer):
-            problem = shm_problem(ref)  # a kept file truncated since: reading it would SIGBUS
+            problem = shm_problem(ref)  # a kept file truncated or removed since it was opened
             if problem is not None:
-                del self._open[key]
+                self._open.pop(key).close()
                 raise ProtocolError(f"{problem} (it shrank or went away since it was mapped)")
         if mapped is None:
-            mapped = self._open[key] = _Mapped(open_shared_buffer(ref))
+            if isinstance(ref, ShmBuffer):
+                # read by descriptor into this side's memory: a mapping of a file its owner
+                # shrinks is a SIGBUS mid-copy, a short read is an error
+                file = SharedFile(ref)
+                mapped = _Mapped(torch.empty(max(ref.size, 1), dtype=torch.uint8)[: ref.size], file)
+            else:
+                mapped = _Mapped(open_shared_buffer(ref))
+            self._open[key] = mapped
         self._used[key] = ref.keep
         return mapped
 
     def finish(self, *, ok: bool) -> None:
         """End of a refit: keep only the kept buffers it used (none when it failed)."""
         keep = {k for k, kept in self._used.items() if kept} if ok else set()
+        for key, mapped in self._open.items():
+            if key not in keep:
+                mapped.close()
         self._open = {k: m for k, m in self._open.items() if k in keep}
         self._used = {}
 
     def clear(self) -> None:
+        for mapped in self._open.values():
+            mapped.close()
         self._open.clear()
         self._used.clear()
 
@@ -180,8 +205,10 @@ class RefitServer:
         self.one_pass = one_pass
         self._one_pass_session = False  # the refit in progress is written by the sender itself
         self._registered_id = ""
+        self._refit = ""  # the id of the refit in progress (its BEGIN's), echoed in each reply
         self._manifest: tuple[TensorSpec, ...] | None = None
         self._views_manifest: tuple[TensorSpec, ...] | None = None
+        self._sink_generation = sink.generation
         self._manifests = ManifestCache()
         self._sizes: tuple[int, ...] = ()
         self._alignment = DEFAULT_ALIGNMENT
@@ -209,10 +236,12 @@ class RefitServer:
             self._buffers.clear()
 
     def handle(self, frames: Sequence[bytes]) -> tuple[list[bytes], Outcome]:
-        kind, seq = "unknown", -1
+        """Every reply names the request it answers: its kind, refit id and bucket sequence
+        (a rejection of a message that could not be read names none)."""
+        kind, seq, refit = "unknown", -1, ""
         try:
             message = decode_request(frames, manifests=self._manifests)
-            kind = type(message).__name__.lower()
+            kind, refit = type(message).__name__.lower(), message.refit
             if isinstance(message, Bucket):
                 seq = message.seq
             return self._dispatch(message)
@@ -220,7 +249,8 @@ class RefitServer:
             reason = str(exc) if isinstance(exc, RefitError) else f"{type(exc).__name__}: {exc}"
             self.fail(reason)
             error = RefitError(f"refit rejected ({kind}): {reason}")
-            return encode(Reply(False, kind, seq, reason)), Outcome(done=True, error=error)
+            reply = Reply(False, kind, seq, reason, refit=refit)
+            return encode(reply), Outcome(done=True, error=error)
 
     def _drain_gpu(self) -> None:
         """Wait for every queued read of the sender's buffers (before closing their mappings)."""
@@ -243,15 +273,23 @@ class RefitServer:
 
     def _dispatch(self, message: Begin | Bucket | Complete | Abort) -> tuple[list[bytes], Outcome]:
         if isinstance(message, Begin):
-            if self._manifest is not None:
+            if self._manifest is not None and message.refit == self._refit:
                 raise ProtocolError("BEGIN while a refit is in progress; finish or abort it first")
+            if self._manifest is not None:
+                # a sender begins a new refit only after giving up the last (a timeout): the
+                # unfinished one is dropped, so a retry after a timeout works at once
+                self.fail(f"superseded by refit {message.refit!r}")
+            self._refit = message.refit
             if message.one_pass is not None:
                 return self._begin_one_pass(message)
-            self.sink.begin(message.manifest)
+            self.sink.begin(message.manifest)  # finds the destinations again if they moved
             if message.manifest is not self._views_manifest:  # cached views hold its dtypes/shapes
                 self._buffers.forget_views()
                 self._layouts.clear()
                 self._views_manifest = message.manifest
+            if self.sink.generation != self._sink_generation:  # cached batches hold old targets
+                self._buffers.forget_views()
+                self._sink_generation = self.sink.generation
             self._manifest = message.manifest
             self._sizes = (
                 self._manifests.sizes
@@ -260,18 +298,24 @@ class RefitServer:
             )
             self._alignment, self._num_buckets = message.alignment, 0
             self._received, self._count = bytearray(len(message.manifest)), 0
-            return encode(Reply(True, "begin")), Outcome()
+            return encode(Reply(True, "begin", refit=self._refit)), Outcome()
         if isinstance(message, Abort):
-            if self._manifest is None:
+            answer = encode(Reply(True, "abort", refit=message.refit))
+            if self._manifest is None or message.refit != self._refit:
                 # Nothing to abort: a sender sends ABORT only after BEGIN, so this one belongs to
                 # a refit this side already ended (rejected, timed out). Answered and dropped;
                 # the refit this receive() waits for is still to come.
-                return encode(Reply(True, "abort")), Outcome()
+                return answer, Outcome()
             self.fail(f"sender aborted: {message.reason}")
             error = RefitError(f"the sender aborted the refit: {message.reason}")
-            return encode(Reply(True, "abort")), Outcome(done=True, error=error)
+            return answer, Outcome(done=True, error=error)
         if self._manifest is None:
             raise ProtocolError(f"{type(message).__name__.upper()} before BEGIN")
+        if message.refit != self._refit:
+            raise ProtocolError(
+                f"{type(message).__name__.upper()} of refit {message.refit!r:.80} inside refit "
+                f"{self._refit!r}"
+            )
         if isinstance(message, Complete):
             return self._complete(message)
         return self._bucket(message)
@@ -291,7 +335,13 @@ class RefitServer:
         self.sink.expect_external_write()
         self.one_pass.before_write()
         body, raw = encode_registration(registration, held_id=message.one_pass)
-        reply = Reply(True, "begin", registration=body, registration_frames=tuple(raw))
+        reply = Reply(
+            True,
+            "begin",
+            registration=body,
+            registration_frames=tuple(raw),
+            refit=self._refit,
+        )
         return encode(reply), Outcome()
 
     def _bucket(self, bucket: Bucket) -> tuple[list[bytes], Outcome]:
@@ -312,6 +362,7 @@ class RefitServer:
                 f"bucket {bucket.seq} rejected before any write: " + "; ".join(problems[:20])
             )
         mapped = self._buffers.open(bucket.buffer)
+        mapped.load(bucket.offsets[0] if bucket.offsets else 0, bucket.used_bytes)
         key = (bucket.indices, bucket.offsets)  # for this manifest (see BEGIN); valid while mapped
         batch = mapped.views.get(key)
         if batch is None:
@@ -345,7 +396,8 @@ class RefitServer:
             received[index] = 1
         self._count += len(bucket.indices)
         self._num_buckets += 1
-        return encode(Reply(True, "bucket", bucket.seq, consumed_event=consumed)), Outcome()
+        reply = Reply(True, "bucket", bucket.seq, consumed_event=consumed, refit=self._refit)
+        return encode(reply), Outcome()
 
     def _complete(self, message: Complete) -> tuple[list[bytes], Outcome]:
         manifest = self._manifest
@@ -369,4 +421,5 @@ class RefitServer:
             if attrs.has(type(report))
             else {}
         )
-        return encode(Reply(True, "complete", report=summary)), Outcome(done=True, report=report)
+        reply = Reply(True, "complete", report=summary, refit=self._refit)
+        return encode(reply), Outcome(done=True, report=report)

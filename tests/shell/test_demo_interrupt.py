@@ -1,0 +1,109 @@
+"""Ctrl-C during the demo's start-up: one interrupt ends the run with one line and exit code
+130, no traceback, and no process of the run left behind (a terminal's Ctrl-C reaches the whole
+process group, so the signal goes to the group here too)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import child_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["torch and transformers imported", "policy worker built"])
+def test_one_ctrl_c_during_start_up_ends_the_demo_with_130_and_nothing_left(stage):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "policyworker", "demo", "--steps", "50", "--no-require-rise"],
+        cwd=ROOT,
+        env=child_env(ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, like a shell job
+    )
+    seen = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # the start-up lines say where it is
+            seen.append(line)
+            if line.startswith(f"start: {stage}"):
+                break
+        else:
+            pytest.fail(f"the demo ended before '{stage}': {''.join(seen)}")
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines() == [
+        "policyworker demo: interrupted; every process it started is stopped"
+    ], err
+    deadline = time.monotonic() + 10
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _group_alive(proc.pid), "a process of the demo outlived it"
+
+
+def test_stop_descendants_ends_children_and_grandchildren_even_orphan_to_be():
+    """A child that started a grandchild (as a Ray head starts its dashboard's helpers): both
+    end, the grandchild too although its parent goes first. Run in a process of its own, so
+    nothing else below the test runner is touched."""
+    script = textwrap.dedent(
+        """
+        import subprocess, sys, time
+        from policyworker.demo.interrupt import descendant_pids, stop_descendants
+        grandchild = "import time; time.sleep(60)"
+        child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', %r]); "
+        child += "time.sleep(60)"
+        subprocess.Popen([sys.executable, "-c", child % grandchild])
+        deadline = time.monotonic() + 30
+        while len(descendant_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = descendant_pids()
+        stop_descendants(timeout_s=5.0)
+        print(*tree)
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=child_env(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    tree = [int(pid) for pid in run.stdout.split()]
+    assert len(tree) == 2, run.stdout + run.stderr
+    deadline = time.monotonic() + 5
+    while any(_running(pid) for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_running(pid) for pid in tree)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
