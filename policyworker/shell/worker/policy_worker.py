@@ -205,11 +205,8 @@ class PolicyWorker(NeMoRLWorkerSurface):
     def use_reference_model(self) -> Iterator[None]:
         """Swap the reference weights in place (or, with `lora_cfg.reference: base`, switch the
         adapters off); restore the policy weights even on error."""
-        if adapters.base_is_reference(self.state):
-            with adapters.base_reference(self.state):
-                yield
-            return
-        with inference.reference_model(self.state):
+        base = adapters.base_is_reference(self.state)
+        with (adapters.base_reference if base else inference.reference_model)(self.state):
             yield
 
     def select_adapter(self, adapter: str) -> None:
@@ -320,10 +317,12 @@ class PolicyWorker(NeMoRLWorkerSurface):
 
     # ------------------------------------------------------------------------------ refit
 
-    def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    def prepare_refit_info(
+        self, *, adapter_only: bool = False
+    ) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """{hf_name: (shape, dtype)} in send order (the dtypes every refit sends); global
-        (unsharded) shapes on every rank."""
-        return refit_calls.refit_info(self.state)
+        (unsharded) shapes on every rank. ``adapter_only``: those of an adapter-only refit."""
+        return refit_calls.refit_info(self.state, adapter_only=adapter_only)
 
     def get_zmq_address(self) -> str:
         """The address rank 0's receiver connects to (every rank has one; only rank 0 sends)."""
@@ -336,6 +335,7 @@ class PolicyWorker(NeMoRLWorkerSurface):
         *,
         timeout_s: float = 120.0,
         one_pass: bool = False,
+        adapter_only: bool = False,
     ) -> dict[str, Any] | None:
         """One colocated refit over ZMQ + CUDA IPC (shared memory on CPU); the receiver's report.
 
@@ -347,10 +347,11 @@ class PolicyWorker(NeMoRLWorkerSurface):
         ``one_pass=True`` casts the weights straight into the memory a receiver built with
         ``HFWeightReceiver(..., one_pass=True)`` registered (no staging; docs/refit-protocol.md,
         "One-pass refits"); a receiver that did not register refuses it with ``RefitError``.
+        ``adapter_only=True`` sends the LoRA tensors alone under PEFT's names, into a receiver
+        built on ``peft_load_weights`` (`shell.refit.adapter_refit`).
         """
-        return refit_calls.stream_via_zmq(
-            self.state, buffer_size_bytes, kv_scales, timeout_s=timeout_s, one_pass=one_pass
-        )
+        opts = {"timeout_s": timeout_s, "one_pass": one_pass, "adapter_only": adapter_only}
+        return refit_calls.stream_via_zmq(self.state, buffer_size_bytes, kv_scales, **opts)
 
     def init_collective(
         self, ip: str, port: int, world_size: int, *, train_world_size: int
