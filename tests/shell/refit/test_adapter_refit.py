@@ -12,7 +12,7 @@ import transformers
 from policyworker.functional.loss import NLLLoss
 from policyworker.shell.model.peft_adapter import save_peft_adapter
 from policyworker.shell.refit.adapter_refit import peft_load_weights
-from policyworker.shell.refit.receiver import HFWeightReceiver
+from policyworker.shell.refit.receiver import HFWeightReceiver, RefitReport
 from policyworker.shell.worker.policy_worker import PolicyWorker
 from tests.shell.conftest import make_batch, make_config
 
@@ -38,13 +38,13 @@ def _engine(path: str, worker: PolicyWorker, folder) -> torch.nn.Module:
     return PeftModel.from_pretrained(base, str(folder)).eval()
 
 
-def _refit(worker: PolicyWorker, receiver: HFWeightReceiver) -> tuple[dict, object]:
-    got: dict = {}
+def _refit(worker: PolicyWorker, receiver: HFWeightReceiver) -> tuple[dict, RefitReport]:
+    got: dict[str, RefitReport] = {}
     thread = threading.Thread(target=lambda: got.update(report=receiver.receive()), daemon=True)
     thread.start()
     report = worker.stream_weights_via_ipc_zmq(timeout_s=30, adapter_only=True)
     thread.join(timeout=30)
-    assert not thread.is_alive()
+    assert not thread.is_alive() and report is not None
     return report, got["report"]
 
 
