@@ -3,7 +3,7 @@ forward, optim_step, save_weights_for_sampler, save_state / load_state, sample),
 types, and `HFSampler`, the in-process Hugging Face engine it samples through.
 docs/training-client.md says how it differs from Tinker's client."""
 
-from policyworker.training_client.client import TrainingClient
+from policyworker.training_client.client import SamplingClient, TrainingClient
 from policyworker.training_client.sampler import HFSampler
 from policyworker.training_client.types import (
     AdamParams,
@@ -28,6 +28,7 @@ __all__ = [
     "OptimStepResponse",
     "SampleResponse",
     "SampledSequence",
+    "SamplingClient",
     "SamplingParams",
     "SaveWeightsResponse",
     "TrainingClient",

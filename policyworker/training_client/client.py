@@ -31,7 +31,7 @@ from policyworker.training_client.types import (
     SaveWeightsResponse,
 )
 
-__all__ = ["TrainingClient"]
+__all__ = ["SamplingClient", "TrainingClient"]
 
 
 @attrs.define
@@ -173,6 +173,14 @@ class TrainingClient:
         self._pending = None
         return Done(None)
 
+    def save_weights_and_get_sampling_client(self, name: str) -> SamplingClient:
+        """`save_weights_for_sampler(name)`, then a `SamplingClient` over the sampler."""
+        if self.sampler is None:
+            msg = "a sampling client needs a sampler: TrainingClient(worker, sampler=HFSampler())"
+            raise ValueError(msg)
+        self.save_weights_for_sampler(name)
+        return SamplingClient(self.sampler)
+
     # ------------------------------------------------------------------------------ sampling
 
     def sample(
@@ -224,3 +232,18 @@ class TrainingClient:
             if numbers and key != "loss":
                 metrics[key] = sum(numbers) / len(numbers)
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics)
+
+
+class SamplingClient:
+    """Tinker's `SamplingClient.sample` over a sampler (the weights it was last given)."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+
+    def sample(
+        self,
+        prompt: ModelInput,
+        num_samples: int = 1,
+        sampling_params: SamplingParams | None = None,
+    ) -> Done[SampleResponse]:
+        return Done(self.sampler.sample(prompt, num_samples, sampling_params or SamplingParams()))

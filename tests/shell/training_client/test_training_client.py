@@ -89,6 +89,9 @@ def test_a_three_step_grpo_loop_runs_end_to_end(tiny_model_paths, tmp_path):
     assert any(not torch.equal(start[k], trained[k]) for k in start)
     served = lora_state_dict(sampler.model)
     assert all(torch.equal(served[k], trained[k]) for k in trained)
+    sampling = client.save_weights_and_get_sampling_client("final")
+    again = sampling.sample(prompts[0], 2, SamplingParams(max_tokens=3, seed=5)).result()
+    assert again == client.sample(prompts[0], 2, SamplingParams(max_tokens=3, seed=5)).result()
 
 
 def _sft_data(n: int, seed: int) -> list[Datum]:
