@@ -23,7 +23,7 @@ def _worker(path: str, tp_size: int, **lora: object):
 def adapters_equal_single_workers(rank: int, world_size: int, path: str) -> None:
     """On dp2 (FSDP2-sharded adapters) and tp2 (TP-sharded adapters): two adapters trained
     alternately on one worker equal two single-adapter workers, bit for bit (the same sharded
-    ops on the same values in the same order)."""
+    ops on the same values in the same order); an adapter-only refit sends the full adapter."""
     from policyworker.functional.loss import NLLLoss
     from policyworker.shell.model.lora import lora_state_dict
     from tests.shell.conftest import make_batch
@@ -43,5 +43,48 @@ def adapters_equal_single_workers(rank: int, world_size: int, path: str) -> None
             both.select_adapter(name)
             mine, theirs = lora_state_dict(both.model), lora_state_dict(single.model)
             assert all(torch.equal(mine[k], theirs[k]) for k in theirs), (tp_size, name)
+        _check_adapter_refit(both)
         for worker in (both, *alone.values()):
             worker.shutdown()
+
+
+def _check_adapter_refit(worker) -> None:
+    """Rank 0 receives an adapter-only refit of the sharded worker in a thread: the full
+    adapter tensors of the active adapter, under PEFT's names."""
+    import threading
+
+    import torch.distributed as dist
+
+    from policyworker.functional.lora import to_peft_key
+    from policyworker.shell.model.lora import lora_state_dict
+    from policyworker.shell.refit.receiver import HFWeightReceiver
+
+    info = worker.prepare_refit_info(adapter_only=True)
+    want = {to_peft_key(k): v for k, v in lora_state_dict(worker.model).items()}  # gathers
+    assert set(info) == set(want)
+    got: dict[str, torch.Tensor] = {}
+    errors: list[BaseException] = []
+    thread = receiver = None
+    if dist.get_rank() == 0:
+        receiver = HFWeightReceiver(
+            lambda pairs: got.update({n: t.clone() for n, t in pairs}),
+            address=worker.get_zmq_address(),
+            refit_info=info,
+            timeout_s=60.0,
+        )
+
+        def serve() -> None:
+            try:
+                receiver.receive()
+            except Exception as err:  # noqa: BLE001 - re-raised below
+                errors.append(err)
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+    report = worker.stream_weights_via_ipc_zmq(timeout_s=60.0, adapter_only=True)
+    assert (report is None) == (dist.get_rank() != 0), report
+    if thread is not None and receiver is not None:
+        thread.join(60)
+        receiver.close()
+        assert not errors, errors
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)

@@ -1,5 +1,6 @@
 """Several LoRA adapters on one base under gloo: dp2 (FSDP2) and tp2 equal single-adapter
-workers bit for bit. One spawn runs both layouts."""
+workers bit for bit, and an adapter-only refit gathers and sends the full adapter. One spawn
+runs both layouts."""
 
 import pytest
 import torch
