@@ -196,6 +196,10 @@ class TrainingClient:
             raise ValueError(msg)
         return Done(self.sampler.sample(prompt, num_samples, sampling_params or SamplingParams()))
 
+    def get_tokenizer(self) -> Any:
+        """The worker's tokenizer (None when its model folder has no tokenizer files)."""
+        return self.worker.tokenizer
+
     # ------------------------------------------------------------------------------ helpers
 
     def _select(self) -> None:

@@ -166,3 +166,6 @@ def test_bad_calls_are_refused_with_the_fix(tiny_model_paths):
         client.forward_backward(_sft_data(2, seed=0), "ppo")
     with pytest.raises(ValueError, match="needs a sampler"):
         client.sample(ModelInput.from_ints([3]))
+    with pytest.raises(ValueError, match="needs a sampler"):
+        client.save_weights_and_get_sampling_client("w")
+    assert client.get_tokenizer() is client.worker.tokenizer
