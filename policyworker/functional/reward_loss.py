@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from policyworker.functional.loss import LossInputType, LossType
-from policyworker.functional.loss_terms import masked_mean, require_tensor
+from policyworker.functional.loss_inputs import require_tensor
+from policyworker.functional.loss_terms import masked_mean
 
 __all__ = ["PreferenceLoss", "last_token_rewards", "preference_loss_terms"]
 

@@ -44,6 +44,7 @@ from policyworker.errors import ConfigError
 from policyworker.shell.logs import apply_env_verbosity, quiet_progress_bars, startup_summary
 from policyworker.shell.model import hf_model as model_lib
 from policyworker.shell.parallel.agreed_checks import agreed_checks
+from policyworker.shell.worker.checkpoint_engine_calls import CheckpointEngineCalls
 from policyworker.shell.worker.nemo_rl_surface import NeMoRLWorkerSurface, split_constructor_kwargs
 from policyworker.shell.worker.state import WorkerState
 
@@ -61,7 +62,7 @@ def _state_field(name: str, doc: str) -> property:
     )
 
 
-class PolicyWorker(NeMoRLWorkerSurface):
+class PolicyWorker(NeMoRLWorkerSurface, CheckpointEngineCalls):
     """Trains a Hugging Face model with a pluggable loss; logprobs, top-k, scores, offload,
     refit and checkpoints (NeMo-RL's policy-worker method names); NeMo-RL's base-worker methods
     via the mixin."""

@@ -101,7 +101,7 @@ class SharedFile:
         """Copy bytes ``[start, end)`` of the file into the same bytes of ``out`` (flat uint8,
         CPU); ``ProtocolError`` naming the buffer when the file ends before ``end``."""
         assert self.fd is not None
-        view = memoryview(out.numpy()).cast("B")[start:end]
+        view = out.numpy().data.cast("B")[start:end]
         done = 0
         while done < end - start:
             got = os.preadv(self.fd, [view[done:]], start + done)

@@ -1,0 +1,85 @@
+"""Checkpoint-engine refit on CUDA: the ipc backend through CUDA IPC handles on one GPU (policy
+worker here, rollout model in a child process on the same device), and the collective backend
+over NCCL, which needs two GPUs (NCCL refuses two ranks on one device)."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from policyworker.shell.worker.policy_worker import PolicyWorker
+from tests.shell.conftest import make_config
+from tests.shell.refit.test_checkpoint_engine import (
+    _children,
+    _close,
+    _connect,
+    _receive,
+    rpc,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def worker(tiny_model_paths):
+    w = PolicyWorker(make_config(tiny_model_paths["qwen2"]), init_reference_model=False)
+    assert w.device.type == "cuda"
+    return w
+
+
+def _check_refits(worker, child, tmp_path):
+    for version in (1, 2):
+        _receive([child], tmp_path)
+        rpc(worker, "send_weights_via_checkpoint_engine")
+        answer = child.reply()
+        assert answer["ok"] and answer["version"] == version, answer
+        assert answer["num_buckets"] > 1
+        got = load_file(tmp_path / "out0.safetensors")
+        for name, tensor in worker._checkpoint_engine_params():
+            assert torch.equal(got[name], tensor.cpu()), name
+        worker._add_noise_to_weights()
+    rpc(worker, "finalize_checkpoint_engine")
+
+
+def test_ipc_backend_over_cuda_ipc_into_a_rollout_process_on_the_same_gpu(
+    worker, tiny_model_paths, tmp_path
+):
+    children = _children(1, worker, tiny_model_paths["qwen2"], tmp_path, devices=["cuda:0"])
+    engine = {
+        "backend": "ipc",
+        "bucket_size_bytes": 1 << 16,
+        "engine_kwargs": {"device": "cuda:0", "timeout_s": 60.0},
+    }
+    try:
+        _connect(worker, children, engine)
+        assert worker.checkpoint_engine.device.type == "cuda"
+        _check_refits(worker, children[0], tmp_path)
+    finally:
+        rpc(worker, "finalize_checkpoint_engine")
+        _close(children)
+
+
+@pytest.mark.multigpu
+def test_collective_backend_over_nccl_into_a_rollout_process_on_another_gpu(
+    worker, tiny_model_paths, tmp_path
+):
+    children = _children(1, worker, tiny_model_paths["qwen2"], tmp_path, devices=["cuda:1"])
+    kwargs = {"host": "127.0.0.1", "timeout_s": 60.0}
+    policy = {
+        "backend": "collective",
+        "bucket_size_bytes": 1 << 16,
+        "engine_kwargs": {**kwargs, "device": "cuda:0"},
+    }
+    try:
+        # each side names its own device; the two only have to agree on its type
+        rpc(worker, "init_checkpoint_engine", **policy)
+        children[0].send(
+            op="rpc",
+            method="init_checkpoint_engine",
+            args=["collective", 1 << 16, {**kwargs, "device": "cuda:1"}],
+        )
+        assert children[0].reply()["ok"]
+        _connect(worker, children, policy)
+        _check_refits(worker, children[0], tmp_path)
+    finally:
+        rpc(worker, "finalize_checkpoint_engine")
+        _close(children)
