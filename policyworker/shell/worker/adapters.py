@@ -63,7 +63,15 @@ def build_bank(state: Any) -> AdapterBank | None:
         return None
     first = _park(state, keep_optimizer_state=True)
     fresh = attrs.evolve(first, optimizer_state=[None] * len(first.optimizer_state))
-    parked = {n: attrs.evolve(fresh, weights=[w.clone() for w in fresh.weights]) for n in names[1:]}
+    parked = {  # nothing shared between adapters: each gets its own copies
+        n: attrs.evolve(
+            fresh,
+            weights=[w.clone() for w in fresh.weights],
+            scheduler_state=copy.deepcopy(fresh.scheduler_state),
+            lrs=list(fresh.lrs),
+        )
+        for n in names[1:]
+    }
     return AdapterBank(names=names, active=names[0], parked=parked)
 
 
