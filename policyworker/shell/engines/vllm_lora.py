@@ -27,18 +27,29 @@ class VllmAdapterVersions:
     """Trainer side: `worker`'s adapter as versioned LoRA requests of `llm` (a ``vllm.LLM``
     built with ``enable_lora=True``); folders go under `root`."""
 
-    def __init__(self, llm: Any, worker: Any, *, root: str | pathlib.Path, keep: int = 2) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        worker: Any = None,
+        *,
+        root: str | pathlib.Path | None = None,
+        keep: int = 2,
+    ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             msg = f"keep={keep!r} must be an int >= 1 (how many recent versions stay loaded)"
             raise ValueError(msg)
-        if not worker.lora_module_names:
-            msg = "VllmAdapterVersions needs a LoRA worker (policy.dtensor_cfg.lora_cfg set)"
+        if worker is not None and (root is None or not worker.lora_module_names):
+            msg = (
+                "VllmAdapterVersions(llm, worker, root=...) needs a LoRA worker "
+                "(policy.dtensor_cfg.lora_cfg set) and a root folder for its versions"
+            )
             raise ValueError(msg)
         require_vllm()
         self.llm, self.worker, self.keep = llm, worker, keep
-        self.root = pathlib.Path(root)
+        self.root = pathlib.Path(root) if root is not None else None
         self.version = 0
         self._loaded: dict[int, Any] = {}  # version -> its LoRARequest
+        self._owned: dict[int, pathlib.Path] = {}  # folders publish() wrote, removed on eviction
         self._holds: collections.Counter[int] = collections.Counter()
 
     def publish(self) -> Any:
@@ -47,10 +58,10 @@ class VllmAdapterVersions:
         Raises:
             RefitError: the engine did not load it (it keeps serving the previous version).
         """
-        from vllm.lora.request import LoRARequest
-
-        version = self.version + 1
-        folder = self.root / f"v{version}"
+        if self.worker is None or self.root is None:
+            msg = "publish() needs the worker and root given to VllmAdapterVersions"
+            raise ValueError(msg)
+        folder = self.root / f"v{self.version + 1}"
         cfg = self.worker.cfg
         save_peft_adapter(
             self.worker.model,
@@ -59,11 +70,27 @@ class VllmAdapterVersions:
             base_model_name_or_path=cfg.model_name,
             write=self.worker.parallel.rank == 0,
         )
+        try:
+            request = self.register(folder)
+        except RefitError:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self._owned[request.lora_int_id] = folder
+        return request
+
+    def register(self, folder: str | pathlib.Path) -> Any:
+        """Register the PEFT adapter `folder` (written by anyone) as version `version + 1`.
+
+        Raises:
+            RefitError: the engine did not load it (it keeps serving the previous version).
+        """
+        from vllm.lora.request import LoRARequest
+
+        version = self.version + 1
         request = LoRARequest(f"policy-v{version}", version, str(folder))
         try:
             self.llm.llm_engine.add_lora(request)
         except Exception as exc:
-            shutil.rmtree(folder, ignore_errors=True)
             msg = (
                 f"vLLM did not load adapter version {version} ({type(exc).__name__}: {exc}); it "
                 f"keeps serving version {self.version}"
@@ -102,5 +129,7 @@ class VllmAdapterVersions:
             if version > self.version - self.keep or self._holds[version] > 0:
                 continue
             self.llm.llm_engine.remove_lora(version)
-            shutil.rmtree(self.root / f"v{version}", ignore_errors=True)
+            folder = self._owned.pop(version, None)
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
             del self._loaded[version]
