@@ -184,8 +184,8 @@ class BatchedDataDict(dict[str, Any]):
             lacking = [i for i, batch in enumerate(batches) if key not in batch and rows[i]]
             if lacking:
                 raise DataError(
-                    f"key {key!r} is missing from batches {lacking}, which have rows "
-                    f"({[rows[i] for i in lacking]}); every batch with rows needs every key "
+                    f"key {key!r} is missing from non-empty batches {lacking} (rows: "
+                    f"{[rows[i] for i in lacking]}); every batch with rows needs every key "
                     "(only empty batches may lack keys)"
                 )
         pads = dict(pad_value_dict or {})

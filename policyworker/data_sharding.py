@@ -54,7 +54,7 @@ def check_shard_arguments(
     packing_args: Mapping[str, Any] | None,
 ) -> tuple[int, int]:
     if dynamic_args is not None and packing_args is not None:
-        raise ValueError(
+        raise DataError(
             "dynamic_batching_args and sequence_packing_args cannot be passed together; pick one"
         )
     if shards < 1:

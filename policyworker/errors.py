@@ -15,15 +15,23 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, AssertionError):
     """A config mapping did not describe a valid config.
 
-    One line per problem, each with its path.
+    One line per problem, each with its path. Also an `AssertionError`, what NeMo-RL raises for
+    a bad config, so code catching NeMo-RL's failure catches this one.
     """
 
 
-class DataError(ValueError):
-    """A BatchedDataDict is missing a key or has shapes/dtypes the worker cannot use."""
+class DataError(ValueError, KeyError, AssertionError):
+    """A BatchedDataDict is missing a key or has shapes/dtypes the worker cannot use.
+
+    Also a `KeyError` and an `AssertionError`, what NeMo-RL raises for a missing key and a bad
+    shape, so code catching NeMo-RL's failures catches this one; the message reads as written.
+    """
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
 
 
 class UnsupportedModelError(ValueError):

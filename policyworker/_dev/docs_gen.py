@@ -33,14 +33,15 @@ _HEADER = """\
 `policyworker.config.load_config`, which accepts NeMo-RL's `policy:` section unchanged. YAML keys
 are the attribute names below. A bad mapping raises `ConfigError` listing every problem, each
 ending `@ policy.<dotted.path>`. Keys NeMo-RL defines that this worker does not read (last table,
-"accepted, not used") are dropped and listed once at INFO on the `policyworker` logger; any other
-unknown key is an error with a did-you-mean (PEFT's LoRA spellings `r`, `lora_alpha`,
-`lora_dropout` and `target_modules: all-linear` name ours); `load_config(mapping, strict=False)`
-drops unknown keys instead, naming each in one `ConfigWarning`. Config files
+"accepted, not used") are dropped and listed once at INFO on the `policyworker` logger. Any other
+unknown key close to a known one is an error with its did-you-mean (PEFT's LoRA spellings `r`,
+`lora_alpha`, `lora_dropout` and `target_modules: all-linear` name ours); the rest are accepted,
+not read, and named once in a `ConfigWarning`; `load_config(mapping, strict=True)` refuses every
+unknown key. A disabled section keeps its values in `disabled_sections`. Config files
 (`policyworker.config.files.load_config_file`) are read as NeMo-RL reads them: `defaults:`
 chains, absolute and relative interpolation (`${policy.model_name}`, `${.temperature}`,
-`${..max_total_sequence_length}`), overrides in Hydra's grammar (`key=v` sets, `+key=v` adds a
-new key, `++key=v` sets or adds, `~key` deletes).
+`${..max_total_sequence_length}`), overrides in Hydra's grammar (`key=v` sets an existing key,
+`+key=v` adds a new key, `++key=v` sets or adds, `~key` deletes).
 
 Optional sections (marked *section*) are disabled when absent, `null`, or written
 `{enabled: false, ...}` (NeMo-RL's form); given without `enabled`, or with `enabled: true`,

@@ -3,15 +3,18 @@
 `load_config(mapping)` is the one way in. It accepts NeMo-RL's `policy:` section unchanged:
 the keys this worker reads are structured into the attrs classes (YAML keys are the attribute
 names), the NeMo-RL keys it does not read (`IGNORED_NEMO_RL_KEYS`) are dropped and named in
-one INFO record, and anything else is an error. A bad mapping raises `ConfigError` listing every
-problem, one per line, each ending `@ policy.<dotted.path>`.
+one INFO record; any other key close to a known one is an error with its did-you-mean, and the
+rest are accepted, not read, with one `ConfigWarning` (`strict=True` refuses every unknown key).
+A bad mapping raises `ConfigError` listing every problem, one per line, each ending
+`@ policy.<dotted.path>`.
 
 Optional sections (`sequence_packing`, `dynamic_batching`, `dtensor_cfg.lora_cfg`,
 `reward_model_cfg`, `router_replay`, `draft`) follow one rule: absent or `null` means disabled,
 and so does NeMo-RL's `{enabled: false, ...}` form; both structure to `None`. A section given
 without `enabled`, or with `enabled: true`, is enabled and structures to its class (which has no
 `enabled` attribute). The keys of a disabled section are still checked by name (a typo is an
-error) but their values are not read. `PolicyConfig` has `*_enabled` properties for consumers.
+error) but their values are not read; `PolicyConfig.disabled_sections` keeps them as given.
+`PolicyConfig` has `*_enabled` properties for consumers.
 
 The package, by responsibility: `values` (the Literal choices and precision aliases), `rules`
 (single-field rules and their errors), `sections` and `policy` (the attrs classes), `nemo_rl_keys`
@@ -28,6 +31,7 @@ from policyworker.config.policy import PolicyConfig, validate_for_world
 from policyworker.config.rules import ConfigWarning
 from policyworker.config.sections import (
     ColocatedConfig,
+    DataPlaneConfig,
     DraftConfig,
     DTensorConfig,
     DynamicBatchingConfig,
@@ -61,6 +65,7 @@ __all__ = [
     "ColocatedConfig",
     "ConfigWarning",
     "DTensorConfig",
+    "DataPlaneConfig",
     "DraftConfig",
     "DropoutPosition",
     "FusionMode",

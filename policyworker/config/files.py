@@ -153,7 +153,7 @@ def read_config_section(
 
 
 def load_config_file(
-    path: str | pathlib.Path, *, overrides: Iterable[str] = (), strict: bool = True
+    path: str | pathlib.Path, *, overrides: Iterable[str] = (), strict: bool = False
 ) -> PolicyConfig:
     """Read a YAML/JSON config file the way NeMo-RL does and `load_config` its policy.
 

@@ -22,6 +22,8 @@ IGNORED_NEMO_RL_KEYS: Final[Mapping[str, str]] = MappingProxyType(
         "activation_checkpointing_enabled": "legacy spelling; dtensor_cfg.activation_checkpointing "
         "is the key read",
         "is_vlm": "vision-language models are not supported by this worker",
+        "learning_rate": "NeMo-RL's worker test configs carry it; optimizer.kwargs.lr is read",
+        "checkpointing": "checkpoint cadence and paths belong to the controller",
         "quant_cfg": _QUANT,
         "quant_calib_data": _QUANT,
         "quant_calib_size": _QUANT,
@@ -35,6 +37,7 @@ IGNORED_NEMO_RL_KEYS: Final[Mapping[str, str]] = MappingProxyType(
         "dtensor_cfg._v2": "selects this worker in NeMo-RL",
         "dtensor_cfg.expert_parallel_size": "expert parallelism is not implemented here",
         "dtensor_cfg.dp_replicate_size": "HSDP replication is not implemented here",
+        "dtensor_cfg.lora": "NeMo-RL's worker test configs carry it; lora_cfg is the key read",
         "dtensor_cfg.custom_parallel_plan": "Automodel TP plan override",
         "dtensor_cfg.defer_fsdp_grad_sync": "only affects Automodel's pipelined training",
         "dtensor_cfg.moe_parallelizer": "Automodel MoE parallelizer options",

@@ -1,8 +1,9 @@
 # pyright: basic
 """Command-line overrides on plain mappings, in Hydra's grammar (as NeMo-RL parses them):
 
-    dotted.key=value     set the key (missing parents and the key itself are created)
-    +dotted.key=value    add a key that does not exist yet (an error if it does)
+    dotted.key=value     set a key that exists (an error if it does not, with a did-you-mean)
+    +dotted.key=value    add a key that does not exist yet (an error if it does; missing
+                         parents are created)
     ++dotted.key=value   set the key whether or not it exists
     ~dotted.key          delete the key (an error if it does not exist)
     ~dotted.key=value    delete the key only if it holds that value
@@ -11,6 +12,7 @@ The value is read as a YAML scalar (or flow list/mapping); a leading `policy.` i
 override raises `OverrideError` naming the override, the rule it broke and the fix.
 """
 
+import difflib
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -92,6 +94,10 @@ def _apply(node: Mapping[str, Any], override: Override, depth: int, text: str) -
     """`node` (the mapping at `override.path[:depth]`) with the override applied below it."""
     copy = dict(node)
     head = override.path[depth]
+    if override.op == "set" and (
+        head not in copy or copy[head] is None and depth + 1 < len(override.path)
+    ):
+        raise _missing_key(override, depth, list(copy), text)
     if depth + 1 < len(override.path):
         child = copy.get(head)
         if child is None and override.op != "delete":
@@ -109,6 +115,22 @@ def _apply(node: Mapping[str, Any], override: Override, depth: int, text: str) -
         copy[head] = _apply(child, override, depth + 1, text)
         return copy
     return _apply_leaf(copy, override, text)
+
+
+def _missing_key(override: Override, depth: int, known: list[str], text: str) -> OverrideError:
+    dotted = ".".join(override.path)
+    missing = ".".join(override.path[: depth + 1])
+    head = override.path[depth]
+    if head in known:  # present but null: nothing below it to set
+        what = f"{missing!r} is null"
+    else:
+        close = difflib.get_close_matches(head, known, n=1, cutoff=0.6)
+        hint = f" (did you mean {'.'.join((*override.path[:depth], close[0]))!r}?)" if close else ""
+        what = f"the config has no key {missing!r}{hint}"
+    return OverrideError(
+        f"override {text!r}: could not override {dotted!r}: {what}; a plain key=value only "
+        f"sets an existing key, as in Hydra; to add it write '+{dotted}=...'"
+    )
 
 
 def _nothing_to_delete(override: Override, text: str) -> OverrideError:

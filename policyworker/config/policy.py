@@ -3,9 +3,9 @@ the data-parallel size (`validate_for_world`), and `structure_policy`, the one p
 becomes a `PolicyConfig`: `load_config` and the typed constructor both go through it, so both
 refuse the same values with the same `ConfigError`."""
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, cast
 
 import attrs
 from attrs import field, frozen
@@ -21,6 +21,7 @@ from policyworker.config.rules import (
     raise_if_problems,
 )
 from policyworker.config.sections import (
+    DataPlaneConfig,
     DraftConfig,
     DTensorConfig,
     DynamicBatchingConfig,
@@ -50,7 +51,9 @@ class PolicyConfig:
 
     Optional sections: absent, `null` and `{enabled: false, ...}` all mean disabled (None); see
     the `policyworker.config` docstring. Use the `*_enabled` properties rather than testing
-    sections.
+    sections. `disabled_sections` keeps what a `{enabled: false, ...}` section was given, by
+    dotted path (`{"dtensor_cfg.lora_cfg": {"dim": 16}}`), as NeMo-RL keeps it; `config_to_dict`
+    writes it back in place; it takes no part in equality (a disabled section is not read).
     The microbatch-size rules apply to fixed microbatching only: under sequence packing or
     dynamic batching `train_micro_batch_size` is not used.
     """
@@ -78,6 +81,8 @@ class PolicyConfig:
     reward_model_cfg: RewardModelConfig | None = None
     router_replay: RouterReplayConfig | None = None
     draft: DraftConfig | None = None
+    data_plane: DataPlaneConfig | None = None
+    disabled_sections: dict[str, Any] = field(factory=empty_kwargs, eq=False)
 
     def __attrs_pre_init__(self, **arguments: Any) -> None:
         # `PolicyConfig(...)` checks its arguments as `load_config` checks a mapping (types,
@@ -119,6 +124,10 @@ class PolicyConfig:
     @property
     def draft_enabled(self) -> bool:
         return self.draft is not None
+
+    @property
+    def data_plane_enabled(self) -> bool:
+        return self.data_plane is not None
 
     @property
     def fixed_microbatching(self) -> bool:
@@ -212,18 +221,71 @@ def validate_for_world(cfg: PolicyConfig, *, dp_size: int) -> None:
         )
 
 
-def structure_policy(mapping: Mapping[str, Any]) -> PolicyConfig:
+# The optional sections, by dotted path below `policy`.
+SECTION_PATHS: tuple[str, ...] = (
+    "sequence_packing",
+    "dynamic_batching",
+    "dtensor_cfg.lora_cfg",
+    "reward_model_cfg",
+    "router_replay",
+    "draft",
+)
+
+
+def with_disabled_sections(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`mapping` with the values of its `{enabled: false, ...}` sections copied into
+    `disabled_sections` (by dotted path), so they read back as given."""
+    found: dict[str, Any] = {}
+    for path in SECTION_PATHS:
+        node: Any = mapping
+        for part in path.split("."):
+            node = cast(Mapping[str, Any], node).get(part) if isinstance(node, Mapping) else None
+        if isinstance(node, Mapping):
+            body = cast(Mapping[str, Any], node)
+            if body.get("enabled", True) is False:
+                found[path] = {k: v for k, v in body.items() if k != "enabled"}
+    if not found:
+        return mapping
+    given: Any = mapping.get("disabled_sections")
+    merged: dict[str, Any] = (
+        {**cast(Mapping[str, Any], given), **found} if isinstance(given, Mapping) else found
+    )
+    return {**mapping, "disabled_sections": merged}
+
+
+def place_disabled_sections(tree: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `with_disabled_sections` on an unstructured config: each kept disabled
+    section goes back to its path as `{enabled: false, ...}` (unless that section is enabled)."""
+    kept: dict[str, dict[str, Any]] = tree.pop("disabled_sections", None) or {}
+    for path, values in kept.items():
+        *parents, leaf = path.split(".")
+        node: dict[str, Any] = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        if node.get(leaf) is None:
+            node[leaf] = {"enabled": False, **values}
+    return tree
+
+
+def structure_policy(mapping: Mapping[str, Any], *, problems: Sequence[str] = ()) -> PolicyConfig:
     """Structure a policy mapping (NeMo-RL keys already split off) into a PolicyConfig.
+
+    `problems` are lines found before structuring (`... @ policy.<path>`); they are reported
+    with the structuring's own, all in one error.
 
     Raises:
         ConfigError: listing every problem, one per line, each ending `@ policy.<path>`.
     """
     token = _STRUCTURING.set(True)
+    lines = list(problems)
+    cfg: PolicyConfig | None = None
     try:
-        return converter.structure(mapping, PolicyConfig)
+        cfg = converter.structure(with_disabled_sections(mapping), PolicyConfig)
     except (ClassValidationError, IterableValidationError, ValueError) as exc:
-        lines = error_lines(exc, "policy", None)
-        msg = f"invalid policy config ({len(lines)} problem{'s' * (len(lines) != 1)}):\n  "
-        raise ConfigError(msg + "\n  ".join(lines)) from None
+        lines += error_lines(exc, "policy", None)
     finally:
         _STRUCTURING.reset(token)
+    if lines or cfg is None:
+        msg = f"invalid policy config ({len(lines)} problem{'s' * (len(lines) != 1)}):\n  "
+        raise ConfigError(msg + "\n  ".join(lines)) from None
+    return cfg

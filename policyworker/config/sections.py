@@ -21,7 +21,10 @@ from policyworker.config.rules import (
 )
 from policyworker.config.values import (
     AttnImplementation,
+    DataPlaneBackend,
+    DataPlaneImpl,
     DropoutPosition,
+    FetchPolicy,
     FusionMode,
     LoraAInit,
     LoraComputeDtype,
@@ -34,6 +37,8 @@ from policyworker.config.values import (
 __all__ = [
     "SECTIONS",
     "ColocatedConfig",
+    "DataPlaneConfig",
+    "DataPlaneObservabilityConfig",
     "DTensorConfig",
     "DraftConfig",
     "DynamicBatchingConfig",
@@ -317,6 +322,39 @@ class DraftConfig:
     )
 
 
+@frozen(kw_only=True)
+class DataPlaneObservabilityConfig:
+    """`policy.data_plane.observability`: per-operation records of the data-plane client."""
+
+    enabled: bool = False
+
+
+@frozen(kw_only=True)
+class DataPlaneConfig:
+    """`policy.data_plane` (present = enabled): presharded calls fetch their rows by key.
+
+    NeMo-RL's keys: `impl` picks the adapter (`transfer_queue`, the TransferQueue package on a
+    Ray cluster; `in_process`, a dictionary in this process, for tests without Ray); `backend`,
+    `storage_capacity` and `num_storage_units` size TransferQueue's storage (`simple` is its
+    SimpleStorage); `global_segment_size` / `local_buffer_size` are read by `mooncake_cpu` only;
+    `claim_meta_poll_interval_s` and `ack_timeout_ms` bound the waits. `fetch_policy` says who
+    fetches inside a replica group (the tp x cp ranks of one dp rank): `independent` every rank,
+    `leader_broadcast` the group's first rank, which broadcasts the tensors, `auto` the leader
+    when the group has more than one rank."""
+
+    impl: DataPlaneImpl = "transfer_queue"
+    backend: DataPlaneBackend = "simple"
+    storage_capacity: int | None = field(default=None, validator=at_least(1))
+    num_storage_units: int = field(default=1, validator=at_least(1))
+    claim_meta_poll_interval_s: float = field(default=0.05, validator=POSITIVE)
+    global_segment_size: int = field(default=4 << 30, validator=at_least(1))
+    local_buffer_size: int = field(default=1 << 30, validator=at_least(1))
+    controller_address: str | None = field(default=None, validator=NON_EMPTY)
+    ack_timeout_ms: int = field(default=60_000, validator=at_least(1))
+    fetch_policy: FetchPolicy = "auto"
+    observability: DataPlaneObservabilityConfig = DataPlaneObservabilityConfig()
+
+
 SECTIONS: Final[tuple[type[Any], ...]] = (
     LoRAConfig,
     SequencePackingConfig,
@@ -324,4 +362,5 @@ SECTIONS: Final[tuple[type[Any], ...]] = (
     RewardModelConfig,
     RouterReplayConfig,
     DraftConfig,
+    DataPlaneConfig,
 )

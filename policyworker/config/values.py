@@ -31,6 +31,9 @@ MicrobatchOrder = Literal["packer", "largest_first"]
 RewardModelType = Literal["bradley_terry", "regression"]
 DropoutPosition = Literal["pre", "post"]
 LoraAInit = Literal["xavier", "uniform"]
+DataPlaneImpl = Literal["transfer_queue", "in_process"]
+DataPlaneBackend = Literal["simple", "mooncake_cpu"]
+FetchPolicy = Literal["auto", "independent", "leader_broadcast"]
 # dtype of the LoRA adapter matmuls (the adapter parameters stay fp32); shell/model/lora.py resolves
 # "auto": bfloat16 on CUDA when the base layers compute in bfloat16, else float32
 LoraComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]

@@ -9,6 +9,7 @@ K-point distributions. Shape legend: ``B`` rows, ``S`` positions, ``T = S - 1``,
 """
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Literal, cast
 
 import attrs
@@ -20,7 +21,7 @@ from policyworker.errors import ConfigError
 from policyworker.functional.logprobs import default_chunk_size
 from policyworker.functional.loss_inputs import masks_from_data, require_tensor
 from policyworker.functional.loss_options import config_mapping, read_config_mapping
-from policyworker.functional.loss_protocol import LossInputType, LossType
+from policyworker.functional.loss_protocol import LossInputType, LossType, MetricNormalizer
 from policyworker.functional.loss_terms import masked_mean, sanitize
 
 __all__ = [
@@ -113,7 +114,7 @@ def distillation_topk_logprobs(
     """
     k = teacher_topk_indices_BSK.shape[-1]
     if k < 1:
-        msg = f"teacher_topk_indices has k = {k}; distillation needs k >= 1 (topk_logits_k)"
+        msg = f"topk must be positive: teacher_topk_indices has k = {k}; set topk_logits_k >= 1"
         raise ValueError(msg)
     if teacher_topk_indices_BSK.shape != teacher_topk_logits_BSK.shape or tuple(
         teacher_topk_indices_BSK.shape[:2]
@@ -199,6 +200,12 @@ class DistillationLossFn:
 
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.DISTILLATION
+    metric_normalizations: Mapping[str, MetricNormalizer] = MappingProxyType(
+        {
+            "loss": MetricNormalizer.TOKENS,
+            "num_valid_samples": MetricNormalizer.NONE,
+        }
+    )
 
     def __init__(self, cfg: Any = None) -> None:
         self.cfg = DistillationConfig.from_mapping(cfg)

@@ -5,6 +5,7 @@ functions are pure.
 """
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -12,7 +13,12 @@ from torch import Tensor
 
 from policyworker.functional.loss_inputs import logprobs_input, masks_from_data, next_token_slice
 from policyworker.functional.loss_options import DPOConfig
-from policyworker.functional.loss_protocol import LossInputType, LossType, Metrics
+from policyworker.functional.loss_protocol import (
+    LossInputType,
+    LossType,
+    MetricNormalizer,
+    Metrics,
+)
 from policyworker.functional.loss_terms import masked_mean, sanitize
 
 __all__ = ["DPOLossFn"]
@@ -41,6 +47,18 @@ class DPOLossFn:
     input_type = LossInputType.LOGPROB
 
     required_keys = ("token_mask", "sample_mask", "reference_policy_logprobs")
+    # every mean is over the global batch's pairs (global_valid_seqs / 2)
+    metric_normalizations: Mapping[str, MetricNormalizer] = MappingProxyType(
+        {
+            "loss": MetricNormalizer.SEQUENCES,
+            "sft_loss": MetricNormalizer.SEQUENCES,
+            "preference_loss": MetricNormalizer.SEQUENCES,
+            "accuracy": MetricNormalizer.SEQUENCES,
+            "rewards_chosen_mean": MetricNormalizer.SEQUENCES,
+            "rewards_rejected_mean": MetricNormalizer.SEQUENCES,
+            "num_valid_samples": MetricNormalizer.NONE,
+        }
+    )
 
     def __init__(self, cfg: Any = None) -> None:
         self.cfg = DPOConfig.from_mapping(cfg)

@@ -17,6 +17,7 @@ batch's microbatch losses (or metrics) gives the global-batch mean (docs/custom-
 """
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from torch import Tensor
@@ -24,7 +25,13 @@ from torch import Tensor
 from policyworker.functional.dpo_loss import DPOLossFn
 from policyworker.functional.loss_inputs import logprobs_input, masks_from_data
 from policyworker.functional.loss_options import ClippedPGConfig, DPOConfig
-from policyworker.functional.loss_protocol import LossFunction, LossInputType, LossType, Metrics
+from policyworker.functional.loss_protocol import (
+    LossFunction,
+    LossInputType,
+    LossType,
+    MetricNormalizer,
+    Metrics,
+)
 from policyworker.functional.loss_terms import kl_estimate, masked_mean, sanitize
 from policyworker.functional.pg_loss import ClippedPGLossFn
 
@@ -38,6 +45,7 @@ __all__ = [
     "LossFunction",
     "LossInputType",
     "LossType",
+    "MetricNormalizer",
     "NLLLoss",
     "NLLLossFn",
     "calculate_kl",
@@ -51,6 +59,13 @@ class NLLLoss:
     loss_type = LossType.TOKEN_LEVEL
     input_type = LossInputType.LOGPROB
     required_keys = ("token_mask", "sample_mask")  # the batch keys this loss reads
+    metric_normalizations: Mapping[str, MetricNormalizer] = MappingProxyType(
+        {
+            "loss": MetricNormalizer.TOKENS,
+            "num_unmasked_tokens": MetricNormalizer.NONE,
+            "num_valid_samples": MetricNormalizer.NONE,
+        }
+    )
 
     def __call__(
         self,

@@ -203,8 +203,8 @@ class ClippedPGConfig:
         _check(
             p,
             lo is None or hi is None or lo <= hi,
-            f"truncated_importance_sampling_ratio_min ({lo}) must be <= "
-            f"truncated_importance_sampling_ratio ({hi}) {at}ratio_min",
+            f"truncated_importance_sampling_ratio_min must be <= "
+            f"truncated_importance_sampling_ratio (got {lo} > {hi}) {at}ratio_min",
         )
         _check(
             p,

@@ -8,7 +8,15 @@ from typing import Any, Protocol, cast, runtime_checkable
 
 from torch import Tensor
 
-__all__ = ["LossFunction", "LossInputType", "LossType", "Metrics", "check_loss_output"]
+__all__ = [
+    "LossFunction",
+    "LossInputType",
+    "LossType",
+    "MetricNormalizer",
+    "Metrics",
+    "check_loss_output",
+    "metric_normalizations_of",
+]
 
 Metrics = dict[str, float]
 
@@ -18,6 +26,50 @@ class LossType(enum.StrEnum):
 
     TOKEN_LEVEL = "token_level"
     SEQUENCE_LEVEL = "sequence_level"
+
+
+class MetricNormalizer(enum.StrEnum):
+    """The global count a loss divided a metric by: ``TOKENS`` (``global_valid_toks``),
+    ``SEQUENCES`` (``global_valid_seqs``) or ``NONE`` (a raw count, a local mean, an extreme).
+
+    A loss advertises it per metric in a ``metric_normalizations`` mapping (NeMo-RL's
+    attribute); the worker reduces a ``TOKENS``/``SEQUENCES`` metric as a share of the global
+    batch (summed over microbatches, whatever its name), a ``NONE`` one by its name (extremes by
+    min/max, the rest summed), and a metric not advertised by its name as before.
+    """
+
+    TOKENS = "tokens"
+    SEQUENCES = "sequences"
+    NONE = "none"
+
+
+def metric_normalizations_of(loss_fn: Any) -> dict[str, MetricNormalizer]:
+    """The loss's advertised ``metric_normalizations`` ({} without the attribute).
+
+    Raises:
+        ValueError: the attribute is not a mapping of metric names to normalizer names.
+    """
+    advertised = getattr(loss_fn, "metric_normalizations", None)
+    if advertised is None:
+        return {}
+    owner = type(loss_fn).__name__
+    if not isinstance(advertised, Mapping):
+        msg = (
+            f"{owner}.metric_normalizations is {_describe(advertised)}; expected a mapping "
+            "from metric name to MetricNormalizer (tokens, sequences or none)"
+        )
+        raise ValueError(msg)
+    result: dict[str, MetricNormalizer] = {}
+    for key, value in cast("Mapping[Any, Any]", advertised).items():
+        name = getattr(value, "value", value)
+        if name not in MetricNormalizer.__members__.values():
+            msg = (
+                f"{owner}.metric_normalizations[{key!r}] is {value!r}; expected one of "
+                f"{[m.value for m in MetricNormalizer]} (MetricNormalizer)"
+            )
+            raise ValueError(msg)
+        result[str(key)] = MetricNormalizer(name)
+    return result
 
 
 class LossInputType(enum.StrEnum):
@@ -50,6 +102,7 @@ class LossFunction(Protocol):
 
     loss_type: LossType
     input_type: LossInputType
+    # Optional: ``metric_normalizations: Mapping[str, MetricNormalizer]`` (see MetricNormalizer).
 
     def __call__(
         self,

@@ -14,6 +14,7 @@ from typing import Any, Literal, SupportsFloat, cast
 
 __all__ = [
     "MEAN_KEYS",
+    "advertised_reductions",
     "aggregate_microbatch_metrics",
     "combine_packed_sequence_metrics",
     "flatten_train_metrics",
@@ -27,8 +28,15 @@ NO_FINITE_EXTREME = -1.0  # what an extreme aggregates to when no microbatch had
 Reduction = Literal["min", "max", "mean", "sum"]
 
 
-def metric_reduction(key: str) -> Reduction:
-    """How ``key`` combines across microbatches: min / max (extremes), mean, or sum."""
+def metric_reduction(key: str, normalizer: str | None = None) -> Reduction:
+    """How ``key`` combines across microbatches: min / max (extremes), mean, or sum.
+
+    ``normalizer`` is what the loss advertised for it (``MetricNormalizer``'s value): a metric
+    divided by a global count (``tokens``/``sequences``) is a share of the global batch and
+    sums, whatever its name; otherwise (``none``, or not advertised) the name decides.
+    """
+    if normalizer in ("tokens", "sequences"):
+        return "sum"
     if "_min" in key:
         return "min"
     if "_max" in key:
@@ -36,13 +44,28 @@ def metric_reduction(key: str) -> Reduction:
     return "mean" if key in MEAN_KEYS else "sum"
 
 
+def advertised_reductions(normalizations: Mapping[str, str]) -> dict[str, Reduction]:
+    """``{metric: reduction}`` for the metrics a loss advertised (see ``metric_reduction``)."""
+    return {key: metric_reduction(key, str(norm)) for key, norm in normalizations.items()}
+
+
+def _reduction(key: str, reductions: Mapping[str, Reduction] | None) -> Reduction:
+    if reductions is not None and key in reductions:
+        return reductions[key]
+    return metric_reduction(key)
+
+
 def scale_microbatch_metrics(
-    metrics: Mapping[str, SupportsFloat], num_global_batches: int
+    metrics: Mapping[str, SupportsFloat],
+    num_global_batches: int,
+    *,
+    reductions: Mapping[str, Reduction] | None = None,
 ) -> dict[str, float]:
     """Divide every metric but the extremes by ``num_global_batches`` (returns a new dict).
 
     Summing the scaled metrics of every microbatch of every global batch then gives the average
-    over global batches.
+    over global batches. ``reductions`` (``advertised_reductions`` of the loss) overrides the
+    name rule per metric.
 
     Raises:
         ValueError: if ``num_global_batches`` is not a positive int.
@@ -58,7 +81,7 @@ def scale_microbatch_metrics(
         raise ValueError(msg)
     return {
         key: float(value)
-        if metric_reduction(key) in ("min", "max")
+        if _reduction(key, reductions) in ("min", "max")
         else float(value) / num_global_batches
         for key, value in metrics.items()
     }
@@ -70,18 +93,21 @@ def _finite(values: Iterable[SupportsFloat]) -> list[float]:
 
 def aggregate_microbatch_metrics(
     all_mb_metrics: Mapping[str, Sequence[SupportsFloat]],
+    *,
+    reductions: Mapping[str, Reduction] | None = None,
 ) -> dict[str, float]:
     """Reduce ``{key: [per-microbatch values]}`` to one number per key (NeMo-RL's rules).
 
     Extremes: min / max over finite values, ``-1.0`` when none is finite; ``lr``, ``wd``,
     ``global_valid_seqs``, ``global_valid_toks``: mean; everything else: sum. A key with an
-    empty list is left out of the result (there is nothing to report).
+    empty list is left out of the result (there is nothing to report). ``reductions``
+    (``advertised_reductions`` of the loss) overrides the name rule per metric.
     """
     result: dict[str, float] = {}
     for key, values in all_mb_metrics.items():
         if len(values) == 0:
             continue
-        reduction = metric_reduction(key)
+        reduction = _reduction(key, reductions)
         if reduction in ("min", "max"):
             finite = _finite(values)
             pick = min if reduction == "min" else max
@@ -118,7 +144,7 @@ def combine_packed_sequence_metrics(
 
 
 # train() result keys that describe the call rather than measure it: no logger wants them.
-_NOT_METRICS = frozenset({"rank", "model_dtype", "all_mb_metrics"})
+_NOT_METRICS = frozenset({"rank", "model_dtype", "all_mb_metrics", "metric_reductions"})
 
 
 def _as_float(value: Any) -> float | None:
@@ -145,9 +171,10 @@ def flatten_train_metrics(result: Mapping[str, Any], *, prefix: str = "") -> dic
     """``PolicyWorker.train()``'s result as ``{name: float}``, ready for wandb / TensorBoard.
 
     ``all_mb_metrics`` is reduced as ``aggregate_microbatch_metrics`` does (one number per
-    metric, at the top level); ``global_loss`` (one loss per global batch) becomes its mean;
-    ``grad_norm`` and ``skipped_steps`` become floats; ``rank`` and ``model_dtype`` and any value
-    that is not a number (``None``, a dtype, a string) are left out. ``prefix`` is prepended to
+    metric, at the top level, by the loss's ``metric_reductions`` when the result has them);
+    ``global_loss`` (one loss per global batch) becomes its mean; ``grad_norm`` and
+    ``skipped_steps`` become floats; ``rank`` and ``model_dtype`` and any value that is not a
+    number (``None``, a dtype, a string) are left out. ``prefix`` is prepended to
     every name (e.g. ``"train/"``).
     """
     flat: dict[str, float] = {}
@@ -157,6 +184,10 @@ def flatten_train_metrics(result: Mapping[str, Any], *, prefix: str = "") -> dic
         number = _as_float(value)
         if number is not None:
             flat[key] = number
-    for key, value in aggregate_microbatch_metrics(result.get("all_mb_metrics") or {}).items():
+    reductions = result.get("metric_reductions")
+    aggregated = aggregate_microbatch_metrics(
+        result.get("all_mb_metrics") or {}, reductions=reductions
+    )
+    for key, value in aggregated.items():
         flat.setdefault(key, value)
     return {f"{prefix}{key}": value for key, value in flat.items()}

@@ -19,7 +19,12 @@ from policyworker.functional.loss_inputs import (
     require_tensor,
 )
 from policyworker.functional.loss_options import ClippedPGConfig
-from policyworker.functional.loss_protocol import LossInputType, LossType, Metrics
+from policyworker.functional.loss_protocol import (
+    LossInputType,
+    LossType,
+    MetricNormalizer,
+    Metrics,
+)
 from policyworker.functional.loss_terms import (
     approx_entropy,
     kl_estimate,
@@ -66,6 +71,42 @@ class ClippedPGLossFn:
         self.loss_type = (
             LossType.TOKEN_LEVEL if self.cfg.token_level_loss else LossType.SEQUENCE_LEVEL
         )
+
+    @property
+    def metric_normalizations(self) -> dict[str, MetricNormalizer]:
+        """The global count each returned metric is divided by (see MetricNormalizer), from the
+        same flags that pick it in ``__call__``. ``positive_nll_loss`` is divided by
+        ``global_valid_toks`` here (NeMo-RL: the microbatch's own count, so NONE there)."""
+        tokens, seqs, none = (
+            MetricNormalizer.TOKENS,
+            MetricNormalizer.SEQUENCES,
+            MetricNormalizer.NONE,
+        )
+        like_grad = tokens if self.loss_type == LossType.TOKEN_LEVEL else seqs
+        result = {
+            "loss": like_grad,
+            "kl_penalty": like_grad,
+            "probs_ratio": tokens,
+            "probs_ratio_clamped": tokens,
+            "token_mult_prob_error": tokens,
+            "gen_kl_error": tokens,
+            "policy_kl_error": tokens,
+            "js_divergence_error": tokens,
+            "approx_entropy": tokens,
+            "sampling_importance_ratio": (
+                seqs if self.cfg.sequence_level_importance_ratios else tokens
+            ),
+            "positive_nll_loss": tokens,
+            "num_valid_samples": none,
+            "probs_ratio_min": none,
+            "probs_ratio_max": none,
+            "probs_ratio_clamped_min": none,
+            "probs_ratio_clamped_max": none,
+        }
+        kind = self.cfg.truncated_importance_sampling_type
+        if kind is not None:
+            result["is_oob_ratio"] = seqs if kind == "seq-mask-tis" else tokens
+        return result
 
     @property
     def reference_policy_kl_penalty(self) -> float:

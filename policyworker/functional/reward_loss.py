@@ -16,12 +16,13 @@ normalized like the loss, so summing them over a global batch's microbatches giv
 """
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from policyworker.functional.loss import LossInputType, LossType
+from policyworker.functional.loss import LossInputType, LossType, MetricNormalizer
 from policyworker.functional.loss_inputs import require_tensor
 from policyworker.functional.loss_terms import masked_mean
 
@@ -85,6 +86,16 @@ class PreferenceLoss:
     loss_type = LossType.SEQUENCE_LEVEL
     input_type = LossInputType.LOGIT
     required_keys = ("input_lengths", "sample_mask")
+    # every mean is over the global batch's pairs (global_valid_seqs / 2)
+    metric_normalizations: Mapping[str, MetricNormalizer] = MappingProxyType(
+        {
+            "loss": MetricNormalizer.SEQUENCES,
+            "accuracy": MetricNormalizer.SEQUENCES,
+            "rewards_chosen_mean": MetricNormalizer.SEQUENCES,
+            "rewards_rejected_mean": MetricNormalizer.SEQUENCES,
+            "num_valid_samples": MetricNormalizer.NONE,
+        }
+    )
 
     def __call__(
         self,

@@ -282,7 +282,14 @@ def test_a_bad_override_is_reported_with_its_path(nemo_rl_yaml):
             match=r"extra fields found \(tensor_paralel_size: did you mean "
             r"'tensor_parallel_size'\?\) @ policy\.dtensor_cfg$",
         ):
-            load_config_file(nemo_rl_yaml, overrides=["dtensor_cfg.tensor_paralel_size=2"])
+            load_config_file(nemo_rl_yaml, overrides=["+dtensor_cfg.tensor_paralel_size=2"])
+    with pytest.raises(
+        ConfigError,
+        match=r"could not override 'dtensor_cfg\.tensor_paralel_size': the config has no key "
+        r"'dtensor_cfg\.tensor_paralel_size' \(did you mean 'dtensor_cfg\.tensor_parallel_size'\?\)"
+        r".*write '\+dtensor_cfg\.tensor_paralel_size=\.\.\.'",
+    ):
+        load_config_file(nemo_rl_yaml, overrides=["dtensor_cfg.tensor_paralel_size=2"])
 
 
 def test_bare_policy_mapping_and_json_files_load(tmp_path):
@@ -305,10 +312,10 @@ def test_apply_overrides_is_pure_and_parses_yaml_values():
         original,
         [
             "dtensor_cfg.tensor_parallel_size=2",
-            "generation.top_k=null",
-            "optimizer.kwargs.betas=[0.9, 0.95]",
-            "tokenizer.name=my/tok",
-            "max_grad_norm=1e-1",
+            "+generation.top_k=null",
+            "++optimizer.kwargs.betas=[0.9, 0.95]",
+            "+tokenizer.name=my/tok",
+            "+max_grad_norm=1e-1",
         ],
     )
     assert original == {"dtensor_cfg": {"tensor_parallel_size": 1}, "model_name": "m"}

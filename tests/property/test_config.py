@@ -255,7 +255,7 @@ def error_lines(mapping: Any) -> list[str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConfigWarning)
         with pytest.raises(ConfigError) as info:
-            load_config(mapping)
+            load_config(mapping, strict=True)
     return [line.strip() for line in str(info.value).splitlines()[1:]]
 
 
@@ -593,7 +593,7 @@ def test_all_ignored_keys_are_listed_in_one_record(caplog):
 )
 def test_a_key_nemo_rl_does_not_define_is_an_error_with_a_did_you_mean(tree, line):
     with pytest.raises(ConfigError) as info:
-        load_config({"model_name": "m", **tree})
+        load_config({"model_name": "m", **tree}, strict=True)
     assert line in str(info.value)
 
 

@@ -1,5 +1,6 @@
-"""Unknown keys: `strict=False` drops them with one warning naming each (with its did-you-mean),
-`strict=True` (the default) refuses them; PEFT's LoRA spellings get a hint naming our key."""
+"""Unknown keys: by default one close to a known key is an error with its did-you-mean and any
+other is accepted, not read, with one warning naming each; `strict=True` refuses them all; PEFT's
+LoRA spellings get a hint naming our key. Disabled sections keep the values they were given."""
 
 import copy
 import warnings
@@ -34,13 +35,13 @@ def mapping_nodes(tree: Any, path: Path = ()) -> list[Path]:
 def load_leniently(mapping: Any) -> tuple[Any, list[str]]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg = load_config(mapping, strict=False)
+        cfg = load_config(mapping)
     return cfg, [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
 
 
 @settings(max_examples=40)
 @given(cfg=policy_configs(), data=st.data())
-def test_unknown_keys_anywhere_are_dropped_with_one_warning_or_refused(cfg, data):
+def test_unknown_keys_anywhere_are_accepted_with_one_warning_or_refused_when_strict(cfg, data):
     tree = config_to_dict(cfg)
     parents = data.draw(
         st.lists(st.sampled_from(mapping_nodes(tree)), min_size=1, max_size=3, unique=True)
@@ -50,32 +51,107 @@ def test_unknown_keys_anywhere_are_dropped_with_one_warning_or_refused(cfg, data
     loaded, messages = load_leniently(copy.deepcopy(tree))
     assert loaded == cfg
     assert len(messages) == 1
+    assert messages[0].startswith("accepted, not read: ")
     for parent in parents:
         assert f"{dotted(parent)}.zq_unread" in messages[0]
     with pytest.raises(ConfigError, match="extra fields found"):
-        load_config(tree)
+        load_config(tree, strict=True)
 
 
-def test_lenient_loading_names_the_key_it_likely_meant_and_still_checks_values():
+@settings(max_examples=40)
+@given(cfg=policy_configs(), data=st.data())
+def test_a_key_close_to_a_known_one_is_an_error_by_default(cfg, data):
+    tree = config_to_dict(cfg)
+    parent = data.draw(st.sampled_from(mapping_nodes(tree)))
+    node = node_at(tree, parent)
+    known = [k for k in node if k != "enabled"]
+    if not known:
+        return
+    key = data.draw(st.sampled_from(sorted(known)))
+    node[f"{key}_typo"] = node.pop(key)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)
+        with pytest.raises(ConfigError) as info:
+            load_config(tree)
+    assert f"extra fields found ({key}_typo: did you mean " in str(info.value)
+
+
+def test_typos_are_errors_other_unknown_keys_are_accepted_and_values_still_checked():
     mapping = {
         "model_name": "m",
-        "learning_rate": 1e-5,
+        "zq_note": 1,
         "dtensor_cfg": {"tensor_paralel_size": 2, "lora_cfg": {"enabled": False, "r": 8}},
     }
-    cfg, messages = load_leniently(mapping)
-    assert cfg == load_config({"model_name": "m"})
-    assert messages == [
-        "ignoring 3 unknown policy keys (strict=False): policy.learning_rate; "
-        "policy.dtensor_cfg.tensor_paralel_size (did you mean 'tensor_parallel_size'?); "
-        "policy.dtensor_cfg.lora_cfg.r (PEFT's name for 'dim'; write dim instead); fix or "
-        "remove them, or load with strict=True to make them errors"
+    with (
+        pytest.warns(ConfigWarning, match=r"accepted, not read: 1 unknown policy key .*zq_note"),
+        pytest.raises(ConfigError) as info,
+    ):
+        load_config(mapping)
+    assert str(info.value).splitlines()[1:] == [
+        "  extra fields found (tensor_paralel_size: did you mean 'tensor_parallel_size'?) "
+        "@ policy.dtensor_cfg",
+        "  extra fields found (r: PEFT's name for 'dim'; write dim instead) "
+        "@ policy.dtensor_cfg.lora_cfg",
     ]
     bad = {"model_name": "m", "zz": 1, "train_micro_batch_size": 0}
     with (
         pytest.warns(ConfigWarning, match=r"policy\.zz"),
         pytest.raises(ConfigError, match=r"must be >= 1 @ policy\.train_micro_batch_size"),
     ):
-        load_config(bad, strict=False)
+        load_config(bad)
+
+
+def test_nemo_rl_worker_test_config_keys_are_accepted_without_a_warning():
+    mapping = {
+        "model_name": "m",
+        "learning_rate": 5e-6,
+        "checkpointing": {"enabled": False, "checkpoint_dir": "/tmp/x"},
+        "dtensor_cfg": {"lora": {"enabled": False}},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(mapping) == load_config({"model_name": "m"})
+        assert load_config(mapping, strict=True) == load_config({"model_name": "m"})
+
+
+# Each optional section and keys it owns with values it accepts.
+_SECTION_VALUES: dict[str, dict[str, Any]] = {
+    "sequence_packing": {"algorithm": st.sampled_from(["modified_first_fit_decreasing"])},
+    "dynamic_batching": {"train_mb_tokens": st.integers(1, 4096)},
+    "dtensor_cfg.lora_cfg": {"dim": st.integers(1, 64), "alpha": st.integers(1, 64)},
+    "reward_model_cfg": {"reward_model_type": st.just("bradley_terry")},
+    "router_replay": {},
+    "draft": {"loss_weight": st.floats(0, 1), "num_layers": st.integers(1, 4)},
+}
+
+
+@settings(max_examples=40)
+@given(data=st.data(), path=st.sampled_from(sorted(_SECTION_VALUES)))
+def test_a_disabled_section_keeps_the_values_it_was_given(data, path):
+    values = data.draw(st.fixed_dictionaries({}, optional=_SECTION_VALUES[path]))
+    *parents, leaf = path.split(".")
+    tree: dict[str, Any] = {"model_name": "m"}
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = {"enabled": False, **values}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config(copy.deepcopy(tree))
+    assert cfg == load_config({"model_name": "m"})
+    assert cfg.disabled_sections == {path: values}
+    back = config_to_dict(cfg)
+    assert node_at(back, tuple(path.split("."))) == {"enabled": False, **values}
+    assert load_config(back).disabled_sections == cfg.disabled_sections
+
+
+def test_lora_disabled_reads_back_its_dim():
+    cfg = load_config(
+        {"model_name": "m", "dtensor_cfg": {"lora_cfg": {"enabled": False, "dim": 16}}}
+    )
+    assert not cfg.lora_enabled
+    assert cfg.disabled_sections["dtensor_cfg.lora_cfg"]["dim"] == 16
+    assert config_to_dict(cfg)["dtensor_cfg"]["lora_cfg"] == {"enabled": False, "dim": 16}
 
 
 def test_a_known_config_loads_leniently_without_a_warning():
@@ -86,11 +162,11 @@ def test_a_known_config_loads_leniently_without_a_warning():
 
 def test_load_config_file_passes_strict_through(tmp_path):
     path = tmp_path / "policy.yaml"
-    path.write_text("policy:\n  model_name: m\n  checkpointing: {enabled: true}\n")
-    with pytest.raises(ConfigError, match=r"extra fields found \(checkpointing\) @ policy"):
-        load_config_file(path)
-    with pytest.warns(ConfigWarning, match=r"policy\.checkpointing"):
-        assert load_config_file(path, strict=False) == load_config({"model_name": "m"})
+    path.write_text("policy:\n  model_name: m\n  zq_notes: {enabled: true}\n")
+    with pytest.raises(ConfigError, match=r"extra fields found \(zq_notes\) @ policy"):
+        load_config_file(path, strict=True)
+    with pytest.warns(ConfigWarning, match=r"policy\.zq_notes"):
+        assert load_config_file(path) == load_config({"model_name": "m"})
 
 
 @pytest.mark.parametrize(

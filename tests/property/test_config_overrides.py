@@ -57,8 +57,28 @@ def test_set_and_force_set_write_the_value_and_leave_the_input_alone(tree, data,
         return
     assert tree == before
     assert value_at(forced, path) == value
-    assert apply_overrides(tree, [text("", path, value)]) == forced
-    assert apply_overrides(tree, [text("policy.", path, value)]) == forced
+    if path in paths_in(tree):
+        assert apply_overrides(tree, [text("", path, value)]) == forced
+        assert apply_overrides(tree, [text("policy.", path, value)]) == forced
+    else:
+        with pytest.raises(OverrideError, match=r"could not override .* write '\+"):
+            apply_overrides(tree, [text("", path, value)])
+
+
+@given(TREES, st.data(), SCALARS)
+def test_a_plain_set_of_a_missing_key_is_refused_with_the_add_form(tree, data, value):
+    paths = paths_in(tree)
+    assume(paths)
+    path = data.draw(st.sampled_from(paths))
+    missing = (*path[:-1], path[-1] + "x")
+    assume(missing not in paths)
+    override = text("", missing, value)
+    with pytest.raises(OverrideError) as info:
+        apply_overrides(tree, [override])
+    message = str(info.value)
+    assert repr(override) in message
+    assert f"write '+{'.'.join(missing)}=...'" in message
+    assert "did you mean " in message
 
 
 @given(TREES, st.data(), SCALARS)

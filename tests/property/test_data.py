@@ -143,7 +143,7 @@ def test_from_batches_follows_nemo_rl_on_empty_input():
     out = BatchedDataDict.from_batches([{}, a, {"ids": torch.zeros(0, 5)}])
     assert out["ids"].shape == (2, 5) and out["names"] == ["p", "q"]
     with pytest.raises(
-        DataError, match=r"key 'names' is missing from batches \[1\], which have rows"
+        DataError, match=r"key 'names' is missing from non-empty batches \[1\] \(rows"
     ):
         BatchedDataDict.from_batches([a, {"ids": torch.zeros(1, 3)}])
 

@@ -5,8 +5,10 @@ group.py         RayWorkerGroup: start, sharded / every-rank / rank-0 calls, shu
 calls.py         a call's results in rank order; failure by rank; when the group is unusable
 sharding.py      the rows of a call split over the dp ranks, and the way back
 shard_checks.py  every shard checked on the driver by the worker's batch checks, before dispatch
+data_plane.py    presharded group calls: each rank fetches its rows from the data plane by receipt
 """
 
+from policyworker._lazy import lazy_exports
 from policyworker.shell.ray.actor import (
     RAY_SUPPORTED,
     WorkerGroupOptions,
@@ -15,10 +17,27 @@ from policyworker.shell.ray.actor import (
 )
 from policyworker.shell.ray.group import RayWorkerGroup
 
+_DATA_PLANE = "policyworker.shell.ray.data_plane"
+# The data-plane calls and the dp split import the worker's data code: resolved on first use.
+_lazy_getattr, _lazy_all = lazy_exports(
+    __name__,
+    {
+        "split_over_dp": "policyworker.shell.ray.sharding",
+        "rank_receipts": _DATA_PLANE,
+        "read_fields": _DATA_PLANE,
+        "setup_data_plane": _DATA_PLANE,
+        "train_presharded": _DATA_PLANE,
+        "get_logprobs_presharded": _DATA_PLANE,
+        "get_reference_policy_logprobs_presharded": _DATA_PLANE,
+    },
+)
+__getattr__ = _lazy_getattr
+
 __all__ = [
     "RAY_SUPPORTED",
     "RayWorkerGroup",
     "WorkerGroupOptions",
     "import_ray",
     "make_placement_group",
+    *_lazy_all,
 ]

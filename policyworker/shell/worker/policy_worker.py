@@ -33,6 +33,7 @@ import torch
 import policyworker.shell.checkpoint as checkpoint
 import policyworker.shell.worker.adapters as adapters
 import policyworker.shell.worker.calibration as calibration
+import policyworker.shell.worker.data_plane_calls as data_plane_calls
 import policyworker.shell.worker.inference as inference
 import policyworker.shell.worker.microbatches as mbatch
 import policyworker.shell.worker.offload as offload
@@ -62,7 +63,7 @@ def _state_field(name: str, doc: str) -> property:
     )
 
 
-class PolicyWorker(NeMoRLWorkerSurface, CheckpointEngineCalls):
+class PolicyWorker(data_plane_calls.DataPlaneCalls, NeMoRLWorkerSurface, CheckpointEngineCalls):
     """Trains a Hugging Face model with a pluggable loss; logprobs, top-k, scores, offload,
     refit and checkpoints (NeMo-RL's policy-worker method names); NeMo-RL's base-worker methods
     via the mixin."""
@@ -136,7 +137,9 @@ class PolicyWorker(NeMoRLWorkerSurface, CheckpointEngineCalls):
     ) -> dict[str, Any]:
         """Train on every whole global batch of `data` (one optimizer step per global batch).
 
-        Returns `global_loss` [num global batches], `grad_norm`, `all_mb_metrics`, `rank`,
+        Returns `global_loss` [num global batches], `grad_norm`, `all_mb_metrics`,
+        `metric_reductions` (how each metric reduces across microbatches, from the loss's
+        `metric_normalizations`; {} for a loss without them), `rank`,
         `model_dtype`, `skipped_steps` (steps skipped for a non-finite loss or grad norm),
         `step_time_s` (wall seconds of the call), `tokens_per_s` (this rank's tokens, the
         `input_lengths` of the rows trained, per second) and `peak_memory_bytes` (on CUDA

@@ -35,8 +35,13 @@ import policyworker.shell.worker.scoring_loop as scoring_loop
 from policyworker.functional import batch_checks, batching
 from policyworker.functional.distillation import distillation_loss_input
 from policyworker.functional.logprobs import count_and_zero_neg_inf
-from policyworker.functional.loss_protocol import LossInputType, LossType, check_loss_output
-from policyworker.functional.metrics import scale_microbatch_metrics
+from policyworker.functional.loss_protocol import (
+    LossInputType,
+    LossType,
+    check_loss_output,
+    metric_normalizations_of,
+)
+from policyworker.functional.metrics import advertised_reductions, scale_microbatch_metrics
 from policyworker.functional.tokens import mask_within_lengths, valid_token_total
 from policyworker.shell.model.hf_model import set_training_mode
 from policyworker.shell.parallel import collectives
@@ -111,6 +116,8 @@ def train(
     scheduler steps once if any optimizer step was applied: a loss that raises in global batch
     2 keeps batch 1's optimizer step and its scheduler step, and the error propagates.
     """
+    # how each metric reduces, from the loss's advertised normalizers (checked before any work)
+    reductions = advertised_reductions(metric_normalizations_of(loss_fn))
     start = time.perf_counter()
     _reset_peak_memory(state.device)
     dp, cp = state.parallel.dp_size, state.parallel.cp_size
@@ -141,6 +148,7 @@ def train(
                     dp_cp=dp * cp,
                     untrusted=batch.reason_untrusted(g),
                     steps=steps,
+                    reductions=reductions,
                 )
                 mb_losses, mb_metrics, grad_norm, was_skipped = out
                 skipped += int(was_skipped)
@@ -158,6 +166,7 @@ def train(
         "global_loss": global_loss,
         "grad_norm": grad_norm,
         "all_mb_metrics": all_mb_metrics,
+        "metric_reductions": reductions,
         "rank": state.parallel.rank,
         "model_dtype": state.dtype,
         "skipped_steps": skipped,
@@ -258,7 +267,18 @@ def _global_normalizers(
 
 
 def _train_global_batch(
-    state: WorkerState, batch, loss_fn, *, eval_mode, plans, num_gb, skip, dp_cp, untrusted, steps
+    state: WorkerState,
+    batch,
+    loss_fn,
+    *,
+    eval_mode,
+    plans,
+    num_gb,
+    skip,
+    dp_cp,
+    untrusted,
+    steps,
+    reductions,
 ):
     gvs, gvt, batch = _global_normalizers(state, batch)
     state.draft.begin_global_batch(batch)
@@ -286,7 +306,7 @@ def _train_global_batch(
             ((loss + draft_loss) * dp_cp).backward()
         if mb.is_dummy:
             continue
-        metrics = scale_microbatch_metrics(metrics, num_gb)
+        metrics = scale_microbatch_metrics(metrics, num_gb, reductions=reductions)
         metrics.update(lr=lr, **normalizers)
         real_losses.append(loss.detach().reshape(()))
         reported.append(metrics["num_valid_samples"] > 0)

@@ -77,12 +77,18 @@ def test_result_dict_and_scheduler_step_once_per_call(tiny_model_paths):
         "global_loss",
         "grad_norm",
         "all_mb_metrics",
+        "metric_reductions",
         "rank",
         "model_dtype",
         "skipped_steps",
         "step_time_s",
         "tokens_per_s",
         "peak_memory_bytes",
+    }
+    assert result["metric_reductions"] == {
+        "loss": "sum",
+        "num_unmasked_tokens": "sum",
+        "num_valid_samples": "sum",
     }
     assert result["rank"] == 0 and result["model_dtype"] == torch.float32
     assert result["skipped_steps"] == 0 and result["grad_norm"] > 0
@@ -239,3 +245,33 @@ def test_train_returns_the_cuda_cache_only_when_configured(tiny_model_paths, mon
     monkeypatch.setattr(type(worker.state), "empty_cache", lambda _: calls.append("empty_cache"))
     worker.train(make_batch(4, 10, seed=14), NLLLoss())
     assert calls == (["empty_cache"] if release else [])
+
+
+class _ShareLoss(NLLLoss):
+    """NLL with one more metric, a share of the global batch whose name reads like an extreme."""
+
+    def __call__(self, data, global_valid_seqs, global_valid_toks, **inputs):
+        loss, metrics = super().__call__(data, global_valid_seqs, global_valid_toks, **inputs)
+        return loss, {**metrics, "share_max": float(metrics["num_valid_samples"]) / 8}
+
+
+class _AdvertisedShareLoss(_ShareLoss):
+    metric_normalizations = {**NLLLoss.metric_normalizations, "share_max": "sequences"}
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "share"), [(_ShareLoss(), 0.25), (_AdvertisedShareLoss(), 1.0)]
+)
+def test_train_reduces_metrics_by_the_losses_advertised_normalizers(
+    tiny_model_paths, loss_fn, share
+):
+    from policyworker.functional.metrics import flatten_train_metrics
+
+    cfg = make_config(tiny_model_paths["llama"], train_global_batch_size=8)
+    worker = PolicyWorker(cfg, init_reference_model=False)
+    result = worker.train(make_batch(8, 10, seed=3), loss_fn)
+    assert len(result["all_mb_metrics"]["share_max"]) == 4  # 4 microbatches of 2 rows
+    advertised = "share_max" in getattr(loss_fn, "metric_normalizations", {})
+    assert ("share_max" in result["metric_reductions"]) == advertised
+    # by name a `_max` metric is the largest microbatch value; advertised, the global share sums
+    assert flatten_train_metrics(result)["share_max"] == pytest.approx(share)

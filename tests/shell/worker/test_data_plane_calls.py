@@ -1,0 +1,146 @@
+"""Presharded calls over the in-process data plane (CPU, one rank): equal to the plain calls on
+the same rows, bitwise in fp32, and every bad receipt refused before anything is trained."""
+
+import copy
+
+import pytest
+import torch
+
+from policyworker.errors import ConfigError
+from policyworker.functional.loss import NLLLoss
+from policyworker.functional.receipts import KVBatchMeta
+from policyworker.shell.data_plane.client import DataPlaneError
+from policyworker.shell.data_plane.in_process import InProcessDataPlane
+from policyworker.shell.worker.policy_worker import PolicyWorker
+from tests.shell.conftest import make_batch, make_config
+
+DP = {"enabled": True, "impl": "in_process"}
+FIELDS = ("input_ids", "input_lengths", "token_mask", "sample_mask")
+
+
+def _worker(path, **overrides):
+    return PolicyWorker(make_config(path, **overrides))
+
+
+def _store_with(data, keys, fields=FIELDS):
+    store = InProcessDataPlane()
+    store.register_partition("train", list(fields), len(keys))
+    return store, store.put_samples(keys, "train", {k: data[k] for k in fields})
+
+
+BATCHING = {
+    "fixed": {},
+    "packed": {"sequence_packing": {"train_mb_tokens": 24}},
+    "dynamic": {"dynamic_batching": {"train_mb_tokens": 24, "sequence_length_round": 4}},
+}
+
+
+@pytest.fixture(params=sorted(BATCHING))
+def pair(request, tiny_model_paths):
+    """Two identical fresh workers (one for the plain call, one presharded) and a batch; the
+    microbatches of packing / dynamic batching are planned on the fetched rows."""
+    path, extra = tiny_model_paths["llama"], BATCHING[request.param]
+    return _worker(path, **extra), _worker(path, **extra), make_batch(4, 10, seed=5)
+
+
+def test_presharded_logprobs_and_reference_equal_the_plain_calls_and_are_written_back(pair):
+    plain, pre, data = pair
+    keys = [f"s{i}" for i in range(4)]
+    store, meta = _store_with(data, keys)
+    pre.setup_data_plane(DP, client=store)
+    assert pre.get_logprobs_presharded(meta, micro_batch_size=2) is None
+    assert pre.get_reference_policy_logprobs_presharded(meta) is None
+
+    want = plain.get_logprobs(data, 2)["logprobs"]
+    want_ref = plain.get_reference_policy_logprobs(data)["reference_logprobs"]
+    back = store.get_samples(keys, "train", ["prev_logprobs", "reference_policy_logprobs"])
+    assert torch.equal(back["prev_logprobs"], want)
+    assert torch.equal(back["reference_policy_logprobs"], want_ref)
+    # readable by key, in any order
+    two = store.get_samples(["s3", "s1"], "train", ["prev_logprobs"])["prev_logprobs"]
+    assert torch.equal(two, want[[3, 1]])
+
+
+def test_presharded_train_equals_the_plain_call_bitwise(pair):
+    plain, pre, data = pair
+    fields = (*FIELDS, "advantages", "prev_logprobs", "generation_logprobs")
+    store, meta = _store_with(data, [f"s{i}" for i in range(4)], fields)
+    pre.setup_data_plane(DP, client=store)
+    got = pre.train_presharded(meta, NLLLoss(), gbs=4, mbs=2)
+    want = plain.train(data, NLLLoss(), gbs=4, mbs=2)
+    assert torch.equal(torch.as_tensor(got["global_loss"]), torch.as_tensor(want["global_loss"]))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(pre.model.parameters(), plain.model.parameters(), strict=True)
+    )
+
+
+def _params(worker):
+    return [p.detach().clone() for p in worker.model.parameters()]
+
+
+def test_bad_receipts_are_refused_naming_key_and_field_and_nothing_is_trained(tiny_model_paths):
+    worker = _worker(tiny_model_paths["llama"])
+    data = make_batch(4, 10, seed=6)
+    keys = [f"s{i}" for i in range(4)]
+    store, meta = _store_with(data, keys)
+    before = _params(worker)
+
+    with pytest.raises(DataPlaneError, match="setup_data_plane"):
+        worker.train_presharded(meta, NLLLoss())
+    worker.setup_data_plane(DP, client=store)
+
+    ghost = KVBatchMeta(partition_id="train", sample_ids=[*keys[:3], "ghost"], fields=FIELDS)
+    with pytest.raises(DataPlaneError, match=r"no rows for sample_ids \['ghost'\]"):
+        worker.train_presharded(ghost, NLLLoss())
+    no_adv = meta.with_fields(["advantages"])
+    with pytest.raises(DataPlaneError, match=r"sample 's0'.*no field\(s\) \['advantages'\]"):
+        worker.train_presharded(no_adv, NLLLoss())
+    unnamed = KVBatchMeta(partition_id="train", sample_ids=keys)
+    with pytest.raises(DataPlaneError, match="names no fields"):
+        worker.get_logprobs_presharded(unnamed)
+    with pytest.raises(DataPlaneError, match="KVBatchMeta receipt, got dict"):
+        worker.get_logprobs_presharded(data)
+
+    store.clear_samples(None, "train")
+    with pytest.raises(DataPlaneError, match="partition 'train' is not in the data plane"):
+        worker.get_logprobs_presharded(meta)
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(worker), strict=True))
+    with pytest.raises(DataPlaneError, match="not in the data plane"):
+        store.get_samples(keys, "train", ["prev_logprobs"])
+
+
+def test_setup_data_plane_checks_the_section_and_is_idempotent(tiny_model_paths):
+    worker = _worker(tiny_model_paths["llama"])
+    with pytest.raises(ConfigError, match="data_plane is not enabled"):
+        worker.setup_data_plane()  # the policy config has no data_plane section
+    with pytest.raises(ConfigError, match="bogus"):
+        worker.setup_data_plane({**DP, "bogus": 1})
+    with pytest.raises(ConfigError, match="fetch_policy"):
+        worker.setup_data_plane({**DP, "fetch_policy": "leader"})
+    worker.setup_data_plane({**DP, "fetch_policy": "independent"})
+    first = worker._dp_client
+    worker.setup_data_plane({**DP, "fetch_policy": "auto"}, client=InProcessDataPlane())
+    assert worker._dp_client is first  # the client stays; the fetch policy is the new one
+    assert worker._dp_config.fetch_policy == "auto"
+
+
+def test_leader_broadcast_without_a_replica_group_is_refused(tiny_model_paths):
+    worker = _worker(tiny_model_paths["llama"])
+    data = make_batch(2, 6, seed=7)
+    store, meta = _store_with(data, ["a", "b"])
+    worker.setup_data_plane({**DP, "fetch_policy": "leader_broadcast"}, client=store)
+    with pytest.raises(ValueError, match="leader_broadcast' needs a replica group"):
+        worker.get_logprobs_presharded(meta)
+    with pytest.raises(DataPlaneError, match="prev_logprobs"):
+        store.get_samples(["a"], "train", ["prev_logprobs"])
+
+
+def test_the_in_process_store_copies_rows_in_and_out(tiny_model_paths):
+    data = make_batch(2, 6, seed=8)
+    store, meta = _store_with(copy.deepcopy(data), ["a", "b"])
+    got = store.get_data(meta)
+    got["input_ids"].zero_()
+    assert torch.equal(store.get_data(meta)["input_ids"], data["input_ids"])
+    with pytest.raises(DataPlaneError, match="first dimension must be the number of sample_ids"):
+        store.put_samples(["a"], "train", {"x": torch.zeros(2, 3)})
