@@ -147,15 +147,21 @@ def _signature(obj: Callable[..., Any], *, drop_self: bool) -> str:
 
 
 def public_members(cls: type) -> Iterator[tuple[str, Any]]:
-    """(name, member) of the public methods and properties `cls` defines itself, in source
-    order (inherited ones from outside policyworker, e.g. `dict`'s, are not listed)."""
-    for name, member in vars(cls).items():
-        if name.startswith("_"):
+    """(name, member) of the public methods and properties of `cls` and of its policyworker
+    bases (mixins), in source order, the class's own first (inherited ones from outside
+    policyworker, e.g. `dict`'s, are not listed)."""
+    seen: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is not cls and not klass.__module__.startswith("policyworker"):
             continue
-        if isinstance(member, staticmethod | classmethod):
-            yield name, member.__func__
-        elif inspect.isfunction(member) or isinstance(member, property):
-            yield name, member
+        for name, member in vars(klass).items():
+            if name.startswith("_") or name in seen:
+                continue
+            seen.add(name)
+            if isinstance(member, staticmethod | classmethod):
+                yield name, member.__func__
+            elif inspect.isfunction(member) or isinstance(member, property):
+                yield name, member
 
 
 def _class_lines(name: str, cls: type) -> list[str]:

@@ -13,6 +13,7 @@ from policyworker.errors import ConfigError
 from policyworker.functional.lora import validate_target_entries
 
 __all__ = [
+    "ADAPTER_NAMES",
     "DOTTED_PATH",
     "LORA_COMPUTE_DTYPE",
     "MODULE_PATTERNS",
@@ -113,4 +114,11 @@ LORA_COMPUTE_DTYPE = Rule(
     f"must be one of {', '.join(map(repr, get_args(LoraComputeDtype)))}",
     "use 'auto' (bfloat16 on CUDA when the base layers compute in bfloat16, else float32) or "
     "name a dtype, e.g. 'bfloat16'",
+)
+
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+ADAPTER_NAMES = Rule(
+    lambda v: len(set(v)) == len(v) and all(_ADAPTER_NAME.fullmatch(n) for n in v),
+    "must be distinct names of letters, digits, '_', '.', '-' (starting with a letter or digit)",
+    "rename or remove the duplicate or malformed entries, e.g. ['math', 'code']",
 )

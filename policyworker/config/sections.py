@@ -8,6 +8,7 @@ from typing import Any, Final
 from attrs import field, frozen
 
 from policyworker.config.rules import (
+    ADAPTER_NAMES,
     DOTTED_PATH,
     LORA_COMPUTE_DTYPE,
     MODULE_PATTERNS,
@@ -27,6 +28,7 @@ from policyworker.config.values import (
     FusionMode,
     LoraAInit,
     LoraComputeDtype,
+    LoraReference,
     MicrobatchOrder,
     PackingAlgorithm,
     RewardModelType,
@@ -83,7 +85,16 @@ class LoRAConfig:
     dtype (bit for bit in eager layers; compiled layers sum the fp32 merge in another order), so
     the trainer scores tokens as the engine does on those weights. With input dropout the
     adapter shares the base layer's cast input and adds its output inside the up-projection's
-    GEMM. (Automodel's `lora_dtype` is a different thing: the adapters' storage dtype.)"""
+    GEMM. (Automodel's `lora_dtype` is a different thing: the adapters' storage dtype.)
+
+    `adapters` (not a NeMo-RL key) names several adapters trained on one frozen base: each has
+    its own weights, optimizer and scheduler state, and all share the settings above (and start
+    from the same values). `train(..., adapter=name)`, `get_logprobs(..., adapter=name)` and
+    `select_adapter(name)` make one the model's adapter; calls without a name, refits and
+    `save_checkpoint` use that one (the first name until another is picked). Empty (the
+    default) is one unnamed adapter. `reference` (not a NeMo-RL key) is the reference policy:
+    `initial` a CPU copy of the weights at construction, `base` the base model with every
+    adapter switched off (no copy)."""
 
     target_modules: tuple[str, ...] = field(default=(), validator=MODULE_PATTERNS)
     exclude_modules: tuple[str, ...] = field(default=(), validator=MODULE_PATTERNS)
@@ -98,6 +109,8 @@ class LoRAConfig:
     use_rslora: bool = False
     use_triton: bool = False
     compute_dtype: LoraComputeDtype = field(default="auto", validator=LORA_COMPUTE_DTYPE)
+    adapters: tuple[str, ...] = field(default=(), validator=ADAPTER_NAMES)
+    reference: LoraReference = "initial"
 
 
 @frozen(kw_only=True)

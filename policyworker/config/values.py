@@ -12,6 +12,7 @@ __all__ = [
     "FusionMode",
     "LoraAInit",
     "LoraComputeDtype",
+    "LoraReference",
     "MicrobatchOrder",
     "PackingAlgorithm",
     "Precision",
@@ -36,6 +37,9 @@ FetchPolicy = Literal["auto", "independent", "leader_broadcast"]
 # dtype of the LoRA adapter matmuls (the adapter parameters stay fp32); shell/model/lora.py resolves
 # "auto": bfloat16 on CUDA when the base layers compute in bfloat16, else float32
 LoraComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
+# what the reference policy is under LoRA: the weights at construction (a CPU copy) or the base
+# model with the adapters switched off (no copy)
+LoraReference = Literal["initial", "base"]
 
 # Precision spellings that mean a canonical name (as `functional.dtypes.precision_dtype` reads
 # them); the config stores the canonical one, so `precision: bf16` round-trips as "bfloat16".

@@ -283,6 +283,7 @@ BEHAVIOURS = {
         "inference",
         "calibration",
         "offload",
+        "offload_calls",
         "refit_calls",
         "nemo_rl_surface",
     )

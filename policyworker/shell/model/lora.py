@@ -129,6 +129,7 @@ class LinearLoRA(nn.Linear):
         compute_dtype: torch.dtype | None,
     ) -> None:
         self.compute_dtype = compute_dtype
+        self.adapter_enabled = True  # False: the frozen base layer alone (a base reference)
         self.scale = lora_scale(alpha, dim, use_rslora)
         self.dim, self.alpha, self.use_rslora = dim, float(alpha), use_rslora
         self.dropout_position, self.lora_A_init = dropout_position, lora_A_init
@@ -159,6 +160,8 @@ class LinearLoRA(nn.Linear):
 
     # nn.Linear calls its argument `input` (a builtin name); every caller passes it positionally
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # pyright: ignore[reportIncompatibleMethodOverride]
+        if not self.adapter_enabled:
+            return F.linear(x, self.weight, self.bias)
         a, b = self.lora_A.weight, self.lora_B.weight
         acc = self._adapter_dtype()
         if self._adapter_in_autocast_dtype(x.device.type, acc):

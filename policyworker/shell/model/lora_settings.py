@@ -16,7 +16,11 @@ __all__ = ["LoRASettings", "lora_settings", "resolve_compute_dtype"]
 _SETTING_KEYS = (
     "enabled", "target_modules", "exclude_modules", "match_all_linear", "dim", "alpha", "dropout",
     "dropout_position", "lora_A_init", "use_rslora", "use_triton", "compute_dtype",
+    "adapters", "reference",
 )  # fmt: skip
+# keys of the worker, not of the modules: no Triton kernel here; adapter names and the reference
+# policy are read by shell/worker/adapters.py
+_NOT_READ = ("use_triton", "adapters", "reference")
 _COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -74,12 +78,12 @@ def lora_settings(lora_cfg: Any) -> LoRASettings:
         if unknown:
             msg = f"unknown lora_cfg key(s) {unknown}; allowed keys are {list(_SETTING_KEYS)}"
             raise ValueError(msg)
-        values = {k: lora_cfg[k] for k in _SETTING_KEYS if k in lora_cfg and k != "use_triton"}
+        values = {k: lora_cfg[k] for k in _SETTING_KEYS if k in lora_cfg and k not in _NOT_READ}
     else:
         values = {
             k: getattr(lora_cfg, k)
             for k in _SETTING_KEYS
-            if hasattr(lora_cfg, k) and k != "use_triton"
+            if hasattr(lora_cfg, k) and k not in _NOT_READ
         }
     for key in ("target_modules", "exclude_modules"):
         entries = values.get(key) or ()

@@ -8,6 +8,7 @@ worker's resources (`self.state`, a `WorkerState`) as its first argument:
     inference.py    logprobs, reference logprobs, top-k logits, scores, full logits over IPC
     calibration.py  FP8 scales of the attention projections
     offload.py      model, buffers and optimizer state between the device and the CPU
+                    (the calls: offload_calls.py, a mixin)
     refit_calls.py  refit over ZMQ / a collective / SGLang, and weight noise
     checkpoint/     save / load / finalize
 
@@ -31,12 +32,12 @@ import attrs
 import torch
 
 import policyworker.shell.checkpoint as checkpoint
+import policyworker.shell.worker.adapters as adapters
 import policyworker.shell.worker.calibration as calibration
 import policyworker.shell.worker.data_plane_calls as data_plane_calls
 import policyworker.shell.worker.inference as inference
 import policyworker.shell.worker.memory_calls as memory_calls
 import policyworker.shell.worker.microbatches as mbatch
-import policyworker.shell.worker.offload as offload
 import policyworker.shell.worker.refit_calls as refit_calls
 import policyworker.shell.worker.training as training
 from policyworker.config import PolicyConfig, load_config
@@ -47,6 +48,7 @@ from policyworker.shell.model import hf_model as model_lib
 from policyworker.shell.parallel.agreed_checks import agreed_checks
 from policyworker.shell.worker.checkpoint_engine_calls import CheckpointEngineCalls
 from policyworker.shell.worker.nemo_rl_surface import NeMoRLWorkerSurface, split_constructor_kwargs
+from policyworker.shell.worker.offload_calls import OffloadCalls
 from policyworker.shell.worker.state import WorkerState
 
 __all__ = ["AutomodelPolicyWorker", "AutomodelPolicyWorkerImpl", "PolicyWorker"]
@@ -63,7 +65,9 @@ def _state_field(name: str, doc: str) -> property:
     )
 
 
-class PolicyWorker(data_plane_calls.DataPlaneCalls, NeMoRLWorkerSurface, CheckpointEngineCalls):
+class PolicyWorker(
+    data_plane_calls.DataPlaneCalls, OffloadCalls, NeMoRLWorkerSurface, CheckpointEngineCalls
+):
     """Trains a Hugging Face model with a pluggable loss; logprobs, top-k, scores, offload,
     refit and checkpoints (NeMo-RL's policy-worker method names); NeMo-RL's base-worker methods
     via the mixin."""
@@ -139,6 +143,8 @@ class PolicyWorker(data_plane_calls.DataPlaneCalls, NeMoRLWorkerSurface, Checkpo
         gbs: int | None = None,
         mbs: int | None = None,
         check_dim_skip_keys: Any = None,
+        *,
+        adapter: str | None = None,
     ) -> dict[str, Any]:
         """Train on every whole global batch of `data` (one optimizer step per global batch).
 
@@ -154,13 +160,16 @@ class PolicyWorker(data_plane_calls.DataPlaneCalls, NeMoRLWorkerSurface, Checkpo
         docs/custom-loss.md). If the call raises after some global batches stepped (a loss that
         raises in global batch 2), their optimizer steps are kept and the LR scheduler steps as
         after a successful call (once per call that applied a step, as NeMo-RL's worker);
-        the gradients are freed either way.
+        the gradients are freed either way. ``adapter`` (a `lora_cfg.adapters` name) trains
+        that adapter with its own optimizer state; it stays the active one.
         """
         skip = tuple(check_dim_skip_keys or ())
         with agreed_checks(self.state.parallel, what="train"):  # all ranks refuse, or none
+            adapters.check_name(self.state, adapter)
             batch = training.check_train_call(
                 self.state, data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, skip=skip
             )
+        adapters.select(self.state, adapter)
         return training.train(self.state, batch, loss_fn, eval_mode=eval_mode, skip=skip)
 
     # ------------------------------------------------------------------------------ inference
@@ -173,6 +182,7 @@ class PolicyWorker(data_plane_calls.DataPlaneCalls, NeMoRLWorkerSurface, Checkpo
         *,
         entropy: bool = False,
         top_k: int | None = None,
+        adapter: str | None = None,
     ) -> BatchedDataDict:
         """fp32 [B, S] logprobs: 0 at column 0 and at positions >= input_lengths.
 
@@ -180,12 +190,15 @@ class PolicyWorker(data_plane_calls.DataPlaneCalls, NeMoRLWorkerSurface, Checkpo
         ``entropy=True`` adds fp32 [B, S] ``"entropy"``, the entropy (nats) of each next-token
         distribution ``softmax(logits / temperature)`` on the logprobs' positions (0 where they
         are 0; sampling's top-k/top-p do not apply); ``top_k=k`` adds ``"topk_logits"`` /
-        ``"topk_indices"`` [B, S, k], equal to ``get_topk_logits(data, k)``.
+        ``"topk_indices"`` [B, S, k], equal to ``get_topk_logits(data, k)``. ``adapter``: as
+        in `train` (it becomes the active adapter).
         """
         inference.check_extra_scores(entropy, top_k)
         with agreed_checks(self.state.parallel, what="get_logprobs"):  # all refuse, or none
+            adapters.check_name(self.state, adapter)
             data = mbatch.validate(self.state, data)
             self.state.moe.check_replay_data(data, require=require_router_replay)
+        adapters.select(self.state, adapter)
         return inference.logprobs(
             self.state,
             data,
@@ -205,9 +218,17 @@ class PolicyWorker(data_plane_calls.DataPlaneCalls, NeMoRLWorkerSurface, Checkpo
 
     @contextlib.contextmanager
     def use_reference_model(self) -> Iterator[None]:
-        """Swap the reference weights in place; restore the policy weights even on error."""
-        with inference.reference_model(self.state):
+        """Swap the reference weights in place (or, with `lora_cfg.reference: base`, switch the
+        adapters off); restore the policy weights even on error."""
+        base = adapters.base_is_reference(self.state)
+        with (adapters.base_reference if base else inference.reference_model)(self.state):
             yield
+
+    def select_adapter(self, adapter: str) -> None:
+        """Make `adapter` (a `lora_cfg.adapters` name) the model's adapter: the one refits,
+        `save_checkpoint` and calls without ``adapter=`` use."""
+        adapters.check_name(self.state, adapter)
+        adapters.select(self.state, adapter)
 
     def get_topk_logits(
         self, data: Mapping[str, Any], k: int, micro_batch_size: int | None = None
@@ -260,61 +281,14 @@ class PolicyWorker(data_plane_calls.DataPlaneCalls, NeMoRLWorkerSurface, Checkpo
         """Drop the shared logits storage (handles returned earlier stop being valid)."""
         inference.release_ipc_buffer(self.state)
 
-    # ------------------------------------------------------------------------------ offload
-
-    def move_buffer_to_device(
-        self, model: torch.nn.Module, device: str | torch.device
-    ) -> torch.nn.Module:
-        """Move `model`'s buffers (not its parameters) to `device`; returns `model`."""
-        return offload.move_buffers(self.state, model, device)
-
-    def move_to_device(self, model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
-        """Move `model`'s buffers and parameters to `device` ("cuda" without CUDA: the CPU)."""
-        return offload.move_model(self.state, model, device)
-
-    def move_to_cuda(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move `model` to the worker's device and return cached accelerator blocks."""
-        return offload.to_device(self.state, model)
-
-    def move_to_cpu(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move `model` to the CPU and return cached accelerator blocks."""
-        return offload.to_cpu(self.state, model)
-
-    def move_optimizer_to_device(self, device: str | torch.device) -> None:
-        """Move the optimizer state tensors to `device` (nothing without an optimizer)."""
-        offload.move_optimizer(self.state, device)
-
-    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
-        """Model and optimizer state onto the device, train mode (NeMo-RL passes arguments its
-        drivers share with other backends; none changes what this does)."""
-        offload.prepare_for_training(self.state)
-
-    def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
-        """Model onto the device, eval mode; the optimizer state goes to the CPU when
-        `offload_optimizer_for_logprob` is set and `keep_train_buffers` is False."""
-        offload.prepare_for_lp_inference(self.state, keep_train_buffers)
-
-    def finish_inference(self) -> None:
-        """Model to the CPU, eval mode."""
-        offload.finish_inference(self.state)
-
-    def finish_training(self) -> None:
-        """Nothing to release (grads are freed at the end of every train() call)."""
-
-    def offload_before_refit(self) -> None:
-        """Optimizer state to the CPU before a refit (the weights stay: the refit reads them)."""
-        offload.offload_before_refit(self.state)
-
-    def offload_after_refit(self) -> None:
-        """Model and optimizer state to the CPU after a refit, freeing the device."""
-        offload.offload_after_refit(self.state)
-
     # ------------------------------------------------------------------------------ refit
 
-    def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    def prepare_refit_info(
+        self, *, adapter_only: bool = False
+    ) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """{hf_name: (shape, dtype)} in send order (the dtypes every refit sends); global
-        (unsharded) shapes on every rank."""
-        return refit_calls.refit_info(self.state)
+        (unsharded) shapes on every rank. ``adapter_only``: those of an adapter-only refit."""
+        return refit_calls.refit_info(self.state, adapter_only=adapter_only)
 
     def get_zmq_address(self) -> str:
         """The address rank 0's receiver connects to (every rank has one; only rank 0 sends)."""
@@ -327,6 +301,7 @@ class PolicyWorker(data_plane_calls.DataPlaneCalls, NeMoRLWorkerSurface, Checkpo
         *,
         timeout_s: float = 120.0,
         one_pass: bool = False,
+        adapter_only: bool = False,
     ) -> dict[str, Any] | None:
         """One colocated refit over ZMQ + CUDA IPC (shared memory on CPU); the receiver's report.
 
@@ -338,10 +313,11 @@ class PolicyWorker(data_plane_calls.DataPlaneCalls, NeMoRLWorkerSurface, Checkpo
         ``one_pass=True`` casts the weights straight into the memory a receiver built with
         ``HFWeightReceiver(..., one_pass=True)`` registered (no staging; docs/refit-protocol.md,
         "One-pass refits"); a receiver that did not register refuses it with ``RefitError``.
+        ``adapter_only=True`` sends the LoRA tensors alone under PEFT's names, into a receiver
+        built on ``peft_load_weights`` (`shell.refit.adapter_refit`).
         """
-        return refit_calls.stream_via_zmq(
-            self.state, buffer_size_bytes, kv_scales, timeout_s=timeout_s, one_pass=one_pass
-        )
+        opts = {"timeout_s": timeout_s, "one_pass": one_pass, "adapter_only": adapter_only}
+        return refit_calls.stream_via_zmq(self.state, buffer_size_bytes, kv_scales, **opts)
 
     def init_collective(
         self, ip: str, port: int, world_size: int, *, train_world_size: int

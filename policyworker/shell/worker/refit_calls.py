@@ -46,9 +46,16 @@ def zmq_sender(state: WorkerState) -> Any:
     return state.refit.sender
 
 
-def refit_info(state: WorkerState) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """{hf_name: (shape, dtype)} in send order; global (unsharded) shapes on every rank."""
+def refit_info(
+    state: WorkerState, *, adapter_only: bool = False
+) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """{hf_name: (shape, dtype)} in send order; global (unsharded) shapes on every rank.
+    ``adapter_only``: the LoRA tensors alone, under PEFT's names (`adapter_refit`)."""
     state.reshard()
+    if adapter_only:
+        from policyworker.shell.refit.adapter_refit import adapter_refit_info
+
+        return adapter_refit_info(state.model)
     return zmq_sender(state).prepare_refit_info()
 
 
@@ -59,20 +66,30 @@ def stream_via_zmq(
     *,
     timeout_s: float,
     one_pass: bool = False,
+    adapter_only: bool = False,
 ) -> dict[str, Any] | None:
     """One colocated refit over ZMQ + CUDA IPC (shared memory on CPU); the receiver's report.
 
     The arguments are checked once, then every rank walks the weights once (the walk gathers
     a sharded model's tensors) and rank 0 alone sends them. If rank 0's send fails, every rank
     still finishes its walk, so the others are released, and every rank raises (rank 0 with
-    the transport's error).
+    the transport's error). ``adapter_only`` streams the LoRA tensors alone (staged, not
+    one-pass: the receiver's PEFT adapter is not a registered arena).
     """
+    from policyworker.shell.refit.adapter_refit import adapter_stream
     from policyworker.shell.refit.sender import check_stream_args
 
     check_stream_args(buffer_size_bytes, kv_scales, timeout_s, one_pass=one_pass)
+    if adapter_only and (one_pass or not state.lora_module_names):
+        msg = (
+            f"adapter_only=True (one_pass={one_pass}, LoRA modules: "
+            f"{len(state.lora_module_names)}) needs a LoRA worker and one_pass=False; refit the "
+            "full weights otherwise"
+        )
+        raise ValueError(msg)
     state.reshard()
     sender = zmq_sender(state)  # on every rank (it opens no socket until rank 0 sends)
-    stream = sender.weight_stream()
+    stream = adapter_stream(state.model) if adapter_only else sender.weight_stream()
     sources = _Draining(stream.sources)
     sharded = state.parallel.world_size > 1
     report, failed = None, 0

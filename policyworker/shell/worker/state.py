@@ -20,6 +20,7 @@ import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
+import policyworker.shell.worker.adapters as adapters_lib
 from policyworker.config import PolicyConfig, validate_for_world
 from policyworker.functional.dtypes import precision_dtype
 from policyworker.functional.logprob_kernels import EAGER_KERNELS, LogprobKernels
@@ -32,6 +33,7 @@ from policyworker.shell.model.moe import MoeRouting
 from policyworker.shell.model.optim import build_optimizer, build_scheduler
 from policyworker.shell.parallel import plans as parallel_lib
 from policyworker.shell.parallel.context import ParallelContext
+from policyworker.shell.worker.adapters import AdapterBank
 from policyworker.shell.worker.cpu_precision import warn_if_slow_cpu_precision
 from policyworker.shell.worker.draft import DraftTrainer
 
@@ -72,6 +74,7 @@ class WorkerState:
     moe: MoeRouting  # MoE router hooks: gate-bias load counting, router replay
     draft: DraftTrainer  # draft co-training (inert without policy.draft)
     reference_state: dict[str, torch.Tensor] | None = None
+    adapters: AdapterBank | None = None  # the parked adapters of `lora_cfg.adapters`
     refit: RefitState = attrs.Factory(RefitState)
     saver: AsyncSaver = attrs.Factory(AsyncSaver)
     logits_buffer: TeacherLogitsBuffer | None = None
@@ -144,7 +147,8 @@ class WorkerState:
                 build_optimizer=build_optimizer if init_optimizer else None,
             ),
         )
-        state.reference_state = state.snapshot() if init_reference_model else None
+        copy_reference = init_reference_model and not adapters_lib.base_is_reference(state)
+        state.reference_state = state.snapshot() if copy_reference else None
         if weights_path is not None or optimizer_path is not None:
             from policyworker.shell.checkpoint.api import load_checkpoint_at_init
 
@@ -152,6 +156,7 @@ class WorkerState:
                 state, weights_path, optimizer_path, weights_loaded=weights_folder is not None
             )
             state.draft.load_beside(weights_path, optimizer_path)
+        state.adapters = adapters_lib.build_bank(state)
         return state
 
     def require_running(self, call: str) -> None:
