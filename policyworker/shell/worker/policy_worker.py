@@ -115,6 +115,12 @@ class PolicyWorker(NeMoRLWorkerSurface):
             log.info("%s", startup_summary(self.state, name=type(self).__name__))
 
     @property
+    def policy_version(self) -> int:
+        """Optimizer steps applied since the worker was built: the version per-token
+        ``generation_versions`` are measured against (see `functional.staleness`)."""
+        return self.state.policy_version
+
+    @property
     def _sampling(self) -> tuple[float, int | None, float]:
         """(temperature, top_k, top_p) logprobs are computed under right now."""
         return attrs.astuple(self.state.sampling)
