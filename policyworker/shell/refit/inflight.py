@@ -30,7 +30,7 @@ from policyworker.errors import RefitError, RefitTimeoutError
 from policyworker.functional.buckets import TensorSpec
 from policyworker.shell.refit.receiver import HFWeightReceiver
 from policyworker.shell.refit.watchdog import check_timeout_s
-from policyworker.shell.refit.weight_applier import WeightApplier
+from policyworker.shell.refit.weight_applier import LoadWeights, WeightApplier
 from policyworker.shell.refit.zmq.receiver import ReceiverClosedError
 
 __all__ = ["InflightWeights", "Swap"]
@@ -53,6 +53,9 @@ class _Staged:
 class InflightWeights:
     """Stage ZMQ refits of ``module`` in the background; ``swap()`` makes the newest one live.
 
+    ``module`` is a HF module (the swap copies into its tensors) or a ``load_weights(pairs)``
+    callable (the swap hands it the staged version; vLLM's layerwise loader, for example).
+
     ``start()`` begins serving refits on a daemon thread (every wait bounded by ``timeout_s``;
     an idle wait simply waits again); ``close()`` stops it. ``failures`` counts refits that
     failed midway (``last_error`` says why); none of them changed the serving weights.
@@ -60,7 +63,7 @@ class InflightWeights:
 
     def __init__(
         self,
-        module: nn.Module,
+        module: nn.Module | LoadWeights,
         *,
         address: str,
         refit_info: Mapping[str, Any],
