@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         "real vLLM engine refit through vLLM's weight-sync calls (pip install "
         "'policyworker[vllm]')",
     )
+    demo.add_argument(
+        "--async",
+        dest="inflight",
+        action="store_true",
+        help="stream each refit while the HF inference process samples (swapped in between "
+        "two decode steps); each step prints the version lag and the stall",
+    )
     sub.add_parser("info", help="versions, devices, attention kernels and transports")
     bench = sub.add_parser("bench", help="run the bench/ modules and print one table")
     bench_runner.add_arguments(bench)
@@ -164,6 +171,7 @@ def _demo_exit_code(args: argparse.Namespace) -> int:
         plot=args.plot,
         timeout_s=args.timeout,
         engine=args.engine,
+        inflight=args.inflight,
     )
     try:
         result = run_demo(opts)

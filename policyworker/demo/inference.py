@@ -11,10 +11,12 @@ Requests (op, payload) -> replies ("ok", payload) or ("error", message):
   receiver; with ``inflight`` an `InflightWeights` that stages every refit in the background
   while this process samples (the trainer then just streams; no `refit` request).
 - `refit` {}: serve one refit; reply {version, num_bytes, num_tensors}.
-- `generate` {prompts, response_len, seed, score_micro_batch_size}: sample `response_len`
+- `generate` {prompts, response_len, seed, score_micro_batch_size, score_version?, timeout_s?}:
+  sample `response_len`
   tokens per prompt row at temperature 1 (no KV cache; an in-flight receiver's staged version
   is swapped in between two decode steps), then score the whole rows with a plain HF forward +
-  fp32 log_softmax under the newest version; reply {responses, generation_logprobs,
+  fp32 log_softmax under the newest version (in flight: first wait for refit
+  ``score_version``); reply {responses, generation_logprobs,
   generation_versions (each token's weight version), swaps [(version, seconds)],
   served_version, logprobs}.
 - `close` {}: exit.
@@ -240,6 +242,12 @@ def _generate_reply(model: torch.nn.Module, payload: dict[str, Any], receiver: A
     sampled = generate_tagged(
         model, prompts, payload["response_len"], payload["seed"], weights=inflight
     )
+    if inflight is not None and payload.get("score_version"):
+        # the trainer's refit still streaming when sampling ended: score under it, not before
+        version = payload["score_version"]
+        if not inflight.wait(received=version, timeout_s=payload.get("timeout_s", 120.0)):
+            msg = f"refit {version} did not arrive (received {inflight.received})"
+            raise InferenceError(msg)
     if inflight is not None and (swap := inflight.swap()) is not None:  # score the newest
         sampled = attrs.evolve(sampled, swaps=(*sampled.swaps, swap))
     ids = torch.cat([prompts, sampled.tokens], dim=1).to(next(model.parameters()).device)
