@@ -2,8 +2,12 @@
 
 A background thread serves ZMQ refits into an atomic receiver's staging (the transfer) while
 the owner keeps decoding; between two decode steps the owner calls ``swap()``, which copies the
-newest complete staged version into the live module. The copy is the only stall a request sees;
-the transfer runs beside the decoding. A transfer failing midway never reaches the staging slot,
+newest complete staged version into the live module: when every refit name is a whole parameter
+of the module (same shape and dtype) the swap re-points those parameters at the staged tensors
+and copies nothing; otherwise it copies through the module's checkpoint layout. The swap is the
+only stall a request sees; the transfer runs beside the decoding. (A re-pointed parameter has
+new storage: anything that captured the old pointers, such as a CUDA graph, must not be used
+with this module.) A transfer failing midway never reaches the staging slot,
 so the previous version keeps serving and the thread waits for the next refit.
 
 Versions: ``version`` is the number of refits received complete when the serving weights
@@ -50,6 +54,25 @@ class _Staged:
     pairs: list[tuple[str, torch.Tensor]]
 
 
+def _whole_parameters(
+    module: nn.Module | LoadWeights, refit_info: Mapping[str, Any]
+) -> dict[str, nn.Parameter] | None:
+    """{refit name: the parameter it is, whole} when every refit name is one parameter of
+    ``module`` with the refit's shape and dtype (a swap then re-points them at the staged
+    tensors); None otherwise (a callable, buffers, fused or sliced destinations: the swap
+    copies through the module's checkpoint layout)."""
+    if not isinstance(module, nn.Module):
+        return None
+    params = dict(module.named_parameters(remove_duplicate=False))
+    found = {}
+    for name, (shape, dtype) in refit_info.items():
+        param = params.get(name)
+        if param is None or tuple(param.shape) != tuple(shape) or param.dtype != dtype:
+            return None
+        found[name] = param
+    return found
+
+
 class InflightWeights:
     """Stage ZMQ refits of ``module`` in the background; ``swap()`` makes the newest one live.
 
@@ -71,6 +94,7 @@ class InflightWeights:
     ) -> None:
         check_timeout_s("timeout_s", timeout_s)
         self._live = WeightApplier(module, refit_info, atomic=False)
+        self._params = _whole_parameters(module, refit_info)
         self._specs: tuple[TensorSpec, ...] = tuple(self._live.manifest_specs())
         # atomic + a callable target: every tensor is copied into staging as it arrives, and the
         # callable is given those staged copies (owned from then on) only once all arrived
@@ -152,9 +176,19 @@ class InflightWeights:
         if staged is None:
             return None
         start = time.perf_counter()
-        self._live.begin(self._specs)
-        self._live.apply_batch(staged.pairs)
-        self._live.commit(num_buckets=1)
+        params = self._params
+        if params is not None and all(t.device == params[n].device for n, t in staged.pairs):
+            retired = []
+            with torch.no_grad():  # every name is a whole parameter: re-point, copy nothing
+                for name, tensor in staged.pairs:
+                    retired.append(params[name].data)
+                    params[name].data = tensor
+            # freeing the old version (one munmap per large tensor) is no part of the stall
+            threading.Thread(target=retired.clear, name="inflight-free", daemon=True).start()
+        else:
+            self._live.begin(self._specs)
+            self._live.apply_batch(staged.pairs)
+            self._live.commit(num_buckets=1)
         self.version = staged.version
         return Swap(staged.version, time.perf_counter() - start)
 

@@ -93,6 +93,7 @@ def test_refit_during_generation_swaps_between_decode_steps(setup):
     trainer, serving, sender, weights, versions = setup
     _next_version(trainer, versions, seed=1)
     box, started = {}, {}
+    embed_ptr = serving.model.embed_tokens.weight.data_ptr()
 
     def between(t):
         if t == 3:  # the transfer starts while decode steps 3.. keep sampling
@@ -109,6 +110,7 @@ def test_refit_during_generation_swaps_between_decode_steps(setup):
     assert 3 <= switch <= 9  # sampling went on while the transfer ran
     assert [s.version for s in sampled.swaps] == [1]
     assert sampled.swaps[0].seconds < 5
+    assert serving.model.embed_tokens.weight.data_ptr() != embed_ptr  # re-pointed, not copied
     _check_token_versions(sampled, versions)
     assert all(
         torch.equal(a, b)
@@ -212,3 +214,31 @@ def test_the_inference_process_tags_tokens_and_reports_swaps(tiny_model_paths):
     assert [v for v, _ in first["swaps"]] == [1] and first["served_version"] == 1
     assert bool((torch.tensor(second["generation_versions"]) == 1).all())
     assert second["swaps"] == []
+
+
+def test_a_version_in_another_dtype_is_swapped_by_a_casting_copy(tiny_model_paths):
+    trainer, serving = _load(tiny_model_paths["llama"]), _load(tiny_model_paths["llama"])
+    _next_version(trainer, {}, seed=6)
+    sender = RefitSender(lambda: trainer, torch.bfloat16)  # bf16 refit into an fp32 module
+    weights = InflightWeights(
+        serving,
+        address=sender.get_zmq_address(),
+        refit_info=sender.prepare_refit_info(),
+        timeout_s=30,
+    )
+    weights.start()
+    try:
+        ptr = serving.model.embed_tokens.weight.data_ptr()
+        box = {}
+        _send_in_thread(sender, box).join(30)
+        assert "error" not in box, box
+        assert weights.swap().version == 1
+        assert serving.model.embed_tokens.weight.data_ptr() == ptr  # copied in place
+        for (name, got), want in zip(
+            serving.state_dict().items(), trainer.state_dict().values(), strict=True
+        ):
+            assert got.dtype == torch.float32
+            assert torch.equal(got, want.to(torch.bfloat16).float()), name
+    finally:
+        weights.close()
+        sender.close()
