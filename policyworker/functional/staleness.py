@@ -10,7 +10,7 @@ worker's policy version counts the optimizer steps it applied (see
 Shape legend: ``B`` rows, ``S`` padded length, ``T = S - 1``. All functions are pure.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ __all__ = [
     "VERSION_KEYS",
     "check_generation_versions",
     "fresh_token_mask",
+    "token_versions",
     "version_lag",
     "version_lag_stats",
 ]
@@ -107,3 +108,13 @@ def _within_lengths(data: Mapping[str, Any]) -> Tensor:
     ids = data["input_ids"]
     columns = torch.arange(ids.shape[1], device=ids.device)[None]
     return (columns >= 1) & (columns < data["input_lengths"].to(ids.device)[:, None])
+
+
+def token_versions(num_tokens: int, swaps: Sequence[tuple[int, int]], initial: int) -> list[int]:
+    """The weight version of each of a request's ``num_tokens`` output tokens: ``initial`` until
+    the first swap; ``swaps`` holds ``(output tokens sampled before the swap, version after it)``
+    in swap order (an engine reports the count per running request at each swap)."""
+    versions = [initial] * num_tokens
+    for before, version in swaps:
+        versions[max(before, 0) :] = [version] * max(num_tokens - max(before, 0), 0)
+    return versions

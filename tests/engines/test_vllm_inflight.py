@@ -1,10 +1,11 @@
-"""Refits in flight into a real vLLM engine (CPU, fp32, engine core in this process): the trainer
-streams into the worker's staging while the engine keeps stepping; the swap is one
-``collective_rpc`` between two engine steps.
+"""Refits in flight into a real vLLM engine (CPU, fp32), driven through the trainer-side adapter
+``VllmInflightRefit``: the trainer streams into the worker's staging while the engine keeps
+stepping; the swap is one ``collective_rpc`` between two engine steps.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so this test decides
 which steps run before and after the swap; the worker's receiving thread runs beside them. Every
-generated token is checked against the HF logprobs of the version that sampled it.
+generated token's version (``token_versions``) is checked against the HF logprobs of that
+version.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from tests.engines.vllm_helpers import (
 require_vllm()
 
 from policyworker.demo.options import VLLM_FP32_TOLERANCE  # noqa: E402
-from policyworker.shell.engines.vllm import encode_refit_info, engine_kwargs  # noqa: E402
+from policyworker.shell.engines.vllm import engine_kwargs  # noqa: E402
+from policyworker.shell.engines.vllm_inflight import VllmInflightRefit  # noqa: E402
 from policyworker.shell.refit.sender import RefitSender  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -74,16 +76,11 @@ def _model(model_dir, seed):
 @contextlib.contextmanager
 def _inflight(llm, model):
     sender = RefitSender(lambda: model, torch.float32)
-    init = {
-        "address": sender.get_zmq_address(),
-        "refit_info": encode_refit_info(sender.prepare_refit_info()),
-        "timeout_s": 30.0,
-    }
-    llm.collective_rpc("policyworker_connect_inflight", args=(init,))
+    refit = VllmInflightRefit(llm, sender, timeout_s=30.0)
     try:
-        yield sender
+        yield refit
     finally:
-        llm.collective_rpc("policyworker_close")
+        refit.close()
         sender.close()
 
 
@@ -107,23 +104,22 @@ def _run_to_end(llm, results):
                 results[out.request_id] = (ids, lps)
 
 
-def _swap_counts(reply, tag):
-    """{our request id: output tokens sampled before the swap}."""
-    return {
-        rid.rsplit("-", 1)[0]: n for rid, n in reply["output_tokens"].items() if rid.startswith(tag)
-    }
+def _cut(refit, rid, n, *, added, finished):
+    """Where the request's tokens turn from the previous version to the new one."""
+    versions = refit.token_versions(rid, n, added=added, finished=finished)
+    cut = versions.index(finished) if finished in versions else n
+    assert versions == [added] * cut + [finished] * (n - cut), versions
+    return cut
 
 
-def _refit_while_stepping(llm, sender, steps_before=3):
-    """Step the engine while the sender streams (from its own thread); the steps taken during
+def _refit_while_stepping(llm, refit, steps_before=3):
+    """Step the engine while the refit streams (from its own thread); the steps taken during
     the transfer."""
     box = {}
 
     def send():
         try:
-            box["report"] = sender.stream_weights_via_ipc_zmq(
-                buffer_size_bytes=1 << 16, timeout_s=30
-            )
+            box["report"] = refit.stage(buffer_size_bytes=1 << 16)
         except Exception as exc:  # surfaced below
             box["error"] = exc
 
@@ -151,25 +147,21 @@ def _assert_tokens_of(model, prompt, ids, lps, start, stop, *, same: bool):
 @pytest.mark.parametrize("kv", ["kept", "recomputed"])
 def test_refit_during_generation_swaps_between_engine_steps(llm, model_dir, kv):
     old, new = _model(model_dir, 31), _model(model_dir, 32)
-    with _inflight(llm, old) as sender:  # version 1: the old weights, before any request
-        box, _ = _refit_while_stepping(llm, sender, steps_before=0)
-        assert llm.collective_rpc("policyworker_swap")[0]["version"] == 1
-    with _inflight(llm, new) as sender:
+    with _inflight(llm, old) as refit:  # the old weights, before any request
+        box, _ = _refit_while_stepping(llm, refit, steps_before=0)
+        assert refit.swap()["version"] == 1
+    with _inflight(llm, new) as refit:
         tag, results = f"{kv}-", {}
         _add_requests(llm, tag, max_tokens=40)
-        box, stepped = _refit_while_stepping(llm, sender)
+        box, stepped = _refit_while_stepping(llm, refit)
         assert "error" not in box, box
         assert stepped >= 1  # the engine stepped while the transfer ran
-        reply = llm.collective_rpc("policyworker_swap")[0]
+        reply = refit.swap(recompute_kv=kv == "recomputed")
         assert reply["swapped"]["version"] == 1 and reply["failures"] == 0
-        if kv == "recomputed":
-            assert llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
         _run_to_end(llm, results)
-    counts = _swap_counts(reply, tag)
-    assert set(counts) == {f"{tag}{i}" for i in range(len(PROMPTS))}
     for i, prompt in enumerate(PROMPTS):
         ids, lps = results[f"{tag}{i}"]
-        cut = counts[f"{tag}{i}"]
+        cut = _cut(refit, f"{tag}{i}", len(ids), added=0, finished=1)
         assert cut == 3 + stepped  # one token per step: prefill, then decode steps
         _assert_tokens_of(old, prompt, ids, lps, 0, cut, same=True)
         if kv == "recomputed":  # new weights over a recomputed cache: the new version exactly
@@ -180,10 +172,11 @@ def test_refit_during_generation_swaps_between_engine_steps(llm, model_dir, kv):
 
 def test_a_refit_killed_midway_keeps_the_engine_generating_on_the_previous_version(llm, model_dir):
     old, new = _model(model_dir, 41), _model(model_dir, 42)
-    with _inflight(llm, old) as sender:
-        _refit_while_stepping(llm, sender, steps_before=0)
-        llm.collective_rpc("policyworker_swap")
-    with _inflight(llm, new) as sender:
+    with _inflight(llm, old) as refit:
+        _refit_while_stepping(llm, refit, steps_before=0)
+        refit.swap()
+    with _inflight(llm, new) as refit:
+        sender = refit.sender
         original = sender._zmq().stream
 
         def failing_stream(specs, plan, sources, **kwargs):
@@ -197,24 +190,22 @@ def test_a_refit_killed_midway_keeps_the_engine_generating_on_the_previous_versi
         sender._zmq().stream = failing_stream
         tag, results = "killed-", {}
         _add_requests(llm, tag, max_tokens=30)
-        box, _ = _refit_while_stepping(llm, sender)
+        box, _ = _refit_while_stepping(llm, refit)
         assert isinstance(box.get("error"), OSError)
         for _ in range(100):  # the worker's thread notices the abort within a few steps
-            reply = llm.collective_rpc("policyworker_swap")[0]
+            reply = refit.swap()
             if reply["failures"]:
                 break
             llm.llm_engine.step()
         assert reply["failures"] == 1 and reply["swapped"] is None and reply["version"] == 0
         sender._zmq().stream = original
-        box, _ = _refit_while_stepping(llm, sender, steps_before=1)
+        box, _ = _refit_while_stepping(llm, refit, steps_before=1)
         assert "error" not in box, box
-        reply = llm.collective_rpc("policyworker_swap")[0]
+        reply = refit.swap(recompute_kv=True)
         assert reply["swapped"]["version"] == 1
-        assert llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
         _run_to_end(llm, results)
-    counts = _swap_counts(reply, tag)
     for i, prompt in enumerate(PROMPTS):
         ids, lps = results[f"{tag}{i}"]
-        cut = counts[f"{tag}{i}"]
+        cut = _cut(refit, f"{tag}{i}", len(ids), added=0, finished=1)
         _assert_tokens_of(old, prompt, ids, lps, 0, cut, same=True)
         _assert_tokens_of(new, prompt, ids, lps, cut, len(ids), same=True)

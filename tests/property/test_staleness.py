@@ -13,6 +13,7 @@ from policyworker.functional.loss import ClippedPGLossFn
 from policyworker.functional.staleness import (
     check_generation_versions,
     fresh_token_mask,
+    token_versions,
     version_lag,
     version_lag_stats,
 )
@@ -149,3 +150,17 @@ def test_counted_positions_is_what_the_lag_stats_read():
     lag = version_lag(data["generation_versions"], data["policy_version"])
     stats = version_lag_stats(lag, counted_positions(data))
     assert stats == {"max_version_lag": 2.0, "mean_version_lag": 1.5, "version_lag_tokens": 2.0}
+
+
+@given(
+    n=st.integers(0, 12),
+    cuts=st.lists(st.integers(0, 14), max_size=4),
+    initial=st.integers(0, 3),
+)
+def test_token_versions_follow_the_swaps_in_order(n, cuts, initial):
+    swaps = [(cut, initial + k + 1) for k, cut in enumerate(sorted(cuts))]
+    versions = token_versions(n, swaps, initial)
+    assert len(versions) == n
+    for i, version in enumerate(versions):
+        applied = [v for cut, v in swaps if cut <= i]
+        assert version == (applied[-1] if applied else initial)
