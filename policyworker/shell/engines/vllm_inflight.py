@@ -12,8 +12,9 @@ before it; ``token_versions(request_id, n)`` turns those counts into the version
 request's ``n`` output tokens (``functional.staleness.token_versions``). Versions count the
 refits this connection staged (0: the weights the engine served when it connected).
 
-Tested with ``LLM`` and its engine core in the trainer's process stepped by the caller; an
-``AsyncLLM`` reaches the same worker methods through its ``collective_rpc`` (not tested here).
+Works with ``LLM`` (its engine core in the trainer's process, stepped by the caller) and with
+``AsyncLLM`` (``connect=False``, then ``aconnect`` / ``aswap`` / ``aclose``): its engine core
+keeps stepping in its own process and runs the swap between two steps.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ __all__ = ["VllmInflightRefit"]
 class VllmInflightRefit:
     """Connects ``llm`` (built with ``engine_kwargs()``) to ``sender`` for refits in flight."""
 
-    def __init__(self, llm: Any, sender: Any, *, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, llm: Any, sender: Any, *, timeout_s: float = 120.0, connect: bool = True
+    ) -> None:
         if not timeout_s > 0:
             msg = f"timeout_s {timeout_s} must be > 0 seconds; every wait of a refit is bounded"
             raise ValueError(msg)
@@ -38,12 +41,17 @@ class VllmInflightRefit:
         self.llm, self.sender, self.timeout_s = llm, sender, timeout_s
         self.version = 0
         self._swaps: list[tuple[dict[str, int], int]] = []  # (output tokens per request, version)
-        init = {
+        self._init = {
             "address": sender.get_zmq_address(),
             "refit_info": encode_refit_info(sender.prepare_refit_info()),
             "timeout_s": timeout_s,
         }
-        llm.collective_rpc("policyworker_connect_inflight", args=(init,))
+        if connect:  # an AsyncLLM: connect=False, then `await aconnect()`
+            llm.collective_rpc("policyworker_connect_inflight", args=(self._init,))
+
+    async def aconnect(self) -> None:
+        """``AsyncLLM``: connect the worker (the constructor did not, with connect=False)."""
+        await self.llm.collective_rpc("policyworker_connect_inflight", args=(self._init,))
 
     def stage(self, **stream_kwargs: Any) -> dict[str, Any]:
         """Stream the sender's current weights into the engine's staging (the engine keeps
@@ -54,12 +62,24 @@ class VllmInflightRefit:
         """Make the newest staged version serve from the next engine step; the worker's reply
         (``swapped``: None when nothing new was staged, else its version and seconds;
         ``failures``: refits that failed midway, none of which changed the serving weights)."""
-        reply = self.llm.collective_rpc("policyworker_swap")[0]
+        reply = self._swapped(self.llm.collective_rpc("policyworker_swap")[0])
+        if reply["swapped"] is not None and recompute_kv:
+            self.llm.reset_prefix_cache(reset_running_requests=True)
+        return reply
+
+    async def aswap(self, *, recompute_kv: bool = False) -> dict[str, Any]:
+        """``swap`` on an ``AsyncLLM`` (its engine core runs the rpc between two steps). With
+        ``recompute_kv`` the engine may run a step between the swap and the preemption: those
+        tokens see the new weights over the old cache."""
+        reply = self._swapped((await self.llm.collective_rpc("policyworker_swap"))[0])
+        if reply["swapped"] is not None and recompute_kv:
+            await self.llm.reset_prefix_cache(reset_running_requests=True)
+        return reply
+
+    def _swapped(self, reply: dict[str, Any]) -> dict[str, Any]:
         if reply["swapped"] is not None:
             self.version = reply["version"]
             self._swaps.append((_by_request(reply["output_tokens"]), self.version))
-            if recompute_kv:
-                self.llm.reset_prefix_cache(reset_running_requests=True)
         return reply
 
     def token_versions(
@@ -85,6 +105,10 @@ class VllmInflightRefit:
     def close(self) -> None:
         """Stop the worker's receiving thread."""
         self.llm.collective_rpc("policyworker_close")
+
+    async def aclose(self) -> None:
+        """``close`` on an ``AsyncLLM``."""
+        await self.llm.collective_rpc("policyworker_close")
 
 
 def _by_request(counts: dict[str, int]) -> dict[str, int]:
