@@ -121,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         "real vLLM engine refit through vLLM's weight-sync calls (pip install "
         "'policyworker[vllm]')",
     )
+    demo.add_argument(
+        "--async",
+        dest="inflight",
+        action="store_true",
+        help="stream each refit while the HF inference process samples (swapped in between "
+        "two decode steps); each step prints the version lag and the stall",
+    )
     grpo = sub.add_parser(
         "grpo",
         help="a GRPO run from one YAML (policy, loss_fn, grpo, data, env, generation, ...)",
@@ -179,6 +186,7 @@ def _demo_exit_code(args: argparse.Namespace) -> int:
         plot=args.plot,
         timeout_s=args.timeout,
         engine=args.engine,
+        inflight=args.inflight,
     )
     try:
         result = run_demo(opts)

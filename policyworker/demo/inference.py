@@ -7,11 +7,18 @@ fp32 logprobs as Python floats, which round-trip exactly); model weights never d
 arrives through `HFWeightReceiver` from the trainer's ZMQ refit stream.
 
 Requests (op, payload) -> replies ("ok", payload) or ("error", message):
-- `connect` {address, refit_info (`encode_refit_info`'s form), timeout_s}: build the receiver.
+- `connect` {address, refit_info (`encode_refit_info`'s form), timeout_s, inflight?}: build the
+  receiver; with ``inflight`` an `InflightWeights` that stages every refit in the background
+  while this process samples (the trainer then just streams; no `refit` request).
 - `refit` {}: serve one refit; reply {version, num_bytes, num_tensors}.
-- `generate` {prompts, response_len, seed, score_micro_batch_size, temperature (optional, 1)}:
-  sample `response_len` tokens per prompt row (no KV cache), then score the whole rows with a plain
-  HF forward + fp32 log_softmax; reply {responses, generation_logprobs, logprobs}.
+- `generate` {prompts, response_len, seed, score_micro_batch_size, temperature? (1),
+  score_version?, timeout_s?}: sample `response_len` tokens per prompt row at `temperature`
+  (no KV cache; an in-flight receiver's staged version
+  is swapped in between two decode steps), then score the whole rows with a plain HF forward +
+  fp32 log_softmax under the newest version (in flight: first wait for refit
+  ``score_version``); reply {responses, generation_logprobs,
+  generation_versions (each token's weight version), swaps [(version, seconds)],
+  served_version, logprobs}.
 - `close` {}: exit.
 """
 
@@ -22,14 +29,18 @@ import multiprocessing
 import multiprocessing.connection
 import signal
 import threading
-from collections.abc import Iterator
-from typing import Any, cast
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
+import attrs
 import torch
 
 from policyworker.functional.dtypes import decode_refit_info
 
-__all__ = ["InferenceError", "InferenceProcess", "serve"]
+if TYPE_CHECKING:  # the refit stack (zmq) loads in the inference process, not the trainer's
+    from policyworker.shell.refit.inflight import InflightWeights, Swap
+
+__all__ = ["InferenceError", "InferenceProcess", "Sampled", "generate_tagged", "serve"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -90,18 +101,57 @@ def _generate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample `response_len` tokens per row at `temperature`; returns ([N, Lr] tokens, [N, S]
     sampler logprobs, of the temperature-scaled distribution)."""
+    sampled = generate_tagged(model, prompts_NL, response_len, seed, temperature=temperature)
+    return sampled.tokens, sampled.generation_logprobs
+
+
+@attrs.frozen
+class Sampled:
+    """One generation: ``tokens`` [N, Lr], ``generation_logprobs`` [N, S] (prompt columns 0),
+    ``versions`` [N, S] int64 (the weight version that sampled each token; prompt columns carry
+    the first sampled token's) and the ``swaps`` made between its decode steps."""
+
+    tokens: torch.Tensor
+    generation_logprobs: torch.Tensor
+    versions: torch.Tensor
+    swaps: tuple[Swap, ...]
+
+
+@torch.no_grad()
+def generate_tagged(
+    model: torch.nn.Module,
+    prompts_NL: torch.Tensor,
+    response_len: int,
+    seed: int,
+    *,
+    weights: InflightWeights | None = None,
+    between_steps: Callable[[int], None] | None = None,
+    temperature: float = 1.0,
+) -> Sampled:
+    """Sample `response_len` tokens per row at `temperature` (no KV cache: every step reads the
+    whole prefix, so a swap needs no cache recomputed); before each decode step,
+    ``between_steps(t)`` runs, then ``weights.swap()`` makes a staged version live."""
     g = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     ids = prompts_NL.to(device)
     n, lp = prompts_NL.shape
     gen_lp = torch.zeros(n, lp + response_len, dtype=torch.float32)
+    versions = torch.zeros(n, lp + response_len, dtype=torch.int64)
+    swaps: list[Swap] = []
     for t in range(response_len):
+        if between_steps is not None:
+            between_steps(t)
+        if weights is not None and (swap := weights.swap()) is not None:
+            swaps.append(swap)
         logits = model(input_ids=ids, use_cache=False).logits[:, -1].float().cpu()
         logp = torch.log_softmax(logits / temperature, dim=-1)
         tok = torch.multinomial(logp.exp(), 1, generator=g)
         gen_lp[:, lp + t] = logp.gather(-1, tok)[:, 0]
+        versions[:, lp + t] = weights.version if weights is not None else 0
         ids = torch.cat([ids, tok.to(device)], dim=1)
-    return ids[:, lp:].cpu(), gen_lp
+    first = versions[:, lp : lp + 1] if response_len else versions[:, :1]
+    versions[:, :lp] = first
+    return Sampled(ids[:, lp:].cpu(), gen_lp, versions, tuple(swaps))
 
 
 def serve(
@@ -118,8 +168,6 @@ def serve(
     still runs (its end of the pipe closing, or its exit, ends the loop)."""
     torch.set_num_threads(1)
     _quiet_transformers()
-    from policyworker.shell.refit.receiver import HFWeightReceiver
-
     try:
         model = _load_model(model_dir, device, dtype_name)
     except Exception as exc:  # reported to the trainer, which raises InferenceError
@@ -141,38 +189,12 @@ def serve(
                 break
             try:
                 if op == "connect":
-                    receiver = HFWeightReceiver(
-                        model,
-                        address=payload["address"],
-                        refit_info=decode_refit_info(payload["refit_info"]),
-                        timeout_s=payload["timeout_s"],
-                    )
+                    receiver = _connect(model, payload)
                     reply: dict[str, Any] = {}
                 elif op == "refit":
-                    if receiver is None:
-                        raise InferenceError("refit before connect; send connect first")
-                    report = receiver.receive()
-                    reply = {
-                        "version": report.version,
-                        "num_bytes": report.num_bytes,
-                        "num_tensors": report.num_tensors,
-                    }
+                    reply = _refit(receiver)
                 elif op == "generate":
-                    prompts = torch.tensor(payload["prompts"], dtype=torch.int64)
-                    responses, gen_lp = _generate(
-                        model,
-                        prompts,
-                        payload["response_len"],
-                        payload["seed"],
-                        payload.get("temperature", 1.0),
-                    )
-                    ids = torch.cat([prompts, responses], dim=1).to(next(model.parameters()).device)
-                    scored = _logprobs_of_rows(model, ids, payload["score_micro_batch_size"])
-                    reply = {
-                        "responses": responses.tolist(),
-                        "generation_logprobs": gen_lp.tolist(),
-                        "logprobs": scored.tolist(),
-                    }
+                    reply = _generate_reply(model, payload, receiver)
                 else:
                     raise InferenceError(f"unknown op {op!r}")
                 conn.send(("ok", reply))
@@ -182,6 +204,73 @@ def serve(
         if receiver is not None:
             receiver.close()
         conn.close()
+
+
+def _connect(model: torch.nn.Module, payload: dict[str, Any]) -> Any:
+    """The receiver `connect` asks for: in-place (refits wait for `refit`), or with
+    ``inflight`` an `InflightWeights` serving refits in the background from now on."""
+    info = decode_refit_info(payload["refit_info"])
+    if payload.get("inflight"):
+        from policyworker.shell.refit.inflight import InflightWeights
+
+        weights = InflightWeights(
+            model, address=payload["address"], refit_info=info, timeout_s=payload["timeout_s"]
+        )
+        weights.start()
+        return weights
+    from policyworker.shell.refit.receiver import HFWeightReceiver
+
+    return HFWeightReceiver(
+        model, address=payload["address"], refit_info=info, timeout_s=payload["timeout_s"]
+    )
+
+
+def _refit(receiver: Any) -> dict[str, Any]:
+    """Serve one refit (in-place receiver); an in-flight one serves them by itself."""
+    if receiver is None:
+        raise InferenceError("refit before connect; send connect first")
+    if not hasattr(receiver, "receive"):
+        msg = "refit: this receiver serves refits in flight (connect inflight=True); just send"
+        raise InferenceError(msg)
+    report = receiver.receive()
+    return {
+        "version": report.version,
+        "num_bytes": report.num_bytes,
+        "num_tensors": report.num_tensors,
+    }
+
+
+def _generate_reply(model: torch.nn.Module, payload: dict[str, Any], receiver: Any) -> dict:
+    """Sample (swapping in-flight versions between decode steps), then score the rows with the
+    weights serving at the end."""
+    prompts = torch.tensor(payload["prompts"], dtype=torch.int64)
+    inflight = receiver if receiver is not None and hasattr(receiver, "swap") else None
+    sampled = generate_tagged(
+        model,
+        prompts,
+        payload["response_len"],
+        payload["seed"],
+        weights=inflight,
+        temperature=payload.get("temperature", 1.0),
+    )
+    if inflight is not None and payload.get("score_version"):
+        # the trainer's refit still streaming when sampling ended: score under it, not before
+        version = payload["score_version"]
+        if not inflight.wait(received=version, timeout_s=payload.get("timeout_s", 120.0)):
+            msg = f"refit {version} did not arrive (received {inflight.received})"
+            raise InferenceError(msg)
+    if inflight is not None and (swap := inflight.swap()) is not None:  # score the newest
+        sampled = attrs.evolve(sampled, swaps=(*sampled.swaps, swap))
+    ids = torch.cat([prompts, sampled.tokens], dim=1).to(next(model.parameters()).device)
+    scored = _logprobs_of_rows(model, ids, payload["score_micro_batch_size"])
+    return {
+        "responses": sampled.tokens.tolist(),
+        "generation_logprobs": sampled.generation_logprobs.tolist(),
+        "generation_versions": sampled.versions.tolist(),
+        "swaps": [(s.version, s.seconds) for s in sampled.swaps],
+        "served_version": inflight.version if inflight is not None else None,
+        "logprobs": scored.tolist(),
+    }
 
 
 def _trainer_alive() -> bool:

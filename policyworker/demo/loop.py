@@ -77,6 +77,16 @@ def _check_vllm_options(opts: DemoOptions) -> None:
         raise ValueError(msg)
 
 
+def _check_async_options(opts: DemoOptions) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if opts.inflight and (opts.engine != "hf" or opts.tp != 1 or world != 1):
+        msg = (
+            f"--async runs one trainer process with the HF inference process (got --engine "
+            f"{opts.engine}, --tp {opts.tp}, WORLD_SIZE {world}); drop the others or --async"
+        )
+        raise ValueError(msg)
+
+
 def run_demo(
     opts: DemoOptions, *, out: TextIO | None = None, err: TextIO | None = None
 ) -> DemoResult:
@@ -101,6 +111,7 @@ def run_demo(
     vllm = opts.engine == "vllm"
     if vllm:
         _check_vllm_options(opts)
+    _check_async_options(opts)
     # Before joining the process group: transformers' save_pretrained writes only on rank 0 of
     # an initialised group, and every rank saves (and later loads) its own identical copy.
     with _model_folder(
@@ -167,6 +178,9 @@ def _run_on_ray(opts: DemoOptions, *, out: TextIO, err: TextIO, startup: Startup
             f"--ray with --engine {opts.engine}: the Ray demo feeds the embedded HF engine; "
             f"drop --engine or --ray"
         )
+        raise ValueError(msg)
+    if opts.inflight:
+        msg = "--async with --ray: the Ray demo refits between steps; drop --async or --ray"
         raise ValueError(msg)
     if opts.ray % opts.tp:
         msg = f"--ray {opts.ray} workers do not split into --tp {opts.tp} groups; use a multiple"

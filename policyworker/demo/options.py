@@ -106,6 +106,7 @@ class DemoOptions:
     plot: str | None = None
     timeout_s: float = field(default=120.0, validator=gt(0))
     engine: Literal["hf", "vllm"] = field(default="hf", validator=in_(ENGINES))
+    inflight: bool = False  # --async: refit while the HF inference process samples
     task: TargetTokenTask = TargetTokenTask()
 
 

@@ -6,6 +6,9 @@ Each step runs the calls of a colocated RL loop in their real order::
     -> generate (inference process) -> prepare_for_lp_inference -> get_logprobs
     -> get_reference_policy_logprobs -> prepare_for_training -> train (ClippedPGLossFn + KL)
 
+With ``--async`` (`demo.async_steps`) the refit streams while the rollouts are sampled and
+each step line adds the trained tokens' version lag and the longest swap stall.
+
 After each refit the trainer's `get_logprobs` of the new rollouts is compared with the rollout
 source's own logprobs of the same rows (`max_dlogp`); with vLLM also NeMo-RL's
 `token_mult_prob_error`.
@@ -18,6 +21,7 @@ from typing import Any, TextIO
 
 import torch
 
+from policyworker.demo.async_steps import inflight_rollout, policy_versions, stall_ms
 from policyworker.demo.options import DemoOptions, DemoResult, parity_tolerance
 from policyworker.demo.report import (
     ProgressBar,
@@ -71,6 +75,7 @@ def connect_refit(
             address=worker.get_zmq_address(),
             refit_info=encode_refit_info(refit_info),
             timeout_s=opts.timeout_s,
+            inflight=opts.inflight,
         )
     startup.done("refit connected; step 1 starts")
 
@@ -126,13 +131,14 @@ def train_steps(
     refit_ms: list[float] = []
     dlogp: list[float] = []
     mult_errors: list[float] = []
+    sent: list[int] = []  # --async: the policy version each refit carried
     try:
         for step in range(1, opts.steps + 1):
             worker.offload_before_refit()
             t0 = time.perf_counter()
             if vllm:  # vLLM's four weight-sync calls around the worker's stream
                 infer.refit()
-            else:
+            elif not opts.inflight:  # --async: the refit streams while sampling, below
                 if rank0:
                     infer.request("refit")
                 worker.stream_weights_via_ipc_zmq(timeout_s=opts.timeout_s)
@@ -142,7 +148,11 @@ def train_steps(
             worker.offload_after_refit()
 
             rollout = None
-            if vllm:
+            if opts.inflight:
+                rollout, refit_ms[-1] = inflight_rollout(
+                    worker, infer, opts, step=step, sent=sent, rows=task.num_rollouts // dp_size
+                )
+            elif vllm:
                 prompts = task.grouped(task.prompts(seed=opts.seed, step=step))
                 responses, gen_lp = infer.generate(
                     prompts, task.response_len, seed=opts.seed * 100_003 + step
@@ -170,6 +180,8 @@ def train_steps(
             full = build_train_batch(
                 task, prompts, responses, advantages, torch.tensor(rollout["generation_logprobs"])
             )
+            if opts.inflight:
+                full["generation_versions"] = policy_versions(rollout["generation_versions"], sent)
             data = {k: v[local] for k, v in full.items()}
 
             worker.prepare_for_lp_inference()
@@ -191,17 +203,20 @@ def train_steps(
             rewards.append(float(rewards_N.mean()))
             if bar is not None:  # rank 0 only: the bar exists exactly there
                 bar.clear()
-                out.write(
-                    step_line(
-                        step,
-                        reward=rewards[-1],
-                        kl=kls[-1],
-                        refit_ms=refit_ms[-1],
-                        max_dlogp=dlogp[-1],
-                        mult_prob_error=mult_errors[-1] if vllm else None,
-                    )
-                    + "\n"
+                line = step_line(
+                    step,
+                    reward=rewards[-1],
+                    kl=kls[-1],
+                    refit_ms=refit_ms[-1],
+                    max_dlogp=dlogp[-1],
+                    mult_prob_error=mult_errors[-1] if vllm else None,
                 )
+                if opts.inflight:
+                    line += (
+                        f"  lag max {metrics['max_version_lag']:.0f} mean "
+                        f"{metrics['mean_version_lag']:.2f}  stall {stall_ms(rollout):.2f} ms"
+                    )
+                out.write(line + "\n")
                 out.flush()
                 bar.update(step, f"reward {rewards[-1]:.2f}")
     finally:

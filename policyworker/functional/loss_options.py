@@ -110,6 +110,11 @@ class ClippedPGConfig:
     ``"tis"`` (what older NeMo-RL configs, which had no type key, meant); bad values raise
     ``ConfigError`` at construction instead of asserting at the first call; unknown keys are
     errors (NeMo-RL's pydantic model allows extras).
+
+    ``max_version_lag`` (ours, null by default): with per-token ``generation_versions`` in the
+    batch, tokens whose version lag (``policy_version - generation_versions``) exceeds it are
+    masked out of the loss; they still count in ``global_valid_toks`` / ``global_valid_seqs``
+    (as icepop's masked tokens do), so a microbatch's loss never grows by dropping tokens.
     """
 
     disable_ppo_ratio: bool = _kind("a bool", False)
@@ -131,6 +136,7 @@ class ClippedPGConfig:
     force_on_policy_ratio: bool = _kind("a bool", False)
     use_cispo: bool = _kind("a bool", False)
     positive_example_nll_weight: float = _kind("a number", 0.0)
+    max_version_lag: float | None = _kind("a number or null", None)
 
     @classmethod
     def from_mapping(cls, cfg: Any) -> "ClippedPGConfig":
@@ -168,6 +174,13 @@ class ClippedPGConfig:
             self.positive_example_nll_weight >= 0,
             f"positive_example_nll_weight must be >= 0, got {self.positive_example_nll_weight} "
             f"@ loss_fn.positive_example_nll_weight",
+        )
+        lag = self.max_version_lag
+        _check(
+            p,
+            lag is None or (lag >= 0 and float(lag).is_integer()),
+            f"max_version_lag must be a whole number >= 0 or null, got {lag}; 0 keeps only "
+            f"tokens sampled by the weights being trained @ loss_fn.max_version_lag",
         )
         p += self._truncation_problems() + self._cispo_problems()
         if p:

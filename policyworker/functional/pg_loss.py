@@ -35,6 +35,7 @@ from policyworker.functional.loss_terms import (
     sanitize,
     truncate_importance_weights,
 )
+from policyworker.functional.staleness import fresh_token_mask, version_lag
 
 __all__ = ["ClippedPGLossFn"]
 
@@ -121,6 +122,8 @@ class ClippedPGLossFn:
             keys.append("prev_logprobs")
         if self.reference_policy_kl_penalty != 0:
             keys.append("reference_policy_logprobs")
+        if self.cfg.max_version_lag is not None:
+            keys.append("generation_versions")
         return tuple(keys)
 
     def __call__(
@@ -285,6 +288,9 @@ class _PGInputs:
     ) -> "_PGInputs":
         owner = "ClippedPGLossFn"
         token_mask_BT, sample_mask_B, mask_BT = masks_from_data(data, curr_BT, owner)
+        if loss_fn.cfg.max_version_lag is not None:
+            fresh_BT = _fresh_tokens(data, curr_BT, int(loss_fn.cfg.max_version_lag), owner)
+            token_mask_BT, mask_BT = token_mask_BT * fresh_BT, mask_BT * fresh_BT
         keep_BT = mask_BT != 0
 
         def per_token(key: str) -> Tensor:
@@ -317,3 +323,20 @@ class _PGInputs:
             ref_BT=ref_BT,
             curr_unfiltered_BT=curr_unf_BT,
         )
+
+
+def _fresh_tokens(data: Mapping[str, Any], curr_BT: Tensor, max_lag: int, owner: str) -> Tensor:
+    """[B, T]: 1 where the token's version lag is at most ``max_lag`` (the worker fills
+    ``policy_version``; a direct caller passes it, one version per row)."""
+    versions_BS = require_tensor(data, "generation_versions", owner)
+    policy_B = require_tensor(data, "policy_version", owner)
+    B, T = curr_BT.shape
+    if tuple(versions_BS.shape) != (B, T + 1) or tuple(policy_B.shape) != (B,):
+        msg = (
+            f"{owner}: data['generation_versions'] must be {(B, T + 1)} and "
+            f"data['policy_version'] {(B,)}, got {tuple(versions_BS.shape)} and "
+            f"{tuple(policy_B.shape)}"
+        )
+        raise ValueError(msg)
+    lag_BT = version_lag(versions_BS, policy_B)[:, 1:]
+    return fresh_token_mask(lag_BT.to(curr_BT.device), max_lag, curr_BT)

@@ -21,6 +21,7 @@ from policyworker.functional.batch_checks.shapes import (
     require_token_ids_in_vocab,
 )
 from policyworker.functional.data_checks import check_loss_fn, train_required_keys, validate_batch
+from policyworker.functional.staleness import check_generation_versions
 
 __all__ = ["TrainBatch", "check_batch", "check_train_batch"]
 
@@ -83,7 +84,8 @@ def check_train_batch(
     """Check everything ``train(data, loss_fn, gbs=, mbs=)`` reads, once, before any work.
 
     The loss object, the keys the loss needs, shapes and dtypes, token ids in
-    ``[0, vocab_size)``, no empty row, the batch sizes (``gbs`` a multiple of ``dp_size``) and
+    ``[0, vocab_size)``, no empty row, per-token ``generation_versions`` (when given), the
+    batch sizes (``gbs`` a multiple of ``dp_size``) and
     the loss inputs (complex refused, per-sequence ``advantages`` broadcast; non-finite values
     are not refused but recorded per global batch in ``TrainBatch.untrusted``).
 
@@ -100,6 +102,7 @@ def check_train_batch(
         needed_by=f"train() with {type(loss_fn).__name__}",
     )
     require_nonempty_rows(checked["input_lengths"])
+    check_generation_versions(checked)
     gbs = batch_size_argument("gbs", gbs, default_gbs)
     mbs = batch_size_argument("mbs", mbs, default_mbs)
     if gbs % dp_size != 0:

@@ -35,6 +35,7 @@ from vllm.model_executor.model_loader.reload import (  # pyright: ignore[reportM
 from policyworker.errors import RefitError
 from policyworker.shell.engines.vllm import check_vllm_version, decode_refit_info, register_backend
 from policyworker.shell.engines.vllm_logs import silence_expected_vllm_noise
+from policyworker.shell.refit.inflight import InflightWeights
 from policyworker.shell.refit.receiver import HFWeightReceiver
 from policyworker.shell.refit.weight_stream import DRAFT_PREFIX
 
@@ -44,6 +45,7 @@ __all__ = [
     "ZmqInitInfo",
     "ZmqUpdateInfo",
     "layerwise_loader",
+    "inflight_for",
     "receiver_for",
     "with_drafter",
 ]
@@ -196,6 +198,43 @@ def receiver_for(
         ValueError: ``init`` lacks a key, or its refit_info carries ``draft.<name>`` tensors
             (a co-trained draft) and the engine has no drafter to put them in.
     """
+    load, info = _loader_for(model, model_config, init, drafter)
+    return HFWeightReceiver(
+        load,
+        address=init["address"],
+        refit_info=info,
+        atomic=True,
+        timeout_s=float(init.get("timeout_s", 120.0)),
+    )
+
+
+def inflight_for(
+    model: torch.nn.Module,
+    model_config: Any,
+    init: Mapping[str, Any],
+    *,
+    drafter: tuple[torch.nn.Module, Any] | None = None,
+) -> InflightWeights:
+    """`receiver_for`'s in-flight form: refits stage on a background thread while the engine
+    keeps stepping; ``swap()`` (between two engine steps) loads the newest through vLLM's
+    layerwise reload. Started; ``close()`` stops it."""
+    load, info = _loader_for(model, model_config, init, drafter)
+    weights = InflightWeights(
+        load,
+        address=init["address"],
+        refit_info=info,
+        timeout_s=float(init.get("timeout_s", 120.0)),
+    )
+    weights.start()
+    return weights
+
+
+def _loader_for(
+    model: torch.nn.Module,
+    model_config: Any,
+    init: Mapping[str, Any],
+    drafter: tuple[torch.nn.Module, Any] | None,
+) -> tuple[Any, dict[str, tuple[torch.Size, torch.dtype]]]:
     for key in ("address", "refit_info"):
         if key not in init:
             msg = (
@@ -217,13 +256,7 @@ def receiver_for(
         raise ValueError(msg)
     if draft_names and drafter is not None:
         load = with_drafter(load, *drafter)
-    return HFWeightReceiver(
-        load,
-        address=init["address"],
-        refit_info=info,
-        atomic=True,
-        timeout_s=float(init.get("timeout_s", 120.0)),
-    )
+    return load, info
 
 
 def _check_single_worker(world_size: int) -> None:
@@ -358,6 +391,37 @@ class PolicyWorkerVllmExtension:
         if receiver is not None:
             receiver.close()
             self._policyworker_receiver = None
+
+    def policyworker_connect_inflight(self, init_info: dict[str, Any]) -> None:
+        """Serve this trainer's refits in flight: each one stages on a background thread while
+        the engine keeps stepping; ``policyworker_swap`` makes the newest live."""
+        _check_single_worker(self.vllm_config.parallel_config.world_size)
+        self.policyworker_close()
+        model = self.model_runner.get_model()
+        self._policyworker_receiver = inflight_for(
+            model, self.vllm_config.model_config, init_info, drafter=self._policyworker_drafter()
+        )
+
+    def policyworker_swap(self) -> dict[str, Any]:
+        """Load the newest staged version (a collective_rpc runs between two engine steps);
+        the running requests keep their KV cache. ``swapped`` is None when nothing new was
+        staged; ``output_tokens`` is each running request's count of output tokens before the
+        swap (tokens from that index on are sampled by ``version``)."""
+        weights = getattr(self, "_policyworker_receiver", None)
+        if not isinstance(weights, InflightWeights):
+            raise RuntimeError("policyworker_swap before policyworker_connect_inflight")
+        counts = {
+            req_id: len(state.output_token_ids)
+            for req_id, state in getattr(self.model_runner, "requests", {}).items()
+        }
+        swap = weights.swap()
+        return {
+            "swapped": None if swap is None else {"version": swap.version, "seconds": swap.seconds},
+            "version": weights.version,
+            "received": weights.received,
+            "failures": weights.failures,
+            "output_tokens": counts if swap is not None else {},
+        }
 
 
 # pyright reads `vllm` as our sibling engines/vllm.py, which has no __version__.

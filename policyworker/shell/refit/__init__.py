@@ -5,6 +5,7 @@
     live_state.py      the state-dict walk a refit makes, without torch's per-module overhead
     hf_names.py        a model's checkpoint names and layout, asked of transformers
     receiver.py        HFWeightReceiver: the inference side applying a refit
+    inflight.py        InflightWeights: stage refits while sampling, swap between decode steps
     weight_applier.py  WeightApplier: check every batch against the manifest, then write it
     watchdog.py        a deadline that names the phase which ran past it
     zmq/               ZMQ + CUDA IPC / shared-memory transport (staged, ping-pong buffers)
@@ -21,6 +22,7 @@ from policyworker._lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(  # pyright: ignore[reportUnsupportedDunderAll]
     __name__,
     {
+        "InflightWeights": "policyworker.shell.refit.inflight",
         "RefitSender": "policyworker.shell.refit.sender",
         "RefitSource": "policyworker.shell.refit.weight_stream",
         "iter_refit_sources": "policyworker.shell.refit.weight_stream",

@@ -129,6 +129,12 @@ class PolicyWorker(
         return memory_calls.plan_for_state(self.state)
 
     @property
+    def policy_version(self) -> int:
+        """Optimizer steps applied since the worker was built: the version per-token
+        ``generation_versions`` are measured against (see `functional.staleness`)."""
+        return self.state.policy_version
+
+    @property
     def _sampling(self) -> tuple[float, int | None, float]:
         """(temperature, top_k, top_p) logprobs are computed under right now."""
         return attrs.astuple(self.state.sampling)

@@ -79,6 +79,9 @@ class WorkerState:
     saver: AsyncSaver = attrs.Factory(AsyncSaver)
     logits_buffer: TeacherLogitsBuffer | None = None
     shut_down: bool = False  # set by PolicyWorker.shutdown(): later batch and refit calls raise
+    # Optimizer steps applied since the worker was built: the version of its weights that
+    # per-token `generation_versions` are measured against (a batch may pin `policy_version`).
+    policy_version: int = 0
 
     @classmethod
     def build(

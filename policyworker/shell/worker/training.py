@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 import policyworker.shell.worker.microbatches as mbatch
 import policyworker.shell.worker.scoring_loop as scoring_loop
-from policyworker.functional import batch_checks, batching
+from policyworker.functional import batch_checks, batching, staleness
 from policyworker.functional.distillation import distillation_loss_input
 from policyworker.functional.logprobs import count_and_zero_neg_inf
 from policyworker.functional.loss_protocol import (
@@ -79,6 +79,9 @@ def check_train_call(
             "'sdpa' for training on CPU (flex_attention works for inference)"
         )
         raise ValueError(msg)
+    if "generation_versions" in data and "policy_version" not in data:
+        rows = len(data["generation_versions"])
+        data = {**data, "policy_version": torch.full((rows,), state.policy_version)}
     batch = batch_checks.check_train_batch(
         data,
         loss_fn,
@@ -126,7 +129,7 @@ def train(
     plans = _plan_global_batches(state, batch, num_gb)
     set_training_mode(state.model, not eval_mode)
     grad_ctx = torch.no_grad() if eval_mode else contextlib.nullcontext()
-    losses, all_mb_metrics = [], {}
+    losses, all_mb_metrics, lag_stats = [], {}, []
     grad_norm, skipped, steps = None, 0, _Steps()
     try:
         with (
@@ -137,9 +140,12 @@ def train(
         ):
             for g in range(num_gb):
                 rows = slice(g * local_gbs, (g + 1) * local_gbs)
+                gb_data = _at_version({k: v[rows] for k, v in batch.data.items()}, steps.applied)
+                if "generation_versions" in gb_data:
+                    lag_stats.append(_version_lag(gb_data))
                 out = _train_global_batch(
                     state,
-                    {k: v[rows] for k, v in batch.data.items()},
+                    gb_data,
                     loss_fn,
                     eval_mode=eval_mode,
                     plans=plans[g],
@@ -171,6 +177,37 @@ def train(
         "model_dtype": state.dtype,
         "skipped_steps": skipped,
         **_speed(state, batch.data["input_lengths"][: num_gb * local_gbs], start),
+        **(_lag_metrics(state, lag_stats) if "generation_versions" in batch.data else {}),
+    }
+
+
+def _at_version(data: dict[str, Any], applied: int) -> dict[str, Any]:
+    """A global batch trains under the call's starting policy version plus the optimizer steps
+    this call applied before it; its rows' ``policy_version`` says so."""
+    if "policy_version" in data and applied:
+        data["policy_version"] = data["policy_version"] + applied
+    return data
+
+
+def _version_lag(data: Mapping[str, Any]) -> dict[str, float]:
+    lag = staleness.version_lag(data["generation_versions"], data["policy_version"])
+    return staleness.version_lag_stats(lag, batch_checks.counted_positions(data))
+
+
+def _lag_metrics(state: WorkerState, stats: list[dict[str, float]]) -> dict[str, float]:
+    """``max_version_lag`` and ``mean_version_lag`` of the tokens trained, over all dp ranks
+    (policy version minus each token's version)."""
+    tokens = sum(s["version_lag_tokens"] for s in stats)
+    lag_sum = sum(s["mean_version_lag"] * s["version_lag_tokens"] for s in stats)
+    totals = torch.tensor([lag_sum, tokens], dtype=torch.float64)
+    dev = state.parallel._collective_device()
+    lag_sum, tokens = state.parallel.all_reduce(totals.to(dev), axis="dp").cpu().tolist()
+    worst = state.parallel.all_reduce_int(
+        int(max((s["max_version_lag"] for s in stats), default=0)), op="max", axis="dp"
+    )
+    return {
+        "max_version_lag": float(worst),
+        "mean_version_lag": lag_sum / tokens if tokens else 0.0,
     }
 
 
@@ -330,6 +367,7 @@ def _train_global_batch(
     else:
         grad_norm, skipped = _optimizer_step(state, finite)
         steps.applied += int(not skipped)
+        state.policy_version += int(not skipped)
     state.moe.finish_step(applied=not skipped)
     state.draft.finish_step(applied=not skipped)
     for i, m in enumerate(mb_metrics):

@@ -1,0 +1,200 @@
+"""Refits of a module that keeps sampling: ``InflightWeights``.
+
+A background thread serves ZMQ refits into an atomic receiver's staging (the transfer) while
+the owner keeps decoding; between two decode steps the owner calls ``swap()``, which copies the
+newest complete staged version into the live module: when every refit name is a whole parameter
+of the module (same shape and dtype) the swap re-points those parameters at the staged tensors
+and copies nothing; otherwise it copies through the module's checkpoint layout. The swap is the
+only stall a request sees; the transfer runs beside the decoding. (A re-pointed parameter has
+new storage: anything that captured the old pointers, such as a CUDA graph, must not be used
+with this module.) A transfer failing midway never reaches the staging slot,
+so the previous version keeps serving and the thread waits for the next refit.
+
+Versions: ``version`` is the number of refits received complete when the serving weights
+arrived (0: the weights the module was built with). A trainer that refits once after every
+optimizer step therefore tags each token with its own ``policy_version`` of those weights. A
+version overtaken by a newer one before a swap is never served.
+
+On a GPU the staging copies run on the receiving thread's stream; this module makes no stream
+of its own, so there they overlap decoding only as far as the device schedules them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from policyworker.errors import RefitError, RefitTimeoutError
+from policyworker.functional.buckets import TensorSpec
+from policyworker.shell.refit.receiver import HFWeightReceiver
+from policyworker.shell.refit.watchdog import check_timeout_s
+from policyworker.shell.refit.weight_applier import LoadWeights, WeightApplier
+from policyworker.shell.refit.zmq.receiver import ReceiverClosedError
+
+__all__ = ["InflightWeights", "Swap"]
+
+
+@attrs.frozen
+class Swap:
+    """One swap between decode steps: the version now serving and how long the copy took."""
+
+    version: int
+    seconds: float
+
+
+@attrs.frozen
+class _Staged:
+    version: int
+    pairs: list[tuple[str, torch.Tensor]]
+
+
+def _whole_parameters(
+    module: nn.Module | LoadWeights, refit_info: Mapping[str, Any]
+) -> dict[str, nn.Parameter] | None:
+    """{refit name: the parameter it is, whole} when every refit name is one parameter of
+    ``module`` with the refit's shape and dtype (a swap then re-points them at the staged
+    tensors); None otherwise (a callable, buffers, fused or sliced destinations: the swap
+    copies through the module's checkpoint layout)."""
+    if not isinstance(module, nn.Module):
+        return None
+    params = dict(module.named_parameters(remove_duplicate=False))
+    found = {}
+    for name, (shape, dtype) in refit_info.items():
+        param = params.get(name)
+        if param is None or tuple(param.shape) != tuple(shape) or param.dtype != dtype:
+            return None
+        found[name] = param
+    return found
+
+
+class InflightWeights:
+    """Stage ZMQ refits of ``module`` in the background; ``swap()`` makes the newest one live.
+
+    ``module`` is a HF module (the swap copies into its tensors) or a ``load_weights(pairs)``
+    callable (the swap hands it the staged version; vLLM's layerwise loader, for example).
+
+    ``start()`` begins serving refits on a daemon thread (every wait bounded by ``timeout_s``;
+    an idle wait simply waits again); ``close()`` stops it. ``failures`` counts refits that
+    failed midway (``last_error`` says why); none of them changed the serving weights.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | LoadWeights,
+        *,
+        address: str,
+        refit_info: Mapping[str, Any],
+        timeout_s: float = 120.0,
+    ) -> None:
+        check_timeout_s("timeout_s", timeout_s)
+        self._live = WeightApplier(module, refit_info, atomic=False)
+        self._params = _whole_parameters(module, refit_info)
+        self._specs: tuple[TensorSpec, ...] = tuple(self._live.manifest_specs())
+        # atomic + a callable target: every tensor is copied into staging as it arrives, and the
+        # callable is given those staged copies (owned from then on) only once all arrived
+        self._receiver = HFWeightReceiver(
+            self._stage, address=address, refit_info=refit_info, atomic=True, timeout_s=timeout_s
+        )
+        self._cond = threading.Condition()
+        self._pending: _Staged | None = None
+        self._received = 0
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.version = 0
+        self.failures = 0
+        self.last_error: BaseException | None = None
+
+    @property
+    def received(self) -> int:
+        """Refits received complete so far (the newest staged or serving version)."""
+        with self._cond:
+            return self._received
+
+    def start(self) -> None:
+        """Serve refits on a background thread until ``close()``."""
+        if self._thread is not None:
+            msg = "InflightWeights.start() was already called; one serving thread per receiver"
+            raise ValueError(msg)
+        self._thread = threading.Thread(target=self._serve, name="inflight-refit", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                self._receiver.receive()
+            except ReceiverClosedError:
+                return
+            except RefitTimeoutError as exc:
+                if self._receiver_mid_refit(exc):
+                    self._failed(exc)
+            except (RefitError, OSError, ValueError) as exc:  # the previous version still serves
+                self._failed(exc)
+
+    @staticmethod
+    def _receiver_mid_refit(exc: RefitTimeoutError) -> bool:
+        return "phase 'begin'" not in str(exc)  # an idle wait for the next refit is no failure
+
+    def _failed(self, exc: BaseException) -> None:
+        with self._cond:
+            self.failures += 1
+            self.last_error = exc
+            self._cond.notify_all()
+
+    def _stage(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        with self._cond:
+            self._received += 1
+            self._pending = _Staged(self._received, list(pairs))
+            self._cond.notify_all()
+
+    def wait(self, *, received: int = 0, failures: int = 0, timeout_s: float) -> bool:
+        """Wait until at least ``received`` refits arrived complete and ``failures`` failed;
+        False when ``timeout_s`` passes first."""
+        check_timeout_s("timeout_s", timeout_s)
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._received >= received and self.failures >= failures,
+                timeout=timeout_s,
+            )
+
+    @property
+    def pending(self) -> bool:
+        """A complete version is staged and waits for ``swap()``."""
+        with self._cond:
+            return self._pending is not None
+
+    def swap(self) -> Swap | None:
+        """Make the newest staged version live (call it between decode steps, from the thread
+        that decodes); None when nothing new is staged."""
+        with self._cond:
+            staged, self._pending = self._pending, None
+        if staged is None:
+            return None
+        start = time.perf_counter()
+        params = self._params
+        if params is not None and all(t.device == params[n].device for n, t in staged.pairs):
+            retired = []
+            with torch.no_grad():  # every name is a whole parameter: re-point, copy nothing
+                for name, tensor in staged.pairs:
+                    retired.append(params[name].data)
+                    params[name].data = tensor
+            # freeing the old version (one munmap per large tensor) is no part of the stall
+            threading.Thread(target=retired.clear, name="inflight-free", daemon=True).start()
+        else:
+            self._live.begin(self._specs)
+            self._live.apply_batch(staged.pairs)
+            self._live.commit(num_buckets=1)
+        self.version = staged.version
+        return Swap(staged.version, time.perf_counter() - start)
+
+    def close(self) -> None:
+        """Stop serving (from any thread); a refit in progress is dropped."""
+        self._closed = True
+        self._receiver.close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)

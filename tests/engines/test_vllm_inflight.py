@@ -1,0 +1,211 @@
+"""Refits in flight into a real vLLM engine (CPU, fp32), driven through the trainer-side adapter
+``VllmInflightRefit``: the trainer streams into the worker's staging while the engine keeps
+stepping; the swap is one ``collective_rpc`` between two engine steps.
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so this test decides
+which steps run before and after the swap; the worker's receiving thread runs beside them. Every
+generated token's version (``token_versions``) is checked against the HF logprobs of that
+version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+
+from tests.engines.vllm_helpers import (
+    ENGINE_ENV,
+    PROMPTS,
+    TINY_LLAMA,
+    hf_continuation,
+    require_vllm,
+    tiny_model,
+)
+
+require_vllm()
+
+from policyworker.demo.options import VLLM_FP32_TOLERANCE  # noqa: E402
+from policyworker.shell.engines.vllm import engine_kwargs  # noqa: E402
+from policyworker.shell.engines.vllm_inflight import VllmInflightRefit  # noqa: E402
+from policyworker.shell.refit.sender import RefitSender  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("vllm_inflight") / "model"
+    tiny_model(LlamaConfig(**TINY_LLAMA), seed=0).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    from vllm import LLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {**ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+            mp.setenv(key, value)
+        engine = LLM(
+            model=model_dir,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=64,
+            skip_tokenizer_init=True,
+            seed=0,
+            max_num_seqs=32,
+            **engine_kwargs(),
+        )
+        try:
+            yield engine
+        finally:
+            engine.llm_engine.engine_core.shutdown()
+
+
+def _model(model_dir, seed):
+    from transformers import AutoConfig
+
+    return tiny_model(AutoConfig.from_pretrained(model_dir), seed)
+
+
+@contextlib.contextmanager
+def _inflight(llm, model):
+    sender = RefitSender(lambda: model, torch.float32)
+    refit = VllmInflightRefit(llm, sender, timeout_s=30.0)
+    try:
+        yield refit
+    finally:
+        refit.close()
+        sender.close()
+
+
+def _add_requests(llm, tag, max_tokens):
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True
+    )
+    for i, prompt in enumerate(PROMPTS):
+        llm.llm_engine.add_request(f"{tag}{i}", {"prompt_token_ids": list(prompt)}, params)
+
+
+def _run_to_end(llm, results):
+    while llm.llm_engine.has_unfinished_requests():
+        for out in llm.llm_engine.step():
+            if out.finished:
+                completion = out.outputs[0]
+                ids = list(completion.token_ids)
+                lps = [d[t].logprob for d, t in zip(completion.logprobs, ids, strict=True)]
+                results[out.request_id] = (ids, lps)
+
+
+def _cut(refit, rid, n, *, added, finished):
+    """Where the request's tokens turn from the previous version to the new one."""
+    versions = refit.token_versions(rid, n, added=added, finished=finished)
+    cut = versions.index(finished) if finished in versions else n
+    assert versions == [added] * cut + [finished] * (n - cut), versions
+    return cut
+
+
+def _refit_while_stepping(llm, refit, steps_before=3):
+    """Step the engine while the refit streams (from its own thread); the steps taken during
+    the transfer."""
+    box = {}
+
+    def send():
+        try:
+            box["report"] = refit.stage(buffer_size_bytes=1 << 16)
+        except Exception as exc:  # surfaced below
+            box["error"] = exc
+
+    for _ in range(steps_before):
+        llm.llm_engine.step()
+    thread = threading.Thread(target=send)
+    thread.start()
+    stepped = 0
+    while thread.is_alive():
+        llm.llm_engine.step()  # generation goes on during the transfer
+        stepped += 1
+        thread.join(0.001)
+    return box, stepped
+
+
+def _assert_tokens_of(model, prompt, ids, lps, start, stop, *, same: bool):
+    _, hf = hf_continuation(model, prompt, ids)
+    got, want = torch.tensor(lps[start:stop]), torch.tensor(hf[start:stop])
+    if same:
+        torch.testing.assert_close(got, want, rtol=0, atol=VLLM_FP32_TOLERANCE)
+    else:
+        assert bool(((got - want).abs() > 1e-3).all()), (got, want)
+
+
+@pytest.mark.parametrize("kv", ["kept", "recomputed"])
+def test_refit_during_generation_swaps_between_engine_steps(llm, model_dir, kv):
+    old, new = _model(model_dir, 31), _model(model_dir, 32)
+    with _inflight(llm, old) as refit:  # the old weights, before any request
+        box, _ = _refit_while_stepping(llm, refit, steps_before=0)
+        assert refit.swap()["version"] == 1
+    with _inflight(llm, new) as refit:
+        tag, results = f"{kv}-", {}
+        _add_requests(llm, tag, max_tokens=40)
+        box, stepped = _refit_while_stepping(llm, refit)
+        assert "error" not in box, box
+        assert stepped >= 1  # the engine stepped while the transfer ran
+        reply = refit.swap(recompute_kv=kv == "recomputed")
+        assert reply["swapped"]["version"] == 1 and reply["failures"] == 0
+        _run_to_end(llm, results)
+    for i, prompt in enumerate(PROMPTS):
+        ids, lps = results[f"{tag}{i}"]
+        cut = _cut(refit, f"{tag}{i}", len(ids), added=0, finished=1)
+        assert cut == 3 + stepped  # one token per step: prefill, then decode steps
+        _assert_tokens_of(old, prompt, ids, lps, 0, cut, same=True)
+        if kv == "recomputed":  # new weights over a recomputed cache: the new version exactly
+            _assert_tokens_of(new, prompt, ids, lps, cut, len(ids), same=True)
+        else:  # new weights over the old version's cache: neither version's full recompute
+            _assert_tokens_of(old, prompt, ids, lps, cut, len(ids), same=False)
+
+
+def test_a_refit_killed_midway_keeps_the_engine_generating_on_the_previous_version(llm, model_dir):
+    old, new = _model(model_dir, 41), _model(model_dir, 42)
+    with _inflight(llm, old) as refit:
+        _refit_while_stepping(llm, refit, steps_before=0)
+        refit.swap()
+    with _inflight(llm, new) as refit:
+        sender = refit.sender
+        original = sender._zmq().stream
+
+        def failing_stream(specs, plan, sources, **kwargs):
+            def sources_then_fail():
+                for _ in range(4):
+                    yield next(sources)
+                raise OSError("trainer killed mid-refit")
+
+            return original(specs, plan, sources_then_fail(), **kwargs)
+
+        sender._zmq().stream = failing_stream
+        tag, results = "killed-", {}
+        _add_requests(llm, tag, max_tokens=30)
+        box, _ = _refit_while_stepping(llm, refit)
+        assert isinstance(box.get("error"), OSError)
+        for _ in range(100):  # the worker's thread notices the abort within a few steps
+            reply = refit.swap()
+            if reply["failures"]:
+                break
+            llm.llm_engine.step()
+        assert reply["failures"] == 1 and reply["swapped"] is None and reply["version"] == 0
+        sender._zmq().stream = original
+        box, _ = _refit_while_stepping(llm, refit, steps_before=1)
+        assert "error" not in box, box
+        reply = refit.swap(recompute_kv=True)
+        assert reply["swapped"]["version"] == 1
+        _run_to_end(llm, results)
+    for i, prompt in enumerate(PROMPTS):
+        ids, lps = results[f"{tag}{i}"]
+        cut = _cut(refit, f"{tag}{i}", len(ids), added=0, finished=1)
+        _assert_tokens_of(old, prompt, ids, lps, 0, cut, same=True)
+        _assert_tokens_of(new, prompt, ids, lps, cut, len(ids), same=True)
