@@ -16,7 +16,14 @@ def _dry_run(target: str, tmp_path: Path) -> str:
     if shutil.which("make") is None:
         pytest.fail("make is not installed; the Makefile cannot be checked")
     run = subprocess.run(
-        ["make", "-n", target, f"VENV={tmp_path}/full", f"DEMO_VENV={tmp_path}/demo"],
+        [
+            "make",
+            "-n",
+            "--no-print-directory",
+            target,
+            f"VENV={tmp_path}/full",
+            f"DEMO_VENV={tmp_path}/demo",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

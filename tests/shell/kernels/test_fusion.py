@@ -352,7 +352,13 @@ def test_worker_auto_fusion_with_a_process_group_is_not_refused(tiny_model_paths
 
     monkeypatch.setattr(model_lib, "load_policy_model", loaded)
     two_ranks = types.SimpleNamespace(
-        tp_size=1, cp_size=1, dp_size=2, world_size=2, mesh=object(), device=torch.device("cpu")
+        tp_size=1,
+        cp_size=1,
+        dp_size=2,
+        world_size=2,
+        rank=0,
+        mesh=object(),
+        device=torch.device("cpu"),
     )
     with pytest.raises(LookupError, match="validation passed"):
         PolicyWorker(make_config(tiny_model_paths["llama"]), parallel=two_ranks)
