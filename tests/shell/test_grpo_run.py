@@ -70,7 +70,7 @@ def test_every_problem_is_listed_with_its_path_before_anything_starts(tmp_path):
     (tmp_path / "broken.py").write_text("raise RuntimeError('boom at import')\n")
     overrides = [
         "policy.train_micro_batch_size=x",
-        "loss_fn.ratio_clip_mn=0.2",
+        "+loss_fn.ratio_clip_mn=0.2",  # added as written: a typo the checks name
         "grpo.num_prompts_per_step=0",
         "env.reward_fn=broken:fn",
         "data.train_file=nope.jsonl",
@@ -223,7 +223,7 @@ def test_epochs_bound_the_steps_and_metadata_keys_pick_the_fields(
     from policyworker.grpo.loop import last_step
 
     path = _run_file(tmp_path, tiny_tokenizer_model_path)
-    run = load_run_config(path, ["grpo.max_num_epochs=1", "grpo.max_num_steps=100"])
+    run = load_run_config(path, ["++grpo.max_num_epochs=1", "grpo.max_num_steps=100"])
     assert last_step(run, 6) == 3  # 6 prompts, 2 per step, one epoch
     assert last_step(load_run_config(path), 6) == 4
     run = load_run_config(path, ["+data.metadata_keys=[tag, missing]"])
