@@ -74,8 +74,8 @@ def test_every_problem_is_listed_with_its_path_before_anything_starts(tmp_path):
         "grpo.num_prompts_per_step=0",
         "env.reward_fn=broken:fn",
         "data.train_file=nope.jsonl",
-        "generation.backend=sglang",
-        "checkpointing.metric_name=train:nothing",
+        "++generation.backend=sglang",
+        "++checkpointing.metric_name=train:nothing",
     ]
     with pytest.raises(ConfigError) as info:
         load_run_config(path, overrides)
@@ -236,4 +236,4 @@ def test_epochs_bound_the_steps_and_metadata_keys_pick_the_fields(
     assert data.metadata[0] == {"tag": "x", "missing": None}
     if importlib.util.find_spec("tensorboard") is None:
         with pytest.raises(ConfigError, match="tensorboard is not installed"):
-            load_run_config(path, ["logger.tensorboard_enabled=true"])
+            load_run_config(path, ["++logger.tensorboard_enabled=true"])
