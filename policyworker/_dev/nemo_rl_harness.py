@@ -11,6 +11,13 @@ becomes a stand-in that raises NotImplementedError when used, so one missing nam
 the tests that use it. Without CUDA, tensors and modules sent to "cuda" stay on the CPU and the
 test modules' own `torch.cuda.is_available()` reads True (policyworker's does not). Prints
 passed/failed/errors/skipped per test file and exits 0 (a report, not a gate).
+
+    python -m policyworker._dev.nemo_rl_harness <snapshot> --losses
+
+extracts NeMo-RL's loss package (`nemo_rl/algorithms/loss/*.py`, verbatim) instead, as a real
+`nemo_rl.algorithms.loss` package whose other `nemo_rl` imports the same hook resolves, and
+trains a tiny model through `PolicyWorker.train` with its `NLLLossFn`, `ClippedPGLossFn` and
+`DPOLossFn` (policyworker._dev.nemo_rl_losses): one line per loss, trained or failed and why.
 """
 
 from __future__ import annotations
@@ -32,17 +39,19 @@ TEST_FILES: tuple[str, ...] = (
     "tests/unit/data/packing/test_algorithms.py",
     "tests/unit/utils/test_config.py",
 )
+# NeMo-RL's loss package, extracted whole for `--losses`.
+LOSS_PACKAGE = "nemo_rl/algorithms/loss"
 _GIT_TIMEOUT_S = 60
 _PYTEST_TIMEOUT_S = 1800
 
-CONFTEST = '''
-"""Written by policyworker._dev.nemo_rl_harness: nemo_rl imports resolve to policyworker."""
+HOOK = '''
+"""Written by policyworker._dev.nemo_rl_harness: nemo_rl imports resolve to policyworker,
+but for NeMo-RL modules extracted beside this file, which are imported as they are."""
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import types
-
-import torch
 
 import policyworker.nemo_rl as faces
 import policyworker.nemo_rl.loss as loss_faces
@@ -77,15 +86,27 @@ def _resolve(module, name):
     return _NoFace(f"{module}.{name}")
 
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _on_disk(fullname):
+    return os.path.join(_HERE, *fullname.split("."))
+
+
 class _ShimFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path, target=None):
-        if fullname == "nemo_rl" or fullname.startswith("nemo_rl."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
+        if fullname != "nemo_rl" and not fullname.startswith("nemo_rl."):
+            return None
+        where = _on_disk(fullname)
+        if os.path.isfile(where + ".py") or os.path.isfile(os.path.join(where, "__init__.py")):
+            return None  # an extracted NeMo-RL module: the path finder imports it as it is
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
 
     def create_module(self, spec):
         module = types.ModuleType(spec.name)
-        module.__path__ = []
+        where = _on_disk(spec.name)
+        # a folder holding extracted modules is searched for them
+        module.__path__ = [where] if os.path.isdir(where) else []
         module.__getattr__ = lambda name, _m=spec.name: _resolve(_m, name)
         return module
 
@@ -94,6 +115,12 @@ class _ShimFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 sys.meta_path.insert(0, _ShimFinder())
+'''
+
+CONFTEST = (
+    HOOK
+    + '''
+import torch
 
 if not torch.cuda.is_available():
     def _is_cuda(device):
@@ -145,6 +172,7 @@ if not torch.cuda.is_available():
             if module is not None and getattr(module, "torch", None) is torch:
                 module.torch = _TorchForTests()
 '''
+)
 
 
 def read_snapshot_file(source: Path, path: str) -> str:
@@ -167,6 +195,82 @@ def read_snapshot_file(source: Path, path: str) -> str:
             return shown.stdout
     msg = f"{path} is not in the NeMo-RL snapshot {source}; pass a checkout or its git directory"
     raise FileNotFoundError(msg)
+
+
+def list_snapshot_folder(source: Path, folder: str) -> list[str]:
+    """The `.py` files directly in `folder` of a NeMo-RL checkout or bare git directory (paths
+    inside the repository, sorted); [] when the snapshot has no such folder."""
+    if (source / folder).is_dir():
+        return sorted(f"{folder}/{p.name}" for p in (source / folder).glob("*.py"))
+    if (source / "HEAD").is_file() and (source / "objects").is_dir():
+        listed = subprocess.run(
+            ["git", f"--git-dir={source}", "ls-tree", "--name-only", "HEAD", f"{folder}/"],
+            capture_output=True,
+            text=True,
+            timeout=_GIT_TIMEOUT_S,
+            check=False,
+        )
+        return sorted(p for p in listed.stdout.splitlines() if p.endswith(".py"))
+    return []
+
+
+def extract_losses(source: Path, into: Path) -> list[str]:
+    """Write NeMo-RL's loss package (`nemo_rl/algorithms/loss/*.py`, verbatim) and the import
+    hook (`nemo_rl_hook.py`) under `into`; return the files written.
+
+    Raises:
+        FileNotFoundError: the snapshot has no loss package.
+    """
+    paths = list_snapshot_folder(source, LOSS_PACKAGE)
+    if f"{LOSS_PACKAGE}/loss_functions.py" not in paths:
+        msg = (
+            f"{LOSS_PACKAGE}/loss_functions.py is not in the NeMo-RL snapshot {source}; pass a "
+            "checkout or its git directory"
+        )
+        raise FileNotFoundError(msg)
+    into.mkdir(parents=True, exist_ok=True)
+    (into / "nemo_rl_hook.py").write_text(HOOK)
+    for path in paths:
+        target = into / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(read_snapshot_file(source, path))
+    if f"{LOSS_PACKAGE}/__init__.py" not in paths:  # still a package, as in NeMo-RL
+        (into / LOSS_PACKAGE / "__init__.py").write_text("")
+    return paths
+
+
+def run_losses(source: Path, workdir: Path) -> list[str]:
+    """Extract NeMo-RL's loss package into `workdir` and train a tiny model through
+    `PolicyWorker.train` with each of `nemo_rl_losses.LOSSES` in a fresh Python; return its
+    lines (one per loss: trained or failed, and why)."""
+    extract_losses(source, workdir)
+    runner = workdir / "run_losses.py"
+    runner.write_text(
+        "import nemo_rl_hook  # noqa: F401  (installs the nemo_rl import hook)\n"
+        "from policyworker._dev.nemo_rl_losses import main\n"
+        "raise SystemExit(main())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(runner)],
+        cwd=workdir,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=_PYTEST_TIMEOUT_S,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        lines.append(f"the loss run exited {done.returncode}: {tail[0]}")
+    return lines
+
+
+def _env() -> dict[str, str]:
+    # The policyworker running this harness is the one tested, whatever is installed.
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": path}
 
 
 def extract(source: Path, into: Path) -> list[str]:
@@ -206,10 +310,7 @@ def run(source: Path, workdir: Path, pytest_args: list[str]) -> dict[str, Counte
     """Extract the tests into `workdir`, run pytest on them, return the counts per file."""
     extract(source, workdir)
     report = workdir / "report.xml"
-    # The policyworker running this harness is the one tested, whatever is installed.
-    root = str(Path(__file__).resolve().parents[2])
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": path}
+    env = _env()
     subprocess.run(
         [
             sys.executable,
@@ -250,12 +351,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("source", type=Path, help="NeMo-RL checkout or bare git directory")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    parser.add_argument(
+        "--losses",
+        action="store_true",
+        help="train through PolicyWorker.train with NeMo-RL's own loss classes instead",
+    )
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="nemo_rl_harness_"))
     try:
-        counts = run(args.source, workdir, args.pytest_args)
-        print(format_counts(counts))
+        if args.losses:
+            print("\n".join(run_losses(args.source, workdir)))
+        else:
+            print(format_counts(run(args.source, workdir, args.pytest_args)))
     finally:
         if args.keep:
             print(f"kept {workdir}")

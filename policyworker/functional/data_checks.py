@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from policyworker.errors import DataError
+from policyworker.functional.loss_protocol import LossType, input_type_of, loss_type_of
 
 __all__ = ["batch_rows", "check_loss_fn", "train_required_keys", "validate_batch"]
 
@@ -140,13 +141,16 @@ def check_loss_fn(loss_fn: Any) -> None:
             f"has loss_type (LossType) and input_type (LossInputType) attributes"
         )
         raise ValueError(msg)
+    loss_type_of(loss_fn)  # each read by its value, so another library's enum of them counts
+    input_type_of(loss_fn)
 
 
 def train_required_keys(loss_fn: Any) -> tuple[str, ...]:
     """The batch keys ``train(data, loss_fn)`` needs: the worker's, then the loss's own
     (``loss_fn.required_keys`` when the loss declares them)."""
     keys = ["input_ids", "input_lengths", "sample_mask"]
-    if str(getattr(loss_fn, "loss_type", "")) == "token_level":
+    kind = getattr(loss_fn, "loss_type", "")
+    if getattr(kind, "value", kind) == LossType.TOKEN_LEVEL.value:  # any enum of that value
         keys.append("token_mask")
     keys += list(getattr(loss_fn, "required_keys", ()))
     return tuple(dict.fromkeys(keys))

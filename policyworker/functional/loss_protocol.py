@@ -4,7 +4,7 @@ implements to be trained with (docs/custom-loss.md). All functions are pure.
 
 import enum
 from collections.abc import Mapping
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 from torch import Tensor
 
@@ -15,10 +15,13 @@ __all__ = [
     "MetricNormalizer",
     "Metrics",
     "check_loss_output",
+    "input_type_of",
+    "loss_type_of",
     "metric_normalizations_of",
 ]
 
 Metrics = dict[str, float]
+_E = TypeVar("_E", bound=enum.StrEnum)
 
 
 class LossType(enum.StrEnum):
@@ -81,6 +84,38 @@ class LossInputType(enum.StrEnum):
     LOGPROB = "logprob"
     LOGIT = "logit"
     DISTILLATION = "distillation"
+
+
+def loss_type_of(loss_fn: Any) -> LossType:
+    """The loss's ``loss_type`` as a ``LossType``, read by its value: a loss defining its own
+    enum of the same values (NeMo-RL's loss modules, used verbatim) is read as ours.
+
+    Raises:
+        ValueError: the value is none of LossType's.
+    """
+    return _member_of(LossType, loss_fn, "loss_type")
+
+
+def input_type_of(loss_fn: Any) -> LossInputType:
+    """The loss's ``input_type`` as a ``LossInputType``, read by its value (as `loss_type_of`).
+
+    Raises:
+        ValueError: the value is none of LossInputType's (the inputs this worker can pass).
+    """
+    return _member_of(LossInputType, loss_fn, "input_type")
+
+
+def _member_of(kind: type[_E], loss_fn: Any, attribute: str) -> _E:
+    given = getattr(loss_fn, attribute, None)
+    value = getattr(given, "value", given)
+    known = [m.value for m in kind]
+    if not isinstance(value, str) or value not in known:
+        msg = (
+            f"loss_fn {type(loss_fn).__name__}.{attribute} is {given!r}; expected a "
+            f"{kind.__name__} (value one of {known}), e.g. {kind.__name__}.{next(iter(kind)).name}"
+        )
+        raise ValueError(msg)
+    return kind(value)
 
 
 @runtime_checkable

@@ -13,6 +13,7 @@ import torch
 from policyworker.functional.distillation import distillation_loss_input
 from policyworker.functional.logprobs import count_and_zero_neg_inf, next_token_logprobs
 from policyworker.functional.loss import LossInputType
+from policyworker.functional.loss_protocol import input_type_of
 from policyworker.functional.sampling import Sampling, sampling_filters_active, sampling_keep_mask
 
 __all__ = [
@@ -118,14 +119,11 @@ def prepare_loss_input(
     _single_process(
         vocab_parallel_group=vocab_parallel_group, context_parallel_group=context_parallel_group
     )
-    kind = loss_fn.input_type
+    kind = input_type_of(loss_fn)
     if kind == LossInputType.LOGIT:
         return {"logits": logits}, data
     if kind == LossInputType.DISTILLATION:
         return dict(distillation_loss_input(logits, data, loss_fn)), data
-    if kind != LossInputType.LOGPROB:
-        msg = f"loss input_type {kind!r} is not supported; use LOGPROB, LOGIT or DISTILLATION"
-        raise ValueError(msg)
     input_ids = data["input_ids"]
     logprobs = get_next_token_logprobs_from_logits(
         input_ids, logits, sampling_params=sampling_params, chunk_size=chunk_size

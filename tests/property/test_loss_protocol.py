@@ -1,11 +1,21 @@
-"""Properties of policyworker.functional.loss_protocol.check_loss_output."""
+"""Properties of policyworker.functional.loss_protocol: check_loss_output, and loss_type_of /
+input_type_of reading a loss's enums by value."""
+
+import enum
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policyworker.functional.loss_protocol import check_loss_output
+from policyworker.functional.loss_protocol import (
+    LossInputType,
+    LossType,
+    check_loss_output,
+    input_type_of,
+    loss_type_of,
+)
 
 FLOATS = st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16])
 COUNTS = st.one_of(st.integers(0, 10**6), st.floats(0, 1e6), st.just(torch.tensor(3.0)))
@@ -63,3 +73,48 @@ def test_a_loss_without_grad_is_refused_only_when_training():
     assert check_loss_output(output, owner="L", needs_grad=False) == output
     with pytest.raises(ValueError, match="does not require grad"):
         check_loss_output(output, owner="L", needs_grad=True)
+
+
+class _Foreign:
+    """A loss module's own enums of our values, as NeMo-RL's loss modules define them."""
+
+    class LossType(enum.Enum):
+        TOKEN_LEVEL = "token_level"
+        SEQUENCE_LEVEL = "sequence_level"
+
+    class LossInputType(enum.Enum):
+        LOGIT = "logit"
+        LOGPROB = "logprob"
+        DISTILLATION = "distillation"
+        DRAFT = "draft"
+
+
+@given(
+    st.sampled_from(list(LossType)),
+    st.sampled_from(list(LossInputType)),
+    st.sampled_from(["ours", "foreign", "text"]),
+)
+def test_loss_and_input_types_are_read_by_value(loss_type, input_type, spelling):
+    def spell(member, foreign_enum):
+        if spelling == "ours":
+            return member
+        return foreign_enum(member.value) if spelling == "foreign" else member.value
+
+    loss = SimpleNamespace(
+        loss_type=spell(loss_type, _Foreign.LossType),
+        input_type=spell(input_type, _Foreign.LossInputType),
+    )
+    assert loss_type_of(loss) is loss_type
+    assert input_type_of(loss) is input_type
+
+
+@given(st.sampled_from([_Foreign.LossInputType.DRAFT, "draft", None, 3]), st.booleans())
+def test_an_input_type_we_cannot_feed_is_refused_with_the_known_values(value, swapped):
+    loss = SimpleNamespace(
+        loss_type=LossInputType.LOGIT if swapped else value,
+        input_type=LossType.TOKEN_LEVEL if swapped else value,
+    )
+    with pytest.raises(ValueError, match=r"input_type is .*expected a LossInputType \(value one"):
+        input_type_of(loss)
+    with pytest.raises(ValueError, match=r"loss_type is .*'token_level', 'sequence_level'"):
+        loss_type_of(loss)

@@ -39,6 +39,8 @@ from policyworker.functional.loss_protocol import (
     LossInputType,
     LossType,
     check_loss_output,
+    input_type_of,
+    loss_type_of,
     metric_normalizations_of,
 )
 from policyworker.functional.metrics import advertised_reductions, scale_microbatch_metrics
@@ -355,12 +357,13 @@ def _train_global_batch(
         mb_losses = [v for v, keep in zip(values, reported, strict=True) if keep]
     if eval_mode:
         return mb_losses, mb_metrics, None, False
-    if float(gvt if loss_fn.loss_type == LossType.TOKEN_LEVEL else gvs) == 0:
+    per_token = loss_type_of(loss_fn) == LossType.TOKEN_LEVEL
+    if float(gvt if per_token else gvs) == 0:
         # Nothing in this global batch counts (all tokens/rows masked out): a step would only
         # advance the optimizer's clock (Adam's bias correction, the scheduler).
         log.warning(
             "train(): a global batch has no valid %s; its optimizer step was skipped",
-            "tokens" if loss_fn.loss_type == LossType.TOKEN_LEVEL else "rows",
+            "tokens" if per_token else "rows",
         )
         _optimizer(state).zero_grad(set_to_none=True)
         grad_norm, skipped = 0.0, True
@@ -383,9 +386,10 @@ def _loss(state: WorkerState, mb: mbatch.Microbatch, loss_fn, gvs, gvt):
 
 
 def _call_loss(state: WorkerState, mb: mbatch.Microbatch, loss_fn, gvs, gvt):
-    # Every loss is called by keyword, as NeMo-RL calls it; the inputs follow its input_type.
+    # Every loss is called by keyword, as NeMo-RL calls it; the inputs follow its input_type
+    # (read by value: NeMo-RL's own loss classes carry NeMo-RL's enum).
     logits = mbatch.forward(state, mb)
-    kind = loss_fn.input_type
+    kind = input_type_of(loss_fn)
     if kind in (LossInputType.LOGIT, LossInputType.DISTILLATION):
         if isinstance(logits, DTensor):
             # A LOGIT loss may do anything with the vocab dim: give it the full logits. The
@@ -404,12 +408,6 @@ def _call_loss(state: WorkerState, mb: mbatch.Microbatch, loss_fn, gvs, gvt):
             global_valid_toks=gvt,
             **distillation_loss_input(logits, mb.data, loss_fn),
         )
-    if kind != LossInputType.LOGPROB:
-        msg = (
-            f"loss input_type {kind!r} is not supported; use LossInputType.LOGPROB, LOGIT or "
-            "DISTILLATION"
-        )
-        raise ValueError(msg)
     data = dict(mb.data)
     lp = scoring_loop.training_logprobs(state, mb, logits, filtered=True)
     if scoring_loop.filtering(state):
