@@ -132,7 +132,7 @@ class DTensorConfig:
     expert load; 0.0 (default) is off; models without such routers ignore it with one warning.
     `release_cache_after_train` (ours): NeMo-RL returns the CUDA caching allocator's free blocks
     to the driver at the end of every `train()`; that cost 71 ms of a 566 ms step on an H200
-    (1.5B shape, packed; host profile of issue 17) and makes the next step allocate again.
+    (1.5B shape, packed; a host profile) and makes the next step allocate again.
     Off by default: `offload_before_refit`, the call a colocated loop makes next, releases them
     (as do the other offload calls); true restores NeMo-RL's behaviour, for a loop that hands
     the memory to an engine without an offload call.
