@@ -21,11 +21,12 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 import policyworker.shell.checkpoint.bounce as bounce
 import policyworker.shell.checkpoint.layout as checkpoint_layout_settings
+from policyworker.shell.checkpoint.layout import CheckpointError
 
 if TYPE_CHECKING:
     from policyworker.shell.checkpoint.saver import StagingBuffers
 
-__all__ = ["save_optimizer"]
+__all__ = ["check_saved_metadata", "save_optimizer", "unstored_items"]
 
 
 # ------------------------------------------------------------------------------ optimizer
@@ -98,6 +99,35 @@ class _BouncedSavePlanner(DefaultSavePlanner):
         if isinstance(data, torch.Tensor) and bounce.bounced(data):
             return self._pool.for_this_thread().to_host(data.detach())
         return data
+
+
+def unstored_items(metadata: Any) -> list[str]:
+    """Items a DCP `.metadata` lists without a storage entry (tensor chunks by offset, bytes by
+    name): a folder DCP cannot read back whatever its files hold. Empty: complete."""
+    stored = {
+        (index.fqn, None if index.offset is None else tuple(index.offset))
+        for index in (metadata.storage_data or {})
+    }
+    missing: list[str] = []
+    for fqn, item in metadata.state_dict_metadata.items():
+        chunks = getattr(item, "chunks", None)
+        wanted = [None] if chunks is None else [tuple(c.offsets) for c in chunks]
+        missing += [fqn for offset in wanted if (fqn, offset) not in stored]
+    return sorted(set(missing))
+
+
+def check_saved_metadata(folder: pathlib.Path) -> None:
+    """Read back the `.metadata` a DCP save just wrote into `folder` and refuse it (before the
+    folder is committed) when it names an item with no storage entry."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    missing = unstored_items(FileSystemReader(str(folder)).read_metadata())
+    if missing:
+        msg = (
+            f"the DCP save into {str(folder)!r} wrote a .metadata that lists {missing[:5]} "
+            f"({len(missing)} item(s)) without their data; nothing was committed -- save again"
+        )
+        raise CheckpointError(msg)
 
 
 def _staged_tree(obj: Any, staging: StagingBuffers) -> Any:
@@ -192,5 +222,7 @@ def save_optimizer(
                 )
         finally:
             pool.release()  # DCP's writer threads have ended
+        if parallel.rank == 0:  # the coordinator wrote the .metadata
+            check_saved_metadata(folder)
 
     return job

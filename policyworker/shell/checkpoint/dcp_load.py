@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import policyworker.shell.checkpoint.layout as checkpoint_layout_settings
 from policyworker.functional.names import canonical_name
-from policyworker.shell.checkpoint.dcp import _tree_map
+from policyworker.shell.checkpoint.dcp import _tree_map, unstored_items
 from policyworker.shell.checkpoint.digests import verify_digests
 from policyworker.shell.checkpoint.folders import _interrupted_hint
 from policyworker.shell.checkpoint.layout import OPTIM_DIR, CheckpointError, _model_state
@@ -111,6 +111,14 @@ def _dcp_keys(folder: pathlib.Path) -> set[str]:
             " it is truncated or corrupt"
         )
         raise CheckpointError(msg) from exc
+    missing = unstored_items(metadata)
+    if missing:
+        msg = (
+            f"DCP checkpoint file {str(folder / '.metadata')!r} lists {missing[:5]} "
+            f"({len(missing)} item(s)) without their data; it is incomplete -- load another "
+            "checkpoint"
+        )
+        raise CheckpointError(msg)
     need: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
