@@ -20,7 +20,7 @@ from tests.helpers import save_tiny_llama
 
 pytestmark = pytest.mark.distributed
 
-# Well below the process group's 60 s timeout: a rank left waiting in a collective fails it.
+# Well below the process group's 180 s timeout: a rank left waiting in a collective fails it.
 WITHIN_S = 30.0
 
 
