@@ -247,13 +247,14 @@ def test_rollout_host_refuses_calls_before_its_engine_exists():
         CheckpointEngineRollout(nn.Linear(2, 1), refit_info={}, rank=-1)
 
 
-def test_ipc_refuses_more_rollout_ranks_than_colocated_policy_ranks():
+def test_ipc_refuses_more_rollout_ranks_than_the_policy_ranks_offer_sockets():
     engine = create_checkpoint_engine(
         "ipc", bucket_size_bytes=4096, engine_kwargs={"device": "cpu", "timeout_s": 5.0}
     )
     try:
-        metadata = [engine.prepare(), {"backend": "ipc"}, {"backend": "ipc"}]
-        with pytest.raises(ValueError, match="train_world_size 1 < rollout_world_size 2"):
+        mine = engine.prepare()
+        metadata = [mine, {**mine, "addresses": []}, {**mine, "addresses": []}]
+        with pytest.raises(ValueError, match="rollout_world_size 2 needs more ipc sockets"):
             engine.init_policy_process_group(
                 worker_rank=0, train_world_size=1, rollout_world_size=2, metadata=metadata
             )

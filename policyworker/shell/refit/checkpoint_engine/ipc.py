@@ -1,16 +1,21 @@
 """The ``ipc`` checkpoint engine: colocated refit over our ZMQ transport (``shell.refit.zmq``).
 
-Rollout rank ``r`` shares a device (or a host, on CPU) with policy rank ``r`` and pulls from it
-alone, so ``train_world_size >= rollout_world_size``; policy ranks without a rollout peer iterate
-the stream in lockstep (sharded gathers stay collective) and send nothing. A refit is the ZMQ
-protocol of docs/refit-protocol.md: BEGIN carries the manifest, which the rollout rank checks
-against its ``refit_info`` before any byte; buckets travel through two ping-pong staging buffers
-of ``bucket_size`` bytes each (CUDA IPC handles on a GPU, /dev/shm files on CPU); every wait is
-bounded by ``timeout_s`` and a dead peer is a ``RefitTimeoutError`` naming the phase.
+Every member runs on one host (staging is a /dev/shm file on CPU, a CUDA IPC allocation on a
+GPU). Rollout rank ``r`` pulls from policy rank ``r % T`` through that rank's sender number
+``r // T``: a policy rank binds ``peers_per_rank`` senders at ``prepare()`` (before the topology
+is known, NeMo-RL's order), so ``rollout_world_size <= train_world_size * peers_per_rank``. A
+policy rank with several rollout peers casts each bucket once into a staging buffer they all
+map (``fan_out``); one without peers iterates the stream in lockstep (sharded gathers stay
+collective) and sends nothing. Refused by name: members on different hosts, different device
+types, more rollout ranks than senders. A refit is the ZMQ protocol of docs/refit-protocol.md:
+BEGIN carries the manifest, which each rollout rank checks against its ``refit_info`` before any
+byte; buckets travel through two ping-pong staging buffers of ``bucket_size`` bytes each; every
+wait is bounded by ``timeout_s`` and a dead peer is a ``RefitTimeoutError`` naming the phase.
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -24,6 +29,7 @@ from policyworker.shell.refit.checkpoint_engine.base import (
     check_engine_kwargs,
     check_topology,
 )
+from policyworker.shell.refit.checkpoint_engine.fan_out import stream_to_all
 from policyworker.shell.refit.receiver import HFWeightReceiver, RefitReport
 from policyworker.shell.refit.watchdog import check_timeout_s
 from policyworker.shell.refit.weight_applier import specs_from
@@ -39,37 +45,55 @@ from policyworker.shell.refit.zmq import (
 __all__ = ["IpcCheckpointEngine"]
 
 BACKEND = "ipc"
-OPTIONS = ("device", "timeout_s")
+OPTIONS = ("device", "timeout_s", "peers_per_rank")
 DEFAULT_TIMEOUT_S = 120.0
 
 
 class IpcCheckpointEngine(CheckpointEngine):
     """One colocated member's end. Options: ``device`` (default the current CUDA device, else
-    CPU) and ``timeout_s`` (every wait, default 120 s as NeMo-RL's ZMQ refit)."""
+    CPU), ``timeout_s`` (every wait, default 120 s as NeMo-RL's ZMQ refit) and
+    ``peers_per_rank`` (the most rollout ranks one policy rank feeds, default 1; pass the same
+    value to every member)."""
 
     def __init__(self, *, bucket_size: int, **options: Any) -> None:
         check_engine_kwargs(BACKEND, options, OPTIONS)
         check_timeout_s("timeout_s", options.get("timeout_s", DEFAULT_TIMEOUT_S))
+        peers = options.get("peers_per_rank", 1)
+        if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
+            msg = (
+                f"engine_kwargs peers_per_rank {peers!r} must be an int >= 1 (the most rollout "
+                "ranks one policy rank feeds: ceil(rollout_world_size / train_world_size))"
+            )
+            raise ValueError(msg)
         self.bucket_size = bucket_size
+        self.peers_per_rank = peers
         device = options.get("device")
         if device is None:
             cuda = torch.cuda.is_available()
             device = torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu"
         self.device = torch.device(device)
         self.timeout_s = float(options.get("timeout_s", DEFAULT_TIMEOUT_S))
-        self.sender: ZmqIpcSender | None = None
-        self.has_peer: bool | None = None  # None until this policy rank joined
+        self.senders: list[ZmqIpcSender] = []
+        self.peers: list[int] | None = None  # this policy rank's rollout ranks, once joined
         self.address: str | None = None
         self._socket: ZmqIpcReceiver | None = None
         self._served: tuple[HFWeightReceiver, RefitServer] | None = None
         self.last_report: Any = None
 
     def prepare(self) -> dict[str, Any]:
-        """Bind a socket and offer its address. ``prepare`` cannot tell the sides apart
-        (NeMo-RL's signature), so a rollout rank binds one too and closes it when it joins."""
-        if self.sender is None:
-            self.sender = ZmqIpcSender(rank=0)  # the rank is set when the policy rank joins
-        return {"backend": BACKEND, "address": self.sender.address}
+        """Bind ``peers_per_rank`` sockets and offer their addresses. ``prepare`` cannot tell
+        the sides apart (NeMo-RL's signature), so a rollout rank binds them too and closes them
+        when it joins."""
+        while len(self.senders) < self.peers_per_rank:
+            self.senders.append(ZmqIpcSender(rank=0))  # the rank is set when the policy joins
+        addresses = [s.address for s in self.senders]
+        return {
+            "backend": BACKEND,
+            "host": socket.gethostname(),
+            "device": self.device.type,
+            "address": addresses[0],
+            "addresses": addresses,
+        }
 
     def init_policy_process_group(
         self,
@@ -86,21 +110,26 @@ class IpcCheckpointEngine(CheckpointEngine):
             rollout_world_size=rollout_world_size,
             metadata=metadata,
         )
-        _check_colocated(train_world_size, rollout_world_size)
-        self.has_peer = worker_rank < rollout_world_size
-        self._bound().rank = worker_rank
-        if self.has_peer and metadata[worker_rank].get("address") != self._bound().address:
+        self._check_members(train_world_size, rollout_world_size, metadata)
+        senders = self._bound()
+        if metadata[worker_rank]["addresses"] != [s.address for s in senders]:
             msg = (
                 f"metadata[{worker_rank}] is not this policy rank's prepare() result: pass every "
                 "rank's metadata in rank order, policy ranks first"
             )
             raise ValueError(msg)
+        self.peers = list(range(worker_rank, rollout_world_size, train_world_size))
+        for sender in senders[len(self.peers) :]:  # sockets no rollout rank connects to
+            sender.close()
+        self.senders = senders[: len(self.peers)]
+        for sender in self.senders:
+            sender.rank = worker_rank
 
-    def _bound(self) -> ZmqIpcSender:
-        if self.sender is None:
+    def _bound(self) -> list[ZmqIpcSender]:
+        if not self.senders:
             msg = "the ipc engine has no socket: call prepare() on every member first"
             raise RefitError(msg)
-        return self.sender
+        return self.senders
 
     def init_rollout_process_group(
         self,
@@ -117,18 +146,50 @@ class IpcCheckpointEngine(CheckpointEngine):
             rollout_world_size=rollout_world_size,
             metadata=metadata,
         )
-        _check_colocated(train_world_size, rollout_world_size)
-        source = metadata[rollout_rank]
-        if not isinstance(source, Mapping) or not source.get("address"):
+        self._check_members(train_world_size, rollout_world_size, metadata)
+        source = rollout_rank % train_world_size
+        address = str(metadata[source]["addresses"][rollout_rank // train_world_size])
+        if address != self.address:  # joined again without finalize: drop the old peer's socket
+            self._close_receiver()
+        self.address = address
+        for sender in self.senders:  # a rollout rank serves nothing
+            sender.close()
+        self.senders = []
+
+    def _check_members(self, train: int, rollout: int, metadata: list[Any]) -> None:
+        """``ValueError`` unless every member offered ipc metadata from this host and device
+        type, with enough sockets for every rollout rank."""
+        if not all(isinstance(m, Mapping) and m.get("backend") == BACKEND for m in metadata):
             msg = (
-                f"metadata[{rollout_rank}] must be policy rank {rollout_rank}'s ipc prepare() "
-                f"result with its address; got {source!r}"
+                "metadata must be every member's ipc prepare() result (dicts with "
+                f"backend={BACKEND!r}), policy ranks first; got {metadata!r}"
             )
             raise ValueError(msg)
-        if self.sender is not None:  # a rollout rank serves nothing
-            self.sender.close()
-            self.sender = None
-        self.address = str(source["address"])
+        here = socket.gethostname()
+        away = sorted({str(m.get("host")) for m in metadata} - {here})
+        if away:
+            msg = (
+                f"the ipc checkpoint engine is colocated (shared memory / CUDA IPC on one host): "
+                f"members on hosts {away} are not on this one ({here!r}); use the collective "
+                "backend across hosts"
+            )
+            raise ValueError(msg)
+        devices = sorted({str(m.get("device")) for m in metadata})
+        if devices != [self.device.type]:
+            msg = (
+                f"members offer devices {devices}, this one {self.device.type!r}: pass the same "
+                "engine_kwargs 'device' type to every member (staging is /dev/shm on cpu, CUDA "
+                "IPC on cuda)"
+            )
+            raise ValueError(msg)
+        offered = min(len(m.get("addresses", ())) for m in metadata[:train])
+        if rollout > train * offered:
+            msg = (
+                f"rollout_world_size {rollout} needs more ipc sockets than the {train} policy "
+                f"ranks offer ({offered} each, engine_kwargs peers_per_rank): pass "
+                f"peers_per_rank={-(-rollout // train)} to init_checkpoint_engine on every member"
+            )
+            raise ValueError(msg)
 
     async def send_weights(
         self,
@@ -136,12 +197,12 @@ class IpcCheckpointEngine(CheckpointEngine):
         *,
         refit_info: Mapping[str, Any] | None = None,
     ) -> dict[str, Any] | None:
-        """One refit to this rank's colocated rollout rank; its report (None without a peer)."""
-        if self.has_peer is None:
+        """One refit to this rank's colocated rollout ranks; the report (None without peers)."""
+        if self.peers is None:
             msg = "send_weights needs prepare() and init_policy_process_group on every member first"
             raise RefitError(msg)
         try:
-            if not self.has_peer:
+            if not self.peers:
                 for _ in weights:  # the gathers are collective: take part, send nothing
                     pass
                 return None
@@ -157,7 +218,8 @@ class IpcCheckpointEngine(CheckpointEngine):
                 return CudaStaging(nbytes, self.device) if cuda else ShmStaging(nbytes)
 
             with torch.no_grad():
-                self.last_report = self._bound().stream(
+                send = self.senders[0].stream if len(self.senders) == 1 else self._stream_to_all
+                self.last_report = send(
                     specs,
                     plan_ipc_buckets(specs, per_buffer),
                     _sources(weights, specs),
@@ -171,6 +233,9 @@ class IpcCheckpointEngine(CheckpointEngine):
             close = getattr(weights, "close", None)
             if close is not None:  # a generator left suspended would hold its gathers
                 close()
+
+    def _stream_to_all(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return stream_to_all(self.senders, *args, device=self.device, **kwargs)
 
     def receive_weights(self, receiver: HFWeightReceiver) -> RefitReport:
         """One refit from the colocated policy rank into ``receiver``."""
@@ -190,23 +255,17 @@ class IpcCheckpointEngine(CheckpointEngine):
 
     def finalize(self) -> None:
         """Close the sockets and staging; the next ``prepare()`` binds a new address."""
-        if self.sender is not None:
-            self.sender.close()
+        for sender in self.senders:
+            sender.close()
+        self._close_receiver()
+        self.senders, self.peers = [], None
+
+    def _close_receiver(self) -> None:
         if self._socket is not None:
             self._socket.close()
         if self._served is not None:
             self._served[1].release_buffers()
-        self.sender, self._socket, self._served, self.has_peer = None, None, None, None
-
-
-def _check_colocated(train_world_size: int, rollout_world_size: int) -> None:
-    if train_world_size < rollout_world_size:
-        msg = (
-            f"the ipc checkpoint engine pairs rollout rank r with colocated policy rank r: "
-            f"train_world_size {train_world_size} < rollout_world_size {rollout_world_size}; "
-            "use the collective backend for more rollout ranks than policy ranks"
-        )
-        raise ValueError(msg)
+        self._socket, self._served = None, None
 
 
 def _sources(
