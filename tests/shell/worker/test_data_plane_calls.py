@@ -233,3 +233,59 @@ def test_split_step_calls_out_of_order_and_bad_receipts_change_nothing(tiny_mode
     worker.abort_train_step_presharded()
     assert all(torch.equal(a, b) for a, b in zip(before, _params(worker), strict=True))
     assert worker.policy_version == 0
+
+
+def test_every_presharded_call_refuses_a_bad_receipt_before_any_change(tiny_model_paths):
+    worker = _worker(tiny_model_paths["llama"])
+    data = make_batch(4, 10, seed=12)
+    keys = [f"s{i}" for i in range(4)]
+    store, meta = _store_with(data, keys)
+    before = _params(worker)
+    calls = {
+        "train": lambda m: worker.train_presharded(m, NLLLoss()),
+        "logprobs": worker.get_logprobs_presharded,
+        "reference": worker.get_reference_policy_logprobs_presharded,
+    }
+    for call in calls.values():
+        with pytest.raises(DataPlaneError, match="setup_data_plane"):
+            call(meta)
+    worker.setup_data_plane(DP, client=store)
+    empty = KVBatchMeta(partition_id="train", sample_ids=[], fields=FIELDS)
+    unnamed = KVBatchMeta(partition_id="train", sample_ids=keys)
+    for call in calls.values():
+        with pytest.raises(DataPlaneError, match="names no sample_ids"):
+            call(empty)
+        with pytest.raises(DataPlaneError, match="names no fields"):
+            call(unnamed)
+        with pytest.raises(DataPlaneError, match=r"no field\(s\) \['advantages'\]"):
+            call(meta.with_fields(["advantages"]))
+    store.clear_samples(["s2"], "train")
+    for call in calls.values():
+        with pytest.raises(DataPlaneError, match=r"no rows for sample_ids \['s2'\]"):
+            call(meta)
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(worker), strict=True))
+    written = store.get_samples(["s0"], "train", list(FIELDS))  # nothing was written back
+    assert set(written) == set(FIELDS)
+    for name in ("prev_logprobs", "reference_policy_logprobs"):
+        with pytest.raises(DataPlaneError, match=name):
+            store.get_samples(["s0"], "train", [name])
+
+
+def test_rows_put_at_different_widths_are_fetched_zero_padded(tiny_model_paths):
+    worker = _worker(tiny_model_paths["llama"])
+    wide, narrow = make_batch(2, 10, seed=13), make_batch(2, 6, seed=14)
+    store = InProcessDataPlane()
+    store.put_samples(["w0", "w1"], "mix", {k: wide[k] for k in FIELDS})
+    store.put_samples(["n0", "n1"], "mix", {k: narrow[k] for k in FIELDS})
+    worker.setup_data_plane(DP, client=store)
+    meta = KVBatchMeta(partition_id="mix", sample_ids=["n0", "w0", "n1", "w1"], fields=FIELDS)
+    worker.get_logprobs_presharded(meta)
+
+    def pad(t):
+        return torch.nn.functional.pad(t, (0, 10 - t.shape[1])) if t.ndim == 2 else t
+
+    rows = [0, 2, 1, 3]  # n0, w0, n1, w1 of cat(narrow, wide)
+    padded = {k: torch.cat([pad(narrow[k]), wide[k]])[rows] for k in FIELDS}
+    want = worker.get_logprobs(padded)["logprobs"]
+    got = store.get_samples(meta.sample_ids, "mix", ["prev_logprobs"])["prev_logprobs"]
+    assert got.shape == (4, 10) and torch.equal(got, want)
