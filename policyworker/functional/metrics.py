@@ -19,6 +19,7 @@ __all__ = [
     "combine_packed_sequence_metrics",
     "flatten_train_metrics",
     "metric_reduction",
+    "normalize_deferred_metrics",
     "scale_microbatch_metrics",
 ]
 
@@ -191,3 +192,35 @@ def flatten_train_metrics(result: Mapping[str, Any], *, prefix: str = "") -> dic
     for key, value in aggregated.items():
         flat.setdefault(key, value)
     return {f"{prefix}{key}": value for key, value in flat.items()}
+
+
+def normalize_deferred_metrics(
+    metrics: Mapping[str, SupportsFloat],
+    normalizations: Mapping[str, str],
+    *,
+    valid_toks: float,
+    valid_seqs: float,
+    token_level: bool,
+) -> dict[str, float]:
+    """One microbatch's metrics computed with both global counts set to 1, divided by the true
+    ones once they are known (a train step split over several calls learns them at its end).
+
+    A metric the loss advertised as ``tokens`` / ``sequences`` is divided by ``valid_toks`` /
+    ``valid_seqs``; ``none`` and the extremes (``_min`` / ``_max`` in the name) stay as they
+    are; a metric not advertised is divided by the loss's own normalizer (``valid_toks`` when
+    ``token_level``, else ``valid_seqs``), as its gradient is. A zero count divides by 1 (the
+    step has nothing to normalize). Exact for losses linear in ``1 / count``
+    (``masked_mean``); returns a new dict.
+    """
+    toks = valid_toks if valid_toks > 0 else 1.0
+    seqs = valid_seqs if valid_seqs > 0 else 1.0
+    by_kind = {"tokens": toks, "sequences": seqs}
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        kind = str(normalizations[key]) if key in normalizations else None
+        if "_min" in key or "_max" in key or kind == "none":
+            out[key] = float(value)
+        else:
+            divisor = by_kind.get(kind or "", toks if token_level else seqs)
+            out[key] = float(value) / divisor
+    return out

@@ -26,6 +26,7 @@ __all__ = [
     "plan_fetch",
     "receipt_problems",
     "shard_receipt",
+    "stack_rows",
 ]
 
 FetchPolicy = Literal["auto", "independent", "leader_broadcast"]
@@ -190,3 +191,31 @@ def empty_like_entries(
     return {
         e.name: torch.empty(e.shape, dtype=getattr(torch, e.dtype), device=device) for e in entries
     }
+
+
+def stack_rows(name: str, rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One field of several rows as a [len(rows), ...] batch; rows put at different widths
+    (two rollout batches of different longest sequences) are right-padded with zeros to the
+    widest along every dimension, as the worker's batches are (past `input_lengths` nothing
+    counts).
+
+    Raises:
+        ValueError: no rows, or rows of different dtypes or numbers of dimensions (naming
+            the field).
+    """
+    if not rows:
+        raise ValueError(f"field {name!r}: no rows to stack; a receipt names at least one key")
+    dtypes = {str(r.dtype) for r in rows}
+    ndims = {r.ndim for r in rows}
+    if len(dtypes) > 1 or len(ndims) > 1:
+        raise ValueError(
+            f"field {name!r}: rows hold dtypes {sorted(dtypes)} and {sorted(ndims)} "
+            "dimensions; every row of a field must be put with one dtype and rank"
+        )
+    shape = tuple(max(int(r.shape[d]) for r in rows) for d in range(rows[0].ndim))
+    if all(tuple(r.shape) == shape for r in rows):
+        return torch.stack(list(rows))
+    out = rows[0].new_zeros((len(rows), *shape))
+    for i, row in enumerate(rows):
+        out[(i, *(slice(0, n) for n in row.shape))] = row
+    return out

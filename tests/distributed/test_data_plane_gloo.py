@@ -68,3 +68,42 @@ def fetch_policies_tp2(rank: int, size: int, path: str) -> None:
 
 def test_fetch_policies_on_a_tp2_replica_group(tmp_path):
     run_on_gloo(fetch_policies_tp2, 2, save_tiny_llama(tmp_path))
+
+
+def split_step_dp2(rank: int, size: int, path: str) -> None:
+    from policyworker.functional.loss import NLLLoss
+    from policyworker.functional.receipts import KVBatchMeta, shard_receipt
+    from policyworker.shell.data_plane.in_process import InProcessDataPlane
+    from policyworker.shell.worker.policy_worker import PolicyWorker
+    from tests.distributed import workers
+
+    plain = PolicyWorker(workers._worker_config(path, tp_size=1))
+    pre = PolicyWorker(workers._worker_config(path, tp_size=1))
+    data = workers._worker_data()
+    mask = torch.zeros_like(data["token_mask"])
+    mask[:, 1] = 1.0  # one token per row (the shortest has 2): 4, a power of two
+    data["token_mask"] = mask
+    fields = (*FIELDS, "advantages", "prev_logprobs", "generation_logprobs")
+    keys = [f"k{i}" for i in range(4)]
+    store = InProcessDataPlane()  # every rank's copy holds the batch, as a shared store would
+    store.put_samples(keys, "p", {k: data[k] for k in fields})
+    pre.setup_data_plane({"enabled": True, "impl": "in_process"}, client=store)
+    mine = shard_receipt(
+        KVBatchMeta(partition_id="p", sample_ids=keys, fields=fields), dp_size=size, dp_rank=rank
+    )
+    local = {k: v[2 * rank : 2 * rank + 2] for k, v in data.items()}
+    for _ in range(2):
+        pre.begin_train_step_presharded(NLLLoss(), gbs=4, mbs=1)
+        for row in range(mine.size):
+            pre.train_microbatch_presharded(mine.subset([row]))
+        got = pre.finish_train_step_presharded()
+        want = plain.train(local, NLLLoss(), gbs=4, mbs=1)
+        assert torch.equal(got["global_loss"], torch.as_tensor(want["global_loss"]))
+        assert got["grad_norm"] == want["grad_norm"]
+        assert got["all_mb_metrics"]["global_valid_toks"] == [4.0, 4.0]
+    got_params, want_params = workers._worker_params(pre), workers._worker_params(plain)
+    assert all(torch.equal(got_params[n], want_params[n]) for n in want_params)
+
+
+def test_split_presharded_train_step_on_dp2_equals_train_bitwise(tmp_path):
+    run_on_gloo(split_step_dp2, 2, save_tiny_llama(tmp_path))

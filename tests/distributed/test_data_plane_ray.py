@@ -140,3 +140,37 @@ def test_tp2_fetch_policies_give_the_plain_logprobs(client, llama_path, policy):
         with pytest.raises(Exception, match="ghost"):
             rdp.get_logprobs_presharded(group, ghost)
         assert torch.equal(lp, group.get_logprobs(data)["logprobs"])  # the group still works
+
+
+def test_dp2_split_train_step_equals_the_plain_group_train(client, llama_path):
+    import policyworker.shell.ray.data_plane as rdp
+
+    data = workers._worker_data()
+    mask = torch.zeros_like(data["token_mask"])
+    mask[:, 1] = 1.0  # 4 counted tokens: dividing by a power of two is exact, so bitwise
+    data["token_mask"] = mask
+    meta = _put(client, "split", data, TRAIN_FIELDS)
+    with _group(llama_path, tp_size=1) as plain:  # one group at a time on the 4-CPU cluster
+        want = plain.train(data, NLLLoss(), gbs=4, mbs=1)
+        want_lp = plain.get_logprobs(data)["logprobs"]
+    with _group(llama_path, tp_size=1) as group:
+        rdp.setup_data_plane(group, TQ)
+        rdp.begin_train_step_presharded(group, NLLLoss(), gbs=4, mbs=1)
+        for rows in ([0, 2], [1, 3]):  # each piece: one row per dp rank, rank 0 gets 0 then 1
+            rdp.train_microbatch_presharded(group, meta.subset(rows))
+        got = rdp.finish_train_step_presharded(group)
+        assert torch.equal(got["global_loss"], torch.as_tensor(want["global_loss"]))
+        assert got["grad_norm"] == want["grad_norm"]
+        assert got["all_mb_metrics"]["loss"] == want["all_mb_metrics"]["loss"]
+        assert torch.equal(group.get_logprobs(data)["logprobs"], want_lp)  # the same weights
+
+
+def test_rows_put_at_different_widths_come_back_zero_padded(client):
+    wide, narrow = make_batch(2, 10, seed=15), make_batch(2, 6, seed=16)
+    client.put_samples(["w0", "w1"], "widths", {k: wide[k] for k in FIELDS})
+    client.put_samples(["n0", "n1"], "widths", {k: narrow[k] for k in FIELDS})
+    got = client.get_samples(["n0", "w0"], "widths", ["input_ids", "token_mask"])
+    assert got["input_ids"].shape == (2, 10)
+    assert torch.equal(got["input_ids"][0, :6], narrow["input_ids"][0])
+    assert not got["input_ids"][0, 6:].any() and not got["token_mask"][0, 6:].any()
+    assert torch.equal(got["input_ids"][1], wide["input_ids"][0])

@@ -285,6 +285,7 @@ BEHAVIOURS = {
         "offload",
         "offload_calls",
         "refit_calls",
+        "split_step",
         "nemo_rl_surface",
     )
 }

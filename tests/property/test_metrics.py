@@ -234,3 +234,32 @@ def test_flattened_train_result_is_floats_only(all_mb, losses, grad_norm, skippe
     assert "rank" not in unprefixed and "model_dtype" not in unprefixed
     for key, value in aggregate_microbatch_metrics(all_mb).items():
         assert unprefixed[key] == value
+
+
+@given(
+    st.dictionaries(st.sampled_from(ALL_KEYS), finite_values, max_size=8),
+    st.integers(0, 4096),
+    st.integers(0, 64),
+    st.booleans(),
+)
+def test_deferred_metrics_equal_metrics_computed_with_the_true_counts(raw, toks, seqs, per_token):
+    """A metric summed with counts of 1, then normalized, equals the one a loss would report
+    with the true counts: advertised ones by their count, extremes and `none` kept, the rest
+    by the loss's normalizer."""
+    from policyworker.functional.metrics import normalize_deferred_metrics
+
+    advertised = {"loss": "tokens", "kl_penalty": "sequences", "num_valid_samples": "none"}
+    out = normalize_deferred_metrics(
+        raw, advertised, valid_toks=toks, valid_seqs=seqs, token_level=per_token
+    )
+    assert set(out) == set(raw)
+    t, s = max(toks, 1), max(seqs, 1)
+    for key, value in raw.items():
+        if key in EXTREME_KEYS or key == "num_valid_samples":
+            assert out[key] == value
+        elif key == "loss":
+            assert out[key] == value / t
+        elif key == "kl_penalty":
+            assert out[key] == value / s
+        else:
+            assert out[key] == value / (t if per_token else s)

@@ -17,6 +17,7 @@ from policyworker.functional.receipts import (
     plan_fetch,
     receipt_problems,
     shard_receipt,
+    stack_rows,
 )
 
 KEYS = st.lists(st.text("abcdef0123", min_size=1, max_size=6), unique=True, max_size=24)
@@ -111,3 +112,32 @@ def test_a_descriptor_rebuilds_tensors_of_the_same_dtype_and_shape(spec):
     assert all(
         rebuilt[k].dtype == t.dtype and rebuilt[k].shape == t.shape for k, t in tensors.items()
     )
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 6), st.integers(1, 3)), min_size=1, max_size=5),
+    st.sampled_from([torch.float32, torch.int64, torch.bool]),
+)
+def test_stacked_rows_keep_every_value_and_pad_with_zeros(shapes, dtype):
+    rows = [
+        torch.arange(w * k).reshape(w, k).remainder(5).to(dtype) + (dtype != torch.bool)
+        for w, k in shapes
+    ]
+    out = stack_rows("f", rows)
+    width, depth = max(w for w, _ in shapes), max(k for _, k in shapes)
+    assert out.shape == (len(rows), width, depth) and out.dtype == dtype
+    for i, row in enumerate(rows):
+        w, k = row.shape
+        assert torch.equal(out[i, :w, :k], row)
+        assert int((out[i] != 0).sum()) == int((row != 0).sum())  # the rest is padding
+    if len({tuple(r.shape) for r in rows}) == 1:
+        assert torch.equal(out, torch.stack(rows))
+
+
+def test_rows_that_cannot_stack_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match="field 'x': no rows"):
+        stack_rows("x", [])
+    with pytest.raises(ValueError, match="field 'x': rows hold dtypes"):
+        stack_rows("x", [torch.zeros(2), torch.zeros(2, dtype=torch.int64)])
+    with pytest.raises(ValueError, match="field 'x'.*dimensions"):
+        stack_rows("x", [torch.zeros(2), torch.zeros(2, 1)])

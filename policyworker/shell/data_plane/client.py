@@ -85,10 +85,16 @@ class DataPlaneClient(abc.ABC):
         """Release this handle (idempotent)."""
 
     def get_data(self, meta: KVBatchMeta) -> dict[str, torch.Tensor]:
-        """Read the rows and fields a receipt names (its `fields` must be set)."""
+        """Read the rows and fields a receipt names (its `fields` must be set, and it names at
+        least one row)."""
         if meta.fields is None:
             raise DataPlaneError(
                 f"the receipt of partition {meta.partition_id!r} names no fields: set "
                 "`fields` (e.g. meta.with_fields(['input_ids', 'input_lengths']))"
+            )
+        if meta.size == 0:
+            raise DataPlaneError(
+                f"the receipt of partition {meta.partition_id!r} names no sample_ids: send "
+                "each rank a receipt of at least one row"
             )
         return self.get_samples(meta.sample_ids, meta.partition_id, meta.fields)

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from policyworker.functional.receipts import KVBatchMeta
+from policyworker.functional.receipts import KVBatchMeta, stack_rows
 from policyworker.shell.data_plane.client import DataPlaneClient, DataPlaneError, check_rows
 
 __all__ = ["InProcessDataPlane", "shared_in_process"]
@@ -54,7 +54,8 @@ class InProcessDataPlane(DataPlaneClient):
         check_rows(partition_id, list(sample_ids), held, list(select_fields))
         assert rows is not None
         return {
-            name: torch.stack([rows[key][name] for key in sample_ids]) for name in select_fields
+            name: stack_rows(name, [rows[key][name] for key in sample_ids])
+            for name in select_fields
         }
 
     def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> None:

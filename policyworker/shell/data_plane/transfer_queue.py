@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from policyworker.config.sections import DataPlaneConfig
-from policyworker.functional.receipts import KVBatchMeta, missing
+from policyworker.functional.receipts import KVBatchMeta, missing, stack_rows
 from policyworker.shell.data_plane.client import DataPlaneClient, DataPlaneError, check_rows
 
 __all__ = ["SUPPORTED_VERSIONS", "TransferQueueDataPlane", "check_version"]
@@ -48,10 +48,11 @@ def _installed_version() -> str | None:
         return None
 
 
-def _dense(value: Any) -> torch.Tensor:
-    # TransferQueue returns a field as a jagged nested tensor; our rows are rectangular.
+def _dense(name: str, value: Any) -> torch.Tensor:
+    # TransferQueue returns a field as a jagged nested tensor (rows put at different widths
+    # stay at their widths); the worker reads one rectangular batch, zero-padded.
     if isinstance(value, torch.Tensor) and value.is_nested:
-        return torch.stack(value.unbind())
+        return stack_rows(name, value.unbind())
     return value
 
 
@@ -131,7 +132,7 @@ class TransferQueueDataPlane(DataPlaneClient):
         if got.batch_size[0] != len(keys) or missing(names, present):
             self._name_missing_keys(partition_id, keys, names)
             self._name_missing_fields(partition_id, keys, names)
-        return {name: _dense(got[name]) for name in names}
+        return {name: _dense(name, got[name]) for name in names}
 
     def _name_missing_keys(self, partition_id: str, keys: list[str], names: list[str]) -> None:
         # Only on the error path (one more round trip): which partition or keys are absent.

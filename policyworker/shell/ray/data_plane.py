@@ -20,11 +20,15 @@ from policyworker.shell.ray.group import RayWorkerGroup
 from policyworker.shell.ray.sharding import split_over_dp
 
 __all__ = [
+    "abort_train_step_presharded",
+    "begin_train_step_presharded",
+    "finish_train_step_presharded",
     "get_logprobs_presharded",
     "get_reference_policy_logprobs_presharded",
     "rank_receipts",
     "read_fields",
     "setup_data_plane",
+    "train_microbatch_presharded",
     "train_presharded",
 ]
 
@@ -92,6 +96,33 @@ def get_reference_policy_logprobs_presharded(
         {"micro_batch_size": micro_batch_size},
     )
     return meta.with_fields(["reference_policy_logprobs"])
+
+
+def begin_train_step_presharded(
+    group: RayWorkerGroup, loss_fn: Any, gbs: int | None = None, mbs: int | None = None
+) -> None:
+    """Open a split train step on every rank (nothing is fetched or stepped)."""
+    group.run("begin_train_step_presharded", loss_fn, gbs=gbs, mbs=mbs)
+
+
+def train_microbatch_presharded(group: RayWorkerGroup, meta: KVBatchMeta) -> None:
+    """Forward and backward on the rows of `meta` (a piece of the step's global batch, split
+    over dp as a plain call splits it), each rank fetching its own; nothing returned."""
+    _per_rank(group, "train_microbatch_presharded", rank_receipts(group, meta, batch_size=None), {})
+
+
+def finish_train_step_presharded(group: RayWorkerGroup) -> dict[str, Any]:
+    """Close the open step on every rank (one optimizer step): rank 0's result, with
+    `all_mb_metrics` of every dp rank (dp order, one replica-group leader each), as `train`."""
+    parts = [r for r in group.run("finish_train_step_presharded") if r["is_replica_leader"]]
+    keys = dict.fromkeys(k for part in parts for k in part["all_mb_metrics"])
+    metrics = {k: [v for part in parts for v in part["all_mb_metrics"].get(k, [])] for k in keys}
+    return {**parts[0], "all_mb_metrics": metrics}
+
+
+def abort_train_step_presharded(group: RayWorkerGroup) -> None:
+    """Drop the open step on every rank without an optimizer step."""
+    group.run("abort_train_step_presharded")
 
 
 def read_fields(

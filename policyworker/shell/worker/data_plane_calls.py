@@ -1,7 +1,9 @@
 """Presharded calls: each rank fetches its own rows from the data plane by a small receipt.
 
 NeMo-RL's `TQWorkerMixin` surface (`setup_data_plane`, `train_presharded`,
-`get_logprobs_presharded`, `get_reference_policy_logprobs_presharded`). The driver sends each
+`get_logprobs_presharded`, `get_reference_policy_logprobs_presharded`, and the split train step
+`begin_train_step_presharded` / `train_microbatch_presharded` / `finish_train_step_presharded` /
+`abort_train_step_presharded` over `split_step`). The driver sends each
 rank a `KVBatchMeta` (keys, partition, fields) instead of the batch; the rank reads its rows, runs
 the plain call on them, and logprob results go back into the data plane as fields
 (`prev_logprobs`, `reference_policy_logprobs`) written by one rank per replica group, so no bulk
@@ -123,6 +125,34 @@ class DataPlaneCalls:
         data = self._fetch(meta, what="get_reference_policy_logprobs_presharded")
         result = self.get_reference_policy_logprobs(data, micro_batch_size)  # type: ignore[attr-defined]
         self._write_back(meta, {REFERENCE_LOGPROBS: result["reference_logprobs"]})
+
+    # -- the split train step (NeMo-RL's streaming path) ---------------------------------------
+
+    def begin_train_step_presharded(
+        self, loss_fn: Any, gbs: int | None = None, mbs: int | None = None
+    ) -> None:
+        """Open a split train step (`begin_train_step`); no fetch."""
+        self.begin_train_step(loss_fn, gbs=gbs, mbs=mbs)  # type: ignore[attr-defined]
+
+    def train_microbatch_presharded(self, meta: KVBatchMeta) -> None:
+        """Forward and backward on this rank's rows of `meta` (fetched here) into the open
+        step (`train_microbatch`); nothing is stepped and nothing returned. The receipt is
+        checked (open step first, then the rows) before any forward."""
+        self._require_open_step("train_microbatch_presharded")  # type: ignore[attr-defined]
+        data = self._fetch(meta, what="train_microbatch_presharded")
+        self.train_microbatch(data)  # type: ignore[attr-defined]
+
+    def finish_train_step_presharded(self) -> dict[str, Any]:
+        """Close the open step (`finish_train_step`); the result says whether this rank leads
+        its replica group (`is_replica_leader`), so a driver keeps one result per dp rank."""
+        result = self.finish_train_step()  # type: ignore[attr-defined]
+        group = self._get_replica_group()  # type: ignore[attr-defined]
+        result["is_replica_leader"] = group is None or dist.get_rank(group) == 0
+        return result
+
+    def abort_train_step_presharded(self) -> None:
+        """Drop the open step without an optimizer step (`abort_train_step`)."""
+        self.abort_train_step()  # type: ignore[attr-defined]
 
     # -- fetch and write-back ------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ from policyworker.shell.parallel.agreed_checks import agreed_checks
 from policyworker.shell.worker.checkpoint_engine_calls import CheckpointEngineCalls
 from policyworker.shell.worker.nemo_rl_surface import NeMoRLWorkerSurface, split_constructor_kwargs
 from policyworker.shell.worker.offload_calls import OffloadCalls
+from policyworker.shell.worker.split_step import SplitStepCalls
 from policyworker.shell.worker.state import WorkerState
 
 __all__ = ["AutomodelPolicyWorker", "AutomodelPolicyWorkerImpl", "PolicyWorker"]
@@ -66,7 +67,11 @@ def _state_field(name: str, doc: str) -> property:
 
 
 class PolicyWorker(
-    data_plane_calls.DataPlaneCalls, OffloadCalls, NeMoRLWorkerSurface, CheckpointEngineCalls
+    data_plane_calls.DataPlaneCalls,
+    SplitStepCalls,
+    OffloadCalls,
+    NeMoRLWorkerSurface,
+    CheckpointEngineCalls,
 ):
     """Trains a Hugging Face model with a pluggable loss; logprobs, top-k, scores, offload,
     refit and checkpoints (NeMo-RL's policy-worker method names); NeMo-RL's base-worker methods

@@ -144,3 +144,148 @@ def test_the_in_process_store_copies_rows_in_and_out(tiny_model_paths):
     assert torch.equal(store.get_data(meta)["input_ids"], data["input_ids"])
     with pytest.raises(DataPlaneError, match="first dimension must be the number of sample_ids"):
         store.put_samples(["a"], "train", {"x": torch.zeros(2, 3)})
+
+
+def _power_of_two_batch(seed):
+    """Four rows whose loss counts 16 tokens: dividing by 16 is exact, so the split step's
+    late division is bitwise what `train` does."""
+    data = make_batch(4, 10, seed=seed, lengths=[10, 8, 7, 6])
+    mask = torch.zeros(4, 10)
+    mask[:, 1:5] = 1.0
+    data["token_mask"] = mask
+    return data
+
+
+def _split_step(worker, meta, pieces, *, mbs):
+    worker.begin_train_step_presharded(NLLLoss(), gbs=meta.size, mbs=mbs)
+    for rows in pieces:
+        assert worker.train_microbatch_presharded(meta.subset(rows)) is None
+    return worker.finish_train_step_presharded()
+
+
+def test_split_presharded_step_equals_train_bitwise(tiny_model_paths):
+    path = tiny_model_paths["llama"]
+    plain, pre = _worker(path), _worker(path)
+    data = _power_of_two_batch(9)
+    fields = (*FIELDS, "advantages", "prev_logprobs", "generation_logprobs")
+    store, meta = _store_with(data, [f"s{i}" for i in range(4)], fields)
+    pre.setup_data_plane(DP, client=store)
+    for _ in range(2):  # the second step runs on updated weights and optimizer state
+        got = _split_step(pre, meta, [[0, 1], [2, 3]], mbs=2)
+        want = plain.train(data, NLLLoss(), gbs=4, mbs=2)
+        assert torch.equal(got["global_loss"], torch.as_tensor(want["global_loss"]))
+        assert got["grad_norm"] == want["grad_norm"]
+        for key in ("loss", "global_valid_toks", "num_unmasked_tokens", "lr"):
+            assert got["all_mb_metrics"][key] == want["all_mb_metrics"][key], key
+        assert got["is_replica_leader"] and got["num_calls"] == 2
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(pre.model.parameters(), plain.model.parameters(), strict=True)
+        )
+    assert pre.policy_version == plain.policy_version == 2
+
+
+def test_split_step_with_any_count_matches_train_to_rounding(tiny_model_paths):
+    path = tiny_model_paths["llama"]
+    plain, pre = _worker(path), _worker(path)
+    data = make_batch(4, 10, seed=10)  # a token count that is not a power of two
+    pre.begin_train_step(NLLLoss(), gbs=4, mbs=1)
+    for rows in ([0], [1, 2], [3]):
+        pre.train_microbatch({k: v[rows] for k, v in data.items()})
+    got = pre.finish_train_step()
+    want = plain.train(data, NLLLoss(), gbs=4, mbs=1)
+    torch.testing.assert_close(got["global_loss"], torch.as_tensor(want["global_loss"]))
+    for a, b in zip(pre.model.parameters(), plain.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # Adam magnifies rounding near 0
+
+
+def test_split_step_calls_out_of_order_and_bad_receipts_change_nothing(tiny_model_paths):
+    from policyworker.shell.worker.split_step import TrainStepStateError
+
+    worker = _worker(tiny_model_paths["llama"])
+    data = _power_of_two_batch(11)
+    fields = (*FIELDS, "advantages", "prev_logprobs", "generation_logprobs")
+    store, meta = _store_with(data, [f"s{i}" for i in range(4)], fields)
+    before = _params(worker)
+    with pytest.raises(TrainStepStateError, match="begin_train_step"):
+        worker.train_microbatch_presharded(meta)  # no step open (and no data plane yet)
+    worker.begin_train_step_presharded(NLLLoss())
+    with pytest.raises(DataPlaneError, match="setup_data_plane"):
+        worker.train_microbatch_presharded(meta)
+    worker.setup_data_plane(DP, client=store)
+    with pytest.raises(TrainStepStateError, match="already open"):
+        worker.begin_train_step_presharded(NLLLoss())
+    ghost = KVBatchMeta(partition_id="train", sample_ids=["s0", "ghost"], fields=fields)
+    with pytest.raises(DataPlaneError, match=r"no rows for sample_ids \['ghost'\]"):
+        worker.train_microbatch_presharded(ghost)
+    with pytest.raises(DataPlaneError, match=r"no field\(s\) \['reference_policy_logprobs'\]"):
+        worker.train_microbatch_presharded(meta.with_fields(["reference_policy_logprobs"]))
+    assert all(p.grad is None for p in worker.model.parameters())  # nothing ran backward
+    worker.train_microbatch_presharded(meta)
+    worker.abort_train_step_presharded()  # gradients dropped, no step
+    with pytest.raises(TrainStepStateError, match="finish_train_step"):
+        worker.finish_train_step_presharded()
+    worker.abort_train_step_presharded()  # idempotent
+    store.clear_samples(None, "train")
+    worker.begin_train_step_presharded(NLLLoss())
+    with pytest.raises(DataPlaneError, match="partition 'train' is not in the data plane"):
+        worker.train_microbatch_presharded(meta)
+    worker.abort_train_step_presharded()
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(worker), strict=True))
+    assert worker.policy_version == 0
+
+
+def test_every_presharded_call_refuses_a_bad_receipt_before_any_change(tiny_model_paths):
+    worker = _worker(tiny_model_paths["llama"])
+    data = make_batch(4, 10, seed=12)
+    keys = [f"s{i}" for i in range(4)]
+    store, meta = _store_with(data, keys)
+    before = _params(worker)
+    calls = {
+        "train": lambda m: worker.train_presharded(m, NLLLoss()),
+        "logprobs": worker.get_logprobs_presharded,
+        "reference": worker.get_reference_policy_logprobs_presharded,
+    }
+    for call in calls.values():
+        with pytest.raises(DataPlaneError, match="setup_data_plane"):
+            call(meta)
+    worker.setup_data_plane(DP, client=store)
+    empty = KVBatchMeta(partition_id="train", sample_ids=[], fields=FIELDS)
+    unnamed = KVBatchMeta(partition_id="train", sample_ids=keys)
+    for call in calls.values():
+        with pytest.raises(DataPlaneError, match="names no sample_ids"):
+            call(empty)
+        with pytest.raises(DataPlaneError, match="names no fields"):
+            call(unnamed)
+        with pytest.raises(DataPlaneError, match=r"no field\(s\) \['advantages'\]"):
+            call(meta.with_fields(["advantages"]))
+    store.clear_samples(["s2"], "train")
+    for call in calls.values():
+        with pytest.raises(DataPlaneError, match=r"no rows for sample_ids \['s2'\]"):
+            call(meta)
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(worker), strict=True))
+    written = store.get_samples(["s0"], "train", list(FIELDS))  # nothing was written back
+    assert set(written) == set(FIELDS)
+    for name in ("prev_logprobs", "reference_policy_logprobs"):
+        with pytest.raises(DataPlaneError, match=name):
+            store.get_samples(["s0"], "train", [name])
+
+
+def test_rows_put_at_different_widths_are_fetched_zero_padded(tiny_model_paths):
+    worker = _worker(tiny_model_paths["llama"])
+    wide, narrow = make_batch(2, 10, seed=13), make_batch(2, 6, seed=14)
+    store = InProcessDataPlane()
+    store.put_samples(["w0", "w1"], "mix", {k: wide[k] for k in FIELDS})
+    store.put_samples(["n0", "n1"], "mix", {k: narrow[k] for k in FIELDS})
+    worker.setup_data_plane(DP, client=store)
+    meta = KVBatchMeta(partition_id="mix", sample_ids=["n0", "w0", "n1", "w1"], fields=FIELDS)
+    worker.get_logprobs_presharded(meta)
+
+    def pad(t):
+        return torch.nn.functional.pad(t, (0, 10 - t.shape[1])) if t.ndim == 2 else t
+
+    rows = [0, 2, 1, 3]  # n0, w0, n1, w1 of cat(narrow, wide)
+    padded = {k: torch.cat([pad(narrow[k]), wide[k]])[rows] for k in FIELDS}
+    want = worker.get_logprobs(padded)["logprobs"]
+    got = store.get_samples(meta.sample_ids, "mix", ["prev_logprobs"])["prev_logprobs"]
+    assert got.shape == (4, 10) and torch.equal(got, want)
