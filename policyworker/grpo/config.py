@@ -59,8 +59,9 @@ class GrpoSection:
 
 @frozen(kw_only=True)
 class DataSection:
-    """A JSONL file of prompts: one object per line, the text under `prompt_key`; the other
-    fields (or only `metadata_keys`) reach the reward function as that row's metadata."""
+    """A prompts file, JSONL (one object per line) or Parquet (`.parquet`, one row per prompt;
+    needs pyarrow): the text under `prompt_key`; the other fields (or only `metadata_keys`)
+    reach the reward function as that row's metadata."""
 
     train_file: str
     prompt_key: str = "prompt"

@@ -1,4 +1,4 @@
-"""Prompts in, tokens out: the JSONL rows of `data.train_file` tokenised with the model
+"""Prompts in, tokens out: the rows of `data.train_file` (JSONL or Parquet) tokenised with the model
 folder's tokenizer (its chat template when it has one and `data.use_chat_template`), and the
 responses decoded back to text for the reward function."""
 

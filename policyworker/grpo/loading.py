@@ -59,39 +59,70 @@ def import_reward_fn(path: str, *, base_dir: str) -> Callable[..., Any]:
     return fn
 
 
-def read_prompt_rows(path: pathlib.Path, *, prompt_key: str) -> list[dict[str, Any]]:
-    """The JSONL rows of `path` (blank lines skipped).
+def _parquet_records(path: pathlib.Path) -> list[Any]:
+    """The rows of a Parquet file as dicts (pyarrow, imported only for Parquet files).
 
     Raises:
-        ConfigError: the file is missing or empty, or lines are not objects with a text
-        `prompt_key` (the first five bad lines named).
+        ConfigError: pyarrow is missing (naming the extra), or the file does not read.
     """
-    if not path.is_file():
-        raise ConfigError(f"train_file: no such file {str(path)!r}; check the path")
-    if path.suffix == ".parquet":
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
         msg = (
-            f"train_file {str(path)!r}: Parquet prompt files are not read yet; write the rows "
-            f"as JSONL (one JSON object per line)"
+            f"train_file {str(path)!r}: reading Parquet needs pyarrow ({exc}); pip install "
+            f"'policyworker[grpo]', or write the rows as JSONL"
         )
-        raise ConfigError(msg)
-    rows: list[dict[str, Any]] = []
-    bad: list[str] = []
+        raise ConfigError(msg) from exc
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow's errors have no common base besides Exception
+        msg = f"train_file {str(path)!r}: not a readable Parquet file ({type(exc).__name__}: {exc})"
+        raise ConfigError(msg) from exc
+
+
+def _jsonl_records(path: pathlib.Path) -> list[tuple[int, Any]]:
+    """(line number, parsed value or the JSONDecodeError) per non-blank line."""
+    records: list[tuple[int, Any]] = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            records.append((number, json.loads(line)))
         except json.JSONDecodeError as exc:
-            bad.append(f"line {number}: not JSON ({exc.msg})")
+            records.append((number, exc))
+    return records
+
+
+def read_prompt_rows(path: pathlib.Path, *, prompt_key: str) -> list[dict[str, Any]]:
+    """The rows of `path`: a Parquet file (`.parquet`, one row per prompt) or JSONL (one JSON
+    object per line, blank lines skipped).
+
+    Raises:
+        ConfigError: the file is missing, empty or unreadable, or rows are not objects with a
+        text `prompt_key` (the first five bad rows named).
+    """
+    if not path.is_file():
+        raise ConfigError(f"train_file: no such file {str(path)!r}; check the path")
+    bad: list[str] = []
+    if path.suffix == ".parquet":
+        records = list(enumerate(_parquet_records(path), start=1))
+        unit, form = "row", "Parquet rows"
+    else:
+        records = _jsonl_records(path)
+        unit, form = "line", "JSONL lines"
+    rows: list[dict[str, Any]] = []
+    for number, row in records:
+        if isinstance(row, json.JSONDecodeError):
+            bad.append(f"line {number}: not JSON ({row.msg})")
             continue
         if not isinstance(row, dict) or not isinstance(row.get(prompt_key), str):
-            bad.append(f"line {number}: no text field {prompt_key!r}")
+            bad.append(f"{unit} {number}: no text field {prompt_key!r}")
             continue
         rows.append(row)
     if bad:
         raise ConfigError(f"train_file {str(path)!r}: " + "; ".join(bad[:5]))
     if not rows:
-        raise ConfigError(f"train_file {str(path)!r} holds no prompt; add JSONL lines")
+        raise ConfigError(f"train_file {str(path)!r} holds no prompt; add {form}")
     return rows
 
 

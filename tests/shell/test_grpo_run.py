@@ -103,8 +103,45 @@ def test_missing_reward_function_and_bad_rows_are_named(tmp_path):
     assert "line 2: no text field 'prompt'" in text and "line 3: not JSON" in text
     assert "is not a multiple of policy.train_global_batch_size = 8" in text
     (tmp_path / "p.parquet").write_bytes(b"PAR1")
-    with pytest.raises(ConfigError, match="Parquet prompt files are not read yet"):
+    with pytest.raises(ConfigError, match="p.parquet'?: not a readable Parquet file") as info:
         load_run_config(path, ["data.train_file=p.parquet"])
+    assert "@ data.train_file" in str(info.value)
+
+
+def test_parquet_prompts_read_as_jsonl_ones_do(tmp_path, tiny_tokenizer_model_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from policyworker.grpo.data import load_prompts
+
+    path = _run_file(tmp_path, tiny_tokenizer_model_path)
+    rows = [json.loads(x) for x in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    pq.write_table(
+        pa.Table.from_pylist([{**r, "n": i} for i, r in enumerate(rows)]), tmp_path / "p.parquet"
+    )
+    run = load_run_config(path, ["data.train_file=p.parquet"])
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_model_path)
+    data = load_prompts(run.sections.data, base_dir=run.base_dir, tokenizer=tok)
+    jsonl = load_prompts(load_run_config(path).sections.data, base_dir=run.base_dir, tokenizer=tok)
+    assert data.texts == jsonl.texts and data.token_ids == jsonl.token_ids
+    assert data.metadata[4] == {"tag": "x", "n": 4}
+
+    pq.write_table(pa.table({"prompt": ["t3", None], "id": [1, 2]}), tmp_path / "gap.parquet")
+    with pytest.raises(ConfigError) as info:
+        load_run_config(path, ["data.train_file=gap.parquet"])
+    assert "row 2: no text field 'prompt' @ data.train_file" in str(info.value)
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    from policyworker.grpo.loading import read_prompt_rows
+
+    (tmp_path / "p.parquet").write_bytes(b"PAR1")
+    for name in [m for m in sys.modules if m == "pyarrow" or m.startswith("pyarrow.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # `import pyarrow...` raises ImportError
+    with pytest.raises(ConfigError, match=r"needs pyarrow .*pip install 'policyworker\[grpo\]'"):
+        read_prompt_rows(tmp_path / "p.parquet", prompt_key="prompt")
 
 
 def test_prompts_use_the_chat_template_when_the_tokenizer_has_one(tiny_tokenizer_model_path):
