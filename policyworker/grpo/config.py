@@ -23,6 +23,7 @@ __all__ = [
     "LoggerSection",
     "RunConfig",
     "RunSections",
+    "WandbSection",
 ]
 
 _IMPORT_PATH = Rule(
@@ -105,11 +106,25 @@ class CheckpointingSection:
 
 
 @frozen(kw_only=True)
+class WandbSection:
+    """NeMo-RL's `logger.wandb:` keys, passed to `wandb.init` (None: wandb's default)."""
+
+    project: str = "grpo-dev"
+    name: str = "grpo-dev-logger"
+    entity: str | None = None
+    group: str | None = None
+
+
+@frozen(kw_only=True)
 class LoggerSection:
-    """Stdout lines always, `log_dir/metrics.jsonl` always, TensorBoard when enabled."""
+    """Stdout lines always, `log_dir/metrics.jsonl` always, TensorBoard
+    (`log_dir/tensorboard`) and wandb (`log_dir/wandb`; `WANDB_MODE=offline` keeps it local)
+    when enabled, with NeMo-RL's keys."""
 
     log_dir: str = "logs"
     tensorboard_enabled: bool = False
+    wandb_enabled: bool = False
+    wandb: WandbSection = WandbSection()
 
 
 @frozen(kw_only=True)

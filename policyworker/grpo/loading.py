@@ -167,6 +167,19 @@ def _cross_section_problems(run: RunSections, policy: Any) -> list[str]:
     return problems
 
 
+def _missing_loggers(run: RunSections) -> list[str]:
+    wanted = (
+        ("tensorboard", run.logger.tensorboard_enabled, "tensorboard"),
+        ("wandb", run.logger.wandb_enabled, "'policyworker[grpo]'"),
+    )
+    return [
+        f"{name}_enabled = true but {name} is not installed; pip install {package}, or set it "
+        f"false @ logger.{name}_enabled"
+        for name, enabled, package in wanted
+        if enabled and importlib.util.find_spec(name) is None
+    ]
+
+
 def _apply_run_overrides(document: Mapping[str, Any], overrides: Iterable[str]) -> Any:
     """Overrides by full path; `policy.*` ones go to the policy section (whose override reader
     takes paths relative to it)."""
@@ -228,15 +241,8 @@ def load_run_config(path: str | pathlib.Path, overrides: Iterable[str] = ()) -> 
             read_prompt_rows(pathlib.Path(base_dir, train_file), prompt_key=str(prompt_key))
         except ConfigError as exc:
             problems.append(f"{exc} @ data.train_file")
-    if (
-        sections is not None
-        and sections.logger.tensorboard_enabled
-        and importlib.util.find_spec("tensorboard") is None
-    ):
-        problems.append(
-            "tensorboard_enabled = true but tensorboard is not installed; pip install "
-            "tensorboard, or set it false @ logger.tensorboard_enabled"
-        )
+    if sections is not None:
+        problems += _missing_loggers(sections)
     if problems:
         head = f"invalid run config {file} ({len(problems)} problem{'s' * (len(problems) != 1)}):"
         raise ConfigError("\n  ".join([head, *problems]))

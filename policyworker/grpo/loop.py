@@ -135,6 +135,17 @@ def _plot(path: str, history: list[dict[str, float]], out: TextIO) -> None:
         out.write("note: matplotlib is not installed; no PNG written (pip install matplotlib)\n")
 
 
+def _hyperparams(run: RunConfig) -> dict[str, Any]:
+    """The run's whole configuration as plain values (wandb's run config)."""
+    from policyworker.config.converter import converter
+
+    return {
+        "policy": converter.unstructure(run.policy),
+        "loss_fn": dict(run.loss_fn),
+        **converter.unstructure(run.sections),
+    }
+
+
 def _load_tokenizer(name: str) -> Any:
     """The tokenizer of `name` (pad = eos when it has no pad token, as the worker does).
 
@@ -196,7 +207,9 @@ def run_grpo(
             optimizer_path=None if folder is None else str(folder / "optimizer"),
         )
         loss_fn = ClippedPGLossFn(run.loss_fn)
-        logger = RunLogger(run.sections.logger, out=stream, resume_step=start_step)
+        logger = RunLogger(
+            run.sections.logger, out=stream, resume_step=start_step, hyperparams=_hyperparams(run)
+        )
         if resume:
             stream.write(f"grpo: resuming after step {start_step} from {resume[1]}\n")
         engine.connect(worker)
