@@ -126,12 +126,31 @@ def read_prompt_rows(path: pathlib.Path, *, prompt_key: str) -> list[dict[str, A
     return rows
 
 
+# The fix for each key a run cannot do without, appended to the converter's "required field
+# missing" line.
+_REQUIRED_FIX = {
+    "data": "add data: {train_file: prompts.jsonl} (JSONL or Parquet prompts)",
+    "data.train_file": "add train_file: the prompts file (JSONL or Parquet; relative to the run)",
+    "env": "add env: {reward_fn: my_rewards:score} (module:function)",
+    "env.reward_fn": "add reward_fn: module:function(prompts, responses, metadata) -> rewards",
+}
+
+
+def _with_fix(line: str) -> str:
+    head, at, where = line.rpartition(" @ ")
+    fix = _REQUIRED_FIX.get(where)
+    if at and fix and head.endswith("required field missing"):
+        return f"{head}; {fix} @ {where}"
+    return line
+
+
 def _structure_sections(document: Mapping[str, Any], problems: list[str]) -> RunSections | None:
     body = {k: v for k, v in document.items() if k in _SECTIONS}
     try:
         return converter.structure(body, RunSections)
     except (ClassValidationError, IterableValidationError, ValueError) as exc:
-        problems += [line.replace("@ run.", "@ ") for line in error_lines(exc, "run", None)]
+        lines = [line.replace("@ run.", "@ ") for line in error_lines(exc, "run", None)]
+        problems += [_with_fix(line) for line in lines]
         return None
 
 

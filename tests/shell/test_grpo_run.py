@@ -93,6 +93,16 @@ def test_every_problem_is_listed_with_its_path_before_anything_starts(tmp_path):
     assert "'broken:fn': importing 'broken' failed: RuntimeError: boom at import" in text
 
 
+def test_missing_sections_and_keys_say_what_to_add(tmp_path):
+    (tmp_path / "run.yaml").write_text("policy: {model_name: /x}\ndata: {prompt_key: q}\n")
+    with pytest.raises(ConfigError) as info:
+        load_run_config(tmp_path / "run.yaml")
+    text = str(info.value)
+    assert "(2 problems)" in text, text
+    assert "required field missing; add train_file: " in text and "@ data.train_file" in text
+    assert "required field missing; add env: {reward_fn: " in text and text.endswith("@ env")
+
+
 def test_missing_reward_function_and_bad_rows_are_named(tmp_path):
     path = _run_file(tmp_path, "/no/model")
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "t3"}\n{"text": "t4"}\nnot json\n')
@@ -247,6 +257,25 @@ def test_checkpoints_commit_after_the_save_and_keep_the_top_k_and_the_latest(tmp
     assert worker.finalized == 4
     assert sorted(committed_steps(tmp_path)) == [2, 6, 7]
     assert (latest_committed(tmp_path) or (0,))[0] == 7
+
+
+def test_keep_top_k_ranks_by_the_configured_metric_and_direction(tmp_path):
+    from policyworker.grpo.checkpoints import Checkpointer, committed_steps
+    from policyworker.grpo.config import CheckpointingSection
+
+    section = CheckpointingSection(
+        checkpoint_dir=str(tmp_path),
+        save_period=1,
+        keep_top_k=1,
+        metric_name="train:loss",
+        higher_is_better=False,
+    )
+    saver = Checkpointer(section, _FakeWorker())
+    for step, loss in ((1, 0.5), (2, 0.1), (3, 0.9), (4, 0.7)):
+        # the loop stores the ranking metric under its name without the "train:" prefix
+        saver.save(step, {"step": step, "metrics": {"loss": loss}, "history": []})
+    saver.commit()
+    assert sorted(committed_steps(tmp_path)) == [2, 4]  # the lowest loss, and the latest
 
 
 def test_epochs_bound_the_steps_and_metadata_keys_pick_the_fields(

@@ -1,6 +1,6 @@
-"""The GRPO runner's wandb logging (NeMo-RL's `logger.wandb_enabled` / `logger.wandb:`), in
-wandb's offline mode: the records wandb writes to `log_dir/wandb/.../run-*.wandb` are read back
-and must hold every step's metrics."""
+"""The GRPO runner's loggers besides stdout and JSONL: wandb (NeMo-RL's `logger.wandb_enabled`
+/ `logger.wandb:`) in wandb's offline mode, the records it writes to
+`log_dir/wandb/.../run-*.wandb` read back; TensorBoard through a recording SummaryWriter."""
 
 import io
 import json
@@ -135,3 +135,36 @@ def test_wandb_enabled_without_wandb_is_a_config_problem(tmp_path, monkeypatch):
     assert "@ logger.wandb_enabled" in text
     with pytest.raises(ConfigError, match=r"projekt: did you mean 'project'\?\) @ logger\.wandb$"):
         load_run_config(path, ["++logger.wandb.projekt=x"])
+
+
+class _Writer:
+    """Stands in for torch's SummaryWriter (tensorboard is not in the test extra)."""
+
+    made: list["_Writer"] = []
+
+    def __init__(self, log_dir):
+        self.log_dir, self.scalars, self.closed = log_dir, [], False
+        _Writer.made.append(self)
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, value, step))
+
+    def close(self):
+        self.closed = True
+
+
+def test_tensorboard_gets_each_metric_as_train_scalars(tmp_path, monkeypatch):
+    import types
+
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = _Writer  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    section = LoggerSection(log_dir=str(tmp_path / "logs"), tensorboard_enabled=True)
+    logger = RunLogger(section, out=io.StringIO(), resume_step=0)
+    for step in (1, 2):
+        logger.step(step, 2, {**dict.fromkeys(STEP_METRICS, 0.0), "kl": step / 4})
+    logger.close()
+    (writer,) = _Writer.made
+    assert writer.log_dir == str(tmp_path / "logs/tensorboard") and writer.closed
+    assert ("train/kl", 0.25, 1) in writer.scalars and ("train/kl", 0.5, 2) in writer.scalars
+    assert len(writer.scalars) == 2 * len(STEP_METRICS)
