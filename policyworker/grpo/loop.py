@@ -210,6 +210,10 @@ def run_grpo(
         logger = RunLogger(
             run.sections.logger, out=stream, resume_step=start_step, hyperparams=_hyperparams(run)
         )
+        stream.write(
+            f"grpo: {run.policy.model_name} on {device}, {len(data)} prompts, generation backend "
+            f"{run.sections.generation.backend}, {total} steps\n"
+        )
         if resume:
             stream.write(f"grpo: resuming after step {start_step} from {resume[1]}\n")
         engine.connect(worker)
