@@ -262,6 +262,15 @@ def load_run_config(path: str | pathlib.Path, overrides: Iterable[str] = ()) -> 
             problems.append(f"{exc} @ data.train_file")
     if sections is not None:
         problems += _missing_loggers(sections)
+    template = None if policy is None else policy.tokenizer.chat_template
+    if template is not None and template.endswith(".jinja"):
+        template_file = pathlib.Path(base_dir, template)
+        if not template_file.is_file():
+            problems.append(
+                f"chat_template = {template!r}: no such file {str(template_file)!r}; give a "
+                f"*.jinja path relative to the run file, a literal template, 'default' or null "
+                f"@ policy.tokenizer.chat_template"
+            )
     if problems:
         head = f"invalid run config {file} ({len(problems)} problem{'s' * (len(problems) != 1)}):"
         raise ConfigError("\n  ".join([head, *problems]))

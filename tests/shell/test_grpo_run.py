@@ -165,6 +165,36 @@ def test_prompts_use_the_chat_template_when_the_tokenizer_has_one(tiny_tokenizer
     assert decode_responses(tok, [[5, 9, 1]]) == ["t5 t9"]
 
 
+def test_policy_tokenizer_chat_template_is_read_as_nemo_rl_reads_it(
+    tmp_path, tiny_tokenizer_model_path
+):
+    from policyworker.config import load_config
+    from policyworker.grpo.data import PASSTHROUGH_TEMPLATE, load_tokenizer
+
+    def encoded(template, **kwargs):
+        policy = load_config(
+            {"model_name": tiny_tokenizer_model_path, "tokenizer": {"chat_template": template}}
+        )
+        tok = load_tokenizer(policy, base_dir=str(tmp_path))
+        return tok, encode_prompt(tok, "t5 t9", use_chat_template=True, template_kwargs=kwargs)
+
+    (tmp_path / "turn.jinja").write_text(
+        "{% for m in messages %}{% if wrap %}t3 {% endif %}{{ m['content'] }} t4{% endfor %}"
+    )
+    assert encoded("turn.jinja", wrap=True)[1] == [3, 5, 9, 4]  # relative to the run file
+    assert encoded("turn.jinja", wrap=False)[1] == [5, 9, 4]  # chat_template_kwargs reach it
+    assert encoded("t6 {{ messages[0]['content'] }}")[1] == [6, 5, 9]  # a literal template
+    tok, ids = encoded(None)
+    assert tok.chat_template == PASSTHROUGH_TEMPLATE and ids == [5, 9]
+    assert encoded("default")[0].chat_template is None  # the tiny tokenizer has none
+
+    path = _run_file(tmp_path, tiny_tokenizer_model_path)
+    with pytest.raises(ConfigError) as info:
+        load_run_config(path, ["++policy.tokenizer.chat_template=absent.jinja"])
+    text = str(info.value)
+    assert "no such file" in text and text.endswith("@ policy.tokenizer.chat_template")
+
+
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
