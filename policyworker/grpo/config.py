@@ -23,6 +23,7 @@ __all__ = [
     "LoggerSection",
     "RunConfig",
     "RunSections",
+    "WandbSection",
 ]
 
 _IMPORT_PATH = Rule(
@@ -59,8 +60,9 @@ class GrpoSection:
 
 @frozen(kw_only=True)
 class DataSection:
-    """A JSONL file of prompts: one object per line, the text under `prompt_key`; the other
-    fields (or only `metadata_keys`) reach the reward function as that row's metadata."""
+    """A prompts file, JSONL (one object per line) or Parquet (`.parquet`, one row per prompt;
+    needs pyarrow): the text under `prompt_key`; the other fields (or only `metadata_keys`)
+    reach the reward function as that row's metadata."""
 
     train_file: str
     prompt_key: str = "prompt"
@@ -104,11 +106,25 @@ class CheckpointingSection:
 
 
 @frozen(kw_only=True)
+class WandbSection:
+    """NeMo-RL's `logger.wandb:` keys, passed to `wandb.init` (None: wandb's default)."""
+
+    project: str = "grpo-dev"
+    name: str = "grpo-dev-logger"
+    entity: str | None = None
+    group: str | None = None
+
+
+@frozen(kw_only=True)
 class LoggerSection:
-    """Stdout lines always, `log_dir/metrics.jsonl` always, TensorBoard when enabled."""
+    """Stdout lines always, `log_dir/metrics.jsonl` always, TensorBoard
+    (`log_dir/tensorboard`) and wandb (`log_dir/wandb`; `WANDB_MODE=offline` keeps it local)
+    when enabled, with NeMo-RL's keys."""
 
     log_dir: str = "logs"
     tensorboard_enabled: bool = False
+    wandb_enabled: bool = False
+    wandb: WandbSection = WandbSection()
 
 
 @frozen(kw_only=True)

@@ -1,6 +1,6 @@
-"""Prompts in, tokens out: the JSONL rows of `data.train_file` tokenised with the model
-folder's tokenizer (its chat template when it has one and `data.use_chat_template`), and the
-responses decoded back to text for the reward function."""
+"""Prompts in, tokens out: the rows of `data.train_file` (JSONL or Parquet) tokenised with the
+model folder's tokenizer (the chat template `policy.tokenizer.chat_template` picks, when there is
+one and `data.use_chat_template`), and the responses decoded back to text for the reward."""
 
 from __future__ import annotations
 
@@ -10,10 +10,22 @@ from typing import Any
 
 from attrs import frozen
 
+from policyworker.config import PolicyConfig
 from policyworker.grpo.config import DataSection
 from policyworker.grpo.loading import read_prompt_rows
 
-__all__ = ["PromptSet", "decode_responses", "encode_prompt", "load_prompts"]
+__all__ = [
+    "PASSTHROUGH_TEMPLATE",
+    "PromptSet",
+    "chat_template_file",
+    "decode_responses",
+    "encode_prompt",
+    "load_prompts",
+    "load_tokenizer",
+]
+
+# NeMo-RL's template for `policy.tokenizer.chat_template: null`: the messages' text, nothing added.
+PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
 @frozen(kw_only=True)
@@ -28,12 +40,63 @@ class PromptSet:
         return len(self.texts)
 
 
-def encode_prompt(tokenizer: Any, text: str, *, use_chat_template: bool) -> list[int]:
-    """Token ids of `text` as a user turn (chat template, generation prompt added) when the
-    tokenizer has a template and it is wanted, else the plain encoding."""
+def chat_template_file(choice: str | None, *, base_dir: str) -> pathlib.Path | None:
+    """The file a `policy.tokenizer.chat_template` of `*.jinja` names (relative to `base_dir`,
+    the run file's folder), else None."""
+    if choice is None or not choice.endswith(".jinja"):
+        return None
+    return pathlib.Path(base_dir, choice)
+
+
+def load_tokenizer(policy: PolicyConfig, *, base_dir: str) -> Any:
+    """The tokenizer of `policy.tokenizer_name`, its chat template as NeMo-RL's
+    `policy.tokenizer.chat_template` says ("default": the tokenizer's own; None: passthrough;
+    a `*.jinja` path or a literal template), pad = eos when it has no pad token (as the worker).
+
+    Raises:
+        ValueError: no tokenizer loads from the name, or the template file does not read.
+    """
+    from transformers import AutoTokenizer
+
+    name = policy.tokenizer_name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        msg = (
+            f"policy.model_name / policy.tokenizer.name {name!r}: no tokenizer loads from it "
+            f"({type(exc).__name__}: {exc}); the grpo runner tokenises text prompts: save a "
+            f"tokenizer there or set policy.tokenizer.name"
+        )
+        raise ValueError(msg) from exc
+    choice = policy.tokenizer.chat_template
+    template_file = chat_template_file(choice, base_dir=base_dir)
+    if choice is None:
+        tokenizer.chat_template = PASSTHROUGH_TEMPLATE
+    elif template_file is not None:
+        tokenizer.chat_template = template_file.read_text()
+    elif choice != "default":
+        tokenizer.chat_template = choice
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def encode_prompt(
+    tokenizer: Any,
+    text: str,
+    *,
+    use_chat_template: bool,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of `text` as a user turn (chat template, generation prompt added, with
+    `template_kwargs` such as enable_thinking) when the tokenizer has a template and it is
+    wanted, else the plain encoding."""
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         out = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            [{"role": "user", "content": text}],
+            add_generation_prompt=True,
+            tokenize=True,
+            **dict(template_kwargs or {}),
         )
         ids = out["input_ids"] if isinstance(out, Mapping) else out
     else:
@@ -41,7 +104,13 @@ def encode_prompt(tokenizer: Any, text: str, *, use_chat_template: bool) -> list
     return [int(i) for i in ids]
 
 
-def load_prompts(section: DataSection, *, base_dir: str, tokenizer: Any) -> PromptSet:
+def load_prompts(
+    section: DataSection,
+    *,
+    base_dir: str,
+    tokenizer: Any,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> PromptSet:
     """Read and tokenise every prompt of `section.train_file` (relative to `base_dir`).
 
     Raises:
@@ -53,7 +122,12 @@ def load_prompts(section: DataSection, *, base_dir: str, tokenizer: Any) -> Prom
     texts, ids, meta = [], [], []
     for number, row in enumerate(rows, start=1):
         text = row[section.prompt_key]
-        tokens = encode_prompt(tokenizer, text, use_chat_template=section.use_chat_template)
+        tokens = encode_prompt(
+            tokenizer,
+            text,
+            use_chat_template=section.use_chat_template,
+            template_kwargs=template_kwargs,
+        )
         if not tokens:
             msg = (
                 f"data.train_file row {number}: prompt {text!r} encodes to no token; give it "

@@ -59,40 +59,89 @@ def import_reward_fn(path: str, *, base_dir: str) -> Callable[..., Any]:
     return fn
 
 
-def read_prompt_rows(path: pathlib.Path, *, prompt_key: str) -> list[dict[str, Any]]:
-    """The JSONL rows of `path` (blank lines skipped).
+def _parquet_records(path: pathlib.Path) -> list[Any]:
+    """The rows of a Parquet file as dicts (pyarrow, imported only for Parquet files).
 
     Raises:
-        ConfigError: the file is missing or empty, or lines are not objects with a text
-        `prompt_key` (the first five bad lines named).
+        ConfigError: pyarrow is missing (naming the extra), or the file does not read.
     """
-    if not path.is_file():
-        raise ConfigError(f"train_file: no such file {str(path)!r}; check the path")
-    if path.suffix == ".parquet":
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
         msg = (
-            f"train_file {str(path)!r}: Parquet prompt files are not read yet; write the rows "
-            f"as JSONL (one JSON object per line)"
+            f"train_file {str(path)!r}: reading Parquet needs pyarrow ({exc}); pip install "
+            f"'policyworker[grpo]', or write the rows as JSONL"
         )
-        raise ConfigError(msg)
-    rows: list[dict[str, Any]] = []
-    bad: list[str] = []
+        raise ConfigError(msg) from exc
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow's errors have no common base besides Exception
+        msg = f"train_file {str(path)!r}: not a readable Parquet file ({type(exc).__name__}: {exc})"
+        raise ConfigError(msg) from exc
+
+
+def _jsonl_records(path: pathlib.Path) -> list[tuple[int, Any]]:
+    """(line number, parsed value or the JSONDecodeError) per non-blank line."""
+    records: list[tuple[int, Any]] = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            records.append((number, json.loads(line)))
         except json.JSONDecodeError as exc:
-            bad.append(f"line {number}: not JSON ({exc.msg})")
+            records.append((number, exc))
+    return records
+
+
+def read_prompt_rows(path: pathlib.Path, *, prompt_key: str) -> list[dict[str, Any]]:
+    """The rows of `path`: a Parquet file (`.parquet`, one row per prompt) or JSONL (one JSON
+    object per line, blank lines skipped).
+
+    Raises:
+        ConfigError: the file is missing, empty or unreadable, or rows are not objects with a
+        text `prompt_key` (the first five bad rows named).
+    """
+    if not path.is_file():
+        raise ConfigError(f"train_file: no such file {str(path)!r}; check the path")
+    bad: list[str] = []
+    if path.suffix == ".parquet":
+        records = list(enumerate(_parquet_records(path), start=1))
+        unit, form = "row", "Parquet rows"
+    else:
+        records = _jsonl_records(path)
+        unit, form = "line", "JSONL lines"
+    rows: list[dict[str, Any]] = []
+    for number, row in records:
+        if isinstance(row, json.JSONDecodeError):
+            bad.append(f"line {number}: not JSON ({row.msg})")
             continue
         if not isinstance(row, dict) or not isinstance(row.get(prompt_key), str):
-            bad.append(f"line {number}: no text field {prompt_key!r}")
+            bad.append(f"{unit} {number}: no text field {prompt_key!r}")
             continue
         rows.append(row)
     if bad:
         raise ConfigError(f"train_file {str(path)!r}: " + "; ".join(bad[:5]))
     if not rows:
-        raise ConfigError(f"train_file {str(path)!r} holds no prompt; add JSONL lines")
+        raise ConfigError(f"train_file {str(path)!r} holds no prompt; add {form}")
     return rows
+
+
+# The fix for each key a run cannot do without, appended to the converter's "required field
+# missing" line.
+_REQUIRED_FIX = {
+    "data": "add data: {train_file: prompts.jsonl} (JSONL or Parquet prompts)",
+    "data.train_file": "add train_file: the prompts file (JSONL or Parquet; relative to the run)",
+    "env": "add env: {reward_fn: my_rewards:score} (module:function)",
+    "env.reward_fn": "add reward_fn: module:function(prompts, responses, metadata) -> rewards",
+}
+
+
+def _with_fix(line: str) -> str:
+    head, at, where = line.rpartition(" @ ")
+    fix = _REQUIRED_FIX.get(where)
+    if at and fix and head.endswith("required field missing"):
+        return f"{head}; {fix} @ {where}"
+    return line
 
 
 def _structure_sections(document: Mapping[str, Any], problems: list[str]) -> RunSections | None:
@@ -100,7 +149,8 @@ def _structure_sections(document: Mapping[str, Any], problems: list[str]) -> Run
     try:
         return converter.structure(body, RunSections)
     except (ClassValidationError, IterableValidationError, ValueError) as exc:
-        problems += [line.replace("@ run.", "@ ") for line in error_lines(exc, "run", None)]
+        lines = [line.replace("@ run.", "@ ") for line in error_lines(exc, "run", None)]
+        problems += [_with_fix(line) for line in lines]
         return None
 
 
@@ -134,6 +184,19 @@ def _cross_section_problems(run: RunSections, policy: Any) -> list[str]:
             "use backend hf @ generation.backend"
         )
     return problems
+
+
+def _missing_loggers(run: RunSections) -> list[str]:
+    wanted = (
+        ("tensorboard", run.logger.tensorboard_enabled, "tensorboard"),
+        ("wandb", run.logger.wandb_enabled, "'policyworker[grpo]'"),
+    )
+    return [
+        f"{name}_enabled = true but {name} is not installed; pip install {package}, or set it "
+        f"false @ logger.{name}_enabled"
+        for name, enabled, package in wanted
+        if enabled and importlib.util.find_spec(name) is None
+    ]
 
 
 def _apply_run_overrides(document: Mapping[str, Any], overrides: Iterable[str]) -> Any:
@@ -197,15 +260,17 @@ def load_run_config(path: str | pathlib.Path, overrides: Iterable[str] = ()) -> 
             read_prompt_rows(pathlib.Path(base_dir, train_file), prompt_key=str(prompt_key))
         except ConfigError as exc:
             problems.append(f"{exc} @ data.train_file")
-    if (
-        sections is not None
-        and sections.logger.tensorboard_enabled
-        and importlib.util.find_spec("tensorboard") is None
-    ):
-        problems.append(
-            "tensorboard_enabled = true but tensorboard is not installed; pip install "
-            "tensorboard, or set it false @ logger.tensorboard_enabled"
-        )
+    if sections is not None:
+        problems += _missing_loggers(sections)
+    template = None if policy is None else policy.tokenizer.chat_template
+    if template is not None and template.endswith(".jinja"):
+        template_file = pathlib.Path(base_dir, template)
+        if not template_file.is_file():
+            problems.append(
+                f"chat_template = {template!r}: no such file {str(template_file)!r}; give a "
+                f"*.jinja path relative to the run file, a literal template, 'default' or null "
+                f"@ policy.tokenizer.chat_template"
+            )
     if problems:
         head = f"invalid run config {file} ({len(problems)} problem{'s' * (len(problems) != 1)}):"
         raise ConfigError("\n  ".join([head, *problems]))

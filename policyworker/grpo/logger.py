@@ -1,5 +1,6 @@
 """Where a run's numbers go: one progress line per step on stdout, one JSON object per step in
-`log_dir/metrics.jsonl`, TensorBoard scalars when enabled, and the summary at the end.
+`log_dir/metrics.jsonl`, TensorBoard scalars and a wandb run when enabled (both as
+`train/<metric>` at the step, NeMo-RL's names), and the summary at the end.
 
 A resumed run keeps the JSONL lines of the steps it resumes after and drops later ones (a
 killed run may have logged steps whose checkpoint never committed)."""
@@ -36,8 +37,34 @@ def summary_lines(summary: Mapping[str, float], *, resumed_from: int) -> list[st
     ]
 
 
+def _start_wandb(
+    section: LoggerSection, folder: pathlib.Path, hyperparams: Mapping[str, Any]
+) -> Any:
+    """A wandb run under `folder/wandb`, as NeMo-RL starts one (`wandb.init(**logger.wandb,
+    dir=...)`); its mode (online, offline) is wandb's own setting (`WANDB_MODE`)."""
+    import wandb
+
+    w = section.wandb
+    (folder / "wandb").mkdir(parents=True, exist_ok=True)
+    return wandb.init(
+        project=w.project,
+        name=w.name,
+        entity=w.entity,
+        group=w.group,
+        dir=str(folder / "wandb"),
+        config=dict(hyperparams),
+    )
+
+
 class RunLogger:
-    def __init__(self, section: LoggerSection, *, out: TextIO, resume_step: int) -> None:
+    def __init__(
+        self,
+        section: LoggerSection,
+        *,
+        out: TextIO,
+        resume_step: int,
+        hyperparams: Mapping[str, Any] | None = None,
+    ) -> None:
         self.out = out
         folder = pathlib.Path(section.log_dir)
         folder.mkdir(parents=True, exist_ok=True)
@@ -53,6 +80,9 @@ class RunLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(folder / "tensorboard"))
+        self.wandb_run: Any = None
+        if section.wandb_enabled:
+            self.wandb_run = _start_wandb(section, folder, hyperparams or {})
 
     def step(self, step: int, total: int, metrics: Mapping[str, float]) -> None:
         self.out.write(step_line(step, total, metrics) + "\n")
@@ -62,12 +92,18 @@ class RunLogger:
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(f"train/{key}", value, step)
+        if self.wandb_run is not None:
+            self.wandb_run.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
 
     def summary(self, summary: Mapping[str, float], *, resumed_from: int) -> None:
         for line in summary_lines(summary, resumed_from=resumed_from):
             self.out.write(line + "\n")
         self.out.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.summary.update({f"summary/{k}": v for k, v in summary.items()})
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

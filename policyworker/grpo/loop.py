@@ -32,7 +32,7 @@ from policyworker.functional.grpo import (
 )
 from policyworker.grpo.checkpoints import Checkpointer, latest_committed
 from policyworker.grpo.config import RunConfig
-from policyworker.grpo.data import PromptSet, decode_responses, load_prompts
+from policyworker.grpo.data import PromptSet, decode_responses, load_prompts, load_tokenizer
 from policyworker.grpo.logger import RunLogger
 from policyworker.grpo.rollout import HfRollouts, VllmBackend, start_backend
 
@@ -135,25 +135,15 @@ def _plot(path: str, history: list[dict[str, float]], out: TextIO) -> None:
         out.write("note: matplotlib is not installed; no PNG written (pip install matplotlib)\n")
 
 
-def _load_tokenizer(name: str) -> Any:
-    """The tokenizer of `name` (pad = eos when it has no pad token, as the worker does).
+def _hyperparams(run: RunConfig) -> dict[str, Any]:
+    """The run's whole configuration as plain values (wandb's run config)."""
+    from policyworker.config.converter import converter
 
-    Raises:
-        ValueError: `name` has no tokenizer files."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as exc:
-        msg = (
-            f"policy.model_name / policy.tokenizer.name {name!r}: no tokenizer loads from it "
-            f"({type(exc).__name__}: {exc}); the grpo runner tokenises text prompts: save a "
-            f"tokenizer there or set policy.tokenizer.name"
-        )
-        raise ValueError(msg) from exc
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return {
+        "policy": converter.unstructure(run.policy),
+        "loss_fn": dict(run.loss_fn),
+        **converter.unstructure(run.sections),
+    }
 
 
 def run_grpo(
@@ -172,8 +162,13 @@ def run_grpo(
     resume = latest_committed(pathlib.Path(cp.checkpoint_dir)) if cp.enabled else None
     start_step, history = (resume[0], list(resume[2]["history"])) if resume else (0, [])
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokenizer = _load_tokenizer(run.policy.tokenizer_name)
-    data = load_prompts(run.sections.data, base_dir=run.base_dir, tokenizer=tokenizer)
+    tokenizer = load_tokenizer(run.policy, base_dir=run.base_dir)
+    data = load_prompts(
+        run.sections.data,
+        base_dir=run.base_dir,
+        tokenizer=tokenizer,
+        template_kwargs=run.policy.tokenizer.chat_template_kwargs,
+    )
     total = last_step(run, len(data))
     longest = max(len(p) for p in data.token_ids) + run.sections.generation.max_new_tokens
     # Started before the worker, as the demo does: the HF process's imports overlap the
@@ -196,7 +191,13 @@ def run_grpo(
             optimizer_path=None if folder is None else str(folder / "optimizer"),
         )
         loss_fn = ClippedPGLossFn(run.loss_fn)
-        logger = RunLogger(run.sections.logger, out=stream, resume_step=start_step)
+        logger = RunLogger(
+            run.sections.logger, out=stream, resume_step=start_step, hyperparams=_hyperparams(run)
+        )
+        stream.write(
+            f"grpo: {run.policy.model_name} on {device}, {len(data)} prompts, generation backend "
+            f"{run.sections.generation.backend}, {total} steps\n"
+        )
         if resume:
             stream.write(f"grpo: resuming after step {start_step} from {resume[1]}\n")
         engine.connect(worker)

@@ -47,6 +47,8 @@ def test_the_example_run_file_trains_three_steps_on_vllm(tmp_path):
     )
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-4000:]
+    start = rf"grpo: {re.escape(str(model))} on \w+, 16 prompts, generation backend vllm, 3 steps"
+    assert re.search(start, run.stdout), output[-4000:]
     assert len(re.findall(r"^step \d/3  reward \d", run.stdout, re.M)) == 3, output[-4000:]
     logged = [json.loads(x) for x in (tmp_path / "logs/metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged] == [1, 2, 3]

@@ -38,6 +38,8 @@ def test_the_example_run_file_trains_three_steps_and_checkpoints(tmp_path):
     )
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-4000:]
+    start = rf"grpo: {re.escape(str(model))} on \w+, 16 prompts, generation backend hf, 3 steps"
+    assert re.search(start, run.stdout), output[-4000:]
     for step in (1, 2, 3):
         line = rf"step {step}/3  reward \d\.\d{{4}}  kl -?\d\.\d+  loss -?\d\.\d+  tok/s \d"
         assert re.search(line + r".*refit \d+\.\d ms  step \d+\.\d\d s", output), output[-4000:]

@@ -93,6 +93,16 @@ def test_every_problem_is_listed_with_its_path_before_anything_starts(tmp_path):
     assert "'broken:fn': importing 'broken' failed: RuntimeError: boom at import" in text
 
 
+def test_missing_sections_and_keys_say_what_to_add(tmp_path):
+    (tmp_path / "run.yaml").write_text("policy: {model_name: /x}\ndata: {prompt_key: q}\n")
+    with pytest.raises(ConfigError) as info:
+        load_run_config(tmp_path / "run.yaml")
+    text = str(info.value)
+    assert "(2 problems)" in text, text
+    assert "required field missing; add train_file: " in text and "@ data.train_file" in text
+    assert "required field missing; add env: {reward_fn: " in text and text.endswith("@ env")
+
+
 def test_missing_reward_function_and_bad_rows_are_named(tmp_path):
     path = _run_file(tmp_path, "/no/model")
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "t3"}\n{"text": "t4"}\nnot json\n')
@@ -103,8 +113,45 @@ def test_missing_reward_function_and_bad_rows_are_named(tmp_path):
     assert "line 2: no text field 'prompt'" in text and "line 3: not JSON" in text
     assert "is not a multiple of policy.train_global_batch_size = 8" in text
     (tmp_path / "p.parquet").write_bytes(b"PAR1")
-    with pytest.raises(ConfigError, match="Parquet prompt files are not read yet"):
+    with pytest.raises(ConfigError, match="p.parquet'?: not a readable Parquet file") as info:
         load_run_config(path, ["data.train_file=p.parquet"])
+    assert "@ data.train_file" in str(info.value)
+
+
+def test_parquet_prompts_read_as_jsonl_ones_do(tmp_path, tiny_tokenizer_model_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from policyworker.grpo.data import load_prompts
+
+    path = _run_file(tmp_path, tiny_tokenizer_model_path)
+    rows = [json.loads(x) for x in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    pq.write_table(
+        pa.Table.from_pylist([{**r, "n": i} for i, r in enumerate(rows)]), tmp_path / "p.parquet"
+    )
+    run = load_run_config(path, ["data.train_file=p.parquet"])
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_model_path)
+    data = load_prompts(run.sections.data, base_dir=run.base_dir, tokenizer=tok)
+    jsonl = load_prompts(load_run_config(path).sections.data, base_dir=run.base_dir, tokenizer=tok)
+    assert data.texts == jsonl.texts and data.token_ids == jsonl.token_ids
+    assert data.metadata[4] == {"tag": "x", "n": 4}
+
+    pq.write_table(pa.table({"prompt": ["t3", None], "id": [1, 2]}), tmp_path / "gap.parquet")
+    with pytest.raises(ConfigError) as info:
+        load_run_config(path, ["data.train_file=gap.parquet"])
+    assert "row 2: no text field 'prompt' @ data.train_file" in str(info.value)
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    from policyworker.grpo.loading import read_prompt_rows
+
+    (tmp_path / "p.parquet").write_bytes(b"PAR1")
+    for name in [m for m in sys.modules if m == "pyarrow" or m.startswith("pyarrow.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # `import pyarrow...` raises ImportError
+    with pytest.raises(ConfigError, match=r"needs pyarrow .*pip install 'policyworker\[grpo\]'"):
+        read_prompt_rows(tmp_path / "p.parquet", prompt_key="prompt")
 
 
 def test_prompts_use_the_chat_template_when_the_tokenizer_has_one(tiny_tokenizer_model_path):
@@ -116,6 +163,36 @@ def test_prompts_use_the_chat_template_when_the_tokenizer_has_one(tiny_tokenizer
     assert encode_prompt(tok, "t5 t9", use_chat_template=True) == [3, 5, 9, 4]
     assert encode_prompt(tok, "t5 t9", use_chat_template=False) == [5, 9]
     assert decode_responses(tok, [[5, 9, 1]]) == ["t5 t9"]
+
+
+def test_policy_tokenizer_chat_template_is_read_as_nemo_rl_reads_it(
+    tmp_path, tiny_tokenizer_model_path
+):
+    from policyworker.config import load_config
+    from policyworker.grpo.data import PASSTHROUGH_TEMPLATE, load_tokenizer
+
+    def encoded(template, **kwargs):
+        policy = load_config(
+            {"model_name": tiny_tokenizer_model_path, "tokenizer": {"chat_template": template}}
+        )
+        tok = load_tokenizer(policy, base_dir=str(tmp_path))
+        return tok, encode_prompt(tok, "t5 t9", use_chat_template=True, template_kwargs=kwargs)
+
+    (tmp_path / "turn.jinja").write_text(
+        "{% for m in messages %}{% if wrap %}t3 {% endif %}{{ m['content'] }} t4{% endfor %}"
+    )
+    assert encoded("turn.jinja", wrap=True)[1] == [3, 5, 9, 4]  # relative to the run file
+    assert encoded("turn.jinja", wrap=False)[1] == [5, 9, 4]  # chat_template_kwargs reach it
+    assert encoded("t6 {{ messages[0]['content'] }}")[1] == [6, 5, 9]  # a literal template
+    tok, ids = encoded(None)
+    assert tok.chat_template == PASSTHROUGH_TEMPLATE and ids == [5, 9]
+    assert encoded("default")[0].chat_template is None  # the tiny tokenizer has none
+
+    path = _run_file(tmp_path, tiny_tokenizer_model_path)
+    with pytest.raises(ConfigError) as info:
+        load_run_config(path, ["++policy.tokenizer.chat_template=absent.jinja"])
+    text = str(info.value)
+    assert "no such file" in text and text.endswith("@ policy.tokenizer.chat_template")
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -210,6 +287,25 @@ def test_checkpoints_commit_after_the_save_and_keep_the_top_k_and_the_latest(tmp
     assert worker.finalized == 4
     assert sorted(committed_steps(tmp_path)) == [2, 6, 7]
     assert (latest_committed(tmp_path) or (0,))[0] == 7
+
+
+def test_keep_top_k_ranks_by_the_configured_metric_and_direction(tmp_path):
+    from policyworker.grpo.checkpoints import Checkpointer, committed_steps
+    from policyworker.grpo.config import CheckpointingSection
+
+    section = CheckpointingSection(
+        checkpoint_dir=str(tmp_path),
+        save_period=1,
+        keep_top_k=1,
+        metric_name="train:loss",
+        higher_is_better=False,
+    )
+    saver = Checkpointer(section, _FakeWorker())
+    for step, loss in ((1, 0.5), (2, 0.1), (3, 0.9), (4, 0.7)):
+        # the loop stores the ranking metric under its name without the "train:" prefix
+        saver.save(step, {"step": step, "metrics": {"loss": loss}, "history": []})
+    saver.commit()
+    assert sorted(committed_steps(tmp_path)) == [2, 4]  # the lowest loss, and the latest
 
 
 def test_epochs_bound_the_steps_and_metadata_keys_pick_the_fields(
