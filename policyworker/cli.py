@@ -125,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--async",
         dest="inflight",
         action="store_true",
-        help="stream each refit while the HF inference process samples (swapped in between "
-        "two decode steps); each step prints the version lag and the stall",
+        help="stream each refit while the rollouts are sampled (HF inference process, or "
+        "with --engine vllm an AsyncLLM), swapped in between two decode steps; each step "
+        "prints the version lag and the stall",
     )
     grpo = sub.add_parser(
         "grpo",

@@ -6,7 +6,8 @@ Three shapes share the steps:
 - one process (default): a `PolicyWorker` here and a separate HF inference process
   (`demo.inference`) that receives every refit over ZMQ;
 - `--engine vllm`: a real vLLM engine (`demo.vllm_rollouts`) samples every rollout and receives
-  every refit through vLLM's weight-sync calls;
+  every refit through vLLM's weight-sync calls; with `--async` an `AsyncLLM` keeps generating
+  while each refit streams in (`demo.vllm_inflight_rollouts`);
 - torchrun: every rank builds the same tiny model (same seed) in its own folder and calls every
   worker method; rank 0 alone owns the inference process, draws the rollouts and broadcasts them;
 - `--ray N`: this process is a Ray driver; the policy is a `RayWorkerGroup` of N CPU workers that
@@ -79,12 +80,37 @@ def _check_vllm_options(opts: DemoOptions) -> None:
 
 def _check_async_options(opts: DemoOptions) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if opts.inflight and (opts.engine != "hf" or opts.tp != 1 or world != 1):
+    if opts.inflight and (opts.tp != 1 or world != 1):
         msg = (
-            f"--async runs one trainer process with the HF inference process (got --engine "
-            f"{opts.engine}, --tp {opts.tp}, WORLD_SIZE {world}); drop the others or --async"
+            f"--async runs one trainer process (got --tp {opts.tp}, WORLD_SIZE {world}); drop "
+            f"--tp and torchrun, or --async"
         )
         raise ValueError(msg)
+
+
+def start_vllm(model_dir: str, opts: DemoOptions) -> Any:
+    """The run's vLLM engine: an ``AsyncLLM`` refit in flight with ``--async``, else an ``LLM``
+    refit between steps."""
+    max_model_len = max(64, 2 * opts.task.seq_len)
+    if opts.inflight:
+        from policyworker.demo.vllm_inflight_rollouts import VllmInflightRollouts
+
+        return VllmInflightRollouts.start(
+            model_dir,
+            dtype_name=opts.precision,
+            seed=opts.seed,
+            max_model_len=max_model_len,
+            timeout_s=opts.timeout_s,
+        )
+    from policyworker.demo.vllm_rollouts import VllmRollouts
+
+    return VllmRollouts(
+        model_dir,
+        dtype_name=opts.precision,
+        seed=opts.seed,
+        max_model_len=max_model_len,
+        timeout_s=opts.timeout_s,
+    )
 
 
 def run_demo(
@@ -122,15 +148,7 @@ def run_demo(
         rank0 = parallel.rank == 0
         try:
             if rank0 and vllm:
-                from policyworker.demo.vllm_rollouts import VllmRollouts
-
-                infer = VllmRollouts(
-                    model_dir,
-                    dtype_name=opts.precision,
-                    seed=opts.seed,
-                    max_model_len=max(64, 2 * task.seq_len),
-                    timeout_s=opts.timeout_s,
-                )
+                infer = start_vllm(model_dir, opts)
                 startup.done(f"vLLM engine started in {infer.start_s:.1f} s")
             elif rank0:  # start it first: its imports overlap the worker's construction
                 infer = InferenceProcess(

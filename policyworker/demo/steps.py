@@ -7,7 +7,8 @@ Each step runs the calls of a colocated RL loop in their real order::
     -> get_reference_policy_logprobs -> prepare_for_training -> train (ClippedPGLossFn + KL)
 
 With ``--async`` (`demo.async_steps`) the refit streams while the rollouts are sampled and
-each step line adds the trained tokens' version lag and the longest swap stall.
+each step line adds the trained tokens' version lag and the longest swap stall; with vLLM the
+parity check compares each token with the trainer's logprob under that token's own version.
 
 After each refit the trainer's `get_logprobs` of the new rollouts is compared with the rollout
 source's own logprobs of the same rows (`max_dlogp`); with vLLM also NeMo-RL's
@@ -21,7 +22,12 @@ from typing import Any, TextIO
 
 import torch
 
-from policyworker.demo.async_steps import inflight_rollout, policy_versions, stall_ms
+from policyworker.demo.async_steps import (
+    inflight_rollout,
+    logprobs_of_versions,
+    policy_versions,
+    stall_ms,
+)
 from policyworker.demo.options import DemoOptions, DemoResult, parity_tolerance
 from policyworker.demo.report import (
     ProgressBar,
@@ -132,11 +138,12 @@ def train_steps(
     dlogp: list[float] = []
     mult_errors: list[float] = []
     sent: list[int] = []  # --async: the policy version each refit carried
+    previous: tuple[int, dict[str, torch.Tensor]] | None = None  # vLLM --async: last weights
     try:
         for step in range(1, opts.steps + 1):
             worker.offload_before_refit()
             t0 = time.perf_counter()
-            if vllm:  # vLLM's four weight-sync calls around the worker's stream
+            if vllm and not opts.inflight:  # vLLM's four weight-sync calls around the stream
                 infer.refit()
             elif not opts.inflight:  # --async: the refit streams while sampling, below
                 if rank0:
@@ -148,7 +155,12 @@ def train_steps(
             worker.offload_after_refit()
 
             rollout = None
-            if opts.inflight:
+            if opts.inflight and vllm:  # generation goes on while the weights stream
+                prompts = task.grouped(task.prompts(seed=opts.seed, step=step))
+                rollout, refit_ms[-1] = infer.rollout(
+                    worker, prompts, task.response_len, seed=opts.seed * 100_003 + step
+                )
+            elif opts.inflight:
                 rollout, refit_ms[-1] = inflight_rollout(
                     worker, infer, opts, step=step, sent=sent, rows=task.num_rollouts // dp_size
                 )
@@ -180,7 +192,9 @@ def train_steps(
             full = build_train_batch(
                 task, prompts, responses, advantages, torch.tensor(rollout["generation_logprobs"])
             )
-            if opts.inflight:
+            if opts.inflight and vllm:  # already the trainer's policy versions
+                full["generation_versions"] = torch.as_tensor(rollout["generation_versions"])
+            elif opts.inflight:
                 full["generation_versions"] = policy_versions(rollout["generation_versions"], sent)
             data = {k: v[local] for k, v in full.items()}
 
@@ -189,7 +203,13 @@ def train_steps(
             ref = worker.get_reference_policy_logprobs(data)["reference_logprobs"]
             worker.prepare_for_training()
             if vllm:  # vLLM's sampled-token logprobs vs the trainer's, on the response tokens
-                mult, diff = logprob_mismatch(prev, data["generation_logprobs"], data["token_mask"])
+                expected = prev
+                if opts.inflight:  # each token under the weights that sampled it
+                    expected = logprobs_of_versions(worker, data, prev, previous)
+                    previous = (worker.policy_version, worker.state.snapshot())
+                mult, diff = logprob_mismatch(
+                    expected, data["generation_logprobs"], data["token_mask"]
+                )
                 mult_errors.append(mult)
             else:  # the inference process's full-row logprobs vs the trainer's
                 inference_lp = torch.tensor(rollout["logprobs"], dtype=torch.float32)[local]

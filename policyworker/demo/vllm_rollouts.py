@@ -17,7 +17,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-__all__ = ["VllmRollouts"]
+__all__ = ["VllmRollouts", "rollout_tensors", "sampling_params"]
 
 T = TypeVar("T")
 
@@ -49,6 +49,55 @@ def _interruptible(build: Callable[[], T]) -> T:
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def sampling_params(n: int, response_len: int, seed: int) -> list[Any]:
+    """One vLLM ``SamplingParams`` per row: exactly ``response_len`` tokens at temperature 1
+    with the sampled token's raw logprob. Row i samples with seed ``seed * 1_000 + i``: the
+    repeated prompts of a GRPO group must not share a random stream (equal seeds give equal
+    answers and zero advantages)."""
+    # vLLM is an optional extra, absent from the lint environment.
+    from vllm import SamplingParams  # pyright: ignore[reportMissingImports]
+
+    return [
+        SamplingParams(
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_tokens=response_len,
+            min_tokens=response_len,
+            ignore_eos=True,
+            logprobs=0,
+            seed=seed * 1_000 + i,
+            detokenize=False,
+        )
+        for i in range(n)
+    ]
+
+
+def rollout_tensors(
+    outs: list[Any], *, prompt_len: int, response_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N, Lr] sampled tokens, [N, Lp + Lr] fp32 logprobs of them, 0 on prompt columns) from
+    vLLM's request outputs, one per row in row order."""
+    n = len(outs)
+    responses = torch.zeros(n, response_len, dtype=torch.int64)
+    gen_lp = torch.zeros(n, prompt_len + response_len, dtype=torch.float32)
+    for i, out in enumerate(outs):
+        completion = out.outputs[0]
+        tokens = list(completion.token_ids)
+        if len(tokens) != response_len:
+            msg = f"vLLM returned {len(tokens)} tokens for row {i}, asked for {response_len}"
+            raise RuntimeError(msg)
+        responses[i] = torch.tensor(tokens)
+        steps = completion.logprobs or []
+        if len(steps) != len(tokens) or any(step is None for step in steps):
+            msg = f"vLLM returned no logprobs for row {i}; sample with logprobs=0"
+            raise RuntimeError(msg)
+        gen_lp[i, prompt_len:] = torch.tensor(
+            [step[t].logprob for step, t in zip(steps, tokens, strict=True) if step is not None]
+        )
+    return responses, gen_lp
 
 
 class VllmRollouts:
@@ -102,44 +151,11 @@ class VllmRollouts:
         Row i samples with seed `seed * 1_000 + i`: the repeated prompts of a GRPO group must
         not share a random stream (equal seeds give equal answers and zero advantages).
         """
-        # vLLM is an optional extra, absent from the lint environment.
-        from vllm import SamplingParams  # pyright: ignore[reportMissingImports]
-
-        n, lp = prompts_NL.shape
-        params = [
-            SamplingParams(
-                temperature=1.0,
-                top_p=1.0,
-                top_k=0,
-                max_tokens=response_len,
-                min_tokens=response_len,
-                ignore_eos=True,
-                logprobs=0,
-                seed=seed * 1_000 + i,
-                detokenize=False,
-            )
-            for i in range(n)
-        ]
+        params = sampling_params(prompts_NL.shape[0], response_len, seed)
         outs = self.llm.generate(
             [{"prompt_token_ids": row} for row in prompts_NL.tolist()], params, use_tqdm=False
         )
-        responses = torch.zeros(n, response_len, dtype=torch.int64)
-        gen_lp = torch.zeros(n, lp + response_len, dtype=torch.float32)
-        for i, out in enumerate(outs):
-            completion = out.outputs[0]
-            tokens = list(completion.token_ids)
-            if len(tokens) != response_len:
-                msg = f"vLLM returned {len(tokens)} tokens for row {i}, asked for {response_len}"
-                raise RuntimeError(msg)
-            responses[i] = torch.tensor(tokens)
-            steps = completion.logprobs or []
-            if len(steps) != len(tokens) or any(step is None for step in steps):
-                msg = f"vLLM returned no logprobs for row {i}; sample with logprobs=0"
-                raise RuntimeError(msg)
-            gen_lp[i, lp:] = torch.tensor(
-                [step[t].logprob for step, t in zip(steps, tokens, strict=True) if step is not None]
-            )
-        return responses, gen_lp
+        return rollout_tensors(outs, prompt_len=prompts_NL.shape[1], response_len=response_len)
 
     def close(self) -> None:
         from policyworker.shell.engines.vllm_logs import expected_vllm_shutdown

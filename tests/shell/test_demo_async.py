@@ -31,10 +31,8 @@ def test_async_demo_learns_with_exact_parity_and_reports_lag_and_stall():
     assert all(float(m.group(5)) > 0.0 for m in steps)  # every step swapped once
 
 
-@pytest.mark.parametrize(
-    "opts", [{"engine": "vllm"}, {"tp": 2}, {"ray": 2}], ids=["vllm", "tp", "ray"]
-)
-def test_async_is_refused_outside_one_trainer_with_the_hf_process(opts):
+@pytest.mark.parametrize("opts", [{"tp": 2}, {"ray": 2}], ids=["tp", "ray"])
+def test_async_is_refused_outside_one_trainer_process(opts):
     with pytest.raises(ValueError, match="--async"):
         run_demo(DemoOptions(inflight=True, **opts), out=io.StringIO(), err=io.StringIO())
 

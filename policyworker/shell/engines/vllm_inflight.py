@@ -68,12 +68,23 @@ class VllmInflightRefit:
         return reply
 
     async def aswap(self, *, recompute_kv: bool = False) -> dict[str, Any]:
-        """``swap`` on an ``AsyncLLM`` (its engine core runs the rpc between two steps). With
-        ``recompute_kv`` the engine may run a step between the swap and the preemption: those
-        tokens see the new weights over the old cache."""
-        reply = self._swapped((await self.llm.collective_rpc("policyworker_swap"))[0])
-        if reply["swapped"] is not None and recompute_kv:
-            await self.llm.reset_prefix_cache(reset_running_requests=True)
+        """``swap`` on an ``AsyncLLM`` (its engine core runs the rpc between two steps).
+
+        With ``recompute_kv`` the scheduler is frozen (``pause_scheduler(mode="keep")``, no
+        request aborted or drained) around the swap and the preemption, so no step runs
+        between them: every token after the swap is the new version over a recomputed cache.
+        The freeze lasts the swap and three more engine rpcs, not the transfer."""
+        if not recompute_kv:
+            return self._swapped((await self.llm.collective_rpc("policyworker_swap"))[0])
+        # AsyncLLM.pause_generation would add a 20 ms sleep meant for output ordering only
+        core = self.llm.engine_core
+        await core.pause_scheduler_async(mode="keep", clear_cache=False)
+        try:
+            reply = self._swapped((await self.llm.collective_rpc("policyworker_swap"))[0])
+            if reply["swapped"] is not None:
+                await self.llm.reset_prefix_cache(reset_running_requests=True)
+        finally:
+            await core.resume_scheduler_async()
         return reply
 
     def _swapped(self, reply: dict[str, Any]) -> dict[str, Any]:
@@ -81,6 +92,13 @@ class VllmInflightRefit:
             self.version = reply["version"]
             self._swaps.append((_by_request(reply["output_tokens"]), self.version))
         return reply
+
+    @staticmethod
+    def running_counts(reply: dict[str, Any]) -> dict[str, int]:
+        """{the caller's request id: output tokens sampled before the swap} of a swap's reply,
+        for the requests running at the swap (absent: finished before it or not yet
+        scheduled)."""
+        return _by_request(reply["output_tokens"])
 
     def token_versions(
         self, request_id: str, num_tokens: int, *, added: int, finished: int
