@@ -98,8 +98,7 @@ def run_receiver(args: argparse.Namespace) -> None:
         target,
         address=spec["address"],
         refit_info=info,
-        timeout_s=300,
-        one_pass=spec.get("one_pass", False),  # also serves the staged refits
+        timeout_s=300,  # one_pass left at its default: a module registers (and serves staged)
     )
     print("READY", flush=True)
     for _ in range(spec["num_refits"]):

@@ -55,6 +55,7 @@ def staged_sender_shrinks_its_buffer_mid_copy() -> None:
         address=sender.get_zmq_address(),
         refit_info=sender.prepare_refit_info(),
         timeout_s=10,
+        one_pass=False,  # a staged refit: the sender's staging file is what shrinks
     )
     apply = receiver.applier.apply_prepared
     truncated: list[str] = []

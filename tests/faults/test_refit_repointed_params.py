@@ -1,6 +1,6 @@
 """An engine that re-points its parameters after the receiver was built (a ``.to()`` round trip,
-``load_state_dict(assign=True)``) still gets every later staged refit: before the fix the
-receiver kept writing the old storage, reported success, and the model never changed."""
+``load_state_dict(assign=True)``) still gets every later refit, staged or one-pass (the
+default): otherwise the old storage is written, success reported, and the model never changes."""
 
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ def _refit(sender: RefitSender, receiver: HFWeightReceiver, *, keep_staging: boo
 @pytest.mark.parametrize("repoint", [_round_trip, _assign], ids=["to_round_trip", "assign"])
 @pytest.mark.parametrize("keep_staging", [False, True])
 @pytest.mark.parametrize("atomic", [False, True])
+@pytest.mark.parametrize("one_pass", [False, None], ids=["staged", "default"])
 def test_a_refit_after_the_engine_re_points_its_parameters_lands_in_the_live_ones(
-    repoint, keep_staging, atomic
+    repoint, keep_staging, atomic, one_pass
 ):
     trainer, engine = _Weights(1), _Weights(2)
     sender = RefitSender(lambda: trainer, torch.float32)
@@ -57,6 +58,7 @@ def test_a_refit_after_the_engine_re_points_its_parameters_lands_in_the_live_one
         refit_info=sender.prepare_refit_info(),
         timeout_s=10,
         atomic=atomic,
+        one_pass=one_pass,  # the default registers: a re-pointed module is registered again
     )
     try:
         assert _refit(sender, receiver, keep_staging=keep_staging) is not None

@@ -145,6 +145,8 @@ def encode(message: Request | Reply, *, manifest_frame: bytes | None = None) -> 
         )
         if message.one_pass is not None:
             header["one_pass"] = message.one_pass
+            if message.or_staged:
+                header["or_staged"] = True
         raw = [manifest_frame if manifest_frame is not None else encode_manifest(message.manifest)]
     elif isinstance(message, Bucket):
         buffer, raw = _buffer_json(message.buffer)
@@ -374,6 +376,12 @@ def decode_request(frames: Sequence[bytes], *, manifests: ManifestCache | None =
         one_pass = header.get("one_pass")
         if one_pass is not None:
             one_pass = _str(header, "one_pass", max_chars=80)
+        or_staged = header.get("or_staged", False)
+        if not isinstance(or_staged, bool) or (or_staged and one_pass is None):
+            raise _fail(
+                f"begin field 'or_staged' is {or_staged!r:.40}; it is true or absent, and true "
+                "only in a one-pass begin"
+            )
         return Begin(
             _int(header, "rank"),
             _str(header, "transport", max_chars=16),
@@ -381,6 +389,7 @@ def decode_request(frames: Sequence[bytes], *, manifests: ManifestCache | None =
             specs,
             one_pass,
             refit,
+            or_staged,
         )
     if kind == "complete" and header.get("one_pass") is True:
         if len(raw) > 1 or any(len(r) > MAX_HANDLE_BYTES for r in raw):

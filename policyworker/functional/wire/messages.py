@@ -136,7 +136,10 @@ class CudaBuffer:
 @attrs.frozen
 class Begin:
     """``one_pass``: None for a staged refit; for a one-pass refit, the id of the receiver's
-    registration the sender holds ("" when it holds none)."""
+    registration the sender holds ("" when it holds none). ``or_staged`` (a one-pass BEGIN
+    only): a receiver that did not register begins a staged refit instead of refusing, and
+    says so by an ACK without a registration (the sender's default, which picks one-pass
+    wherever the receiver registered its memory)."""
 
     rank: int
     transport: str
@@ -144,6 +147,7 @@ class Begin:
     manifest: tuple[TensorSpec, ...]
     one_pass: str | None = None
     refit: str = ""
+    or_staged: bool = False
 
 
 @attrs.frozen

@@ -355,9 +355,10 @@ class RayWorkerGroup:
         kv_scales: Any = None,
         *,
         timeout_s: float = 120.0,
-        one_pass: bool = False,
+        one_pass: bool | None = None,
     ) -> dict[str, Any] | None:
-        """One refit: every rank gathers, rank 0 streams; the receiver's report."""
+        """One refit: every rank gathers, rank 0 streams; the receiver's report (``one_pass``
+        None: one-pass where the receiver registered its memory, else staged)."""
         return self.run(
             "stream_weights_via_ipc_zmq",
             buffer_size_bytes,

@@ -15,14 +15,18 @@ was itself checked against ``refit_info``) before any of it is written. ``atomic
 full version and writes it only on commit, so a failed refit leaves the previous version serving;
 otherwise a failed refit leaves ``stale`` set until the next complete one.
 
-``one_pass=True`` (an ``nn.Module`` target) registers the receiver for one-pass refits: its
-refit weights move once into one shared arena (``one_pass_receiver.WeightArena``) and a sender
-streaming with ``one_pass=True`` casts its master weights straight into it — no staging, nothing
-copied here. The same manifest checks run before the sender may write; an in-place receiver is
-``stale`` from the one-pass BEGIN until COMPLETE (serve no inference until ``receive()``
-returns), an atomic one has the sender write a spare copy, copied live on COMPLETE. Staged
-refits still work on a registered receiver; a receiver built without it refuses a one-pass BEGIN
-with a reason naming the fix.
+By default (``one_pass=None``) a receiver of an ``nn.Module`` with a ZMQ address registers for
+one-pass refits: its refit weights move once into one shared arena (``one_pass.WeightArena``)
+and the sender (whose default picks one-pass wherever the receiver registered) casts its master
+weights straight into it — no staging, nothing copied here. A ``load_weights`` callable cannot
+register (it transforms what it is given), nor can a module whose refit tensors share memory
+without being one parameter (logged); those receive staged refits. ``one_pass=True`` insists
+(a target that cannot register raises ``ValueError``), ``one_pass=False`` keeps the weights where
+they are and refuses a sender that insists on one-pass, naming the fix. The same manifest
+checks run before the sender may write; an in-place receiver is ``stale`` from the one-pass
+BEGIN until COMPLETE (serve no inference until ``receive()`` returns), an atomic one has the
+sender write a spare copy, copied live on COMPLETE. Staged refits still work on a registered
+receiver.
 
 The validate-then-apply path itself is ``weight_applier.WeightApplier``; its names stay
 importable from here.
@@ -30,6 +34,7 @@ importable from here.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -55,19 +60,25 @@ from policyworker.shell.refit.zmq.checks import (
     cancel_refusal,
     check_receiver_address,
 )
+from policyworker.shell.refit.zmq.ipc_files import StagingSpaceError
 from policyworker.shell.refit.zmq.receiver import ZmqIpcReceiver
 from policyworker.shell.refit.zmq.server import RefitServer
 
 __all__ = ["HFWeightReceiver", "PreparedBatch", "RefitReport", "WeightApplier"]
+
+log = logging.getLogger(__name__)
 
 
 class HFWeightReceiver:
     """Receives refits into a HF module or a ``load_weights`` callable (the README's
     "Plugging the receiver into an inference engine").
 
-    ``one_pass=True`` (a module target only) moves the module's refit weights into one shared
-    arena now and registers it, so a sender streaming with ``one_pass=True`` casts straight into
-    it (docs/refit-protocol.md, "One-pass refits"); staged refits keep working. Between a
+    ``one_pass`` (default None: register wherever the target can). Registering moves the
+    module's refit weights into one shared arena now, so the sender casts straight into it
+    (docs/refit-protocol.md, "One-pass refits"); staged refits keep working. None registers an
+    ``nn.Module`` target with an address and falls back to staged refits (logged) where its
+    weights cannot be moved; True registers or raises ``ValueError``; False never registers
+    (the weights stay where they are, e.g. when CUDA graphs hold their addresses). Between a
     one-pass ``receive()`` call and its return serve no inference: an in-place receiver is
     ``stale`` from the sender's first write until COMPLETE.
     """
@@ -80,13 +91,16 @@ class HFWeightReceiver:
         refit_info: Mapping[str, Any],
         atomic: bool = False,
         timeout_s: float = 120.0,
-        one_pass: bool = False,
+        one_pass: bool | None = None,
     ) -> None:
         check_timeout_s("timeout_s", timeout_s)
-        if not isinstance(one_pass, bool) or (one_pass and address is None):
+        if (one_pass is not None and not isinstance(one_pass, bool)) or (
+            one_pass and address is None
+        ):
             msg = (
-                f"one_pass={one_pass!r} must be a bool, and True needs a ZMQ address (the sender "
-                "writes the registered memory over that connection's protocol)"
+                f"one_pass={one_pass!r} must be None (register where the target can), True or "
+                "False, and True needs a ZMQ address (the sender writes the registered memory "
+                "over that connection's protocol)"
             )
             raise ValueError(msg)
         if not refit_info:
@@ -107,11 +121,10 @@ class HFWeightReceiver:
             raise
         self.refit_info = self.applier.expected
         self.address = address
-        # one_pass: the weights move into a shared arena now, once (a refusal raises here)
-        self.arena = (
-            WeightArena(target, self.applier, atomic=atomic)
-            if one_pass and isinstance(target, nn.Module)
-            else None
+        # the weights move into a shared arena now, once (an explicit one_pass=True's refusal
+        # raises here)
+        self.arena = _register(
+            target, self.applier, atomic=atomic, one_pass=one_pass, address=address
         )
         if one_pass and self.arena is None:
             msg = (
@@ -222,3 +235,46 @@ class HFWeightReceiver:
         self._server.release_buffers()
         if self.arena is not None and not self._server.in_refit:
             self.arena.close()  # unlinks the arena's file; the module keeps its mapping
+
+
+def _register(
+    target: nn.Module | LoadWeights,
+    applier: WeightApplier,
+    *,
+    atomic: bool,
+    one_pass: bool | None,
+    address: str | None,
+) -> WeightArena | None:
+    """The arena of a receiver that registers for one-pass refits, else None (staged)."""
+    if one_pass is False or address is None or not isinstance(target, nn.Module):
+        return None
+    if one_pass:
+        return WeightArena(target, applier, atomic=atomic)
+    casts = _casts(applier)
+    if casts:  # the sender writes the manifest's dtype; only this side's copy can cast
+        log.info(
+            "refit receiver at %s: staged refits only (%d tensor(s) are cast on receive, e.g. %s)",
+            address,
+            len(casts),
+            casts[0],
+        )
+        return None
+    try:
+        return WeightArena(target, applier, atomic=atomic)
+    # the module keeps valid weights either way (moved into the arena or not); a target that
+    # cannot register, or no room for the arena, leaves the staged refit
+    except (ValueError, StagingSpaceError, torch.OutOfMemoryError) as exc:
+        log.warning("refit receiver at %s: staged refits only (%s)", address, exc)
+        return None
+
+
+def _casts(applier: WeightApplier) -> list[str]:
+    """The refit names whose live tensor differs from the announced dtype or shape (e.g. an
+    fp32 router bias into a bf16 model): a one-pass sender could not write them."""
+    dests = applier.destinations() or {}
+    return [
+        f"{name!r}: {dtype} {tuple(shape)} into {dest.dtype} {tuple(dest.shape)}"
+        for name, (shape, dtype) in applier.expected.items()
+        if (dest := dests.get(name)) is not None
+        and (dest.dtype != dtype or tuple(dest.shape) != tuple(shape))
+    ]

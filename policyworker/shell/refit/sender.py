@@ -33,7 +33,7 @@ from policyworker.shell.refit.weight_stream import (
     refit_stream,
 )
 from policyworker.shell.refit.zmq.ipc_files import shm_free_bytes
-from policyworker.shell.refit.zmq.sender import ZmqIpcSender
+from policyworker.shell.refit.zmq.sender import Exchange, ZmqIpcSender
 from policyworker.shell.refit.zmq.staging import CudaStaging, ShmStaging
 
 __all__ = ["CPU_DEFAULT_BUFFER_BYTES", "CUDA_DEFAULT_BUFFER_CAP_BYTES", "RefitSender"]
@@ -89,10 +89,14 @@ class RefitSender:
         device: torch.device | str = "cpu",
         draft_model_fn: Callable[[], nn.Module | None] | None = None,
         keep_staging: bool = False,
-        one_pass: bool = False,
+        one_pass: bool | None = None,
     ) -> None:
-        if not isinstance(one_pass, bool):
-            msg = f"one_pass {one_pass!r} must be a bool (True: write the receiver's memory)"
+        if one_pass is not None and not isinstance(one_pass, bool):
+            msg = (
+                f"one_pass {one_pass!r} must be None (the default: one-pass wherever the "
+                "receiver registered its memory, else staged), True (one-pass only) or False "
+                "(staged only)"
+            )
             raise ValueError(msg)
         self.one_pass = one_pass
         self._one_pass_writer = OnePassWriter(rank)
@@ -178,11 +182,15 @@ class RefitSender:
         refit of the same size, which then allocates, shares and opens nothing; free them with
         ``release_staging()`` (and the receiver's ``release_buffers()``) before offloading.
 
-        ``one_pass`` (default: the constructor's, False): cast every weight straight into the
-        memory the receiver registered (``HFWeightReceiver(..., one_pass=True)``), with no
-        staging buffer and no copy on the receiver's side — the same manifest checks run first,
-        and the receiver refuses (``RefitError`` naming the fix) if it did not register.
-        ``buffer_size_bytes`` and ``keep_staging`` do not apply to it.
+        ``one_pass`` (default: the constructor's, None): None casts every weight straight into
+        the memory the receiver registered (an ``HFWeightReceiver`` of an ``nn.Module``
+        registers by default), with no staging buffer and no copy on the receiver's side, and
+        streams staged where the receiver did not register (a ``load_weights`` callable: the
+        vLLM adapter); the receiver's BEGIN answer decides, so it costs no extra round trip.
+        True is one-pass only (a receiver that did not register refuses, ``RefitError`` naming
+        the fix); False is staged only. The same manifest, size and dtype checks run before
+        anything is written either way. ``buffer_size_bytes`` and ``keep_staging`` apply to
+        staged refits only.
 
         Raises:
             ValueError: ``kv_scales`` is given, or a size/timeout is out of range.
@@ -222,18 +230,26 @@ class RefitSender:
         """One refit of ``stream``, reading its tensors from ``sources`` (``stream.sources``,
         or an iterator over them whose owner finishes it: a sharded worker's ranks all run the
         gathers). The arguments were checked by the caller (``check_stream_args``)."""
+        mode = self.one_pass if one_pass is None else one_pass
         with torch.no_grad():  # a plain function's context: the caller's grad mode comes back
-            if self.one_pass if one_pass is None else one_pass:
-                transport = "cuda" if self.device.type == "cuda" else "shm"
-                return stream_one_pass(
-                    self._zmq(),
-                    self._one_pass_writer,
-                    stream.specs,
-                    sources,
-                    timeout_s=timeout_s,
-                    transport=transport,
+            if mode is False:
+                return self._stream(stream, sources, buffer_size_bytes, timeout_s, keep_staging)
+            transport = "cuda" if self.device.type == "cuda" else "shm"
+
+            def staged(exchange: Exchange) -> dict[str, Any]:
+                return self._stream(
+                    stream, sources, buffer_size_bytes, timeout_s, keep_staging, begun=exchange
                 )
-            return self._stream(stream, sources, buffer_size_bytes, timeout_s, keep_staging)
+
+            return stream_one_pass(
+                self._zmq(),
+                self._one_pass_writer,
+                stream.specs,
+                sources,
+                timeout_s=timeout_s,
+                transport=transport,
+                or_staged=None if mode else staged,
+            )
 
     def _stream(
         self,
@@ -242,6 +258,8 @@ class RefitSender:
         buffer_size_bytes: int,
         timeout_s: float,
         keep_staging: bool | None,
+        *,
+        begun: Exchange | None = None,
     ) -> dict[str, Any]:
         specs = stream.specs
         cuda = self.device.type == "cuda"
@@ -285,6 +303,7 @@ class RefitSender:
             timeout_s=timeout_s,
             transport="cuda" if cuda else "shm",
             keep_staging=keep,
+            begun=begun,
         )
 
     def release_staging(self) -> None:

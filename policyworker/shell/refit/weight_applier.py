@@ -183,11 +183,16 @@ class WeightApplier:
         """Bumped whenever the destinations are found again: batches prepared before are stale."""
         return self._generation
 
+    def module_moved(self) -> bool:
+        """Whether the module target's tensors were re-pointed since the last bind (a
+        ``load_state_dict(assign=True)`` puts new tensor objects in place of the bound ones)."""
+        return self._module is not None and _where(self._module, self._reader) != self._where
+
     def _follow_module(self) -> None:
         """Find the destinations again when the module's tensors were re-pointed since the
         last bind: a refit written into the old storage would report success and change
         nothing. ``ProtocolError`` naming what the module no longer holds."""
-        if self._module is None or _where(self._module, self._reader) == self._where:
+        if self._module is None or not self.module_moved():
             return
         try:
             self.rebind(self._module)

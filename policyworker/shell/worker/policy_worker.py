@@ -311,7 +311,7 @@ class PolicyWorker(
         kv_scales: Any = None,
         *,
         timeout_s: float = 120.0,
-        one_pass: bool = False,
+        one_pass: bool | None = None,
         adapter_only: bool = False,
     ) -> dict[str, Any] | None:
         """One colocated refit over ZMQ + CUDA IPC (shared memory on CPU); the receiver's report.
@@ -321,9 +321,11 @@ class PolicyWorker(
         return None. If rank 0's stream fails it still finishes the gathers, so the others are
         released, and every rank raises (rank 0 with the transport's error).
 
-        ``one_pass=True`` casts the weights straight into the memory a receiver built with
-        ``HFWeightReceiver(..., one_pass=True)`` registered (no staging; docs/refit-protocol.md,
-        "One-pass refits"); a receiver that did not register refuses it with ``RefitError``.
+        ``one_pass`` (default None): the weights are cast straight into the memory the receiver
+        registered (an ``HFWeightReceiver`` of an ``nn.Module`` registers by default; no
+        staging; docs/refit-protocol.md, "One-pass refits"), and staged where it did not (a
+        ``load_weights`` callable, the vLLM adapter). True is one-pass only (a receiver that
+        did not register refuses it with ``RefitError``), False is staged only.
         ``adapter_only=True`` sends the LoRA tensors alone under PEFT's names, into a receiver
         built on ``peft_load_weights`` (`shell.refit.adapter_refit`).
         """

@@ -65,7 +65,7 @@ def stream_via_zmq(
     kv_scales: Any,
     *,
     timeout_s: float,
-    one_pass: bool = False,
+    one_pass: bool | None = None,
     adapter_only: bool = False,
 ) -> dict[str, Any] | None:
     """One colocated refit over ZMQ + CUDA IPC (shared memory on CPU); the receiver's report.
@@ -73,14 +73,15 @@ def stream_via_zmq(
     The arguments are checked once, then every rank walks the weights once (the walk gathers
     a sharded model's tensors) and rank 0 alone sends them. If rank 0's send fails, every rank
     still finishes its walk, so the others are released, and every rank raises (rank 0 with
-    the transport's error). ``adapter_only`` streams the LoRA tensors alone (staged, not
+    the transport's error). ``one_pass`` None: one-pass where the receiver registered its
+    memory, else staged. ``adapter_only`` streams the LoRA tensors alone (staged, not
     one-pass: the receiver's PEFT adapter is not a registered arena).
     """
     from policyworker.shell.refit.adapter_refit import adapter_stream
     from policyworker.shell.refit.sender import check_stream_args
 
     check_stream_args(buffer_size_bytes, kv_scales, timeout_s, one_pass=one_pass)
-    if adapter_only and (one_pass or not state.lora_module_names):
+    if adapter_only and (one_pass is True or not state.lora_module_names):
         msg = (
             f"adapter_only=True (one_pass={one_pass}, LoRA modules: "
             f"{len(state.lora_module_names)}) needs a LoRA worker and one_pass=False; refit the "
@@ -100,7 +101,7 @@ def stream_via_zmq(
                 sources,
                 buffer_size_bytes=buffer_size_bytes,
                 timeout_s=timeout_s,
-                one_pass=one_pass,
+                one_pass=False if adapter_only else one_pass,
             )
     except BaseException:
         failed = 1

@@ -1,5 +1,7 @@
 """The one-pass fields of the refit wire: registration, BEGIN and COMPLETE round trips."""
 
+import json
+
 import pytest
 import torch
 from hypothesis import given
@@ -81,15 +83,33 @@ def test_a_registration_round_trips_through_a_begin_ack(kind, data, dests, atomi
     assert decode_registration(body, raw) == "ab12"
 
 
-@given(held=st.one_of(st.none(), st.text("0123456789abcdef", max_size=16)), event=st.binary())
-def test_one_pass_begin_and_complete_round_trip_and_staged_frames_are_unchanged(held, event):
+@given(
+    held=st.one_of(st.none(), st.text("0123456789abcdef", max_size=16)),
+    event=st.binary(),
+    or_staged=st.booleans(),
+)
+def test_one_pass_begin_and_complete_round_trip_and_staged_frames_are_unchanged(
+    held, event, or_staged
+):
     manifest = (TensorSpec("w", (2, 3), torch.bfloat16),)
-    begin = Begin(0, "cuda", 512, manifest, held)
+    begin = Begin(0, "cuda", 512, manifest, held, or_staged=or_staged and held is not None)
     assert decode_request(encode(begin)) == begin
     complete = Complete(0, True, event)
     assert decode_request(encode(complete)) == complete
     staged = Begin(0, "shm", 512, manifest)
     assert b"one_pass" not in encode(staged)[0] and b"one_pass" not in encode(Complete(3))[0]
+
+
+def test_or_staged_is_read_only_as_true_in_a_one_pass_begin():
+    manifest = (TensorSpec("w", (2, 3), torch.bfloat16),)
+    frames = encode(Begin(0, "shm", 512, manifest, "", or_staged=True))
+    assert b"or_staged" in frames[0]
+    header = json.loads(frames[0])
+    for bad in ({**header, "or_staged": 1}, {k: v for k, v in header.items() if k != "one_pass"}):
+        with pytest.raises(ProtocolError, match="or_staged"):
+            decode_request([json.dumps(bad).encode(), *frames[1:]])
+    # a staged begin never carries it, whatever the field says
+    assert b"or_staged" not in encode(Begin(0, "shm", 512, manifest, None, or_staged=True))[0]
 
 
 def test_malformed_registrations_are_refused_naming_the_field():

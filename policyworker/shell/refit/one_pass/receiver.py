@@ -157,8 +157,13 @@ class WeightArena:
         return self._live.tensor
 
     def intact(self) -> bool:
-        """Every moved tensor still lives where it was registered (no reload re-pointed it)."""
-        return self._live.intact() and all(b.data_ptr() == ptr for b, ptr in self._bases)
+        """Every moved tensor still lives where it was registered and is still the module's
+        (no reload re-pointed it, nor put new tensor objects in its place)."""
+        return (
+            self._live.intact()
+            and all(b.data_ptr() == ptr for b, ptr in self._bases)
+            and not self.applier.module_moved()
+        )
 
     def registration(self) -> Registration:
         """The current registration; a new one (new id) when the module's layout changed."""

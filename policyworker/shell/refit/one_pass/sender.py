@@ -16,7 +16,7 @@ a steady-state refit opens and allocates nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from policyworker.functional.wire.codec import (
 from policyworker.functional.wire.one_pass import Registration, decode_registration
 from policyworker.shell.refit.weight_stream import RefitSource
 from policyworker.shell.refit.zmq import staging
-from policyworker.shell.refit.zmq.sender import ZmqIpcSender
+from policyworker.shell.refit.zmq.sender import Exchange, ZmqIpcSender
 from policyworker.shell.refit.zmq.shared_buffers import SharedFile, open_shared_buffer
 from policyworker.shell.refit.zmq.staging import grouped_copy_
 
@@ -199,11 +199,20 @@ def stream_one_pass(
     *,
     timeout_s: float,
     transport: str,
+    or_staged: Callable[[Exchange], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One one-pass refit over ``zmq``'s socket; returns the receiver's report."""
+    """One one-pass refit over ``zmq``'s socket; returns the receiver's report.
+
+    ``or_staged`` (the default refit): a receiver that did not register its memory answers
+    the BEGIN with a staged ACK, and ``or_staged(exchange)`` streams the staged refit it began.
+    """
     with zmq.exchange("stream_weights_via_ipc_zmq", timeout_s=timeout_s) as exchange:
-        begin = zmq.begin_frames(specs, transport, one_pass=writer.held_id)
+        begin = zmq.begin_frames(
+            specs, transport, one_pass=writer.held_id, or_staged=or_staged is not None
+        )
         reply = exchange.ask(begin, phase="begin")  # a rejection raises here
+        if or_staged is not None and reply.registration is None:
+            return or_staged(exchange)
         try:
             try:
                 writer.adopt(reply)

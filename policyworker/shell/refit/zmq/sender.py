@@ -322,15 +322,27 @@ class ZmqIpcSender:
             yield Exchange(self, timeout_s)
 
     def begin_frames(
-        self, specs: Sequence[TensorSpec], transport: str, *, one_pass: str | None = None
+        self,
+        specs: Sequence[TensorSpec],
+        transport: str,
+        *,
+        one_pass: str | None = None,
+        or_staged: bool = False,
     ) -> list[bytes]:
         """The BEGIN of a refit of ``specs`` (``one_pass``: the registration id a one-pass
-        refit holds, "" for none; None for a staged refit). The manifest is encoded once per
-        specs object: a steady-state refit reuses its frame."""
+        refit holds, "" for none; None for a staged refit; ``or_staged``: a receiver that did
+        not register begins a staged refit instead). The manifest is encoded once per specs
+        object: a steady-state refit reuses its frame."""
         if self._manifest is None or self._manifest[0] is not specs:
             self._manifest = (specs, encode_manifest(specs))
         begin = Begin(
-            self.rank, transport, DEFAULT_ALIGNMENT, tuple(specs), one_pass, self.refit_id
+            self.rank,
+            transport,
+            DEFAULT_ALIGNMENT,
+            tuple(specs),
+            one_pass,
+            self.refit_id,
+            or_staged,
         )
         return encode(begin, manifest_frame=self._manifest[1])
 
@@ -345,6 +357,7 @@ class ZmqIpcSender:
         timeout_s: float,
         transport: str,
         keep_staging: bool = False,
+        begun: Exchange | None = None,
     ) -> dict[str, Any]:
         """One refit: BEGIN, the planned buckets through two ping-pong buffers, COMPLETE.
 
@@ -353,23 +366,64 @@ class ZmqIpcSender:
         views and frames) for the next refit with the same ``buffer_bytes`` until
         ``release_staging`` or ``close``; the receiver then keeps its mappings too. On any
         failure every staging buffer, kept or not, is freed before this raises.
+
+        ``begun``: the exchange of a refit whose BEGIN the receiver already answered with a
+        staged ACK (a default one-pass BEGIN to a receiver that did not register); the
+        buckets follow in it.
         """
+        if begun is not None:
+            return self._staged(
+                begun,
+                specs,
+                plan,
+                sources,
+                None,
+                make_staging,
+                buffer_bytes,
+                transport,
+                keep_staging,
+            )
         with self.exchange("stream_weights_via_ipc_zmq", timeout_s=timeout_s) as exchange:
-            refit = StagedRefit(
+            begin = self.begin_frames(specs, transport)
+            return self._staged(
                 exchange,
                 specs,
                 plan,
                 sources,
-                make_staging=make_staging,
-                buffer_bytes=buffer_bytes,
-                transport=transport,
-                keep_staging=keep_staging,
-                ping_pong=self._take_kept(plan, buffer_bytes, transport),
+                begin,
+                make_staging,
+                buffer_bytes,
+                transport,
+                keep_staging,
             )
-            self._staging_refs = refit.staging_refs
-            report = refit.run(self.begin_frames(specs, transport))
-            self._kept, self._kept_bytes = refit.kept, buffer_bytes if refit.kept else 0
-            return report
+
+    def _staged(
+        self,
+        exchange: Exchange,
+        specs: Sequence[TensorSpec],
+        plan: Sequence[IpcBucket],
+        sources: Iterator[RefitSource],
+        begin: list[bytes] | None,
+        make_staging: Callable[[int], Staging],
+        buffer_bytes: int,
+        transport: str,
+        keep_staging: bool,
+    ) -> dict[str, Any]:
+        refit = StagedRefit(
+            exchange,
+            specs,
+            plan,
+            sources,
+            make_staging=make_staging,
+            buffer_bytes=buffer_bytes,
+            transport=transport,
+            keep_staging=keep_staging,
+            ping_pong=self._take_kept(plan, buffer_bytes, transport),
+        )
+        self._staging_refs = refit.staging_refs
+        report = refit.run(begin)
+        self._kept, self._kept_bytes = refit.kept, buffer_bytes if refit.kept else 0
+        return report
 
     def _take_kept(
         self, plan: Sequence[IpcBucket], buffer_bytes: int, transport: str

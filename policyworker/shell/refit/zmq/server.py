@@ -70,8 +70,9 @@ class OnePassTarget(Protocol):
 
 _NOT_REGISTERED = (
     "this receiver did not register for one-pass refits; build it with "
-    "HFWeightReceiver(module, ..., one_pass=True) (an nn.Module target), or stream with "
-    "one_pass=False"
+    "HFWeightReceiver(module, ..., one_pass=True) or the default one_pass=None (an nn.Module "
+    "target), or stream with one_pass=None (the default: staged where the receiver did not "
+    "register) or False"
 )
 
 
@@ -280,8 +281,12 @@ class RefitServer:
                 # unfinished one is dropped, so a retry after a timeout works at once
                 self.fail(f"superseded by refit {message.refit!r}")
             self._refit = message.refit
-            if message.one_pass is not None:
+            if message.one_pass is not None and (
+                self.one_pass is not None or not message.or_staged
+            ):
                 return self._begin_one_pass(message)
+            # a staged BEGIN, or a default one-pass BEGIN to a receiver that did not register:
+            # a staged refit, ACKed without a registration
             self.sink.begin(message.manifest)  # finds the destinations again if they moved
             if message.manifest is not self._views_manifest:  # cached views hold its dtypes/shapes
                 self._buffers.forget_views()

@@ -80,12 +80,14 @@ class StagedRefit:
         self.pending_staging: Staging | None = None  # the buffer that request's bucket is in
         self.begun = False
 
-    def run(self, begin: list[bytes]) -> dict[str, Any]:
-        """The refit, from its ``begin`` frames; the receiver's report."""
+    def run(self, begin: list[bytes] | None) -> dict[str, Any]:
+        """The refit, from its ``begin`` frames (None: the receiver already ACKed its BEGIN);
+        the receiver's report."""
         try:
-            self.request(begin, ("begin", "begin", -1))
-            # its reply is settled by the first bucket's request: the receiver checks the
-            # manifest while the first buffer is allocated and filled
+            if begin is not None:
+                self.request(begin, ("begin", "begin", -1))
+                # its reply is settled by the first bucket's request: the receiver checks the
+                # manifest while the first buffer is allocated and filled
             self.begun = True
             turn = 0
             for seq, bucket in enumerate(self.plan):
