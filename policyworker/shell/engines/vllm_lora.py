@@ -5,6 +5,8 @@ engine as a new ``LoRARequest`` (id = version); the base weights never move. Req
 version k keep k's request, new ones take `current`; a version is evicted (unloaded and its
 folder removed) only when it is older than the newest `keep` and nothing `hold`s it. A version
 the engine cannot load is refused at `publish()` and the previous one keeps serving.
+`VllmRefit(llm, worker, lora=True)` keeps the same bookkeeping for adapters it streams in
+(`adopt`), with no folder at all.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from policyworker.errors import RefitError
-from policyworker.shell.engines.vllm import require_vllm
+from policyworker.shell.engines.vllm_support import require_vllm
 from policyworker.shell.model.peft_adapter import save_peft_adapter
 
 __all__ = ["VllmAdapterVersions"]
@@ -96,8 +98,19 @@ class VllmAdapterVersions:
                 f"keeps serving version {self.version}"
             )
             raise RefitError(msg) from exc
-        self.version = version
-        self._loaded[version] = request
+        return self.adopt(request)
+
+    def adopt(self, request: Any) -> Any:
+        """Make `request` (id ``version + 1``, already registered in the engine by other means,
+        e.g. an adapter-only refit) the current version; evicts as `publish()` does."""
+        if request.lora_int_id != self.version + 1:
+            msg = (
+                f"adopt(request) takes version {self.version + 1} next, got lora_int_id="
+                f"{request.lora_int_id}; versions are registered in order"
+            )
+            raise ValueError(msg)
+        self.version = request.lora_int_id
+        self._loaded[self.version] = request
         self._evict()
         return request
 

@@ -36,6 +36,7 @@ from policyworker.errors import RefitError
 from policyworker.shell.engines.vllm import check_vllm_version, decode_refit_info, register_backend
 from policyworker.shell.engines.vllm_checkpoint_engine import CheckpointEngineVllmMixin
 from policyworker.shell.engines.vllm_logs import silence_expected_vllm_noise
+from policyworker.shell.engines.vllm_lora_worker import LoraRefitExtension
 from policyworker.shell.refit.inflight import InflightWeights
 from policyworker.shell.refit.receiver import HFWeightReceiver
 from policyworker.shell.refit.weight_stream import DRAFT_PREFIX
@@ -348,7 +349,7 @@ class PolicyWorkerZmqEngine(WeightTransferEngine[ZmqInitInfo, ZmqUpdateInfo]):
             self._receiver = None
 
 
-class PolicyWorkerVllmExtension(CheckpointEngineVllmMixin):
+class PolicyWorkerVllmExtension(CheckpointEngineVllmMixin, LoraRefitExtension):
     """Mixed into vLLM's worker class (``worker_extension_cls``); reached by ``collective_rpc``."""
 
     # Provided by the vLLM worker class this is mixed into (annotations only, no attributes).

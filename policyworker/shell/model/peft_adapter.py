@@ -26,7 +26,13 @@ from policyworker.shell.model.lora import (
     lora_state_dict,
 )
 
-__all__ = ["ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "load_peft_adapter", "save_peft_adapter"]
+__all__ = [
+    "ADAPTER_CONFIG_FILE",
+    "ADAPTER_WEIGHTS_FILE",
+    "load_peft_adapter",
+    "peft_adapter_config",
+    "save_peft_adapter",
+]
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -41,6 +47,30 @@ def _uniform(modules: Mapping[str, LinearLoRA], attr: str) -> Any:
         )
         raise ValueError(msg)
     return values.pop()
+
+
+def peft_adapter_config(
+    model: nn.Module, *, lora_cfg: Any = None, base_model_name_or_path: str | None = None
+) -> dict[str, Any]:
+    """The ``adapter_config.json`` of `model`'s adapter (peft's ``LoraConfig`` keys).
+
+    ``target_modules`` lists the exact module names, so PEFT adapts exactly these layers; the
+    adapter-only refit into vLLM sends this dict instead of a folder.
+    """
+    modules = lora_modules(model)
+    if not modules:
+        msg = "the model has no LinearLoRA modules; call apply_lora first"
+        raise ValueError(msg)
+    dropout = lora_settings(lora_cfg).dropout if lora_cfg is not None else 0.0
+    return {
+        "peft_type": "LORA", "task_type": None, "base_model_name_or_path": base_model_name_or_path,
+        "r": _uniform(modules, "dim"), "lora_alpha": _uniform(modules, "alpha"),
+        "use_rslora": _uniform(modules, "use_rslora"), "lora_dropout": dropout,
+        "target_modules": sorted(modules), "exclude_modules": None, "bias": "none",
+        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
+        "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False, "lora_bias": False,
+    }  # fmt: skip
 
 
 def save_peft_adapter(
@@ -58,21 +88,13 @@ def save_peft_adapter(
     ``target_modules`` is written as the exact module names, so PEFT adapts exactly these layers.
     With DTensor adapters every rank must call this (gathers); pass ``write=False`` on ranks > 0.
     """
-    modules = lora_modules(model)
-    if not modules:
+    if not lora_modules(model):
         msg = "save_peft_adapter: the model has no LinearLoRA modules; call apply_lora first"
         raise ValueError(msg)
-    dropout = lora_settings(lora_cfg).dropout if lora_cfg is not None else 0.0
+    config = peft_adapter_config(
+        model, lora_cfg=lora_cfg, base_model_name_or_path=base_model_name_or_path
+    )
     tensors = {to_peft_key(k): v for k, v in lora_state_dict(model).items()}
-    config = {
-        "peft_type": "LORA", "task_type": None, "base_model_name_or_path": base_model_name_or_path,
-        "r": _uniform(modules, "dim"), "lora_alpha": _uniform(modules, "alpha"),
-        "use_rslora": _uniform(modules, "use_rslora"), "lora_dropout": dropout,
-        "target_modules": sorted(modules), "exclude_modules": None, "bias": "none",
-        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
-        "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
-        "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False, "lora_bias": False,
-    }  # fmt: skip
     path = pathlib.Path(folder)
     if write:
         path.mkdir(parents=True, exist_ok=True)

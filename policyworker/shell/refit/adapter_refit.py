@@ -51,16 +51,18 @@ def adapter_refit_info(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dt
     return {name: (torch.Size(p.shape), _ADAPTER_DTYPE) for name, p in _adapter_params(model)}
 
 
-def adapter_stream(model: nn.Module) -> RefitStream:
-    """The adapter tensors of `model` as one refit's stream (specs now, sources lazily)."""
+def adapter_stream(model: nn.Module, *, dtype: torch.dtype = _ADAPTER_DTYPE) -> RefitStream:
+    """The adapter tensors of `model` as one refit's stream (specs now, sources lazily), sent
+    in `dtype` (fp32, the adapters' own, unless an engine serves them in less: bf16 halves the
+    bytes)."""
     params = _adapter_params(model)
-    specs = tuple(TensorSpec(n, tuple(p.shape), _ADAPTER_DTYPE) for n, p in params)
+    specs = tuple(TensorSpec(n, tuple(p.shape), dtype) for n, p in params)
 
     def sources():
         for name, param in params:
             full = param.detach()
             gather = getattr(full, "full_tensor", None)  # DTensor: a collective on every rank
-            yield RefitSource(name, gather() if gather is not None else full, _ADAPTER_DTYPE)
+            yield RefitSource(name, gather() if gather is not None else full, dtype)
 
     return RefitStream(specs, ("adapter", specs), sources())
 

@@ -1,0 +1,186 @@
+"""Adapter-only refits over ZMQ into a real vLLM engine's LoRA slots (CPU, fp32).
+
+One engine (``enable_lora=True``, two slots) and one LoRA worker for the module; every test
+trains the worker a step (a fresh adapter's ``lora_B`` is zero: it would change nothing), refits
+the adapter alone with ``VllmRefit(lora=True)`` and reads vLLM's sampled-token logprobs against
+the worker's own fp32 forward of base + adapter (``get_logprobs``). Versions are relative to the
+shared refit, so the order of the tests does not matter.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from tests.engines.vllm_helpers import PROMPTS, TINY_LLAMA, engine, require_vllm, tiny_model
+
+require_vllm()
+
+from policyworker.demo.options import LORA_FP32_TOLERANCE, VLLM_FP32_TOLERANCE  # noqa: E402
+from policyworker.errors import RefitError  # noqa: E402
+from policyworker.functional.loss import NLLLoss  # noqa: E402
+from policyworker.shell.engines.vllm import VllmRefit  # noqa: E402
+from policyworker.shell.refit import adapter_refit  # noqa: E402
+from policyworker.shell.worker.policy_worker import PolicyWorker  # noqa: E402
+from tests.shell.conftest import make_batch, make_config  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+LORA = {"target_modules": ["q_proj", "v_proj", "down_proj"], "dim": 4, "alpha": 8}
+TOLERANCE = max(LORA_FP32_TOLERANCE, VLLM_FP32_TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    model_dir = tmp_path_factory.mktemp("vllm_adapter_refit") / "model"
+    tiny_model(LlamaConfig(**TINY_LLAMA), seed=0).save_pretrained(model_dir)
+    torch.manual_seed(0)
+    worker = PolicyWorker(
+        make_config(str(model_dir), dtensor_cfg={"lora_cfg": LORA}), init_reference_model=False
+    )
+    with engine(str(model_dir), enable_lora=True, max_lora_rank=8, max_loras=2) as llm:
+        yield llm, worker, VllmRefit(llm, worker, lora=True, keep=1)
+    worker.shutdown()
+
+
+def _params(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True
+    )
+
+
+def _completion(output) -> tuple[list[int], list[float]]:
+    ids = list(output.outputs[0].token_ids)
+    return ids, [d[t].logprob for d, t in zip(output.outputs[0].logprobs, ids, strict=True)]
+
+
+def _generate(llm, request, prompts=PROMPTS, *, max_tokens: int = 5):
+    outs = llm.generate(
+        [{"prompt_token_ids": list(p)} for p in prompts],
+        _params(max_tokens),
+        use_tqdm=False,
+        lora_request=request,
+    )
+    return [_completion(o) for o in outs]
+
+
+def _worst_mismatch(worker, prompts, outs) -> float:
+    """The largest |vLLM - worker| logprob of the sampled tokens (worker: fp32 base + adapter)."""
+    worst = 0.0
+    for prompt, (tokens, logprobs) in zip(prompts, outs, strict=True):
+        ids = torch.tensor([list(prompt) + tokens])
+        data = {"input_ids": ids, "input_lengths": torch.tensor([ids.shape[1]])}
+        lp = worker.get_logprobs(data)["logprobs"][0, len(prompt) :]
+        worst = max(worst, float((lp - torch.tensor(logprobs)).abs().max()))
+    return worst
+
+
+def _train(worker, seed: int) -> None:
+    worker.train(make_batch(4, 10, seed=seed), NLLLoss())
+
+
+def test_an_adapter_only_refit_makes_vllm_serve_base_plus_adapter(setup):
+    llm, worker, refit = setup
+    _train(worker, seed=1)
+    report = refit.refit()
+    request = report["lora_request"]
+    assert request.lora_int_id == refit.version and refit.adapters.current is request
+    adapter_bytes = sum(
+        s.numel() * 4 for s, _ in worker.prepare_refit_info(adapter_only=True).values()
+    )
+    assert report["engine_receive"]["num_bytes"] == adapter_bytes
+    served = _generate(llm, request)
+    assert _worst_mismatch(worker, PROMPTS, served) <= TOLERANCE
+    assert served != _generate(llm, None)  # the adapter really changes what vLLM samples
+    assert set(llm.llm_engine.list_loras()) == {refit.version}  # keep=1: the older ones are gone
+
+
+def test_a_request_in_flight_finishes_on_its_version_while_new_ones_take_the_next(setup):
+    llm, worker, refit = setup
+    _train(worker, seed=2)
+    old = refit.refit()["lora_request"]
+    prompt, max_tokens = PROMPTS[0], 24
+    (reference,) = _generate(llm, old, [prompt], max_tokens=max_tokens)
+    assert _worst_mismatch(worker, [prompt], [reference]) <= TOLERANCE
+    engine, params, last = llm.llm_engine, _params(max_tokens), {}
+
+    def step() -> None:
+        for out in engine.step():
+            last[out.request_id] = out
+
+    with refit.adapters.hold() as held:
+        assert held is old
+        engine.add_request("on-old", {"prompt_token_ids": list(prompt)}, params, lora_request=old)
+        for _ in range(3):
+            step()
+        assert not last["on-old"].finished  # the refit lands mid-request
+        _train(worker, seed=3)
+        new = refit.refit()["lora_request"]
+        assert refit.adapters.loaded_versions == [old.lora_int_id, new.lora_int_id]
+        engine.add_request("on-new", {"prompt_token_ids": list(prompt)}, params, lora_request=new)
+        for _ in range(4 * max_tokens):
+            if len(last) == 2 and all(out.finished for out in last.values()):
+                break
+            step()
+    tokens, logprobs = _completion(last["on-old"])
+    assert tokens == reference[0]
+    torch.testing.assert_close(
+        torch.tensor(logprobs), torch.tensor(reference[1]), rtol=0, atol=TOLERANCE
+    )
+    on_new = _completion(last["on-new"])
+    assert _worst_mismatch(worker, [prompt], [on_new]) <= TOLERANCE
+    assert on_new != (tokens, logprobs)
+    assert refit.adapters.loaded_versions == [new.lora_int_id]  # released: evicted
+    assert set(llm.llm_engine.list_loras()) == {new.lora_int_id}
+
+
+def test_a_killed_adapter_refit_leaves_the_version_serving_and_the_next_one_works(
+    setup, monkeypatch
+):
+    llm, worker, refit = setup
+    _train(worker, seed=4)
+    serving = refit.refit()["lora_request"]
+    served = _generate(llm, serving)
+    walk = adapter_refit.adapter_stream
+
+    def dies_after_three(model):
+        stream = walk(model)
+
+        def sources():
+            for count, source in enumerate(stream.sources):
+                if count == 3:
+                    raise RuntimeError("trainer died mid-refit")
+                yield source
+
+        return attrs.evolve(stream, sources=sources())
+
+    monkeypatch.setattr(adapter_refit, "adapter_stream", dies_after_three)
+    _train(worker, seed=5)
+    with pytest.raises(RefitError, match=f"keeps serving version {serving.lora_int_id}") as info:
+        refit.refit(buffer_size_bytes=2048)  # small buckets: some reached vLLM before the death
+    assert "trainer died mid-refit" in str(info.value)
+    assert refit.version == serving.lora_int_id
+    assert set(llm.llm_engine.list_loras()) == {serving.lora_int_id}  # nothing registered
+    assert _generate(llm, serving) == served  # bit for bit the version before
+    monkeypatch.setattr(adapter_refit, "adapter_stream", walk)
+    after = refit.refit()["lora_request"]
+    assert after.lora_int_id == serving.lora_int_id + 1
+    assert _worst_mismatch(worker, PROMPTS, _generate(llm, after)) <= TOLERANCE
+
+
+def test_an_engine_without_lora_or_with_unreachable_modules_is_refused_by_name(setup):
+    from policyworker.shell.engines.vllm_lora_worker import unreachable_lora_modules
+
+    prefix = "base_model.model.model.layers.0."
+    names = [f"{prefix}self_attn.q_proj.lora_A.weight", f"{prefix}mlp.down_proj.lora_A.weight"]
+    packed = {"model.layers.0.self_attn.qkv_proj": ["model.layers.0.self_attn.q_proj"]}
+    missing = unreachable_lora_modules(names, ["model.layers.0.mlp.gate_up_proj"], packed, None)
+    assert missing == [names[1]]
+    llm, worker, _ = setup
+    with pytest.raises(ValueError, match="lora=True takes 'extension' only"):
+        VllmRefit(llm, worker, lora=True, via="weight_transfer")
