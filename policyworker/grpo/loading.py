@@ -199,15 +199,27 @@ def _missing_loggers(run: RunSections) -> list[str]:
     ]
 
 
-def _apply_run_overrides(document: Mapping[str, Any], overrides: Iterable[str]) -> Any:
-    """Overrides by full path; `policy.*` ones go to the policy section (whose override reader
-    takes paths relative to it)."""
+def _apply_run_overrides(
+    document: Mapping[str, Any], overrides: Iterable[str], problems: list[str]
+) -> Any:
+    """Overrides by full path; `policy.*` ones go to the policy section (the override reader
+    drops a leading `policy.`, as NeMo-RL's policy overrides have it). One that cannot apply is
+    a problem (at its key) and skipped, so the others and the rest of the file are still
+    checked."""
     result = dict(document)
     for text in overrides:
-        if text.lstrip("+~").startswith("policy."):
-            result["policy"] = apply_overrides(result.get("policy") or {}, [text])
-        else:
-            result = apply_overrides(result, [text])
+        key = text.strip().lstrip("+~").partition("=")[0].strip() or text
+        try:
+            if key.startswith("policy."):
+                result["policy"] = apply_overrides(result.get("policy") or {}, [text])
+            else:
+                result = apply_overrides(result, [text])
+        except ConfigError as exc:
+            message = str(exc)
+            if key.startswith("policy."):  # the reader's fix names the key relative to policy
+                relative = key.removeprefix("policy.")
+                message = message.replace(f"'+{relative}=", f"'+policy.{relative}=")
+            problems.append(f"{message} @ {key}")
     return result
 
 
@@ -220,12 +232,13 @@ def load_run_config(path: str | pathlib.Path, overrides: Iterable[str] = ()) -> 
     file = pathlib.Path(path).resolve()
     if not file.is_file():
         raise ConfigError(f"--config {str(path)!r}: no such file; pass a run YAML")
+    problems: list[str] = []
     document = resolve_interpolations(
-        _apply_run_overrides(read_config_with_defaults(file), overrides)
+        _apply_run_overrides(read_config_with_defaults(file), overrides, problems)
     )
     if not isinstance(document, Mapping):
         raise ConfigError(f"{file}: a run file is a mapping of sections")
-    problems = [
+    problems += [
         f"unknown section {key!r}; the sections are {sorted(_KNOWN - {'defaults'})} @ {key}"
         for key in document
         if key not in _KNOWN

@@ -93,6 +93,20 @@ def test_every_problem_is_listed_with_its_path_before_anything_starts(tmp_path):
     assert "'broken:fn': importing 'broken' failed: RuntimeError: boom at import" in text
 
 
+def test_overrides_that_cannot_apply_are_listed_with_the_other_problems(tmp_path):
+    path = _run_file(tmp_path, "/no/model")
+    overrides = ["grpo.max_num_stepz=3", "policy.optimizer.kwargs.lrr=1", "oops", "grpo.seed=-1"]
+    with pytest.raises(ConfigError) as info:
+        load_run_config(path, overrides)
+    text = str(info.value)
+    assert "(4 problems)" in text, text
+    assert "did you mean 'grpo.max_num_steps'?" in text and "@ grpo.max_num_stepz" in text
+    # a policy key's fix is written with its full path, as this runner's overrides take it
+    assert "write '+policy.optimizer.kwargs.lrr=...' @ policy.optimizer.kwargs.lrr" in text
+    assert "override 'oops' must look like dotted.key=value" in text
+    assert "@ grpo.seed" in text
+
+
 def test_missing_sections_and_keys_say_what_to_add(tmp_path):
     (tmp_path / "run.yaml").write_text("policy: {model_name: /x}\ndata: {prompt_key: q}\n")
     with pytest.raises(ConfigError) as info:
