@@ -57,7 +57,7 @@ lint: venv
 	$(VENV)/bin/pyright --pythonpath $(PY)
 
 test: venv lint
-	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -m "not gpu and not multigpu" tests; rc=$$?; \
+	CI=1 HYPOTHESIS_PROFILE=ci $(PY) -m pytest -m "not gpu and not multigpu" tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 1; fi; exit $$rc
 
 test-quick: venv
