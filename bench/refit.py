@@ -25,6 +25,10 @@ Measured in one run, median of 3 after a warm-up, on Qwen2.5-1.5B- and 7B-shaped
   ``copy_`` / all of them in one ``_foreach_copy_`` call: which launch route the per-tensor
   structure favours. On CUDA each of the three also has ``gpu_span_ms``: first cast start to
   last cast end on the GPU, i.e. the wall time less the host's walk before the first launch;
+- ``checkpoint-engine ipc`` / ``checkpoint-engine collective``: the same refit through NeMo-RL's
+  checkpoint-engine lifecycle into a ``CheckpointEngineRollout`` (``bench.refit_checkpoint_engine``;
+  collective on CPU only: NCCL needs a GPU per rank). Its summary row compares ipc with our best
+  colocated path (target: within 10 %);
 - ``cast floor``: one ``copy_`` of a single 256 Mi-element fp32 block into bf16, scaled to the
   model's bytes: what the same bytes cost with no per-tensor structure at all.
 
@@ -74,6 +78,8 @@ from bench.refit_baselines import (
     state_shapes,
     timed,
 )
+from bench.refit_checkpoint_engine import ROWS as ENGINE_ROWS
+from bench.refit_checkpoint_engine import checkpoint_engine_times, run_ce_receiver
 from bench.rows import write_result
 from policyworker.functional.buckets import TensorSpec
 from policyworker.shell.refit import RefitSender, RefitSource
@@ -166,6 +172,7 @@ def bench_shape(
             staged = timed(
                 lambda: sender.stream_weights_via_ipc_zmq(timeout_s=300, one_pass=False), cuda
             )
+            per_buffer = sender._plan_key[1]  # the staged plan's per-buffer size
             keep = timed(
                 lambda: sender.stream_weights_via_ipc_zmq(
                     timeout_s=300, one_pass=False, keep_staging=True
@@ -193,6 +200,9 @@ def bench_shape(
                 sender.release_staging()
             per_tensor = timed(lambda: per_tensor_stream(sender, model, cuda, 300), cuda)
             child.wait(timeout=300)
+            engines = checkpoint_engine_times(
+                __spec__.name, sender, shapes, info, device=device, per_buffer=per_buffer
+            )
         finally:
             if child.poll() is None:
                 child.kill()
@@ -227,6 +237,7 @@ def bench_shape(
         "one-pass": one_pass,
         **swept,
         "per-tensor": per_tensor,
+        **engines,
     }
     for method, times in measured.items():
         median = statistics.median(times)
@@ -257,7 +268,7 @@ def main() -> None:
     parser.add_argument(
         "--small", action="store_true", help="tiny shape on CPU (a smoke test in seconds)"
     )
-    parser.add_argument("--role", default="sender", choices=["sender", "receiver"])
+    parser.add_argument("--role", default="sender", choices=["sender", "receiver", "ce-receiver"])
     parser.add_argument("--spec")
     parser.add_argument(
         "--sweep-gib",
@@ -278,6 +289,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.role == "receiver":
         run_receiver(args)
+        return
+    if args.role == "ce-receiver":
+        run_ce_receiver(args)
         return
     if args.small:
         device, names = "cpu", ["tiny"]
@@ -401,6 +415,33 @@ def summary_rows(measurements: list[dict]) -> list[dict]:
                     "unit": "",
                 }
             )
+        best = min(
+            (
+                by_key[(shape, m)]
+                for m in ("default", "staged", "staged-keep", "one-pass")
+                if (shape, m) in by_key
+            ),
+            key=lambda m: m["median_ms"],
+        )
+        for method in ENGINE_ROWS.values():
+            engine = by_key.get((shape, method))
+            if engine is not None:
+                rows.append(
+                    {
+                        "metric": f"{shape} {method} refit ms (baseline = our best colocated "
+                        f"path, {best['method']}; limit = copy ceiling)",
+                        "ours": engine["median_ms"],
+                        "baseline": best["median_ms"],
+                        "baseline_name": f"our best colocated path ({best['method']})",
+                        "limit": ceiling["median_ms"],
+                        "unit": "ms",
+                        **(
+                            {"target": "<= 1.10 x baseline "}
+                            if method == ENGINE_ROWS["ipc"]
+                            else {}
+                        ),
+                    }
+                )
     return rows
 
 

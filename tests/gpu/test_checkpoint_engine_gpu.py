@@ -1,6 +1,6 @@
 """Checkpoint-engine refit on CUDA: the ipc backend through CUDA IPC handles on one GPU (policy
-worker here, rollout model in a child process on the same device), and the collective backend
-over NCCL, which needs two GPUs (NCCL refuses two ranks on one device)."""
+worker here, rollout models in child processes on the same device: 1 x 1 and 1 x 2), and the
+collective backend over NCCL, which needs two GPUs (NCCL refuses two ranks on one device)."""
 
 import pytest
 import torch
@@ -53,6 +53,39 @@ def test_ipc_backend_over_cuda_ipc_into_a_rollout_process_on_the_same_gpu(
         _connect(worker, children, engine)
         assert worker.checkpoint_engine.device.type == "cuda"
         _check_refits(worker, children[0], tmp_path)
+    finally:
+        rpc(worker, "finalize_checkpoint_engine")
+        _close(children)
+
+
+def test_ipc_backend_one_policy_rank_into_two_rollout_processes_on_the_same_gpu(
+    worker, tiny_model_paths, tmp_path
+):
+    """One cast per bucket into a CUDA IPC buffer both rollout ranks map; the buffer is
+    rewritten only after both consumed events (the second one waited by the fan-out)."""
+    children = _children(
+        2, worker, tiny_model_paths["qwen2"], tmp_path, devices=["cuda:0", "cuda:0"]
+    )
+    engine = {
+        "backend": "ipc",
+        "bucket_size_bytes": 1 << 16,
+        "engine_kwargs": {"device": "cuda:0", "timeout_s": 60.0, "peers_per_rank": 2},
+    }
+    try:
+        _connect(worker, children, engine)
+        assert len(worker.checkpoint_engine.senders) == 2
+        for version in (1, 2):
+            _receive(children, tmp_path)
+            rpc(worker, "send_weights_via_checkpoint_engine")
+            answers = [child.reply() for child in children]
+            assert all(a["ok"] and a["version"] == version for a in answers), answers
+            assert answers[0]["num_buckets"] > 1
+            sent = {n: t.cpu() for n, t in worker._checkpoint_engine_params()}
+            for i in range(2):
+                got = load_file(tmp_path / f"out{i}.safetensors")
+                for name, tensor in sent.items():
+                    assert torch.equal(got[name], tensor), (i, name)
+            worker._add_noise_to_weights()
     finally:
         rpc(worker, "finalize_checkpoint_engine")
         _close(children)

@@ -33,6 +33,9 @@ class CheckpointEngineVllmMixin:
     vllm_config: Any
     model_runner: Any
     _policyworker_drafter: Any
+    # vllm_worker's loader (layerwise reload, drafter routing), set on the extension class:
+    # vllm_worker imports this module, so this module cannot import it
+    _checkpoint_engine_loader: Any
 
     def checkpoint_engine_set_refit_info(self, refit_info: Mapping[str, Any]) -> None:
         """What every refit must carry (``encode_refit_info(worker.prepare_refit_info())``);
@@ -43,12 +46,9 @@ class CheckpointEngineVllmMixin:
             ValueError: a dtype this protocol does not know, or ``draft.*`` tensors for an
                 engine without a speculative drafter.
         """
-        # vllm_worker imports this module to build its extension class: import it at call time
-        from policyworker.shell.engines.vllm_worker import _loader_for
-
         init = {"address": None, "refit_info": refit_info}
         model = self.model_runner.get_model()
-        load, info = _loader_for(
+        load, info = self._checkpoint_engine_loader(
             model, self.vllm_config.model_config, init, self._policyworker_drafter()
         )
         old = getattr(self, "_checkpoint_engine_rollout", None)

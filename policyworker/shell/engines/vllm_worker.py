@@ -356,6 +356,8 @@ class PolicyWorkerVllmExtension(CheckpointEngineVllmMixin, LoraRefitExtension):
     vllm_config: Any
     model_runner: Any
 
+    _checkpoint_engine_loader = staticmethod(_loader_for)  # CheckpointEngineVllmMixin loads with it
+
     def policyworker_connect(self, init_info: dict[str, Any]) -> None:
         _check_single_worker(self.vllm_config.parallel_config.world_size)
         self.policyworker_close()

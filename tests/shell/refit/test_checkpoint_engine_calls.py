@@ -26,6 +26,7 @@ from policyworker.shell.worker.policy_worker import PolicyWorker
 from tests.shell.conftest import make_config
 
 CPU = {"host": "127.0.0.1", "device": "cpu", "timeout_s": 20.0}
+CPU_OF = {"collective": CPU, "ipc": {"device": "cpu", "timeout_s": 20.0}}
 
 
 @pytest.fixture(scope="module")
@@ -245,6 +246,58 @@ def test_rollout_host_refuses_calls_before_its_engine_exists():
         host.checkpoint_engine_rpc("update_weights_from_checkpoint_engine")
     with pytest.raises(ValueError, match="rank -1"):
         CheckpointEngineRollout(nn.Linear(2, 1), refit_info={}, rank=-1)
+
+
+@pytest.mark.parametrize("backend", ["collective", "ipc"])
+def test_every_backend_join_is_checked_by_the_base_before_any_state(backend):
+    engine = create_checkpoint_engine(backend, bucket_size_bytes=64, engine_kwargs=CPU_OF[backend])
+    try:
+        mine = engine.prepare()
+        bad = {
+            "metadata has 1 entries": [mine],
+            "rollout rank 1 must be an int in": [mine, mine],
+            f"every member's {backend} prepare\\(\\) result": [mine, {"backend": "nixl"}],
+            r"members offer devices \['cpu', 'cuda'\]": [mine, {**mine, "device": "cuda"}],
+        }
+        for match, metadata in bad.items():
+            rank = 1 if match.startswith("rollout rank") else 0
+            with pytest.raises(ValueError, match=match):
+                engine.init_rollout_process_group(
+                    rollout_rank=rank, train_world_size=1, rollout_world_size=1, metadata=metadata
+                )
+            with pytest.raises(ValueError, match=match if rank == 0 else "policy rank 1"):
+                engine.init_policy_process_group(
+                    worker_rank=rank, train_world_size=1, rollout_world_size=1, metadata=metadata
+                )
+        # nothing joined, nothing closed: no group, no peers, the ipc sockets still bound
+        assert getattr(engine, "group", None) is None and getattr(engine, "peers", None) is None
+        assert backend == "collective" or engine.prepare()["addresses"] == mine["addresses"]
+    finally:
+        engine.finalize()
+
+
+class HalfEngine(CheckpointEngine):
+    """Only the abstract methods: its joins fall through to the base."""
+
+    def prepare(self):
+        return {}
+
+    async def send_weights(self, weights, *, refit_info=None):
+        return None
+
+    def receive_weights(self, receiver):
+        return None
+
+
+def test_an_engine_without_joins_is_named_after_the_checks():
+    with pytest.raises(ValueError, match="metadata has 0 entries"):
+        HalfEngine().init_policy_process_group(
+            worker_rank=0, train_world_size=1, rollout_world_size=1, metadata=[]
+        )
+    with pytest.raises(NotImplementedError, match="HalfEngine implements neither"):
+        HalfEngine().init_rollout_process_group(
+            rollout_rank=0, train_world_size=1, rollout_world_size=1, metadata=[{}, {}]
+        )
 
 
 def test_ipc_refuses_more_rollout_ranks_than_the_policy_ranks_offer_sockets():

@@ -81,7 +81,6 @@ class CheckpointEngine(abc.ABC):
     def prepare(self) -> Any:
         """Allocate this rank's resources; return serializable metadata for the peers."""
 
-    @abc.abstractmethod
     def init_policy_process_group(
         self,
         *,
@@ -90,9 +89,22 @@ class CheckpointEngine(abc.ABC):
         rollout_world_size: int,
         metadata: list[Any],
     ) -> None:
-        """Connect policy rank ``worker_rank`` to its peers (blocks until they joined)."""
+        """Connect policy rank ``worker_rank`` to its peers (blocks until they joined).
 
-    @abc.abstractmethod
+        Raises:
+            ValueError: before any state changes, sizes, rank or metadata that do not fit
+                (``check_topology``, ``check_metadata``) or the backend's own refusal.
+        """
+        check_topology(
+            rank=worker_rank,
+            side="policy",
+            train_world_size=train_world_size,
+            rollout_world_size=rollout_world_size,
+            metadata=metadata,
+        )
+        self.check_metadata(metadata)
+        self.join_policy(worker_rank, train_world_size, rollout_world_size, metadata)
+
     def init_rollout_process_group(
         self,
         *,
@@ -101,7 +113,58 @@ class CheckpointEngine(abc.ABC):
         rollout_world_size: int,
         metadata: list[Any],
     ) -> None:
-        """Connect rollout rank ``rollout_rank`` to its peers (blocks until they joined)."""
+        """Connect rollout rank ``rollout_rank`` to its peers (blocks until they joined); the
+        errors of ``init_policy_process_group``."""
+        check_topology(
+            rank=rollout_rank,
+            side="rollout",
+            train_world_size=train_world_size,
+            rollout_world_size=rollout_world_size,
+            metadata=metadata,
+        )
+        self.check_metadata(metadata)
+        self.join_rollout(rollout_rank, train_world_size, rollout_world_size, metadata)
+
+    # The backend's name in its prepare() metadata ({"backend": ..., "device": <type>, ...}):
+    # set, ``check_metadata`` refuses a list with another engine's entries or device types.
+    metadata_backend: str | None = None
+    # what runs on each device type, named when members disagree on it
+    device_hint: str = ""
+
+    def check_metadata(self, metadata: Sequence[Any]) -> None:
+        """``ValueError`` unless every entry is this backend's ``prepare()`` result offering
+        this engine's device type (nothing checked without ``metadata_backend``)."""
+        name = self.metadata_backend
+        if name is None:
+            return
+        if not all(isinstance(m, Mapping) and m.get("backend") == name for m in metadata):
+            msg = (
+                f"metadata must be every member's {name} prepare() result (dicts with "
+                f"backend={name!r}), policy ranks first; got {list(metadata)!r}"
+            )
+            raise ValueError(msg)
+        device = getattr(self, "device", None)
+        devices = sorted({str(m.get("device")) for m in metadata})
+        if isinstance(device, torch.device) and devices != [device.type]:
+            msg = (
+                f"members offer devices {devices}, this one {device.type!r}: pass the same "
+                f"engine_kwargs 'device' type to every member ({self.device_hint})"
+            )
+            raise ValueError(msg)
+
+    def join_policy(self, worker_rank: int, train: int, rollout: int, metadata: list[Any]) -> None:
+        """Join as policy rank ``worker_rank``, the arguments checked (a backend's own part)."""
+        msg = f"{type(self).__name__} implements neither init_policy_process_group nor join_policy"
+        raise NotImplementedError(msg)
+
+    def join_rollout(
+        self, rollout_rank: int, train: int, rollout: int, metadata: list[Any]
+    ) -> None:
+        """Join as rollout rank ``rollout_rank``, the arguments checked (a backend's own part)."""
+        msg = (
+            f"{type(self).__name__} implements neither init_rollout_process_group nor join_rollout"
+        )
+        raise NotImplementedError(msg)
 
     @abc.abstractmethod
     async def send_weights(

@@ -19,11 +19,7 @@ from typing import Any
 import torch
 
 from policyworker.errors import RefitError
-from policyworker.shell.refit.checkpoint_engine.base import (
-    CheckpointEngine,
-    check_engine_kwargs,
-    check_topology,
-)
+from policyworker.shell.refit.checkpoint_engine.base import CheckpointEngine, check_engine_kwargs
 from policyworker.shell.refit.collective import (
     DEFAULT_TIMEOUT_S,
     CollectiveRefit,
@@ -47,6 +43,9 @@ class CollectiveCheckpointEngine(CheckpointEngine):
     member must agree), ``timeout_s`` (every wait, default 600), ``refit_timeout_s`` (arms the
     watchdog), ``num_buffers`` and ``use_legacy_packing`` (as ``broadcast_weights_for_collective``).
     """
+
+    metadata_backend = BACKEND
+    device_hint = "gloo on cpu, nccl on cuda"
 
     def __init__(self, *, bucket_size: int, **options: Any) -> None:
         check_engine_kwargs(BACKEND, options, OPTIONS)
@@ -81,61 +80,21 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             "device": self.device.type,
         }
 
-    def init_policy_process_group(
-        self,
-        *,
-        worker_rank: int,
-        train_world_size: int,
-        rollout_world_size: int,
-        metadata: list[Any],
-    ) -> None:
-        check_topology(
-            rank=worker_rank,
-            side="policy",
-            train_world_size=train_world_size,
-            rollout_world_size=rollout_world_size,
-            metadata=metadata,
-        )
-        self._join(worker_rank, train_world_size, rollout_world_size, metadata)
+    def join_policy(self, worker_rank: int, train: int, rollout: int, metadata: list[Any]) -> None:
+        self._join(worker_rank, train, rollout, metadata)
 
-    def init_rollout_process_group(
-        self,
-        *,
-        rollout_rank: int,
-        train_world_size: int,
-        rollout_world_size: int,
-        metadata: list[Any],
+    def join_rollout(
+        self, rollout_rank: int, train: int, rollout: int, metadata: list[Any]
     ) -> None:
-        check_topology(
-            rank=rollout_rank,
-            side="rollout",
-            train_world_size=train_world_size,
-            rollout_world_size=rollout_world_size,
-            metadata=metadata,
-        )
-        self._join(train_world_size + rollout_rank, train_world_size, rollout_world_size, metadata)
+        self._join(train + rollout_rank, train, rollout, metadata)
 
     def _join(self, rank: int, train: int, rollout: int, metadata: list[Any]) -> None:
-        offers = [m for m in metadata if isinstance(m, Mapping) and m.get("backend") == BACKEND]
-        if len(offers) != len(metadata):
-            msg = (
-                "metadata must be every member's collective prepare() result (dicts with "
-                f"backend={BACKEND!r}); got {metadata!r}"
-            )
-            raise ValueError(msg)
-        devices = sorted({str(m.get("device")) for m in offers})
-        if devices != [self.device.type]:
-            msg = (
-                f"members offer devices {devices}, this one {self.device.type!r}: pass the same "
-                "engine_kwargs 'device' type to every member (gloo on cpu, nccl on cuda)"
-            )
-            raise ValueError(msg)
         if self.group is not None:
             msg = "this collective checkpoint engine already joined a group; call finalize() first"
             raise RefitError(msg)
         self.group = init_collective(
-            str(offers[0]["host"]),
-            int(offers[0]["port"]),
+            str(metadata[0]["host"]),
+            int(metadata[0]["port"]),
             train + rollout,
             train_world_size=train,
             rank=rank,

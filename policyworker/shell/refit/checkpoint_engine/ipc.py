@@ -24,11 +24,7 @@ import torch
 from policyworker.errors import RefitError
 from policyworker.functional.buckets import align_up, plan_ipc_buckets
 from policyworker.functional.wire.codec import max_message_bytes
-from policyworker.shell.refit.checkpoint_engine.base import (
-    CheckpointEngine,
-    check_engine_kwargs,
-    check_topology,
-)
+from policyworker.shell.refit.checkpoint_engine.base import CheckpointEngine, check_engine_kwargs
 from policyworker.shell.refit.checkpoint_engine.fan_out import stream_to_all
 from policyworker.shell.refit.receiver import HFWeightReceiver, RefitReport
 from policyworker.shell.refit.watchdog import check_timeout_s
@@ -54,6 +50,9 @@ class IpcCheckpointEngine(CheckpointEngine):
     CPU), ``timeout_s`` (every wait, default 120 s as NeMo-RL's ZMQ refit) and
     ``peers_per_rank`` (the most rollout ranks one policy rank feeds, default 1; pass the same
     value to every member)."""
+
+    metadata_backend = BACKEND
+    device_hint = "staging is /dev/shm on cpu, CUDA IPC on cuda"
 
     def __init__(self, *, bucket_size: int, **options: Any) -> None:
         check_engine_kwargs(BACKEND, options, OPTIONS)
@@ -95,22 +94,8 @@ class IpcCheckpointEngine(CheckpointEngine):
             "addresses": addresses,
         }
 
-    def init_policy_process_group(
-        self,
-        *,
-        worker_rank: int,
-        train_world_size: int,
-        rollout_world_size: int,
-        metadata: list[Any],
-    ) -> None:
-        check_topology(
-            rank=worker_rank,
-            side="policy",
-            train_world_size=train_world_size,
-            rollout_world_size=rollout_world_size,
-            metadata=metadata,
-        )
-        self._check_members(train_world_size, rollout_world_size, metadata)
+    def join_policy(self, worker_rank: int, train: int, rollout: int, metadata: list[Any]) -> None:
+        self._check_members(train, rollout, metadata)
         senders = self._bound()
         if metadata[worker_rank]["addresses"] != [s.address for s in senders]:
             msg = (
@@ -118,7 +103,7 @@ class IpcCheckpointEngine(CheckpointEngine):
                 "rank's metadata in rank order, policy ranks first"
             )
             raise ValueError(msg)
-        self.peers = list(range(worker_rank, rollout_world_size, train_world_size))
+        self.peers = list(range(worker_rank, rollout, train))
         for sender in senders[len(self.peers) :]:  # sockets no rollout rank connects to
             sender.close()
         self.senders = senders[: len(self.peers)]
@@ -131,24 +116,12 @@ class IpcCheckpointEngine(CheckpointEngine):
             raise RefitError(msg)
         return self.senders
 
-    def init_rollout_process_group(
-        self,
-        *,
-        rollout_rank: int,
-        train_world_size: int,
-        rollout_world_size: int,
-        metadata: list[Any],
+    def join_rollout(
+        self, rollout_rank: int, train: int, rollout: int, metadata: list[Any]
     ) -> None:
-        check_topology(
-            rank=rollout_rank,
-            side="rollout",
-            train_world_size=train_world_size,
-            rollout_world_size=rollout_world_size,
-            metadata=metadata,
-        )
-        self._check_members(train_world_size, rollout_world_size, metadata)
-        source = rollout_rank % train_world_size
-        address = str(metadata[source]["addresses"][rollout_rank // train_world_size])
+        self._check_members(train, rollout, metadata)
+        source = rollout_rank % train
+        address = str(metadata[source]["addresses"][rollout_rank // train])
         if address != self.address:  # joined again without finalize: drop the old peer's socket
             self._close_receiver()
         self.address = address
@@ -157,14 +130,8 @@ class IpcCheckpointEngine(CheckpointEngine):
         self.senders = []
 
     def _check_members(self, train: int, rollout: int, metadata: list[Any]) -> None:
-        """``ValueError`` unless every member offered ipc metadata from this host and device
-        type, with enough sockets for every rollout rank."""
-        if not all(isinstance(m, Mapping) and m.get("backend") == BACKEND for m in metadata):
-            msg = (
-                "metadata must be every member's ipc prepare() result (dicts with "
-                f"backend={BACKEND!r}), policy ranks first; got {metadata!r}"
-            )
-            raise ValueError(msg)
+        """``ValueError`` unless every member is on this host, with enough sockets for every
+        rollout rank (the backend tag and device types are ``check_metadata``'s)."""
         here = socket.gethostname()
         away = sorted({str(m.get("host")) for m in metadata} - {here})
         if away:
@@ -172,14 +139,6 @@ class IpcCheckpointEngine(CheckpointEngine):
                 f"the ipc checkpoint engine is colocated (shared memory / CUDA IPC on one host): "
                 f"members on hosts {away} are not on this one ({here!r}); use the collective "
                 "backend across hosts"
-            )
-            raise ValueError(msg)
-        devices = sorted({str(m.get("device")) for m in metadata})
-        if devices != [self.device.type]:
-            msg = (
-                f"members offer devices {devices}, this one {self.device.type!r}: pass the same "
-                "engine_kwargs 'device' type to every member (staging is /dev/shm on cpu, CUDA "
-                "IPC on cuda)"
             )
             raise ValueError(msg)
         offered = min(len(m.get("addresses", ())) for m in metadata[:train])
