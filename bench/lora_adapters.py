@@ -134,8 +134,7 @@ def _timed_refits(sender, info, send, device: str) -> float:
 
 
 def _adapter_refit(shapes: dict, device: str, dtype: torch.dtype) -> dict:
-    from policyworker.shell.refit import RefitSender
-    from policyworker.shell.refit.adapter_refit import adapter_stream
+    from policyworker.shell.refit import RefitSender, adapter_stream
 
     lora = adapter_model(shapes, device)
     sender = RefitSender(lambda: lora, dtype, device=device)
@@ -202,7 +201,7 @@ def small_shapes() -> dict[str, tuple[int, ...]]:
 
 
 def _worker(model_dir: str, *, adapters: tuple[str, ...], batch: int, cuda: bool):
-    from policyworker.shell.worker.policy_worker import PolicyWorker
+    from policyworker import PolicyWorker
 
     lora = {"dim": RANK, "alpha": ALPHA, "match_all_linear": True, "adapters": list(adapters)}
     cfg = {
@@ -257,10 +256,9 @@ def vllm_engine_refit(repeats: int = 3) -> dict:
     from vllm import LLM
 
     from bench.common import make_batch
+    from policyworker import PolicyWorker
     from policyworker.functional.loss import NLLLoss
-    from policyworker.shell.engines.vllm import VllmRefit, engine_kwargs
-    from policyworker.shell.engines.vllm_lora import VllmAdapterVersions
-    from policyworker.shell.worker.policy_worker import PolicyWorker
+    from policyworker.shell.engines import VllmAdapterVersions, VllmRefit, engine_kwargs
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
