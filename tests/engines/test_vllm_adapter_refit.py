@@ -195,6 +195,8 @@ def test_an_adapter_vllm_cannot_serve_is_refused_at_connect_and_the_refit_keeps_
             llm.collective_rpc("policyworker_connect_lora", args=(bad,))
     with pytest.raises(ValueError, match="lora=True takes 'extension' only"):
         VllmRefit(llm, worker, lora=True, via="weight_transfer")
+    with pytest.raises(ValueError, match="max_cpu_loras=2"):  # 2 kept + 1 arriving > 2 slots
+        VllmRefit(llm, worker, lora=True, keep=2)
     _train(worker, seed=6)  # the refused connects left the connected refit as it was
     request = refit.refit()["lora_request"]
     assert _worst_mismatch(worker, PROMPTS, _generate(llm, request)) <= TOLERANCE
