@@ -249,7 +249,7 @@ def n_adapters(*, small: bool, num: int, batch: int, seq: int) -> dict:
     return result
 
 
-def vllm_engine_refit(repeats: int = 3) -> dict:
+def vllm_engine_refit(repeats: int = 9) -> dict:
     """Seconds of an adapter refit into vLLM's CPU engine: over ZMQ vs through a PEFT folder."""
     import statistics
     import time
