@@ -9,7 +9,7 @@ engine's adapter refit, and several adapters trained on one base.
   a merged LoRA refit sends; the merge itself is not counted, so the baseline is a lower bound).
   Both steady state (``keep_staging=True``), median of `REPEATS` after a warm-up. A bf16 row
   sends the adapters in bf16 (half the bytes; an engine serving bf16 casts to that anyway).
-- **vLLM CPU engine** (``--vllm``, a tiny Llama, CPU only: vLLM's CPU wheel): seconds of
+- **vLLM CPU engine** (``--part vllm``, a tiny Llama, CPU only: vLLM's CPU wheel): seconds of
   ``VllmRefit(llm, worker, lora=True).refit()`` (tensors over ZMQ, built in vLLM's LoRA manager)
   against ``VllmAdapterVersions.publish()`` (a PEFT folder written, then ``add_lora`` reads it).
 - **N adapters on one base**: train tokens/s of a worker with ``lora_cfg.adapters`` (the
@@ -17,7 +17,9 @@ engine's adapter refit, and several adapters trained on one base.
   against a single-adapter worker on the same model and batch.
 
     python -m bench.lora_adapters                 # GPU: 1.5B and 7B shapes, writes JSON
-    python -m bench.lora_adapters --small --vllm  # CPU smoke shapes and the vLLM CPU engine
+    python -m bench.lora_adapters --part refit    # only the refit rows (or --part adapters)
+    python -m bench.lora_adapters --small         # CPU smoke shapes
+    python -m bench.lora_adapters --part vllm     # the vLLM CPU engine row (vLLM's CPU wheel)
 """
 
 from __future__ import annotations
@@ -134,8 +136,7 @@ def _timed_refits(sender, info, send, device: str) -> float:
 
 
 def _adapter_refit(shapes: dict, device: str, dtype: torch.dtype) -> dict:
-    from policyworker.shell.refit import RefitSender
-    from policyworker.shell.refit.adapter_refit import adapter_stream
+    from policyworker.shell.refit import RefitSender, adapter_stream
 
     lora = adapter_model(shapes, device)
     sender = RefitSender(lambda: lora, dtype, device=device)
@@ -202,7 +203,7 @@ def small_shapes() -> dict[str, tuple[int, ...]]:
 
 
 def _worker(model_dir: str, *, adapters: tuple[str, ...], batch: int, cuda: bool):
-    from policyworker.shell.worker.policy_worker import PolicyWorker
+    from policyworker import PolicyWorker
 
     lora = {"dim": RANK, "alpha": ALPHA, "match_all_linear": True, "adapters": list(adapters)}
     cfg = {
@@ -248,7 +249,7 @@ def n_adapters(*, small: bool, num: int, batch: int, seq: int) -> dict:
     return result
 
 
-def vllm_engine_refit(repeats: int = 3) -> dict:
+def vllm_engine_refit(repeats: int = 9) -> dict:
     """Seconds of an adapter refit into vLLM's CPU engine: over ZMQ vs through a PEFT folder."""
     import statistics
     import time
@@ -257,10 +258,9 @@ def vllm_engine_refit(repeats: int = 3) -> dict:
     from vllm import LLM
 
     from bench.common import make_batch
+    from policyworker import PolicyWorker
     from policyworker.functional.loss import NLLLoss
-    from policyworker.shell.engines.vllm import VllmRefit, engine_kwargs
-    from policyworker.shell.engines.vllm_lora import VllmAdapterVersions
-    from policyworker.shell.worker.policy_worker import PolicyWorker
+    from policyworker.shell.engines import VllmAdapterVersions, VllmRefit, engine_kwargs
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -354,8 +354,13 @@ def summary_rows(r: dict) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shapes on CPU (smoke test)")
-    parser.add_argument("--vllm", action="store_true", help="also time vLLM's CPU engine")
     parser.add_argument("--adapters", type=int, default=2, help="adapters on one base")
+    parser.add_argument(
+        "--part",
+        choices=("all", "refit", "adapters", "vllm"),
+        default="all",
+        help="refit rows only, N-adapter training only, both (all), or vLLM's CPU engine only",
+    )
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--json", default="bench_lora_adapters.json")
@@ -365,19 +370,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "receiver":
         run_receiver(args.spec)
         return 0
-    if not args.small and not torch.cuda.is_available():
+    if not args.small and args.part != "vllm" and not torch.cuda.is_available():
         parser.error("the 1.5B/7B rows need a CUDA device; use --small for the CPU smoke run")
-    device = "cpu" if args.small else "cuda"
-    if args.small:
+    device = "cuda" if torch.cuda.is_available() and not args.small else "cpu"
+    if device == "cpu":
         torch.set_num_threads(1)
-    results: dict = {"device": device if args.small else torch.cuda.get_device_name()}
-    results["refits"] = [
-        refit_shape(name, device, small=args.small)
-        for name in SHAPE_NAMES[: 1 if args.small else 2]
-    ]
+    results: dict = {"device": "cpu" if device == "cpu" else torch.cuda.get_device_name()}
+    shapes = SHAPE_NAMES[: 1 if args.small else 2]
+    if args.part in ("all", "refit"):
+        results["refits"] = [refit_shape(name, device, small=args.small) for name in shapes]
     batch, seq = args.batch or (2 if args.small else 4), args.seq or (32 if args.small else 1024)
-    results["n_adapters"] = n_adapters(small=args.small, num=args.adapters, batch=batch, seq=seq)
-    if args.vllm:
+    if args.part in ("all", "adapters"):
+        results["n_adapters"] = n_adapters(
+            small=args.small, num=args.adapters, batch=batch, seq=seq
+        )
+    if args.part == "vllm":
         results["vllm_cpu_engine"] = vllm_engine_refit()
     rows = summary_rows(results)
     for r in rows:

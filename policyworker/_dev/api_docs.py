@@ -22,7 +22,15 @@ from typing import Any
 
 from policyworker._dev.docs_gen import generated_doc_main
 
-__all__ = ["ALIASES", "SECTIONS", "default_output_path", "main", "public_members", "render"]
+__all__ = [
+    "ALIASES",
+    "MODULE_SECTIONS",
+    "SECTIONS",
+    "default_output_path",
+    "main",
+    "public_members",
+    "render",
+]
 
 # (section title, intro, names exported by `policyworker`), in document order.
 SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -82,6 +90,35 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
 )
 
+# (section title, module, names it exports) of public APIs imported from their own module, after
+# the sections above; the module's docstring is the section's introduction.
+MODULE_SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (
+        "Training client (Tinker-style)",
+        "policyworker.training_client",
+        (
+            "TrainingClient",
+            "SamplingClient",
+            "HFSampler",
+            "ModelInput",
+            "Datum",
+            "AdamParams",
+            "SamplingParams",
+            "SampleResponse",
+            "SampledSequence",
+            "ForwardBackwardOutput",
+            "OptimStepResponse",
+            "SaveWeightsResponse",
+            "Done",
+        ),
+    ),
+    (
+        "Training client's vLLM sampler",
+        "policyworker.training_client.vllm_sampler",
+        ("VllmSampler",),
+    ),
+)
+
 # Other names for documented objects (NeMo-RL's spellings): listed with them, not twice.
 ALIASES = {
     "AutomodelPolicyWorker": "PolicyWorker",
@@ -99,7 +136,8 @@ _HEADER = """\
      tests/shell/test_api_docs.py fails when this file and the code disagree. -->
 
 Everything below is importable from `policyworker` itself (`from policyworker import
-PolicyWorker, ClippedPGLossFn`); `import policyworker` stays cheap (names load on first use).
+PolicyWorker, ClippedPGLossFn`; `import policyworker` stays cheap, names load on first use),
+except the last sections, whose titles name the module to import from.
 """
 
 
@@ -184,6 +222,17 @@ def _class_lines(name: str, cls: type) -> list[str]:
     return lines
 
 
+def _object_lines(name: str, obj: Any) -> list[str]:
+    if inspect.isclass(obj):
+        lines = _class_lines(name, obj)
+    else:
+        lines = [f"### `{name}{_signature(obj, drop_self=False)}`", "", _doc(obj), ""]
+    aliases = sorted(a for a, target in ALIASES.items() if target == name)
+    if aliases:
+        lines += ["Also importable as " + ", ".join(f"`{a}`" for a in aliases) + ".", ""]
+    return lines
+
+
 def render() -> str:
     """The whole reference as Markdown (deterministic)."""
     package = importlib.import_module("policyworker")
@@ -191,14 +240,12 @@ def render() -> str:
     for title, intro, names in SECTIONS:
         lines += [f"## {title}", "", intro, ""]
         for name in names:
-            obj = getattr(package, name)
-            aliases = sorted(a for a, target in ALIASES.items() if target == name)
-            if inspect.isclass(obj):
-                lines += _class_lines(name, obj)
-            else:
-                lines += [f"### `{name}{_signature(obj, drop_self=False)}`", "", _doc(obj), ""]
-            if aliases:
-                lines += ["Also importable as " + ", ".join(f"`{a}`" for a in aliases) + ".", ""]
+            lines += _object_lines(name, getattr(package, name))
+    for title, module_name, names in MODULE_SECTIONS:
+        module = importlib.import_module(module_name)
+        lines += [f"## {title}: `{module_name}`", "", _doc(module), ""]
+        for name in names:
+            lines += _object_lines(name, getattr(module, name))
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -250,4 +250,5 @@ class SamplingClient:
         num_samples: int = 1,
         sampling_params: SamplingParams | None = None,
     ) -> Done[SampleResponse]:
+        """`num_samples` continuations of `prompt` from the sampler's current weights."""
         return Done(self.sampler.sample(prompt, num_samples, sampling_params or SamplingParams()))

@@ -37,13 +37,16 @@ class ModelInput:
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
+        """The input of these token ids."""
         return cls(tuple(tokens))
 
     def to_ints(self) -> list[int]:
+        """The token ids as a list."""
         return list(self.tokens)
 
     @property
     def length(self) -> int:
+        """The number of tokens."""
         return len(self.tokens)
 
 
@@ -97,6 +100,8 @@ class SampledSequence:
 
 @frozen(kw_only=True)
 class SampleResponse:
+    """The `num_samples` continuations of one `sample` call."""
+
     sequences: list[SampledSequence]
 
 
@@ -111,6 +116,8 @@ class ForwardBackwardOutput:
 
 @frozen(kw_only=True)
 class OptimStepResponse:
+    """The step's metrics: ``loss:mean``, ``grad_norm`` and ``skipped_steps`` (0 or 1)."""
+
     metrics: dict[str, float]
 
 
@@ -129,4 +136,5 @@ class Done(Generic[T]):
     value: T
 
     def result(self, timeout: float | None = None) -> T:
+        """The call's value (`timeout` is accepted for Tinker's signature; nothing waits)."""
         return self.value

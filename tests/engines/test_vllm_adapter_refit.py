@@ -20,7 +20,11 @@ require_vllm()
 from policyworker.demo.options import LORA_FP32_TOLERANCE, VLLM_FP32_TOLERANCE  # noqa: E402
 from policyworker.errors import RefitError  # noqa: E402
 from policyworker.functional.loss import NLLLoss  # noqa: E402
-from policyworker.shell.engines.vllm import VllmRefit  # noqa: E402
+from policyworker.shell.engines.vllm import VllmRefit, _lora_init  # noqa: E402
+from policyworker.shell.engines.vllm_lora_worker import (  # noqa: E402
+    mismatched_lora_shapes,
+    unreachable_lora_modules,
+)
 from policyworker.shell.refit import adapter_refit  # noqa: E402
 from policyworker.shell.worker.policy_worker import PolicyWorker  # noqa: E402
 from tests.shell.conftest import make_batch, make_config  # noqa: E402
@@ -173,14 +177,42 @@ def test_a_killed_adapter_refit_leaves_the_version_serving_and_the_next_one_work
     assert _worst_mismatch(worker, PROMPTS, _generate(llm, after)) <= TOLERANCE
 
 
-def test_an_engine_without_lora_or_with_unreachable_modules_is_refused_by_name(setup):
-    from policyworker.shell.engines.vllm_lora_worker import unreachable_lora_modules
-
-    prefix = "base_model.model.model.layers.0."
-    names = [f"{prefix}self_attn.q_proj.lora_A.weight", f"{prefix}mlp.down_proj.lora_A.weight"]
-    packed = {"model.layers.0.self_attn.qkv_proj": ["model.layers.0.self_attn.q_proj"]}
-    missing = unreachable_lora_modules(names, ["model.layers.0.mlp.gate_up_proj"], packed, None)
-    assert missing == [names[1]]
-    llm, worker, _ = setup
+def test_an_adapter_vllm_cannot_serve_is_refused_at_connect_and_the_refit_keeps_working(setup):
+    llm, worker, refit = setup
+    init = _lora_init(worker, 30.0)
+    info = init["refit_info"]
+    q_a = next(n for n in info if "q_proj.lora_A" in n)
+    refusals = {
+        "in_features=128": {**init, "refit_info": {**info, q_a: [[4, 64], "float32"]}},
+        "reach no LoRA layer": {
+            **init,
+            "refit_info": {n.replace("down_proj", "no_such_proj"): v for n, v in info.items()},
+        },
+        "max_lora_rank": {**init, "peft_config": {**init["peft_config"], "r": 16}},
+    }
+    for words, bad in refusals.items():
+        with pytest.raises(Exception, match=words):
+            llm.collective_rpc("policyworker_connect_lora", args=(bad,))
     with pytest.raises(ValueError, match="lora=True takes 'extension' only"):
         VllmRefit(llm, worker, lora=True, via="weight_transfer")
+    with pytest.raises(ValueError, match="max_cpu_loras=2"):  # 2 kept + 1 arriving > 2 slots
+        VllmRefit(llm, worker, lora=True, keep=2)
+    _train(worker, seed=6)  # the refused connects left the connected refit as it was
+    request = refit.refit()["lora_request"]
+    assert _worst_mismatch(worker, PROMPTS, _generate(llm, request)) <= TOLERANCE
+
+
+def test_the_reachability_and_shape_rules_name_each_offending_tensor():
+    prefix = "base_model.model.model.layers.0."
+    q_a, down_a = f"{prefix}self_attn.q_proj.lora_A.weight", f"{prefix}mlp.down_proj.lora_A.weight"
+    q_b = f"{prefix}self_attn.q_proj.lora_B.weight"
+    packed = {"model.layers.0.self_attn.qkv_proj": ["model.layers.0.self_attn.q_proj"]}
+    missing = unreachable_lora_modules(
+        [q_a, down_a], ["model.layers.0.mlp.gate_up_proj"], packed, None
+    )
+    assert missing == [down_a]
+    dims = {"model.layers.0.self_attn.q_proj": (128, 256)}
+    info = {q_a: ((4, 128), None), q_b: ((128, 4), None), down_a: ((4, 7), None)}
+    assert mismatched_lora_shapes(info, dims, None) == [
+        f"{q_b}: [128, 4], vLLM's layer has out_features=256"
+    ]

@@ -9,6 +9,7 @@ from policyworker._lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(  # pyright: ignore[reportUnsupportedDunderAll]
     __name__,
     {
+        "VllmAdapterVersions": "policyworker.shell.engines.vllm_lora",
         "VllmInflightRefit": "policyworker.shell.engines.vllm_inflight",
         "VllmRefit": "policyworker.shell.engines.vllm",
         "engine_kwargs": "policyworker.shell.engines.vllm",

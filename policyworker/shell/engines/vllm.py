@@ -153,6 +153,25 @@ def _lora_init(sender: Any, timeout_s: float) -> dict[str, Any]:
     }
 
 
+def _check_lora_capacity(llm: Any, keep: int) -> None:
+    """Refuse an engine without LoRA, or whose LoRA cache cannot hold `keep` versions plus the
+    one a refit adds, before anything connects."""
+    config = getattr(getattr(llm.llm_engine, "vllm_config", None), "lora_config", None)
+    if config is None:
+        msg = (
+            "VllmRefit(lora=True) needs a vLLM engine with LoRA: build it with enable_lora=True, "
+            "max_lora_rank >= the adapter's rank and max_loras >= keep + 1"
+        )
+        raise ValueError(msg)
+    if config.max_cpu_loras < keep + 1:
+        msg = (
+            f"keep={keep} needs room for {keep + 1} adapter versions during a refit, the engine's "
+            f"LoRA cache holds max_cpu_loras={config.max_cpu_loras}; build it with max_loras >= "
+            f"{keep + 1} or lower keep"
+        )
+        raise ValueError(msg)
+
+
 def _adapter_request(version: int) -> Any:
     """The ``LoRARequest`` of an adapter-only refit's version. The engine has it registered
     under this id, so it never reads the path: one that does not exist makes a lookup after an
@@ -172,7 +191,7 @@ class VllmRefit:
     ``refit()`` (tested here with one trainer process only).
 
     ``lora=True`` (a LoRA ``PolicyWorker``; the engine built with ``enable_lora=True`` and
-    ``max_loras >= keep``) refits the adapter alone: each ``refit()`` streams the LoRA tensors
+    ``max_loras >= keep + 1``) refits the adapter alone: each ``refit()`` streams the LoRA tensors
     (PEFT names) into vLLM's LoRA manager, built from the tensors with no folder, and registers
     them as a new version; ``report["lora_request"]`` (also ``adapters.current``) is the
     ``LoRARequest`` new requests name. ``adapters.hold()`` keeps a version loaded for requests
@@ -193,7 +212,7 @@ class VllmRefit:
         via: str | None = None,
         timeout_s: float = 120.0,
         lora: bool = False,
-        keep: int = 2,
+        keep: int = 1,
     ) -> None:
         via = via if via is not None else ("extension" if lora else "weight_transfer")
         if via not in _VIAS or (lora and via != "extension"):
@@ -213,6 +232,7 @@ class VllmRefit:
             from policyworker.shell.engines.vllm_lora import VllmAdapterVersions
 
             self.adapters = VllmAdapterVersions(llm, keep=keep)
+            _check_lora_capacity(llm, keep)
             llm.collective_rpc("policyworker_connect_lora", args=(_lora_init(sender, timeout_s),))
             return
         init = {

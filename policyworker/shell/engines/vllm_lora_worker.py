@@ -13,7 +13,10 @@ nothing; the versions registered before keep serving.
 
 At connect every adapter tensor must map to a module vLLM wrapped with LoRA (directly, or as a
 slice of a packed one like ``qkv_proj``): vLLM applies an adapter module by module and silently
-skips a name it has no layer for, which would serve the base weights there.
+skips a name it has no layer for, which would serve the base weights there. Each tensor's in /
+out features must equal its layer's, and the adapter must be one the engine serves (rank within
+``max_lora_rank``, no DoRA or bias): checked there too, before the previous connection closes,
+so a refused connect changes nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ from policyworker.errors import RefitError
 from policyworker.shell.engines.vllm import decode_refit_info
 from policyworker.shell.refit.receiver import HFWeightReceiver
 
-__all__ = ["LoraRefitExtension", "VllmLoraSlots", "unreachable_lora_modules"]
+__all__ = [
+    "LoraRefitExtension",
+    "VllmLoraSlots",
+    "lora_layer_dims",
+    "mismatched_lora_shapes",
+    "unreachable_lora_modules",
+]
 
 
 def unreachable_lora_modules(
@@ -40,6 +49,48 @@ def unreachable_lora_modules(
 
     reachable = set(modules) | {name for slices in packed.values() for name in slices}
     return [n for n in names if parse_fine_tuned_lora_name(n, mapper)[0] not in reachable]
+
+
+def lora_layer_dims(modules: Mapping[str, Any], packed: Mapping[str, Any]) -> dict[str, tuple]:
+    """``{module: (in_features, out_features)}`` of every plain linear LoRA layer of vLLM (each
+    slice of a packed one under its own name), read from the slots its adapters are copied into;
+    embeddings, logits and MoE experts are left out (their adapters have other layouts)."""
+    dims: dict[str, tuple] = {}
+    for name, module in modules.items():
+        a, b = getattr(module, "lora_a_stacked", None), getattr(module, "lora_b_stacked", None)
+        kind = type(module).__name__
+        if a is None or b is None or "Embedding" in kind or "Logits" in kind or "MoE" in kind:
+            continue
+        # one stacked tensor per slice; a plain layer may hold its one tensor bare
+        a = (a,) if isinstance(a, torch.Tensor) else tuple(a)
+        b = (b,) if isinstance(b, torch.Tensor) else tuple(b)
+        slices = list(packed.get(name, [name]))
+        if len(slices) != len(a) or len(slices) != len(b):
+            continue  # a packing vLLM slices otherwise (e.g. qkv + z)
+        for i, sliced in enumerate(slices):
+            dims[sliced] = (a[i].shape[-1], b[i].shape[-2])
+    return dims
+
+
+def mismatched_lora_shapes(
+    info: Mapping[str, tuple[Any, Any]], dims: Mapping[str, tuple], mapper: Any
+) -> list[str]:
+    """``name: shape, expected`` for each ``lora_A`` [r, in] / ``lora_B`` [out, r] of `info`
+    whose module is in `dims` and whose in / out features differ from vLLM's layer."""
+    # vLLM is an optional extra, absent from the lint environment.
+    from vllm.lora.utils import parse_fine_tuned_lora_name  # pyright: ignore[reportMissingImports]
+
+    problems = []
+    for name, (shape, _) in info.items():
+        module, is_a = parse_fine_tuned_lora_name(name, mapper)
+        if module not in dims or len(shape) != 2:
+            continue
+        in_features, out_features = dims[module]
+        got, want = (shape[1], in_features) if is_a else (shape[0], out_features)
+        if got != want:
+            side = "in_features" if is_a else "out_features"
+            problems.append(f"{name}: {list(shape)}, vLLM's layer has {side}={want}")
+    return problems
 
 
 class VllmLoraSlots:
@@ -82,13 +133,27 @@ class VllmLoraSlots:
                 f"target module supported (or drop those targets from policy lora_cfg)"
             )
             raise ValueError(msg)
-        self._version = 0
+        dims = lora_layer_dims(models.modules, models.packed_modules)
+        wrong = mismatched_lora_shapes(info, dims, self.mapper)
+        if wrong:
+            msg = (
+                f"{len(wrong)} adapter tensor(s) do not fit this vLLM engine's LoRA layers: "
+                f"{wrong[:6]}; the trainer's model and the engine's must have the same shapes"
+            )
+            raise ValueError(msg)
+        self._version, self._info = 0, info
+        self._timeout_s = float(init.get("timeout_s", 120.0))
+        self._address = init["address"]
+        self.receiver: HFWeightReceiver | None = None
+
+    def connect(self) -> None:
+        """Start the receiver (after every check passed: a refused connect changes nothing)."""
         self.receiver = HFWeightReceiver(
             self._load,
-            address=init["address"],
-            refit_info=info,
+            address=self._address,
+            refit_info=self._info,
             atomic=True,
-            timeout_s=float(init.get("timeout_s", 120.0)),
+            timeout_s=self._timeout_s,
         )
 
     def receive(self, version: int) -> dict[str, Any]:
@@ -102,6 +167,8 @@ class VllmLoraSlots:
                 f"versions (or raise max_cpu_loras / max_loras)"
             )
             raise RefitError(msg)
+        if self.receiver is None:
+            raise RuntimeError("receive before connect")
         self._version = version
         report = self.receiver.receive()
         return {
@@ -134,7 +201,9 @@ class VllmLoraSlots:
         models.add_adapter(lora)  # the one effect: the version is registered or it is not
 
     def close(self) -> None:
-        self.receiver.close()
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
 
 
 class LoraRefitExtension:
@@ -159,8 +228,10 @@ class LoraRefitExtension:
                 "max_lora_rank >= the adapter's rank and max_loras >= VllmRefit's keep"
             )
             raise ValueError(msg)
+        slots = VllmLoraSlots(manager, init_info)  # every check before anything changes
         self.policyworker_close_lora()
-        self._policyworker_lora = VllmLoraSlots(manager, init_info)
+        slots.connect()
+        self._policyworker_lora = slots
 
     def policyworker_receive_lora(self, version: int) -> dict[str, Any]:
         slots = getattr(self, "_policyworker_lora", None)

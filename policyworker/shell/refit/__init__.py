@@ -23,6 +23,7 @@ __getattr__, __all__ = lazy_exports(  # pyright: ignore[reportUnsupportedDunderA
     __name__,
     {
         "InflightWeights": "policyworker.shell.refit.inflight",
+        "adapter_stream": "policyworker.shell.refit.adapter_refit",
         "RefitSender": "policyworker.shell.refit.sender",
         "RefitSource": "policyworker.shell.refit.weight_stream",
         "iter_refit_sources": "policyworker.shell.refit.weight_stream",
