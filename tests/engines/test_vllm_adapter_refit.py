@@ -152,8 +152,8 @@ def test_a_killed_adapter_refit_leaves_the_version_serving_and_the_next_one_work
     served = _generate(llm, serving)
     walk = adapter_refit.adapter_stream
 
-    def dies_after_three(model):
-        stream = walk(model)
+    def dies_after_three(model, *, dtype):
+        stream = walk(model, dtype=dtype)
 
         def sources():
             for count, source in enumerate(stream.sources):

@@ -28,8 +28,6 @@ from policyworker.shell.refit.weight_stream import RefitSource, RefitStream
 
 __all__ = ["adapter_refit_info", "adapter_stream", "peft_load_weights"]
 
-_ADAPTER_DTYPE = torch.float32  # the adapters' own dtype: the engine casts on its copy
-
 
 def _adapter_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     modules = lora_modules(model)
@@ -46,15 +44,17 @@ def _adapter_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def adapter_refit_info(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
+def adapter_refit_info(
+    model: nn.Module, *, dtype: torch.dtype
+) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """``{peft_name: (shape, dtype)}`` of `adapter_stream`, in send order (global shapes)."""
-    return {name: (torch.Size(p.shape), _ADAPTER_DTYPE) for name, p in _adapter_params(model)}
+    return {name: (torch.Size(p.shape), dtype) for name, p in _adapter_params(model)}
 
 
-def adapter_stream(model: nn.Module, *, dtype: torch.dtype = _ADAPTER_DTYPE) -> RefitStream:
+def adapter_stream(model: nn.Module, *, dtype: torch.dtype) -> RefitStream:
     """The adapter tensors of `model` as one refit's stream (specs now, sources lazily), sent
-    in `dtype` (fp32, the adapters' own, unless an engine serves them in less: bf16 halves the
-    bytes)."""
+    in `dtype`. The worker passes its full refit's dtype (the compute precision): an engine
+    serves adapters in its own dtype, so fp32 would only double the bytes of a bf16 run."""
     params = _adapter_params(model)
     specs = tuple(TensorSpec(n, tuple(p.shape), dtype) for n, p in params)
 

@@ -55,7 +55,7 @@ def refit_info(
     if adapter_only:
         from policyworker.shell.refit.adapter_refit import adapter_refit_info
 
-        return adapter_refit_info(state.model)
+        return adapter_refit_info(state.model, dtype=zmq_sender(state).refit_dtype)
     return zmq_sender(state).prepare_refit_info()
 
 
@@ -90,7 +90,11 @@ def stream_via_zmq(
         raise ValueError(msg)
     state.reshard()
     sender = zmq_sender(state)  # on every rank (it opens no socket until rank 0 sends)
-    stream = adapter_stream(state.model) if adapter_only else sender.weight_stream()
+    stream = (
+        adapter_stream(state.model, dtype=sender.refit_dtype)
+        if adapter_only
+        else sender.weight_stream()
+    )
     sources = _Draining(stream.sources)
     sharded = state.parallel.world_size > 1
     report, failed = None, 0

@@ -124,7 +124,7 @@ def test_an_adapter_refit_cut_off_midway_leaves_an_atomic_engine_on_its_version(
     worker.train(make_batch(4, 10, seed=1), NLLLoss())
     probe = make_batch(4, 10, seed=7)
     before = _logprobs(engine, probe)
-    stream = adapter_stream(worker.model)
+    stream = adapter_stream(worker.model, dtype=torch.float32)
     pairs = [(s.name, s.tensor) for s in stream.sources]
     receiver.begin_refit(info)
     receiver.apply_batch(pairs[: len(pairs) // 2])
@@ -136,3 +136,14 @@ def test_an_adapter_refit_cut_off_midway_leaves_an_atomic_engine_on_its_version(
     torch.testing.assert_close(
         _logprobs(engine, probe), worker.get_logprobs(probe)["logprobs"], rtol=1e-5, atol=1e-5
     )
+
+
+def test_the_adapter_refit_is_sent_in_the_full_refits_dtype(tiny_model_paths):
+    """A bf16 worker sends bf16 adapters (what a bf16 engine serves), a float32 worker fp32."""
+    path = tiny_model_paths["llama"]
+    for precision, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        cfg = make_config(path, precision=precision, dtensor_cfg={"lora_cfg": LORA})
+        worker = PolicyWorker(cfg, init_reference_model=False)
+        full = {d for _, d in worker.prepare_refit_info().values() if d.is_floating_point}
+        adapter = worker.prepare_refit_info(adapter_only=True)
+        assert full == {dtype} and {d for _, d in adapter.values()} == {dtype}, precision
