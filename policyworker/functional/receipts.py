@@ -20,6 +20,7 @@ __all__ = [
     "FetchPlan",
     "KVBatchMeta",
     "TensorEntry",
+    "common_prefix",
     "describe_tensors",
     "empty_like_entries",
     "missing",
@@ -71,6 +72,21 @@ class KVBatchMeta:
         """The number of rows."""
         return len(self.sample_ids)
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # A receipt crosses the driver once per rank per call: pickle it as a positional
+        # tuple, its keys as their common prefix and the rest of each (keys are usually
+        # "<partition>-<n>"), not as attribute names and whole keys.
+        prefix = common_prefix(self.sample_ids)
+        return _receipt_from_wire, (
+            self.partition_id,
+            prefix,
+            tuple(k[len(prefix) :] for k in self.sample_ids),
+            self.task_name,
+            self.fields,
+            self.sequence_lengths,
+            dict(self.extra_info) or None,
+        )
+
     def subset(self, indices: Sequence[int]) -> KVBatchMeta:
         """The receipt of the rows at `indices` (in that order)."""
         lengths = self.sequence_lengths
@@ -94,6 +110,37 @@ class KVBatchMeta:
             sequence_lengths=self.sequence_lengths,
             extra_info=dict(self.extra_info),
         )
+
+
+def _receipt_from_wire(
+    partition_id: str,
+    prefix: str,
+    suffixes: tuple[str, ...],
+    task_name: str | None,
+    fields: tuple[str, ...] | None,
+    sequence_lengths: tuple[int, ...] | None,
+    extra_info: Mapping[str, Any] | None,
+) -> KVBatchMeta:
+    """The receipt `KVBatchMeta.__reduce__` pickled."""
+    return KVBatchMeta(
+        partition_id=partition_id,
+        sample_ids=[prefix + s for s in suffixes],
+        task_name=task_name,
+        fields=fields,
+        sequence_lengths=sequence_lengths,
+        extra_info=dict(extra_info or {}),
+    )
+
+
+def common_prefix(keys: Sequence[str]) -> str:
+    """The longest string every key starts with ("" for no keys)."""
+    if not keys:
+        return ""
+    low, high = min(keys), max(keys)  # the prefix of these two is everyone's
+    n = 0
+    while n < min(len(low), len(high)) and low[n] == high[n]:
+        n += 1
+    return low[:n]
 
 
 def receipt_problems(meta: KVBatchMeta) -> list[str]:

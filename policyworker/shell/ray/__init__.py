@@ -28,5 +28,9 @@ __getattr__, __all__ = lazy_exports(
         "train_presharded": _DATA_PLANE,
         "get_logprobs_presharded": _DATA_PLANE,
         "get_reference_policy_logprobs_presharded": _DATA_PLANE,
+        "begin_train_step_presharded": _DATA_PLANE,
+        "train_microbatch_presharded": _DATA_PLANE,
+        "finish_train_step_presharded": _DATA_PLANE,
+        "abort_train_step_presharded": _DATA_PLANE,
     },
 )
