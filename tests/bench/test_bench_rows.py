@@ -75,8 +75,12 @@ def test_checkpoint_rows_against_the_raw_disk_with_their_targets():
         "raw_read_GBps": 2.5,
         "raw_read_parallel_GBps": 4.0,
         "load_exact": True,
+        "digest_share_of_sync_save": 0.03,
+        "digest_share_of_sync_save_second_pass": 0.097,
     }
     rows = {r.metric: r for r in _judged(checkpoint_rows(result))}
+    digest = rows["digests' share of a sync save, hashed while written (vs the same save without)"]
+    assert (digest.ours, digest.baseline, row_verdict(digest)) == (0.03, 0.097, "pass")
     sync = rows["sync save vs raw disk write"]
     assert (sync.ratio, sync.limit, row_verdict(sync)) == (0.5, 3.0, "fail")  # 50 % < 80 %
     staged = rows["sync save after an async one (staging kept) vs raw disk write"]

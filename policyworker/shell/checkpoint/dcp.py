@@ -20,7 +20,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
 import policyworker.shell.checkpoint.bounce as bounce
+import policyworker.shell.checkpoint.digests as digests_io
 import policyworker.shell.checkpoint.layout as checkpoint_layout_settings
+from policyworker.shell.checkpoint.hashing_io import HashingFileSystem
 from policyworker.shell.checkpoint.layout import CheckpointError
 
 if TYPE_CHECKING:
@@ -206,6 +208,11 @@ def save_optimizer(
 
     def job() -> None:
         pool = bounce.BouncePool()
+        writer = FileSystemWriter(
+            str(folder), thread_count=max(1, checkpoint_layout_settings.WRITER_THREADS)
+        )
+        if digests_io.HASH_WHILE_WRITING:  # each file hashed as it is written
+            writer.fs = HashingFileSystem(digests_io.save_algorithm())
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter(
@@ -213,9 +220,7 @@ def save_optimizer(
                 )  # "assuming single process" without a group
                 save(
                     state,
-                    storage_writer=FileSystemWriter(
-                        str(folder), thread_count=max(1, checkpoint_layout_settings.WRITER_THREADS)
-                    ),
+                    storage_writer=writer,
                     planner=_BouncedSavePlanner(pool),
                     process_group=group,
                     no_dist=group is None,

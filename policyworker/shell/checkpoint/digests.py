@@ -9,10 +9,16 @@ bit in it would otherwise load unchecked. Folders of other tools (plain HF folde
 unchecked, and `load_checkpoint(..., verify_digests=False)` skips the checks on purpose.
 
 The digest of a file is a tree: the hash of the concatenated hashes of its 64 MiB pieces, so
-one large shard is hashed by several threads (both hashes release the GIL). A save uses BLAKE3
-where the `blake3` package is installed (it comes with vLLM; about 3x SHA-256's speed per core,
-which keeps the digests a small part of a sync save), else SHA-256; the digests file names the
-algorithm, and a load verifies either, so folders saved before BLAKE3 was used still verify.
+one large shard is hashed by several threads (both hashes release the GIL). A save hashes most
+of its bytes while it writes them: the writer threads feed each piece they write to a hasher
+(`TreeHasher`; the HF weights writer and DCP's streams through `hashing_io`) and note the
+file's digest with its identity (`record_written`: inode, size, mtime); `write_digests_of` takes
+a noted digest while the file still has that identity and reads back only the others (JSON
+files, a weights file written by several ranks). The digests are the same bytes either way,
+and a load reads every file back to verify it, as before. A save uses BLAKE3 where the `blake3`
+package is installed (it comes with vLLM; about 3x SHA-256's speed per core), else SHA-256; the
+digests file names the algorithm, and a load verifies either, so folders saved before BLAKE3
+was used still verify.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import json
 import mmap
 import os
 import pathlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +47,8 @@ __all__ = [
     "DIGESTS_FILE",
     "VERIFY_TIMEOUT_S",
     "DigestChecks",
+    "TreeHasher",
+    "record_written",
     "save_algorithm",
     "verify_digests",
     "write_digests",
@@ -48,6 +57,9 @@ __all__ = [
 
 DIGESTS_FILE = "policyworker_digests.json"
 _PIECE_BYTES = 64 * 2**20
+# The writers hash what they write (read at each save; bench/ turns it off to time the second
+# pass over the written files that it replaces).
+HASH_WHILE_WRITING = True
 _SHA256 = "sha256-tree-64MiB"
 _BLAKE3 = "blake3-tree-64MiB"
 # A cold 20 GB checkpoint hashes in well under a minute on a local disk; an hour means the
@@ -77,6 +89,83 @@ def _hash_function(algorithm: str) -> Callable[[Any], Any]:
 def save_algorithm() -> str:
     """The algorithm a save records: BLAKE3 where installed, else SHA-256."""
     return _BLAKE3 if importlib.util.find_spec("blake3") is not None else _SHA256
+
+
+class TreeHasher:
+    """A file's tree digest (`write_digests`' own), fed its bytes in order as they are written,
+    or one piece at a time (``piece``/``add_piece``: pieces hashed by several threads)."""
+
+    def __init__(self, algorithm: str) -> None:
+        self.algorithm, self.piece_bytes = algorithm, _PIECE_BYTES
+        self._new = _hash_function(algorithm)
+        self._pieces: list[bytes] = []
+        self._current = self._new()
+        self._filled = 0  # bytes of the current piece hashed so far
+        self.size = 0
+
+    def update(self, data: memoryview | bytes) -> None:
+        data = memoryview(data).cast("B")
+        while len(data):
+            take = min(len(data), self.piece_bytes - self._filled)
+            self._current.update(data[:take])
+            self._filled += take
+            self.size += take
+            data = data[take:]
+            if self._filled == self.piece_bytes:
+                self._pieces.append(bytes(self._current.digest()))
+                self._current, self._filled = self._new(), 0
+
+    def piece(self) -> Any:
+        """A fresh hash object for one whole piece (``add_piece`` takes its digest)."""
+        return self._new()
+
+    def hexdigest(self, pieces: Sequence[bytes] | None = None) -> str:
+        """The tree digest of what was fed (or of ``pieces``, every piece's digest in order)."""
+        if pieces is None:
+            pieces = list(self._pieces)
+            if self._filled or not pieces:  # an empty file is one empty piece
+                pieces.append(bytes(self._current.digest()))
+        return str(self._new(b"".join(pieces)).hexdigest())
+
+
+# Digests the writers computed, by absolute path: (inode, size, mtime_ns), (algorithm, piece
+# size), digest. Bounded: entries a failed save never collects are dropped past the cap.
+_WRITTEN: dict[str, tuple[tuple[int, int, int], tuple[str, int], str]] = {}
+_WRITTEN_LOCK = threading.Lock()
+_WRITTEN_MAX = 1 << 16
+
+
+def _identity(path: str | os.PathLike[str]) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def record_written(
+    path: str | os.PathLike[str], digest: str, *, hasher: TreeHasher, size: int
+) -> None:
+    """Note the `digest` (of `hasher`'s kind) of a file a save just wrote and closed, made from
+    its `size` bytes as they were written (not noted when the file holds another count)."""
+    identity = _identity(path)
+    if identity[1] != size:
+        return
+    with _WRITTEN_LOCK:
+        if len(_WRITTEN) >= _WRITTEN_MAX:
+            _WRITTEN.clear()
+        kind = (hasher.algorithm, hasher.piece_bytes)
+        _WRITTEN[os.path.abspath(path)] = (identity, kind, digest)
+
+
+def _take_written(path: pathlib.Path, algorithm: str) -> str | None:
+    """The noted digest of `path`, if it is of `algorithm` (and today's piece size) and the file
+    is still the one hashed (same inode, size and modification time); forgotten either way."""
+    with _WRITTEN_LOCK:
+        entry = _WRITTEN.pop(os.path.abspath(path), None)
+    if entry is None or entry[1] != (algorithm, _PIECE_BYTES):
+        return None
+    try:
+        return entry[2] if _identity(path) == entry[0] else None
+    except OSError:
+        return None
 
 
 def _piece_digest(path: pathlib.Path, offset: int, new_hash: Callable[[Any], Any]) -> bytes:
@@ -138,7 +227,10 @@ def write_digests_of(
     paths = [pathlib.Path(f) for f in folders]
     names = [_listed_files(folder) for folder in paths]
     flat = [folder / n for folder, ns in zip(paths, names, strict=True) for n in ns]
-    digests = iter(_digests_of(flat, algorithm))
+    written = [_take_written(path, algorithm) for path in flat]
+    unhashed = [path for path, digest in zip(flat, written, strict=True) if digest is None]
+    read_back = iter(_digests_of(unhashed, algorithm))  # what the writers did not hash
+    digests = iter([next(read_back) if d is None else d for d in written])
     for folder, folder_names in zip(paths, names, strict=True):
         files = {
             name: {"digest": next(digests), "bytes": (folder / name).stat().st_size}

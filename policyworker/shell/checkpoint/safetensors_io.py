@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import policyworker.shell.checkpoint.bounce as bounce
+import policyworker.shell.checkpoint.digests as digests_io
 import policyworker.shell.checkpoint.layout as checkpoint_layout_settings
 from policyworker.functional.safetensors_layout import (
     FilePlan,
@@ -152,21 +153,71 @@ def _chunks(
     ]
 
 
-def _write_tasks(tasks: queue.SimpleQueue[tuple[int, torch.Tensor, int, Any]]) -> None:
-    """One writer thread: take tasks until none are left; device runs go through its own bounce
-    buffer (allocated on the first one, freed on return)."""
+# A writer task: (fd, its bytes: a 1-D tensor, or a file header in host memory, file offset,
+# the CUDA event a device tensor's values are ready at)
+_Task = tuple[int, torch.Tensor | memoryview, int, Any]
+# A unit of one writer thread's work: the tasks of one file in offset order, and the file and
+# piece index whose digest they make (None: the file is not hashed as it is written)
+_Group = tuple[list[_Task], tuple[str, int] | None]
+
+
+def _write_groups(
+    groups: queue.SimpleQueue[_Group],
+    digests: dict[tuple[str, int], tuple[bytes, int]],
+    new_piece: Callable[[], Any],
+) -> None:
+    """One writer thread: take groups until none are left; device runs go through its own
+    bounce buffer (allocated on the first one, freed on return). A hashed group is one 64 MiB
+    piece of its file, written front to back: its bytes are hashed as they are written."""
     own = bounce.Bounce()
     try:
         while True:
             try:
-                fd, data, offset, ready = tasks.get_nowait()
+                tasks, piece = groups.get_nowait()
             except queue.Empty:
                 return
-            if bounce.bounced(data):
-                data = own.copy_out(data, ready)
-            _pwrite_all(fd, _bytes_of(data), offset)
+            hasher, hashed = None if piece is None else new_piece(), 0
+            for fd, data, offset, ready in tasks:
+                if isinstance(data, memoryview):  # a header
+                    raw = data
+                else:
+                    raw = _bytes_of(own.copy_out(data, ready) if bounce.bounced(data) else data)
+                _pwrite_all(fd, raw, offset)
+                if hasher is not None:
+                    hasher.update(raw)
+                    hashed += len(raw)
+            if piece is not None and hasher is not None:
+                digests[piece] = bytes(hasher.digest()), hashed
     finally:
         own.release()
+
+
+def _nbytes(data: torch.Tensor | memoryview) -> int:
+    return len(data) if isinstance(data, memoryview) else data.numel() * data.element_size()
+
+
+def _covers(tasks: Sequence[_Task], size: int) -> bool:
+    """Whether the tasks write every byte of a `size`-byte file exactly once."""
+    end = 0
+    for _, data, offset, _ in sorted(tasks, key=lambda t: t[2]):
+        if offset != end:
+            return False
+        end += _nbytes(data)
+    return end == size
+
+
+def _piece_groups(tasks: Sequence[_Task], size: int, piece_bytes: int) -> list[list[_Task]]:
+    """The tasks (covering the file) cut at the digest's piece boundaries, per piece in order."""
+    groups: list[list[_Task]] = [[] for _ in range(max(1, -(-size // piece_bytes)))]
+    for fd, data, offset, ready in sorted(tasks, key=lambda t: t[2]):
+        raw = data if isinstance(data, memoryview) else data.view(torch.uint8)
+        start, nbytes = 0, _nbytes(raw)
+        while start < nbytes:
+            k = (offset + start) // piece_bytes
+            end = min(nbytes, (k + 1) * piece_bytes - offset)
+            groups[k].append((fd, raw[start:end], offset + start, ready))
+            start = end
+    return groups
 
 
 def _write_hf_files(
@@ -178,7 +229,13 @@ def _write_hf_files(
 ) -> None:
     """pwrite this rank's staged pieces (and, on one rank, the headers) into the planned files,
     from ``WRITER_THREADS`` threads (the runs are disjoint byte ranges, so order is free). Device
-    pieces (a sync save) are copied out in chunks by the thread that writes them."""
+    pieces (a sync save) are copied out in chunks by the thread that writes them.
+
+    A file this rank writes whole (every byte: one rank, or one rank owning all its tensors) is
+    hashed as it is written, one 64 MiB piece per task group, and its digest noted for the
+    commit (`digests.record_written`), which then need not read it back."""
+    algorithm = digests_io.save_algorithm()
+    hashing = digests_io.TreeHasher(algorithm)
     fds: dict[str, int] = {}
     try:
         for plan in plans:
@@ -186,24 +243,41 @@ def _write_hf_files(
             fds[plan.file] = fd
             if write_headers:
                 os.ftruncate(fd, plan.size)
-                os.pwrite(fd, plan.header, 0)
-        per_file: dict[str, list[tuple[int, torch.Tensor, int, Any]]] = {p.file: [] for p in plans}
+        per_file: dict[str, list[_Task]] = {p.file: [] for p in plans}
         for piece in pieces:
             for offset, idx, n in piece.runs:
                 flat = (piece.tensor[idx] if idx else piece.tensor).reshape(-1)[:n]
                 per_file[piece.file] += _chunks(fds[piece.file], flat, offset, piece.ready)
-        # Queue one task of each file in turn, so the threads write different files at once:
+        hashed: dict[str, int] = {}  # file -> its number of pieces
+        groups_per_file: list[list[_Group]] = []
+        for plan in plans:
+            tasks = per_file[plan.file]
+            if write_headers:
+                tasks = [(fds[plan.file], memoryview(plan.header).cast("B"), 0, None), *tasks]
+            if write_headers and digests_io.HASH_WHILE_WRITING and _covers(tasks, plan.size):
+                cut = _piece_groups(tasks, plan.size, hashing.piece_bytes)
+                hashed[plan.file] = len(cut)
+                groups_per_file.append([(g, (plan.file, k)) for k, g in enumerate(cut)])
+            else:
+                groups_per_file.append([([t], None) for t in tasks])
+        # Queue one group of each file in turn, so the threads write different files at once:
         # writes to one file take turns on its inode lock (see WRITE_STREAMS).
-        tasks: queue.SimpleQueue[tuple[int, torch.Tensor, int, Any]] = queue.SimpleQueue()
-        for turn in itertools.zip_longest(*per_file.values()):
-            for task in turn:
-                if task is not None:
-                    tasks.put(task)
+        groups: queue.SimpleQueue[_Group] = queue.SimpleQueue()
+        for turn in itertools.zip_longest(*groups_per_file):
+            for group in turn:
+                if group is not None:
+                    groups.put(group)
+        digests: dict[tuple[str, int], tuple[bytes, int]] = {}
         threads = max(1, checkpoint_layout_settings.WRITER_THREADS)
         with ThreadPoolExecutor(threads, thread_name_prefix="checkpoint-write") as pool:
             # list(): the first failed write raises here, after the other threads finished
-            list(pool.map(lambda _: _write_tasks(tasks), range(threads)))
+            list(pool.map(lambda _: _write_groups(groups, digests, hashing.piece), range(threads)))
             list(pool.map(os.fsync, fds.values()))
+        for file, count in hashed.items():
+            pieces = [digests[(file, k)] for k in range(count)]
+            tree = hashing.hexdigest([digest for digest, _ in pieces])
+            size = sum(nbytes for _, nbytes in pieces)  # the bytes the pieces were hashed from
+            digests_io.record_written(folder / file, tree, hasher=hashing, size=size)
     finally:
         for fd in fds.values():
             os.close(fd)

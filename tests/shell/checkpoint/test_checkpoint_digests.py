@@ -147,3 +147,81 @@ def test_an_unknown_digest_algorithm_is_named(copy):
     record.write_text(json.dumps(body))
     with pytest.raises(ck.CheckpointError, match=r"uses digest 'md5'; expected sha256"):
         ck.load_checkpoint(_fresh(), copy / "w", copy / "o")
+
+
+def _saved_while_written(tmp_path, monkeypatch, algorithm):
+    """A sync and an async save; the files the commits read back to hash them (the others were
+    hashed by the writer threads as they wrote them)."""
+    read_back: list[str] = []
+    second_pass = digests._digests_of
+
+    def recording(paths, algo):
+        read_back.extend(f"{p.parent.name}/{p.name}" for p in paths)
+        return second_pass(paths, algo)
+
+    monkeypatch.setattr(digests, "_digests_of", recording)
+    monkeypatch.setattr(digests, "save_algorithm", lambda: algorithm)
+    worker = child.SimpleWorker(child.build_model())
+    worker.model(torch.ones(1, 256)).sum().backward()
+    worker.optimizer.step()
+    ck.save_checkpoint(worker, tmp_path / "sync", tmp_path / "sync", is_final_checkpoint=True)
+    ck.save_checkpoint(worker, tmp_path / "async", tmp_path / "async")
+    ck.finalize_async_save(worker)
+    monkeypatch.undo()
+    return read_back
+
+
+@pytest.mark.parametrize("algorithm", ["sha256-tree-64MiB", "blake3-tree-64MiB"])
+@pytest.mark.parametrize("piece_bytes", [64 * 2**20, 4096], ids=["64MiB", "4KiB"])
+def test_digests_hashed_while_written_equal_a_second_pass_bit_for_bit(
+    tmp_path, monkeypatch, algorithm, piece_bytes
+):
+    """4 KiB pieces: runs, headers and DCP items cross piece boundaries (1 MiB of weights)."""
+    monkeypatch.setattr(digests, "_PIECE_BYTES", piece_bytes)
+    read_back = _saved_while_written(tmp_path, monkeypatch, algorithm)
+    monkeypatch.setattr(digests, "_PIECE_BYTES", piece_bytes)
+    # the weights and the optimizer's data files were hashed by their writers, not read back (a
+    # reference folder hard-linked from the previous save was not written: it is read back)
+    written = [n for n in read_back if n.startswith(("model", "optim"))]  # their .tmp- folders
+    assert not [n for n in written if n.endswith((".safetensors", ".distcp"))], read_back
+    assert any(n.endswith(".json") for n in written)  # small files written another way are
+    for save in ("sync", "async"):
+        for folder in (tmp_path / save / "model", tmp_path / save / "optim"):
+            body = json.loads((folder / digests.DIGESTS_FILE).read_text())
+            assert body["algorithm"] == algorithm
+            names = sorted(body["files"])
+            again = digests._file_digests(folder, names, algorithm)  # a second pass
+            assert {n: body["files"][n]["digest"] for n in names} == again
+            assert any(n.endswith((".safetensors", ".distcp")) for n in names)
+
+
+def test_a_byte_flipped_after_a_save_hashed_while_written_is_refused_at_load(tmp_path, monkeypatch):
+    _saved_while_written(tmp_path, monkeypatch, digests.save_algorithm())
+    ck.load_checkpoint(_fresh(), tmp_path / "sync", tmp_path / "sync")
+    for pattern in ("model/*.safetensors", "optim/*.distcp"):
+        shard = sorted((tmp_path / "sync").glob(pattern))[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 1
+        shard.write_bytes(bytes(data))
+        with pytest.raises(ck.CheckpointError, match=rf"{shard}' does not match the digest"):
+            ck.load_checkpoint(_fresh(), tmp_path / "sync", tmp_path / "sync")
+        data[len(data) // 2] ^= 1
+        shard.write_bytes(bytes(data))
+
+
+def test_a_file_rewritten_after_it_was_hashed_is_read_back_not_trusted(tmp_path):
+    """A noted digest counts only while the file is the one hashed (same inode, size, mtime)."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"a" * 100)
+    hasher = digests.TreeHasher(digests.save_algorithm())
+    hasher.update(b"a" * 100)
+    digests.record_written(path, hasher.hexdigest(), hasher=hasher, size=hasher.size)
+    path.unlink()
+    path.write_bytes(b"b" * 100)  # another file of the same size in its place
+    digests.write_digests(tmp_path)
+    body = json.loads((tmp_path / digests.DIGESTS_FILE).read_text())
+    assert (
+        body["files"]["f.bin"]["digest"]
+        == digests._file_digests(tmp_path, ["f.bin"], body["algorithm"])["f.bin"]
+    )
+    assert body["files"]["f.bin"]["digest"] != hasher.hexdigest()

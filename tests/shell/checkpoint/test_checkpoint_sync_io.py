@@ -235,14 +235,16 @@ def test_a_load_reads_several_weight_files_on_several_threads_into_the_same_stat
 def test_the_writer_threads_take_the_weight_files_in_turn_and_the_files_load_back(
     tiny_model_paths, tmp_path, monkeypatch
 ):
-    """Each queued task belongs to another file than the one before it while files are left, so
-    threads write several files at once (one file's writes take turns on its inode lock)."""
-    from policyworker.shell.checkpoint import layout
+    """Each queued task (one digest piece of a file, written front to back) belongs to another
+    file than the one before it while files are left, so threads write several files at once
+    (one file's writes take turns on its inode lock)."""
+    from policyworker.shell.checkpoint import digests, layout
 
     path = tiny_model_paths["llama"]
     worker = _trained(path)
     total = sum(t.nbytes for t in worker.model.state_dict().values())
     monkeypatch.setattr(layout, "WRITER_THREADS", 1)  # one thread: writes land in queue order
+    monkeypatch.setattr(digests, "_PIECE_BYTES", 4096)  # several pieces (tasks) per file
     order: list[int] = []
     pwrite_all = safetensors_io._pwrite_all
 
@@ -257,9 +259,9 @@ def test_the_writer_threads_take_the_weight_files_in_turn_and_the_files_load_bac
     job()
     files = len(list((tmp_path / "model").glob("*.safetensors")))
     assert files >= 3 and len(set(order)) == files
-    assert order[:files] == sorted(set(order), key=order.index)  # the first turn: every file
-    switches = sum(a != b for a, b in itertools.pairwise(order))
-    assert switches >= len(order) // 2, order  # in file order there would be files - 1
+    turns = [fd for fd, _ in itertools.groupby(order)]  # a task's writes, one after another
+    assert turns[:files] == sorted(set(order), key=order.index)  # the first turn: every file
+    assert len(turns) >= 2 * files, turns  # in file order there would be `files` turns
     fresh = PolicyWorker(make_config(path), init_reference_model=False)
     safetensors_load.load_hf_weights(
         fresh.model, tmp_path / "model", parallel=fresh.state.parallel
