@@ -15,12 +15,17 @@ arrived (0: the weights the module was built with). A trainer that refits once a
 optimizer step therefore tags each token with its own ``policy_version`` of those weights. A
 version overtaken by a newer one before a swap is never served.
 
-On a GPU the staging copies run on the receiving thread's stream; this module makes no stream
-of its own, so there they overlap decoding only as far as the device schedules them.
+On a GPU the staging copies run on a stream of their own (the receiving thread's current
+stream), so they overlap the decode kernels instead of queueing behind them on the default
+stream. Each staged version carries an event recorded after its last copy; the swap makes the
+decoding stream wait for that event (not for a newer refit already copying) and marks the staged
+tensors as used by the decoding stream, so the caching allocator reuses their memory only after
+the decoding stream is done with them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -52,6 +57,15 @@ class Swap:
 class _Staged:
     version: int
     pairs: list[tuple[str, torch.Tensor]]
+    copied: torch.cuda.Event | None = None  # recorded on the copy stream after the last copy
+
+
+def _cuda_device(module: nn.Module | LoadWeights) -> torch.device | None:
+    """The CUDA device of a module's parameters (None: a callable, or not on a GPU)."""
+    if not isinstance(module, nn.Module):
+        return None
+    first = next(module.parameters(), None)
+    return first.device if first is not None and first.device.type == "cuda" else None
 
 
 def _whole_parameters(
@@ -95,6 +109,8 @@ class InflightWeights:
         check_timeout_s("timeout_s", timeout_s)
         self._live = WeightApplier(module, refit_info, atomic=False)
         self._params = _whole_parameters(module, refit_info)
+        self._device = _cuda_device(module)
+        self._copy_stream = torch.cuda.Stream(self._device) if self._device is not None else None
         self._specs: tuple[TensorSpec, ...] = tuple(self._live.manifest_specs())
         # atomic + a callable target: every tensor is copied into staging as it arrives, and the
         # callable is given those staged copies (owned from then on) only once all arrived
@@ -125,6 +141,11 @@ class InflightWeights:
         self._thread.start()
 
     def _serve(self) -> None:
+        stream = self._copy_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self._serve_on_this_stream()
+
+    def _serve_on_this_stream(self) -> None:
         while not self._closed:
             try:
                 self._receiver.receive()
@@ -147,9 +168,14 @@ class InflightWeights:
             self._cond.notify_all()
 
     def _stage(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        staged = list(pairs)
+        copied = None
+        if self._copy_stream is not None:  # called on the receiving thread, after every copy
+            copied = torch.cuda.Event()
+            copied.record(self._copy_stream)
         with self._cond:
             self._received += 1
-            self._pending = _Staged(self._received, list(pairs))
+            self._pending = _Staged(self._received, staged, copied)
             self._cond.notify_all()
 
     def wait(self, *, received: int = 0, failures: int = 0, timeout_s: float) -> bool:
@@ -176,6 +202,11 @@ class InflightWeights:
         if staged is None:
             return None
         start = time.perf_counter()
+        if staged.copied is not None:
+            decoding = torch.cuda.current_stream(self._device)
+            decoding.wait_event(staged.copied)
+            for _, tensor in staged.pairs:
+                tensor.record_stream(decoding)
         params = self._params
         if params is not None and all(t.device == params[n].device for n, t in staged.pairs):
             retired = []
