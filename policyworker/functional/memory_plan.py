@@ -3,11 +3,14 @@
 A phase is a sum of named terms (bytes on this rank's device at the phase's peak):
 
 - ``train_step`` (forward + backward of one microbatch): the master weights, their gradients
-  (the worker keeps both in ``master_bytes``, fp32), the optimizer state (``optimizer_states``
-  master-sized tensors: AdamW 2, SGD with momentum 1), the autocast copies of the weights in
-  ``compute_bytes`` (cached for the backward), the activations the backward keeps for
-  ``train_mb_tokens`` tokens, and the ``[T, V]`` logits with their gradient (plus fp32
-  scratch of ``train_logprob_chunk`` positions where the logprob kernels are not fused);
+  (the worker keeps both in ``master_bytes``, fp32) when they are live during the forward (a
+  step of several microbatches accumulates them; the first microbatch of a step starts with
+  none, so a one-microbatch step peaks without them and allocates them during the backward as
+  the activations are freed), the optimizer state (``optimizer_states`` master-sized tensors:
+  AdamW 2, SGD with momentum 1), the autocast copies of the weights in ``compute_bytes``
+  (cached for the backward), the activations the backward keeps for ``train_mb_tokens``
+  tokens, and the ``[T, V]`` logits with their gradient (plus fp32 scratch of
+  ``train_logprob_chunk`` positions where the logprob kernels are not fused);
 - ``optimizer_step``: weights, gradients, state, and one master-sized temporary of the
   multi-tensor update;
 - ``logprobs`` / ``reference`` / ``topk`` (no grad): weights, the optimizer state unless it is
@@ -19,14 +22,28 @@ A phase is a sum of named terms (bytes on this rank's device at the phase's peak
 - ``checkpoint``: weights, optimizer state, and (sharded) the gather of the largest tensor;
   the sync save's bounce buffers and the async staging are pinned host memory.
 
-Activations per token per decoder layer, autocast over master weights (from the saved tensors
-of a Llama/Qwen block): each of the two RMSNorms keeps its input and its normalized output in
-the residual dtype (``4 * master_bytes * h``); the linear inputs and outputs, RoPE'd q/k and
-the attention output in ``compute_bytes`` (``5h + 3 * kv_dim + 4 * intermediate``). With
-activation checkpointing only each layer's input stays, plus one layer recomputed at a time.
-Flash/SDPA attention keeps no ``[T, T]`` scores, so no quadratic term. MoE layers and vision
-towers are not modelled. The coefficients are a model of what autograd keeps, not a
-measurement: `bench.memory_plan` compares them with ``torch.cuda.max_memory_allocated``.
+Activations per token per decoder layer, autocast over master weights, counted from the tensors
+autograd saves for a Qwen2 block (a ``saved_tensors_hooks`` census; residual stream in
+``master_bytes``, linear inputs and outputs in ``compute_bytes``):
+
+- eager layers: four residual-dtype tensors (the two RMSNorms' inputs and normalized outputs,
+  ``4h``), the six linear inputs (q, k and v each cast their own copy; o, gate and up, ``6h``),
+  the attention's q (``h``), k and v (``2 kv``), and four MLP tensors (gate, up, SiLU(gate),
+  their product: ``4 i``);
+- layers compiled whole (``compiled_layers``: `fusion: layer`): inductor's partitioner recomputes
+  the norms and the SiLU product in the backward, keeping one residual-dtype tensor (``h``),
+  three linear inputs, the attention's q and output (``5h``), k and v (``2 kv``) and three MLP
+  tensors (``3 i``).
+
+RoPE's cos and sin are computed once per forward and shared by every layer (not counted).
+SDPA's CPU math backend keeps its output apart from o_proj's input (one more ``h`` in eager
+layers); the flash kernels, and ours over packed rows, hand o_proj a view of it.
+
+Above the layers: the final norm's input and output (residual dtype) and its cast
+(``compute_bytes``); the embedding output is the first layer's input. With activation
+checkpointing only each layer's input stays, plus one layer recomputed at a time. Flash/SDPA
+attention keeps no ``[T, T]`` scores, so no quadratic term. MoE layers and vision towers are
+not modelled. `bench.memory_plan` compares the phases with ``torch.cuda.max_memory_allocated``.
 
 All functions are pure.
 """
@@ -90,6 +107,8 @@ class MemoryKnobs:
     train_logprob_chunk: int = 0  # 0: the logprob functions' own default_chunk_size(vocab)
     activation_checkpointing: bool = False
     fused_logprobs: bool = False
+    compiled_layers: bool = False
+    grads_in_forward: bool = True
     master_bytes: int = 4
     compute_bytes: int = 2
     export_bytes: int = 2
@@ -137,7 +156,9 @@ class MemoryPlan:
 def activation_bytes_per_token_layer(shape: ModelShape, knobs: MemoryKnobs) -> int:
     """Bytes one decoder layer keeps for the backward per token (no checkpointing)."""
     h, kv, inter = shape.hidden, shape.kv_dim, shape.intermediate
-    return 4 * knobs.master_bytes * h + knobs.compute_bytes * (5 * h + 3 * kv + 4 * inter)
+    if knobs.compiled_layers:
+        return knobs.master_bytes * h + knobs.compute_bytes * (5 * h + 2 * kv + 3 * inter)
+    return 4 * knobs.master_bytes * h + knobs.compute_bytes * (7 * h + 2 * kv + 4 * inter)
 
 
 def _div(nbytes: int, shards: int) -> int:
@@ -161,12 +182,14 @@ def _weight_casts(shape: ModelShape, knobs: MemoryKnobs) -> int:
 def _train_activations(shape: ModelShape, knobs: MemoryKnobs) -> int:
     tokens = knobs.train_mb_tokens
     per_layer = activation_bytes_per_token_layer(shape, knobs) * tokens
-    embed = knobs.master_bytes * shape.hidden * tokens  # the embedding output, fp32 residual
+    # the final norm's input and output (residual dtype) and its cast; the embedding output
+    # is the first layer's input, counted in its layer
+    top = (2 * knobs.master_bytes + knobs.compute_bytes) * shape.hidden * tokens
     if not knobs.activation_checkpointing:
-        return embed + shape.num_layers * per_layer
+        return top + shape.num_layers * per_layer
     # The recomputed layer's own input is its first norm's input, counted in `per_layer`.
     kept_inputs = max(shape.num_layers - 1, 0) * knobs.master_bytes * shape.hidden * tokens
-    return embed + kept_inputs + (per_layer if shape.num_layers else 0)
+    return top + kept_inputs + (per_layer if shape.num_layers else 0)
 
 
 def _train_logits(shape: ModelShape, knobs: MemoryKnobs) -> int:
@@ -189,6 +212,12 @@ def inference_chunk_tokens(shape: ModelShape, knobs: MemoryKnobs) -> int:
     return min(chunk, knobs.logprob_mb_tokens)
 
 
+def _eager_logit_copies(knobs: MemoryKnobs) -> int:
+    """Extra bytes per logit of a no-grad chunk: none fused, an fp32 upcast and its
+    log-softmax eager."""
+    return 0 if knobs.fused_logprobs else 2 * 4
+
+
 def _inference_terms(shape: ModelShape, knobs: MemoryKnobs) -> list[tuple[str, int]]:
     weights, _, state = _resident(shape, knobs)
     tokens, h = knobs.logprob_mb_tokens, shape.hidden
@@ -206,7 +235,8 @@ def _inference_terms(shape: ModelShape, knobs: MemoryKnobs) -> list[tuple[str, i
         ("weight_casts", head_cast + layer_cast),
         ("activations", residual + mlp),
         ("hidden_states", knobs.master_bytes * h * tokens),
-        ("logit_chunk", chunk * shape.vocab * (knobs.compute_bytes + 2 * 4)),
+        # fused kernels read the chunk's logits in place; eager ones add fp32 copies
+        ("logit_chunk", chunk * shape.vocab * (knobs.compute_bytes + _eager_logit_copies(knobs))),
     ]
 
 
@@ -217,7 +247,7 @@ def plan_memory(shape: ModelShape, knobs: MemoryKnobs) -> MemoryPlan:
         "train_step",
         (
             ("weights", weights),
-            ("gradients", grads),
+            ("gradients", grads if knobs.grads_in_forward else 0),
             ("optimizer_state", state),
             ("weight_casts", _weight_casts(shape, knobs)),
             ("activations", _train_activations(shape, knobs)),

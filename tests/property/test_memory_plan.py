@@ -161,3 +161,26 @@ def test_largest_fitting_is_the_largest_multiple_that_fits(
 def test_largest_fitting_refuses_an_empty_range():
     with pytest.raises(ValueError, match="low <= high"):
         largest_fitting(lambda x: x, budget=10, low=5, high=4)
+
+
+@given(shapes(), knobs())
+def test_live_gradients_add_exactly_the_gradient_term_to_the_train_step(shape, kn):
+    live = plan_memory(shape, attrs.evolve(kn, grads_in_forward=True)).phase("train_step")
+    none = plan_memory(shape, attrs.evolve(kn, grads_in_forward=False)).phase("train_step")
+    assert live.total - none.total == dict(live.terms)["gradients"]
+    assert dict(none.terms)["gradients"] == 0
+
+
+@given(shapes(), knobs())
+def test_compiled_layers_keep_no_more_than_eager_ones(shape, kn):
+    compiled = activation_bytes_per_token_layer(shape, attrs.evolve(kn, compiled_layers=True))
+    eager = activation_bytes_per_token_layer(shape, attrs.evolve(kn, compiled_layers=False))
+    assert 0 < compiled <= eager
+
+
+@given(shapes(), knobs())
+def test_fused_logprob_kernels_never_need_more_than_eager_ones(shape, kn):
+    for phase in ("logprobs", "reference", "topk", "train_step"):
+        fused = plan_memory(shape, attrs.evolve(kn, fused_logprobs=True)).phase(phase).total
+        eager = plan_memory(shape, attrs.evolve(kn, fused_logprobs=False)).phase(phase).total
+        assert fused <= eager, phase

@@ -29,6 +29,7 @@ from policyworker.functional.memory_plan import (
     plan_memory,
     with_knob,
 )
+from policyworker.shell.kernels.fusion import resolve_fusion_mode
 from policyworker.shell.model import sources
 from policyworker.shell.worker.state import WorkerState
 
@@ -139,10 +140,26 @@ def _logprob_tokens(cfg: PolicyConfig) -> int:
     return cfg.logprob_batch_size * (cfg.max_total_sequence_length or 0)
 
 
+def _one_microbatch_per_step(cfg: PolicyConfig) -> bool:
+    """Whether every train step is one microbatch on each rank, so no gradients are live during
+    its forward (counted as if a single rank held the whole global batch: never too few)."""
+    batching = _batching(cfg)
+    if batching is None:
+        return cfg.train_global_batch_size <= cfg.train_micro_batch_size
+    rows_tokens = cfg.train_global_batch_size * (cfg.max_total_sequence_length or 0)
+    return 0 < rows_tokens <= int(batching.train_mb_tokens)
+
+
 def knobs_from_config(
-    cfg: PolicyConfig, *, device: torch.device, fused_logprobs: bool, shards: int = 1
+    cfg: PolicyConfig,
+    *,
+    device: torch.device,
+    fused_logprobs: bool,
+    shards: int = 1,
+    compiled_layers: bool = False,
 ) -> MemoryKnobs:
-    """The planner's knobs of `cfg` on `device` (master weights fp32 as the worker keeps them)."""
+    """The planner's knobs of `cfg` on `device` (master weights fp32 as the worker keeps them);
+    `compiled_layers`: the decoder layers run compiled whole (`fusion: layer`)."""
     compute = precision_dtype(cfg.precision).itemsize
     optimizer = cfg.optimizer.name if cfg.optimizer is not None else ""
     kwargs = cfg.optimizer.kwargs if cfg.optimizer is not None else {}
@@ -166,6 +183,8 @@ def knobs_from_config(
         train_logprob_chunk=cfg.logprob_chunk_size or 0,
         activation_checkpointing=cfg.dtensor_cfg.activation_checkpointing,
         fused_logprobs=fused_logprobs,
+        compiled_layers=compiled_layers,
+        grads_in_forward=not _one_microbatch_per_step(cfg),
         master_bytes=4,
         compute_bytes=compute,
         export_bytes=compute if compute < 4 else 4,
@@ -229,8 +248,12 @@ def _phase_total(shape: ModelShape, knobs: MemoryKnobs, knob: str, *phases: str)
 
 def _tuned(cfg: PolicyConfig, shape: ModelShape, knobs: MemoryKnobs, budget: int) -> PolicyConfig:
     """`cfg` with the microbatch tokens and logprob chunk the planner predicts to fit; with fixed
-    microbatching only the chunk (the batch sizes are the batch math's, not a memory knob)."""
+    microbatching only the chunk (the batch sizes are the batch math's, not a memory knob).
+    Gradients count as live in every forward: a larger microbatch can make a step one
+    microbatch and drop them, which would make the totals fall as the tokens grow (no longer a
+    bisection) and leaves no room for a step that gets two microbatches after all."""
     batching = _batching(cfg)
+    knobs = attrs.evolve(knobs, grads_in_forward=True)
     changes: dict[str, int] = {}
     knob_phases = (("train_mb_tokens", "train_step"), ("logprob_mb_tokens", "logprobs"))
     for knob, phase in knob_phases if batching is not None else ():
@@ -297,10 +320,12 @@ def preflight(cfg: PolicyConfig) -> PolicyConfig:
     fused = device.type == "cuda" and cfg.dtensor_cfg.fusion in ("auto", "layer", "norm_mlp")
     # FSDP shards weights, gradients and state over every rank of the process group.
     shards = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    knobs = knobs_from_config(cfg, device=device, fused_logprobs=fused, shards=shards)
+    compiled = resolve_fusion_mode(cfg.dtensor_cfg.fusion, device=device, distributed=shards > 1)
+    flags = {"fused_logprobs": fused, "shards": shards, "compiled_layers": compiled == "layer"}
+    knobs = knobs_from_config(cfg, device=device, **flags)
     if cfg.dtensor_cfg.auto_tune:
         cfg = _tuned(cfg, shape, knobs, budget)
-        knobs = knobs_from_config(cfg, device=device, fused_logprobs=fused, shards=shards)
+        knobs = knobs_from_config(cfg, device=device, **flags)
     if cfg.dtensor_cfg.memory_budget_gb is None and _batching(cfg) is None:
         # The card's own budget with fixed microbatches: their width is the batch's longest
         # row, usually far below max_total_sequence_length, so only what the data cannot
@@ -317,6 +342,7 @@ def plan_for_state(state: WorkerState) -> dict[str, dict[str, Any]]:
         device=state.device,
         fused_logprobs=state.logprob_kernels is not EAGER_KERNELS,
         shards=state.parallel.world_size,
+        compiled_layers=state.fusion_report.fused_layers > 0,
     )
     plan = plan_memory(shape_from_model(state.model), knobs)
     return plan_table(plan, budget_bytes(state.cfg, state.device))

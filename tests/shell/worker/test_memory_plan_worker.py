@@ -4,6 +4,7 @@ refusal naming phase, bytes and knob, and auto-tune picking sizes that fit a bud
 from __future__ import annotations
 
 import pytest
+import attrs
 import transformers
 
 from policyworker.config import load_config
@@ -88,6 +89,7 @@ def test_auto_tune_picks_the_largest_packing_tokens_that_fit_and_the_worker_trai
     knobs = memory_calls.knobs_from_config(
         worker.cfg, device=worker.state.device, fused_logprobs=False
     )
+    knobs = attrs.evolve(knobs, grads_in_forward=True)  # the tuner's conservative count
     bigger = with_knob(knobs, "train_mb_tokens", tuned.train_mb_tokens + 256)
     assert plan_memory(shape, bigger).phase("train_step").total > budget
     worker.train(make_batch(4, 12), NLLLoss())
