@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import pathlib
+import pkgutil
 import shutil
 import statistics
 import sys
@@ -46,7 +47,7 @@ _MODES: dict[str, dict[str, Any]] = {
 
 def digest_share(
     worker: Any, weights: pathlib.Path, optim: pathlib.Path, *, repeats: int = DIGEST_REPEATS
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Time `worker`'s sync save into `weights` / `optim` (both replaced) in each mode."""
     times: dict[str, list[float]] = {mode: [] for mode in _MODES}
     for _ in range(repeats):
@@ -61,6 +62,7 @@ def digest_share(
                 times[mode].append(time.perf_counter() - t0)
     none, second, writing = (statistics.median(times[mode]) for mode in _MODES)
     return {
+        "digest_algorithm": pkgutil.resolve_name(f"{_DIGESTS}.save_algorithm")(),
         "sync_save_no_digests_s": none,
         "sync_save_digests_second_pass_s": second,
         "sync_save_digests_while_writing_s": writing,
