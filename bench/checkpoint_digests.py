@@ -3,11 +3,12 @@
 The same sync save timed three ways, interleaved, median of ``DIGEST_REPEATS``: with the digests
 hashed while the files are written (the default), with a second pass over the written files
 after the writes (the path it replaced: ``digests.HASH_WHILE_WRITING = False``), and with no
-digests at all; share = (save - save without digests) / save. Part of `python -m
-bench.checkpoint`; alone (a 1.5B-shape run in well under 3 minutes on a GPU host):
+digests at all; share = (save - save without digests) / save. A module of its own (ten sync
+saves: `bench.checkpoint`'s run is long already):
 
-    python -m bench.checkpoint_digests                 # qwen2-1.5b on CUDA, the default folder
-    python -m bench.checkpoint_digests --small --dir /dev/shm   # CPU, tmpfs: hashing not hidden
+    python -m bench.checkpoint_digests --repeats 2     # qwen2-1.5b on CUDA (about 2 minutes)
+    python -m bench.checkpoint_digests --small          # CPU smoke run, tiny shape (seconds)
+    python -m bench.checkpoint_digests --shape medium --dir /dev/shm   # CPU on tmpfs
 """
 
 import argparse
@@ -76,14 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     from bench.checkpoint_report import digest_row
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="CPU, a medium-sized model")
+    parser.add_argument("--small", action="store_true", help="tiny shape on CPU (smoke run)")
     parser.add_argument("--shape", choices=sorted(bench_checkpoint.SHAPES), default=None)
     parser.add_argument("--dir", default=None, help="folder to save in (default: a temp dir)")
     parser.add_argument("--repeats", type=int, default=DIGEST_REPEATS)
     parser.add_argument("--json", default="bench_checkpoint_digests.json")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
-    shape_name = args.shape or ("medium" if args.small else "qwen2-1.5b")
+    shape_name = args.shape or ("small" if args.small else "qwen2-1.5b")
     root = pathlib.Path(tempfile.mkdtemp(prefix="ckpt-digests-", dir=args.dir))
     try:
         worker = bench_checkpoint._Worker(bench_checkpoint.SHAPES[shape_name], device, seed=0)

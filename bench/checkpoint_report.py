@@ -66,7 +66,8 @@ def summary_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
             limit=write_limit,
         )
     )
-    rows.append(digest_row(r))
+    if "digest_share_of_sync_save" in r:  # bench.checkpoint_digests' figures
+        rows.append(digest_row(r))
     if "load_GBps" in r:  # absent with --skip-load
         rows += [
             row(
