@@ -56,7 +56,6 @@ from unittest import mock
 
 import torch
 
-from bench.checkpoint_digests import digest_share
 from bench.checkpoint_report import print_results, summary_rows
 from bench.common import QWEN25_15B, TINY
 from bench.rows import write_result
@@ -311,7 +310,6 @@ def run(
     t0 = time.perf_counter()
     ck.save_checkpoint(worker, weights, optim, is_final_checkpoint=True)
     sync_s = time.perf_counter() - t0
-    out |= digest_share(worker, weights, optim)
     out |= {
         "sync_save_s": sync_s,
         "sync_save_GBps": gb / sync_s,
@@ -341,7 +339,7 @@ def run(
         return out
     # A second pass over the saved files alone (warm page cache, as it ran in the save right
     # after the writes before the writers hashed what they write): the cost hashing while
-    # writing removed, beside `digest_share_of_sync_save` (what is left of it).
+    # writing removed. What is left of it: `python -m bench.checkpoint_digests`.
     folders = [weights / ck.MODEL_DIR, optim / ck.OPTIM_DIR]
     t0 = time.perf_counter()
     for folder in folders:

@@ -3,17 +3,19 @@
 The same sync save timed three ways, interleaved, median of ``DIGEST_REPEATS``: with the digests
 hashed while the files are written (the default), with a second pass over the written files
 after the writes (the path it replaced: ``digests.HASH_WHILE_WRITING = False``), and with no
-digests at all; share = (save - save without digests) / save. Part of `python -m
-bench.checkpoint`; alone (a 1.5B-shape run in well under 3 minutes on a GPU host):
+digests at all; share = (save - save without digests) / save. A module of its own (ten sync
+saves: `bench.checkpoint`'s run is long already):
 
-    python -m bench.checkpoint_digests                 # qwen2-1.5b on CUDA, the default folder
-    python -m bench.checkpoint_digests --small --dir /dev/shm   # CPU, tmpfs: hashing not hidden
+    python -m bench.checkpoint_digests --repeats 2     # qwen2-1.5b on CUDA (about 2 minutes)
+    python -m bench.checkpoint_digests --small          # CPU smoke run, tiny shape (seconds)
+    python -m bench.checkpoint_digests --shape medium --dir /dev/shm   # CPU on tmpfs
 """
 
 import argparse
 import contextlib
 import json
 import pathlib
+import pkgutil
 import shutil
 import statistics
 import sys
@@ -46,7 +48,7 @@ _MODES: dict[str, dict[str, Any]] = {
 
 def digest_share(
     worker: Any, weights: pathlib.Path, optim: pathlib.Path, *, repeats: int = DIGEST_REPEATS
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Time `worker`'s sync save into `weights` / `optim` (both replaced) in each mode."""
     times: dict[str, list[float]] = {mode: [] for mode in _MODES}
     for _ in range(repeats):
@@ -61,6 +63,7 @@ def digest_share(
                 times[mode].append(time.perf_counter() - t0)
     none, second, writing = (statistics.median(times[mode]) for mode in _MODES)
     return {
+        "digest_algorithm": pkgutil.resolve_name(f"{_DIGESTS}.save_algorithm")(),
         "sync_save_no_digests_s": none,
         "sync_save_digests_second_pass_s": second,
         "sync_save_digests_while_writing_s": writing,
@@ -74,14 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     from bench.checkpoint_report import digest_row
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="CPU, a medium-sized model")
+    parser.add_argument("--small", action="store_true", help="tiny shape on CPU (smoke run)")
     parser.add_argument("--shape", choices=sorted(bench_checkpoint.SHAPES), default=None)
     parser.add_argument("--dir", default=None, help="folder to save in (default: a temp dir)")
     parser.add_argument("--repeats", type=int, default=DIGEST_REPEATS)
     parser.add_argument("--json", default="bench_checkpoint_digests.json")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
-    shape_name = args.shape or ("medium" if args.small else "qwen2-1.5b")
+    shape_name = args.shape or ("small" if args.small else "qwen2-1.5b")
     root = pathlib.Path(tempfile.mkdtemp(prefix="ckpt-digests-", dir=args.dir))
     try:
         worker = bench_checkpoint._Worker(bench_checkpoint.SHAPES[shape_name], device, seed=0)

@@ -101,6 +101,7 @@ class SplitStepCalls:
             )
         set_training_mode(state.model, True)
         state.optimizer.zero_grad(set_to_none=True)
+        training._reset_peak_memory(state.device)
         self._open_step = step
 
     def train_microbatch(self, data: Mapping[str, Any]) -> None:
@@ -124,7 +125,7 @@ class SplitStepCalls:
         """Close the open step: the true counts over dp, gradients divided by the loss's one,
         clip and optimizer step (skipped, as in `train`, on a non-finite loss or gradient or
         when nothing counted), scheduler step. Returns what `train` returns for one global
-        batch."""
+        batch, plus `num_calls` (the batches fed since `begin_train_step`)."""
         state: WorkerState = self.state  # type: ignore[attr-defined]
         with agreed_checks(state.parallel, what="finish_train_step"):
             step = self._require_open_step("finish_train_step")
@@ -241,5 +242,6 @@ def _finish(state: WorkerState, step: OpenStep) -> dict[str, Any]:
         "skipped_steps": int(skipped),
         "step_time_s": elapsed,
         "tokens_per_s": step.tokens / elapsed if elapsed > 0 else 0.0,
+        "peak_memory_bytes": training._peak_memory_bytes(state.device),
         "num_calls": step.calls,
     }
