@@ -436,9 +436,7 @@ def summary_rows(measurements: list[dict]) -> list[dict]:
                         "limit": ceiling["median_ms"],
                         "unit": "ms",
                         **(
-                            {"target": "<= 1.10 x baseline"}
-                            if method == ENGINE_ROWS["ipc"]
-                            else {}
+                            {"target": "<= 1.10 x baseline"} if method == ENGINE_ROWS["ipc"] else {}
                         ),
                     }
                 )

@@ -67,7 +67,7 @@ _BLAKE3 = "blake3-tree-64MiB"
 VERIFY_TIMEOUT_S = 3600.0
 
 
-def _hash_function(algorithm: str) -> Callable[[Any], Any]:
+def _hash_function(algorithm: str) -> Callable[..., Any]:
     """The hash object constructor `algorithm` names; CheckpointError when it is not available."""
     if algorithm == _SHA256:
         return hashlib.sha256
@@ -81,7 +81,7 @@ def _hash_function(algorithm: str) -> Callable[[Any], Any]:
                 f"load_checkpoint(..., verify_digests=False)"
             )
             raise CheckpointError(msg) from None
-        return cast("Callable[[Any], Any]", blake3.blake3)
+        return cast("Callable[..., Any]", blake3.blake3)
     msg = f"unknown checkpoint digest algorithm {algorithm!r}; expected {_SHA256} or {_BLAKE3}"
     raise CheckpointError(msg)
 
@@ -168,7 +168,7 @@ def _take_written(path: pathlib.Path, algorithm: str) -> str | None:
         return None
 
 
-def _piece_digest(path: pathlib.Path, offset: int, new_hash: Callable[[Any], Any]) -> bytes:
+def _piece_digest(path: pathlib.Path, offset: int, new_hash: Callable[..., Any]) -> bytes:
     size = path.stat().st_size
     if size == 0:
         return bytes(new_hash(b"").digest())

@@ -274,9 +274,9 @@ def _write_hf_files(
             list(pool.map(lambda _: _write_groups(groups, digests, hashing.piece), range(threads)))
             list(pool.map(os.fsync, fds.values()))
         for file, count in hashed.items():
-            pieces = [digests[(file, k)] for k in range(count)]
-            tree = hashing.hexdigest([digest for digest, _ in pieces])
-            size = sum(nbytes for _, nbytes in pieces)  # the bytes the pieces were hashed from
+            hashed_pieces = [digests[(file, k)] for k in range(count)]
+            tree = hashing.hexdigest([digest for digest, _ in hashed_pieces])
+            size = sum(nbytes for _, nbytes in hashed_pieces)  # the bytes they were hashed from
             digests_io.record_written(folder / file, tree, hasher=hashing, size=size)
     finally:
         for fd in fds.values():

@@ -271,6 +271,7 @@ class VllmRefit:
 
         thread = threading.Thread(target=send, name="policyworker-vllm-refit", daemon=True)
         thread.start()
+        received: Any = None  # the LoRA receiver's report (adapter refits only)
         try:
             if self.lora:
                 (received,) = self.llm.collective_rpc(

@@ -3,8 +3,8 @@ refusal naming phase, bytes and knob, and auto-tune picking sizes that fit a bud
 
 from __future__ import annotations
 
-import pytest
 import attrs
+import pytest
 import transformers
 
 from policyworker.config import load_config
