@@ -70,15 +70,7 @@ class CheckpointEngineVllmMixin:
         """The last refit's summary (version, tensors, bytes, buckets, seconds), or None."""
         rollout = getattr(self, "_checkpoint_engine_rollout", None)
         report = None if rollout is None else rollout.last_report
-        if report is None:
-            return None
-        return {
-            "version": report.version,
-            "num_tensors": report.num_tensors,
-            "num_bytes": report.num_bytes,
-            "num_buckets": report.num_buckets,
-            "receive_seconds": report.seconds,
-        }
+        return None if report is None else report.summary()
 
     def _checkpoint_engine_host(self, call: str) -> CheckpointEngineRollout:
         rollout = getattr(self, "_checkpoint_engine_rollout", None)

@@ -271,16 +271,6 @@ def _check_single_worker(world_size: int) -> None:
         raise ValueError(msg)
 
 
-def _summary(report: Any) -> dict[str, Any]:
-    return {
-        "version": report.version,
-        "num_tensors": report.num_tensors,
-        "num_bytes": report.num_bytes,
-        "num_buckets": report.num_buckets,
-        "receive_seconds": report.seconds,
-    }
-
-
 @dataclass
 class ZmqInitInfo(WeightTransferInitInfo):
     """What ``init_weight_transfer_engine`` carries: the trainer's ZMQ address and metadata."""
@@ -332,7 +322,7 @@ class PolicyWorkerZmqEngine(WeightTransferEngine[ZmqInitInfo, ZmqUpdateInfo]):
 
     def receive_weights(self, update_info: ZmqUpdateInfo) -> None:
         assert self._receiver is not None and self._completed is not None
-        self._completed.append(_summary(self._receiver.receive()))
+        self._completed.append(self._receiver.receive().summary())
 
     def finish_weight_update(self) -> None:
         if not self._completed:
@@ -388,7 +378,7 @@ class PolicyWorkerVllmExtension(CheckpointEngineVllmMixin, LoraRefitExtension):
         receiver = getattr(self, "_policyworker_receiver", None)
         if receiver is None:
             raise RuntimeError("policyworker_receive before policyworker_connect")
-        return _summary(receiver.receive())
+        return receiver.receive().summary()
 
     def policyworker_close(self) -> None:
         receiver = getattr(self, "_policyworker_receiver", None)

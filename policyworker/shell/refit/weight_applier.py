@@ -47,6 +47,16 @@ class RefitReport:
     num_buckets: int
     seconds: float
 
+    def summary(self) -> dict[str, Any]:
+        """The report as plain values without the names (what an engine's RPC returns)."""
+        return {
+            "version": self.version,
+            "num_tensors": self.num_tensors,
+            "num_bytes": self.num_bytes,
+            "num_buckets": self.num_buckets,
+            "receive_seconds": self.seconds,
+        }
+
 
 def _module_destinations(
     module: nn.Module, expected: Mapping[str, tuple[torch.Size, torch.dtype]]

@@ -11,6 +11,15 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from policyworker.functional.memory_plan import MemoryKnobs, activation_bytes_per_token_layer
 from policyworker.shell.worker.memory_calls import shape_from_hf_config
 
+# a tiny Qwen2 whose SDPA calls take the same CPU backend as the 1.5B shape's
+CONFIG = {
+    "hidden_size": 128,
+    "intermediate_size": 352,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 2,
+    "vocab_size": 128,
+}
 TOKENS = 40  # no activation has a weight's shape (or its transpose): casts are told apart by it
 
 
@@ -18,15 +27,7 @@ def _census(compiled: bool) -> int:
     """Bytes per token the second decoder layer saves for the backward (weights, their casts
     and tensors an earlier layer saved excluded)."""
     torch.manual_seed(0)
-    config = Qwen2Config(
-        hidden_size=128,
-        intermediate_size=352,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_hidden_layers=2,
-        vocab_size=128,
-        attn_implementation="sdpa",
-    )
+    config = Qwen2Config(**CONFIG, attn_implementation="sdpa")
     model = Qwen2ForCausalLM(config).float()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     weight_shapes = {tuple(p.shape) for p in model.parameters()}
@@ -60,21 +61,11 @@ def _census(compiled: bool) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_the_activation_coefficients_match_a_census_of_saved_tensors(compiled):
-    shape = shape_from_hf_config(
-        Qwen2Config(
-            hidden_size=128,
-            intermediate_size=352,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            num_hidden_layers=2,
-            vocab_size=128,
-        )
-    )
+    shape = shape_from_hf_config(Qwen2Config(**CONFIG))
     knobs = MemoryKnobs(train_mb_tokens=TOKENS, logprob_mb_tokens=TOKENS, compiled_layers=compiled)
     planned = activation_bytes_per_token_layer(shape, knobs)
     measured = _census(compiled)
     # what the planner leaves out: the norms' per-token rstd and the attention's logsumexp, and
     # in eager layers SDPA's CPU math backend output apart from o_proj's input (one h in bf16)
-    heads = 2  # the config above
-    small = 4 * (2 + heads) + (0 if compiled else 2 * shape.hidden)
+    small = 4 * (2 + CONFIG["num_attention_heads"]) + (0 if compiled else 2 * shape.hidden)
     assert planned <= measured <= planned + small, (planned, measured)
