@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The README table's GPU rows (issue 17's targets) on one GPU, in parts that each fit one device
+# The README table's GPU rows and their targets on one GPU, in parts that each fit one device
 # call (under 10 minutes; the figures in brackets are run C's H200 timings: 12-05, commit
 # 095c59f, PART=1 303 s, PART=2 373 s); run from the repo root, results under $OUT (default bench/results). PART=1 and
-# PART=2 make the README's table, PART=3 runs the GPU tests, PART=4 the profiles.
+# PART=2 make the README's table, PART=3 runs the GPU tests, PART=4 the profiles, PART=5 the
+# in-flight, adapter and digest rows.
 # No row is timed after a profile in its process (the profiler leaves every later launch slower:
 # bench/common.mark_profiled), so the table's parts profile nothing; PART=4 holds the profiles.
 #   PART=1  train_step.json     packed train step, default config (fusion: auto) vs fusion: none,
@@ -23,6 +24,12 @@
 #                               the baseline), raw write, cold load, raw read [203 s]
 #   PART=3  pytest_gpu.xml      pytest -q tests/gpu [256 s; 390 s on 12-05: the fused-worker
 #                               tests compile]
+#   PART=5  inflight.json       refits while the HF inference process decodes: stall, throughput
+#                               and wrong-version tokens vs pause/resume (about 2 min)
+#           lora_adapters.json  adapter-only vs full refit (1.5B, 7B, rank 16), N adapters vs one
+#                               (about 3 min)
+#           checkpoint_digests.json  the digests' share of a sync save, hashed while writing vs a
+#                               second pass (about 2 min)
 #   PART=4  train_step_lora.json  the 1.5B default config with LoRA dim 16 alone, --profile (where
 #                               a LoRA step's time goes: kernels, GPU idle, host; and its speed
 #                               after the profile); the log is train_step_lora.log [132 s]
@@ -33,7 +40,7 @@
 # 120 GiB, the fusion: none worker at 79 GiB, the plain logprobs path at 32k tokens adds 65 GiB).
 # SMALL=1 runs the CPU smoke shapes (checks the flags; the figures mean nothing).
 # Afterwards, with PART=1 and PART=2's JSON files in one folder: `python -m policyworker bench
-# --report FOLDER` prints every row with its settings and issue 17's verdicts (each target is a
+# --report FOLDER` prints every row with its settings and its verdict (each target is a
 # row's rule).
 set -u
 OUT=${OUT:-bench/results}
@@ -56,7 +63,7 @@ if [ "$PART" = 1 ]; then
   timeout 60 python -m bench.lora $small --steps 4 --warmup 1 --repeats 2 \
     --json "$OUT/lora.json" 2>&1 | tail -9
   stamp lora
-  timeout 90 python -m bench.refit $small --out "$OUT/refit.json" 2>&1 | tail -24
+  timeout 150 python -m bench.refit $small --out "$OUT/refit.json" 2>&1 | tail -30
   stamp refit
 elif [ "$PART" = 2 ]; then
   # 7B: ~117 s of worker start (random model written, loaded, compiled) before the steps
@@ -65,6 +72,14 @@ elif [ "$PART" = 2 ]; then
   stamp train_step_8b
   timeout 255 python -m bench.checkpoint $small --json "$OUT/checkpoint.json" 2>&1 | tail -20
   stamp checkpoint
+elif [ "$PART" = 5 ]; then
+  timeout 150 python -m bench.inflight $small --json "$OUT/inflight.json" 2>&1 | tail -22
+  stamp inflight
+  timeout 200 python -m bench.lora_adapters $small --json "$OUT/lora_adapters.json" 2>&1 | tail -14
+  stamp lora_adapters
+  timeout 150 python -m bench.checkpoint_digests $small --repeats 2 \
+    --json "$OUT/checkpoint_digests.json" 2>&1 | tail -10
+  stamp checkpoint_digests
 elif [ "$PART" = 4 ]; then
   timeout 240 python -m bench.train_step $small --lora-dim 16 --skip-padded --skip-baseline \
     --steps 3 --profile --out "$OUT/train_step_lora.json" > "$OUT/train_step_lora.log" 2>&1
