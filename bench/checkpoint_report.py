@@ -91,7 +91,7 @@ def digest_row(r: dict[str, Any]) -> dict[str, Any]:
         r["digest_share_of_sync_save"],
         baseline=r["digest_share_of_sync_save_second_pass"],
         baseline_name="a second pass over the written files (the path it replaced)",
-        target="< 0.05 (issue 48)",
+        target="< 0.05",
     )
 
 
