@@ -292,3 +292,28 @@ def optimizer_tensor_bytes(optimizer, *, cuda_only: bool = False) -> int:
         for t in s.values()
         if torch.is_tensor(t) and (t.is_cuda or not cuda_only)
     )
+
+
+def serve_refit_in_thread(receiver):
+    """`receiver.receive()` on a thread: (the thread, a box that gets "report" or "error")."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["report"] = receiver.receive()
+        except Exception as exc:  # surfaced by the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, box
+
+
+def refit_through(sender, receiver, **kwargs):
+    """One ZMQ refit from `sender` into `receiver` served on a thread: (the sender's report,
+    the receiver's box)."""
+    thread, box = serve_refit_in_thread(receiver)
+    try:
+        return sender.stream_weights_via_ipc_zmq(timeout_s=30, **kwargs), box
+    finally:
+        thread.join(30)

@@ -7,7 +7,6 @@ registered /dev/shm arena; a staged one sends buckets and the weights stay where
 
 import contextlib
 import logging
-import threading
 
 import attrs
 import pytest
@@ -17,29 +16,7 @@ from torch import nn
 from policyworker.errors import RefitError
 from policyworker.shell.refit.receiver import HFWeightReceiver
 from policyworker.shell.refit.sender import RefitSender
-from tests.helpers import eager_model, tiny_qwen2_config
-
-
-def _serve(receiver):
-    box = {}
-
-    def run():
-        try:
-            box["report"] = receiver.receive()
-        except Exception as exc:  # surfaced by the test
-            box["error"] = exc
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, box
-
-
-def _refit(sender, receiver, **kwargs):
-    thread, box = _serve(receiver)
-    try:
-        return sender.stream_weights_via_ipc_zmq(timeout_s=30, **kwargs), box
-    finally:
-        thread.join(30)
+from tests.helpers import eager_model, refit_through, tiny_qwen2_config
 
 
 @contextlib.contextmanager
@@ -88,10 +65,10 @@ def test_the_default_refit_of_a_module_is_one_pass_and_bitwise_equal_to_the_stag
         _connected(model, by_staging, torch.bfloat16, one_pass=False) as (staged, staged_receiver),
     ):
         for version in (1, 2):
-            report, box = _refit(sender, receiver)
+            report, box = refit_through(sender, receiver)
             assert "error" not in box, box
             assert report["version"] == version and report["num_buckets"] == 0  # one-pass
-            staged_report, box = _refit(staged, staged_receiver)
+            staged_report, box = refit_through(staged, staged_receiver)
             assert "error" not in box, box
             assert staged_report["num_buckets"] >= 1  # a receiver that did not register
             got, want = _state(by_default), _state(by_staging)
@@ -114,7 +91,7 @@ def test_the_default_refit_of_a_load_weights_callable_is_staged_in_the_same_exch
 
     with _connected(model, load_weights, torch.bfloat16) as (sender, receiver):
         for version in (1, 2):
-            report, box = _refit(sender, receiver)
+            report, box = refit_through(sender, receiver)
             assert "error" not in box, box
             assert report["version"] == version and report["num_buckets"] >= 1  # staged
         want = {n: t.to(torch.bfloat16) for n, t in model.state_dict().items()}
@@ -122,7 +99,7 @@ def test_the_default_refit_of_a_load_weights_callable_is_staged_in_the_same_exch
         assert all(torch.equal(loaded[n], want[n]) for n in want)
         # an explicit one-pass sender is still refused by name, and nothing is written
         with pytest.raises(RefitError, match="did not register"):
-            _refit(sender, receiver, one_pass=True)
+            refit_through(sender, receiver, one_pass=True)
 
 
 class _Tied(nn.Module):
@@ -154,7 +131,7 @@ def test_a_module_that_cannot_register_falls_back_to_staged_and_an_explicit_choi
         try:
             # the sender's manifest is its own walk; the receiver was given the same names
             assert sender.prepare_refit_info().keys() == info.keys()
-            report, box = _refit(sender, receiver)
+            report, box = refit_through(sender, receiver)
             assert "error" not in box, box
             assert report["num_buckets"] >= 1 and not _in_shared_memory(target.a)
         finally:
@@ -174,7 +151,7 @@ class _Weights(nn.Module):
 def test_an_atomic_default_refit_that_fails_midway_leaves_the_previous_weights(monkeypatch):
     model, target = _Weights(1), _Weights(2)
     with _connected(model, target, torch.float32, atomic=True) as (sender, receiver):
-        assert _refit(sender, receiver)[0]["num_buckets"] == 0  # one-pass, version 1
+        assert refit_through(sender, receiver)[0]["num_buckets"] == 0  # one-pass, version 1
         before = _state(target)
         with torch.no_grad():
             model.small.add_(1.0)
@@ -192,11 +169,11 @@ def test_an_atomic_default_refit_that_fails_midway_leaves_the_previous_weights(m
 
         monkeypatch.setattr(sender, "weight_stream", failing)
         with pytest.raises(OSError, match="disk on fire"):
-            _refit(sender, receiver)
+            refit_through(sender, receiver)
         monkeypatch.setattr(sender, "weight_stream", walk)
         assert receiver.version == 1 and not receiver.stale
         after = _state(target)
         assert all(torch.equal(after[k], before[k]) for k in before)  # the previous version
-        report, box = _refit(sender, receiver)
+        report, box = refit_through(sender, receiver)
         assert "error" not in box and report["version"] == 2 and report["num_buckets"] == 0
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in _state(target).items())

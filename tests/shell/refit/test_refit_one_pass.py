@@ -6,7 +6,6 @@ twice in one process), so these tests run the real sender, receiver and protocol
 
 import contextlib
 import json
-import threading
 
 import attrs
 import pytest
@@ -24,6 +23,8 @@ from policyworker.shell.refit.weight_applier import WeightApplier
 from tests.helpers import (
     JsonCommandChild,
     eager_model,
+    refit_through,
+    serve_refit_in_thread,
     tiny_qwen2_config,
     tiny_qwen3_moe_config,
     write_refit_info,
@@ -143,28 +144,6 @@ class _Weights(nn.Module):
         self.flags = nn.Buffer(torch.tensor([True, False, bool(seed % 2)]))
 
 
-def _serve(receiver):
-    box = {}
-
-    def run():
-        try:
-            box["report"] = receiver.receive()
-        except Exception as exc:  # surfaced by the test
-            box["error"] = exc
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, box
-
-
-def _refit(sender, receiver, **kwargs):
-    thread, box = _serve(receiver)
-    try:
-        return sender.stream_weights_via_ipc_zmq(timeout_s=30, **kwargs), box
-    finally:
-        thread.join(30)
-
-
 def _state(module):
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
@@ -220,7 +199,7 @@ def test_one_pass_writes_the_arena_reports_the_version_and_opens_the_arena_once(
             with torch.no_grad():
                 model.small.add_(1.0)
                 model.steps.add_(7)
-            report, box = _refit(sender, receiver)
+            report, box = refit_through(sender, receiver)
             assert "error" not in box, box
             assert report["version"] == version and report["num_tensors"] == 4
             assert report["num_buckets"] == 0 and box["report"].version == version
@@ -239,7 +218,7 @@ def test_one_pass_of_a_fused_moe_model_writes_each_expert_into_its_slice(tmp_pat
     model = eager_model(cfg, 6)
     target = eager_model(cfg, 7).to(torch.bfloat16)
     with _connected(model, target, torch.bfloat16) as (sender, receiver):
-        report, box = _refit(sender, receiver)
+        report, box = refit_through(sender, receiver)
         assert "error" not in box, box
         assert report["num_tensors"] == len(sender.prepare_refit_info())
         assert any(".experts.0." in name for name in sender.prepare_refit_info())  # split names
@@ -250,19 +229,19 @@ def test_one_pass_of_a_fused_moe_model_writes_each_expert_into_its_slice(tmp_pat
 
 def test_a_staged_refit_into_a_registered_receiver_still_lands_in_the_live_weights():
     with _pair() as (model, target, sender, receiver):
-        report, box = _refit(sender, receiver, one_pass=False)
+        report, box = refit_through(sender, receiver, one_pass=False)
         assert "error" not in box and report["num_buckets"] >= 1
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in _state(target).items())
         with torch.no_grad():
             model.big.mul_(-1)
-        report, box = _refit(sender, receiver)  # and a one-pass one after it
+        report, box = refit_through(sender, receiver)  # and a one-pass one after it
         assert report["version"] == 2 and report["num_buckets"] == 0
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in _state(target).items())
 
 
 def test_a_manifest_mismatch_after_registration_is_refused_before_any_write():
     with _pair() as (model, target, sender, receiver):
-        assert _refit(sender, receiver)[0]["version"] == 1
+        assert refit_through(sender, receiver)[0]["version"] == 1
         before = _state(target)
         model.big = nn.Parameter(torch.randn(24, 33))  # the trainer's layout changed
         with torch.no_grad():
@@ -270,7 +249,7 @@ def test_a_manifest_mismatch_after_registration_is_refused_before_any_write():
         with pytest.raises(
             RefitRejectedError, match=r"manifest rejected.*'big' sent float32\[24, 33\]"
         ):
-            _refit(sender, receiver)
+            refit_through(sender, receiver)
         assert all(torch.equal(v, before[k]) for k, v in _state(target).items())
         assert receiver.version == 1 and not receiver.stale
 
@@ -313,11 +292,11 @@ def test_a_registration_that_does_not_fit_the_manifest_is_refused_by_the_sender_
             registration.id, registration.arena, None, registration.arena_bytes, bad
         )
         with pytest.raises(RefitError, match=r"does not fit this manifest; nothing was written"):
-            _refit(sender, receiver)
+            refit_through(sender, receiver)
         assert all(torch.equal(v, before[k]) for k, v in _state(target).items())
         assert receiver.version == 0
         receiver.arena._registration = registration
-        assert _refit(sender, receiver)[0]["version"] == 1
+        assert refit_through(sender, receiver)[0]["version"] == 1
 
 
 def _failing_after(monkeypatch, sender, count):
@@ -347,7 +326,7 @@ def test_a_sender_failing_midway_leaves_the_version_unchanged_and_the_next_refit
         before = _state(target)
         healed = _failing_after(monkeypatch, sender, 2)
         with pytest.raises(OSError, match="disk on fire"):
-            _refit(sender, receiver)
+            refit_through(sender, receiver)
         healed()
         assert receiver.version == 0
         written = sum(not torch.equal(v, before[k]) for k, v in _state(target).items())
@@ -356,14 +335,14 @@ def test_a_sender_failing_midway_leaves_the_version_unchanged_and_the_next_refit
             assert torch.equal(receiver.arena.spare_view("small"), model.small.detach())
         else:  # some tensors were overwritten: reported, never silently mixed
             assert written >= 1 and receiver.stale
-        report, box = _refit(sender, receiver)
+        report, box = refit_through(sender, receiver)
         assert "error" not in box and report["version"] == 1 and not receiver.stale
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in _state(target).items())
 
 
 def test_the_receiver_reports_why_the_sender_aborted(monkeypatch):
     with _pair() as (model, target, sender, receiver):
-        thread, box = _serve(receiver)
+        thread, box = serve_refit_in_thread(receiver)
         _failing_after(monkeypatch, sender, 1)
         with pytest.raises(OSError, match="disk on fire"):
             sender.stream_weights_via_ipc_zmq(timeout_s=30)
@@ -376,9 +355,11 @@ def test_a_receiver_that_did_not_register_refuses_one_pass_with_the_fix():
     with _pair(receiver_one_pass=False) as (model, target, sender, receiver):
         before = _state(target)
         with pytest.raises(RefitRejectedError, match=r"did not register.*one_pass=True"):
-            _refit(sender, receiver)
+            refit_through(sender, receiver)
         assert all(torch.equal(v, before[k]) for k, v in _state(target).items())
-        assert _refit(sender, receiver, one_pass=False)[0]["version"] == 1  # staged still works
+        assert (
+            refit_through(sender, receiver, one_pass=False)[0]["version"] == 1
+        )  # staged still works
     with pytest.raises(ValueError, match="True needs a ZMQ address"):
         HFWeightReceiver(
             target, address=None, refit_info={"w": ((2,), torch.float32)}, one_pass=True
@@ -404,12 +385,12 @@ def test_a_load_weights_receiver_cannot_register():
 
 def test_re_pointed_weights_invalidate_the_registration_and_the_next_refit_re_registers():
     with _pair() as (model, target, sender, receiver):
-        assert _refit(sender, receiver)[0]["version"] == 1
+        assert refit_through(sender, receiver)[0]["version"] == 1
         held = sender._one_pass_writer.held_id
         target.big.data = target.big.data.clone()  # e.g. a reload: the weight left the arena
         with torch.no_grad():
             model.big.add_(3.0)
-        assert _refit(sender, receiver)[0]["version"] == 2
+        assert refit_through(sender, receiver)[0]["version"] == 2
         assert sender._one_pass_writer.held_id not in ("", held)
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in _state(target).items())
         arena = receiver.arena.tensor
@@ -435,7 +416,7 @@ def test_a_policy_worker_streams_one_pass_into_a_registered_hf_receiver(tiny_mod
         timeout_s=30,
         one_pass=True,
     )
-    thread, box = _serve(receiver)
+    thread, box = serve_refit_in_thread(receiver)
     try:
         report = worker.stream_weights_via_ipc_zmq(timeout_s=30, one_pass=True)
         thread.join(30)
@@ -461,7 +442,7 @@ def test_a_sender_that_vanishes_midway_times_the_receiver_out_without_a_new_vers
         zmq = sender._zmq()
         monkeypatch.setattr(zmq, "_abort", lambda *args, **kwargs: None)  # it dies: no ABORT
         before = _state(target)
-        thread, box = _serve(receiver)
+        thread, box = serve_refit_in_thread(receiver)
         healed = _failing_after(monkeypatch, sender, 2)
         with pytest.raises(OSError, match="disk on fire"):
             sender.stream_weights_via_ipc_zmq(timeout_s=30)
@@ -478,7 +459,7 @@ def test_a_sender_that_vanishes_midway_times_the_receiver_out_without_a_new_vers
             zmq.departed_receivers,
             zmq.connected_receivers(),
         )
-        report, box = _refit(sender, receiver)
+        report, box = refit_through(sender, receiver)
         assert "error" not in box and report["version"] == 1 and not receiver.stale
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in _state(target).items())
 
@@ -508,7 +489,7 @@ def test_a_registration_of_tens_of_thousands_of_tensors_reaches_the_sender():
     with _connected(model, target, torch.float32, timeout_s=60) as (sender, receiver):
         body, _ = encode_registration(receiver.arena.registration(), held_id=None)
         assert len(json.dumps(body)) > 4 << 20  # over the sender's old 4 MiB reply cap
-        report, box = _refit(sender, receiver)
+        report, box = refit_through(sender, receiver)
         assert "error" not in box and report["num_tensors"] == 40_000
         assert torch.equal(
             target.layers[39].experts[999].down_projection_weight_of_a_large_mixture_of_experts,

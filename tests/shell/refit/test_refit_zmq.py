@@ -26,6 +26,7 @@ from tests.helpers import (
     eager_model,
     hf_built_dtype,
     router_weight_dtype,
+    serve_refit_in_thread,
     single_thread_logprobs,
     tiny_deepseek_v3_config,
     tiny_qwen2_config,
@@ -261,7 +262,7 @@ def test_manifest_violation_is_rejected_with_names_and_without_a_timeout_wait(ch
         receiver = HFWeightReceiver(
             received.extend, address=sender.get_zmq_address(), refit_info=bad, timeout_s=30
         )
-        thread, box = _serve_in_thread(receiver)
+        thread, box = serve_refit_in_thread(receiver)
         start = time.monotonic()
         with pytest.raises(
             RefitError,
@@ -288,20 +289,6 @@ class _Buffers(nn.Module):
         self.steps = nn.Buffer(torch.arange(100, 228, dtype=torch.int64))  # 1024 bytes
         self.flags = nn.Buffer(torch.tensor([True, False, True]))
         self.grid = nn.Parameter(torch.randn(8, 4).t())  # non-contiguous source
-
-
-def _serve_in_thread(receiver):
-    box = {}
-
-    def run():
-        try:
-            box["report"] = receiver.receive()
-        except Exception as exc:  # surfaced by the test
-            box["error"] = exc
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, box
 
 
 def test_protocol_order_oversized_tensor_and_buffers_freed_before_complete(monkeypatch):
@@ -339,7 +326,7 @@ def test_protocol_order_oversized_tensor_and_buffers_freed_before_complete(monke
         refit_info=info,
         timeout_s=30,
     )
-    thread, box = _serve_in_thread(receiver)
+    thread, box = serve_refit_in_thread(receiver)
     try:
         sender.stream_weights_via_ipc_zmq(buffer_size_bytes=4096, timeout_s=30)
         thread.join(30)
@@ -391,7 +378,7 @@ def test_atomic_receiver_keeps_the_previous_version_when_a_refit_aborts():
         timeout_s=30,
     )
     original = _fail_sources_after(sender, 3)
-    thread, box = _serve_in_thread(receiver)
+    thread, box = serve_refit_in_thread(receiver)
     try:
         with pytest.raises(OSError, match="disk on fire"):
             sender.stream_weights_via_ipc_zmq(buffer_size_bytes=4096, timeout_s=30)
@@ -400,7 +387,7 @@ def test_atomic_receiver_keeps_the_previous_version_when_a_refit_aborts():
         assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
         assert not receiver.stale and receiver.version == 0
         sender._zmq().stream = original
-        thread, box = _serve_in_thread(receiver)
+        thread, box = serve_refit_in_thread(receiver)
         sender.stream_weights_via_ipc_zmq(timeout_s=30)
         thread.join(10)
         assert box["report"].version == 1
@@ -474,7 +461,7 @@ def test_keep_staging_reuses_buffers_and_mappings_and_frees_them_on_release_or_f
         return sorted(f for f in os.listdir(ipc_files.SHM_DIR) if f.startswith("pw-refit-"))
 
     def refit(**kwargs):
-        thread, box = _serve_in_thread(receiver)
+        thread, box = serve_refit_in_thread(receiver)
         try:
             return sender.stream_weights_via_ipc_zmq(buffer_size_bytes=4096, timeout_s=30, **kwargs)
         finally:
@@ -588,7 +575,7 @@ def test_a_sender_failing_while_the_receiver_still_reads_aborts_cleanly_and_retr
 
     monkeypatch.setattr(zmq_ipc.RefitServer, "handle", slow_to_read_buckets)
     original_stream = _fail_sources_after(sender, 1)  # bucket 0 ("small") is sent, then it fails
-    thread, box = _serve_in_thread(receiver)
+    thread, box = serve_refit_in_thread(receiver)
     try:
         with pytest.raises(OSError, match="disk on fire"):
             sender.stream_weights_via_ipc_zmq(buffer_size_bytes=4096, timeout_s=30)
@@ -597,7 +584,7 @@ def test_a_sender_failing_while_the_receiver_still_reads_aborts_cleanly_and_retr
         assert "sender aborted" in str(box["error"]) and "disk on fire" in str(box["error"])
         assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
         sender._zmq().stream = original_stream
-        thread, box = _serve_in_thread(receiver)
+        thread, box = serve_refit_in_thread(receiver)
         sender.stream_weights_via_ipc_zmq(buffer_size_bytes=4096, timeout_s=30)
         thread.join(10)
         assert "error" not in box, box
