@@ -10,7 +10,7 @@ from bench.rows import row
 
 __all__ = ["print_results", "summary_rows"]
 
-_RULE = ">= 80% of baseline (issue 17)"
+_RULE = ">= 80% of baseline"
 
 
 def summary_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -41,7 +41,7 @@ def summary_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
             unit="s",
             baseline=r["sync_save_s"],
             baseline_name="a sync save of the same state",
-            target="<= 10% of baseline (issue 17)",
+            target="<= 10% of baseline",
         )
     )
     ours_s, dcp_s = r["sync_save_optimizer_only_s"], r["sync_save_optimizer_dcp_copies_only_s"]

@@ -20,7 +20,7 @@ On CUDA it also times the scoring kernels alone on one [1, T, V] bf16 block (T =
 `--tokens`): the worker's Triton kernels (logprobs forward, backward, entropy) against
 inductor's compile of the same functions.
 
-Targets (issue 17), each a row's rule: at 16k and 32k tokens throughput >= 1.5x the plain
+Targets, each a row's rule: at 16k and 32k tokens throughput >= 1.5x the plain
 path's and ahead of Liger's, extra peak memory <= 10 % of the plain path's.
 Usage: `python -m bench.logprobs` (CUDA) or `python -m bench.logprobs --small` (CPU smoke);
 `--fuse layer|norm_mlp` sets the worker's `dtensor_cfg.fusion`.
@@ -55,9 +55,9 @@ from policyworker import PolicyWorker
 from policyworker.shell.kernels import FUSION_MODES
 from policyworker.shell.model import autocast_context
 
-MEMORY_LIMIT = 0.10  # of the plain path's extra peak (issue 17)
+MEMORY_LIMIT = 0.10  # of the plain path's extra peak
 TOP_K = 20  # the extras row's k (a distillation teacher's usual top-k)
-SPEEDUP_TARGET = 1.5  # x the plain path's throughput (issue 17)
+SPEEDUP_TARGET = 1.5  # x the plain path's throughput
 
 
 def plain_logprobs(model, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -270,7 +270,7 @@ def main() -> None:
                     "ours": ours.get("tokens_per_s"),
                     "baseline": base.get("tokens_per_s"),
                     "baseline_name": "plain Hugging Face: full logits, log_softmax, gather",
-                    "limit": f">= {SPEEDUP_TARGET}x (issue 17)",
+                    "limit": f">= {SPEEDUP_TARGET}x",
                     "ratio": ratio(ours.get("tokens_per_s"), base.get("tokens_per_s")),
                 }
             )
@@ -281,7 +281,7 @@ def main() -> None:
                         "ours": ours.get("tokens_per_s"),
                         "baseline": liger.get("tokens_per_s"),
                         "baseline_name": "Liger's fused linear cross-entropy",
-                        "limit": "> baseline (issue 17: ahead of Liger)",
+                        "limit": "> baseline (ahead of Liger)",
                         "ratio": ratio(ours.get("tokens_per_s"), liger.get("tokens_per_s")),
                     }
                 )
@@ -301,7 +301,7 @@ def main() -> None:
                     "ours": ours.get("extra_peak_gib"),
                     "baseline": "OOM" if base["oom"] else base.get("extra_peak_gib"),
                     "baseline_name": "plain Hugging Face: full logits, log_softmax, gather",
-                    "limit": f"<= {MEMORY_LIMIT:.0%} of baseline (issue 17)",
+                    "limit": f"<= {MEMORY_LIMIT:.0%} of baseline",
                     "ratio": ratio(ours.get("extra_peak_gib"), base.get("extra_peak_gib")),
                 }
             )

@@ -247,7 +247,7 @@ def summary_rows(r: dict) -> list[dict]:
             target=target,
         )
         for label, key, target in (
-            ("default compute_dtype", "lora_bf16_adapters", ">= 1.1x (issue 17)"),
+            ("default compute_dtype", "lora_bf16_adapters", ">= 1.1x"),
             ("fp32 adapters", "lora", ""),
         )
     ]

@@ -369,7 +369,7 @@ def summary_rows(measurements: list[dict]) -> list[dict]:
                         "baseline_name": "the staged refit (two passes)",
                         "limit": limit,
                         "unit": "ms",
-                        **({} if target is None else {"target": f"<= {target:g} (issue 17)"}),
+                        **({} if target is None else {"target": f"<= {target:g}"}),
                     }
                 )
                 continue

@@ -12,18 +12,18 @@ real (unpadded) tokens/s, MFU = 6 * N * real tokens / s / 790 TFLOP/s, and peak 
   rows (an out-of-memory there is reported, not raised).
 
 Usage: `python -m bench.train_step` (CUDA) or `python -m bench.train_step --small` (CPU smoke).
-8B-class row (issue 17): `--shape 7b --lora-dim 16 --skip-baseline` (Qwen2.5-7B shape, LoRA on
+8B-class row: `--shape 7b --lora-dim 16 --skip-baseline` (Qwen2.5-7B shape, LoRA on
 every linear layer; MFU counts 4 * N per token for the frozen base). With `--lora-dim`, a
 plain-HF baseline (when not skipped) still trains every weight.
 `--fuse auto|none|norm_mlp|layer` sets `dtensor_cfg.fusion` (default `auto`, the config's default:
 `layer` on CUDA, `none` on CPU; the compile happens in the worker's init probe and the untimed
 warm-up step). `--also-fuse none` measures a second packed worker with that mode on the same
 model and batch, as a row beside the first (e.g. the default vs eager); `--also-lora-dim 16` one
-more, the default config with LoRA of that dim on every linear layer (issue 17's LoRA vs full
+more, the default config with LoRA of that dim on every linear layer (LoRA vs full
 fine-tuning row, through the worker as a user runs it); `--also-liger` one more, `fusion: none`
 with Liger's Qwen2 kernels (RMSNorm, SwiGLU MLP, RoPE) patched into the worker's model and our
 fused logprob kernels: the field's kernel library in place of our layer compile, everything else
-equal (issue 17: measure both, keep the better; CUDA only, Liger is Triton);
+equal (measure both, keep the better; CUDA only, Liger is Triton);
 `--skip-padded` skips the padded worker.
 `--profile` also prints where the first row's worker spends a step (top kernels, where the GPU
 idles: `bench/gpu_gaps.py`, host time) and its speed after the profile; that worker then runs
