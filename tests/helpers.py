@@ -111,6 +111,21 @@ def child_env(root: str | os.PathLike | None = None, **extra: str) -> dict[str, 
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
 
 
+def run_script(path, source: str, root, *, timeout: float) -> subprocess.CompletedProcess:
+    """Write `source` to `path` and run it as a child Python in `path`'s folder (`child_env`);
+    its output is captured and the exit status left to the caller."""
+    path.write_text(source)
+    return subprocess.run(
+        [sys.executable, str(path)],
+        cwd=path.parent,
+        env=child_env(root),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def run_three_step_demo(
     *flags: str,
     root: str | os.PathLike,

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.engines.vllm_helpers import require_vllm
-from tests.helpers import child_env
+from tests.helpers import run_script
 
 require_vllm()
 
@@ -26,17 +24,8 @@ def readme_vllm_example() -> str:
 
 @pytest.mark.slow
 def test_the_readme_vllm_example_trains_refits_and_samples(tmp_path):
-    script = tmp_path / "vllm_example.py"
-    script.write_text(readme_vllm_example() + "\n")
-    run = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=child_env(ROOT),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
+    source = readme_vllm_example() + "\n"
+    run = run_script(tmp_path / "vllm_example.py", source, ROOT, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     refit = re.search(r"^refit: \{.*'version': 1.*\}$", run.stdout, re.M)
     assert refit, run.stdout

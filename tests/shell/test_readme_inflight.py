@@ -3,11 +3,9 @@ sampler decodes, the swap lands between two decode steps, every token carries it
 
 import ast
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.helpers import child_env
+from tests.helpers import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,17 +18,8 @@ def _example() -> str:
 
 
 def test_the_readme_inflight_example_swaps_between_decode_steps(tmp_path):
-    script = tmp_path / "inflight_example.py"
-    script.write_text("import torch\ntorch.set_num_threads(1)\n" + _example() + "\n")
-    run = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=child_env(ROOT),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    source = "import torch\ntorch.set_num_threads(1)\n" + _example() + "\n"
+    run = run_script(tmp_path / "inflight_example.py", source, ROOT, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     found = re.search(r"^token versions, row 0: (\[.*\])$", run.stdout, re.M)
     assert found, run.stdout
