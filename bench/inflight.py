@@ -377,7 +377,7 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     trainer = _model(shape, dtype, dev)
-    sender = RefitSender(lambda: trainer, dtype)
+    sender = RefitSender(lambda: trainer, dtype, device=dev)
     spec = {
         "shape": shape,
         "dtype": str(dtype).removeprefix("torch."),

@@ -1,4 +1,6 @@
-"""CUDA IPC refit between two processes on one GPU: bitwise parity with the trainer's weights."""
+"""Staged CUDA IPC refit between two processes on one GPU: bitwise parity with the trainer's
+weights. The receiver declines one-pass (tests/gpu/test_refit_one_pass_cuda.py covers that
+default), so the sender's staging buffers, their sizes and keeping them are what is tested."""
 
 import json
 import os
@@ -28,7 +30,9 @@ config._attn_implementation = "eager"
 torch.manual_seed(99)
 model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
 info = {n: (s, DTYPES_BY_NAME[d]) for n, (s, d) in json.load(open(cmd["refit_info"])).items()}
-receiver = HFWeightReceiver(model, address=cmd["address"], refit_info=info, timeout_s=120)
+receiver = HFWeightReceiver(
+    model, address=cmd["address"], refit_info=info, timeout_s=120, one_pass=False
+)
 print("READY", flush=True)
 versions = [receiver.receive().version for _ in range(cmd["num_refits"])]
 # The same forward over the trainer's bf16 cast loaded by plain load_state_dict, in this process:

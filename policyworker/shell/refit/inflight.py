@@ -171,6 +171,9 @@ class InflightWeights:
         staged = list(pairs)
         copied = None
         if self._copy_stream is not None:  # called on the receiving thread, after every copy
+            # a host transport (shm) stages on the host: move each tensor to the module's GPU
+            # here, off the decoding thread, so the swap re-points instead of copying
+            staged = [(n, t.to(self._device)) for n, t in staged]
             copied = torch.cuda.Event()
             copied.record(self._copy_stream)
         with self._cond:
