@@ -4,14 +4,21 @@ state, and the refit of its weights is the same as under AdamW."""
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 import transformers
+import yaml
 
+from bench.common import QWEN25_7B
+from policyworker.config import load_config
 from policyworker.functional.loss import NLLLoss
+from policyworker.functional.memory_plan import plan_memory
 from policyworker.functional.optimizer_memory import factored_state_elements
 from policyworker.shell import checkpoint as ck
 from policyworker.shell.refit.receiver import HFWeightReceiver
+from policyworker.shell.worker import memory_calls
 from policyworker.shell.worker.policy_worker import PolicyWorker
 from tests.helpers import refit_through
 from tests.shell.conftest import make_batch, make_config
@@ -165,3 +172,38 @@ def test_a_refit_after_adafactor_steps_delivers_the_trained_weights(tiny_model_p
     got = target.state_dict()
     for name, tensor in worker.model.state_dict().items():
         assert torch.equal(got[name], tensor), name
+
+
+def _docs_section() -> str:
+    text = (pathlib.Path(__file__).parents[3] / "docs" / "memory.md").read_text()
+    return text[text.index("## Full fine-tuning of a 7B shape on one GPU") :]
+
+
+def _plan_7b(policy: dict) -> dict[str, float]:
+    """The planner's GiB per phase of `policy` on the Qwen2.5-7B shape, as on CUDA with
+    `fusion: auto` (layers compiled, fused logprob kernels)."""
+    cfg = load_config(policy)
+    hf_config = transformers.Qwen2Config()
+    hf_config.update(QWEN25_7B)
+    shape = memory_calls.shape_from_hf_config(hf_config)
+    knobs = memory_calls.knobs_from_config(
+        cfg, device=torch.device("cpu"), fused_logprobs=True, compiled_layers=True
+    )
+    return {p.phase: p.total / 2**30 for p in plan_memory(shape, knobs).phases}
+
+
+def test_the_docs_7b_config_fits_an_h200_and_adamw_in_its_place_does_not():
+    section = _docs_section()
+    start = section.index("```yaml") + len("```yaml")
+    block = section[start : section.index("```", start)]
+    policy = yaml.safe_load(block)["policy"]
+    budget = 139 - 2  # an H200's memory less the pre-flight's reserve
+    adafactor = _plan_7b(policy)
+    assert max(adafactor.values()) <= budget
+    adamw = _plan_7b({**policy, "optimizer": {"name": "torch.optim.AdamW", "kwargs": {}}})
+    assert adamw["optimizer_step"] > budget and adamw["train_step"] > budget
+    for name, plan in (("AdamW", adamw), ("Adafactor", adafactor)):
+        row = f"| `torch.optim.{name}` |"
+        line = next(x for x in section.splitlines() if x.startswith(row))
+        cells = [c.strip(" *") for c in line.split("|")]
+        assert cells[-3:-1] == [f"{plan['train_step']:.1f}", f"{plan['optimizer_step']:.1f}"]
