@@ -32,10 +32,11 @@
 #                               second pass (about 2 min)
 #   PART=6  train_step_7b_full.json  Qwen2.5-7B shape trained in full on one GPU with
 #                               torch.optim.Adafactor (factored state), 8192-token microbatches;
-#                               AdamW beside it is refused by the pre-flight check (does not fit)
-#                               (about 3 min: ~2 min of worker start)
+#                               AdamW beside it is refused by the pre-flight check (does not fit);
+#                               needs an H200 (planned peak 111 GiB) (about 3 min: ~2 min of
+#                               worker start)
 #           train_step_adafactor.json  1.5B shape: AdamW (everything on the GPU) vs Adafactor,
-#                               the same step in one process (about 2 min); needs an H200
+#                               the same step in one process (about 2 min)
 #   PART=4  train_step_lora.json  the 1.5B default config with LoRA dim 16 alone, --profile (where
 #                               a LoRA step's time goes: kernels, GPU idle, host; and its speed
 #                               after the profile); the log is train_step_lora.log [132 s]
@@ -88,11 +89,11 @@ elif [ "$PART" = 5 ]; then
   stamp checkpoint_digests
 elif [ "$PART" = 6 ]; then
   # 7B first: the target row lands even if the call is cut short. Planned peak 111 GiB (H200).
-  timeout 200 python -m bench.train_step $small --shape 7b --optimizer torch.optim.Adafactor \
+  timeout 210 python -m bench.train_step $small --shape 7b --optimizer torch.optim.Adafactor \
     --also-optimizer torch.optim.AdamW --mb-tokens 8192 --skip-padded --skip-baseline --steps 3 \
     --out "$OUT/train_step_7b_full.json" 2>&1 | tail -14
   stamp train_step_7b_full
-  timeout 160 python -m bench.train_step $small --optimizer torch.optim.AdamW \
+  timeout 150 python -m bench.train_step $small --optimizer torch.optim.AdamW \
     --also-optimizer torch.optim.Adafactor --skip-padded --skip-baseline --steps 3 \
     --out "$OUT/train_step_adafactor.json" 2>&1 | tail -14
   stamp train_step_adafactor
