@@ -16,7 +16,8 @@ path and a loose check only (glibc keeps freed pages, the interpreter and torch 
 the tensors), not the 5 % target.
 
 Usage: ``python -m bench.memory_plan [--shape 1.5b] [--seqs 2048,8192,16384] [--lora-dim 0]
-[--activation-checkpointing] [--json PATH]``, or ``--small``; writes
+[--optimizer torch.optim.AdamW] [--activation-checkpointing] [--json PATH]``, or ``--small``;
+writes
 ``bench/results/memory_plan.json`` with the row schema of `bench.rows`.
 """
 
@@ -91,7 +92,7 @@ def _config(model: str, seq: int, args: argparse.Namespace) -> dict[str, Any]:
         "logprob_batch_size": 1,
         "max_total_sequence_length": seq,
         "sequence_packing": {"train_mb_tokens": seq, "logprob_mb_tokens": seq},
-        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-6}},
+        "optimizer": {"name": args.optimizer, "kwargs": {"lr": 1e-6}},
         "dtensor_cfg": {"activation_checkpointing": args.activation_checkpointing},
     }
     if args.lora_dim:
@@ -170,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="1.5b", choices=["1.5b", "7b"])
     parser.add_argument("--seqs", default=None, help="comma-separated sequence lengths")
     parser.add_argument("--lora-dim", type=int, default=0)
+    parser.add_argument(
+        "--optimizer",
+        default="torch.optim.AdamW",
+        help="the worker's optimizer (dotted class path), e.g. torch.optim.Adafactor for the 7B "
+        "shape trained in full on one GPU",
+    )
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)

@@ -3,7 +3,7 @@
 # call (under 10 minutes; the figures in brackets are run C's H200 timings: 12-05, commit
 # 095c59f, PART=1 303 s, PART=2 373 s); run from the repo root, results under $OUT (default bench/results). PART=1 and
 # PART=2 make the README's table, PART=3 runs the GPU tests, PART=4 the profiles, PART=5 the
-# in-flight, adapter and digest rows.
+# in-flight, adapter and digest rows, PART=6 full fine-tuning of the 7B shape (Adafactor).
 # No row is timed after a profile in its process (the profiler leaves every later launch slower:
 # bench/common.mark_profiled), so the table's parts profile nothing; PART=4 holds the profiles.
 #   PART=1  train_step.json     packed train step, default config (fusion: auto) vs fusion: none,
@@ -30,6 +30,13 @@
 #                               (about 3 min)
 #           checkpoint_digests.json  the digests' share of a sync save, hashed while writing vs a
 #                               second pass (about 2 min)
+#   PART=6  train_step_7b_full.json  Qwen2.5-7B shape trained in full on one GPU with
+#                               torch.optim.Adafactor (factored state), 8192-token microbatches;
+#                               AdamW beside it is refused by the pre-flight check (does not fit);
+#                               needs an H200 (planned peak 111 GiB) (about 3 min: ~2 min of
+#                               worker start)
+#           train_step_adafactor.json  1.5B shape: AdamW (everything on the GPU) vs Adafactor,
+#                               the same step in one process (about 2 min)
 #   PART=4  train_step_lora.json  the 1.5B default config with LoRA dim 16 alone, --profile (where
 #                               a LoRA step's time goes: kernels, GPU idle, host; and its speed
 #                               after the profile); the log is train_step_lora.log [132 s]
@@ -80,6 +87,16 @@ elif [ "$PART" = 5 ]; then
   timeout 150 python -m bench.checkpoint_digests $small --repeats 2 \
     --json "$OUT/checkpoint_digests.json" 2>&1 | tail -10
   stamp checkpoint_digests
+elif [ "$PART" = 6 ]; then
+  # 7B first: the target row lands even if the call is cut short. Planned peak 111 GiB (H200).
+  timeout 210 python -m bench.train_step $small --shape 7b --optimizer torch.optim.Adafactor \
+    --also-optimizer torch.optim.AdamW --mb-tokens 8192 --skip-padded --skip-baseline --steps 3 \
+    --out "$OUT/train_step_7b_full.json" 2>&1 | tail -14
+  stamp train_step_7b_full
+  timeout 150 python -m bench.train_step $small --optimizer torch.optim.AdamW \
+    --also-optimizer torch.optim.Adafactor --skip-padded --skip-baseline --steps 3 \
+    --out "$OUT/train_step_adafactor.json" 2>&1 | tail -14
+  stamp train_step_adafactor
 elif [ "$PART" = 4 ]; then
   timeout 240 python -m bench.train_step $small --lora-dim 16 --skip-padded --skip-baseline \
     --steps 3 --profile --out "$OUT/train_step_lora.json" > "$OUT/train_step_lora.log" 2>&1

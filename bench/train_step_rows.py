@@ -1,6 +1,7 @@
 """The rows of a train-step run: our packed and padded steps against the plain Hugging Face
-loop, MFU against its target, and the optional rows (another fusion mode, LoRA against full
-fine-tuning, our layer compile against Liger's kernels). See `bench.train_step`."""
+loop, MFU against its target, the planner's predicted peak beside the measured one, and the
+optional rows (another fusion mode, LoRA against full fine-tuning, our layer compile against
+Liger's kernels, another optimizer). See `bench.train_step`."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def summary_rows(
     other: dict[str, Any] | None,
     lora: dict[str, Any] | None,
     liger: dict[str, Any] | None,
+    other_optimizer: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The row schema of one run (`bench.rows`); a result that is None adds no rows."""
     rows = [
@@ -40,7 +42,7 @@ def summary_rows(
             "ours": packed["mfu"],
             "baseline": base_small.get("mfu"),
             "baseline_name": f"plain Hugging Face loop at b{args.baseline_batch}",
-            "limit": None if target is None else f">= {target:.2f} ({args.shape} shape)",
+            "limit": None if target is None else f">= {target:.2f} ({_run_kind(args)})",
             "ratio": None if target is None else ratio(packed["mfu"], target),
         },
         {
@@ -64,7 +66,10 @@ def summary_rows(
             "limit": "fits comfortably (< 139)",
             "ratio": ratio(packed["peak_gib"], base_small.get("peak_gib")),
         },
+        _planned_row(packed, f"packed, {packed['optimizer']}"),
     ]
+    if other_optimizer is not None:
+        rows += optimizer_rows(packed, other_optimizer)
     if other is not None:
         rows.append(
             {
@@ -137,3 +142,61 @@ def summary_rows(
             }
         )
     return rows
+
+
+def _planned_row(result: dict[str, Any], label: str) -> dict[str, Any]:
+    """The planner's predicted peak of a train call beside the measured one (an upper bound
+    here: the planner counts full microbatches and live gradients, the batch's bins are not
+    all full)."""
+    return {
+        "metric": f"planned / measured peak GiB ({label})",
+        "ours": result["planned_peak_gib"],
+        "baseline": result["peak_gib"],
+        "baseline_name": "torch.cuda.max_memory_allocated over the worker's life",
+        "ratio": ratio(result["planned_peak_gib"], result["peak_gib"]),
+    }
+
+
+def optimizer_rows(packed: dict[str, Any], other: dict[str, Any]) -> list[dict[str, Any]]:
+    """`--optimizer`'s worker beside `--also-optimizer`'s (or the pre-flight's refusal of it)."""
+    ours, theirs = packed["optimizer"], other["optimizer"]
+    name = f"the same worker with {theirs}"
+    if "refused" in other:
+        return [{"metric": f"{theirs}: refused by the pre-flight check ({other['refused']})"}]
+    return [
+        {
+            "metric": f"packed tok/s, {ours} vs {theirs}",
+            "ours": packed["tokens_per_s"],
+            "baseline": other["tokens_per_s"],
+            "baseline_name": name,
+            "ratio": ratio(packed["tokens_per_s"], other["tokens_per_s"]),
+        },
+        {
+            "metric": f"packed MFU, {ours} vs {theirs}",
+            "ours": packed["mfu"],
+            "baseline": other["mfu"],
+            "baseline_name": name,
+        },
+        {
+            "metric": f"peak GiB, {ours} vs {theirs}",
+            "ours": packed["peak_gib"],
+            "baseline": other["peak_gib"],
+            "baseline_name": name,
+            "ratio": ratio(packed["peak_gib"], other["peak_gib"]),
+        },
+        {
+            "metric": f"loss of the last timed step, {ours} vs {theirs}",
+            "ours": packed["loss"],
+            "baseline": other["loss"],
+            "baseline_name": name,
+            "ratio": ratio(packed["loss"], other["loss"]),
+        },
+        _planned_row(other, f"packed, {theirs}"),
+    ]
+
+
+def _run_kind(args: argparse.Namespace) -> str:
+    """What the MFU target is for: the shape, and full fine-tuning where the 7B shape has its
+    own target for it."""
+    full_7b = args.shape == "7b" and not args.lora_dim
+    return f"{args.shape} shape" + (", full fine-tuning" if full_7b else "")

@@ -7,12 +7,15 @@ A phase is a sum of named terms (bytes on this rank's device at the phase's peak
   step of several microbatches accumulates them; the first microbatch of a step starts with
   none, so a one-microbatch step peaks without them and allocates them during the backward as
   the activations are freed), the optimizer state (``optimizer_states`` master-sized tensors:
-  AdamW 2, SGD with momentum 1), the autocast copies of the weights in ``compute_bytes``
+  AdamW 2, SGD with momentum 1; plus, with ``factored_optimizer_state``, Adafactor's row and
+  column statistics, ``ModelShape.factored_state_elements`` master-dtype values: see
+  `optimizer_memory`), the autocast copies of the weights in ``compute_bytes``
   (cached for the backward), the activations the backward keeps for ``train_mb_tokens``
   tokens, and the ``[T, V]`` logits with their gradient (plus fp32 scratch of
   ``train_logprob_chunk`` positions where the logprob kernels are not fused);
 - ``optimizer_step``: weights, gradients, state, and one master-sized temporary of the
-  multi-tensor update;
+  multi-tensor update (``per_tensor_update``, e.g. Adafactor's default: the largest trainable
+  tensor's, as the update runs one parameter at a time);
 - ``logprobs`` / ``reference`` / ``topk`` (no grad): weights, the optimizer state unless it is
   offloaded, the head cast once, one layer's transient activations of ``logprob_mb_tokens``,
   the kept last hidden states, and one LM-head chunk of ``logprob_chunk_tokens`` tokens (the
@@ -84,7 +87,9 @@ class ModelShape:
 
     ``num_trainable``: parameters with gradients and optimizer state (all of them, or LoRA's
     adapters); ``kv_dim``: ``num_key_value_heads * head_dim``; ``largest_tensor``: elements of
-    the largest single parameter (the embedding or head, usually).
+    the largest single parameter (the embedding or head, usually);
+    ``factored_state_elements``: Adafactor's factored second-moment values over the trainable
+    parameters (`optimizer_memory.factored_state_elements` of their shapes; 0 where unknown).
     """
 
     num_params: int
@@ -95,11 +100,14 @@ class ModelShape:
     vocab: int
     kv_dim: int
     largest_tensor: int = 0
+    factored_state_elements: int = 0
 
 
 @frozen(kw_only=True)
 class MemoryKnobs:
-    """The settings the phases scale with. Byte sizes are per element."""
+    """The settings the phases scale with. Byte sizes are per element; ``optimizer_states``,
+    ``factored_optimizer_state`` and ``per_tensor_update`` are an
+    `optimizer_memory.OptimizerMemory`'s fields."""
 
     train_mb_tokens: int
     logprob_mb_tokens: int
@@ -113,6 +121,8 @@ class MemoryKnobs:
     compute_bytes: int = 2
     export_bytes: int = 2
     optimizer_states: int = 2
+    factored_optimizer_state: bool = False
+    per_tensor_update: bool = False
     optimizer_on_device_for_logprobs: bool = True
     shards: int = 1
     refit_bucket_bytes: int = 0
@@ -169,8 +179,22 @@ def _resident(shape: ModelShape, knobs: MemoryKnobs) -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) bytes on this rank."""
     weights = _div(shape.num_params * knobs.master_bytes, knobs.shards)
     grads = _div(shape.num_trainable * knobs.master_bytes, knobs.shards)
-    state = _div(shape.num_trainable * knobs.master_bytes * knobs.optimizer_states, knobs.shards)
+    state_elements = shape.num_trainable * knobs.optimizer_states
+    if knobs.factored_optimizer_state:
+        state_elements += shape.factored_state_elements
+    state = _div(state_elements * knobs.master_bytes, knobs.shards)
     return weights, grads, state
+
+
+def _update_scratch(shape: ModelShape, knobs: MemoryKnobs, grads: int) -> int:
+    """The optimizer step's temporary: none without state (plain SGD adds the gradients in
+    place), the largest trainable tensor's for a per-tensor update, else master-sized."""
+    if not (knobs.optimizer_states or knobs.factored_optimizer_state):
+        return 0
+    if knobs.per_tensor_update:
+        largest = min(shape.largest_tensor, shape.num_trainable)
+        return min(_div(largest * knobs.master_bytes, knobs.shards), grads)
+    return grads
 
 
 def _weight_casts(shape: ModelShape, knobs: MemoryKnobs) -> int:
@@ -254,7 +278,7 @@ def plan_memory(shape: ModelShape, knobs: MemoryKnobs) -> MemoryPlan:
             ("logits", _train_logits(shape, knobs)),
         ),
     )
-    step_scratch = grads if knobs.optimizer_states else 0
+    step_scratch = _update_scratch(shape, knobs, grads)
     step = PhasePlan(
         "optimizer_step",
         (

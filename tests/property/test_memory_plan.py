@@ -30,6 +30,8 @@ def shapes(draw):
         2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter
     )
     trainable = draw(st.integers(0, params))
+    # at most AdamW's two moments (`optimizer_memory.factored_state_elements`'s bound)
+    factored = draw(st.integers(0, 2 * trainable))
     return ModelShape(
         num_params=params,
         num_trainable=trainable,
@@ -39,6 +41,7 @@ def shapes(draw):
         vocab=vocab,
         kv_dim=kv,
         largest_tensor=vocab * hidden,
+        factored_state_elements=factored,
     )
 
 
@@ -54,6 +57,8 @@ def knobs(draw):
         master_bytes=draw(st.sampled_from([2, 4])),
         compute_bytes=draw(st.sampled_from([2, 4])),
         optimizer_states=draw(st.integers(0, 2)),
+        factored_optimizer_state=draw(st.booleans()),
+        per_tensor_update=draw(st.booleans()),
         optimizer_on_device_for_logprobs=draw(st.booleans()),
         shards=draw(st.integers(1, 8)),
         refit_bucket_bytes=draw(st.integers(0, 2**31)),
@@ -115,6 +120,33 @@ def test_no_tokens_means_no_activation_or_logit_bytes(shape, kn):
     train = dict(plan.phase("train_step").terms)
     step = dict(plan.phase("optimizer_step").terms)
     assert train["weights"] == step["weights"] and train["gradients"] == step["gradients"]
+
+
+@given(shapes(), knobs())
+def test_adafactor_never_plans_more_than_adamw_in_any_phase(shape, kn):
+    """Its factored state is at most two moments, its per-tensor temporary at most the
+    multi-tensor one."""
+    adamw = attrs.evolve(
+        kn, optimizer_states=2, factored_optimizer_state=False, per_tensor_update=False
+    )
+    adafactor = attrs.evolve(
+        kn, optimizer_states=0, factored_optimizer_state=True, per_tensor_update=True
+    )
+    for a, b in zip(
+        plan_memory(shape, adafactor).phases, plan_memory(shape, adamw).phases, strict=True
+    ):
+        assert a.total <= b.total, a.phase
+
+
+@given(shapes(), knobs())
+def test_factored_state_counts_only_where_the_knob_says_so(shape, kn):
+    dense = attrs.evolve(kn, factored_optimizer_state=False)
+    factored = attrs.evolve(kn, factored_optimizer_state=True)
+    state = dict(plan_memory(shape, factored).phase("checkpoint").terms)["optimizer_state"]
+    without = dict(plan_memory(shape, dense).phase("checkpoint").terms)["optimizer_state"]
+    expected = shape.num_trainable * kn.optimizer_states + shape.factored_state_elements
+    assert state == -(-expected * kn.master_bytes // kn.shards)
+    assert without == -(-shape.num_trainable * kn.optimizer_states * kn.master_bytes // kn.shards)
 
 
 @given(shapes(), knobs())

@@ -62,6 +62,17 @@ def build_optimizer(model: torch.nn.Module, optimizer_cfg: Any) -> torch.optim.O
             "optimize"
         )
         raise ValueError(msg)
+    if cls is getattr(torch.optim, "Adafactor", None) and any(
+        hasattr(p, "device_mesh") for p in params
+    ):
+        # Its step squares a norm in place across the sharded dim, which DTensor refuses: the
+        # first step would fail deep inside torch instead.
+        msg = (
+            f"optimizer.name={_get(optimizer_cfg, 'name')!r} cannot step FSDP2/DTensor-sharded "
+            "parameters (a process group shards them, even at world size 1); run it in a "
+            "single process without torchrun, or pick another optimizer (torch.optim.AdamW)"
+        )
+        raise ValueError(msg)
     try:
         return cls(params, **kwargs)
     except TypeError as exc:

@@ -11,6 +11,7 @@ are checked (a padded microbatch is as wide as its batch's longest row, not
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -28,6 +29,11 @@ from policyworker.functional.memory_plan import (
     largest_fitting,
     plan_memory,
     with_knob,
+)
+from policyworker.functional.optimizer_memory import (
+    OptimizerMemory,
+    factored_state_elements,
+    optimizer_memory,
 )
 from policyworker.shell.kernels.fusion import resolve_fusion_mode
 from policyworker.shell.model import sources
@@ -58,7 +64,8 @@ _CUDA_REFIT_BUCKET_FRACTION = 0.02
 _KNOB_FOR_PHASE = {
     "train_step": "sequence_packing/dynamic_batching.train_mb_tokens (or train_micro_batch_size),"
     " or dtensor_cfg.activation_checkpointing: true",
-    "optimizer_step": "the optimizer (SGD keeps less state than AdamW), LoRA "
+    "optimizer_step": "the optimizer (torch.optim.Adafactor keeps a factored state, SGD none; "
+    "see docs/memory.md), LoRA "
     "(dtensor_cfg.lora_cfg), or more data-parallel ranks",
     "logprobs": "logprob_mb_tokens (or logprob_batch_size) and logprob_chunk_size, or "
     "offload_optimizer_for_logprob: true",
@@ -74,34 +81,51 @@ def _text_config(hf_config: Any) -> Any:
     return getter() if callable(getter) else hf_config
 
 
-def shape_from_hf_config(hf_config: Any, *, lora_rank: int | None = None) -> ModelShape:
-    """The shape of a Llama/Qwen/Mistral-style decoder from its HF config (parameter count by
-    formula; with LoRA of rank `lora_rank` on every projection, its adapters are trainable)."""
-    c = _text_config(hf_config)
+def _decoder_param_shapes(c: Any, lora_rank: int | None) -> tuple[list[tuple[int, ...]], int]:
+    """(the trainable parameters' shapes, the parameter count) of a Llama/Qwen/Mistral-style
+    decoder config `c`; with LoRA of rank `lora_rank` on every projection, only its adapters
+    (``A: [r, in]``, ``B: [out, r]``) are trainable."""
     h, layers, vocab = int(c.hidden_size), int(c.num_hidden_layers), int(c.vocab_size)
     heads = int(c.num_attention_heads)
     head_dim = int(getattr(c, "head_dim", None) or h // heads)
     kv = int(getattr(c, "num_key_value_heads", None) or heads) * head_dim
     inter = int(getattr(c, "intermediate_size", None) or 4 * h)
     q = heads * head_dim
-    bias = (q + 2 * kv) if getattr(c, "attention_bias", c.model_type == "qwen2") else 0
-    qk_norms = 2 * head_dim if c.model_type.startswith("qwen3") else 0  # per-head RMSNorms
-    per_layer = h * q + 2 * h * kv + q * h + bias + 3 * h * inter + 2 * h + qk_norms
+    # (out, in) of q, k, v, o, gate, up, down
+    linears = [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter)]
+    vectors = [(h,), (h,)]  # the two RMSNorms
+    if getattr(c, "attention_bias", c.model_type == "qwen2"):
+        vectors += [(q,), (kv,), (kv,)]
+    if c.model_type.startswith("qwen3"):  # per-head q and k RMSNorms
+        vectors += [(head_dim,), (head_dim,)]
     tied = bool(getattr(c, "tie_word_embeddings", False))
-    params = vocab * h * (1 if tied else 2) + layers * per_layer + h
-    trainable = params
-    if lora_rank is not None:
-        per_layer_lora = lora_rank * ((h + q) + 2 * (h + kv) + (q + h) + 3 * (h + inter))
-        trainable = layers * per_layer_lora
+    outer = [(vocab, h)] * (1 if tied else 2) + [(h,)]
+    full = outer + layers * (linears + vectors)
+    num_params = sum(math.prod(s) for s in full)
+    if lora_rank is None:
+        return full, num_params
+    adapters = [s for out, fan_in in linears for s in ((lora_rank, fan_in), (out, lora_rank))]
+    return layers * adapters, num_params
+
+
+def shape_from_hf_config(hf_config: Any, *, lora_rank: int | None = None) -> ModelShape:
+    """The shape of a Llama/Qwen/Mistral-style decoder from its HF config (parameter shapes by
+    formula; with LoRA of rank `lora_rank` on every projection, its adapters are trainable)."""
+    c = _text_config(hf_config)
+    h, vocab = int(c.hidden_size), int(c.vocab_size)
+    heads = int(c.num_attention_heads)
+    head_dim = int(getattr(c, "head_dim", None) or h // heads)
+    trainable, num_params = _decoder_param_shapes(c, lora_rank)
     return ModelShape(
-        num_params=params,
-        num_trainable=trainable,
-        num_layers=layers,
+        num_params=num_params,
+        num_trainable=sum(math.prod(s) for s in trainable),
+        num_layers=int(c.num_hidden_layers),
         hidden=h,
-        intermediate=inter,
+        intermediate=int(getattr(c, "intermediate_size", None) or 4 * h),
         vocab=vocab,
-        kv_dim=kv,
+        kv_dim=int(getattr(c, "num_key_value_heads", None) or heads) * head_dim,
         largest_tensor=vocab * h,
+        factored_state_elements=factored_state_elements(trainable),
     )
 
 
@@ -119,6 +143,9 @@ def shape_from_model(model: torch.nn.Module) -> ModelShape:
         vocab=base.vocab if base else 0,
         kv_dim=base.kv_dim if base else 0,
         largest_tensor=max((p.numel() for p in params), default=0),
+        factored_state_elements=factored_state_elements(
+            tuple(p.shape) for p in params if p.requires_grad
+        ),
     )
 
 
@@ -161,14 +188,10 @@ def knobs_from_config(
     """The planner's knobs of `cfg` on `device` (master weights fp32 as the worker keeps them);
     `compiled_layers`: the decoder layers run compiled whole (`fusion: layer`)."""
     compute = precision_dtype(cfg.precision).itemsize
-    optimizer = cfg.optimizer.name if cfg.optimizer is not None else ""
-    kwargs = cfg.optimizer.kwargs if cfg.optimizer is not None else {}
     if cfg.optimizer is None:
-        states = 0
-    elif optimizer.endswith("SGD"):
-        states = 1 if kwargs.get("momentum") else 0
+        optimizer = OptimizerMemory(dense_states=0)
     else:
-        states = 2  # Adam, AdamW and the like: two moments per parameter
+        optimizer = optimizer_memory(cfg.optimizer.name, cfg.optimizer.kwargs or {})
     if cfg.refit_buffer_size_gb is not None:
         bucket = int(cfg.refit_buffer_size_gb * _GIB)
     elif device.type == "cuda":
@@ -188,7 +211,9 @@ def knobs_from_config(
         master_bytes=4,
         compute_bytes=compute,
         export_bytes=compute if compute < 4 else 4,
-        optimizer_states=states,
+        optimizer_states=optimizer.dense_states,
+        factored_optimizer_state=optimizer.factored,
+        per_tensor_update=optimizer.per_tensor_update,
         optimizer_on_device_for_logprobs=not cfg.offload_optimizer_for_logprob,
         shards=shards,
         refit_bucket_bytes=bucket,
