@@ -1,6 +1,7 @@
 """The rows of a train-step run: our packed and padded steps against the plain Hugging Face
 loop, MFU against its target, and the optional rows (another fusion mode, LoRA against full
-fine-tuning, our layer compile against Liger's kernels). See `bench.train_step`."""
+fine-tuning, our layer compile against Liger's kernels, float8 linears against bf16). See
+`bench.train_step`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from bench.common import ratio
 
-__all__ = ["summary_rows"]
+__all__ = ["fp8_rows", "summary_rows"]
 
 LIGER = "fusion none with Liger's RMSNorm/SwiGLU/RoPE and our fused logprobs"
 
@@ -25,6 +26,7 @@ def summary_rows(
     other: dict[str, Any] | None,
     lora: dict[str, Any] | None,
     liger: dict[str, Any] | None,
+    fp8: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The row schema of one run (`bench.rows`); a result that is None adds no rows."""
     rows = [
@@ -126,6 +128,8 @@ def summary_rows(
                 "ratio": ratio(packed["loss"], liger["loss"]),
             }
         )
+    if fp8 is not None:
+        rows.extend(fp8_rows(args, packed, fp8))
     if base_full is not None:
         rows.append(
             {
@@ -137,3 +141,35 @@ def summary_rows(
             }
         )
     return rows
+
+
+def fp8_rows(
+    args: argparse.Namespace, packed: dict[str, Any], fp8: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The float8 worker against the first row (the same config without `dtensor_cfg.fp8`)."""
+    name = f"the same worker without fp8 ({args.precision} GEMMs)"
+    return [
+        {"metric": f"fp8 worker: {fp8['fp8_report']}"},
+        {
+            "metric": f"packed tok/s, fp8 {args.also_fp8} vs without",
+            "ours": fp8["tokens_per_s"],
+            "baseline": packed["tokens_per_s"],
+            "baseline_name": name,
+            "limit": ">= 1.25x",
+            "ratio": ratio(fp8["tokens_per_s"], packed["tokens_per_s"]),
+        },
+        {
+            "metric": "peak GiB, fp8 vs without",
+            "ours": fp8["peak_gib"],
+            "baseline": packed["peak_gib"],
+            "baseline_name": name,
+            "ratio": ratio(fp8["peak_gib"], packed["peak_gib"]),
+        },
+        {  # same weights, batch and steps: a wrong float8 path shows here (50 steps: fp8_loss)
+            "metric": "loss of the last timed step, fp8 vs without",
+            "ours": fp8["loss"],
+            "baseline": packed["loss"],
+            "baseline_name": name,
+            "ratio": ratio(fp8["loss"], packed["loss"]),
+        },
+    ]
