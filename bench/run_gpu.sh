@@ -30,6 +30,13 @@
 #                               (about 3 min)
 #           checkpoint_digests.json  the digests' share of a sync save, hashed while writing vs a
 #                               second pass (about 2 min)
+#   PART=6  train_step_fp8.json  1.5B default config vs the same plus dtensor_cfg.fp8 (tensorwise
+#                               float8 linears), tokens/s and loss side by side
+#           fp8_loss.json       50 steps bf16 vs fp8 on the same batches, 1.5B: largest loss gap
+#                               vs the bf16 step-to-step noise
+#   PART=7  train_step_8b_fp8.json  the same tokens/s row at the 7B shape with LoRA dim 16 (the
+#                               bf16 7B LoRA worker peaks at 120 GiB: an H200, as PART=2)
+#   PART=8  fp8_loss_8b.json    the 50-step loss check at the 7B shape with LoRA dim 16
 #   PART=4  train_step_lora.json  the 1.5B default config with LoRA dim 16 alone, --profile (where
 #                               a LoRA step's time goes: kernels, GPU idle, host; and its speed
 #                               after the profile); the log is train_step_lora.log [132 s]
@@ -80,6 +87,20 @@ elif [ "$PART" = 5 ]; then
   timeout 150 python -m bench.checkpoint_digests $small --repeats 2 \
     --json "$OUT/checkpoint_digests.json" 2>&1 | tail -10
   stamp checkpoint_digests
+elif [ "$PART" = 6 ]; then
+  timeout 300 python -m bench.train_step $small --also-fp8 --skip-padded --skip-baseline \
+    --steps 3 --out "$OUT/train_step_fp8.json" 2>&1 | tail -12
+  stamp train_step_fp8
+  timeout 280 python -m bench.fp8_loss $small --out "$OUT/fp8_loss.json" 2>&1 | tail -8
+  stamp fp8_loss
+elif [ "$PART" = 7 ]; then
+  timeout 560 python -m bench.train_step $small --shape 7b --lora-dim 16 --also-fp8 --skip-padded \
+    --skip-baseline --steps 2 --out "$OUT/train_step_8b_fp8.json" 2>&1 | tail -12
+  stamp train_step_8b_fp8
+elif [ "$PART" = 8 ]; then
+  timeout 560 python -m bench.fp8_loss $small --shape 7b --lora-dim 16 --batch 2 --max-len 1024 \
+    --out "$OUT/fp8_loss_8b.json" 2>&1 | tail -8
+  stamp fp8_loss_8b
 elif [ "$PART" = 4 ]; then
   timeout 240 python -m bench.train_step $small --lora-dim 16 --skip-padded --skip-baseline \
     --steps 3 --profile --out "$OUT/train_step_lora.json" > "$OUT/train_step_lora.log" 2>&1
