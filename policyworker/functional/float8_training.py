@@ -4,17 +4,21 @@ device, the library and the layout support it at all. All functions are pure.
 Float8 GEMMs (`torch._scaled_mm`) need compute capability >= 8.9 (Ada, Hopper and later) and
 both dims of the weight divisible by 16. Only the decoder layers' linears are converted: the
 output head and the embeddings keep their precision (the head's logits feed the loss directly,
-and fp8 rounding there costs accuracy out of proportion to its share of the FLOPs).
+and fp8 rounding there costs accuracy out of proportion to its share of the FLOPs), and so do
+MoE routers (a rounding flip changes which experts run) and the modules the model keeps in fp32.
 """
 
 import re
 
 from attrs import frozen
 
+from policyworker.functional.dtypes import name_matches_pattern
+
 __all__ = [
     "DIM_MULTIPLE",
     "MIN_CAPABILITY",
     "MIN_TORCHAO",
+    "ROUTER_NAMES",
     "Float8Plan",
     "LinearSpec",
     "float8_plan",
@@ -27,6 +31,8 @@ DIM_MULTIPLE = 16
 # The torchao release whose float8 training API (`convert_to_float8_training`, its recipes and
 # `hp_tensor_to_float8_dynamic`) this worker was written against.
 MIN_TORCHAO: tuple[int, int] = (0, 18)
+# The leaf names of MoE router linears (Qwen-MoE / Mixtral `gate`, others `router`).
+ROUTER_NAMES: tuple[str, ...] = ("gate", "router")
 
 
 @frozen(kw_only=True)
@@ -54,12 +60,19 @@ def _in_layer(name: str, layer_prefixes: tuple[str, ...]) -> bool:
     return any(name.startswith(prefix + ".") for prefix in layer_prefixes)
 
 
-def float8_plan(linears: tuple[LinearSpec, ...], *, layer_prefixes: tuple[str, ...]) -> Float8Plan:
+def float8_plan(
+    linears: tuple[LinearSpec, ...],
+    *,
+    layer_prefixes: tuple[str, ...],
+    keep_fp32: tuple[str, ...] = (),
+) -> Float8Plan:
     """Split `linears` into those that run in float8 and those that stay.
 
     Args:
         layer_prefixes: the dotted names of the decoder layers (e.g. ``model.layers.0``); a
             linear qualifies only inside one of them.
+        keep_fp32: module-name patterns the model keeps in fp32 (its
+            ``_keep_in_fp32_modules``), matched as `name_matches_pattern` does.
     """
     converted: list[str] = []
     lora: list[str] = []
@@ -67,6 +80,10 @@ def float8_plan(linears: tuple[LinearSpec, ...], *, layer_prefixes: tuple[str, .
     for spec in linears:
         if not _in_layer(spec.name, layer_prefixes):
             skipped.append((spec.name, "outside the decoder layers"))
+        elif spec.name.rpartition(".")[2] in ROUTER_NAMES:
+            skipped.append((spec.name, "a MoE router (routing stays in high precision)"))
+        elif any(name_matches_pattern(spec.name, p) for p in keep_fp32):
+            skipped.append((spec.name, "kept in fp32 by the model (_keep_in_fp32_modules)"))
         elif spec.in_features % DIM_MULTIPLE or spec.out_features % DIM_MULTIPLE:
             skipped.append(
                 (

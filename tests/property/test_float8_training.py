@@ -16,6 +16,9 @@ NAMES = st.sampled_from(
         "model.layers.0.self_attn.q_proj",
         "model.layers.1.mlp.down_proj",
         "model.layers.10.mlp.up_proj",  # not layer 1: a prefix must end at a dot
+        "model.layers.0.mlp.gate",  # a MoE router
+        "model.layers.1.mlp.gate_proj",
+        "model.layers.1.attn.fp32_proj",  # kept in fp32 by the model
         "lm_head",
         "model.embed_tokens",
         "score",
@@ -35,9 +38,13 @@ def linear_lists(draw):
     )
 
 
+KEEP = ("fp32_proj",)
+
+
 def _qualifies(spec: LinearSpec) -> bool:
     return (
         any(spec.name.startswith(p + ".") for p in PREFIXES)
+        and not spec.name.endswith((".gate", ".fp32_proj"))
         and spec.in_features % 16 == 0
         and spec.out_features % 16 == 0
     )
@@ -46,7 +53,7 @@ def _qualifies(spec: LinearSpec) -> bool:
 @given(linears=linear_lists())
 def test_plan_partitions_the_linears_by_the_rules(linears):
     """Every linear lands in exactly one of converted / lora / skipped, by the stated rules."""
-    plan = float8_plan(linears, layer_prefixes=PREFIXES)
+    plan = float8_plan(linears, layer_prefixes=PREFIXES, keep_fp32=KEEP)
     skipped = [name for name, _ in plan.skipped]
     assert sorted([*plan.converted, *plan.lora, *skipped]) == sorted(s.name for s in linears)
     assert set(plan.converted) == {s.name for s in linears if _qualifies(s) and not s.lora}
@@ -55,21 +62,21 @@ def test_plan_partitions_the_linears_by_the_rules(linears):
 
 @given(linears=linear_lists())
 def test_head_and_embeddings_are_never_converted(linears):
-    plan = float8_plan(linears, layer_prefixes=PREFIXES)
+    plan = float8_plan(linears, layer_prefixes=PREFIXES, keep_fp32=KEEP)
     assert not {"lm_head", "model.embed_tokens", "score"} & {*plan.converted, *plan.lora}
 
 
 @given(linears=linear_lists(), data=st.data())
 def test_plan_does_not_depend_on_the_order_of_the_linears(linears, data):
     shuffled = tuple(data.draw(st.permutations(linears)))
-    a = float8_plan(linears, layer_prefixes=PREFIXES)
-    b = float8_plan(shuffled, layer_prefixes=PREFIXES)
+    a = float8_plan(linears, layer_prefixes=PREFIXES, keep_fp32=KEEP)
+    b = float8_plan(shuffled, layer_prefixes=PREFIXES, keep_fp32=KEEP)
     assert sorted(a.converted) == sorted(b.converted) and sorted(a.lora) == sorted(b.lora)
 
 
 def test_indivisible_dims_name_the_rule():
     spec = LinearSpec(name="model.layers.0.self_attn.k_proj", in_features=64, out_features=24)
-    assert float8_plan((spec,), layer_prefixes=PREFIXES).skipped == (
+    assert float8_plan((spec,), layer_prefixes=PREFIXES, keep_fp32=KEEP).skipped == (
         (spec.name, "[24, 64] is not divisible by 16 in both dims (a float8 GEMM needs it)"),
     )
 

@@ -169,7 +169,13 @@ def apply_float8_training(
     if reason is not None:
         _warn_once(reason)
         return Float8Report(requested=True, recipe=recipe, fallback_reason=reason)
-    plan = float8_plan(linear_specs(model), layer_prefixes=_decoder_layer_names(model))
+    from policyworker.shell.refit.weight_stream import keep_fp32_patterns
+
+    plan = float8_plan(
+        linear_specs(model),
+        layer_prefixes=_decoder_layer_names(model),
+        keep_fp32=keep_fp32_patterns(model),
+    )
     config = _torchao_config(recipe, emulate=emulate)
     _convert(model, plan, config)
     return Float8Report(
