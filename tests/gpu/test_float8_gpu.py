@@ -19,8 +19,8 @@ pytestmark = pytest.mark.gpu
 
 LORA = {"lora_cfg": {"match_all_linear": True, "dim": 4, "alpha": 8}}
 SGD = {"name": "torch.optim.SGD", "kwargs": {"lr": 1e-2}}
-# The tiny models (matrices from N(0, 0.2)) amplify rounding: torchao's emulated float8 on the
-# CPU moves their NLL by up to 0.035 (of ~5.4) against bf16; four times that is the tolerance.
+# The tiny models (matrices from N(0, 0.2)) amplify rounding: torchao's float8 path on the CPU
+# moved their NLL by up to 0.035 (of ~5.4) against bf16; four times that is the tolerance.
 LOSS_ATOL = 0.15
 
 

@@ -7,7 +7,11 @@ before FSDP2 and the layer compile:
   (`convert_to_float8_training`). `Float8Linear` subclasses `nn.Linear` and takes over the
   module's own `weight` / `bias` Parameters, so state-dict names, dtypes (fp32 master weights),
   the optimizer's parameters, checkpoints and the refit are unchanged; only the GEMMs cast their
-  operands to float8 with dynamic scales (the recipe's).
+  operands to float8 with dynamic scales (the recipe's). CUDA's float8 GEMM needs every inner
+  dim divisible by 16: the forward's and input gradient's inner dims are the weight's (the plan
+  keeps only such linears), but the weight gradient's is the microbatch's token count, so that
+  GEMM zero-pads it (torchao's `pad_inner_dim`, for that GEMM alone: padding the other two would
+  only copy).
 - `LinearLoRA` layers keep their class: their frozen base GEMM calls `FrozenWeightFloat8Linear`
   (the same torchao casts, but no weight-gradient GEMM: the base weight takes no gradient) and
   the adapter runs beside it in its compute dtype.
@@ -20,7 +24,6 @@ and per reason says why, and the model is left as it was. torchao is an optional
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import logging
 import warnings
@@ -60,7 +63,6 @@ class Float8Report:
     lora: tuple[str, ...] = ()
     num_skipped: int = 0
     fallback_reason: str | None = None
-    emulated: bool = False  # torchao's emulation (high-precision GEMMs of fp8-rounded operands)
 
     @property
     def active(self) -> bool:
@@ -140,32 +142,26 @@ def _warn_once(reason: str) -> None:
     log.warning("%s", message)
 
 
-def _torchao_config(recipe: str, *, emulate: bool) -> Any:
-    from torchao.float8 import Float8LinearConfig
-
-    config = Float8LinearConfig.from_recipe_name(recipe)
-    return dataclasses.replace(config, emulate=True) if emulate else config
-
-
 def apply_float8_training(
     model: nn.Module,
     fp8_cfg: Any,
     *,
     device: torch.device,
     tp_size: int = 1,
-    emulate: bool = False,
+    check_device: bool = True,
 ) -> Float8Report:
     """Convert the decoder layers' linears of `model` to float8 training in place.
 
     Args:
         fp8_cfg: `dtensor_cfg.fp8` (a `Float8Config`), or None: nothing to do.
-        emulate: use torchao's emulated float8 GEMMs and skip the device check (CPU tests of
-            the conversion; not a training mode: it is slower than high precision).
+        check_device: False converts whatever the device (tests: torch has a CPU kernel for
+            `torch._scaled_mm`, so the conversion and torchao's float8 GEMMs run on the CPU;
+            slower than high precision there, so never a training mode).
     """
     if fp8_cfg is None:
         return Float8Report()
     recipe = str(fp8_cfg.recipe)
-    reason = None if emulate else float8_support(device, tp_size=tp_size)
+    reason = float8_support(device, tp_size=tp_size) if check_device else None
     if reason is not None:
         _warn_once(reason)
         return Float8Report(requested=True, recipe=recipe, fallback_reason=reason)
@@ -176,15 +172,15 @@ def apply_float8_training(
         layer_prefixes=_decoder_layer_names(model),
         keep_fp32=keep_fp32_patterns(model),
     )
-    config = _torchao_config(recipe, emulate=emulate)
-    _convert(model, plan, config)
+    from torchao.float8 import Float8LinearConfig
+
+    _convert(model, plan, Float8LinearConfig.from_recipe_name(recipe))
     return Float8Report(
         requested=True,
         recipe=recipe,
         converted=plan.converted,
         lora=plan.lora,
         num_skipped=len(plan.skipped),
-        emulated=emulate,
     )
 
 
@@ -196,12 +192,18 @@ def _convert(model: nn.Module, plan: Float8Plan, config: Any) -> None:
         convert_to_float8_training(
             model, config=config, module_filter_fn=lambda _m, fqn: fqn in chosen
         )
+    for name in plan.converted:
+        layer: Any = model.get_submodule(name)
+        mm = layer.linear_mm_config  # read by Float8Linear.forward at each call
+        layer.linear_mm_config = mm._replace(
+            grad_weight=mm.grad_weight._replace(pad_inner_dim=True)
+        )
     from policyworker.shell.model.lora import LinearLoRA
 
     for name in plan.lora:
-        layer = model.get_submodule(name)
-        assert isinstance(layer, LinearLoRA), name
-        layer.fp8_linear = FrozenWeightFloat8Linear(config)
+        lora = model.get_submodule(name)
+        assert isinstance(lora, LinearLoRA), name
+        lora.fp8_linear = FrozenWeightFloat8Linear(config)
 
 
 # ---------------------------------------------------------------------------- LoRA base GEMM

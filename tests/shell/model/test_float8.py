@@ -1,6 +1,6 @@
 """`dtensor_cfg.fp8` on the CPU: config validation, the one-warning fallback, and the
-conversion itself through torchao's emulated float8 GEMMs (the module swap and the casts are
-the real ones; only the GEMM runs in high precision)."""
+conversion itself with torchao's real float8 path (torch has a CPU kernel for
+`torch._scaled_mm`; the worker never converts on the CPU, `check_device=False` does here)."""
 
 import warnings
 
@@ -16,6 +16,7 @@ from policyworker.shell.model.lora import LinearLoRA, apply_lora
 from policyworker.shell.refit.weight_stream import params_generator
 from policyworker.shell.worker.policy_worker import PolicyWorker
 from tests.shell.conftest import make_batch, make_config
+
 
 @pytest.fixture
 def torchao():
@@ -107,12 +108,12 @@ def test_a_worker_asking_for_fp8_on_cpu_trains_exactly_as_without(tiny_model_pat
 # ---------------------------------------------------------------------------- conversion
 
 
-def test_emulated_conversion_swaps_only_decoder_linears_and_keeps_names(tiny_model_paths, torchao):
+def test_conversion_swaps_only_decoder_linears_and_keeps_names(tiny_model_paths, torchao):
     model = _model(tiny_model_paths["qwen2"])
     before = _layout(model)
     params_before = {n: p for n, p in model.named_parameters()}
     report = float8_lib.apply_float8_training(
-        model, Float8Config(), device=torch.device("cpu"), emulate=True
+        model, Float8Config(), device=torch.device("cpu"), check_device=False
     )
     assert _layout(model) == before
     # the same Parameter objects: the optimizer built afterwards sees the master weights
@@ -125,10 +126,12 @@ def test_emulated_conversion_swaps_only_decoder_linears_and_keeps_names(tiny_mod
     assert report.num_skipped == 1  # lm_head
 
 
-def test_emulated_fp8_training_is_close_to_high_precision(tiny_model_paths, torchao):
+def test_fp8_training_is_close_to_high_precision(tiny_model_paths, torchao):
     """Forward and backward through the converted model stay within fp8 rounding of fp32."""
     ref, fp8 = _model(tiny_model_paths["qwen2"]), _model(tiny_model_paths["qwen2"])
-    float8_lib.apply_float8_training(fp8, Float8Config(), device=torch.device("cpu"), emulate=True)
+    float8_lib.apply_float8_training(
+        fp8, Float8Config(), device=torch.device("cpu"), check_device=False
+    )
     ids = make_batch(2, 12, seed=3)["input_ids"]
     outs = []
     for model in (ref, fp8):
@@ -151,7 +154,7 @@ def test_lora_layers_get_a_frozen_float8_base_and_keep_their_adapters(tiny_model
     names = apply_lora(model, {"match_all_linear": True, "dim": 4, "alpha": 8})
     before = _layout(model)
     report = float8_lib.apply_float8_training(
-        model, Float8Config(), device=torch.device("cpu"), emulate=True
+        model, Float8Config(), device=torch.device("cpu"), check_device=False
     )
     assert set(report.lora) == set(names) and report.converted == ()
     assert _layout(model) == before
@@ -175,7 +178,38 @@ def test_refit_names_and_dtypes_are_unchanged_by_the_conversion(tiny_model_paths
     model = _model(tiny_model_paths["qwen2"])
     want = [(n, t.dtype, t.shape) for n, t in params_generator(model, torch.bfloat16)]
     float8_lib.apply_float8_training(
-        model, Float8Config(), device=torch.device("cpu"), emulate=True
+        model, Float8Config(), device=torch.device("cpu"), check_device=False
     )
     got = [(n, t.dtype, t.shape) for n, t in params_generator(model, torch.bfloat16)]
     assert got == want
+
+
+def _cuda_scaled_mm_rules(real):
+    """torch._scaled_mm with CUDA's shape rules, which the CPU kernel does not check."""
+
+    def scaled_mm(mat1, mat2, *args, **kwargs):
+        assert mat1.shape[1] % 16 == 0, f"mat1 {tuple(mat1.shape)}: trailing dim % 16 != 0"
+        assert mat2.shape[0] % 16 == 0 and mat2.shape[1] % 16 == 0, f"mat2 {tuple(mat2.shape)}"
+        return real(mat1, mat2, *args, **kwargs)
+
+    return scaled_mm
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_token_counts_not_divisible_by_16_meet_cudas_gemm_rules(
+    tiny_model_paths, torchao, monkeypatch, lora
+):
+    """A [2, 3] microbatch (6 tokens, as the compile probe's) trains through every float8 GEMM
+    under CUDA's rule: the weight gradient's inner dim is the token count, so it is padded."""
+    model = _model(tiny_model_paths["qwen2"])
+    if lora:
+        apply_lora(model, {"match_all_linear": True, "dim": 4, "alpha": 8})
+    report = float8_lib.apply_float8_training(
+        model, Float8Config(), device=torch.device("cpu"), check_device=False
+    )
+    assert report.active
+    monkeypatch.setattr(torch, "_scaled_mm", _cuda_scaled_mm_rules(torch._scaled_mm))
+    logits = model(input_ids=make_batch(2, 3, seed=0)["input_ids"]).logits
+    logits.logsumexp(-1).mean().backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
