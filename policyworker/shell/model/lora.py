@@ -185,8 +185,9 @@ class LinearLoRA(nn.Linear):
         return base + delta.to(base.dtype)
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
-        """The frozen base layer's output: float8 GEMM when `fp8_linear` is set."""
-        if self.fp8_linear is None:
+        """The frozen base layer's output: float8 GEMM when `fp8_linear` is set (and the base
+        is frozen, as `apply_lora` leaves it: that GEMM gives the weight no gradient)."""
+        if self.fp8_linear is None or self.weight.requires_grad:
             return F.linear(x, self.weight, self.bias)
         out = self.fp8_linear(x, self.weight)
         return out if self.bias is None else out + self.bias.to(out.dtype)

@@ -123,7 +123,11 @@ class WorkerState:
             if parallel.mesh is not None:  # the probe's no-grad forward left roots unsharded
                 parallel_lib.reshard(model)
         fusion_report = fuse_elementwise(
-            model, mode=dcfg.fusion, autocast_dtype=dtype, distributed=parallel.mesh is not None
+            model,
+            mode=dcfg.fusion,
+            autocast_dtype=dtype,
+            distributed=parallel.mesh is not None,
+            float8=float8_report.active,
         )
         sampling = Sampling.of_generation(cfg.generation)
         logprob_kernels, fusion_report = _logprob_kernels(
