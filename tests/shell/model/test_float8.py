@@ -213,3 +213,19 @@ def test_token_counts_not_divisible_by_16_meet_cudas_gemm_rules(
     logits.logsumexp(-1).mean().backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_every_recipe_trains_through_both_kinds_of_layer(tiny_model_paths, torchao, recipe, lora):
+    model = _model(tiny_model_paths["qwen2"])
+    if lora:
+        apply_lora(model, {"match_all_linear": True, "dim": 4, "alpha": 8})
+    report = float8_lib.apply_float8_training(
+        model, Float8Config(recipe=recipe), device=torch.device("cpu"), check_device=False
+    )
+    assert report.active and report.recipe == recipe
+    logits = model(input_ids=make_batch(2, 8, seed=1)["input_ids"]).logits
+    logits.logsumexp(-1).mean().backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
