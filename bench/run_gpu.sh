@@ -88,18 +88,25 @@ elif [ "$PART" = 5 ]; then
     --json "$OUT/checkpoint_digests.json" 2>&1 | tail -10
   stamp checkpoint_digests
 elif [ "$PART" = 6 ]; then
+  rows="^fusion \(|^fp8 |worker: |^metric|^packed|^peak|^loss|^max|^mean|^last|step 49"
   timeout 300 python -m bench.train_step $small --also-fp8 --skip-padded --skip-baseline \
-    --steps 3 --out "$OUT/train_step_fp8.json" 2>&1 | tail -12
+    --steps 3 --out "$OUT/train_step_fp8.json" > "$OUT/train_step_fp8.log" 2>&1
+  grep -E "$rows" "$OUT/train_step_fp8.log"
   stamp train_step_fp8
-  timeout 280 python -m bench.fp8_loss $small --out "$OUT/fp8_loss.json" 2>&1 | tail -8
+  timeout 280 python -m bench.fp8_loss $small --out "$OUT/fp8_loss.json" \
+    > "$OUT/fp8_loss.log" 2>&1
+  grep -E "$rows" "$OUT/fp8_loss.log"
   stamp fp8_loss
 elif [ "$PART" = 7 ]; then
   timeout 560 python -m bench.train_step $small --shape 7b --lora-dim 16 --also-fp8 --skip-padded \
-    --skip-baseline --steps 2 --out "$OUT/train_step_8b_fp8.json" 2>&1 | tail -12
+    --skip-baseline --steps 2 --out "$OUT/train_step_8b_fp8.json" \
+    > "$OUT/train_step_8b_fp8.log" 2>&1
+  grep -E "^fusion \(|^fp8 |worker: |^metric|^packed|^peak|^loss" "$OUT/train_step_8b_fp8.log"
   stamp train_step_8b_fp8
 elif [ "$PART" = 8 ]; then
   timeout 560 python -m bench.fp8_loss $small --shape 7b --lora-dim 16 --batch 2 --max-len 1024 \
-    --out "$OUT/fp8_loss_8b.json" 2>&1 | tail -8
+    --out "$OUT/fp8_loss_8b.json" > "$OUT/fp8_loss_8b.log" 2>&1
+  grep -E "worker: |^metric|^max|^mean|^last|step 49" "$OUT/fp8_loss_8b.log"
   stamp fp8_loss_8b
 elif [ "$PART" = 4 ]; then
   timeout 240 python -m bench.train_step $small --lora-dim 16 --skip-padded --skip-baseline \
