@@ -3,7 +3,7 @@
 # call (under 10 minutes; the figures in brackets are run C's H200 timings: 12-05, commit
 # 095c59f, PART=1 303 s, PART=2 373 s); run from the repo root, results under $OUT (default bench/results). PART=1 and
 # PART=2 make the README's table, PART=3 runs the GPU tests, PART=4 the profiles, PART=5 the
-# in-flight, adapter and digest rows, PART=6 full fine-tuning of the 7B shape (Adafactor).
+# in-flight, adapter and digest rows, PART=6 full fine-tuning of the 7B shape (Adafactor), PART=7..9 float8 training.
 # No row is timed after a profile in its process (the profiler leaves every later launch slower:
 # bench/common.mark_profiled), so the table's parts profile nothing; PART=4 holds the profiles.
 #   PART=1  train_step.json     packed train step, default config (fusion: auto) vs fusion: none,
@@ -37,6 +37,13 @@
 #                               worker start)
 #           train_step_adafactor.json  1.5B shape: AdamW (everything on the GPU) vs Adafactor,
 #                               the same step in one process (about 2 min)
+#   PART=7  train_step_fp8.json  1.5B default config vs the same plus dtensor_cfg.fp8 (tensorwise
+#                               float8 linears), tokens/s and loss side by side
+#           fp8_loss.json       50 steps bf16 vs fp8 on the same batches, 1.5B: largest loss gap
+#                               vs the bf16 step-to-step noise
+#   PART=8  train_step_8b_fp8.json  the same tokens/s row at the 7B shape with LoRA dim 16 (the
+#                               bf16 7B LoRA worker peaks at 120 GiB: an H200, as PART=2)
+#   PART=9  fp8_loss_8b.json    the 50-step loss check at the 7B shape with LoRA dim 16
 #   PART=4  train_step_lora.json  the 1.5B default config with LoRA dim 16 alone, --profile (where
 #                               a LoRA step's time goes: kernels, GPU idle, host; and its speed
 #                               after the profile); the log is train_step_lora.log [132 s]
@@ -97,6 +104,27 @@ elif [ "$PART" = 6 ]; then
     --also-optimizer torch.optim.Adafactor --skip-padded --skip-baseline --steps 3 \
     --out "$OUT/train_step_adafactor.json" 2>&1 | tail -14
   stamp train_step_adafactor
+elif [ "$PART" = 7 ]; then
+  rows="^fusion \(|^fp8 |worker: |^metric|^packed|^peak|^loss|^max|^mean|^last|step 49"
+  timeout 300 python -m bench.train_step $small --also-fp8 --skip-padded --skip-baseline \
+    --steps 3 --out "$OUT/train_step_fp8.json" > "$OUT/train_step_fp8.log" 2>&1
+  grep -E "$rows" "$OUT/train_step_fp8.log"
+  stamp train_step_fp8
+  timeout 280 python -m bench.fp8_loss $small --out "$OUT/fp8_loss.json" \
+    > "$OUT/fp8_loss.log" 2>&1
+  grep -E "$rows" "$OUT/fp8_loss.log"
+  stamp fp8_loss
+elif [ "$PART" = 8 ]; then
+  timeout 560 python -m bench.train_step $small --shape 7b --lora-dim 16 --also-fp8 --skip-padded \
+    --skip-baseline --steps 2 --out "$OUT/train_step_8b_fp8.json" \
+    > "$OUT/train_step_8b_fp8.log" 2>&1
+  grep -E "^fusion \(|^fp8 |worker: |^metric|^packed|^peak|^loss" "$OUT/train_step_8b_fp8.log"
+  stamp train_step_8b_fp8
+elif [ "$PART" = 9 ]; then
+  timeout 560 python -m bench.fp8_loss $small --shape 7b --lora-dim 16 --batch 2 --max-len 1024 \
+    --out "$OUT/fp8_loss_8b.json" > "$OUT/fp8_loss_8b.log" 2>&1
+  grep -E "worker: |^metric|^max|^mean|^last|step 49" "$OUT/fp8_loss_8b.log"
+  stamp fp8_loss_8b
 elif [ "$PART" = 4 ]; then
   timeout 240 python -m bench.train_step $small --lora-dim 16 --skip-padded --skip-baseline \
     --steps 3 --profile --out "$OUT/train_step_lora.json" > "$OUT/train_step_lora.log" 2>&1

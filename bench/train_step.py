@@ -33,6 +33,9 @@ fine-tuning row, through the worker as a user runs it); `--also-liger` one more,
 with Liger's Qwen2 kernels (RMSNorm, SwiGLU MLP, RoPE) patched into the worker's model and our
 fused logprob kernels: the field's kernel library in place of our layer compile, everything else
 equal (measure both, keep the better; CUDA only, Liger is Triton);
+`--also-fp8 [RECIPE]` one more, the default config (and `--lora-dim`) plus `dtensor_cfg.fp8`
+(torchao float8 matmuls in the decoder layers, recipe default tensorwise; CUDA sm89+): its
+tokens/s against the first row's (target >= 1.25x) and the last timed step's loss beside it;
 `--skip-padded` skips the padded worker.
 `--profile` also prints where the first row's worker spends a step (top kernels, where the GPU
 idles: `bench/gpu_gaps.py`, host time) and its speed after the profile; that worker then runs
@@ -117,6 +120,7 @@ def worker_config(
     fuse: str | None = None,
     lora_dim: int = 0,
     optimizer: str | None = None,
+    fp8: str | None = None,
 ) -> dict:
     cfg = {
         "model_name": model_path,
@@ -137,6 +141,8 @@ def worker_config(
             "alpha": 2 * lora_dim,
             "match_all_linear": True,
         }
+    if fp8:
+        cfg["dtensor_cfg"]["fp8"] = {"recipe": fp8}
     if packed:
         cfg["sequence_packing"] = {"train_mb_tokens": args.mb_tokens}
     return cfg
@@ -154,6 +160,7 @@ def bench_worker(
     profile: bool = False,
     liger: bool = False,
     optimizer: str | None = None,
+    fp8: str | None = None,
 ) -> dict:
     """One worker's timed train steps; `liger`: `fusion: none` with Liger's kernels patched in
     (`liger_layers`) and our fused logprob kernels; `optimizer`: another than `--optimizer`."""
@@ -171,6 +178,7 @@ def bench_worker(
             fuse="none" if liger else fuse,
             lora_dim=lora_dim,
             optimizer=optimizer,
+            fp8=fp8,
         ),
         init_reference_model=False,
     )
@@ -183,9 +191,13 @@ def bench_worker(
         label=("packed" if packed else "padded")
         + (f", fusion {fuse}" if fuse else "")
         + (", fusion none + Liger's kernels" if liger else "")
-        + (f", LoRA dim {lora_dim}" if lora_dim else ""),
+        + (f", LoRA dim {lora_dim}" if lora_dim else "")
+        + (f", fp8 {fp8}" if fp8 else ""),
         seconds=time.perf_counter() - start,
     )
+    fp8_report = worker.float8_report.summary()
+    if fp8:
+        print(f"fp8 ({fp8}): {fp8_report}")
     tokens = int(data["input_lengths"].sum())
     after_profile_s = None
     try:
@@ -222,6 +234,7 @@ def bench_worker(
         "attn": "varlen" if packed and device().type == "cuda" else "sdpa",
         **fusion,
         "logprob_kernels": worker_logprobs,
+        "fp8_report": fp8_report,
         "tokens_per_s_after_profile": tokens / after_profile_s if after_profile_s else None,
     }
 
@@ -331,6 +344,15 @@ def main() -> None:
         help="also measure a packed worker with fusion none, Liger's RMSNorm/SwiGLU/RoPE "
         "kernels and our fused logprob kernels: Liger's kernels against our compile (CUDA)",
     )
+    parser.add_argument(
+        "--also-fp8",
+        nargs="?",
+        const="tensorwise",
+        default=None,
+        metavar="RECIPE",
+        help="also measure a packed worker with dtensor_cfg.fp8 (torchao float8 linears; recipe "
+        "default tensorwise), otherwise the first row's config: fp8 vs bf16 tokens/s and loss",
+    )
     parser.add_argument("--skip-padded", action="store_true", help="skip the padded worker")
     parser.add_argument(
         "--optimizer",
@@ -417,6 +439,11 @@ def main() -> None:
         other_optimizer = (
             optimizer_row(model_path, args, data, num_params) if args.also_optimizer else None
         )
+        fp8 = (
+            bench_worker(model_path, args, data, num_params, packed=True, fp8=args.also_fp8)
+            if args.also_fp8
+            else None
+        )
         liger = None
         if args.also_liger:
             liger = liger_row(model_path, args, data, num_params)
@@ -447,6 +474,7 @@ def main() -> None:
         lora=lora,
         liger=liger,
         other_optimizer=other_optimizer,
+        fp8=fp8,
     )
     print_table(
         f"train step, {num_params / 1e9:.2f}B params, {args.batch} rows of "
@@ -465,6 +493,7 @@ def main() -> None:
             "ours_packed_lora": lora,
             "ours_packed_liger": liger,
             "ours_packed_also_optimizer": other_optimizer,
+            "ours_packed_fp8": fp8,
             "ours_padded": padded,
             "baseline_small_batch": base_small,
             "baseline_full_batch": base_full,

@@ -1,7 +1,7 @@
 """The rows of a train-step run: our packed and padded steps against the plain Hugging Face
 loop, MFU against its target, the planner's predicted peak beside the measured one, and the
 optional rows (another fusion mode, LoRA against full fine-tuning, our layer compile against
-Liger's kernels, another optimizer). See `bench.train_step`."""
+Liger's kernels, another optimizer, float8 linears against bf16). See `bench.train_step`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from bench.common import ratio
 
-__all__ = ["summary_rows"]
+__all__ = ["fp8_rows", "summary_rows"]
 
 LIGER = "fusion none with Liger's RMSNorm/SwiGLU/RoPE and our fused logprobs"
 
@@ -27,6 +27,7 @@ def summary_rows(
     lora: dict[str, Any] | None,
     liger: dict[str, Any] | None,
     other_optimizer: dict[str, Any] | None = None,
+    fp8: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The row schema of one run (`bench.rows`); a result that is None adds no rows."""
     rows = [
@@ -131,6 +132,8 @@ def summary_rows(
                 "ratio": ratio(packed["loss"], liger["loss"]),
             }
         )
+    if fp8 is not None:
+        rows.extend(fp8_rows(args, packed, fp8))
     if base_full is not None:
         rows.append(
             {
@@ -200,3 +203,35 @@ def _run_kind(args: argparse.Namespace) -> str:
     own target for it."""
     full_7b = args.shape == "7b" and not args.lora_dim
     return f"{args.shape} shape" + (", full fine-tuning" if full_7b else "")
+
+
+def fp8_rows(
+    args: argparse.Namespace, packed: dict[str, Any], fp8: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The float8 worker against the first row (the same config without `dtensor_cfg.fp8`)."""
+    name = f"the same worker without fp8 ({args.precision} GEMMs)"
+    return [
+        {"metric": f"fp8 worker: {fp8['fp8_report']}"},
+        {
+            "metric": f"packed tok/s, fp8 {args.also_fp8} vs without",
+            "ours": fp8["tokens_per_s"],
+            "baseline": packed["tokens_per_s"],
+            "baseline_name": name,
+            "limit": ">= 1.25x",
+            "ratio": ratio(fp8["tokens_per_s"], packed["tokens_per_s"]),
+        },
+        {
+            "metric": "peak GiB, fp8 vs without",
+            "ours": fp8["peak_gib"],
+            "baseline": packed["peak_gib"],
+            "baseline_name": name,
+            "ratio": ratio(fp8["peak_gib"], packed["peak_gib"]),
+        },
+        {  # same weights, batch and steps: a wrong float8 path shows here (50 steps: fp8_loss)
+            "metric": "loss of the last timed step, fp8 vs without",
+            "ours": fp8["loss"],
+            "baseline": packed["loss"],
+            "baseline_name": name,
+            "ratio": ratio(fp8["loss"], packed["loss"]),
+        },
+    ]

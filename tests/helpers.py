@@ -332,3 +332,14 @@ def refit_through(sender, receiver, **kwargs):
         return sender.stream_weights_via_ipc_zmq(timeout_s=30, **kwargs), box
     finally:
         thread.join(30)
+
+
+def save_float8_tiny_qwen2(folder) -> str:
+    """A tiny Qwen2 for the float8 tests, saved in `folder`: every linear's dims divisible by 16
+    (k/v projections: 2 heads of 16), and transformers' default init (N(0, 0.02)). The session
+    models' N(0, 0.2) matrices amplify float8 rounding from layer to layer far beyond what
+    trained weights do."""
+    from policyworker.testing import tiny_model_folder
+
+    shape = dict(TINY_DECODER_SHAPE, hidden_size=64, intermediate_size=128)
+    return tiny_model_folder(folder, "qwen2", seed=3, **shape)

@@ -9,11 +9,12 @@ A bad mapping raises `ConfigError` listing every problem, one per line, each end
 `@ policy.<dotted.path>`.
 
 Optional sections (`sequence_packing`, `dynamic_batching`, `dtensor_cfg.lora_cfg`,
-`reward_model_cfg`, `router_replay`, `draft`) follow one rule: absent or `null` means disabled,
-and so does NeMo-RL's `{enabled: false, ...}` form; both structure to `None`. A section given
-without `enabled`, or with `enabled: true`, is enabled and structures to its class (which has no
-`enabled` attribute). The keys of a disabled section are still checked by name (a typo is an
-error) but their values are not read; `PolicyConfig.disabled_sections` keeps them as given.
+`dtensor_cfg.fp8`, `reward_model_cfg`, `router_replay`, `draft`) follow one rule: absent or
+`null` means disabled, and so does NeMo-RL's `{enabled: false, ...}` form; both structure to
+`None`. A section given without `enabled`, or with `enabled: true`, is enabled and structures to
+its class (which has no `enabled` attribute). The keys of a disabled section are still checked by
+name (a typo is an error) but their values are not read; `PolicyConfig.disabled_sections` keeps
+them as given.
 `PolicyConfig` has `*_enabled` properties for consumers.
 
 The package, by responsibility: `values` (the Literal choices and precision aliases), `rules`
@@ -35,6 +36,7 @@ from policyworker.config.sections import (
     DraftConfig,
     DTensorConfig,
     DynamicBatchingConfig,
+    Float8Config,
     GenerationConfig,
     LoRAConfig,
     OptimizerConfig,
@@ -49,6 +51,7 @@ from policyworker.config.values import (
     PRECISION_ALIASES,
     AttnImplementation,
     DropoutPosition,
+    Float8Recipe,
     FusionMode,
     LoraAInit,
     LoraComputeDtype,
@@ -68,6 +71,8 @@ __all__ = [
     "DataPlaneConfig",
     "DraftConfig",
     "DropoutPosition",
+    "Float8Config",
+    "Float8Recipe",
     "FusionMode",
     "DynamicBatchingConfig",
     "GenerationConfig",

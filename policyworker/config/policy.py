@@ -226,6 +226,7 @@ SECTION_PATHS: tuple[str, ...] = (
     "sequence_packing",
     "dynamic_batching",
     "dtensor_cfg.lora_cfg",
+    "dtensor_cfg.fp8",
     "reward_model_cfg",
     "router_replay",
     "draft",

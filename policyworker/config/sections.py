@@ -25,6 +25,7 @@ from policyworker.config.values import (
     DataPlaneImpl,
     DropoutPosition,
     FetchPolicy,
+    Float8Recipe,
     FusionMode,
     LoraAInit,
     LoraComputeDtype,
@@ -42,6 +43,7 @@ __all__ = [
     "DTensorConfig",
     "DraftConfig",
     "DynamicBatchingConfig",
+    "Float8Config",
     "GenerationConfig",
     "LoRAConfig",
     "OptimizerConfig",
@@ -114,6 +116,23 @@ class LoRAConfig:
 
 
 @frozen(kw_only=True)
+class Float8Config:
+    """`policy.dtensor_cfg.fp8` (present = enabled; not a NeMo-RL key): the decoder layers'
+    linear matmuls run in float8 through torchao's float8 training (`pip install
+    'policyworker[fp8]'`), composed with `fusion: layer`. `recipe` is torchao's: `tensorwise`
+    (default; per-tensor scales, the fastest) or `rowwise` / `rowwise_with_gw_hp`. The output
+    head, the embeddings and any linear whose dims are not multiples of 16 keep their precision;
+    under LoRA the frozen base GEMM of each adapted layer runs in float8 and the adapter stays in
+    its compute dtype (the adapter is then not merged into the GEMM). Master weights, optimizer
+    state, checkpoints and the refit keep their names and dtypes. Where float8 cannot run (no
+    CUDA, compute capability below 8.9, torchao missing or too old, tensor parallelism) the worker
+    trains as without this section, after one warning per process; `PolicyWorker.float8_report`
+    says what ran."""
+
+    recipe: Float8Recipe = "tensorwise"
+
+
+@frozen(kw_only=True)
 class DTensorConfig:
     """`policy.dtensor_cfg`: parallel sizes, memory options, LoRA, the attention kernel and
     `fusion` (not a NeMo-RL key): `layer` runs each decoder layer through one `torch.compile`d
@@ -141,7 +160,8 @@ class DTensorConfig:
     peak exceeds it, naming the phase and the knob. None: the GPU's total memory on CUDA, no
     check on the CPU. `auto_tune` (ours): set the sequence-packing / dynamic-batching
     `train_mb_tokens` and `logprob_mb_tokens` and `logprob_chunk_size` to the largest values the
-    planner predicts to fit that budget (needs a budget: CUDA or `memory_budget_gb`)."""
+    planner predicts to fit that budget (needs a budget: CUDA or `memory_budget_gb`). `fp8`
+    (ours): float8 matmuls in the decoder layers (`Float8Config`; absent: off)."""
 
     tensor_parallel_size: int = field(default=1, validator=at_least(1))
     context_parallel_size: int = field(default=1, validator=at_least(1))
@@ -157,6 +177,7 @@ class DTensorConfig:
     release_cache_after_train: bool = False
     memory_budget_gb: float | None = field(default=None, validator=POSITIVE)
     auto_tune: bool = False
+    fp8: Float8Config | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.sequence_parallel and self.tensor_parallel_size == 1:
@@ -365,6 +386,7 @@ class DataPlaneConfig:
 
 SECTIONS: Final[tuple[type[Any], ...]] = (
     LoRAConfig,
+    Float8Config,
     SequencePackingConfig,
     DynamicBatchingConfig,
     RewardModelConfig,

@@ -9,6 +9,7 @@ __all__ = [
     "PRECISION_ALIASES",
     "AttnImplementation",
     "DropoutPosition",
+    "Float8Recipe",
     "FusionMode",
     "LoraAInit",
     "LoraComputeDtype",
@@ -24,6 +25,9 @@ AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "varlen"
 # torch.compile of elementwise work in the training model (shell/kernels/fusion.py); "none"
 # runs eager, "auto" is "layer" on CUDA in a single process and "none" otherwise
 FusionMode = Literal["auto", "none", "norm_mlp", "layer"]
+# torchao's float8 training recipes (`Float8LinearConfig.from_recipe_name`): per-tensor scales, or
+# per-row scales (with a high-precision weight-gradient GEMM in the last one)
+Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 PackingAlgorithm = Literal[
     "modified_first_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle", "concatenative"
 ]

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from policyworker.config import PolicyConfig
     from policyworker.shell.kernels.fusion import FusionReport
+    from policyworker.shell.model.float8 import Float8Report
     from policyworker.shell.parallel.context import ParallelContext
 
 __all__ = [
@@ -131,6 +132,8 @@ class SummarizedWorker(Protocol):
     @property
     def fusion_report(self) -> FusionReport: ...
     @property
+    def float8_report(self) -> Float8Report: ...
+    @property
     def reference_state(self) -> dict[str, torch.Tensor] | None: ...
 
 
@@ -167,6 +170,8 @@ def startup_summary(worker: SummarizedWorker, *, name: str) -> str:
     fusion = worker.fusion_report.summary()
     if fusion != "none":
         extras.append(f"fusion={fusion}")
+    if worker.float8_report.requested:
+        extras.append(f"fp8={worker.float8_report.summary()}")
     if dcfg.activation_checkpointing:
         extras.append("activation checkpointing")
     optimizer = cfg.optimizer.name if worker.optimizer is not None and cfg.optimizer else "none"

@@ -23,6 +23,8 @@ from policyworker.config import (
     DropoutPosition,
     DTensorConfig,
     DynamicBatchingConfig,
+    Float8Config,
+    Float8Recipe,
     GenerationConfig,
     LoraAInit,
     LoraComputeDtype,
@@ -159,6 +161,7 @@ def policy_configs(draw) -> PolicyConfig:
         lora_cfg=draw(optional(lora_configs())),
         attn_implementation=draw(one_of_literal(AttnImplementation)),
         release_cache_after_train=draw(st.booleans()),
+        fp8=draw(optional(st.builds(Float8Config, recipe=one_of_literal(Float8Recipe)))),
     )
     reward_cfg = RewardModelConfig(reward_model_type=draw(one_of_literal(RewardModelType)))
     return PolicyConfig(

@@ -248,6 +248,7 @@ def fuse_elementwise(
     mode: FusionMode = "norm_mlp",
     autocast_dtype: torch.dtype | None = None,
     distributed: bool = False,
+    float8: bool = False,
 ) -> FusionReport:
     """Replace module forwards of `model` with compiled fused ones; see the module docstring.
 
@@ -260,6 +261,7 @@ def fuse_elementwise(
             The probe runs under the same autocast, so its compiled graphs are the ones the
             train step reuses instead of recompiling.
         distributed: the model is (or will be) sharded by FSDP2/TP: "auto" means "none".
+        float8: linears run float8 GEMMs (`dtensor_cfg.fp8`): the probe compares in norm.
 
     Raises:
         ValueError: `mode` is not one of FUSION_MODES.
@@ -277,9 +279,9 @@ def fuse_elementwise(
     try:
         with rng_preserved(device), training_mode(model):
             if mode == "norm_mlp":
-                report = _fuse_norm_mlp(model, device=device, autocast_dtype=dtype)
+                report = _fuse_norm_mlp(model, device=device, autocast_dtype=dtype, float8=float8)
             else:
-                report = _fuse_layers(model, device=device, autocast_dtype=dtype)
+                report = _fuse_layers(model, device=device, autocast_dtype=dtype, float8=float8)
     except Exception as exc:  # any compile or probe failure: fall back to the eager model
         unfuse_elementwise(model)
         reason = f"{type(exc).__name__}: {first_line(exc)}"
@@ -313,7 +315,7 @@ def _install(module: nn.Module, forward: Callable[..., Any]) -> None:
 
 
 def _fuse_norm_mlp(
-    model: nn.Module, *, device: torch.device, autocast_dtype: torch.dtype
+    model: nn.Module, *, device: torch.device, autocast_dtype: torch.dtype, float8: bool
 ) -> FusionReport:
     norms = _matching([m for m in model.modules() if _looks_like_rms_norm(m)], _norm_class_matches)
     mlps = _matching(
@@ -325,17 +327,18 @@ def _fuse_norm_mlp(
         {m: _fused_norm_forward for m in norms} | {m: _fused_mlp_forward for m in mlps},
         device,
         autocast_dtype,
+        float8,
     )
     return FusionReport(mode="norm_mlp", fused_norms=len(norms), fused_mlps=len(mlps))
 
 
 def _fuse_layers(
-    model: nn.Module, *, device: torch.device, autocast_dtype: torch.dtype
+    model: nn.Module, *, device: torch.device, autocast_dtype: torch.dtype, float8: bool
 ) -> FusionReport:
     # One compiled function per layer class: dynamo then reuses one graph for all its layers.
     layers = _decoder_layers(model)
     forwards = {layer: compiled_once(type(layer), type(layer).forward) for layer in layers}
-    _fuse_andprobe_against_eager(model, forwards, device, autocast_dtype)
+    _fuse_andprobe_against_eager(model, forwards, device, autocast_dtype, float8)
     return FusionReport(mode="layer", fused_layers=len(layers))
 
 
@@ -344,6 +347,7 @@ def _fuse_andprobe_against_eager(
     forwards: dict[nn.Module, Callable[..., Any]],
     device: torch.device,
     autocast_dtype: torch.dtype,
+    float8: bool = False,
 ) -> None:
     """Install `forwards`, then check each distinct kind of call against the class forward on
     the inputs the modules got in one tiny eager forward of the whole model.
@@ -364,4 +368,4 @@ def _fuse_andprobe_against_eager(
             key = call_signature(module, args)
             if key not in probed:
                 probed.add(key)
-                probe_against_eager(module, args, kwargs, autocast_dtype)
+                probe_against_eager(module, args, kwargs, autocast_dtype, float8=float8)

@@ -13,7 +13,7 @@ inside the up-projection's GEMM. The `lora_cfg` settings it is built from are `l
 """
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, cast
 
 import torch
@@ -130,6 +130,8 @@ class LinearLoRA(nn.Linear):
     ) -> None:
         self.compute_dtype = compute_dtype
         self.adapter_enabled = True  # False: the frozen base layer alone (a base reference)
+        # `dtensor_cfg.fp8` (shell.model.float8) sets a float8 GEMM for the frozen base weight
+        self.fp8_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.scale = lora_scale(alpha, dim, use_rslora)
         self.dim, self.alpha, self.use_rslora = dim, float(alpha), use_rslora
         self.dropout_position, self.lora_A_init = dropout_position, lora_A_init
@@ -161,7 +163,7 @@ class LinearLoRA(nn.Linear):
     # nn.Linear calls its argument `input` (a builtin name); every caller passes it positionally
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # pyright: ignore[reportIncompatibleMethodOverride]
         if not self.adapter_enabled:
-            return F.linear(x, self.weight, self.bias)
+            return self._base(x)
         a, b = self.lora_A.weight, self.lora_B.weight
         acc = self._adapter_dtype()
         if self._adapter_in_autocast_dtype(x.device.type, acc):
@@ -172,7 +174,7 @@ class LinearLoRA(nn.Linear):
                 return _MergedAdapterLinear.apply(x_c, self.weight, self.bias, a, b, self.scale)
             if not self._drops_adapter_output():
                 return self._forward_with_addmm(x_c, a, b)
-        base = F.linear(x, self.weight, self.bias)
+        base = self._base(x)
         h = self.dropout(x) if self.dropout_position == "pre" else x
         # fp32 adapters: a bf16 autocast would otherwise run both small matmuls in bf16. The scale
         # multiplies the [.., R] intermediate, not the [.., O] output: one full pass less.
@@ -181,6 +183,14 @@ class LinearLoRA(nn.Linear):
         if self._drops_adapter_output():
             delta = self.dropout(delta)
         return base + delta.to(base.dtype)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen base layer's output: float8 GEMM when `fp8_linear` is set (and the base
+        is frozen, as `apply_lora` leaves it: that GEMM gives the weight no gradient)."""
+        if self.fp8_linear is None or self.weight.requires_grad:
+            return F.linear(x, self.weight, self.bias)
+        out = self.fp8_linear(x, self.weight)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def merged_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(weight, bias) in ``dtype`` that compute this layer as one plain linear under an
@@ -212,8 +222,11 @@ class LinearLoRA(nn.Linear):
 
     def _merges(self) -> bool:
         """Whether the adapter can be merged into the base weight for this call: the adapter
-        sees the base layer's input (no active dropout) and the base takes no gradient
-        (`apply_lora` freezes it; the merged path has no gradient for it)."""
+        sees the base layer's input (no active dropout), the base takes no gradient
+        (`apply_lora` freezes it; the merged path has no gradient for it), and the base GEMM is
+        not float8 (`fp8_linear`: the adapter then stays apart, in its compute dtype)."""
+        if self.fp8_linear is not None:
+            return False
         no_dropout = isinstance(self.dropout, nn.Identity) or not self.training
         base_trains = self.weight.requires_grad or (
             self.bias is not None and self.bias.requires_grad
@@ -227,9 +240,10 @@ class LinearLoRA(nn.Linear):
         self, x_c: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     ) -> torch.Tensor:
         """``base + scale * (h A^T) B^T`` for input dropout (the adapter sees another input than
-        the base, so no merge): the up-projection adds onto the base output inside its GEMM
-        (addmm, `alpha=scale`) instead of a separate pass over the [.., O] output."""
-        base = F.linear(x_c, self.weight, self.bias)
+        the base, so no merge) or a float8 base GEMM: the up-projection adds onto the base output
+        inside its GEMM (addmm, `alpha=scale`) instead of a separate pass over the [.., O]
+        output."""
+        base = self._base(x_c)
         h = self.dropout(x_c) if self.dropout_position == "pre" else x_c
         down = F.linear(h, a.to(x_c.dtype))
         out = torch.addmm(

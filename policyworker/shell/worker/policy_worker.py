@@ -87,6 +87,7 @@ class PolicyWorker(
     scheduler = _state_field("scheduler", "The LR scheduler, or None without an optimizer.")
     lora_module_names = _state_field("lora_module_names", "Modules that carry LoRA adapters.")
     fusion_report = _state_field("fusion_report", "What `dtensor_cfg.fusion` compiled.")
+    float8_report = _state_field("float8_report", "What `dtensor_cfg.fp8` converted.")
     _reference_state = _state_field("reference_state", "CPU reference weights, or None.")
 
     def __init__(

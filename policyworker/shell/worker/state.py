@@ -2,9 +2,9 @@
 
 The behaviour modules (`training`, `inference`, `offload`, `weights`) take the state as their
 first argument and the facade (`worker.PolicyWorker`) holds exactly one. `WorkerState.build`
-validates the config against the process group first, then builds (model, LoRA, FSDP2/TP,
-fusion, optimizer, scheduler, reference snapshot, a checkpoint given at construction), so the
-attrs class itself stays a plain record.
+validates the config against the process group first, then builds (model, LoRA, float8
+linears, FSDP2/TP, fusion, optimizer, scheduler, reference snapshot, a checkpoint given at
+construction), so the attrs class itself stays a plain record.
 
 Per-worker state that used to hide in module-level dictionaries keyed by the worker lives here
 too: the asynchronous checkpoint saver (`saver`), the teacher-logits buffer (`logits_buffer`)
@@ -29,6 +29,7 @@ from policyworker.shell.checkpoint.saver import AsyncSaver
 from policyworker.shell.kernels.fused_logprobs import fused_logprob_kernels
 from policyworker.shell.kernels.fusion import FusionReport, fuse_elementwise
 from policyworker.shell.model import hf_model as model_lib
+from policyworker.shell.model.float8 import Float8Report, apply_float8_training
 from policyworker.shell.model.moe import MoeRouting
 from policyworker.shell.model.optim import build_optimizer, build_scheduler
 from policyworker.shell.parallel import plans as parallel_lib
@@ -67,6 +68,7 @@ class WorkerState:
     tokenizer: Any
     lora_module_names: list[str]
     fusion_report: FusionReport
+    float8_report: Float8Report  # what `dtensor_cfg.fp8` converted, or why nothing
     optimizer: torch.optim.Optimizer | None
     scheduler: Any
     sampling: Sampling
@@ -111,13 +113,21 @@ class WorkerState:
             from policyworker.shell.model.lora import apply_lora
 
             lora_module_names = apply_lora(model, dcfg.lora_cfg, autocast_dtype=dtype)
+        # float8 linears before FSDP2 (torchao's order) and before the layer compile traces them
+        float8_report = apply_float8_training(
+            model, dcfg.fp8, device=device, tp_size=parallel.tp_size
+        )
         model = _parallelize(model, cfg, parallel, dtype)
         if cfg.sequence_packing is not None:
             model_lib.check_document_isolation(model, autocast_dtype=dtype)
             if parallel.mesh is not None:  # the probe's no-grad forward left roots unsharded
                 parallel_lib.reshard(model)
         fusion_report = fuse_elementwise(
-            model, mode=dcfg.fusion, autocast_dtype=dtype, distributed=parallel.mesh is not None
+            model,
+            mode=dcfg.fusion,
+            autocast_dtype=dtype,
+            distributed=parallel.mesh is not None,
+            float8=float8_report.active,
         )
         sampling = Sampling.of_generation(cfg.generation)
         logprob_kernels, fusion_report = _logprob_kernels(
@@ -137,6 +147,7 @@ class WorkerState:
             tokenizer=tokenizer,
             lora_module_names=lora_module_names,
             fusion_report=fusion_report,
+            float8_report=float8_report,
             optimizer=optimizer,
             scheduler=build_scheduler(optimizer, cfg.scheduler) if optimizer else None,
             sampling=sampling,
