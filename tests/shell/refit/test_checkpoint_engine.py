@@ -59,8 +59,8 @@ for line in sys.stdin:
                     return counted
                 for name in ("apply_batch", "apply_indexed", "apply_prepared"):
                     setattr(applier, name, dying(getattr(applier, name)))
-                # fewer buckets came (a one-pass refit sends none): it dies at COMPLETE
-                applier.commit = lambda *args, **kwargs: os._exit(3)
+                # a one-pass refit sends no bucket: it dies at its BEGIN, before the ACK
+                applier.expect_external_write = lambda: os._exit(3)
             ok = rollout.checkpoint_engine_rpc("update_weights_from_checkpoint_engine")
             with torch.no_grad():
                 ids = load_file(cmd["batch"])["input_ids"].to(model.device)

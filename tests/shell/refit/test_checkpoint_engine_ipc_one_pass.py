@@ -277,25 +277,85 @@ def test_a_policy_process_killed_midway_leaves_the_rollout_as_the_one_pass_rules
         _close([rollout])
 
 
-def test_fan_out_one_by_two_is_staged_and_lands_the_cast_in_both():
+def test_fan_out_one_by_two_casts_once_into_both_registered_arenas():
     model = _Model(1)
     targets = [_Model(2, torch.bfloat16), _Model(3, torch.bfloat16)]
     info = _info(model)
     with _connected(targets, [info, info], peers=2) as (policy, rollouts):
         for version in (1, 2):
             report, got = _refit(policy, rollouts, _weights(model), info)
-            assert policy.last_mode == "staged fan-out", report
+            assert policy.last_mode == "one-pass fan-out", (report, got)
             assert [g.version for g in got] == [version, version]
-            assert len(report["receivers"]) == 2 and report["num_buckets"] >= 1
+            assert len(report["receivers"]) == 2 and report["num_buckets"] == 0
             for target in targets:
                 assert _equal(_state(target), _cast(model))
             with torch.no_grad():
                 model.norm.add_(1.0)
-        # a fan-out's rollout ranks do not move their weights into an arena nobody writes
+        for rollout, target in zip(rollouts, targets, strict=True):  # each its own arena
+            arena = rollout.receiver.arena.tensor
+            assert target.big.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+        assert rollouts[0].receiver.arena.tensor.data_ptr() != (
+            rollouts[1].receiver.arena.tensor.data_ptr()
+        )
+
+
+def test_fan_out_forced_staged_lands_the_cast_in_both():
+    model = _Model(1)
+    targets = [_Model(2, torch.bfloat16), _Model(3, torch.bfloat16)]
+    info = _info(model)
+    with _connected(targets, [info, info], peers=2, one_pass=False) as (policy, rollouts):
+        report, got = _refit(policy, rollouts, _weights(model), info)
+        assert policy.last_mode == "staged fan-out" and report["num_buckets"] >= 1, report
+        assert [g.version for g in got] == [1, 1]
+        assert all(_equal(_state(t), _cast(model)) for t in targets)
         assert all(r.receiver.arena is None for r in rollouts)
-    refused = pytest.raises(ValueError, match="feeds 2 rollout ranks.*staged")
-    with refused, _connected(targets, [info, info], peers=2, one_pass=True):
-        pass
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["in_place", "atomic"])
+def test_fan_out_sender_failing_midway_gives_neither_rollout_a_new_version(monkeypatch, atomic):
+    monkeypatch.setattr(one_pass_sender, "_GROUP_TENSORS", 1)
+    model = _Model(1)
+    targets = [_Model(2, torch.bfloat16), _Model(3, torch.bfloat16)]
+    info = _info(model)
+    with _connected(targets, [info, info], peers=2, atomic=atomic) as (policy, rollouts):
+        before = [_state(t) for t in targets]
+        sent, got = _refit(policy, rollouts, _failing_after(model, 2), info)
+        assert isinstance(sent, OSError) and policy.last_mode == "one-pass fan-out", sent
+        assert all(isinstance(g, RefitError) and "sender aborted" in str(g) for g in got), got
+        for rollout, target, old in zip(rollouts, targets, before, strict=True):
+            assert rollout.receiver.version == 0 and rollout.receiver.stale == (not atomic)
+            if atomic:  # the sender wrote the spare arenas only
+                assert _equal(_state(target), old)
+        if not atomic:  # the first arena was cast into (the second is copied after every cast)
+            assert not _equal(_state(targets[0]), before[0])
+        report, got = _refit(policy, rollouts, _weights(model), info)
+        assert [g.version for g in got] == [1, 1], got
+        assert all(not r.receiver.stale for r in rollouts)
+        assert all(_equal(_state(t), _cast(model)) for t in targets)
+
+
+def test_fan_out_to_a_module_and_a_load_weights_callable_is_refused_before_any_write():
+    model, target = _Model(1), _Model(2, torch.bfloat16)
+    info = _info(model)
+    before = _state(target)
+    with _connected([target, lambda pairs: None], [info, info], peers=2) as (policy, rollouts):
+        sent, got = _refit(policy, rollouts, _weights(model), info)
+        assert isinstance(sent, RefitError) and "disagree" in str(sent), sent
+        assert "one_pass=False" in str(sent)
+        assert all(isinstance(g, RefitError) for g in got), got
+        assert _equal(_state(target), before) and rollouts[0].receiver.version == 0
+
+
+def test_fan_out_to_load_weights_callables_goes_staged():
+    model = _Model(1)
+    info = _info(model)
+    loaded = [{}, {}]
+    targets = [lambda pairs, d=d: d.update((n, t.clone()) for n, t in pairs) for d in loaded]
+    with _connected(targets, [info, info], peers=2) as (policy, rollouts):
+        report, got = _refit(policy, rollouts, _weights(model), info)
+        assert policy.last_mode == "staged fan-out" and report["num_buckets"] >= 1, report
+        assert [g.version for g in got] == [1, 1]
+        assert all(_equal(d, _cast(model)) for d in loaded)
 
 
 def test_a_load_weights_target_goes_staged_and_insisting_on_one_pass_names_the_fix():

@@ -1,22 +1,23 @@
 """The ``ipc`` checkpoint engine: colocated refit over our ZMQ transport (``shell.refit.zmq``).
 
-Every member runs on one host (staging is a /dev/shm file on CPU, a CUDA IPC allocation on a
-GPU). Rollout rank ``r`` pulls from policy rank ``r % T`` through that rank's sender number
+Every member runs on one host (shared memory is a /dev/shm file on CPU, a CUDA IPC allocation
+on a GPU). Rollout rank ``r`` pulls from policy rank ``r % T`` through that rank's sender number
 ``r // T``: a policy rank binds ``peers_per_rank`` senders at ``prepare()`` (before the topology
-is known, NeMo-RL's order), so ``rollout_world_size <= train_world_size * peers_per_rank``. A
-policy rank with several rollout peers casts each bucket once into a staging buffer they all
-map (``fan_out``); one without peers iterates the stream in lockstep (sharded gathers stay
-collective) and sends nothing. Refused by name: members on different hosts, different device
-types, more rollout ranks than senders. A refit is the ZMQ protocol of docs/refit-protocol.md:
-BEGIN carries the manifest, which each rollout rank checks against its ``refit_info`` before any
-byte. Where the rollout rank's target is an ``nn.Module`` and its policy rank feeds only it, the
-refit is one-pass (``engine_kwargs`` ``one_pass=None``, the default, as ``RefitSender``'s): at its
-first refit the rollout rank moves its weights into one shared arena, registered with its BEGIN
-answer, and the policy rank casts each tensor of ``send_weights``' stream straight into it (no
-staging, no copy on the rollout side; ``shell.refit.one_pass``). Otherwise (a ``load_weights``
-callable, a policy rank with several rollout peers, ``one_pass=False``) buckets travel through
-two ping-pong staging buffers of ``bucket_size`` bytes each. Every wait is bounded by
-``timeout_s`` and a dead peer is a ``RefitTimeoutError`` naming the phase.
+is known, NeMo-RL's order), so ``rollout_world_size <= train_world_size * peers_per_rank``; one
+without peers iterates the stream in lockstep (sharded gathers stay collective) and sends
+nothing. Refused by name: members on different hosts, different device types, more rollout ranks
+than senders. A refit is the ZMQ protocol of docs/refit-protocol.md: BEGIN carries the manifest,
+which each rollout rank checks against its ``refit_info`` before any byte.
+
+By default (``engine_kwargs`` ``one_pass=None``, as ``RefitSender``'s) a refit is one-pass where
+the rollout rank's target is an ``nn.Module``: at its first refit the rollout rank moves its
+weights into one shared arena, registered with its BEGIN answer, and the policy rank casts each
+tensor of ``send_weights``' stream straight into it (no staging, no copy on the rollout side;
+``shell.refit.one_pass``); with several rollout peers each registers its own arena, and each
+tensor is cast once into the first and copied into the others (``fan_out``). A ``load_weights``
+callable cannot register, and ``one_pass=False`` forces it: such refits are staged, through two
+ping-pong buffers of ``bucket_size`` bytes each (cast once into buffers every peer maps). Every
+wait is bounded by ``timeout_s`` and a dead peer is a ``RefitTimeoutError`` naming the phase.
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ from policyworker.errors import RefitError
 from policyworker.functional.buckets import IpcBucket, TensorSpec, align_up, plan_ipc_buckets
 from policyworker.functional.wire.codec import max_message_bytes
 from policyworker.shell.refit.checkpoint_engine.base import CheckpointEngine, check_engine_kwargs
-from policyworker.shell.refit.checkpoint_engine.fan_out import stream_to_all
+from policyworker.shell.refit.checkpoint_engine.fan_out import (
+    FanOutExchange,
+    staged_to_all,
+    stream_one_pass_to_all,
+    stream_to_all,
+)
 from policyworker.shell.refit.one_pass.sender import OnePassWriter, stream_one_pass
 from policyworker.shell.refit.receiver import HFWeightReceiver, RefitReport
 from policyworker.shell.refit.watchdog import check_timeout_s
@@ -58,9 +64,9 @@ class IpcCheckpointEngine(CheckpointEngine):
     CPU), ``timeout_s`` (every wait, default 120 s as NeMo-RL's ZMQ refit) and
     ``peers_per_rank`` (the most rollout ranks one policy rank feeds, default 1; pass the same
     value to every member) and ``one_pass`` (None, the default: one-pass wherever the rollout
-    rank's target registers its memory, else staged; False: staged only; True: one-pass only,
-    refused at join for a policy rank with several rollout peers, whose refits are staged).
-    ``last_mode`` names the path the last ``send_weights`` took."""
+    rank's target registers its memory, else staged; False: staged only, the weights left where
+    they are; True: one-pass only). ``last_mode`` names the path the last ``send_weights`` took:
+    "one-pass", "one-pass fan-out", "staged" or "staged fan-out"."""
 
     metadata_backend = BACKEND
     device_hint = "staging is /dev/shm on cpu, CUDA IPC on cuda"
@@ -96,8 +102,7 @@ class IpcCheckpointEngine(CheckpointEngine):
         self.address: str | None = None
         self._socket: ZmqIpcReceiver | None = None
         self._served: tuple[HFWeightReceiver, RefitServer] | None = None
-        self._fan_out = False  # the policy rank this rollout rank pulls from has several peers
-        self._writer: OnePassWriter | None = None  # a policy rank's one-pass writer
+        self._writers: list[OnePassWriter] = []  # a policy rank's, one per rollout peer
         self._specs: tuple[dict[str, Any], list[TensorSpec]] | None = None
         self._plan: tuple[list[TensorSpec], int, list[IpcBucket]] | None = None
         self.last_report: Any = None
@@ -127,26 +132,19 @@ class IpcCheckpointEngine(CheckpointEngine):
                 "rank's metadata in rank order, policy ranks first"
             )
             raise ValueError(msg)
-        peers = list(range(worker_rank, rollout, train))
-        self._check_one_pass(len(peers))
-        self.peers = peers
+        self.peers = list(range(worker_rank, rollout, train))
         for sender in senders[len(self.peers) :]:  # sockets no rollout rank connects to
             sender.close()
         self.senders = senders[: len(self.peers)]
         for sender in self.senders:
             sender.rank = worker_rank
-        if self._writer is not None:
-            self._writer.close()
-        self._writer = OnePassWriter(worker_rank)
+        self._close_writers()
+        self._writers = [OnePassWriter(worker_rank) for _ in self.senders]
 
-    def _check_one_pass(self, peers: int) -> None:
-        if self.one_pass and peers > 1:
-            msg = (
-                f"engine_kwargs one_pass=True: a policy rank here feeds {peers} rollout ranks, "
-                "and such fan-out refits are staged (cast once into a buffer every peer maps); "
-                "pass one_pass=None (one-pass where a policy rank feeds one rollout rank) or False"
-            )
-            raise ValueError(msg)
+    def _close_writers(self) -> None:
+        for writer in self._writers:
+            writer.close()  # unmaps its rollout rank's arena
+        self._writers = []
 
     def _bound(self) -> list[ZmqIpcSender]:
         if not self.senders:
@@ -159,12 +157,10 @@ class IpcCheckpointEngine(CheckpointEngine):
     ) -> None:
         self._check_members(train, rollout, metadata)
         source = rollout_rank % train
-        fan_out = len(range(source, rollout, train)) > 1
-        self._check_one_pass(len(range(source, rollout, train)))
         address = str(metadata[source]["addresses"][rollout_rank // train])
-        if address != self.address or fan_out != self._fan_out:  # joined again: a new server
+        if address != self.address:  # joined again without finalize: drop the old peer's socket
             self._close_receiver()
-        self.address, self._fan_out = address, fan_out
+        self.address = address
         for sender in self.senders:  # a rollout rank serves nothing
             sender.close()
         self.senders = []
@@ -219,7 +215,7 @@ class IpcCheckpointEngine(CheckpointEngine):
                 close()
 
     def _send(self, specs: list[TensorSpec], sources: Iterator[RefitSource]) -> dict[str, Any]:
-        """One refit of ``specs``: one-pass where the rollout rank registered, else staged."""
+        """One refit of ``specs``: one-pass where the rollout ranks registered, else staged."""
         per_buffer = align_up(self.bucket_size)
         cuda = self.device.type == "cuda"
         transport = "cuda" if cuda else "shm"
@@ -228,24 +224,10 @@ class IpcCheckpointEngine(CheckpointEngine):
             return CudaStaging(nbytes, self.device) if cuda else ShmStaging(nbytes)
 
         def staged(begun: Exchange | None = None) -> dict[str, Any]:
-            plan = self._plan_of(specs, per_buffer)
-            if len(self.senders) > 1:
-                self.last_mode = "staged fan-out"
-                return stream_to_all(
-                    self.senders,
-                    specs,
-                    plan,
-                    sources,
-                    make_staging=make_staging,
-                    buffer_bytes=per_buffer,
-                    timeout_s=self.timeout_s,
-                    transport=transport,
-                    device=self.device,
-                )
             self.last_mode = "staged"
             return self.senders[0].stream(
                 specs,
-                plan,
+                self._plan_of(specs, per_buffer),
                 sources,
                 make_staging=make_staging,
                 buffer_bytes=per_buffer,
@@ -254,13 +236,43 @@ class IpcCheckpointEngine(CheckpointEngine):
                 begun=begun,
             )
 
-        if len(self.senders) > 1 or self.one_pass is False:
-            return staged()
-        assert self._writer is not None
-        self.last_mode = "one-pass"
+        def staged_to_each(fan: FanOutExchange | None = None) -> dict[str, Any]:
+            self.last_mode = "staged fan-out"
+            plan = self._plan_of(specs, per_buffer)
+            staging = {"make_staging": make_staging, "buffer_bytes": per_buffer}
+            if fan is not None:  # every rollout rank ACKed a BEGIN it did not register for
+                return staged_to_all(
+                    fan, specs, plan, sources, **staging, transport=transport, begin=None
+                )
+            return stream_to_all(
+                self.senders,
+                specs,
+                plan,
+                sources,
+                **staging,
+                timeout_s=self.timeout_s,
+                transport=transport,
+                device=self.device,
+            )
+
+        fan_out = len(self.senders) > 1
+        if self.one_pass is False:
+            return staged_to_each() if fan_out else staged()
+        self.last_mode = "one-pass fan-out" if fan_out else "one-pass"
+        if fan_out:
+            return stream_one_pass_to_all(
+                self.senders,
+                self._writers,
+                specs,
+                sources,
+                timeout_s=self.timeout_s,
+                transport=transport,
+                device=self.device,
+                or_staged=None if self.one_pass else staged_to_each,
+            )
         return stream_one_pass(
             self.senders[0],
-            self._writer,
+            self._writers[0],
             specs,
             sources,
             timeout_s=self.timeout_s,
@@ -287,13 +299,8 @@ class IpcCheckpointEngine(CheckpointEngine):
             msg = "receive_weights needs init_rollout_process_group first (the policy's address)"
             raise RefitError(msg)
         if self._served is None or self._served[0] is not receiver:
-            # a policy rank that feeds only this rank writes its registered arena (the weights
-            # move into it once, here); a fan-out's refits are staged: nothing to register
-            arena = (
-                None
-                if self._fan_out
-                else receiver.register_one_pass(self.one_pass, where=self.address)
-            )
+            # the policy rank writes the registered arena (the weights move into it once, here)
+            arena = receiver.register_one_pass(self.one_pass, where=self.address)
             cap = max_message_bytes(tuple(receiver.applier.manifest_specs()))
             if self._socket is not None:
                 self._socket.close()
@@ -308,10 +315,9 @@ class IpcCheckpointEngine(CheckpointEngine):
         """Close the sockets and staging; the next ``prepare()`` binds a new address."""
         for sender in self.senders:
             sender.close()
-        if self._writer is not None:
-            self._writer.close()  # unmaps the rollout rank's arena
+        self._close_writers()
         self._close_receiver()
-        self.senders, self.peers, self._writer = [], None, None
+        self.senders, self.peers = [], None
 
     def _close_receiver(self) -> None:
         if self._socket is not None:
