@@ -132,6 +132,8 @@ class HFWeightReceiver:
             target, self.applier, atomic=atomic, one_pass=one_pass, where=address
         )
         self._target, self._atomic, self._one_pass = target, atomic, one_pass
+        # a default (one_pass=None) registration already tried and declined is not tried again
+        self._declined = address is not None and self.arena is None
         if one_pass and self.arena is None:
             raise ValueError(_NEEDS_MODULE)
         self._server = RefitServer(self.applier, one_pass=self.arena)
@@ -192,11 +194,12 @@ class HFWeightReceiver:
                 )
                 raise ValueError(msg)
             return None
-        if self.arena is None:
+        if self.arena is None and (one_pass or not self._declined):
             self.arena = _register(
                 self._target, self.applier, atomic=self._atomic, one_pass=one_pass, where=where
             )
             self._server.one_pass = self.arena
+            self._declined = self.arena is None
         if one_pass and self.arena is None:
             raise ValueError(_NEEDS_MODULE)
         return self.arena

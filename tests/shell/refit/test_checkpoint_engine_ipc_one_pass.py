@@ -387,3 +387,27 @@ def test_one_pass_false_keeps_a_module_target_staged_and_its_weights_in_place():
         assert rollout.receiver.arena is None and target.big.data_ptr() == where
     with pytest.raises(ValueError, match="one_pass 'yes' must be None"):
         _policy(one_pass="yes")
+
+
+def test_a_module_that_casts_on_receive_goes_staged_and_is_not_registered_again(monkeypatch):
+    """An fp32 module fed a bf16 refit casts on its side, which a one-pass sender cannot do:
+    its refits are staged; the declined registration is not tried again at the next join."""
+    from policyworker.shell.refit import receiver as receiver_module
+
+    tried = []
+    register = receiver_module._register
+    monkeypatch.setattr(
+        receiver_module, "_register", lambda *a, **k: tried.append(k["where"]) or register(*a, **k)
+    )
+    model, target = _Model(1), _Model(2)  # fp32 weights, the refit announced in bf16
+    info = _info(model)
+    want = {n: t.to(target.state_dict()[n].dtype) for n, t in _cast(model).items()}
+    with _connected([target], [info]) as (policy, (rollout,)):
+        for _ in range(2):
+            report, (got,) = _refit(policy, [rollout], _weights(model), info)
+            assert policy.last_mode == "staged" and report["num_buckets"] >= 1, report
+            assert _equal(_state(target), want) and rollout.receiver.arena is None
+            policy.finalize()  # NeMo-RL's reconnect: a new server on the rollout side
+            rollout.finalize_checkpoint_engine()
+            _join(policy.prepare(), [rollout], policy=policy)
+    assert len([where for where in tried if where is not None]) == 1  # None: the constructor's
