@@ -26,7 +26,8 @@ they are and refuses a sender that insists on one-pass, naming the fix. The same
 checks run before the sender may write; an in-place receiver is ``stale`` from the one-pass
 BEGIN until COMPLETE (serve no inference until ``receive()`` returns), an atomic one has the
 sender write a spare copy, copied live on COMPLETE. Staged refits still work on a registered
-receiver.
+receiver. A receiver without an address registers when a transport that writes registered
+memory asks (``register_one_pass``: the ipc checkpoint engine).
 
 The validate-then-apply path itself is ``weight_applier.WeightApplier``; its names stay
 importable from here.

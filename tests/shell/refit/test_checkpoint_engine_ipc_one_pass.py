@@ -299,6 +299,23 @@ def test_fan_out_one_by_two_casts_once_into_both_registered_arenas():
         )
 
 
+def test_fan_out_one_rollout_refusing_the_manifest_leaves_both_unwritten():
+    """The second rollout rank's model (and refit_info) disagrees: it refuses the BEGIN, the
+    first (which ACKed) is aborted, and neither arena is written."""
+    model = _Model(1)
+    targets = [_Model(2, torch.bfloat16), _Model(3, torch.bfloat16)]
+    targets[1].norm = nn.Parameter(torch.zeros(65, dtype=torch.bfloat16))
+    info = _info(model)
+    other = {**info, "norm": (torch.Size([65]), torch.bfloat16)}
+    before = [_state(t) for t in targets]
+    with _connected(targets, [info, other], peers=2) as (policy, rollouts):
+        sent, got = _refit(policy, rollouts, _weights(model), info)
+        assert isinstance(sent, RefitRejectedError) and "'norm'" in str(sent), sent
+        assert all(isinstance(g, RefitError) for g in got), got
+        assert all(_equal(_state(t), old) for t, old in zip(targets, before, strict=True))
+        assert [r.receiver.version for r in rollouts] == [0, 0]
+
+
 def test_fan_out_forced_staged_lands_the_cast_in_both():
     model = _Model(1)
     targets = [_Model(2, torch.bfloat16), _Model(3, torch.bfloat16)]
