@@ -4,8 +4,10 @@ a receiver in another process, sent through NeMo-RL's checkpoint-engine lifecycl
 the rollout side a ``CheckpointEngineRollout`` in the child), at the per-buffer size our staged
 refit picked.
 
-- ``checkpoint-engine ipc``: the colocated backend (our ZMQ transport; CUDA IPC staging on a GPU,
-  /dev/shm on CPU), two ping-pong buffers, staging freed every refit (as ``ours``);
+- ``checkpoint-engine ipc``: the colocated backend (our ZMQ transport; CUDA IPC on a GPU,
+  /dev/shm on CPU) with its defaults: the rollout rank's module registers its memory, so the
+  refit is one-pass (cast straight into the rollout's arena, as our ``default`` row); the row's
+  ``settings`` name the mode the engine took (``last_mode``);
 - ``checkpoint-engine collective``: the packed broadcast (gloo on CPU). Not on one GPU: NCCL
   refuses two ranks on one device, so it runs only with ``--small`` (the 2-GPU NCCL path is
   tests/gpu/test_checkpoint_engine_gpu.py's).
@@ -58,13 +60,14 @@ def checkpoint_engine_times(
     *,
     device: str,
     per_buffer: int,
-) -> dict[str, list[float]]:
-    """Each backend's ``timed`` refits (s), by row name. ``module`` runs the receiver
+) -> tuple[dict[str, list[float]], dict[str, dict[str, Any]]]:
+    """Each backend's ``timed`` refits (s), by row name, and each row's settings (the backend,
+    its bucket size and options, and the mode it took). ``module`` runs the receiver
     (``python -m module --role ce-receiver``)."""
     cuda = device.startswith("cuda")
     stream = sender.weight_stream
     refit_info = dict(info)
-    out = {}
+    out, settings = {}, {}
     for backend in backends_for(device):
         policy = create_checkpoint_engine(
             backend, bucket_size_bytes=per_buffer, engine_kwargs=engine_kwargs(backend, device)
@@ -85,10 +88,17 @@ def checkpoint_engine_times(
                         loop.run_until_complete(policy.send_weights(weights, refit_info=refit_info))
 
                 out[ROWS[backend]] = timed(refit, cuda)
+                settings[ROWS[backend]] = {
+                    "backend": backend,
+                    "bucket_size_bytes": per_buffer,
+                    "engine_kwargs": engine_kwargs(backend, device),
+                    # ipc: "one-pass", or "staged" where the rollout side did not register
+                    "mode": getattr(policy, "last_mode", None) or "packed broadcast",
+                }
         finally:
             policy.finalize()
             loop.close()
-    return out
+    return out, settings
 
 
 class ReceiverChild:

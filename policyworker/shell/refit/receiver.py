@@ -26,7 +26,8 @@ they are and refuses a sender that insists on one-pass, naming the fix. The same
 checks run before the sender may write; an in-place receiver is ``stale`` from the one-pass
 BEGIN until COMPLETE (serve no inference until ``receive()`` returns), an atomic one has the
 sender write a spare copy, copied live on COMPLETE. Staged refits still work on a registered
-receiver.
+receiver. A receiver without an address registers when a transport that writes registered
+memory asks (``register_one_pass``: the ipc checkpoint engine).
 
 The validate-then-apply path itself is ``weight_applier.WeightApplier``; its names stay
 importable from here.
@@ -67,6 +68,11 @@ from policyworker.shell.refit.zmq.server import RefitServer
 __all__ = ["HFWeightReceiver", "PreparedBatch", "RefitReport", "WeightApplier"]
 
 log = logging.getLogger(__name__)
+_NEEDS_MODULE = (
+    "one_pass=True needs an nn.Module target (its weights are moved into a shared arena the "
+    "sender writes); a load_weights callable transforms what it is given. Pass one_pass=False "
+    "(the staged refit)"
+)
 
 
 class HFWeightReceiver:
@@ -124,15 +130,13 @@ class HFWeightReceiver:
         # the weights move into a shared arena now, once (an explicit one_pass=True's refusal
         # raises here)
         self.arena = _register(
-            target, self.applier, atomic=atomic, one_pass=one_pass, address=address
+            target, self.applier, atomic=atomic, one_pass=one_pass, where=address
         )
+        self._target, self._atomic, self._one_pass = target, atomic, one_pass
+        # a default (one_pass=None) registration already tried and declined is not tried again
+        self._declined = address is not None and self.arena is None
         if one_pass and self.arena is None:
-            msg = (
-                "one_pass=True needs an nn.Module target (its weights are moved into a shared "
-                "arena the sender writes); a load_weights callable transforms what it is given. "
-                "Pass one_pass=False (the staged refit)"
-            )
-            raise ValueError(msg)
+            raise ValueError(_NEEDS_MODULE)
         self._server = RefitServer(self.applier, one_pass=self.arena)
         cap = max_message_bytes(tuple(self.applier.manifest_specs()))  # nothing larger is read
         self._socket = (
@@ -173,6 +177,33 @@ class HFWeightReceiver:
         Cleared by the next complete one.
         """
         return self.applier.stale
+
+    def register_one_pass(self, one_pass: bool | None, *, where: str) -> WeightArena | None:
+        """The arena a one-pass sender writes, registering now when this receiver has none.
+
+        For transports that bring their own connection (the ipc checkpoint engine): a
+        ``socketless`` receiver registers only when one asks, so the other transports never
+        move its weights. ``one_pass`` is the transport's setting (None: where the target can,
+        False: never, True: or ``ValueError``); a receiver built with ``one_pass=False`` never
+        registers. ``where`` names the connection in the log of a target that cannot register.
+        """
+        if one_pass is False or self._one_pass is False:
+            if one_pass:
+                msg = (
+                    "one_pass=True: this receiver was built with one_pass=False (its weights "
+                    "stay where they are); pass one_pass=False or None to the transport"
+                )
+                raise ValueError(msg)
+            return None
+        if self.arena is None and (one_pass or not self._declined):
+            self.arena = _register(
+                self._target, self.applier, atomic=self._atomic, one_pass=one_pass, where=where
+            )
+            self._server.one_pass = self.arena
+            self._declined = self.arena is None
+        if one_pass and self.arena is None:
+            raise ValueError(_NEEDS_MODULE)
+        return self.arena
 
     def receive(self) -> RefitReport:
         """Serve one complete ZMQ refit.
@@ -243,10 +274,11 @@ def _register(
     *,
     atomic: bool,
     one_pass: bool | None,
-    address: str | None,
+    where: str | None,
 ) -> WeightArena | None:
-    """The arena of a receiver that registers for one-pass refits, else None (staged)."""
-    if one_pass is False or address is None or not isinstance(target, nn.Module):
+    """The arena of a receiver that registers for one-pass refits, else None (staged); ``where``
+    names its connection (None: it has none, so it does not register)."""
+    if one_pass is False or where is None or not isinstance(target, nn.Module):
         return None
     if one_pass:
         return WeightArena(target, applier, atomic=atomic)
@@ -254,7 +286,7 @@ def _register(
     if casts:  # the sender writes the manifest's dtype; only this side's copy can cast
         log.info(
             "refit receiver at %s: staged refits only (%d tensor(s) are cast on receive, e.g. %s)",
-            address,
+            where,
             len(casts),
             casts[0],
         )
@@ -264,7 +296,7 @@ def _register(
     # the module keeps valid weights either way (moved into the arena or not); a target that
     # cannot register, or no room for the arena, leaves the staged refit
     except (ValueError, StagingSpaceError, torch.OutOfMemoryError) as exc:
-        log.warning("refit receiver at %s: staged refits only (%s)", address, exc)
+        log.warning("refit receiver at %s: staged refits only (%s)", where, exc)
         return None
 
 

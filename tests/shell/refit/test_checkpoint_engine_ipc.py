@@ -54,7 +54,8 @@ def test_ipc_lifecycle_into_a_colocated_rollout_process_bitwise_fp32(
         assert rpc(worker, "send_weights_via_checkpoint_engine") is None
         answer = live.reply()
         assert answer["ok"] and answer["version"] == version, answer
-        assert answer["num_buckets"] > 1
+        # an nn.Module rollout target registers: one-pass, no bucket
+        assert answer["num_buckets"] == 0 and worker.checkpoint_engine.last_mode == "one-pass"
         sent = dict(worker._checkpoint_engine_params())
         got = load_file(tmp_path / "out0.safetensors")
         for name, tensor in sent.items():
@@ -79,7 +80,9 @@ def test_ipc_one_policy_rank_into_two_rollout_ranks_casts_once_bitwise_fp32(
         answers = [child.reply() for child in children]
         assert all(a["ok"] for a in answers), answers
         report = worker.checkpoint_engine.last_report
-        assert len(report["receivers"]) == 2 and answers[1]["num_buckets"] > 1
+        # each rollout rank registered its own arena: cast once, copied into the other's
+        assert len(report["receivers"]) == 2 and answers[1]["num_buckets"] == 0
+        assert worker.checkpoint_engine.last_mode == "one-pass fan-out"
         sent = dict(worker._checkpoint_engine_params())
         expected = _trainer_logprobs(tiny_model_paths["qwen2"], sent)
         for i in range(2):
@@ -142,7 +145,7 @@ def test_ipc_refuses_topologies_it_cannot_serve_by_name():
 def test_ipc_two_policy_ranks_into_one_rollout_rank_rank_one_only_gathers(
     children, tiny_model_paths, tmp_path
 ):
-    run_two_policy_ranks(children[0], ENGINE, tiny_model_paths["qwen2"], tmp_path)
+    run_two_policy_ranks(children[0], ENGINE, tiny_model_paths["qwen2"], tmp_path, one_pass=True)
 
 
 def test_ipc_rollout_rank_killed_under_two_policy_ranks_every_rank_raises_then_a_send_works(

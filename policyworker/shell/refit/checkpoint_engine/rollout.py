@@ -44,7 +44,10 @@ class CheckpointEngineRollout:
     ``rank`` is this rank's index inside its engine (tensor/pipeline rank 0 .. n-1); the
     driver's ``rank_prefix`` (the engine's first rollout rank) is added to it at
     ``init_checkpoint_engine_process_group``. ``atomic=True`` stages a whole refit and writes it
-    only when complete, so a failed refit leaves the previous weights serving.
+    only when complete, so a failed refit leaves the previous weights serving. With the ``ipc``
+    backend an ``nn.Module`` target moves its weights into a shared arena at its first refit,
+    which the policy rank then writes directly (one-pass; ``engine_kwargs`` ``one_pass=False``
+    keeps them in place and stages).
     """
 
     def __init__(

@@ -127,22 +127,33 @@ class OnePassWriter:
             raise RefitError(msg)
 
     def write(
-        self, specs: Sequence[TensorSpec], views: list[torch.Tensor], sources: Iterator[RefitSource]
+        self,
+        specs: Sequence[TensorSpec],
+        views: list[torch.Tensor],
+        sources: Iterator[RefitSource],
+        *,
+        mirrors: Sequence[list[torch.Tensor]] = (),
     ) -> bytes:
         """Cast every source into its destination; on CUDA, the handle of the event recorded
         after the casts (b"" on CPU, where the writes are done when this returns).
 
         A large tensor's cast is launched as soon as its source arrives (the GPU works while
         this loop walks the rest); small ones are cast in grouped launches. A CPU arena's file
-        size is checked before and after (``check_arena``).
+        size is checked before and after (``check_arena``). ``mirrors``: other receivers' views
+        of the same manifest (a fan-out: every tensor cast once), filled from ``views`` once
+        every cast is launched, before the event; their arenas are their writers' to check.
         """
         self.check_arena()
-        event = self._write(specs, views, sources)
+        event = self._write(specs, views, sources, mirrors)
         self.check_arena()
         return event
 
     def _write(
-        self, specs: Sequence[TensorSpec], views: list[torch.Tensor], sources: Iterator[RefitSource]
+        self,
+        specs: Sequence[TensorSpec],
+        views: list[torch.Tensor],
+        sources: Iterator[RefitSource],
+        mirrors: Sequence[list[torch.Tensor]],
     ) -> bytes:
         large_numel = staging.LARGE_COPY_NUMEL
         dsts: list[torch.Tensor] = []
@@ -174,6 +185,8 @@ class OnePassWriter:
                 grouped_copy_(dsts, srcs, non_blocking=True)
                 dsts, srcs, group_elements = [], [], 0
         grouped_copy_(dsts, srcs, non_blocking=True)
+        for mirror in mirrors:
+            grouped_copy_(mirror, views, non_blocking=True)
         target = self._target
         assert target is not None
         if target.device.type != "cuda":
