@@ -19,7 +19,8 @@ full refit, and each complete refit is one receiver version.
 from __future__ import annotations
 
 from collections.abc import Generator, Iterable, Mapping
-from operator import is_
+from itertools import repeat
+from operator import attrgetter, is_
 from typing import Any
 
 import attrs
@@ -33,6 +34,10 @@ from policyworker.shell.refit.live_state import ModuleTree
 from policyworker.shell.refit.weight_stream import RefitSource, RefitStream, plain_tensors
 
 __all__ = ["AdapterStreams", "adapter_refit_info", "adapter_stream", "peft_load_weights"]
+
+
+_PARAMETERS = attrgetter("_parameters")
+_WEIGHT = repeat("weight")  # an endless "weight" for map(dict.get, ...)
 
 
 @attrs.frozen(eq=False)
@@ -59,7 +64,7 @@ class _AdapterWalk:
             and dtype == self.dtype
             and self.tree is not None
             and self.tree.same_as(ModuleTree.of(model))
-            and all(map(is_, [h._parameters.get("weight") for h in self.holders], self.params))
+            and all(map(is_, map(dict.get, map(_PARAMETERS, self.holders), _WEIGHT), self.params))
             and [p.shape for p in self.params] == self.shapes
         )
 

@@ -114,7 +114,7 @@ class _Where:
         self.owners: tuple[list[nn.Module], list[nn.Module]] = ([], [])
         self.keys: tuple[list[str], list[str]] = ([], [])
         self.tensors: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        for owner in dict.fromkeys(self.tree.modules()):  # a shared module once
+        for owner in {id(m): m for m in self.tree.modules()}.values():  # a shared one once
             for kind, slots in enumerate((owner._parameters, owner._buffers)):
                 for key, tensor in slots.items():
                     if tensor is not None:
