@@ -117,9 +117,10 @@ class ModuleTree:
         level: list[nn.Module] = [root]
         while level:
             dicts: list[dict[str, Any]] = [*map(_SUBMODULES, level)]
-            values += map(len, dicts)
-            values += chain.from_iterable(dicts)
-            children = [*chain.from_iterable(map(dict.values, dicts))]
+            values.append([*map(len, dicts)])  # how the names and children below split up
+            parents = [*filter(None, dicts)]  # the leaves (most modules) add nothing more
+            values += chain.from_iterable(parents)
+            children = [*chain.from_iterable(map(dict.values, parents))]
             objects += children
             level = [*filter(_NOT_NONE, children)]
         return cls(values, objects)
