@@ -144,8 +144,8 @@ def _adapter_refit(shapes: dict, device: str, dtype: torch.dtype) -> dict:
     specs = adapter_stream(lora, dtype=dtype).specs
     info = {s.name: (torch.Size(s.shape), s.dtype) for s in specs}
 
-    def send() -> None:
-        stream = adapter_stream(lora, dtype=dtype)
+    def send() -> None:  # the worker's adapter_only refit: the sender's cached adapter walk
+        stream = sender.adapter_stream()
         sender.send(stream, stream.sources, buffer_size_bytes=0, timeout_s=300, keep_staging=True)
 
     try:

@@ -152,8 +152,8 @@ def test_a_killed_adapter_refit_leaves_the_version_serving_and_the_next_one_work
     served = _generate(llm, serving)
     walk = adapter_refit.adapter_stream
 
-    def dies_after_three(model, *, dtype):
-        stream = walk(model, dtype=dtype)
+    def dies_after_three(model, *, dtype, cache=None):
+        stream = walk(model, dtype=dtype, cache=cache)
 
         def sources():
             for count, source in enumerate(stream.sources):
@@ -161,7 +161,7 @@ def test_a_killed_adapter_refit_leaves_the_version_serving_and_the_next_one_work
                     raise RuntimeError("trainer died mid-refit")
                 yield source
 
-        return attrs.evolve(stream, sources=sources())
+        return attrs.evolve(stream, sources=sources(), plain=None)  # read through sources
 
     monkeypatch.setattr(adapter_refit, "adapter_stream", dies_after_three)
     _train(worker, seed=5)

@@ -109,7 +109,7 @@ def test_a_refit_that_fails_midway_leaves_vllm_serving_the_previous_weights(
     sender = senders(new)
     walk = sender.weight_stream
     sender.weight_stream = lambda: attrs.evolve(
-        (stream := walk()), sources=dies_after_ten(stream.sources)
+        (stream := walk()), sources=dies_after_ten(stream.sources), plain=None
     )
     refit = VllmRefit(llm, sender)
     with pytest.raises(RefitError, match="keeps serving version 0") as info:

@@ -175,11 +175,11 @@ def test_a_retry_right_after_a_timeout_succeeds_at_once():
     begin = receiver.applier.begin
     slow = {"on": True}
 
-    def slow_begin(manifest: Any) -> Any:
+    def slow_begin(manifest: Any, **kwargs: Any) -> Any:
         if slow["on"]:
             slow["on"] = False
             time.sleep(1.0)
-        return begin(manifest)
+        return begin(manifest, **kwargs)
 
     receiver.applier.begin = slow_begin  # type: ignore[method-assign]
     try:

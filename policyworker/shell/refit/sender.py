@@ -114,6 +114,7 @@ class RefitSender:
         self.device = torch.device(device)
         self._sender: ZmqIpcSender | None = None
         self._state_reader = StateReader()  # this sender's state-dict walks, refit after refit
+        self._adapter_streams: Any = None  # its adapter walks (created by the first adapter refit)
         self._closed = False
         self._creating = threading.Lock()  # two threads asking for the address get one sender
         self._stats_key: Any = None
@@ -217,6 +218,16 @@ class RefitSender:
             self._model_fn(), self.refit_dtype, self._draft_model_fn(), reader=self._state_reader
         )
 
+    def adapter_stream(self) -> RefitStream:
+        """This refit's LoRA tensors alone (``adapter_refit.adapter_stream``, in the refit dtype):
+        the walk compiled at an earlier refit is reused while the model's adapters are the same
+        objects, so a steady-state adapter refit sends the same specs object."""
+        from policyworker.shell.refit.adapter_refit import AdapterStreams, adapter_stream
+
+        if self._adapter_streams is None:
+            self._adapter_streams = AdapterStreams()
+        return adapter_stream(self._model_fn(), dtype=self.refit_dtype, cache=self._adapter_streams)
+
     def send(
         self,
         stream: RefitStream,
@@ -229,7 +240,8 @@ class RefitSender:
     ) -> dict[str, Any]:
         """One refit of ``stream``, reading its tensors from ``sources`` (``stream.sources``,
         or an iterator over them whose owner finishes it: a sharded worker's ranks all run the
-        gathers). The arguments were checked by the caller (``check_stream_args``)."""
+        gathers), or from ``stream.plain`` when the stream has it (``sources`` is then left
+        unread). The arguments were checked by the caller (``check_stream_args``)."""
         mode = self.one_pass if one_pass is None else one_pass
         with torch.no_grad():  # a plain function's context: the caller's grad mode comes back
             if mode is False:
@@ -249,6 +261,7 @@ class RefitSender:
                 timeout_s=timeout_s,
                 transport=transport,
                 or_staged=None if mode else staged,
+                plain=stream.plain,
             )
 
     def _stream(
@@ -304,6 +317,7 @@ class RefitSender:
             transport="cuda" if cuda else "shm",
             keep_staging=keep,
             begun=begun,
+            plain=stream.plain,
         )
 
     def release_staging(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from operator import attrgetter, is_
 from typing import Any
 
 import attrs
@@ -26,7 +27,7 @@ from policyworker.functional.wire.codec import (
     dtype_name,
 )
 from policyworker.shell.refit.hf_names import checkpoint_layout
-from policyworker.shell.refit.live_state import StateReader
+from policyworker.shell.refit.live_state import ModuleTree
 from policyworker.shell.refit.weight_stream import tie_word_embeddings
 from policyworker.shell.refit.zmq.receiver import expected_from_refit_info
 from policyworker.shell.refit.zmq.staging import copy_groups, grouped_copy_, run_copy_groups
@@ -98,16 +99,46 @@ def _module_destinations(
     return dests
 
 
-def _where(module: nn.Module, reader: StateReader) -> tuple[Any, ...]:
-    """Where the module's tensors live: their names, objects and addresses. It changes when a
-    parameter is re-pointed (``.to()`` round trip, ``load_state_dict(assign=True)``); the old
-    destinations are still alive (the applier holds them), so no address can come back."""
-    state = reader.read(module)
-    return (
-        tuple(state),
-        tuple(id(v) for v in state.values()),
-        tuple(v.data_ptr() for v in state.values()),
-    )
+class _Where:
+    """Where a module's tensors live: its module tree, and each parameter and buffer of every
+    module in it (the object in its module's slot, and its address).
+
+    ``holds`` is false once a parameter or buffer was re-pointed (``.to()`` round trip,
+    ``.data =``, ``load_state_dict(assign=True)``, a new ``nn.Parameter`` set, one deleted) or
+    any module of the tree added, removed or replaced. The old destinations are still alive
+    (the applier holds them), so no address can come back on another tensor.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.tree = ModuleTree.of(module)
+        self.owners: tuple[list[nn.Module], list[nn.Module]] = ([], [])
+        self.keys: tuple[list[str], list[str]] = ([], [])
+        self.tensors: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for owner in {id(m): m for m in self.tree.modules()}.values():  # a shared one once
+            for kind, slots in enumerate((owner._parameters, owner._buffers)):
+                for key, tensor in slots.items():
+                    if tensor is not None:
+                        self.owners[kind].append(owner)
+                        self.keys[kind].append(key)
+                        self.tensors[kind].append(tensor)
+        self.addresses = self._addresses()
+
+    def _addresses(self) -> list[int]:
+        return [t.data_ptr() for kind in self.tensors for t in kind]
+
+    def holds(self, module: nn.Module) -> bool:
+        """``module`` is still made of these modules and tensors, at these addresses."""
+        if not self.tree.same_as(ModuleTree.of(module)):
+            return False
+        for kind, slots in enumerate((_PARAMETERS, _BUFFERS)):
+            found = map(dict.get, map(slots, self.owners[kind]), self.keys[kind])
+            if not all(map(is_, found, self.tensors[kind])):
+                return False
+        return self._addresses() == self.addresses
+
+
+_PARAMETERS = attrgetter("_parameters")
+_BUFFERS = attrgetter("_buffers")
 
 
 @attrs.frozen(eq=False)
@@ -145,14 +176,13 @@ class WeightApplier:
     ) -> None:
         self.expected = expected_from_refit_info(refit_info)
         self._module: nn.Module | None = None
-        self._reader = StateReader()
-        self._where: tuple[Any, ...] = ()  # where the module's tensors were at the last bind
+        self._where: _Where | None = None  # where its tensors were at the last bind
         self._generation = 0  # bumped each time the destinations are found again
         if isinstance(target, nn.Module):
             self._dests: dict[str, torch.Tensor] | None = _module_destinations(
                 target, self.expected
             )
-            self._module, self._where = target, _where(target, self._reader)
+            self._module, self._where = target, _Where(target)
             self._load: LoadWeights | None = None
         elif callable(target):
             self._dests, self._load = None, target
@@ -184,7 +214,7 @@ class WeightApplier:
             msg = "rebind during a refit: finish or abort it first"
             raise ValueError(msg)
         self._dests = _module_destinations(target, self.expected)
-        self._module, self._where = target, _where(target, self._reader)
+        self._module, self._where = target, _Where(target)
         self._generation += 1  # prepared copy groups hold the old destinations
         self._accepted, self._dest_list = None, None  # derived from the old destinations
 
@@ -196,7 +226,10 @@ class WeightApplier:
     def module_moved(self) -> bool:
         """Whether the module target's tensors were re-pointed since the last bind (a
         ``load_state_dict(assign=True)`` puts new tensor objects in place of the bound ones)."""
-        return self._module is not None and _where(self._module, self._reader) != self._where
+        if self._module is None:
+            return False
+        assert self._where is not None
+        return not self._where.holds(self._module)
 
     def _follow_module(self) -> None:
         """Find the destinations again when the module's tensors were re-pointed since the
@@ -229,10 +262,15 @@ class WeightApplier:
             TensorSpec(name, tuple(shape), dtype) for name, (shape, dtype) in self.expected.items()
         ]
 
-    def begin(self, manifest: Sequence[TensorSpec]) -> None:
+    def begin(self, manifest: Sequence[TensorSpec], *, located: bool = False) -> None:
+        """Start a refit of ``manifest`` (checked against ``refit_info`` once per manifest
+        object). ``located``: the caller has just made sure the module's tensors were not
+        re-pointed (a one-pass BEGIN asks its arena, which rebinds this applier if they were),
+        so the module is not walked a second time."""
         if self._session is not None:
             self.abort("a new refit began before the previous one completed")
-        self._follow_module()
+        if not located:
+            self._follow_module()
         if manifest is not self._accepted:
             specs = tuple(manifest)
             problems = check_manifest(specs, self.expected)

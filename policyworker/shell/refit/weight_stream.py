@@ -46,11 +46,13 @@ from policyworker.shell.refit.live_state import StateReader, live_state_dict
 
 __all__ = [
     "DRAFT_PREFIX",
+    "PLAIN_TENSOR_TYPES",
     "RefitSource",
     "RefitStream",
     "iter_refit_sources",
     "keep_fp32_patterns",
     "params_generator",
+    "plain_tensors",
     "refit_info",
     "refit_specs",
     "refit_stream",
@@ -131,6 +133,8 @@ class _Walk:
     signature: tuple[tuple[str, torch.Size, torch.dtype], ...]
     entries: tuple[_Entry, ...]
     specs: tuple[TensorSpec, ...]
+    # the state-dict key of each spec when every entry is sent whole and unmerged, else None
+    whole_keys: tuple[str, ...] | None = None
 
     def matches(self, state: Mapping[str, torch.Tensor]) -> bool:
         """Same keys, shapes and dtypes in the same order (about 1 µs per tensor)."""
@@ -186,7 +190,13 @@ def _compile_walk(
             _Entry(key, name, base if base in lora else None, pieces if split else None, outputs)
         )
     signature = tuple((k, v.shape, v.dtype) for k, v in state.items())
-    return _Walk(signature, tuple(entries), tuple(s for e in entries for s in e.outputs))
+    whole = all(e.lora is None and e.pieces is None for e in entries)
+    return _Walk(
+        signature,
+        tuple(entries),
+        tuple(s for e in entries for s in e.outputs),
+        tuple(e.key for e in entries) if whole else None,
+    )
 
 
 def _walk_of(
@@ -242,11 +252,26 @@ class RefitStream:
     signatures are unchanged). ``key``: equal (``==``) between two calls exactly when their
     compiled walks are the same objects, so a transport may reuse a bucket plan made for ``specs``.
     ``sources``: the uncast live tensors, lazily (DTensor gathers happen while iterating).
+    ``plain``: when every source is a whole live tensor of a plain class (no gather, no LoRA
+    merge, no checkpoint piece), those tensors themselves, in spec order, each of its spec's
+    shape; a transport may then copy them in grouped launches, under ``torch.no_grad`` (they
+    are not detached), instead of iterating ``sources``, which it then leaves to its owner to
+    close. None otherwise.
     """
 
     specs: tuple[TensorSpec, ...]
     key: tuple[Any, ...]
     sources: Generator[RefitSource, None, None]  # close it when stopping early
+    plain: Sequence[torch.Tensor] | None = None
+
+
+# The classes a `plain` source may have: a DTensor (or any other subclass) is read another way.
+PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, nn.Parameter})
+
+
+def plain_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """``tensors`` when every one is of a `PLAIN_TENSOR_TYPES` class, else None."""
+    return tensors if all(type(t) in PLAIN_TENSOR_TYPES for t in tensors) else None
 
 
 def _models(
@@ -290,7 +315,12 @@ def refit_stream(
         for module, state, walk in parts:
             yield from _iter_walk(module, state, walk)
 
-    return RefitStream(specs, walks, sources())
+    plain = None
+    if all(walk.whole_keys is not None for walk in walks):
+        plain = plain_tensors(
+            [state[key] for _, state, walk in parts for key in walk.whole_keys or ()]
+        )
+    return RefitStream(specs, walks, sources(), plain)
 
 
 _JOINED: dict[tuple[_Walk, ...], tuple[TensorSpec, ...]] = {}

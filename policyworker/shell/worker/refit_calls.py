@@ -77,7 +77,6 @@ def stream_via_zmq(
     memory, else staged. ``adapter_only`` streams the LoRA tensors alone (staged, not
     one-pass: the receiver's PEFT adapter is not a registered arena).
     """
-    from policyworker.shell.refit.adapter_refit import adapter_stream
     from policyworker.shell.refit.sender import check_stream_args
 
     check_stream_args(buffer_size_bytes, kv_scales, timeout_s, one_pass=one_pass)
@@ -90,11 +89,7 @@ def stream_via_zmq(
         raise ValueError(msg)
     state.reshard()
     sender = zmq_sender(state)  # on every rank (it opens no socket until rank 0 sends)
-    stream = (
-        adapter_stream(state.model, dtype=sender.refit_dtype)
-        if adapter_only
-        else sender.weight_stream()
-    )
+    stream = sender.adapter_stream() if adapter_only else sender.weight_stream()
     sources = _Draining(stream.sources)
     sharded = state.parallel.world_size > 1
     report, failed = None, 0
@@ -116,8 +111,11 @@ def stream_via_zmq(
             sources.drain()
             state.parallel.all_reduce_int(failed, op="max", axis="world")
         raise
-    with torch.no_grad():
-        sources.drain()
+    if stream.plain is None:
+        with torch.no_grad():
+            sources.drain()
+    else:  # no gathers to finish: the sender copied the plain tensors, the sources stay unread
+        stream.sources.close()
     if sharded and state.parallel.all_reduce_int(failed, op="max", axis="world"):
         msg = (
             f"refit over ZMQ failed on rank 0 (rank {state.parallel.rank} took part in the "

@@ -136,6 +136,7 @@ def _fail_after(sender, count):
                 yield next(sources)
             raise OSError("trainer killed mid-refit")
 
+        kwargs["plain"] = None  # read the tensors through the failing sources
         return original(specs, plan, sources_then_fail(), **kwargs)
 
     sender._zmq().stream = failing_stream

@@ -311,7 +311,7 @@ def _failing_after(monkeypatch, sender, count):
                 yield next(stream.sources)
             raise OSError("disk on fire")
 
-        return attrs.evolve(stream, sources=gen())
+        return attrs.evolve(stream, sources=gen(), plain=None)  # read through sources
 
     monkeypatch.setattr(sender, "weight_stream", failing)
     return lambda: monkeypatch.setattr(sender, "weight_stream", walk)

@@ -360,6 +360,7 @@ def _fail_sources_after(sender, count):
                 yield next(sources)
             raise OSError("disk on fire")
 
+        kwargs["plain"] = None  # read the tensors through the failing sources
         return original(specs, plan, sources_then_fail(), **kwargs)
 
     sender._zmq().stream = failing_stream
@@ -501,6 +502,7 @@ def test_keep_staging_reuses_buffers_and_mappings_and_frees_them_on_release_or_f
                 yield from (next(sources) for _ in range(3))
                 raise OSError("disk on fire")
 
+            kwargs["plain"] = None  # read the tensors through the failing sources
             return original(specs, plan, sources_then_fail(), **kwargs)
 
         zmq.stream = failing_stream

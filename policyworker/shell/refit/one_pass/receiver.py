@@ -138,7 +138,8 @@ class WeightArena:
             else Destination(n, t.dtype, tuple(t.shape), t.stride(), 0)  # nothing to write
             for n, t in moved.items()
         )
-        self._live, self._spare, self._bases = live, spare, [(b, b.data_ptr()) for b in bases]
+        self._live, self._spare, self._bases = live, spare, bases
+        self._addresses = [b.data_ptr() for b in bases]
         self._registration = Registration(
             secrets.token_hex(8),
             live.ref(),
@@ -161,7 +162,7 @@ class WeightArena:
         (no reload re-pointed it, nor put new tensor objects in its place)."""
         return (
             self._live.intact()
-            and all(b.data_ptr() == ptr for b, ptr in self._bases)
+            and [b.data_ptr() for b in self._bases] == self._addresses
             and not self.applier.module_moved()
         )
 

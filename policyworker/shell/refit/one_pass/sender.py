@@ -40,7 +40,11 @@ from policyworker.shell.refit.weight_stream import RefitSource
 from policyworker.shell.refit.zmq import staging
 from policyworker.shell.refit.zmq.sender import Exchange, ZmqIpcSender
 from policyworker.shell.refit.zmq.shared_buffers import SharedFile, open_shared_buffer
-from policyworker.shell.refit.zmq.staging import grouped_copy_
+from policyworker.shell.refit.zmq.staging import (
+    cached_copy_groups,
+    grouped_copy_,
+    run_copy_groups,
+)
 
 __all__ = ["OnePassWriter", "stream_one_pass"]
 
@@ -60,6 +64,7 @@ class OnePassWriter:
         self._file: SharedFile | None = None  # a CPU arena's file, held to check its size
         self._views: tuple[Sequence[TensorSpec], list[torch.Tensor]] | None = None
         self._numels: list[int] = []  # elements of each view, in manifest order
+        self._groups: dict[str, Any] = {}  # the copy groups of a plain stream into the views
         self._written: torch.cuda.Event | None = None
 
     @property
@@ -131,6 +136,7 @@ class OnePassWriter:
         specs: Sequence[TensorSpec],
         views: list[torch.Tensor],
         sources: Iterator[RefitSource],
+        plain: Sequence[torch.Tensor] | None = None,
         *,
         mirrors: Sequence[list[torch.Tensor]] = (),
     ) -> bytes:
@@ -138,23 +144,30 @@ class OnePassWriter:
         after the casts (b"" on CPU, where the writes are done when this returns).
 
         A large tensor's cast is launched as soon as its source arrives (the GPU works while
-        this loop walks the rest); small ones are cast in grouped launches. A CPU arena's file
-        size is checked before and after (``check_arena``). ``mirrors``: other receivers' views
-        of the same manifest (a fan-out: every tensor cast once), filled from ``views`` once
-        every cast is launched, before the event; their arenas are their writers' to check.
+        this loop walks the rest); small ones are cast in grouped launches. ``plain`` (the
+        stream's ``RefitStream.plain``): the sources as whole tensors, copied with the copy
+        groups of the last refit while they are the same tensor objects, and ``sources`` is
+        not read. ``mirrors``: other receivers' views of the same manifest (a fan-out: every
+        tensor cast once), filled from ``views`` once every cast is launched, before the event;
+        their arenas are their writers' to check. A CPU arena's file size is checked before and
+        after (``check_arena``).
         """
         self.check_arena()
-        event = self._write(specs, views, sources, mirrors)
+        if plain is None:
+            self._write(specs, views, sources)
+        else:
+            groups = cached_copy_groups(self._groups, "plain", views, plain)
+            with torch.no_grad():  # plain sources are live parameters, not detached
+                run_copy_groups(groups, non_blocking=True)
+        for mirror in mirrors:
+            grouped_copy_(mirror, views, non_blocking=True)
+        event = self._record()
         self.check_arena()
         return event
 
     def _write(
-        self,
-        specs: Sequence[TensorSpec],
-        views: list[torch.Tensor],
-        sources: Iterator[RefitSource],
-        mirrors: Sequence[list[torch.Tensor]],
-    ) -> bytes:
+        self, specs: Sequence[TensorSpec], views: list[torch.Tensor], sources: Iterator[RefitSource]
+    ) -> None:
         large_numel = staging.LARGE_COPY_NUMEL
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
@@ -185,8 +198,9 @@ class OnePassWriter:
                 grouped_copy_(dsts, srcs, non_blocking=True)
                 dsts, srcs, group_elements = [], [], 0
         grouped_copy_(dsts, srcs, non_blocking=True)
-        for mirror in mirrors:
-            grouped_copy_(mirror, views, non_blocking=True)
+
+    def _record(self) -> bytes:
+        """On CUDA, record the event COMPLETE hands over, after every write; b"" on CPU."""
         target = self._target
         assert target is not None
         if target.device.type != "cuda":
@@ -199,6 +213,7 @@ class OnePassWriter:
     def close(self) -> None:
         """Forget the registration and unmap its arena."""
         self._registration = self._target = self._views = None
+        self._groups.clear()
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -213,11 +228,13 @@ def stream_one_pass(
     timeout_s: float,
     transport: str,
     or_staged: Callable[[Exchange], dict[str, Any]] | None = None,
+    plain: Sequence[torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """One one-pass refit over ``zmq``'s socket; returns the receiver's report.
 
     ``or_staged`` (the default refit): a receiver that did not register its memory answers
     the BEGIN with a staged ACK, and ``or_staged(exchange)`` streams the staged refit it began.
+    ``plain``: the stream's ``RefitStream.plain`` (see ``OnePassWriter.write``).
     """
     with zmq.exchange("stream_weights_via_ipc_zmq", timeout_s=timeout_s) as exchange:
         begin = zmq.begin_frames(
@@ -233,7 +250,7 @@ def stream_one_pass(
             except BaseException:
                 writer.close()  # ask for the whole registration at the next BEGIN
                 raise
-            event = writer.write(specs, views, sources)
+            event = writer.write(specs, views, sources, plain)
         except BaseException as exc:
             exchange.abort(f"{type(exc).__name__}: {exc}")
             raise

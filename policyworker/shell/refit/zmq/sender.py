@@ -358,6 +358,7 @@ class ZmqIpcSender:
         transport: str,
         keep_staging: bool = False,
         begun: Exchange | None = None,
+        plain: Sequence[torch.Tensor] | None = None,
     ) -> dict[str, Any]:
         """One refit: BEGIN, the planned buckets through two ping-pong buffers, COMPLETE.
 
@@ -369,7 +370,8 @@ class ZmqIpcSender:
 
         ``begun``: the exchange of a refit whose BEGIN the receiver already answered with a
         staged ACK (a default one-pass BEGIN to a receiver that did not register); the
-        buckets follow in it.
+        buckets follow in it. ``plain``: the stream's ``RefitStream.plain`` (the tensors are read
+        from it, not from ``sources``; see ``StagedRefit``).
         """
         if begun is not None:
             return self._staged(
@@ -382,6 +384,7 @@ class ZmqIpcSender:
                 buffer_bytes,
                 transport,
                 keep_staging,
+                plain,
             )
         with self.exchange("stream_weights_via_ipc_zmq", timeout_s=timeout_s) as exchange:
             begin = self.begin_frames(specs, transport)
@@ -395,6 +398,7 @@ class ZmqIpcSender:
                 buffer_bytes,
                 transport,
                 keep_staging,
+                plain,
             )
 
     def _staged(
@@ -408,6 +412,7 @@ class ZmqIpcSender:
         buffer_bytes: int,
         transport: str,
         keep_staging: bool,
+        plain: Sequence[torch.Tensor] | None,
     ) -> dict[str, Any]:
         refit = StagedRefit(
             exchange,
@@ -419,6 +424,7 @@ class ZmqIpcSender:
             transport=transport,
             keep_staging=keep_staging,
             ping_pong=self._take_kept(plan, buffer_bytes, transport),
+            plain=plain,
         )
         self._staging_refs = refit.staging_refs
         report = refit.run(begin)

@@ -28,7 +28,13 @@ from policyworker.functional.wire.codec import (
     encode,
 )
 from policyworker.shell.refit.weight_stream import RefitSource
-from policyworker.shell.refit.zmq.staging import Staging, bucket_slots, fill_slots
+from policyworker.shell.refit.zmq.staging import (
+    Staging,
+    bucket_slots,
+    cached_copy_groups,
+    grouped_copy_,
+    run_copy_groups,
+)
 
 __all__ = ["Owed", "RefitExchange", "StagedRefit"]
 
@@ -51,7 +57,9 @@ class StagedRefit:
     the buffer its bucket is in, and whether BEGIN went out (an abort is owed then).
 
     ``ping_pong`` starts with the buffers a ``keep_staging`` refit left (their slot caches valid
-    for ``plan``); ``kept`` holds the pair this refit keeps once it succeeded.
+    for ``plan``); ``kept`` holds the pair this refit keeps once it succeeded. ``plain``: the
+    stream's ``RefitStream.plain``; each bucket's tensors are then taken from it, and the copy
+    groups of a kept buffer's bucket reused while they are the same tensor objects.
     """
 
     def __init__(
@@ -66,8 +74,11 @@ class StagedRefit:
         transport: str,
         keep_staging: bool,
         ping_pong: Sequence[Staging],
+        plain: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self.exchange, self.specs, self.plan, self.sources = exchange, specs, plan, sources
+        # the stream's whole live tensors (``RefitStream.plain``): read instead of ``sources``
+        self.plain = plain
         self.make_staging, self.buffer_bytes = make_staging, buffer_bytes
         self.transport, self.keep_staging = transport, keep_staging
         self.ping_pong: list[Staging | None] = [*ping_pong, None, None][:2]
@@ -134,8 +145,12 @@ class StagedRefit:
             staging.note_consumed(reply.consumed_event)
         return reply
 
-    def take(self, bucket: IpcBucket) -> list[RefitSource]:
-        """The bucket's sources from the stream, checked against the manifest."""
+    def take(self, bucket: IpcBucket) -> list[torch.Tensor]:
+        """The bucket's source tensors (uncast), checked against the manifest when they come
+        from the stream's sources (``plain`` ones have their specs' shapes by contract)."""
+        if self.plain is not None:
+            plain = self.plain
+            return [plain[i] for i in bucket.indices]
         items = [next(self.sources) for _ in bucket.indices]
         for i, item in zip(bucket.indices, items, strict=True):
             want = self.specs[i]
@@ -149,15 +164,31 @@ class StagedRefit:
                     f"said {want}"
                 )
                 raise RefitError(msg)
-        return items
+        return [item.tensor for item in items]
 
-    def send_alone(self, seq: int, bucket: IpcBucket, items: list[RefitSource]) -> None:
+    def fill(
+        self, staging: Staging, key: Any, slots: list[torch.Tensor], items: list[torch.Tensor]
+    ) -> None:
+        """Cast ``items`` into their ``slots`` in grouped launches; with ``plain`` sources,
+        under ``no_grad`` (they are live parameters) and, in a kept buffer (``key`` not None),
+        with the groups of the last refit while they are the same tensors."""
+        if self.plain is None:
+            grouped_copy_(slots, items, non_blocking=True)
+            return
+        with torch.no_grad():
+            if key is None:
+                grouped_copy_(slots, items, non_blocking=True)
+            else:
+                groups = cached_copy_groups(staging.cache, key, slots, items)
+                run_copy_groups(groups, non_blocking=True)
+
+    def send_alone(self, seq: int, bucket: IpcBucket, items: list[torch.Tensor]) -> None:
         """An oversized bucket in a buffer of its own, freed once the receiver read it."""
         self.settle()  # the ping-pong buffer in flight is free; now send this one alone
         alone = self.new_staging(bucket.used_bytes)
         try:
             slots, frames = self.prepared(alone, seq, bucket, keep=False)
-            fill_slots(slots, items)
+            self.fill(alone, None, slots, items)
             del slots
             alone.mark_filled()
             self.request(frames, (f"bucket {seq} (oversized)", "bucket", seq), alone)
@@ -167,7 +198,7 @@ class StagedRefit:
             alone.close()
 
     def send_in_turn(
-        self, seq: int, bucket: IpcBucket, items: list[RefitSource], slot: int
+        self, seq: int, bucket: IpcBucket, items: list[torch.Tensor], slot: int
     ) -> None:
         """A bucket in ping-pong buffer ``slot``, cast once the receiver's reads of that
         buffer's last bucket are done; its reply is settled by the next request."""
@@ -179,7 +210,8 @@ class StagedRefit:
         assert staging is not None
         slots, frames = self.prepared(staging, seq, bucket, keep=self.keep_staging)
         staging.wait_for_reader()
-        fill_slots(slots, items)  # queued behind the receiver's reads of this buffer's last bucket
+        # queued behind the receiver's reads of this buffer's last bucket
+        self.fill(staging, ("groups", seq) if self.keep_staging else None, slots, items)
         del slots
         staging.mark_filled()
         self.request(frames, (f"bucket {seq}", "bucket", seq), staging)
