@@ -106,9 +106,10 @@ class PhaseTimedWriter(OnePassWriter):
         specs: Sequence[TensorSpec],
         views: list[torch.Tensor],
         sources: Iterator[RefitSource],
+        plain: Sequence[torch.Tensor] | None = None,
     ) -> bytes:
         start = time.perf_counter()
-        event = super().write(specs, views, sources)
+        event = super().write(specs, views, sources, plain)
         self.loops.append((start, time.perf_counter()))
         return event
 
