@@ -107,9 +107,11 @@ class PhaseTimedWriter(OnePassWriter):
         views: list[torch.Tensor],
         sources: Iterator[RefitSource],
         plain: Sequence[torch.Tensor] | None = None,
+        *,
+        mirrors: Sequence[list[torch.Tensor]] = (),
     ) -> bytes:
         start = time.perf_counter()
-        event = super().write(specs, views, sources, plain)
+        event = super().write(specs, views, sources, plain, mirrors=mirrors)
         self.loops.append((start, time.perf_counter()))
         return event
 
