@@ -16,8 +16,9 @@ Usage: `python -m bench.train_step` (CUDA) or `python -m bench.train_step --smal
 every linear layer; MFU counts 4 * N per token for the frozen base). With `--lora-dim`, a
 plain-HF baseline (when not skipped) still trains every weight.
 `--optimizer NAME` picks every worker's optimizer (default torch.optim.AdamW; kwargs from
-`OPTIMIZER_KWARGS`, plus `--optimizer-kwargs JSON`); `--also-optimizer NAME` measures one more
-packed worker with that optimizer on the same model and batch, as a row beside the first (a
+`bench.train_step_settings.OPTIMIZER_KWARGS`, plus `--optimizer-kwargs JSON`);
+`--also-optimizer NAME` measures one more packed worker with that optimizer on the same model and
+batch, as a row beside the first (a
 worker the pre-flight memory check refuses is a row saying so). 8B-class full fine-tuning:
 `--shape 7b --optimizer torch.optim.Adafactor --mb-tokens 8192 --skip-baseline` (MFU 6 * N
 per token); the same step with AdamW, everything on the GPU, fits the 1.5B shape:
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import tempfile
 import time
 import traceback
@@ -73,43 +73,14 @@ from bench.common import (
 from bench.gpu_gaps import print_call_profile
 from bench.train_step_baselines import bench_plain_hf, liger_layers
 from bench.train_step_rows import summary_rows
+from bench.train_step_settings import (
+    mfu_target,
+    optimizer_section,
+    set_inductor_options,
+)
 from policyworker import ConfigError, NLLLoss, PolicyWorker
 from policyworker.functional.logprob_kernels import EAGER_KERNELS
 from policyworker.shell.kernels import FUSION_MODES
-
-# MFU targets with the default config, per `--shape`: the 1.5B shape trained in full, and an
-# 8B-class shape on one GPU with LoRA; the 7B shape trained in full on one GPU (a factored
-# optimizer state) has its own.
-MFU_TARGETS = {"1.5b": 0.50, "7b": 0.45}
-MFU_TARGET_7B_FULL = 0.35
-# The bench's optimizer settings per class; the learning rates only keep a random model's steps
-# small (Adafactor's is relative to each weight's RMS: 5e-5 of a weight of RMS 0.02 is AdamW's
-# 1e-6). `fused` is set on CUDA where the class takes it.
-OPTIMIZER_KWARGS: dict[str, dict] = {
-    "torch.optim.AdamW": {"lr": 1e-6, "weight_decay": 0.01},
-    "torch.optim.Adafactor": {"lr": 5e-5, "weight_decay": 0.01},
-}
-_FUSED = ("torch.optim.AdamW", "torch.optim.Adam")
-
-
-def mfu_target(args: argparse.Namespace) -> float | None:
-    """The run's MFU target, or None: a 1.5B LoRA run has none (its target is speed against
-    full fine-tuning, `--also-lora-dim`'s row)."""
-    if args.shape == "1.5b" and args.lora_dim:
-        return None
-    if args.shape == "7b" and not args.lora_dim:
-        return MFU_TARGET_7B_FULL
-    return MFU_TARGETS[args.shape]
-
-
-def optimizer_section(name: str, args: argparse.Namespace) -> dict:
-    """`policy.optimizer` for `name`: `OPTIMIZER_KWARGS` (lr 1e-6 for a class it lacks), fused
-    on CUDA where the class has a fused kernel, then `--optimizer-kwargs`."""
-    kwargs = dict(OPTIMIZER_KWARGS.get(name, {"lr": 1e-6}))
-    if name in _FUSED:
-        kwargs["fused"] = device().type == "cuda"
-    kwargs.update(json.loads(args.optimizer_kwargs or "{}"))
-    return {"name": name, "kwargs": kwargs}
 
 
 def worker_config(
@@ -275,21 +246,6 @@ def fusion_result(worker: PolicyWorker, mode: str, *, label: str, seconds: float
     report = worker.fusion_report
     print(f"fusion ({label}): {report}; worker init {seconds:.1f} s")
     return {"fuse": mode, "fuse_report": attrs.asdict(report), "init_s": seconds}
-
-
-def set_inductor_options(settings: list[str]) -> None:
-    """Apply `--inductor KEY=VALUE` settings to torch._inductor.config; an unknown key fails."""
-    import ast
-
-    import torch._inductor.config as inductor_config
-
-    for setting in settings:
-        key, sep, value = setting.partition("=")
-        if not sep or not hasattr(inductor_config, key):
-            msg = f"--inductor {setting!r}: expected KEY=VALUE with KEY in torch._inductor.config"
-            raise SystemExit(msg)
-        setattr(inductor_config, key, ast.literal_eval(value))
-        print(f"torch._inductor.config.{key} = {getattr(inductor_config, key)!r}")
 
 
 def main() -> None:

@@ -87,6 +87,8 @@ def _failing_after(stream, buckets):
                 yield next(sources)
             raise OSError("trainer killed mid-refit")
 
+        kwargs["plain"] = None  # read the tensors through the failing sources
+
         return original(specs, plan, sources_then_fail(), **kwargs)
 
     original = stream

@@ -19,6 +19,18 @@ from tests.helpers import child_env
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _ours(err: str) -> list[str]:
+    """The stderr lines but torchao's import-time warnings: where torchao is installed (the fp8
+    extra), transformers imports it, and on a CPU it logs the CUDA kernels it cannot load and
+    torch's deprecation of its pytree constants; none of that is the demo's."""
+    return [
+        line
+        for line in err.strip().splitlines()
+        if not (line.startswith("Failed to load ") and "torchao" in line)
+        and "register_constant() on Enum subclasses" not in line
+    ]
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -55,9 +67,9 @@ def test_one_ctrl_c_during_start_up_ends_the_demo_with_130_and_nothing_left(stag
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, out + err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    assert err.strip().splitlines() == [
-        "policyworker demo: interrupted; every process it started is stopped"
-    ], err
+    assert _ours(err) == ["policyworker demo: interrupted; every process it started is stopped"], (
+        err
+    )
     deadline = time.monotonic() + 10
     while _group_alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
