@@ -1,4 +1,5 @@
-"""Package faces whose names are resolved on first use (PEP 562).
+"""Package faces whose names are resolved on first use (PEP 562), and the installed version of
+an optional distribution (`installed_version`), read without importing it.
 
     __getattr__, __all__ = lazy_exports(__name__, {"ParallelContext": "pkg.parallel.context"})
 
@@ -9,10 +10,11 @@ of the package's modules never runs the others through the face (no import cycle
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["lazy_exports"]
+__all__ = ["installed_version", "lazy_exports"]
 
 
 def lazy_exports(package: str, names: Mapping[str, str]) -> tuple[Callable[[str], Any], list[str]]:
@@ -28,3 +30,13 @@ def lazy_exports(package: str, names: Mapping[str, str]) -> tuple[Callable[[str]
         return value
 
     return resolve, sorted(names)
+
+
+def installed_version(*dists: str) -> str | None:
+    """The installed version of the first of `dists` found, else None."""
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None

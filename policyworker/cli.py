@@ -21,6 +21,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from policyworker._lazy import installed_version
+
 __all__ = ["build_parser", "collect_info", "format_info", "main"]
 
 
@@ -233,16 +235,6 @@ def _plot_problem(path: str) -> str:
     return ""
 
 
-def _version(*dists: str) -> str | None:
-    """The installed version of the first of `dists` found, else None."""
-    for dist in dists:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def _can_import(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -290,14 +282,14 @@ def collect_info() -> dict[str, Any]:
             "policyworker": policyworker.__version__,
             "python": platform.python_version(),
             "torch": torch.__version__,
-            "transformers": _version("transformers"),
-            "attrs": _version("attrs"),
-            "cattrs": _version("cattrs"),
+            "transformers": installed_version("transformers"),
+            "attrs": installed_version("attrs"),
+            "cattrs": installed_version("cattrs"),
             "pyzmq": zmq_version,
-            "safetensors": _version("safetensors"),
+            "safetensors": installed_version("safetensors"),
         },
         # Optional engines and extras: a version, or None when not installed.
-        "extras": {name: _version(*dists) for name, dists in _EXTRAS.items()},
+        "extras": {name: installed_version(*dists) for name, dists in _EXTRAS.items()},
         "devices": {
             "cuda_count": len(devices),
             "cuda_names": devices,

@@ -11,12 +11,12 @@ against the versions this adapter was written for (its KV calls changed between 
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from policyworker._lazy import installed_version
 from policyworker.config.sections import DataPlaneConfig
 from policyworker.functional.receipts import KVBatchMeta, missing, stack_rows
 from policyworker.shell.data_plane.client import DataPlaneClient, DataPlaneError, check_rows
@@ -41,13 +41,6 @@ def check_version(installed: str | None) -> None:
         )
 
 
-def _installed_version() -> str | None:
-    try:
-        return importlib.metadata.version("transferqueue")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _dense(name: str, value: Any) -> torch.Tensor:
     # TransferQueue returns a field as a jagged nested tensor (rows put at different widths
     # stay at their widths); the worker reads one rectangular batch, zero-padded.
@@ -61,7 +54,7 @@ class TransferQueueDataPlane(DataPlaneClient):
     `kv_list` / `kv_clear`)."""
 
     def __init__(self, config: DataPlaneConfig, *, bootstrap: bool) -> None:
-        check_version(_installed_version())
+        check_version(installed_version("transferqueue"))
         import ray
 
         if not ray.is_initialized():

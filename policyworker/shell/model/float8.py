@@ -24,7 +24,6 @@ and per reason says why, and the model is left as it was. torchao is an optional
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import warnings
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 from attrs import frozen
 from torch import nn
 
+from policyworker._lazy import installed_version
 from policyworker.functional.float8_training import (
     Float8Plan,
     LinearSpec,
@@ -82,13 +82,6 @@ class Float8Report:
         )
 
 
-def _torchao_version() -> str | None:
-    try:
-        return importlib.metadata.version("torchao")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def float8_support(device: torch.device, *, tp_size: int = 1) -> str | None:
     """Why float8 training cannot run on `device` (None: it can)."""
     capability = None
@@ -97,7 +90,7 @@ def float8_support(device: torch.device, *, tp_size: int = 1) -> str | None:
     return float8_unsupported_reason(
         device_type=device.type,
         capability=capability,
-        torchao_version=_torchao_version(),
+        torchao_version=installed_version("torchao"),
         has_scaled_mm=hasattr(torch, "_scaled_mm"),
         tp_size=tp_size,
     )
