@@ -59,10 +59,21 @@ def move_optimizer(state: WorkerState, device: str | torch.device) -> None:
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    for opt_state in optimizer.state.values():
-        for key, value in opt_state.items():
-            if isinstance(value, torch.Tensor) and value.device != device:
-                opt_state[key] = value.to(device)
+    for group in optimizer.param_groups:
+        step_on_device = bool(group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                if not isinstance(value, torch.Tensor) or value.device == device:
+                    continue
+                if _host_step(key, value, step_on_device) and device.type != "cpu":
+                    continue
+                optimizer.state[param][key] = value.to(device)
+
+
+def _host_step(key: str, value: torch.Tensor, step_on_device: bool) -> bool:
+    """Torch keeps a non-fused, non-capturable optimizer's step counter on the host: on the
+    device, the bias correction would read it back once per parameter and step."""
+    return key == "step" and value.dim() == 0 and not step_on_device
 
 
 def _move_draft(state: WorkerState, device: str | torch.device) -> None:
