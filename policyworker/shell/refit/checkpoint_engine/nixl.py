@@ -1,0 +1,391 @@
+"""The ``nixl`` checkpoint engine: refits as one-sided NIXL WRITEs into the rollout rank's memory.
+
+Rollout rank ``r`` is fed by policy rank ``r % T`` (a policy rank without a rollout peer takes
+part in the gathers and sends nothing; one with several packs each bucket once and WRITEs it to
+each). Members may be on other hosts (UCX picks the transport: shared memory or CUDA IPC on one
+host, RDMA or TCP across hosts); every member must use the same device type.
+
+One refit, all control messages being NIXL notifications bound to the refit's id
+(``nixl_link``):
+
+1. the policy rank sends BEGIN with the manifest (names, shapes, dtypes of ``refit_info``) and
+   its bucket plan's size; each rollout rank checks the manifest against its own
+   ``refit_info`` (``HFWeightReceiver.begin_refit``) before any byte: REFUSE names the
+   difference, ACCEPT carries the addresses of ``num_buffers`` staging slots it registered (and,
+   when they are new, the partial agent metadata the policy rank loads to reach them);
+2. bucket ``k`` (``plan_ipc_buckets``: the same plan on both sides) is cast into the policy
+   rank's registered slot ``k % num_buffers`` and WRITten to the same slot of every peer, its
+   notification (refit id + bucket index) delivered after the bytes; the rollout rank applies it
+   (checked against the manifest, staged until commit when the receiver is atomic) and ACKs it,
+   which frees the slot for bucket ``k + num_buffers``;
+3. after the last bucket each rollout rank commits (every manifest entry arrived) and answers
+   DONE with its report, or FAIL with the reason.
+
+Memory is DRAM on CPU and VRAM on CUDA, from the slot's device (one code path). Every wait is
+bounded by ``timeout_s``: a silent peer is a ``RefitTimeoutError`` naming the phase and the peer,
+a dropped connection a ``RefitPeerLostError``; a policy rank that fails sends ABORT to its other
+peers, which raise. The stream itself (dtypes of the seed's ``_refit_tensor_dtype``, LoRA merged,
+draft tensors after the policy's) is the worker's ``_checkpoint_engine_params``, as for every
+backend; the engine casts each tensor to its ``refit_info`` dtype while packing.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from policyworker.errors import RefitError
+from policyworker.functional.buckets import (
+    IpcBucket,
+    TensorSpec,
+    align_up,
+    plan_ipc_buckets,
+    unpack_tensors,
+)
+from policyworker.functional.wire.codec import ManifestCache, encode_manifest
+from policyworker.shell.refit.checkpoint_engine.base import CheckpointEngine, check_engine_kwargs
+from policyworker.shell.refit.checkpoint_engine.nixl_link import NixlLink, check_refit_error
+from policyworker.shell.refit.receiver import HFWeightReceiver, RefitReport
+from policyworker.shell.refit.watchdog import check_timeout_s
+from policyworker.shell.refit.weight_applier import specs_from
+
+__all__ = ["NixlCheckpointEngine"]
+
+BACKEND = "nixl"
+OPTIONS = ("device", "timeout_s", "num_buffers")
+DEFAULT_TIMEOUT_S = 120.0
+MAX_NUM_BUFFERS = 16
+
+
+class _Slots:
+    """``count`` registered slots of ``nbytes`` each, in one buffer on ``device``."""
+
+    def __init__(self, link: NixlLink, count: int, nbytes: int, device: torch.device) -> None:
+        self.count, self.nbytes = count, nbytes
+        self.buffer = torch.empty(count * nbytes, dtype=torch.uint8, device=device)
+        self.descs = link.register(self.buffer)
+        self.announced: set[str] = set()  # peers that loaded this registration's metadata
+
+    def fits(self, count: int, nbytes: int, device: torch.device) -> bool:
+        return self.count >= count and self.nbytes >= nbytes and self.buffer.device == device
+
+    def slot(self, index: int, used: int) -> torch.Tensor:
+        start = (index % self.count) * self.nbytes
+        return self.buffer[start : start + used]
+
+    def addresses(self) -> list[list[int]]:
+        """``[address, length, device index]`` of each slot (what a peer WRITEs into)."""
+        base, device = self.buffer.data_ptr(), max(self.buffer.get_device(), 0)
+        return [[base + i * self.nbytes, self.nbytes, device] for i in range(self.count)]
+
+    @property
+    def mem_type(self) -> str:
+        return "VRAM" if self.buffer.is_cuda else "DRAM"
+
+
+class NixlCheckpointEngine(CheckpointEngine):
+    """One member's end. Options (``engine_kwargs``): ``device`` (where the slots live: default
+    the current CUDA device, else CPU; the same type on every member), ``timeout_s`` (every wait,
+    default 120 s) and ``num_buffers`` (slots in flight per rollout rank, default 2)."""
+
+    metadata_backend = BACKEND
+    device_hint = "NIXL registers DRAM on cpu, VRAM on cuda"
+
+    def __init__(self, *, bucket_size: int, **options: Any) -> None:
+        check_engine_kwargs(BACKEND, options, OPTIONS)
+        check_timeout_s("timeout_s", options.get("timeout_s", DEFAULT_TIMEOUT_S))
+        buffers = options.get("num_buffers", 2)
+        if isinstance(buffers, bool) or not isinstance(buffers, int):
+            buffers = 0
+        if not 1 <= buffers <= MAX_NUM_BUFFERS:
+            msg = (
+                f"engine_kwargs num_buffers {options.get('num_buffers')!r} must be an int in "
+                f"[1, {MAX_NUM_BUFFERS}] (staging slots in flight per rollout rank; 2 overlaps "
+                "one bucket's apply with the next one's write)"
+            )
+            raise ValueError(msg)
+        device = options.get("device")
+        if device is None:
+            cuda = torch.cuda.is_available()
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu"
+        self.device = torch.device(device)
+        self.bucket_size, self.num_buffers = bucket_size, buffers
+        self.timeout_s = float(options.get("timeout_s", DEFAULT_TIMEOUT_S))
+        self._link: NixlLink | None = None
+        self.peers: list[tuple[str, int]] | None = None  # a policy rank's (agent, rollout rank)
+        self._source: str | None = None  # a rollout rank's policy agent
+        self._slots: _Slots | None = None
+        self._manifests = ManifestCache()
+        self._specs: tuple[dict[str, Any], list[TensorSpec], bytes] | None = None
+        self._plan: tuple[tuple[TensorSpec, ...], int, list[IpcBucket]] | None = None
+        self.last_report: dict[str, Any] | None = None
+
+    def prepare(self) -> dict[str, Any]:
+        """Start this rank's NIXL agent (once until ``finalize``) and offer its metadata."""
+        if self._link is None:
+            self._link = NixlLink(timeout_s=self.timeout_s)
+        return {
+            "backend": BACKEND,
+            "host": socket.gethostname(),
+            "device": self.device.type,
+            "agent": self._link.name,
+            "nixl_metadata": self._link.metadata_b64(),
+        }
+
+    def _agent(self, call: str) -> NixlLink:
+        if self._link is None:
+            msg = f"{call} needs prepare() on every member first (this rank has no NIXL agent)"
+            raise RefitError(msg)
+        return self._link
+
+    def join_policy(self, worker_rank: int, train: int, rollout: int, metadata: list[Any]) -> None:
+        link = self._agent("init_policy_process_group")
+        if metadata[worker_rank].get("agent") != link.name:
+            msg = (
+                f"metadata[{worker_rank}] is not this policy rank's prepare() result: pass every "
+                "rank's metadata in rank order, policy ranks first"
+            )
+            raise ValueError(msg)
+        self.peers = [
+            (self._add(link, metadata[train + r], f"rollout rank {r}"), r)
+            for r in range(worker_rank, rollout, train)
+        ]
+
+    def join_rollout(
+        self, rollout_rank: int, train: int, rollout: int, metadata: list[Any]
+    ) -> None:
+        link = self._agent("init_rollout_process_group")
+        source = rollout_rank % train
+        self._source = self._add(link, metadata[source], f"policy rank {source}")
+
+    @staticmethod
+    def _add(link: NixlLink, entry: Mapping[str, Any], label: str) -> str:
+        name = str(entry.get("agent"))
+        if name in link.peers:  # joined again without finalize: the peer is loaded
+            link.peers[name] = label
+            return name
+        return link.add_peer(str(entry.get("nixl_metadata")), label)
+
+    # ------------------------------------------------------------------ policy side
+
+    async def send_weights(
+        self,
+        weights: Iterator[tuple[str, torch.Tensor]],
+        *,
+        refit_info: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any] | None:
+        """One refit to this rank's rollout ranks; the report (None without peers)."""
+        if self.peers is None or self._link is None:
+            msg = "send_weights needs prepare() and init_policy_process_group on every member first"
+            raise RefitError(msg)
+        try:
+            if not self.peers:
+                for _ in weights:  # the gathers are collective: take part, send nothing
+                    pass
+                return None
+            if refit_info is None:  # the manifest must precede the bytes: hold the stream
+                pairs = list(weights)
+                refit_info = {name: (tensor.shape, tensor.dtype) for name, tensor in pairs}
+                weights = iter(pairs)
+            specs, manifest = self._specs_of(refit_info)
+            with torch.no_grad():
+                self.last_report = self._send(self._link, specs, manifest, weights)
+            return self.last_report
+        finally:
+            close = getattr(weights, "close", None)
+            if close is not None:  # a generator left suspended would hold its gathers
+                close()
+
+    def _send(
+        self,
+        link: NixlLink,
+        specs: list[TensorSpec],
+        manifest: bytes,
+        weights: Iterator[tuple[str, torch.Tensor]],
+    ) -> dict[str, Any]:
+        assert self.peers is not None
+        started, refit = time.monotonic(), uuid.uuid4().hex[:16]
+        buffer_bytes = align_up(self.bucket_size)
+        plan = self._plan_of(tuple(specs), buffer_bytes)
+        count = max(1, min(self.num_buffers, len(plan)))
+        begin = {"kind": "BEGIN", "refit": refit, "buffer_bytes": buffer_bytes, "slots": count}
+        peers = [name for name, _ in self.peers]
+        try:
+            for peer in peers:
+                link.send(peer, begin, manifest)
+            targets = {peer: self._accepted(link, peer, refit) for peer in peers}
+            slots = self._slots_for(link, count, max((b.used_bytes for b in plan), default=1))
+            pending: list[list[tuple[str, Any]]] = [[] for _ in range(count)]
+            stream = iter(weights)
+            for k, bucket in enumerate(plan):
+                if k >= count:  # slot k % count is free once every peer applied bucket k - count
+                    for peer in peers:
+                        self._answer(link, peer, refit, "ACK", f"ACK of bucket {k - count}", k - count)
+                    for peer, handle in pending[k % count]:
+                        link.wait_written(peer, [handle], f"write of bucket {k - count}")
+                    pending[k % count] = []
+                source = slots.slot(k, bucket.used_bytes)
+                _pack(source, [specs[i] for i in bucket.indices], bucket.offsets, stream)
+                if source.is_cuda:  # the casts must land before NIXL reads the slot
+                    torch.cuda.current_stream(source.device).synchronize()
+                header = {"kind": "BUCKET", "refit": refit, "index": k}
+                for peer in peers:
+                    address, _, device = targets[peer][0][k % count]
+                    target = (address, bucket.used_bytes, device)
+                    pending[k % count].append(
+                        (peer, link.write(peer, source, target, targets[peer][1], header))
+                    )
+            for peer, handle in [p for slot in pending for p in slot]:
+                link.wait_written(peer, [handle], "write of the last buckets")
+            done = [self._answer(link, peer, refit, "DONE", "COMPLETE", None) for peer in peers]
+        except BaseException as exc:
+            for peer in peers:  # best effort: the other rollout ranks stop waiting now
+                try:
+                    link.send(peer, {"kind": "ABORT", "refit": refit, "reason": _reason(exc)})
+                except RefitError:
+                    pass
+            raise
+        return {
+            "backend": BACKEND,
+            "refit": refit,
+            "num_buckets": len(plan),
+            "num_bytes": sum(s.nbytes for s in specs),
+            "seconds": time.monotonic() - started,
+            "receivers": [m.header.get("report") for m in done],
+        }
+
+    def _accepted(
+        self, link: NixlLink, peer: str, refit: str
+    ) -> tuple[list[list[int]], str]:
+        """A peer's answer to BEGIN: its slot addresses and memory type (REFUSE raises)."""
+        message = self._answer(link, peer, refit, "ACCEPT", "BEGIN answer", None)
+        if message.payload:  # slots registered after it loaded our metadata
+            link.load_partial(message.payload)
+        return message.header["slots"], str(message.header["mem_type"])
+
+    @staticmethod
+    def _answer(
+        link: NixlLink, peer: str, refit: str, kind: str, phase: str, index: int | None
+    ) -> Any:
+        message = link.wait(peer, refit, (kind, "REFUSE", "FAIL"), phase, index=index)
+        if message.kind != kind:
+            check_refit_error(message, link.peers.get(peer, peer))
+        return message
+
+    def _specs_of(self, refit_info: Mapping[str, Any]) -> tuple[list[TensorSpec], bytes]:
+        """The manifest of ``refit_info`` and its BEGIN frame, built once while unchanged."""
+        info = dict(refit_info)
+        if self._specs is None or self._specs[0] != info:
+            specs = specs_from(info)
+            self._specs = (info, specs, encode_manifest(specs))
+        return self._specs[1], self._specs[2]
+
+    def _plan_of(self, specs: tuple[TensorSpec, ...], buffer_bytes: int) -> list[IpcBucket]:
+        if self._plan is None or self._plan[0] != specs or self._plan[1] != buffer_bytes:
+            self._plan = (specs, buffer_bytes, plan_ipc_buckets(specs, buffer_bytes))
+        return self._plan[2]
+
+    def _slots_for(self, link: NixlLink, count: int, nbytes: int) -> _Slots:
+        """This rank's registered slots, (re)registered when too few or too small."""
+        if self._slots is None or not self._slots.fits(count, nbytes, self.device):
+            if self._slots is not None:
+                link.deregister(self._slots.descs)
+            self._slots = None  # the old buffer goes before the new one is allocated
+            self._slots = _Slots(link, count, nbytes, self.device)
+        return self._slots
+
+    # ----------------------------------------------------------------- rollout side
+
+    def receive_weights(self, receiver: HFWeightReceiver) -> RefitReport:
+        """One refit from this rank's policy rank into ``receiver`` (checked, then applied)."""
+        link = self._agent("receive_weights")
+        if self._source is None:
+            msg = "receive_weights needs init_rollout_process_group first (the policy's agent)"
+            raise RefitError(msg)
+        source = self._source
+        begin = link.wait(source, "*", ("BEGIN",), "BEGIN")
+        while (newer := link.take(source, "*", ("BEGIN",))) is not None:
+            begin = newer  # an older BEGIN belongs to a refit its sender gave up on
+        refit = str(begin.header.get("refit"))
+        try:
+            specs = self._manifests.decode(begin.payload)
+            receiver.begin_refit(specs)
+            plan = self._plan_of(specs, int(begin.header["buffer_bytes"]))
+        except Exception as exc:
+            link.send(source, {"kind": "REFUSE", "refit": refit, "reason": _reason(exc)})
+            msg = f"nixl refit {refit}: refused before any byte was written: {exc}"
+            raise RefitError(msg) from exc
+        try:
+            count = int(begin.header["slots"])
+            slots = self._slots_for(link, count, max((b.used_bytes for b in plan), default=1))
+            fresh = source not in slots.announced
+            link.send(
+                source,
+                {
+                    "kind": "ACCEPT",
+                    "refit": refit,
+                    "slots": slots.addresses()[:count],
+                    "mem_type": slots.mem_type,
+                },
+                link.partial_metadata(slots.descs) if fresh else b"",
+            )
+            slots.announced.add(source)
+            for k, bucket in enumerate(plan):
+                message = link.wait(source, refit, ("BUCKET", "ABORT"), f"bucket {k}", index=k)
+                if message.kind == "ABORT":
+                    check_refit_error(message, f"policy rank (agent {source})")
+                views = unpack_tensors(
+                    slots.slot(k % count, bucket.used_bytes),
+                    [specs[i] for i in bucket.indices],
+                    bucket.offsets,
+                )
+                receiver.apply_batch(zip(bucket.names, views, strict=True))
+                if slots.buffer.is_cuda:  # the copies out of the slot end before it is reused
+                    torch.cuda.current_stream(slots.buffer.device).synchronize()
+                link.send(source, {"kind": "ACK", "refit": refit, "index": k})
+            report = receiver.commit_refit(num_buckets=len(plan))
+        except BaseException as exc:
+            receiver.abort_refit(_reason(exc))
+            try:
+                link.send(source, {"kind": "FAIL", "refit": refit, "reason": _reason(exc)})
+            except RefitError:
+                pass  # the policy rank is gone: our own error says so
+            raise
+        link.send(source, {"kind": "DONE", "refit": refit, "report": report.summary()})
+        return report
+
+    def finalize(self) -> None:
+        """Deregister the slots and drop the agent; the next ``prepare()`` starts a new one."""
+        if self._link is not None:
+            self._link.close()
+        self._link, self._slots, self.peers, self._source = None, None, None, None
+
+
+def _pack(
+    slot: torch.Tensor,
+    specs: list[TensorSpec],
+    offsets: tuple[int, ...],
+    stream: Iterator[tuple[str, torch.Tensor]],
+) -> None:
+    """Cast the stream's next ``len(specs)`` tensors into their places in ``slot``."""
+    for spec, view in zip(specs, unpack_tensors(slot, specs, offsets), strict=True):
+        pair = next(stream, None)
+        if pair is None or pair[0] != spec.name or tuple(pair[1].shape) != spec.shape:
+            got = "the end of the stream" if pair is None else f"{pair[0]!r} {list(pair[1].shape)}"
+            msg = (
+                f"the weights sent {got} where refit_info says {spec.name!r} "
+                f"{list(spec.shape)}: the stream and its refit_info disagree"
+            )
+            raise RefitError(msg)
+        # offsets are 512-byte aligned, so unpack_tensors returned views, never copies
+        assert view.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr()
+        view.copy_(pair[1])
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:2000]
