@@ -49,7 +49,11 @@ from policyworker.functional.buckets import (
 )
 from policyworker.functional.wire.codec import ManifestCache, encode_manifest
 from policyworker.shell.refit.checkpoint_engine.base import CheckpointEngine, check_engine_kwargs
-from policyworker.shell.refit.checkpoint_engine.nixl_link import NixlLink, check_refit_error
+from policyworker.shell.refit.checkpoint_engine.nixl_link import (
+    Message,
+    NixlLink,
+    check_refit_error,
+)
 from policyworker.shell.refit.receiver import HFWeightReceiver, RefitReport
 from policyworker.shell.refit.watchdog import check_timeout_s
 from policyworker.shell.refit.weight_applier import specs_from
@@ -69,7 +73,6 @@ class _Slots:
         self.count, self.nbytes = count, nbytes
         self.buffer = torch.empty(count * nbytes, dtype=torch.uint8, device=device)
         self.descs = link.register(self.buffer)
-        self.announced: set[str] = set()  # peers that loaded this registration's metadata
 
     def fits(self, count: int, nbytes: int, device: torch.device) -> bool:
         return self.count >= count and self.nbytes >= nbytes and self.buffer.device == device
@@ -217,17 +220,19 @@ class NixlCheckpointEngine(CheckpointEngine):
         peers = [name for name, _ in self.peers]
         try:
             for peer in peers:
+                link.forget(peer)  # answers to earlier refits: nothing of this one came yet
                 link.send(peer, begin, manifest)
-            targets = {peer: self._accepted(link, peer, refit) for peer in peers}
+            targets: dict[str, tuple[list[list[int]], str]] = {}
+            for peer in peers:
+                targets[peer] = self._accepted(link, peer, refit)
             slots = self._slots_for(link, count, max((b.used_bytes for b in plan), default=1))
-            pending: list[list[tuple[str, Any]]] = [[] for _ in range(count)]
+            pending: list[list[int]] = [[] for _ in range(count)]  # WRITE tickets per slot
             stream = iter(weights)
             for k, bucket in enumerate(plan):
                 if k >= count:  # slot k % count is free once every peer applied bucket k - count
                     for peer in peers:
                         self._answer(link, peer, refit, "ACK", f"ACK of bucket {k - count}", k - count)
-                    for peer, handle in pending[k % count]:
-                        link.wait_written(peer, [handle], f"write of bucket {k - count}")
+                    link.wait_written(pending[k % count], f"write of bucket {k - count}")
                     pending[k % count] = []
                 source = slots.slot(k, bucket.used_bytes)
                 _pack(source, [specs[i] for i in bucket.indices], bucket.offsets, stream)
@@ -238,15 +243,16 @@ class NixlCheckpointEngine(CheckpointEngine):
                     address, _, device = targets[peer][0][k % count]
                     target = (address, bucket.used_bytes, device)
                     pending[k % count].append(
-                        (peer, link.write(peer, source, target, targets[peer][1], header))
+                        link.write(peer, source, target, targets[peer][1], header)
                     )
-            for peer, handle in [p for slot in pending for p in slot]:
-                link.wait_written(peer, [handle], "write of the last buckets")
+            link.wait_written([t for slot in pending for t in slot], "write of the last buckets")
             done = [self._answer(link, peer, refit, "DONE", "COMPLETE", None) for peer in peers]
         except BaseException as exc:
             for peer in peers:  # best effort: the other rollout ranks stop waiting now
+                # unanswered: its ACCEPT never came, so it may take this BEGIN late; it skips it
+                abort = {"kind": "ABORT", "refit": refit, "unanswered": peer not in targets}
                 try:
-                    link.send(peer, {"kind": "ABORT", "refit": refit, "reason": _reason(exc)})
+                    link.send(peer, {**abort, "reason": _reason(exc)})
                 except RefitError:
                     pass
             raise
@@ -264,8 +270,7 @@ class NixlCheckpointEngine(CheckpointEngine):
     ) -> tuple[list[list[int]], str]:
         """A peer's answer to BEGIN: its slot addresses and memory type (REFUSE raises)."""
         message = self._answer(link, peer, refit, "ACCEPT", "BEGIN answer", None)
-        if message.payload:  # slots registered after it loaded our metadata
-            link.load_partial(message.payload)
+        link.load_partial(message.payload)  # its slots were registered after it loaded ours
         return message.header["slots"], str(message.header["mem_type"])
 
     @staticmethod
@@ -307,10 +312,18 @@ class NixlCheckpointEngine(CheckpointEngine):
         if self._source is None:
             msg = "receive_weights needs init_rollout_process_group first (the policy's agent)"
             raise RefitError(msg)
-        source = self._source
-        begin = link.wait(source, "*", ("BEGIN",), "BEGIN")
-        while (newer := link.take(source, "*", ("BEGIN",))) is not None:
-            begin = newer  # an older BEGIN belongs to a refit its sender gave up on
+        while True:  # a BEGIN its sender gave up on before our ACCEPT came is skipped
+            begin = link.wait(self._source, "*", ("BEGIN",), "BEGIN")
+            while (newer := link.take(self._source, "*", ("BEGIN",))) is not None:
+                begin = newer  # older ones were given up too
+            report = self._receive(link, self._source, begin, receiver)
+            if report is not None:
+                return report
+
+    def _receive(
+        self, link: NixlLink, source: str, begin: Message, receiver: HFWeightReceiver
+    ) -> RefitReport | None:
+        """The refit ``begin`` announces; None when its sender had already given it up."""
         refit = str(begin.header.get("refit"))
         try:
             specs = self._manifests.decode(begin.payload)
@@ -323,21 +336,20 @@ class NixlCheckpointEngine(CheckpointEngine):
         try:
             count = int(begin.header["slots"])
             slots = self._slots_for(link, count, max((b.used_bytes for b in plan), default=1))
-            fresh = source not in slots.announced
+            accept = {"kind": "ACCEPT", "refit": refit, "mem_type": slots.mem_type}
+            # the slots' metadata every time (a few hundred bytes): an ACCEPT may be one its
+            # sender no longer reads (a BEGIN it gave up on)
             link.send(
                 source,
-                {
-                    "kind": "ACCEPT",
-                    "refit": refit,
-                    "slots": slots.addresses()[:count],
-                    "mem_type": slots.mem_type,
-                },
-                link.partial_metadata(slots.descs) if fresh else b"",
+                {**accept, "slots": slots.addresses()[:count]},
+                link.partial_metadata(slots.descs),
             )
-            slots.announced.add(source)
             for k, bucket in enumerate(plan):
                 message = link.wait(source, refit, ("BUCKET", "ABORT"), f"bucket {k}", index=k)
                 if message.kind == "ABORT":
+                    if k == 0 and message.header.get("unanswered"):
+                        receiver.abort_refit("its sender gave it up before our ACCEPT")
+                        return None
                     check_refit_error(message, f"policy rank (agent {source})")
                 views = unpack_tensors(
                     slots.slot(k % count, bucket.used_bytes),

@@ -17,7 +17,7 @@ import socket
 import struct
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -130,6 +130,8 @@ class NixlLink:
         self.peers: dict[str, str] = {}  # agent name -> what errors call it
         self._inbox: dict[str, list[Message]] = {}
         self._registered: list[Any] = []
+        self._inflight: dict[int, tuple[str, Any, str]] = {}  # ticket -> (peer, handle, phase)
+        self._tickets = 0
 
     def metadata_b64(self) -> str:
         """This agent's metadata as text (the driver's metadata list may travel as JSON)."""
@@ -173,9 +175,11 @@ class NixlLink:
         target: tuple[int, int, int],
         mem_type: str,
         header: Mapping[str, Any],
-    ) -> Any:
+    ) -> int:
         """Start a WRITE of ``source`` (contiguous, inside a registered buffer) to the peer's
-        ``(address, length, device)``; the notification ``header`` follows the bytes."""
+        ``(address, length, device)``; the notification ``header`` follows the bytes. Returns
+        the WRITE's ticket for ``wait_written``."""
+        phase = f"writing bucket {header.get('index')}"
         local = self.agent.get_xfer_descs(source)
         remote = self.agent.get_xfer_descs([target], mem_type)
         try:
@@ -184,28 +188,35 @@ class NixlLink:
             )
             state = self.agent.transfer(handle)
         except Exception as exc:  # noqa: BLE001 -- nixl's binding errors share no base class
-            raise self._lost(peer, f"writing bucket {header.get('index')}", exc) from None
+            raise self._lost(peer, phase, exc) from None
         if state == "ERR":
-            raise self._lost(peer, f"writing bucket {header.get('index')}", "state ERR")
-        return handle
+            raise self._lost(peer, phase, "state ERR")
+        self._tickets += 1
+        self._inflight[self._tickets] = (peer, handle, phase)
+        return self._tickets
 
-    def wait_written(self, peer: str, handles: Sequence[Any], phase: str) -> None:
-        """Block until every WRITE in ``handles`` completed (bounded by ``timeout_s``)."""
+    def wait_written(self, tickets: Iterable[int], phase: str) -> None:
+        """Block until the WRITEs of ``tickets`` completed (bounded by ``timeout_s``)."""
         deadline = time.monotonic() + self.timeout_s
-        for handle in handles:
-            while True:
-                try:
-                    state = self.agent.check_xfer_state(handle)
-                except Exception as exc:  # noqa: BLE001 -- binding errors share no base class
-                    raise self._lost(peer, phase, exc) from None
-                if state == "DONE":
-                    break
-                if state == "ERR":
-                    raise self._lost(peer, phase, "state ERR")
-                if time.monotonic() > deadline:
-                    raise self._timeout(peer, phase)
-                time.sleep(0.0002)
-            handle.release()
+        for ticket in tickets:
+            while ticket in self._inflight:
+                self._progress()
+                if ticket in self._inflight and time.monotonic() > deadline:
+                    raise self._timeout(self._inflight[ticket][0], phase)
+                time.sleep(0.0001)
+
+    def _progress(self) -> None:
+        """Poll every WRITE in flight: NIXL's UCX backend advances a transfer when asked."""
+        for ticket, (peer, handle, phase) in list(self._inflight.items()):
+            try:
+                state = self.agent.check_xfer_state(handle)
+            except Exception as exc:  # noqa: BLE001 -- binding errors share no base class
+                raise self._lost(peer, phase, exc) from None
+            if state == "ERR":
+                raise self._lost(peer, phase, "state ERR")
+            if state == "DONE":
+                del self._inflight[ticket]
+                handle.release()
 
     def wait(
         self, peer: str, refit: str, kinds: Iterable[str], phase: str, *, index: int | None = None
@@ -215,6 +226,7 @@ class NixlLink:
         kinds = tuple(kinds)
         deadline, pause = time.monotonic() + self.timeout_s, 0.0001
         while True:
+            self._progress()
             found = self.take(peer, refit, kinds, index)
             if found is not None:
                 return found
@@ -222,6 +234,11 @@ class NixlLink:
                 raise self._timeout(peer, phase)
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
+
+    def forget(self, peer: str) -> None:
+        """Drop every queued message from ``peer``."""
+        self._poll()
+        self._inbox.pop(peer, None)
 
     def take(
         self, peer: str, refit: str, kinds: tuple[str, ...], index: int | None = None
@@ -264,6 +281,12 @@ class NixlLink:
 
     def close(self) -> None:
         """Deregister every buffer and forget the peers (the agent goes with this object)."""
+        for _, handle, _ in self._inflight.values():
+            try:
+                handle.release()  # NIXL cancels a WRITE still in flight
+            except Exception:  # noqa: BLE001, S110 -- best effort while tearing down
+                pass
+        self._inflight.clear()
         for descs in list(self._registered):
             try:
                 self.deregister(descs)
