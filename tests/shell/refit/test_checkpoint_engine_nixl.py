@@ -199,7 +199,9 @@ def test_nixl_manifest_mismatch_is_refused_before_any_byte_then_a_good_refit_wor
     policy, rollout = _pair(served, info)
     try:
         wrong = {**info, "1.bias": (torch.Size([9]), torch.float32)}
-        stream = [(n, torch.zeros(9) if n == "1.bias" else t) for n, t in trainer.state_dict().items()]
+        stream = [
+            (n, torch.zeros(9) if n == "1.bias" else t) for n, t in trainer.state_dict().items()
+        ]
         sent, received = _refit(policy, rollout, stream, wrong)
         assert isinstance(sent, RefitError) and "refused the refit before any byte" in str(sent)
         assert "'1.bias'" in str(sent), sent  # the difference is named
@@ -243,7 +245,9 @@ def test_nixl_silent_rollout_rank_is_a_named_timeout_and_options_are_checked():
     policy, rollout = _pair(served, info, timeout_s=1.0)
     try:
         started = time.monotonic()
-        with pytest.raises(RefitTimeoutError, match="'BEGIN answer' within 1 s from rollout rank 0"):
+        with pytest.raises(
+            RefitTimeoutError, match="'BEGIN answer' within 1 s from rollout rank 0"
+        ):
             asyncio.run(policy.send_weights(iter(trainer.state_dict().items()), refit_info=info))
         assert time.monotonic() - started < 5
         # the rollout rank comes late: the stale BEGIN (and its ABORT) are skipped, the next works
@@ -255,8 +259,10 @@ def test_nixl_silent_rollout_rank_is_a_named_timeout_and_options_are_checked():
         rollout.finalize_checkpoint_engine()
     for bad in (0, 17, True):
         with pytest.raises(ValueError, match=r"num_buffers .* must be an int in \[1, 16\]"):
-            create_checkpoint_engine("nixl", bucket_size_bytes=64, engine_kwargs={"num_buffers": bad})
+            create_checkpoint_engine(
+                "nixl", bucket_size_bytes=64, engine_kwargs={"num_buffers": bad}
+            )
     with pytest.raises(RefitError, match="needs prepare"):
-        create_checkpoint_engine("nixl", bucket_size_bytes=64, engine_kwargs=OPTIONS).receive_weights(
-            rollout.receiver
-        )
+        create_checkpoint_engine(
+            "nixl", bucket_size_bytes=64, engine_kwargs=OPTIONS
+        ).receive_weights(rollout.receiver)

@@ -31,6 +31,7 @@ backend; the engine casts each tensor to its ``refit_info`` dtype while packing.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 import uuid
@@ -48,9 +49,9 @@ from policyworker.functional.buckets import (
     unpack_tensors,
 )
 from policyworker.functional.wire.codec import ManifestCache, encode_manifest
+from policyworker.functional.wire.nixl_frames import NixlFrame
 from policyworker.shell.refit.checkpoint_engine.base import CheckpointEngine, check_engine_kwargs
 from policyworker.shell.refit.checkpoint_engine.nixl_link import (
-    Message,
     NixlLink,
     check_refit_error,
 )
@@ -218,11 +219,11 @@ class NixlCheckpointEngine(CheckpointEngine):
         count = max(1, min(self.num_buffers, len(plan)))
         begin = {"kind": "BEGIN", "refit": refit, "buffer_bytes": buffer_bytes, "slots": count}
         peers = [name for name, _ in self.peers]
+        targets: dict[str, tuple[list[list[int]], str]] = {}
         try:
             for peer in peers:
                 link.forget(peer)  # answers to earlier refits: nothing of this one came yet
                 link.send(peer, begin, manifest)
-            targets: dict[str, tuple[list[list[int]], str]] = {}
             for peer in peers:
                 targets[peer] = self._accepted(link, peer, refit)
             slots = self._slots_for(link, count, max((b.used_bytes for b in plan), default=1))
@@ -231,7 +232,9 @@ class NixlCheckpointEngine(CheckpointEngine):
             for k, bucket in enumerate(plan):
                 if k >= count:  # slot k % count is free once every peer applied bucket k - count
                     for peer in peers:
-                        self._answer(link, peer, refit, "ACK", f"ACK of bucket {k - count}", k - count)
+                        self._answer(
+                            link, peer, refit, "ACK", f"ACK of bucket {k - count}", k - count
+                        )
                     link.wait_written(pending[k % count], f"write of bucket {k - count}")
                     pending[k % count] = []
                 source = slots.slot(k, bucket.used_bytes)
@@ -251,10 +254,8 @@ class NixlCheckpointEngine(CheckpointEngine):
             for peer in peers:  # best effort: the other rollout ranks stop waiting now
                 # unanswered: its ACCEPT never came, so it may take this BEGIN late; it skips it
                 abort = {"kind": "ABORT", "refit": refit, "unanswered": peer not in targets}
-                try:
+                with contextlib.suppress(RefitError):
                     link.send(peer, {**abort, "reason": _reason(exc)})
-                except RefitError:
-                    pass
             raise
         return {
             "backend": BACKEND,
@@ -265,9 +266,7 @@ class NixlCheckpointEngine(CheckpointEngine):
             "receivers": [m.header.get("report") for m in done],
         }
 
-    def _accepted(
-        self, link: NixlLink, peer: str, refit: str
-    ) -> tuple[list[list[int]], str]:
+    def _accepted(self, link: NixlLink, peer: str, refit: str) -> tuple[list[list[int]], str]:
         """A peer's answer to BEGIN: its slot addresses and memory type (REFUSE raises)."""
         message = self._answer(link, peer, refit, "ACCEPT", "BEGIN answer", None)
         link.load_partial(message.payload)  # its slots were registered after it loaded ours
@@ -321,7 +320,7 @@ class NixlCheckpointEngine(CheckpointEngine):
                 return report
 
     def _receive(
-        self, link: NixlLink, source: str, begin: Message, receiver: HFWeightReceiver
+        self, link: NixlLink, source: str, begin: NixlFrame, receiver: HFWeightReceiver
     ) -> RefitReport | None:
         """The refit ``begin`` announces; None when its sender had already given it up."""
         refit = str(begin.header.get("refit"))
@@ -363,10 +362,8 @@ class NixlCheckpointEngine(CheckpointEngine):
             report = receiver.commit_refit(num_buckets=len(plan))
         except BaseException as exc:
             receiver.abort_refit(_reason(exc))
-            try:
+            with contextlib.suppress(RefitError):  # a policy rank gone: our error says so
                 link.send(source, {"kind": "FAIL", "refit": refit, "reason": _reason(exc)})
-            except RefitError:
-                pass  # the policy rank is gone: our own error says so
             raise
         link.send(source, {"kind": "DONE", "refit": refit, "report": report.summary()})
         return report

@@ -2,19 +2,18 @@
 notifications, bounded waits on them, registered buffers and one-sided WRITEs.
 
 The ``nixl`` package is imported here, lazily (``import_nixl``), and only versions this code was
-run against are accepted. A control message is a notification ``MAGIC + len + JSON header +
-payload``; a bucket's notification rides on its WRITE, so NIXL delivers it only after the bytes.
-Every wait is bounded; a peer that does not answer in time is a ``RefitTimeoutError`` and one
-whose connection dropped a ``RefitPeerLostError``, both naming the phase and the peer.
+run against are accepted. A control message is a ``functional.wire.nixl_frames`` frame; a
+bucket's notification rides on its WRITE, so NIXL delivers it only after the bytes. Every wait
+is bounded; a peer that does not answer in time is a ``RefitTimeoutError`` and one whose
+connection dropped a ``RefitPeerLostError``, both naming the phase and the peer.
 """
 
 from __future__ import annotations
 
 import base64
-import json
+import contextlib
 import os
 import socket
-import struct
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -24,19 +23,17 @@ import torch
 
 from policyworker._lazy import installed_version
 from policyworker.errors import RefitError, RefitTimeoutError
+from policyworker.functional.wire.nixl_frames import NixlFrame, decode_frame, encode_frame
 from policyworker.shell.refit.collective.plan import RefitPeerLostError
 
 __all__ = [
     "NIXL_VERSIONS",
-    "Message",
     "NixlLink",
     "check_refit_error",
     "import_nixl",
     "nixl_problem",
 ]
 
-MAGIC = b"pwnx1"
-_LEN = struct.Struct(">I")
 # The agent API this engine calls (nixl_agent, notifications, partial metadata, initialize_xfer)
 # as run here with 1.5.1; a major release may change it, an older one lacks pieces of it.
 NIXL_VERSIONS = ((1, 5), (2, 0))
@@ -87,38 +84,6 @@ def import_nixl() -> Any:
     return api
 
 
-class Message:
-    """A decoded control message: its header (``kind``, ``refit``, ...) and raw payload."""
-
-    __slots__ = ("header", "payload")
-
-    def __init__(self, header: dict[str, Any], payload: bytes) -> None:
-        self.header, self.payload = header, payload
-
-    @property
-    def kind(self) -> str:
-        return str(self.header.get("kind"))
-
-
-def encode_message(header: Mapping[str, Any], payload: bytes = b"") -> bytes:
-    """The notification bytes of one control message."""
-    raw = json.dumps(dict(header), separators=(",", ":")).encode()
-    return MAGIC + _LEN.pack(len(raw)) + raw + payload
-
-
-def decode_message(raw: bytes) -> Message | None:
-    """The message in a notification, or None for one that is not ours (ignored)."""
-    head = len(MAGIC) + _LEN.size
-    if not raw.startswith(MAGIC) or len(raw) < head:
-        return None
-    (size,) = _LEN.unpack(raw[len(MAGIC) : head])
-    try:
-        header = json.loads(raw[head : head + size])
-    except ValueError:
-        return None
-    return Message(header, raw[head + size :]) if isinstance(header, dict) else None
-
-
 class NixlLink:
     """This rank's NIXL agent (UCX backend), its peers, its inbox and its registrations."""
 
@@ -128,7 +93,7 @@ class NixlLink:
         self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
         self.timeout_s = timeout_s
         self.peers: dict[str, str] = {}  # agent name -> what errors call it
-        self._inbox: dict[str, list[Message]] = {}
+        self._inbox: dict[str, list[NixlFrame]] = {}
         self._registered: list[Any] = []
         self._inflight: dict[int, tuple[str, Any, str]] = {}  # ticket -> (peer, handle, phase)
         self._tickets = 0
@@ -164,7 +129,7 @@ class NixlLink:
     def send(self, peer: str, header: Mapping[str, Any], payload: bytes = b"") -> None:
         """One control message to ``peer``; a dropped connection is ``RefitPeerLostError``."""
         try:
-            self.agent.send_notif(peer, encode_message(header, payload))
+            self.agent.send_notif(peer, encode_frame(header, payload))
         except Exception as exc:  # noqa: BLE001 -- nixl's binding errors share no base class
             raise self._lost(peer, f"sending {header.get('kind')}", exc) from None
 
@@ -183,9 +148,7 @@ class NixlLink:
         local = self.agent.get_xfer_descs(source)
         remote = self.agent.get_xfer_descs([target], mem_type)
         try:
-            handle = self.agent.initialize_xfer(
-                "WRITE", local, remote, peer, encode_message(header)
-            )
+            handle = self.agent.initialize_xfer("WRITE", local, remote, peer, encode_frame(header))
             state = self.agent.transfer(handle)
         except Exception as exc:  # noqa: BLE001 -- nixl's binding errors share no base class
             raise self._lost(peer, phase, exc) from None
@@ -220,7 +183,7 @@ class NixlLink:
 
     def wait(
         self, peer: str, refit: str, kinds: Iterable[str], phase: str, *, index: int | None = None
-    ) -> Message:
+    ) -> NixlFrame:
         """The first message from ``peer`` of one of ``kinds`` for refit ``refit`` (and bucket
         ``index`` when given), waiting at most ``timeout_s``; ``refit="*"`` takes any refit."""
         kinds = tuple(kinds)
@@ -242,7 +205,7 @@ class NixlLink:
 
     def take(
         self, peer: str, refit: str, kinds: tuple[str, ...], index: int | None = None
-    ) -> Message | None:
+    ) -> NixlFrame | None:
         """The first queued message ``wait`` would return, without waiting (None if none)."""
         self._poll()
         queue = self._inbox.get(peer, [])
@@ -261,7 +224,7 @@ class NixlLink:
         for sender, raws in self.agent.get_new_notifs().items():
             name = sender.decode() if isinstance(sender, bytes) else str(sender)
             queue = self._inbox.setdefault(name, [])
-            queue.extend(m for m in map(decode_message, raws) if m is not None)
+            queue.extend(m for m in map(decode_frame, raws) if m is not None)
 
     def _timeout(self, peer: str, phase: str) -> RefitTimeoutError:
         msg = (
@@ -282,26 +245,20 @@ class NixlLink:
     def close(self) -> None:
         """Deregister every buffer and forget the peers (the agent goes with this object)."""
         for _, handle, _ in self._inflight.values():
-            try:
+            with contextlib.suppress(Exception):  # best effort while tearing down
                 handle.release()  # NIXL cancels a WRITE still in flight
-            except Exception:  # noqa: BLE001, S110 -- best effort while tearing down
-                pass
         self._inflight.clear()
         for descs in list(self._registered):
-            try:
+            with contextlib.suppress(Exception):  # best effort while tearing down
                 self.deregister(descs)
-            except Exception:  # noqa: BLE001, S110 -- best effort while tearing down
-                pass
         for peer in list(self.peers):
-            try:
+            with contextlib.suppress(Exception):  # a dead peer cannot be told
                 self.agent.remove_remote_agent(peer)
-            except Exception:  # noqa: BLE001, S110 -- a dead peer cannot be told
-                pass
         self.peers.clear()
         self._inbox.clear()
 
 
-def check_refit_error(message: Message, who: str) -> None:
+def check_refit_error(message: NixlFrame, who: str) -> None:
     """``RefitError`` carrying a peer's FAIL / REFUSE / ABORT reason."""
     reason = message.header.get("reason", "")
     if message.kind == "REFUSE":
