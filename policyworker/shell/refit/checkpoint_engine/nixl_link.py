@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import logging
 import os
 import socket
 import time
@@ -73,6 +74,8 @@ def import_nixl() -> Any:
             "'policyworker[nixl]', or nixl-cu13 on a CUDA 13 host)"
         )
         raise ImportError(msg) from exc
+    if "NIXL_LOG_LEVEL" not in os.environ:  # its INFO lines go to stdout, one per agent made
+        logging.getLogger("nixl").setLevel(logging.WARNING)
     version = installed_version(*_DISTS) or "unknown"
     low, high = NIXL_VERSIONS
     if not low <= _version_tuple(version)[:2] < high:
