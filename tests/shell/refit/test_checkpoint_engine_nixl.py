@@ -32,6 +32,7 @@ pytest.importorskip("nixl", reason="the nixl extra (pip install 'policyworker[ni
 
 OPTIONS = {"device": "cpu", "timeout_s": 5.0}
 ENGINE = {"backend": "nixl", "bucket_size_bytes": 4096, "engine_kwargs": OPTIONS}
+STAGED = {**ENGINE, "engine_kwargs": {**OPTIONS, "one_pass": False}}
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +68,35 @@ def test_nixl_lifecycle_one_policy_rank_into_two_rollout_processes_bitwise_fp32(
         answers = [child.reply() for child in children]
         assert all(a["ok"] and a["version"] == version for a in answers), answers
         report = worker.checkpoint_engine.last_report
-        # 4096-byte buckets: the stream was split, each bucket written to both rollout ranks
+        # 4096-byte buckets: the stream was split, each bucket written to both rollout ranks,
+        # straight into their weight arenas (nn.Module targets register: one-pass)
         assert answers[0]["num_buckets"] == report["num_buckets"] > 1
         assert [r["version"] for r in report["receivers"]] == [version, version]
+        assert report["modes"] == ["one-pass", "one-pass"]
         _check_received(worker, children, tiny_model_paths["qwen2"], tmp_path)
         worker._add_noise_to_weights()
     rpc(worker, "finalize_checkpoint_engine")
     for child in children:
         child.send(op="rpc", method="finalize_checkpoint_engine", args=[])
         assert child.reply()["ok"]
+
+
+def test_nixl_staged_into_a_rollout_process_bitwise_fp32(worker, tiny_model_paths, tmp_path):  # noqa: F811
+    """one_pass=False on the rollout rank: buckets land in its registered slots, then applied."""
+    (child,) = _children(1, worker, tiny_model_paths["qwen2"], tmp_path)
+    try:
+        _connect(worker, [child], STAGED)
+        for version in (1, 2):
+            _receive([child], tmp_path)
+            rpc(worker, "send_weights_via_checkpoint_engine")
+            answer = child.reply()
+            assert answer["ok"] and answer["version"] == version, answer
+            assert worker.checkpoint_engine.last_report["modes"] == ["staged"]
+            _check_received(worker, [child], tiny_model_paths["qwen2"], tmp_path)
+            worker._add_noise_to_weights()
+    finally:
+        rpc(worker, "finalize_checkpoint_engine")
+        _close([child])
 
 
 def test_nixl_two_policy_ranks_into_one_rollout_process_bitwise_fp32(
@@ -132,8 +153,11 @@ def test_nixl_one_of_two_rollout_ranks_killed_aborts_the_other_then_a_send_works
             rpc(worker, "send_weights_via_checkpoint_engine")
         assert time.monotonic() - started < 15  # timeout_s is 5 s
         assert dying.reply()["error"] == "exited"
-        aborted = live.reply(timeout=15)  # the policy rank's ABORT names the dead peer
-        assert not aborted["ok"] and "aborted the refit" in aborted["error"], aborted
+        # the live rank ends too, named: the policy rank's ABORT after the dead rank's timeout,
+        # or its own wait for the first bucket (as long), whichever comes first
+        aborted = live.reply(timeout=15)
+        assert not aborted["ok"], aborted
+        assert "aborted the refit" in aborted["error"] or "within 5 s" in aborted["error"]
     finally:
         _close([dying])
     rpc(worker, "finalize_checkpoint_engine")
@@ -215,12 +239,15 @@ def test_nixl_manifest_mismatch_is_refused_before_any_byte_then_a_good_refit_wor
         rollout.finalize_checkpoint_engine()
 
 
+@pytest.mark.parametrize("one_pass", [None, False], ids=["one_pass", "staged"])
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "in_place"])
-def test_nixl_stream_failing_mid_refit_leaves_an_atomic_rollout_untouched(atomic):
+def test_nixl_stream_failing_mid_refit_leaves_an_atomic_rollout_untouched(atomic, one_pass):
+    """Atomic: one-pass WRITEs go to the spare arena, staged buckets are staged by the applier;
+    nothing reaches the live weights until every bucket arrived."""
     trainer, served = _model(), _model()
     info = {n: (t.shape, t.dtype) for n, t in trainer.state_dict().items()}
     before = {n: t.clone() for n, t in served.state_dict().items()}
-    policy, rollout = _pair(served, info, atomic=atomic, num_buffers=1)
+    policy, rollout = _pair(served, info, atomic=atomic, num_buffers=1, one_pass=one_pass)
     try:
         pairs = list(trainer.state_dict().items())
         broken = [*pairs[:-1], ("not.in.refit_info", pairs[-1][1])]  # fails at the last bucket
@@ -234,6 +261,22 @@ def test_nixl_stream_failing_mid_refit_leaves_an_atomic_rollout_untouched(atomic
         sent, received = _refit(policy, rollout, pairs, info)
         assert received.version == 1 and _same(served.state_dict(), trainer.state_dict())
         assert not rollout.receiver.stale
+        assert sent["modes"] == ["staged" if one_pass is False else "one-pass"]
+    finally:
+        policy.finalize()
+        rollout.finalize_checkpoint_engine()
+
+
+def test_nixl_load_weights_target_is_staged_and_gets_every_tensor():
+    """A callable cannot register its memory: the refit goes through the slots."""
+    trainer = _model()
+    info = {n: (t.shape, t.dtype) for n, t in trainer.state_dict().items()}
+    got = {}
+    policy, rollout = _pair(lambda pairs: got.update((n, t.clone()) for n, t in pairs), info)
+    try:
+        sent, received = _refit(policy, rollout, trainer.state_dict().items(), info)
+        assert sent["modes"] == ["staged"] and received.version == 1
+        assert _same(got, trainer.state_dict())
     finally:
         policy.finalize()
         rollout.finalize_checkpoint_engine()

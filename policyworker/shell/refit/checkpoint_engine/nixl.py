@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from policyworker.errors import RefitError
+from policyworker.functional.arena import destination_view
 from policyworker.functional.buckets import (
     IpcBucket,
     TensorSpec,
@@ -53,8 +54,12 @@ from policyworker.functional.wire.nixl_frames import NixlFrame
 from policyworker.shell.refit.checkpoint_engine.base import CheckpointEngine, check_engine_kwargs
 from policyworker.shell.refit.checkpoint_engine.nixl_link import (
     NixlLink,
+    Slots,
     check_refit_error,
+    mem_type_of,
+    span,
 )
+from policyworker.shell.refit.one_pass.receiver import WeightArena
 from policyworker.shell.refit.receiver import HFWeightReceiver, RefitReport
 from policyworker.shell.refit.watchdog import check_timeout_s
 from policyworker.shell.refit.weight_applier import specs_from
@@ -62,40 +67,17 @@ from policyworker.shell.refit.weight_applier import specs_from
 __all__ = ["NixlCheckpointEngine"]
 
 BACKEND = "nixl"
-OPTIONS = ("device", "timeout_s", "num_buffers")
+OPTIONS = ("device", "timeout_s", "num_buffers", "one_pass")
 DEFAULT_TIMEOUT_S = 120.0
 MAX_NUM_BUFFERS = 16
-
-
-class _Slots:
-    """``count`` registered slots of ``nbytes`` each, in one buffer on ``device``."""
-
-    def __init__(self, link: NixlLink, count: int, nbytes: int, device: torch.device) -> None:
-        self.count, self.nbytes = count, nbytes
-        self.buffer = torch.empty(count * nbytes, dtype=torch.uint8, device=device)
-        self.descs = link.register(self.buffer)
-
-    def fits(self, count: int, nbytes: int, device: torch.device) -> bool:
-        return self.count >= count and self.nbytes >= nbytes and self.buffer.device == device
-
-    def slot(self, index: int, used: int) -> torch.Tensor:
-        start = (index % self.count) * self.nbytes
-        return self.buffer[start : start + used]
-
-    def addresses(self) -> list[list[int]]:
-        """``[address, length, device index]`` of each slot (what a peer WRITEs into)."""
-        base, device = self.buffer.data_ptr(), max(self.buffer.get_device(), 0)
-        return [[base + i * self.nbytes, self.nbytes, device] for i in range(self.count)]
-
-    @property
-    def mem_type(self) -> str:
-        return "VRAM" if self.buffer.is_cuda else "DRAM"
 
 
 class NixlCheckpointEngine(CheckpointEngine):
     """One member's end. Options (``engine_kwargs``): ``device`` (where the slots live: default
     the current CUDA device, else CPU; the same type on every member), ``timeout_s`` (every wait,
-    default 120 s) and ``num_buffers`` (slots in flight per rollout rank, default 2)."""
+    default 120 s), ``num_buffers`` (slots in flight per rollout rank, default 2) and, on a
+    rollout rank, ``one_pass`` (None: WRITE into the module's weight arena where it registers,
+    else staged; False: staged only, the weights left where they are; True: one-pass or raise)."""
 
     metadata_backend = BACKEND
     device_hint = "NIXL registers DRAM on cpu, VRAM on cuda"
@@ -113,6 +95,14 @@ class NixlCheckpointEngine(CheckpointEngine):
                 "one bucket's apply with the next one's write)"
             )
             raise ValueError(msg)
+        one_pass = options.get("one_pass")
+        if one_pass is not None and not isinstance(one_pass, bool):
+            msg = (
+                f"engine_kwargs one_pass {one_pass!r} must be None (one-pass where the rollout "
+                "side registers its memory, else staged), True (one-pass only) or False (staged)"
+            )
+            raise ValueError(msg)
+        self.one_pass: bool | None = one_pass
         device = options.get("device")
         if device is None:
             cuda = torch.cuda.is_available()
@@ -123,10 +113,11 @@ class NixlCheckpointEngine(CheckpointEngine):
         self._link: NixlLink | None = None
         self.peers: list[tuple[str, int]] | None = None  # a policy rank's (agent, rollout rank)
         self._source: str | None = None  # a rollout rank's policy agent
-        self._slots: _Slots | None = None
+        self._slots: Slots | None = None
         self._manifests = ManifestCache()
         self._specs: tuple[dict[str, Any], list[TensorSpec], bytes] | None = None
         self._plan: tuple[tuple[TensorSpec, ...], int, list[IpcBucket]] | None = None
+        self._arena: tuple[torch.Tensor, Any] | None = None  # a rollout's registered arena
         self.last_report: dict[str, Any] | None = None
 
     def prepare(self) -> dict[str, Any]:
@@ -219,7 +210,7 @@ class NixlCheckpointEngine(CheckpointEngine):
         count = max(1, min(self.num_buffers, len(plan)))
         begin = {"kind": "BEGIN", "refit": refit, "buffer_bytes": buffer_bytes, "slots": count}
         peers = [name for name, _ in self.peers]
-        targets: dict[str, tuple[list[list[int]], str]] = {}
+        targets: dict[str, dict[str, Any]] = {}  # each peer's ACCEPT header
         try:
             for peer in peers:
                 link.forget(peer)  # answers to earlier refits: nothing of this one came yet
@@ -227,7 +218,7 @@ class NixlCheckpointEngine(CheckpointEngine):
             for peer in peers:
                 targets[peer] = self._accepted(link, peer, refit)
             slots = self._slots_for(link, count, max((b.used_bytes for b in plan), default=1))
-            pending: list[list[int]] = [[] for _ in range(count)]  # WRITE tickets per slot
+            pending: list[list[int | None]] = [[] for _ in range(count)]  # WRITE tickets per slot
             stream = iter(weights)
             for k, bucket in enumerate(plan):
                 if k >= count:  # slot k % count is free once every peer applied bucket k - count
@@ -243,10 +234,9 @@ class NixlCheckpointEngine(CheckpointEngine):
                     torch.cuda.current_stream(source.device).synchronize()
                 header = {"kind": "BUCKET", "refit": refit, "index": k}
                 for peer in peers:
-                    address, _, device = targets[peer][0][k % count]
-                    target = (address, bucket.used_bytes, device)
+                    local, remote = _ranges(source, bucket, specs, targets[peer], k % count)
                     pending[k % count].append(
-                        link.write(peer, source, target, targets[peer][1], header)
+                        link.write(peer, local, remote, mem_type_of(source), header)
                     )
             link.wait_written([t for slot in pending for t in slot], "write of the last buckets")
             done = [self._answer(link, peer, refit, "DONE", "COMPLETE", None) for peer in peers]
@@ -264,13 +254,15 @@ class NixlCheckpointEngine(CheckpointEngine):
             "num_bytes": sum(s.nbytes for s in specs),
             "seconds": time.monotonic() - started,
             "receivers": [m.header.get("report") for m in done],
+            "modes": [str(targets[peer].get("mode")) for peer in peers],
         }
 
-    def _accepted(self, link: NixlLink, peer: str, refit: str) -> tuple[list[list[int]], str]:
-        """A peer's answer to BEGIN: its slot addresses and memory type (REFUSE raises)."""
+    def _accepted(self, link: NixlLink, peer: str, refit: str) -> dict[str, Any]:
+        """A peer's answer to BEGIN: where to WRITE (its slots, or its arena's base and one
+        span per manifest entry); REFUSE raises."""
         message = self._answer(link, peer, refit, "ACCEPT", "BEGIN answer", None)
-        link.load_partial(message.payload)  # its slots were registered after it loaded ours
-        return message.header["slots"], str(message.header["mem_type"])
+        link.load_partial(message.payload)  # registered after it loaded our metadata
+        return message.header
 
     @staticmethod
     def _answer(
@@ -294,13 +286,13 @@ class NixlCheckpointEngine(CheckpointEngine):
             self._plan = (specs, buffer_bytes, plan_ipc_buckets(specs, buffer_bytes))
         return self._plan[2]
 
-    def _slots_for(self, link: NixlLink, count: int, nbytes: int) -> _Slots:
+    def _slots_for(self, link: NixlLink, count: int, nbytes: int) -> Slots:
         """This rank's registered slots, (re)registered when too few or too small."""
         if self._slots is None or not self._slots.fits(count, nbytes, self.device):
             if self._slots is not None:
                 link.deregister(self._slots.descs)
             self._slots = None  # the old buffer goes before the new one is allocated
-            self._slots = _Slots(link, count, nbytes, self.device)
+            self._slots = Slots(link, count, nbytes, self.device)
         return self._slots
 
     # ----------------------------------------------------------------- rollout side
@@ -326,23 +318,29 @@ class NixlCheckpointEngine(CheckpointEngine):
         refit = str(begin.header.get("refit"))
         try:
             specs = self._manifests.decode(begin.payload)
+            arena = self._arena_of(receiver)  # before the refit begins: it may move the weights
             receiver.begin_refit(specs)
             plan = self._plan_of(specs, int(begin.header["buffer_bytes"]))
+            spans = None if arena is None else self._spans(arena, specs)
         except Exception as exc:
             link.send(source, {"kind": "REFUSE", "refit": refit, "reason": _reason(exc)})
             msg = f"nixl refit {refit}: refused before any byte was written: {exc}"
             raise RefitError(msg) from exc
         try:
-            count = int(begin.header["slots"])
-            slots = self._slots_for(link, count, max((b.used_bytes for b in plan), default=1))
-            accept = {"kind": "ACCEPT", "refit": refit, "mem_type": slots.mem_type}
-            # the slots' metadata every time (a few hundred bytes): an ACCEPT may be one its
-            # sender no longer reads (a BEGIN it gave up on)
-            link.send(
-                source,
-                {**accept, "slots": slots.addresses()[:count]},
-                link.partial_metadata(slots.descs),
-            )
+            count, slots = int(begin.header["slots"]), None
+            if arena is None or spans is None:
+                slots = self._slots_for(link, count, max((b.used_bytes for b in plan), default=1))
+                mem, descs = slots.buffer, slots.descs
+                accept = {"mode": "staged", "slots": slots.addresses()[:count]}
+            else:  # the policy rank WRITEs each tensor into its place in the arena
+                mem, descs = self._registered_arena(link, arena.write_target)
+                arena.before_write()
+                receiver.applier.expect_external_write()  # in place: stale until commit
+                accept = {"mode": "one-pass", "base": list(span(mem)), "spans": spans}
+            # the metadata every time (a few hundred bytes): an ACCEPT may be one its sender no
+            # longer reads (a BEGIN it gave up on)
+            header = {"kind": "ACCEPT", "refit": refit, "mem_type": mem_type_of(mem), **accept}
+            link.send(source, header, link.partial_metadata(descs))
             for k, bucket in enumerate(plan):
                 message = link.wait(source, refit, ("BUCKET", "ABORT"), f"bucket {k}", index=k)
                 if message.kind == "ABORT":
@@ -350,15 +348,18 @@ class NixlCheckpointEngine(CheckpointEngine):
                         receiver.abort_refit("its sender gave it up before our ACCEPT")
                         return None
                     check_refit_error(message, f"policy rank (agent {source})")
-                views = unpack_tensors(
-                    slots.slot(k % count, bucket.used_bytes),
-                    [specs[i] for i in bucket.indices],
-                    bucket.offsets,
-                )
-                receiver.apply_batch(zip(bucket.names, views, strict=True))
-                if slots.buffer.is_cuda:  # the copies out of the slot end before it is reused
-                    torch.cuda.current_stream(slots.buffer.device).synchronize()
+                if slots is not None:
+                    views = unpack_tensors(
+                        slots.slot(k % count, bucket.used_bytes),
+                        [specs[i] for i in bucket.indices],
+                        bucket.offsets,
+                    )
+                    receiver.apply_batch(zip(bucket.names, views, strict=True))
+                    if mem.is_cuda:  # the copies out of the slot end before it is reused
+                        torch.cuda.current_stream(mem.device).synchronize()
                 link.send(source, {"kind": "ACK", "refit": refit, "index": k})
+            if slots is None and arena is not None:
+                arena.after_write(None)  # NIXL delivered every bucket's bytes before its notice
             report = receiver.commit_refit(num_buckets=len(plan))
         except BaseException as exc:
             receiver.abort_refit(_reason(exc))
@@ -368,11 +369,75 @@ class NixlCheckpointEngine(CheckpointEngine):
         link.send(source, {"kind": "DONE", "refit": refit, "report": report.summary()})
         return report
 
+    def _arena_of(self, receiver: HFWeightReceiver) -> WeightArena | None:
+        """The receiver's one-pass arena (registering it now, per ``one_pass``), current."""
+        assert self._link is not None
+        arena = receiver.register_one_pass(self.one_pass, where=f"nixl {self._link.name}")
+        if arena is not None:
+            arena.registration()  # rebuilt (moved again) if the module's weights were re-pointed
+        return arena
+
+    def _spans(self, arena: WeightArena, specs: tuple[TensorSpec, ...]) -> list[list[int]] | None:
+        """``[offset, bytes]`` in the arena of each manifest entry, or None (staged) when one
+        is not a dense row-major range (a WRITE range is contiguous bytes)."""
+        target = arena.write_target
+        dests = {d.name: d for d in arena.registration().destinations}
+        spans = []
+        for spec in specs:
+            view = destination_view(target, dests[spec.name])
+            if not view.is_contiguous():
+                if self.one_pass:
+                    msg = f"one_pass=True: {spec.name!r} is not contiguous in the arena"
+                    raise ValueError(msg)
+                return None
+            spans.append([view.data_ptr() - target.data_ptr(), view.nbytes])
+        return spans
+
+    def _registered_arena(self, link: NixlLink, target: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if self._arena is None or self._arena[0] is not target:  # new, or rebuilt
+            if self._arena is not None:
+                link.deregister(self._arena[1])
+            self._arena = (target, link.register(target))
+        return self._arena
+
     def finalize(self) -> None:
         """Deregister the slots and drop the agent; the next ``prepare()`` starts a new one."""
         if self._link is not None:
             self._link.close()
         self._link, self._slots, self.peers, self._source = None, None, None, None
+        self._arena = None
+
+
+def _ranges(
+    source: torch.Tensor,
+    bucket: IpcBucket,
+    specs: list[TensorSpec],
+    accept: Mapping[str, Any],
+    slot: int,
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """The (local, remote) byte ranges of one bucket's WRITE to one peer: the packed slot into
+    the peer's slot (staged), or each tensor into its place in the peer's arena (one-pass)."""
+    address, nbytes, device = span(source)
+    if accept.get("mode") != "one-pass":
+        there, _, remote_device = accept["slots"][slot]
+        return (
+            ([(address, nbytes, device)], [(there, nbytes, remote_device)]) if nbytes else ([], [])
+        )
+    base, _, remote_device = accept["base"]
+    spans = accept["spans"]
+    local, remote = [], []
+    for index, offset in zip(bucket.indices, bucket.offsets, strict=True):
+        there, size = spans[index] if index < len(spans) else (0, -1)
+        if size != specs[index].nbytes:
+            msg = (
+                f"the rollout rank's arena holds {size} bytes for {specs[index].name!r}, the "
+                f"manifest {specs[index].nbytes}: its registration and the manifest disagree"
+            )
+            raise RefitError(msg)
+        if size:
+            local.append((address + offset, size, device))
+            remote.append((base + there, size, remote_device))
+    return local, remote
 
 
 def _pack(

@@ -29,6 +29,7 @@ from policyworker.shell.refit.collective.plan import RefitPeerLostError
 
 __all__ = [
     "NIXL_VERSIONS",
+    "Slots",
     "NixlLink",
     "check_refit_error",
     "import_nixl",
@@ -87,6 +88,36 @@ def import_nixl() -> Any:
     return api
 
 
+def span(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """``(address, length, device index)`` of a contiguous tensor's bytes (device 0 on CPU)."""
+    return (tensor.data_ptr(), tensor.nbytes, max(tensor.get_device(), 0))
+
+
+def mem_type_of(tensor: torch.Tensor) -> str:
+    return "VRAM" if tensor.is_cuda else "DRAM"
+
+
+class Slots:
+    """``count`` registered staging slots of ``nbytes`` each, in one buffer on ``device``."""
+
+    def __init__(self, link: NixlLink, count: int, nbytes: int, device: torch.device) -> None:
+        self.count, self.nbytes = count, nbytes
+        self.buffer = torch.empty(count * nbytes, dtype=torch.uint8, device=device)
+        self.descs = link.register(self.buffer)
+
+    def fits(self, count: int, nbytes: int, device: torch.device) -> bool:
+        return self.count >= count and self.nbytes >= nbytes and self.buffer.device == device
+
+    def slot(self, index: int, used: int) -> torch.Tensor:
+        start = (index % self.count) * self.nbytes
+        return self.buffer[start : start + used]
+
+    def addresses(self) -> list[list[int]]:
+        """``[address, length, device index]`` of each slot (what a peer WRITEs into)."""
+        base, _, device = span(self.buffer)
+        return [[base + i * self.nbytes, self.nbytes, device] for i in range(self.count)]
+
+
 class NixlLink:
     """This rank's NIXL agent (UCX backend), its peers, its inbox and its registrations."""
 
@@ -139,19 +170,27 @@ class NixlLink:
     def write(
         self,
         peer: str,
-        source: torch.Tensor,
-        target: tuple[int, int, int],
+        local: list[tuple[int, int, int]],
+        remote: list[tuple[int, int, int]],
         mem_type: str,
         header: Mapping[str, Any],
-    ) -> int:
-        """Start a WRITE of ``source`` (contiguous, inside a registered buffer) to the peer's
-        ``(address, length, device)``; the notification ``header`` follows the bytes. Returns
-        the WRITE's ticket for ``wait_written``."""
+    ) -> int | None:
+        """Start one WRITE of the ``(address, length, device)`` ranges ``local`` (inside this
+        agent's registrations) to ``remote`` (inside the peer's), pairwise; the notification
+        ``header`` follows the bytes. The WRITE's ticket for ``wait_written`` (None: nothing to
+        write, the notification sent alone)."""
+        if not local:  # empty tensors only: NIXL has no zero-length transfer
+            self.send(peer, header)
+            return None
         phase = f"writing bucket {header.get('index')}"
-        local = self.agent.get_xfer_descs(source)
-        remote = self.agent.get_xfer_descs([target], mem_type)
         try:
-            handle = self.agent.initialize_xfer("WRITE", local, remote, peer, encode_frame(header))
+            handle = self.agent.initialize_xfer(
+                "WRITE",
+                self.agent.get_xfer_descs(local, mem_type),
+                self.agent.get_xfer_descs(remote, mem_type),
+                peer,
+                encode_frame(header),
+            )
             state = self.agent.transfer(handle)
         except Exception as exc:  # noqa: BLE001 -- nixl's binding errors share no base class
             raise self._lost(peer, phase, exc) from None
@@ -161,7 +200,7 @@ class NixlLink:
         self._inflight[self._tickets] = (peer, handle, phase)
         return self._tickets
 
-    def wait_written(self, tickets: Iterable[int], phase: str) -> None:
+    def wait_written(self, tickets: Iterable[int | None], phase: str) -> None:
         """Block until the WRITEs of ``tickets`` completed (bounded by ``timeout_s``)."""
         deadline = time.monotonic() + self.timeout_s
         for ticket in tickets:
