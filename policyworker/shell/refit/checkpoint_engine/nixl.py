@@ -11,15 +11,20 @@ One refit, all control messages being NIXL notifications bound to the refit's id
 1. the policy rank sends BEGIN with the manifest (names, shapes, dtypes of ``refit_info``) and
    its bucket plan's size; each rollout rank checks the manifest against its own
    ``refit_info`` (``HFWeightReceiver.begin_refit``) before any byte: REFUSE names the
-   difference, ACCEPT carries the addresses of ``num_buffers`` staging slots it registered (and,
-   when they are new, the partial agent metadata the policy rank loads to reach them);
+   difference. ACCEPT says where to WRITE, with the partial agent metadata to reach it:
+   - one-pass (``one_pass=None``, the default, where the rollout target is an ``nn.Module``
+     that registers, as the ipc engine's): its ``WeightArena`` (the spare arena when atomic)
+     registered with NIXL, and each manifest entry's byte range in it;
+   - staged (a ``load_weights`` callable, a module that cannot register, ``one_pass=False``):
+     ``num_buffers`` registered staging slots;
 2. bucket ``k`` (``plan_ipc_buckets``: the same plan on both sides) is cast into the policy
-   rank's registered slot ``k % num_buffers`` and WRITten to the same slot of every peer, its
-   notification (refit id + bucket index) delivered after the bytes; the rollout rank applies it
-   (checked against the manifest, staged until commit when the receiver is atomic) and ACKs it,
-   which frees the slot for bucket ``k + num_buffers``;
-3. after the last bucket each rollout rank commits (every manifest entry arrived) and answers
-   DONE with its report, or FAIL with the reason.
+   rank's registered slot ``k % num_buffers`` and WRITten to each peer (each tensor to its
+   place in the arena, or the slot to the same slot), its notification (refit id + bucket
+   index) delivered after the bytes; a staged rollout rank applies it (checked against the
+   manifest, staged until commit when the receiver is atomic); either ACKs it, which frees the
+   slot for bucket ``k + num_buffers``;
+3. after the last bucket each rollout rank commits (every manifest entry arrived; an atomic
+   one-pass receiver copies its spare arena live) and answers DONE with its report, or FAIL.
 
 Memory is DRAM on CPU and VRAM on CUDA, from the slot's device (one code path). Every wait is
 bounded by ``timeout_s``: a silent peer is a ``RefitTimeoutError`` naming the phase and the peer,
