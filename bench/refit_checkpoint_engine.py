@@ -11,8 +11,9 @@ refit picked.
 - ``checkpoint-engine collective``: the packed broadcast (gloo on CPU). Not on one GPU: NCCL
   refuses two ranks on one device, so it runs only with ``--small`` (the 2-GPU NCCL path is
   tests/gpu/test_checkpoint_engine_gpu.py's);
-- ``checkpoint-engine nixl``: our NIXL backend (buckets WRITten into the rollout rank's
-  registered slots: DRAM on CPU, VRAM on a GPU), where the ``nixl`` package imports.
+- ``checkpoint-engine nixl``: our NIXL backend with its defaults (each bucket's tensors WRITten
+  straight into the rollout module's registered arena: one-pass, DRAM on CPU, VRAM on a GPU),
+  where the ``nixl`` package imports.
 """
 
 from __future__ import annotations
@@ -100,9 +101,8 @@ def checkpoint_engine_times(
                     "backend": backend,
                     "bucket_size_bytes": per_buffer,
                     "engine_kwargs": engine_kwargs(backend, device),
-                    # ipc: "one-pass", or "staged" where the rollout side did not register
-                    "mode": getattr(policy, "last_mode", None)
-                    or ("NIXL WRITE into slots" if backend == "nixl" else "packed broadcast"),
+                    # ipc, nixl: "one-pass", or "staged" where the rollout side did not register
+                    "mode": getattr(policy, "last_mode", None) or "packed broadcast",
                 }
         finally:
             policy.finalize()

@@ -73,6 +73,7 @@ def test_nixl_lifecycle_one_policy_rank_into_two_rollout_processes_bitwise_fp32(
         assert answers[0]["num_buckets"] == report["num_buckets"] > 1
         assert [r["version"] for r in report["receivers"]] == [version, version]
         assert report["modes"] == ["one-pass", "one-pass"]
+        assert worker.checkpoint_engine.last_mode == "one-pass"
         _check_received(worker, children, tiny_model_paths["qwen2"], tmp_path)
         worker._add_noise_to_weights()
     rpc(worker, "finalize_checkpoint_engine")

@@ -124,6 +124,7 @@ class NixlCheckpointEngine(CheckpointEngine):
         self._plan: tuple[tuple[TensorSpec, ...], int, list[IpcBucket]] | None = None
         self._arena: tuple[torch.Tensor, Any] | None = None  # a rollout's registered arena
         self.last_report: dict[str, Any] | None = None
+        self.last_mode: str | None = None  # "one-pass", "staged" or both, of the last send
 
     def prepare(self) -> dict[str, Any]:
         """Start this rank's NIXL agent (once until ``finalize``) and offer its metadata."""
@@ -195,6 +196,7 @@ class NixlCheckpointEngine(CheckpointEngine):
             specs, manifest = self._specs_of(refit_info)
             with torch.no_grad():
                 self.last_report = self._send(self._link, specs, manifest, weights)
+            self.last_mode = " + ".join(sorted(set(self.last_report["modes"])))
             return self.last_report
         finally:
             close = getattr(weights, "close", None)
