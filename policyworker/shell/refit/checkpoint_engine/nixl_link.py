@@ -124,7 +124,13 @@ class NixlLink:
     def __init__(self, *, timeout_s: float) -> None:
         api = import_nixl()
         self.name = f"policyworker-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        # No progress thread: NIXL's spins with no pause and took a core from the casts (a CPU
+        # refit ran 7-30x slower on two cores). Every wait here polls the agent instead, and
+        # each side's last message (DONE, FAIL, ABORT: small) follows the BEGIN / ACCEPT
+        # exchange, whose connection is made while both sides poll.
+        self.agent = api.nixl_agent(
+            self.name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
         self.timeout_s = timeout_s
         self.peers: dict[str, str] = {}  # agent name -> what errors call it
         self._inbox: dict[str, list[NixlFrame]] = {}
