@@ -241,10 +241,10 @@ class NixlCheckpointEngine(CheckpointEngine):
                     torch.cuda.current_stream(source.device).synchronize()
                 header = {"kind": "BUCKET", "refit": refit, "index": k}
                 for peer in peers:
-                    local, remote = _ranges(source, bucket, specs, targets[peer], k % count)
-                    pending[k % count].append(
-                        link.write(peer, local, remote, mem_type_of(source), header)
-                    )
+                    accept = targets[peer]  # its memory's type: a module's arena is where it is
+                    local, remote = _ranges(source, bucket, specs, accept, k % count)
+                    types = (mem_type_of(source), str(accept["mem_type"]))
+                    pending[k % count].append(link.write(peer, local, remote, types, header))
             link.wait_written([t for slot in pending for t in slot], "write of the last buckets")
             done = [self._answer(link, peer, refit, "DONE", "COMPLETE", None) for peer in peers]
         except BaseException as exc:

@@ -178,11 +178,12 @@ class NixlLink:
         peer: str,
         local: list[tuple[int, int, int]],
         remote: list[tuple[int, int, int]],
-        mem_type: str,
+        mem_types: tuple[str, str],
         header: Mapping[str, Any],
     ) -> int | None:
         """Start one WRITE of the ``(address, length, device)`` ranges ``local`` (inside this
-        agent's registrations) to ``remote`` (inside the peer's), pairwise; the notification
+        agent's registrations) to ``remote`` (inside the peer's), pairwise, of ``mem_types``
+        ("DRAM" / "VRAM", local then remote); the notification
         ``header`` follows the bytes. The WRITE's ticket for ``wait_written`` (None: nothing to
         write, the notification sent alone)."""
         if not local:  # empty tensors only: NIXL has no zero-length transfer
@@ -192,8 +193,8 @@ class NixlLink:
         try:
             handle = self.agent.initialize_xfer(
                 "WRITE",
-                self.agent.get_xfer_descs(local, mem_type),
-                self.agent.get_xfer_descs(remote, mem_type),
+                self.agent.get_xfer_descs(local, mem_types[0]),
+                self.agent.get_xfer_descs(remote, mem_types[1]),
                 peer,
                 encode_frame(header),
             )
