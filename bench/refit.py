@@ -25,11 +25,11 @@ Measured in one run, median of 3 after a warm-up, on Qwen2.5-1.5B- and 7B-shaped
   ``copy_`` / all of them in one ``_foreach_copy_`` call: which launch route the per-tensor
   structure favours. On CUDA each of the three also has ``gpu_span_ms``: first cast start to
   last cast end on the GPU, i.e. the wall time less the host's walk before the first launch;
-- ``checkpoint-engine ipc`` / ``checkpoint-engine collective``: the same refit through NeMo-RL's
+- ``checkpoint-engine ipc`` / ``collective`` / ``nixl``: the same refit through NeMo-RL's
   checkpoint-engine lifecycle into a ``CheckpointEngineRollout`` (``bench.refit_checkpoint_engine``;
-  collective on CPU only: NCCL needs a GPU per rank). Its summary row compares ipc with our best
-  colocated path (target: within 10 %) and names the mode the engine took (ipc: one-pass into the
-  rollout's registered module, as ``default``);
+  collective on CPU only: NCCL needs a GPU per rank; nixl where its package imports). Its
+  summary rows compare each with our best colocated path (ipc's target: within 10 %) and name
+  the mode the engine took (ipc: one-pass into the rollout's registered module, as ``default``);
 - ``cast floor``: one ``copy_`` of a single 256 Mi-element fp32 block into bf16, scaled to the
   model's bytes: what the same bytes cost with no per-tensor structure at all.
 

@@ -10,7 +10,10 @@ refit picked.
   ``settings`` name the mode the engine took (``last_mode``);
 - ``checkpoint-engine collective``: the packed broadcast (gloo on CPU). Not on one GPU: NCCL
   refuses two ranks on one device, so it runs only with ``--small`` (the 2-GPU NCCL path is
-  tests/gpu/test_checkpoint_engine_gpu.py's).
+  tests/gpu/test_checkpoint_engine_gpu.py's);
+- ``checkpoint-engine nixl``: our NIXL backend with its defaults (each bucket's tensors WRITten
+  straight into the rollout module's registered arena: one-pass, DRAM on CPU, VRAM on a GPU),
+  where the ``nixl`` package imports.
 """
 
 from __future__ import annotations
@@ -34,9 +37,14 @@ from policyworker.shell.refit import RefitSender
 from policyworker.shell.refit.checkpoint_engine import (
     CheckpointEngineRollout,
     create_checkpoint_engine,
+    known_backends,
 )
 
-ROWS = {"ipc": "checkpoint-engine ipc", "collective": "checkpoint-engine collective"}
+ROWS = {
+    "ipc": "checkpoint-engine ipc",
+    "collective": "checkpoint-engine collective",
+    "nixl": "checkpoint-engine nixl",
+}
 TIMEOUT_S = 300.0
 
 
@@ -48,8 +56,9 @@ def engine_kwargs(backend: str, device: str) -> dict[str, Any]:
 
 
 def backends_for(device: str) -> list[str]:
-    """The backends one device can measure (NCCL needs a GPU per rank)."""
-    return ["ipc"] if device.startswith("cuda") else ["ipc", "collective"]
+    """The backends one device can measure (NCCL needs a GPU per rank; nixl its package)."""
+    nixl = ["nixl"] if "nixl" in known_backends() else []
+    return ["ipc", *nixl] if device.startswith("cuda") else ["ipc", "collective", *nixl]
 
 
 def checkpoint_engine_times(
@@ -92,7 +101,7 @@ def checkpoint_engine_times(
                     "backend": backend,
                     "bucket_size_bytes": per_buffer,
                     "engine_kwargs": engine_kwargs(backend, device),
-                    # ipc: "one-pass", or "staged" where the rollout side did not register
+                    # ipc, nixl: "one-pass", or "staged" where the rollout side did not register
                     "mode": getattr(policy, "last_mode", None) or "packed broadcast",
                 }
         finally:
@@ -145,6 +154,10 @@ class ReceiverChild:
         )
         assert self.child.stdout is not None
         line = self.child.stdout.readline().strip()
+        for _ in range(100):  # a library's log lines may come first
+            if line.startswith("META ") or not line:
+                break
+            line = self.child.stdout.readline().strip()
         if not line.startswith("META "):
             self.child.kill()
             raise RuntimeError(f"checkpoint-engine receiver did not start: {line!r}")

@@ -1,6 +1,8 @@
-"""bench/refit.py's checkpoint-engine rows: on the tiny CPU shape both backends refit into a
-receiver process, and the ipc row is summarised against our best colocated path."""
+"""bench/refit.py's checkpoint-engine rows: on the tiny CPU shape every backend (nixl where it
+imports) refits into a receiver process, and the ipc row is summarised against our best
+colocated path."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -16,7 +18,11 @@ def test_refit_bench_small_measures_the_checkpoint_engine_beside_ours(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
     methods = {m["method"]: m for m in result["measurements"]}
-    for row in ("checkpoint-engine ipc", "checkpoint-engine collective", "one-pass", "per-tensor"):
+    rows = ["checkpoint-engine ipc", "checkpoint-engine collective", "one-pass", "per-tensor"]
+    if importlib.util.find_spec("nixl") is not None:  # the nixl extra: its row beside ipc's
+        rows.append("checkpoint-engine nixl")
+        assert any("checkpoint-engine nixl (one-pass)" in r["metric"] for r in result["rows"])
+    for row in rows:
         assert methods[row]["median_ms"] > 0 and len(methods[row]["times_ms"]) == 3, row
     (ipc,) = [r for r in result["rows"] if "checkpoint-engine ipc" in r["metric"]]
     assert ipc["target"].startswith("<= 1.10 x baseline")

@@ -46,16 +46,47 @@ def test_unknown_backend_is_refused_listing_the_known_ones():
 
 def test_nixl_is_refused_by_name_where_it_does_not_import(monkeypatch):
     monkeypatch.setitem(sys.modules, "nixl", None)  # `import nixl` raises ImportError
-    with pytest.raises(ValueError, match="backend 'nixl' is unavailable.*'nixl' package"):
+    with pytest.raises(ValueError, match="backend 'nixl' is unavailable.*'nixl' package") as caught:
+        create_checkpoint_engine("nixl", bucket_size_bytes=1024, engine_kwargs={})
+    assert "known here: ['collective', 'ipc']" in str(caught.value)
+    assert "nixl" not in known_backends()
+
+
+def _fake_nixl(monkeypatch, version):
+    """A stand-in `nixl` package of `version` (the engine reads nothing else before prepare)."""
+    from policyworker.shell.refit.checkpoint_engine import nixl_link
+
+    monkeypatch.setitem(sys.modules, "nixl", types.ModuleType("nixl"))
+    monkeypatch.setitem(sys.modules, "nixl._api", types.ModuleType("nixl._api"))
+    monkeypatch.setattr(nixl_link, "installed_version", lambda *dists: version)
+
+
+def test_nixl_of_an_unsupported_version_is_refused_by_name(monkeypatch):
+    _fake_nixl(monkeypatch, "1.4.2")
+    with pytest.raises(ValueError, match=r"nixl 1.4.2 is not supported .*>= 1.5, < 2.0"):
         create_checkpoint_engine("nixl", bucket_size_bytes=1024, engine_kwargs={})
     assert "nixl" not in known_backends()
 
 
-def test_nixl_without_nemo_rl_names_the_missing_engine(monkeypatch):
-    monkeypatch.setitem(sys.modules, "nixl", types.ModuleType("nixl"))
-    monkeypatch.setitem(sys.modules, "nemo_rl", None)
-    with pytest.raises(ValueError, match="nixl imports but NeMo-RL's NIXL engine does not"):
-        create_checkpoint_engine("nixl", bucket_size_bytes=1024, engine_kwargs={})
+def test_nixl_is_ours_and_nemo_rl_s_engine_stays_reachable_by_its_path(monkeypatch):
+    from policyworker.shell.refit.checkpoint_engine.nixl import NixlCheckpointEngine
+    from policyworker.shell.refit.checkpoint_engine.registry import NEMO_RL_NIXL
+
+    _fake_nixl(monkeypatch, "1.5.1")
+    assert "nixl" in known_backends()
+    ours = create_checkpoint_engine("nixl", bucket_size_bytes=1024, engine_kwargs={"device": "cpu"})
+    assert isinstance(ours, NixlCheckpointEngine) and ours.bucket_size == 1024
+
+    class NIXLCheckpointEngine:  # NeMo-RL's constructor convention
+        def __init__(self, *, bucket_size, **kwargs):
+            self.bucket_size, self.kwargs = bucket_size, kwargs
+
+    module_name, class_name = NEMO_RL_NIXL.split(":")
+    theirs = types.ModuleType(module_name)
+    theirs.NIXLCheckpointEngine = NIXLCheckpointEngine
+    monkeypatch.setitem(sys.modules, module_name, theirs)
+    made = create_checkpoint_engine(NEMO_RL_NIXL, bucket_size_bytes=64, engine_kwargs={"x": 1})
+    assert type(made).__name__ == class_name and (made.bucket_size, made.kwargs) == (64, {"x": 1})
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,8 @@
     registry.py    backends by name (collective, ipc, nixl where it imports, "module:Class")
     collective.py  our packed broadcast over a trainer + rollout group (gloo / NCCL)
     ipc.py         colocated: our ZMQ transport, CUDA IPC / shared-memory staging
+    nixl.py        NIXL one-sided WRITEs into the rollout's weight arena or registered slots
+    nixl_link.py   the NIXL agent: lazy import + version check, notifications, bounded waits
     rollout.py     CheckpointEngineRollout: the rollout rank hosting a receiver target
 
 The policy side is ``PolicyWorker.checkpoint_engine_rpc``

@@ -1,8 +1,9 @@
 """The checkpoint-engine backends by name, and the idempotent creation both sides share.
 
-``collective`` and ``ipc`` are ours; ``nixl`` is NeMo-RL's NIXL engine, offered only where the
-``nixl`` package imports (GPU hosts); a ``"module:ClassName"`` path loads any other engine built
-as ``cls(bucket_size=..., **engine_kwargs)`` (NeMo-RL's convention).
+``collective``, ``ipc`` and ``nixl`` are ours; ``nixl`` is offered only where the ``nixl``
+package imports in a supported version; a ``"module:ClassName"`` path loads any other engine
+built as ``cls(bucket_size=..., **engine_kwargs)`` (NeMo-RL's convention), NeMo-RL's own NIXL
+engine included (``NEMO_RL_NIXL``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from policyworker.shell.refit.checkpoint_engine.base import CheckpointEngine
 
 __all__ = [
     "BACKENDS",
+    "NEMO_RL_NIXL",
     "create_checkpoint_engine",
     "ensure_checkpoint_engine",
     "forward_to_engine",
@@ -30,21 +32,17 @@ _HERE = "policyworker.shell.refit.checkpoint_engine"
 BACKENDS: Mapping[str, str] = {
     "collective": f"{_HERE}.collective:CollectiveCheckpointEngine",
     "ipc": f"{_HERE}.ipc:IpcCheckpointEngine",
-    "nixl": "nemo_rl.utils.checkpoint_engines.nixl:NIXLCheckpointEngine",
+    "nixl": f"{_HERE}.nixl:NixlCheckpointEngine",
 }
+# NeMo-RL's own NIXL engine, by its path (needs nemo_rl installed)
+NEMO_RL_NIXL = "nemo_rl.utils.checkpoint_engines.nixl:NIXLCheckpointEngine"
 
 
 def _nixl_problem() -> str | None:
     """Why the nixl backend cannot run here, or None when it can."""
-    try:
-        importlib.import_module("nixl")
-    except ImportError as exc:
-        return f"the 'nixl' package does not import here ({exc}); install its wheel on a GPU host"
-    try:
-        importlib.import_module(BACKENDS["nixl"].split(":")[0])
-    except ImportError as exc:
-        return f"nixl imports but NeMo-RL's NIXL engine does not ({exc}); install nemo_rl"
-    return None
+    from policyworker.shell.refit.checkpoint_engine.nixl_link import nixl_problem  # noqa: PLC0415
+
+    return nixl_problem()
 
 
 def known_backends() -> list[str]:
@@ -77,7 +75,8 @@ def create_checkpoint_engine(
     if not isinstance(backend, str) or (backend not in BACKENDS and ":" not in backend):
         msg = (
             f"unknown checkpoint-engine backend {backend!r}; known here: {known_backends()} "
-            "(nixl needs the nixl package), or a 'module:ClassName' path to an engine class"
+            "(nixl needs the nixl package), or a 'module:ClassName' path to an engine class "
+            f"(NeMo-RL's NIXL engine: {NEMO_RL_NIXL!r})"
         )
         raise ValueError(msg)
     if backend == "nixl" and (problem := _nixl_problem()) is not None:

@@ -166,6 +166,14 @@ class WeightArena:
             and not self.applier.module_moved()
         )
 
+    @property
+    def write_target(self) -> torch.Tensor:
+        """The arena a one-pass sender writes: the spare of an atomic receiver, else the live
+        one (flat uint8)."""
+        target = self._live if self._spare is None else self._spare
+        assert target.tensor is not None
+        return target.tensor
+
     def registration(self) -> Registration:
         """The current registration; a new one (new id) when the module's layout changed."""
         if not self.intact():
@@ -178,10 +186,11 @@ class WeightArena:
         if self.tensor.device.type == "cuda":
             torch.cuda.synchronize(self.tensor.device)
 
-    def after_write(self, written_event: bytes) -> None:
-        """The sender's writes are visible here; an atomic receiver's spare is copied live."""
+    def after_write(self, written_event: bytes | None) -> None:
+        """The sender's writes are visible here; an atomic receiver's spare is copied live.
+        ``written_event`` None: the transport delivered the bytes before COMPLETE (NIXL)."""
         device = self.tensor.device
-        if device.type == "cuda":
+        if device.type == "cuda" and written_event is not None:
             if not written_event:
                 msg = "a one-pass CUDA COMPLETE carries no written-event handle (protocol mismatch)"
                 raise ProtocolError(msg)
