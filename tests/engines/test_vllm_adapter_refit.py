@@ -6,9 +6,9 @@ Adapter-only refits share one LoRA worker: every test trains the worker a step (
 ``lora_B`` is zero: it would change nothing), refits the adapter alone with
 ``VllmRefit(lora=True)`` and reads vLLM's sampled-token logprobs against the worker's own fp32
 forward of base + adapter (``get_logprobs``). Versions are relative to the shared refit, so the
-order of these tests does not matter. The `VllmAdapterVersions` and `TrainingClient` tests number
-their versions from 1: each starts on an engine with no adapter loaded and an empty prefix cache
-(``fresh_llm``), as on an engine of its own. The base weights never move.
+order of these tests does not matter. The `VllmAdapterVersions` and `TrainingClient` tests, after
+them, number their versions from 1: each starts on an engine with no adapter loaded and an empty
+prefix cache (``fresh_llm``), as on an engine of its own. The base weights never move.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def llm(model_dir):
 
 @pytest.fixture(scope="module")
 def setup(model_dir, llm):
+    _as_new(llm)
     torch.manual_seed(0)
     worker = PolicyWorker(
         make_config(str(model_dir), dtensor_cfg={"lora_cfg": LORA}), init_reference_model=False
@@ -73,13 +74,19 @@ def setup(model_dir, llm):
     worker.shutdown()
 
 
-@pytest.fixture
-def fresh_llm(llm):
-    """The module's engine as one of its own starts: no adapter loaded (the tests that take it
-    number their versions, the adapters' ids, from 1) and no cached KV blocks."""
+def _as_new(llm) -> None:
+    """Leave the engine as one of its own starts: no adapter loaded (each user of the engine
+    numbers its versions, the adapters' ids, from 1) and no cached KV blocks."""
     for lora_id in llm.llm_engine.list_loras():
         assert llm.llm_engine.remove_lora(lora_id)
     assert llm.reset_prefix_cache()
+
+
+@pytest.fixture
+def fresh_llm(llm):
+    """The module's engine as new, for a test that builds its own versions. The adapter-only
+    refit tests come first in this file: their shared refit's adapter is removed here."""
+    _as_new(llm)
     return llm
 
 
