@@ -166,6 +166,10 @@ class ChildRun:
             self.proc.wait(timeout=60)
 
 
+# `policyworker demo`'s short run in tests: three steps, no reward rise asked for, one seed.
+SHORT_DEMO_FLAGS = ("--steps", "3", "--no-require-rise", "--seed", "1")
+
+
 def run_three_step_demo(
     *flags: str,
     root: str | os.PathLike,
@@ -176,8 +180,7 @@ def run_three_step_demo(
     """`policyworker demo <flags> --steps 3 --no-require-rise --seed 1` in a fresh process run
     from `root` (`launcher`, e.g. torchrun and its options, instead of this Python)."""
     return subprocess.run(
-        [*(launcher or [sys.executable]), "-m", "policyworker", "demo", *flags]
-        + ["--steps", "3", "--no-require-rise", "--seed", "1"],
+        [*(launcher or [sys.executable]), "-m", "policyworker", "demo", *flags, *SHORT_DEMO_FLAGS],
         cwd=root,
         env=env,
         capture_output=True,
