@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import queue
 import subprocess
 import sys
@@ -126,6 +127,49 @@ def run_script(path, source: str, root, *, timeout: float) -> subprocess.Complet
     )
 
 
+class ChildRun:
+    """A child process started at once, its output going to files in `log_dir`, so a module can
+    start its independent child runs together and each test wait for its own: a child Python
+    spends seconds importing on one core while the test process waits, and CI has two cores.
+    Files, not pipes: a child never blocks on a full pipe no one reads yet."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        cwd: str | os.PathLike,
+        env: dict[str, str],
+        log_dir: pathlib.Path,
+        name: str,
+    ) -> None:
+        self.args = list(args)
+        self._out, self._err = log_dir / f"{name}.stdout", log_dir / f"{name}.stderr"
+        with self._out.open("w") as out, self._err.open("w") as err:
+            self.proc = subprocess.Popen(self.args, cwd=cwd, env=env, stdout=out, stderr=err)
+
+    def result(self, *, timeout: float) -> subprocess.CompletedProcess[str]:
+        """The finished run, as `subprocess.run(..., capture_output=True, text=True)` gives it;
+        past `timeout` seconds of waiting the child is killed and `TimeoutExpired` raised."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        return subprocess.CompletedProcess(
+            self.args, self.proc.returncode, self._out.read_text(), self._err.read_text()
+        )
+
+    def kill(self) -> None:
+        """End the child if it still runs (a module's teardown: a test that never waited)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=60)
+
+
+# `policyworker demo`'s short run in tests: three steps, no reward rise asked for, one seed.
+SHORT_DEMO_FLAGS = ("--steps", "3", "--no-require-rise", "--seed", "1")
+
+
 def run_three_step_demo(
     *flags: str,
     root: str | os.PathLike,
@@ -136,8 +180,7 @@ def run_three_step_demo(
     """`policyworker demo <flags> --steps 3 --no-require-rise --seed 1` in a fresh process run
     from `root` (`launcher`, e.g. torchrun and its options, instead of this Python)."""
     return subprocess.run(
-        [*(launcher or [sys.executable]), "-m", "policyworker", "demo", *flags]
-        + ["--steps", "3", "--no-require-rise", "--seed", "1"],
+        [*(launcher or [sys.executable]), "-m", "policyworker", "demo", *flags, *SHORT_DEMO_FLAGS],
         cwd=root,
         env=env,
         capture_output=True,

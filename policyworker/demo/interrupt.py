@@ -68,10 +68,17 @@ def descendant_pids(root: int | None = None) -> list[int]:
 
 
 def stop_descendants(*, timeout_s: float) -> None:
-    """End every process below this one: SIGTERM, up to `timeout_s` to exit, then SIGKILL."""
+    """End every process below this one: SIGTERM, up to `timeout_s` to exit, then SIGKILL.
+
+    multiprocessing's resource tracker is left alone: it ignores SIGTERM (the wait would last the
+    whole `timeout_s`), and it exits by itself once every process holding its pipe has, after
+    unlinking any shared memory they leaked, which a SIGKILL would leave behind.
+    """
     import multiprocessing
 
-    tree = descendant_pids()  # the whole tree first: a parent's end would orphan its children
+    tracker = _resource_tracker_pid()
+    # the whole tree first: a parent's end would orphan its children
+    tree = [pid for pid in descendant_pids() if pid != tracker]
     for child in multiprocessing.active_children():
         child.terminate()
     for pid in tree:
@@ -85,6 +92,13 @@ def stop_descendants(*, timeout_s: float) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     multiprocessing.active_children()
+
+
+def _resource_tracker_pid() -> int | None:
+    """The pid of this process's multiprocessing resource tracker, None where none runs."""
+    from multiprocessing import resource_tracker
+
+    return getattr(resource_tracker._resource_tracker, "_pid", None)
 
 
 def _alive(pid: int) -> bool:

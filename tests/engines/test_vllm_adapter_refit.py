@@ -1,10 +1,14 @@
-"""Adapter-only refits over ZMQ into a real vLLM engine's LoRA slots (CPU, fp32).
+"""One real vLLM engine with LoRA slots (CPU, fp32; ``enable_lora=True``, two slots) for three
+ways an adapter reaches it: adapter-only refits over ZMQ, `VllmAdapterVersions` (PEFT folders),
+and the Tinker-style `TrainingClient` sampling through `VllmSampler`.
 
-One engine (``enable_lora=True``, two slots) and one LoRA worker for the module; every test
-trains the worker a step (a fresh adapter's ``lora_B`` is zero: it would change nothing), refits
-the adapter alone with ``VllmRefit(lora=True)`` and reads vLLM's sampled-token logprobs against
-the worker's own fp32 forward of base + adapter (``get_logprobs``). Versions are relative to the
-shared refit, so the order of the tests does not matter.
+Adapter-only refits share one LoRA worker: every test trains the worker a step (a fresh adapter's
+``lora_B`` is zero: it would change nothing), refits the adapter alone with
+``VllmRefit(lora=True)`` and reads vLLM's sampled-token logprobs against the worker's own fp32
+forward of base + adapter (``get_logprobs``). Versions are relative to the shared refit, so the
+order of these tests does not matter. The `VllmAdapterVersions` and `TrainingClient` tests, after
+them, number their versions from 1: each starts on an engine with no adapter loaded and an empty
+prefix cache (``fresh_llm``), as on an engine of its own. The base weights never move.
 """
 
 from __future__ import annotations
@@ -21,12 +25,21 @@ from policyworker.demo.options import LORA_FP32_TOLERANCE, VLLM_FP32_TOLERANCE  
 from policyworker.errors import RefitError  # noqa: E402
 from policyworker.functional.loss import NLLLoss  # noqa: E402
 from policyworker.shell.engines.vllm import VllmRefit, _lora_init  # noqa: E402
+from policyworker.shell.engines.vllm_lora import VllmAdapterVersions  # noqa: E402
 from policyworker.shell.engines.vllm_lora_worker import (  # noqa: E402
     mismatched_lora_shapes,
     unreachable_lora_modules,
 )
 from policyworker.shell.refit import adapter_refit  # noqa: E402
 from policyworker.shell.worker.policy_worker import PolicyWorker  # noqa: E402
+from policyworker.training_client import (  # noqa: E402
+    AdamParams,
+    Datum,
+    ModelInput,
+    TrainingClient,
+)
+from policyworker.training_client import SamplingParams as ClientSamplingParams  # noqa: E402
+from policyworker.training_client.vllm_sampler import VllmSampler  # noqa: E402
 from tests.shell.conftest import make_batch, make_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -36,18 +49,45 @@ TOLERANCE = max(LORA_FP32_TOLERANCE, VLLM_FP32_TOLERANCE)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def model_dir(tmp_path_factory):
     from transformers import LlamaConfig
 
     model_dir = tmp_path_factory.mktemp("vllm_adapter_refit") / "model"
     tiny_model(LlamaConfig(**TINY_LLAMA), seed=0).save_pretrained(model_dir)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    with engine(str(model_dir), enable_lora=True, max_lora_rank=8, max_loras=2) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def setup(model_dir, llm):
+    _as_new(llm)
     torch.manual_seed(0)
     worker = PolicyWorker(
         make_config(str(model_dir), dtensor_cfg={"lora_cfg": LORA}), init_reference_model=False
     )
-    with engine(str(model_dir), enable_lora=True, max_lora_rank=8, max_loras=2) as llm:
-        yield llm, worker, VllmRefit(llm, worker, lora=True, keep=1)
+    yield llm, worker, VllmRefit(llm, worker, lora=True, keep=1)
     worker.shutdown()
+
+
+def _as_new(llm) -> None:
+    """Leave the engine as one of its own starts: no adapter loaded (each user of the engine
+    numbers its versions, the adapters' ids, from 1) and no cached KV blocks."""
+    for lora_id in llm.llm_engine.list_loras():
+        assert llm.llm_engine.remove_lora(lora_id)
+    assert llm.reset_prefix_cache()
+
+
+@pytest.fixture
+def fresh_llm(llm):
+    """The module's engine as new, for a test that builds its own versions. The adapter-only
+    refit tests come first in this file: their shared refit's adapter is removed here."""
+    _as_new(llm)
+    return llm
 
 
 def _params(max_tokens: int):
@@ -216,3 +256,73 @@ def test_the_reachability_and_shape_rules_name_each_offending_tensor():
     assert mismatched_lora_shapes(info, dims, None) == [
         f"{q_b}: [128, 4], vLLM's layer has out_features=256"
     ]
+
+
+def test_published_adapter_versions_serve_the_worker_and_old_ones_are_evicted(
+    fresh_llm, model_dir, tmp_path
+):
+    llm = fresh_llm
+    torch.manual_seed(0)
+    cfg = make_config(str(model_dir), dtensor_cfg={"lora_cfg": LORA})
+    worker = PolicyWorker(cfg, init_reference_model=False)
+    versions = VllmAdapterVersions(llm, worker, root=tmp_path / "adapters", keep=1)
+    worker.train(make_batch(4, 10, seed=1), NLLLoss())
+    first = versions.publish()
+    with versions.hold() as held:  # a request in flight on version 1
+        v1_outs = _generate(llm, held)
+        assert _worst_mismatch(worker, PROMPTS, v1_outs) <= TOLERANCE
+        for seed in (2, 3):
+            worker.train(make_batch(4, 10, seed=seed), NLLLoss())
+        second = versions.publish()
+        assert versions.loaded_versions == [1, 2]  # held: not evicted
+        assert _generate(llm, first) == v1_outs  # version 1 still serves as it did
+    assert versions.loaded_versions == [2]
+    assert not (tmp_path / "adapters" / "v1").exists()
+    v2_outs = _generate(llm, second)
+    assert _worst_mismatch(worker, PROMPTS, v2_outs) <= TOLERANCE
+    assert v2_outs != v1_outs
+    worker.shutdown()
+
+
+def test_a_grpo_loop_samples_from_vllm_with_each_new_adapter_version(
+    fresh_llm, model_dir, tmp_path
+):
+    """The Tinker-style `TrainingClient`, a 2-step GRPO loop: every `save_weights_for_sampler`
+    becomes a new LoRA version of the engine."""
+    llm = fresh_llm
+    torch.manual_seed(0)
+    worker = PolicyWorker(
+        make_config(str(model_dir), dtensor_cfg={"lora_cfg": LORA}), init_reference_model=False
+    )
+    prompt = ModelInput.from_ints([3, 17, 42, 9])
+    sampler = VllmSampler(llm)
+    client = TrainingClient(worker, sampler=sampler, root=tmp_path / "run")
+    for step in range(2):
+        params = ClientSamplingParams(max_tokens=4, temperature=1.0, seed=step)
+        sequences = client.sample(prompt, 4, params).result().sequences
+        rewards = torch.tensor([sum(t < 64 for t in s.tokens) / 4 for s in sequences])
+        data = []
+        for seq, adv in zip(sequences, (rewards - rewards.mean()).tolist(), strict=True):
+            tokens = prompt.to_ints() + seq.tokens
+            pad = [0.0] * (prompt.length - 1)
+            data.append(
+                Datum(
+                    model_input=ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": tokens[1:],
+                        "weights": pad + [1.0] * len(seq.tokens),
+                        "logprobs": pad + seq.logprobs,
+                        "advantages": pad + [adv] * len(seq.tokens),
+                    },
+                )
+            )
+        result = client.forward_backward(data, "importance_sampling").result()
+        for datum, out in zip(data, result.loss_fn_outputs, strict=True):
+            sampled = torch.tensor(datum.loss_fn_inputs["weights"]) > 0
+            sampler_lp = torch.tensor(datum.loss_fn_inputs["logprobs"])[sampled]
+            # on-policy: vLLM sampled with the adapter the learner has
+            assert float((out["logprobs"][sampled] - sampler_lp).abs().max()) <= TOLERANCE
+        client.optim_step(AdamParams(learning_rate=5e-2, beta2=0.999, eps=1e-8))
+        client.save_weights_for_sampler(f"step-{step}")
+        assert sampler.versions.version == step + 1
+    worker.shutdown()

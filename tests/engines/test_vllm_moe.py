@@ -84,7 +84,7 @@ def test_moe_refit_reaches_vllms_experts(tmp_path, kind, make_config, expert_nam
     sender = RefitSender(lambda: trained, torch.float32)
     assert any(expert_name in name for name in sender.prepare_refit_info())
     try:
-        with engine(folder) as llm:
+        with engine(folder, in_process=True) as llm:  # no PolicyWorker here
             before = generate(llm, PROMPTS, max_tokens=6)
             assert VllmRefit(llm, sender).refit()["version"] == 1
             outs = generate(llm, PROMPTS, max_tokens=6)

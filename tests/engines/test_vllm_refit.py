@@ -1,10 +1,16 @@
-"""A real vLLM engine (CPU, fp32, in this process) refit from our trainer side.
+"""A real vLLM engine (CPU, fp32, in this process) refit from our trainer side, and the same
+engine hosting the rollout side of a checkpoint-engine refit.
 
 One engine for the module (a start costs 15-60 s on 2 cores); each test connects its own sender
-(``VllmRefit`` re-initialises the backend), so the order of the tests does not matter.
+(``VllmRefit`` re-initialises the backend), so the order of the tests does not matter. The
+checkpoint-engine test needs an engine no one handed checkpoint-engine refit info yet: no other
+test here does (``VllmRefit`` never calls ``checkpoint_engine_set_refit_info``).
 """
 
 from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 import pytest
@@ -25,7 +31,7 @@ require_vllm()
 from policyworker.demo.options import VLLM_FP32_TOLERANCE  # noqa: E402
 from policyworker.errors import RefitError  # noqa: E402
 from policyworker.functional.loss import NLLLoss  # noqa: E402
-from policyworker.shell.engines.vllm import VllmRefit  # noqa: E402
+from policyworker.shell.engines.vllm import VllmRefit, encode_refit_info  # noqa: E402
 from policyworker.shell.refit.sender import RefitSender  # noqa: E402
 from policyworker.shell.worker.policy_worker import PolicyWorker  # noqa: E402
 from tests.shell.conftest import make_batch, make_config  # noqa: E402
@@ -218,4 +224,68 @@ def test_a_lora_workers_merged_refit_reaches_vllm(llm, model_dir, senders):
         _, worst_base = _mismatch(worker, llm, seed=7)
         assert worst_base > 100 * max(worst, 1e-6)
     finally:
+        worker.shutdown()
+
+
+# The checkpoint-engine rollout side: this process is the policy worker (NeMo-RL's
+# ``checkpoint_engine_rpc`` lifecycle), vLLM's worker joins through ``collective_rpc`` and receives
+# over the collective (gloo) backend.
+CHECKPOINT_ENGINE = {
+    "backend": "collective",
+    "bucket_size_bytes": 64 << 10,
+    "engine_kwargs": {"host": "127.0.0.1", "device": "cpu", "timeout_s": 60.0},
+}
+
+
+def rpc(worker, method, **kwargs):
+    return asyncio.run(worker.checkpoint_engine_rpc(method, kwargs))
+
+
+def vllm_rpc(llm, method, *args):
+    return llm.collective_rpc("checkpoint_engine_rpc", args=(method, list(args)))
+
+
+def test_checkpoint_engine_send_makes_vllms_logprobs_the_trainers(llm, model_dir):
+    # vLLM re-raises a worker's error as a plain Exception carrying its text
+    with pytest.raises(Exception, match="before checkpoint_engine_set_refit_info"):
+        vllm_rpc(llm, "prepare_checkpoint_engine")
+    worker = PolicyWorker(make_config(model_dir), init_reference_model=False)
+    pool = ThreadPoolExecutor(1)  # vLLM's blocking calls, beside the policy side's
+    try:
+        worker._add_noise_to_weights()
+        _, before = _mismatch(worker, llm, seed=0)
+        assert before > 10 * VLLM_FP32_TOLERANCE  # vLLM serves other weights until the refit
+        llm.collective_rpc(
+            "checkpoint_engine_set_refit_info",
+            args=(encode_refit_info(worker.prepare_refit_info()),),
+        )
+        rpc(worker, "init_checkpoint_engine", **CHECKPOINT_ENGINE)
+        vllm_rpc(llm, "init_checkpoint_engine", *CHECKPOINT_ENGINE.values())
+        metadata = [rpc(worker, "prepare_checkpoint_engine")]
+        metadata += vllm_rpc(llm, "prepare_checkpoint_engine")  # one per vLLM worker
+        assert len(metadata) == 2 and metadata[1]["rank"] == 0
+        joined = pool.submit(
+            vllm_rpc, llm, "init_checkpoint_engine_process_group", 0, 1, 1, metadata
+        )
+        rpc(
+            worker,
+            "init_checkpoint_engine_process_group",
+            train_world_size=1,
+            rollout_world_size=1,
+            metadata=metadata,
+        )
+        assert joined.result(timeout=120) == [None]
+        for version in (1, 2):
+            got = pool.submit(vllm_rpc, llm, "update_weights_from_checkpoint_engine")
+            rpc(worker, "send_weights_via_checkpoint_engine")
+            assert got.result(timeout=120) == [True]
+            report = llm.collective_rpc("checkpoint_engine_last_report")[0]
+            assert report["version"] == version and report["num_buckets"] > 1
+            _, worst = _mismatch(worker, llm, seed=version)
+            assert worst <= VLLM_FP32_TOLERANCE, worst
+            worker._add_noise_to_weights()
+    finally:
+        rpc(worker, "finalize_checkpoint_engine")
+        pool.submit(vllm_rpc, llm, "finalize_checkpoint_engine").result(timeout=60)
+        pool.shutdown()
         worker.shutdown()

@@ -64,8 +64,13 @@ def tiny_model(config, seed: int) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def engine(model_dir: str, **extra) -> Iterator[object]:
-    """A float32 eager vLLM engine with both policyworker refit paths enabled."""
+def engine(model_dir: str, *, in_process: bool = False, **extra) -> Iterator[object]:
+    """A float32 eager vLLM engine with both policyworker refit paths enabled.
+
+    `in_process`: engine core and worker in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+    a start of a few seconds instead of two processes importing vLLM; only for a test that
+    builds no PolicyWorker (vLLM's worker initialises torch.distributed here).
+    """
     from vllm import LLM
 
     from policyworker.shell.engines.vllm import engine_kwargs
@@ -73,6 +78,8 @@ def engine(model_dir: str, **extra) -> Iterator[object]:
     with pytest.MonkeyPatch.context() as mp:
         for key, value in ENGINE_ENV.items():
             mp.setenv(key, value)
+        if in_process:
+            mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         llm = LLM(
             model=model_dir,
             dtype="float32",

@@ -4,6 +4,7 @@ parity), plus the pure task / reward / advantage / verdict / report functions.""
 import io
 import math
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from policyworker.demo.task import (
     reward_rose,
     smoothed_ends,
 )
-from tests.helpers import child_env, run_three_step_demo
+from tests.helpers import SHORT_DEMO_FLAGS, ChildRun, child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_RE = re.compile(
@@ -30,49 +31,31 @@ STEP_RE = re.compile(
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def short_run_started(request, tmp_path_factory):
+    """One 3-step demo in a fresh interpreter (its own inference process, real ZMQ refit),
+    started with the module where a selected test reads it: the tests that read it come last
+    in this file, and the others run meanwhile."""
+    if not any(
+        "short_run" in item.fixturenames and item.module is request.module
+        for item in request.session.items
+    ):
+        yield None
+        return
+    run = ChildRun(
+        [sys.executable, "-m", "policyworker", "demo", *SHORT_DEMO_FLAGS],
+        cwd=ROOT,
+        env=child_env(ROOT),
+        log_dir=tmp_path_factory.mktemp("short_demo"),
+        name="demo",
+    )
+    yield run
+    run.kill()
+
+
 @pytest.fixture(scope="module")
-def short_run():
-    """One 3-step demo in a fresh interpreter (its own inference process, real ZMQ refit)."""
-    env = child_env(ROOT)
-    return run_three_step_demo(root=ROOT, env=env, timeout=240)
-
-
-@pytest.mark.slow
-def test_short_demo_exits_zero_with_exact_fp32_parity_on_every_step(short_run):
-    assert short_run.returncode == 0, short_run.stdout + short_run.stderr
-    lines = short_run.stdout.splitlines()
-    steps = [STEP_RE.match(line) for line in lines if line.startswith("step=")]
-    assert len(steps) == 3 and all(steps), lines
-    assert [int(m.group(1)) for m in steps] == [1, 2, 3]
-    assert all(float(m.group(5)) == 0.0 for m in steps)  # trainer == inference, bit for bit
-    assert all(0.0 <= float(m.group(2)) <= 1.0 for m in steps)
-    assert all(float(m.group(4)) > 0.0 for m in steps)  # a refit ran before every step
-    assert re.search(r"^reward: [0-9.]+ -> [0-9.]+$", short_run.stdout, re.M)
-    assert re.search(r"^curve: \S{3} ", short_run.stdout, re.M)
-
-
-@pytest.mark.slow
-def test_short_demo_reports_the_reward_but_not_a_rise_it_did_not_check(short_run):
-    """Three steps cannot reach 0.8; with --no-require-rise the run still passes on parity."""
-    assert "FAIL" not in short_run.stdout
-    assert re.search(r"^ok: 3 steps", short_run.stdout, re.M)
-
-
-@pytest.mark.slow
-def test_short_demo_says_what_it_starts_and_times_the_steps_apart_from_start_up(short_run):
-    stages = re.findall(r"^start: (.+) \(([0-9.]+) s\)$", short_run.stderr, re.M)
-    assert [s for s, _ in stages] == [
-        "torch and transformers imported",
-        "tiny model saved",
-        "policy worker built",
-        "inference process ready",
-        "refit connected; step 1 starts",
-    ], short_run.stderr
-    seconds = [float(t) for _, t in stages]
-    assert seconds == sorted(seconds)
-    ok = re.search(r"^ok: 3 steps in ([0-9.]+) s \(start-up ([0-9.]+) s", short_run.stdout, re.M)
-    assert ok, short_run.stdout
-    assert float(ok.group(2)) >= seconds[-1] - 0.1  # start-up is reported, not in the steps' time
+def short_run(short_run_started):
+    return short_run_started.result(timeout=240)
 
 
 def test_startup_log_writes_one_line_per_stage_and_nothing_on_other_ranks():
@@ -320,3 +303,41 @@ def test_a_request_to_a_dead_inference_process_names_its_exit_code(tiny_model_pa
             infer.call("refit")
     finally:
         infer.close()
+
+
+@pytest.mark.slow
+def test_short_demo_exits_zero_with_exact_fp32_parity_on_every_step(short_run):
+    assert short_run.returncode == 0, short_run.stdout + short_run.stderr
+    lines = short_run.stdout.splitlines()
+    steps = [STEP_RE.match(line) for line in lines if line.startswith("step=")]
+    assert len(steps) == 3 and all(steps), lines
+    assert [int(m.group(1)) for m in steps] == [1, 2, 3]
+    assert all(float(m.group(5)) == 0.0 for m in steps)  # trainer == inference, bit for bit
+    assert all(0.0 <= float(m.group(2)) <= 1.0 for m in steps)
+    assert all(float(m.group(4)) > 0.0 for m in steps)  # a refit ran before every step
+    assert re.search(r"^reward: [0-9.]+ -> [0-9.]+$", short_run.stdout, re.M)
+    assert re.search(r"^curve: \S{3} ", short_run.stdout, re.M)
+
+
+@pytest.mark.slow
+def test_short_demo_reports_the_reward_but_not_a_rise_it_did_not_check(short_run):
+    """Three steps cannot reach 0.8; with --no-require-rise the run still passes on parity."""
+    assert "FAIL" not in short_run.stdout
+    assert re.search(r"^ok: 3 steps", short_run.stdout, re.M)
+
+
+@pytest.mark.slow
+def test_short_demo_says_what_it_starts_and_times_the_steps_apart_from_start_up(short_run):
+    stages = re.findall(r"^start: (.+) \(([0-9.]+) s\)$", short_run.stderr, re.M)
+    assert [s for s, _ in stages] == [
+        "torch and transformers imported",
+        "tiny model saved",
+        "policy worker built",
+        "inference process ready",
+        "refit connected; step 1 starts",
+    ], short_run.stderr
+    seconds = [float(t) for _, t in stages]
+    assert seconds == sorted(seconds)
+    ok = re.search(r"^ok: 3 steps in ([0-9.]+) s \(start-up ([0-9.]+) s", short_run.stdout, re.M)
+    assert ok, short_run.stdout
+    assert float(ok.group(2)) >= seconds[-1] - 0.1  # start-up is reported, not in the steps' time

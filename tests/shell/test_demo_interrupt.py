@@ -113,6 +113,41 @@ def test_stop_descendants_ends_children_and_grandchildren_even_orphan_to_be():
     assert not any(_running(pid) for pid in tree)
 
 
+def test_stop_descendants_leaves_the_resource_tracker_to_end_by_itself():
+    """multiprocessing's resource tracker ignores SIGTERM: waited for, it would hold Ctrl-C for
+    the whole timeout. It is left running, and it ends once the process that started it has."""
+    script = textwrap.dedent(
+        """
+        import subprocess, sys, time
+        from multiprocessing import resource_tracker
+        from policyworker.demo.interrupt import descendant_pids, stop_descendants
+        resource_tracker.ensure_running()  # as a run's first spawned process starts it
+        tracker = resource_tracker._resource_tracker._pid
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        start = time.monotonic()
+        stop_descendants(timeout_s=30.0)
+        took = time.monotonic() - start
+        print(tracker, round(took, 1), child.wait(timeout=10), tracker in descendant_pids())
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=child_env(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    tracker, took, child_status, tracker_left = run.stdout.split()
+    assert float(took) < 15.0, run.stdout  # not the 30 s timeout waited out
+    assert child_status == "-15" and tracker_left == "True", run.stdout + run.stderr
+    deadline = time.monotonic() + 10
+    while _running(int(tracker)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(int(tracker)), "the resource tracker outlived the process that started it"
+
+
 def _running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -2,13 +2,12 @@
 README links every one of them."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import child_env
+from tests.helpers import ChildRun, child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
@@ -36,18 +35,30 @@ def test_every_example_is_tested_and_linked_from_the_readme():
         assert f"(examples/{name})" in readme, f"README does not link examples/{name}"
 
 
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory):
+    """Every example started at once, each in a fresh interpreter (they share nothing: each
+    writes under its own temporary folder); each test waits for its own."""
+    log_dir = tmp_path_factory.mktemp("examples")
+    runs = {
+        name: ChildRun(
+            [sys.executable, str(ROOT / "examples" / name)],
+            cwd=ROOT,
+            env=child_env(ROOT),
+            log_dir=log_dir,
+            name=name,
+        )
+        for name in EXAMPLES
+    }
+    yield runs
+    for run in runs.values():
+        run.kill()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_example_runs_and_prints_its_results(name):
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name)],
-        cwd=ROOT,
-        env=child_env(ROOT),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+def test_example_runs_and_prints_its_results(example_runs, name):
+    run = example_runs[name].result(timeout=300)
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-4000:]
     for pattern in EXPECTED[name]:

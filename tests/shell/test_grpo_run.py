@@ -218,15 +218,10 @@ SAME = ("reward_mean", "reward_std", "loss", "kl", "response_len_mean")
 
 @pytest.mark.slow
 def test_a_run_killed_after_step_3_resumes_exactly(tmp_path, tiny_tokenizer_model_path, capsys):
-    whole = _run_file(tmp_path / "whole", tiny_tokenizer_model_path)
-    summary = run_grpo(load_run_config(whole))
-    assert summary["steps"] == 4
-    full = _jsonl(tmp_path / "whole/logs/metrics.jsonl")
-    assert [m["step"] for m in full] == [1, 2, 3, 4]
-    assert len({m["reward_mean"] for m in full}) > 1 and any(m["loss"] != 0 for m in full)
-
     # The same run in a fresh interpreter, killed (SIGKILL, with its inference process) once it
-    # printed step 3: step 2's save is committed, step 3 was logged but never saved.
+    # printed step 3: step 2's save is committed, step 3 was logged but never saved. It runs
+    # while this process makes the whole run (they share nothing but the model folder), and the
+    # kill comes from the thread reading its output, the moment step 3 is printed.
     cut = _run_file(tmp_path / "cut", tiny_tokenizer_model_path)
     proc = subprocess.Popen(
         [sys.executable, "-m", "policyworker", "grpo", "--config", str(cut)],
@@ -237,20 +232,35 @@ def test_a_run_killed_after_step_3_resumes_exactly(tmp_path, tiny_tokenizer_mode
         text=True,
         start_new_session=True,
     )
-    watchdog = threading.Timer(240, os.killpg, (proc.pid, signal.SIGKILL))
-    watchdog.start()
     seen = []
-    try:
+
+    def read_until_step_3() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             seen.append(line)
             if line.startswith("step 3/4"):
                 break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    reader = threading.Thread(target=read_until_step_3, daemon=True)
+    watchdog = threading.Timer(240, os.killpg, (proc.pid, signal.SIGKILL))
+    watchdog.start()
+    reader.start()
+    try:
+        whole = _run_file(tmp_path / "whole", tiny_tokenizer_model_path)
+        summary = run_grpo(load_run_config(whole))
+        assert summary["steps"] == 4
+        full = _jsonl(tmp_path / "whole/logs/metrics.jsonl")
+        assert [m["step"] for m in full] == [1, 2, 3, 4]
+        assert len({m["reward_mean"] for m in full}) > 1 and any(m["loss"] != 0 for m in full)
+        reader.join(timeout=240)
     finally:
         watchdog.cancel()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
+        reader.join(timeout=60)
     assert any(line.startswith("step 3/4") for line in seen), "".join(seen)[-4000:]
     ckpt = tmp_path / "cut/ckpt"
     assert (latest_committed(ckpt) or (0,))[0] == 2
