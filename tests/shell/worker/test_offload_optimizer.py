@@ -44,4 +44,3 @@ def test_the_step_counter_follows_the_moments_only_where_torch_keeps_it_there(fl
     step_device = "cpu" if flag == "foreach" else "meta"
     assert ("step", step_device) in _devices(optimizer)
     assert ("exp_avg", "meta") in _devices(optimizer)
-
