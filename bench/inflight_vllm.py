@@ -69,17 +69,20 @@ async def _mode(llm: Any, refit: VllmInflightRefit, mode: str, args: argparse.Na
     tasks = [asyncio.create_task(decode(i)) for i in range(args.rows)]
     while min(len(a) for a in arrivals.values()) < 5:
         await asyncio.sleep(0.01)
-    windows, start = [], time.perf_counter()
+    windows, start, swaps, stages = [], time.perf_counter(), [], []
     for _ in range(args.refits):
         await asyncio.sleep(args.every)
         began = time.perf_counter()
         if mode == "pause":
             await llm.pause_generation(mode="keep", clear_cache=False)
         await asyncio.to_thread(refit.stage)
-        await refit.aswap()
+        staged = time.perf_counter()
+        reply = await refit.aswap()
         if mode == "pause":
             await llm.resume_generation()
         windows.append((began, time.perf_counter()))
+        stages.append(staged - began)
+        swaps.append(reply["swapped"]["seconds"] if reply["swapped"] else float("nan"))
     await asyncio.sleep(0.2)  # the step after the last refit
     end = time.perf_counter()
     stop.set()
@@ -95,7 +98,12 @@ async def _mode(llm: Any, refit: VllmInflightRefit, mode: str, args: argparse.Na
         ]
         gaps.append(max(ends, default=0.0))
     tokens = sum(sum(1 for t in times if start <= t <= end) for times in arrivals.values())
-    return {"gaps": gaps, "tokens_per_s": tokens / (end - start)}
+    return {
+        "gaps": gaps,
+        "tokens_per_s": tokens / (end - start),
+        "swap_s": swaps[1:],
+        "stage_s": stages[1:],
+    }
 
 
 async def _bench(llm: Any, trainer: torch.nn.Module, args: argparse.Namespace) -> dict:
@@ -175,6 +183,10 @@ def main() -> None:
             baseline_name=name,
         ),
     ]
+    for mode in ("ours", "pause"):  # where a refit's time goes: the stream, then the swap
+        stage = statistics.median(result[mode]["stage_s"]) * 1e3
+        swap = statistics.median(result[mode]["swap_s"]) * 1e3
+        print(f"{mode}: median stage {stage:.1f} ms, median swap {swap:.1f} ms")
     print_table("in-flight refit into AsyncLLM (CPU)", rows)
     write_results(
         "inflight_vllm", {"rows": rows, "settings": vars(args), "device": "cpu"}, args.json
