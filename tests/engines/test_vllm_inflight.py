@@ -318,3 +318,26 @@ def test_a_load_failing_into_the_shadow_keeps_the_live_version_and_the_next_refi
         assert cut >= 3 + 2 + 1
         _assert_tokens_of(old, prompt, ids, lps, 0, cut, same=True)
         _assert_tokens_of(new, prompt, ids, lps, cut, len(ids), same=True)
+
+
+def test_without_a_shadow_the_swap_loads_behind_a_snapshot(llm, model_dir, monkeypatch):
+    from policyworker.shell.engines import vllm_worker
+
+    old, new = _model(model_dir, 81), _model(model_dir, 82)
+    monkeypatch.setattr(vllm_worker, "shadow_unavailable", lambda *a, **k: "forced by a test")
+    with _inflight(llm, old) as refit:
+        _refit_while_stepping(llm, refit, steps_before=0)
+        assert refit.swap()["mode"] == "load"
+    with _inflight(llm, new) as refit:
+        tag, results = "snapshot-", {}
+        _add_requests(llm, tag, max_tokens=20)
+        box, _ = _refit_while_stepping(llm, refit)
+        assert "error" not in box, box
+        reply = refit.swap(recompute_kv=True)
+        assert reply["mode"] == "load" and reply["swapped"]["version"] == 1, reply
+        _run_to_end(llm, results)
+    for i, prompt in enumerate(PROMPTS):
+        ids, lps = results[f"{tag}{i}"]
+        cut = _cut(refit, f"{tag}{i}", len(ids), added=0, finished=1)
+        _assert_tokens_of(old, prompt, ids, lps, 0, cut, same=True)
+        _assert_tokens_of(new, prompt, ids, lps, cut, len(ids), same=True)
