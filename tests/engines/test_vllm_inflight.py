@@ -211,3 +211,133 @@ def test_a_refit_killed_midway_keeps_the_engine_generating_on_the_previous_versi
         cut = _cut(refit, f"{tag}{i}", len(ids), added=0, finished=1)
         _assert_tokens_of(old, prompt, ids, lps, 0, cut, same=True)
         _assert_tokens_of(new, prompt, ids, lps, cut, len(ids), same=True)
+
+
+def _worker_weights(worker):
+    return worker._policyworker_receiver
+
+
+def _embedding_ptr(worker):
+    model = worker.model_runner.get_model()
+    return next(model.parameters()).data_ptr()
+
+
+def test_consecutive_swaps_exchange_a_shadow_whose_storage_alternates_with_the_live_one(
+    llm, model_dir
+):
+    versions = [_model(model_dir, seed) for seed in (51, 52, 53)]
+    ptrs = [llm.collective_rpc(_embedding_ptr)[0]]
+    for n, model in enumerate(versions, start=1):
+        with _inflight(llm, model) as refit:
+            assert llm.collective_rpc(lambda w: _worker_weights(w).mode)[0] == "shadow"
+            box, _ = _refit_while_stepping(llm, refit, steps_before=0)
+            assert "error" not in box, box
+            reply = refit.swap()
+            assert reply["mode"] == "shadow" and reply["swapped"]["version"] == 1, reply
+            ptrs.append(llm.collective_rpc(_embedding_ptr)[0])
+            tag, results = f"alt{n}-", {}
+            _add_requests(llm, tag, max_tokens=8)
+            _run_to_end(llm, results)
+        for i, prompt in enumerate(PROMPTS):
+            ids, lps = results[f"{tag}{i}"]
+            _assert_tokens_of(model, prompt, ids, lps, 0, len(ids), same=True)
+    # each connection builds its own shadow; within one, a swap moves the live storage
+    assert all(a != b for a, b in zip(ptrs, ptrs[1:], strict=False)), ptrs
+
+
+def test_two_swaps_on_one_connection_alternate_between_two_storages(llm, model_dir):
+    first, second = _model(model_dir, 61), _model(model_dir, 62)
+    sender_model = {"m": first}
+    sender = RefitSender(lambda: sender_model["m"], torch.float32)
+    refit = VllmInflightRefit(llm, sender, timeout_s=30.0)
+    try:
+        ptrs = [llm.collective_rpc(_embedding_ptr)[0]]
+        for n, model in enumerate((first, second, first), start=1):
+            sender_model["m"] = model
+            box, _ = _refit_while_stepping(llm, refit, steps_before=0)
+            assert "error" not in box, box
+            assert refit.swap()["swapped"]["version"] == n
+            ptrs.append(llm.collective_rpc(_embedding_ptr)[0])
+            tag, results = f"two{n}-", {}
+            _add_requests(llm, tag, max_tokens=8)
+            _run_to_end(llm, results)
+            for i, prompt in enumerate(PROMPTS):
+                ids, lps = results[f"{tag}{i}"]
+                assert refit.token_versions(f"{tag}{i}", len(ids), added=n, finished=n) == [
+                    n
+                ] * len(ids)
+                _assert_tokens_of(model, prompt, ids, lps, 0, len(ids), same=True)
+    finally:
+        refit.close()
+        sender.close()
+    assert ptrs[0] != ptrs[1] and ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1], ptrs
+
+
+def test_a_load_failing_into_the_shadow_keeps_the_live_version_and_the_next_refit_works(
+    llm, model_dir
+):
+    old, new = _model(model_dir, 71), _model(model_dir, 72)
+    with _inflight(llm, old) as refit:
+        _refit_while_stepping(llm, refit, steps_before=0)
+        refit.swap()
+
+    def break_shadow_load(worker):
+        shadow = _worker_weights(worker)._shadow
+        good = shadow._load
+
+        def load_half_then_fail(pairs):
+            pairs = list(pairs)
+
+            def half():
+                yield from pairs[: len(pairs) // 2]  # vLLM processes these layers first
+                raise KeyError("a name this vLLM model does not map")
+
+            shadow._load = good  # the next refit loads normally
+            good(half())
+
+        shadow._load = load_half_then_fail
+
+    with _inflight(llm, new) as refit:
+        llm.collective_rpc(break_shadow_load)
+        tag, results = "shadowfail-", {}
+        _add_requests(llm, tag, max_tokens=30)
+        box, _ = _refit_while_stepping(llm, refit)
+        assert "a name this vLLM model does not map" in str(box.get("error")), box
+        reply = refit.swap()
+        assert reply["failures"] == 1 and reply["swapped"] is None and reply["version"] == 0
+        for _ in range(2):
+            llm.llm_engine.step()  # still the old version, whatever the shadow holds
+        box, _ = _refit_while_stepping(llm, refit, steps_before=1)
+        assert "error" not in box, box
+        reply = refit.swap(recompute_kv=True)
+        assert reply["mode"] == "shadow" and reply["swapped"]["version"] == 1, reply
+        _run_to_end(llm, results)
+    for i, prompt in enumerate(PROMPTS):
+        ids, lps = results[f"{tag}{i}"]
+        cut = _cut(refit, f"{tag}{i}", len(ids), added=0, finished=1)
+        assert cut >= 3 + 2 + 1
+        _assert_tokens_of(old, prompt, ids, lps, 0, cut, same=True)
+        _assert_tokens_of(new, prompt, ids, lps, cut, len(ids), same=True)
+
+
+def test_without_a_shadow_the_swap_loads_behind_a_snapshot(llm, model_dir, monkeypatch):
+    from policyworker.shell.engines import vllm_worker
+
+    old, new = _model(model_dir, 81), _model(model_dir, 82)
+    monkeypatch.setattr(vllm_worker, "shadow_unavailable", lambda *a, **k: "forced by a test")
+    with _inflight(llm, old) as refit:
+        _refit_while_stepping(llm, refit, steps_before=0)
+        assert refit.swap()["mode"] == "load"
+    with _inflight(llm, new) as refit:
+        tag, results = "snapshot-", {}
+        _add_requests(llm, tag, max_tokens=20)
+        box, _ = _refit_while_stepping(llm, refit)
+        assert "error" not in box, box
+        reply = refit.swap(recompute_kv=True)
+        assert reply["mode"] == "load" and reply["swapped"]["version"] == 1, reply
+        _run_to_end(llm, results)
+    for i, prompt in enumerate(PROMPTS):
+        ids, lps = results[f"{tag}{i}"]
+        cut = _cut(refit, f"{tag}{i}", len(ids), added=0, finished=1)
+        _assert_tokens_of(old, prompt, ids, lps, 0, cut, same=True)
+        _assert_tokens_of(new, prompt, ids, lps, cut, len(ids), same=True)

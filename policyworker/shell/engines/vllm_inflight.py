@@ -3,9 +3,11 @@
 The engine's worker serves the trainer's refits on a background thread into staging
 (``policyworker_connect_inflight``, see ``vllm_worker.py``) while the engine keeps scheduling and
 decoding; ``stage()`` streams one version, ``swap()`` is one ``collective_rpc`` that vLLM runs
-between two engine steps and that loads the newest staged version through vLLM's layerwise
-reload. Running requests keep their KV cache (computed by the previous version) by default;
-``swap(recompute_kv=True)`` preempts them so their cache is recomputed under the new version.
+between two engine steps and makes the newest staged version live: on CPU by exchanging the live
+weights with a shadow copy the version was loaded into during ``stage()`` (``vllm_shadow.py``),
+elsewhere by loading it then through vLLM's layerwise reload. Running requests keep their KV
+cache (computed by the previous version) by default; ``swap(recompute_kv=True)`` preempts them
+so their cache is recomputed under the new version.
 
 Per-token versions: each swap reports how many output tokens every running request had sampled
 before it; ``token_versions(request_id, n)`` turns those counts into the version of each of the

@@ -13,6 +13,7 @@ post-load processing and copies the results back into the tensors the kernels ho
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,9 +38,13 @@ from policyworker.shell.engines.vllm import check_vllm_version, decode_refit_inf
 from policyworker.shell.engines.vllm_checkpoint_engine import CheckpointEngineVllmMixin
 from policyworker.shell.engines.vllm_logs import silence_expected_vllm_noise
 from policyworker.shell.engines.vllm_lora_worker import LoraRefitExtension
+from policyworker.shell.engines.vllm_shadow import KERNEL_ATTRS, ShadowWeights, shadow_unavailable
 from policyworker.shell.refit.inflight import InflightWeights
 from policyworker.shell.refit.receiver import HFWeightReceiver
 from policyworker.shell.refit.weight_stream import DRAFT_PREFIX
+
+# under vLLM's logger, which vLLM's processes print at INFO (the line says what a mode costs)
+log = logging.getLogger("vllm.policyworker")
 
 __all__ = [
     "PolicyWorkerVllmExtension",
@@ -84,7 +89,7 @@ def _check_cpu_moe_repack(found: list[tuple[torch.nn.Module, Any]]) -> None:
             raise ValueError(msg)
 
 
-def layerwise_loader(model: torch.nn.Module, model_config: Any):
+def layerwise_loader(model: torch.nn.Module, model_config: Any, *, snapshot: bool = True):
     """A ``load_weights(pairs)`` that loads one complete version through vLLM's layerwise reload
     and checks that it covered every parameter of the model.
 
@@ -97,14 +102,15 @@ def layerwise_loader(model: torch.nn.Module, model_config: Any):
     vLLM processes each layer as soon as its tensors have arrived, so a ``load_weights`` that
     fails midway (a name this model does not map) would leave the earlier layers on the new
     version: the loader snapshots what serves first (tensors, and the packed CPU GEMM closures
-    of ``_KERNEL_ATTRS``) and puts it back on any failure.
+    of ``_KERNEL_ATTRS``) and puts it back on any failure. ``snapshot=False`` for a model that
+    does not serve (a shadow, see ``vllm_shadow.py``): a failure there needs no rollback.
     """
     expected = {name for name, _ in model.named_parameters()}
     cpu_moe = _cpu_moe_experts(model)
     _check_cpu_moe_repack(cpu_moe)
 
     def load(pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
-        serving = _snapshot(model)
+        serving = _snapshot(model) if snapshot else None
         try:
             initialize_layerwise_reload(model)
             try:
@@ -123,7 +129,8 @@ def layerwise_loader(model: torch.nn.Module, model_config: Any):
                 )
                 raise RefitError(msg)
         except BaseException:
-            _restore(model, serving)
+            if serving is not None:
+                _restore(model, serving)
             raise
 
     return load
@@ -178,7 +185,7 @@ def with_drafter(load_policy: Any, drafter: torch.nn.Module, drafter_config: Any
 # vLLM 0.32.0 on CPU: each linear layer's processing packs its weight into the closure
 # `cpu_linear` (oneDNN handle or packed matrix) and leaves `weight` empty; a reload installs a
 # new closure, so a rollback must put the old one back.
-_KERNEL_ATTRS = ("cpu_linear",)
+_KERNEL_ATTRS = KERNEL_ATTRS
 
 
 def _serving_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -217,15 +224,35 @@ def inflight_for(
     *,
     drafter: tuple[torch.nn.Module, Any] | None = None,
 ) -> InflightWeights:
-    """`receiver_for`'s in-flight form: refits stage on a background thread while the engine
-    keeps stepping; ``swap()`` (between two engine steps) loads the newest through vLLM's
-    layerwise reload. Started; ``close()`` stops it."""
+    """`receiver_for`'s in-flight form: refits arrive on a background thread while the engine
+    keeps stepping. Where a shadow can be built (``vllm_shadow.py``: CPU, no MoE experts, no
+    drafter; one extra weight set) that thread also loads each version into it and ``swap()``
+    (between two engine steps) exchanges it with the live weights; elsewhere ``swap()`` loads
+    the staged version through vLLM's layerwise reload, behind a rollback snapshot. Started;
+    ``close()`` stops it."""
     load, info = _loader_for(model, model_config, init, drafter)
+    reason = shadow_unavailable(
+        model, cpu_moe=bool(_cpu_moe_experts(model)), drafter=drafter is not None
+    )
+    shadow = None
+    if reason is None:
+        shadow = ShadowWeights(
+            model, lambda clone: layerwise_loader(clone, model_config, snapshot=False)
+        )
+        nbytes = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in info.values())
+        log.info(
+            "in-flight refits load into a shadow copy of the model (one more weight set, about "
+            "%.1f MB); each swap exchanges it with the live weights",
+            nbytes / 1e6,
+        )
+    else:
+        log.info("in-flight refits load at each swap behind a rollback snapshot: %s", reason)
     weights = InflightWeights(
         load,
         address=init["address"],
         refit_info=info,
         timeout_s=float(init.get("timeout_s", 120.0)),
+        shadow=shadow,
     )
     weights.start()
     return weights
@@ -411,6 +438,7 @@ class PolicyWorkerVllmExtension(CheckpointEngineVllmMixin, LoraRefitExtension):
         swap = weights.swap()
         return {
             "swapped": None if swap is None else {"version": swap.version, "seconds": swap.seconds},
+            "mode": weights.mode,
             "version": weights.version,
             "received": weights.received,
             "failures": weights.failures,

@@ -10,6 +10,12 @@ new storage: anything that captured the old pointers, such as a CUDA graph, must
 with this module.) A transfer failing midway never reaches the staging slot,
 so the previous version keeps serving and the thread waits for the next refit.
 
+With a ``shadow`` (an object with ``load(pairs)`` and ``exchange()``, such as the vLLM worker's
+``ShadowWeights``) the receiving thread loads each complete version into the shadow as soon as
+it arrives, and ``swap()`` only exchanges shadow and live: the load (kernel repacking included)
+runs beside the decoding too. A shadow load failing midway counts as a failed refit; the live
+weights never saw it.
+
 Versions: ``version`` is the number of refits received complete when the serving weights
 arrived (0: the weights the module was built with). A trainer that refits once after every
 optimizer step therefore tags each token with its own ``policy_version`` of those weights. A
@@ -29,7 +35,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -42,7 +48,15 @@ from policyworker.shell.refit.watchdog import check_timeout_s
 from policyworker.shell.refit.weight_applier import LoadWeights, WeightApplier
 from policyworker.shell.refit.zmq.receiver import ReceiverClosedError
 
-__all__ = ["InflightWeights", "Swap"]
+__all__ = ["InflightWeights", "Shadow", "Swap"]
+
+
+class Shadow(Protocol):
+    """A second weight set: ``load`` fills it off the decode path, ``exchange`` makes it live."""
+
+    def load(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def exchange(self) -> None: ...
 
 
 @attrs.frozen
@@ -105,8 +119,13 @@ class InflightWeights:
         address: str,
         refit_info: Mapping[str, Any],
         timeout_s: float = 120.0,
+        shadow: Shadow | None = None,
     ) -> None:
         check_timeout_s("timeout_s", timeout_s)
+        self._shadow = shadow
+        # held while the shadow loads and while it is exchanged: a pending version is the
+        # shadow's content only while no load is under way
+        self._shadow_lock = threading.Lock()
         self._live = WeightApplier(module, refit_info, atomic=False)
         self._params = _whole_parameters(module, refit_info)
         self._device = _cuda_device(module)
@@ -125,6 +144,11 @@ class InflightWeights:
         self.version = 0
         self.failures = 0
         self.last_error: BaseException | None = None
+
+    @property
+    def mode(self) -> str:
+        """How a swap makes a version live: ``shadow`` (exchange) or ``load`` (load it then)."""
+        return "load" if self._shadow is None else "shadow"
 
     @property
     def received(self) -> int:
@@ -176,6 +200,16 @@ class InflightWeights:
             staged = [(n, t.to(self._device)) for n, t in staged]
             copied = torch.cuda.Event()
             copied.record(self._copy_stream)
+        if self._shadow is not None:
+            with self._shadow_lock:
+                with self._cond:  # the version waiting in the shadow is overwritten now
+                    self._pending = None
+                self._shadow.load(staged)  # raising: a failed refit, the live weights untouched
+                self._publish([], copied)
+            return
+        self._publish(staged, copied)
+
+    def _publish(self, staged: list[tuple[str, torch.Tensor]], copied: Any) -> None:
         with self._cond:
             self._received += 1
             self._pending = _Staged(self._received, staged, copied)
@@ -200,6 +234,8 @@ class InflightWeights:
     def swap(self) -> Swap | None:
         """Make the newest staged version live (call it between decode steps, from the thread
         that decodes); None when nothing new is staged."""
+        if self._shadow is not None:
+            return self._exchange()
         with self._cond:
             staged, self._pending = self._pending, None
         if staged is None:
@@ -225,6 +261,22 @@ class InflightWeights:
             self._live.commit(num_buckets=1)
         self.version = staged.version
         return Swap(staged.version, time.perf_counter() - start)
+
+    def _exchange(self) -> Swap | None:
+        assert self._shadow is not None
+        if not self._shadow_lock.acquire(blocking=False):
+            return None  # a newer version is loading into the shadow: the next swap serves it
+        try:
+            with self._cond:
+                staged, self._pending = self._pending, None
+            if staged is None:
+                return None
+            start = time.perf_counter()
+            self._shadow.exchange()
+            self.version = staged.version
+            return Swap(staged.version, time.perf_counter() - start)
+        finally:
+            self._shadow_lock.release()
 
     def close(self) -> None:
         """Stop serving (from any thread); a refit in progress is dropped."""
