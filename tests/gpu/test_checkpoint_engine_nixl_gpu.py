@@ -19,8 +19,6 @@ from tests.shell.refit.test_checkpoint_engine import (
 
 pytestmark = pytest.mark.gpu
 
-pytest.importorskip("nixl", reason="the nixl extra (nixl-cu13 on a CUDA 13 host)")
-
 
 @pytest.fixture
 def worker(tiny_model_paths):

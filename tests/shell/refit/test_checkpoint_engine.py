@@ -181,6 +181,47 @@ def _close(children):
         child.close()
 
 
+def one_of_two_rollout_ranks_killed_then_a_send_works(
+    worker, live, model_dir, tmp_path, engine, *, dead_match, aborted_marker
+):
+    """Rollout rank 1 dies after one bucket while rank 0 lives: the policy rank's send raises
+    `dead_match` within the timeout (5 s), rank 0's receive ends with a named error (the policy
+    rank's abort, `aborted_marker`, or its own bounded wait), and after a new group the next
+    send reaches rank 0 bit for bit."""
+    (tmp_path / "dying").mkdir()
+    (dying,) = _children(1, worker, model_dir, tmp_path / "dying")
+    try:
+        _connect(worker, [live, dying], engine)
+        _receive([live], tmp_path)
+        dying.send(
+            op="receive",
+            batch=str(tmp_path / "batch.safetensors"),
+            out=str(tmp_path / "dead.safetensors"),
+            die_after_buckets=1,
+        )
+        started = time.monotonic()
+        with pytest.raises(RefitTimeoutError, match=dead_match):
+            rpc(worker, "send_weights_via_checkpoint_engine")
+        assert time.monotonic() - started < 15
+        assert dying.reply()["error"] == "exited"
+        aborted = live.reply(timeout=15)
+        assert not aborted["ok"], aborted
+        assert aborted_marker in aborted["error"] or "within 5 s" in aborted["error"]
+    finally:
+        _close([dying])
+    rpc(worker, "finalize_checkpoint_engine")
+    live.send(op="rpc", method="finalize_checkpoint_engine", args=[])
+    assert live.reply()["ok"]
+    _connect(worker, [live], engine)
+    _receive([live], tmp_path)
+    rpc(worker, "send_weights_via_checkpoint_engine")
+    assert live.reply()["ok"]
+    got = load_file(tmp_path / "out0.safetensors")
+    for name, tensor in worker._checkpoint_engine_params():
+        assert torch.equal(got[name], tensor), name
+    rpc(worker, "finalize_checkpoint_engine")
+
+
 def test_collective_lifecycle_one_policy_two_rollout_ranks_bitwise_fp32(
     worker, children, tiny_model_paths, tmp_path
 ):

@@ -3,13 +3,11 @@ CPU): this process is the policy worker, a child process the rollout rank hostin
 driven through the same lifecycle as the collective backend's test."""
 
 import asyncio
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from policyworker.errors import RefitTimeoutError
 from policyworker.shell.refit.checkpoint_engine import create_checkpoint_engine
 from tests.shell.refit.test_checkpoint_engine import (
     _children,
@@ -17,6 +15,7 @@ from tests.shell.refit.test_checkpoint_engine import (
     _connect,
     _receive,
     _trainer_logprobs,
+    one_of_two_rollout_ranks_killed_then_a_send_works,
     rpc,
     run_two_policy_ranks,
     worker,  # noqa: F401 -- the module's policy worker fixture
@@ -178,38 +177,12 @@ def test_ipc_one_of_two_rollout_ranks_killed_aborts_the_other_then_a_send_works(
     tiny_model_paths,
     tmp_path,
 ):
-    live = children[0]
-    (tmp_path / "dying").mkdir()
-    (dying,) = _children(1, worker, tiny_model_paths["qwen2"], tmp_path / "dying")
-    try:
-        _connect(worker, [live, dying], ENGINE)
-        _receive([live], tmp_path)
-        dying.send(
-            op="receive",
-            batch=str(tmp_path / "batch.safetensors"),
-            out=str(tmp_path / "dead.safetensors"),
-            die_after_buckets=1,
-        )
-        started = time.monotonic()
-        with pytest.raises(RefitTimeoutError, match="may be dead or unresponsive"):
-            rpc(worker, "send_weights_via_checkpoint_engine")
-        assert time.monotonic() - started < 15  # timeout_s is 5 s
-        assert dying.reply()["error"] == "exited"
-        # the live rank ends too, named: the abort sent after the dead rank's timeout, or its
-        # own wait for the next bucket (as long), whichever comes first
-        aborted = live.reply(timeout=15)
-        assert not aborted["ok"], aborted
-        assert "another rollout rank" in aborted["error"] or "within 5 s" in aborted["error"]
-    finally:
-        _close([dying])
-    rpc(worker, "finalize_checkpoint_engine")
-    live.send(op="rpc", method="finalize_checkpoint_engine", args=[])
-    assert live.reply()["ok"]
-    _connect(worker, [live], ENGINE)
-    _receive([live], tmp_path)
-    rpc(worker, "send_weights_via_checkpoint_engine")
-    assert live.reply()["ok"]
-    got = load_file(tmp_path / "out0.safetensors")
-    for name, tensor in worker._checkpoint_engine_params():
-        assert torch.equal(got[name], tensor), name
-    rpc(worker, "finalize_checkpoint_engine")
+    one_of_two_rollout_ranks_killed_then_a_send_works(
+        worker,
+        children[0],
+        tiny_model_paths["qwen2"],
+        tmp_path,
+        ENGINE,
+        dead_match="may be dead or unresponsive",
+        aborted_marker="another rollout rank",
+    )

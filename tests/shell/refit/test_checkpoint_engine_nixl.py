@@ -23,12 +23,11 @@ from tests.shell.refit.test_checkpoint_engine import (
     _connect,
     _receive,
     _trainer_logprobs,
+    one_of_two_rollout_ranks_killed_then_a_send_works,
     rpc,
     run_two_policy_ranks,
     worker,  # noqa: F401 -- the module's policy worker fixture
 )
-
-pytest.importorskip("nixl", reason="the nixl extra (pip install 'policyworker[nixl]')")
 
 OPTIONS = {"device": "cpu", "timeout_s": 5.0}
 ENGINE = {"backend": "nixl", "bucket_size_bytes": 4096, "engine_kwargs": OPTIONS}
@@ -137,39 +136,15 @@ def test_nixl_one_of_two_rollout_ranks_killed_aborts_the_other_then_a_send_works
     tiny_model_paths,
     tmp_path,
 ):
-    live = children[0]
-    (tmp_path / "dying").mkdir()
-    (dying,) = _children(1, worker, tiny_model_paths["qwen2"], tmp_path / "dying")
-    try:
-        _connect(worker, [live, dying], ENGINE)
-        _receive([live], tmp_path)
-        dying.send(
-            op="receive",
-            batch=str(tmp_path / "batch.safetensors"),
-            out=str(tmp_path / "dead.safetensors"),
-            die_after_buckets=1,
-        )
-        started = time.monotonic()
-        with pytest.raises(RefitTimeoutError, match="rollout rank 1 .*may be dead"):
-            rpc(worker, "send_weights_via_checkpoint_engine")
-        assert time.monotonic() - started < 15  # timeout_s is 5 s
-        assert dying.reply()["error"] == "exited"
-        # the live rank ends too, named: the policy rank's ABORT after the dead rank's timeout,
-        # or its own wait for the first bucket (as long), whichever comes first
-        aborted = live.reply(timeout=15)
-        assert not aborted["ok"], aborted
-        assert "aborted the refit" in aborted["error"] or "within 5 s" in aborted["error"]
-    finally:
-        _close([dying])
-    rpc(worker, "finalize_checkpoint_engine")
-    live.send(op="rpc", method="finalize_checkpoint_engine", args=[])
-    assert live.reply()["ok"]
-    _connect(worker, [live], ENGINE)
-    _receive([live], tmp_path)
-    rpc(worker, "send_weights_via_checkpoint_engine")
-    assert live.reply()["ok"]
-    _check_received(worker, [live], tiny_model_paths["qwen2"], tmp_path)
-    rpc(worker, "finalize_checkpoint_engine")
+    one_of_two_rollout_ranks_killed_then_a_send_works(
+        worker,
+        children[0],
+        tiny_model_paths["qwen2"],
+        tmp_path,
+        ENGINE,
+        dead_match="rollout rank 1 .*may be dead",
+        aborted_marker="aborted the refit",
+    )
 
 
 # ----------------------------------------------------------------- one process, two threads
