@@ -112,6 +112,17 @@ def _cut(refit, rid, n, *, added, finished):
     return cut
 
 
+def _assert_old_then_new(refit, tag, results, old, new, *, min_cut=0):
+    """Each request's tokens before its swap are `old`'s, from the swap on `new`'s (exactly:
+    their logprobs recomputed under each version), the cut at `min_cut` tokens or later."""
+    for i, prompt in enumerate(PROMPTS):
+        ids, lps = results[f"{tag}{i}"]
+        cut = _cut(refit, f"{tag}{i}", len(ids), added=0, finished=1)
+        assert cut >= min_cut
+        _assert_tokens_of(old, prompt, ids, lps, 0, cut, same=True)
+        _assert_tokens_of(new, prompt, ids, lps, cut, len(ids), same=True)
+
+
 def _refit_while_stepping(llm, refit, steps_before=3):
     """Step the engine while the refit streams (from its own thread); the steps taken during
     the transfer."""
@@ -206,11 +217,7 @@ def test_a_refit_killed_midway_keeps_the_engine_generating_on_the_previous_versi
         reply = refit.swap(recompute_kv=True)
         assert reply["swapped"]["version"] == 1
         _run_to_end(llm, results)
-    for i, prompt in enumerate(PROMPTS):
-        ids, lps = results[f"{tag}{i}"]
-        cut = _cut(refit, f"{tag}{i}", len(ids), added=0, finished=1)
-        _assert_tokens_of(old, prompt, ids, lps, 0, cut, same=True)
-        _assert_tokens_of(new, prompt, ids, lps, cut, len(ids), same=True)
+    _assert_old_then_new(refit, tag, results, old, new)
 
 
 def _worker_weights(worker):
@@ -312,12 +319,7 @@ def test_a_load_failing_into_the_shadow_keeps_the_live_version_and_the_next_refi
         reply = refit.swap(recompute_kv=True)
         assert reply["mode"] == "shadow" and reply["swapped"]["version"] == 1, reply
         _run_to_end(llm, results)
-    for i, prompt in enumerate(PROMPTS):
-        ids, lps = results[f"{tag}{i}"]
-        cut = _cut(refit, f"{tag}{i}", len(ids), added=0, finished=1)
-        assert cut >= 3 + 2 + 1
-        _assert_tokens_of(old, prompt, ids, lps, 0, cut, same=True)
-        _assert_tokens_of(new, prompt, ids, lps, cut, len(ids), same=True)
+    _assert_old_then_new(refit, tag, results, old, new, min_cut=3 + 2 + 1)
 
 
 def test_without_a_shadow_the_swap_loads_behind_a_snapshot(llm, model_dir, monkeypatch):
@@ -336,8 +338,4 @@ def test_without_a_shadow_the_swap_loads_behind_a_snapshot(llm, model_dir, monke
         reply = refit.swap(recompute_kv=True)
         assert reply["mode"] == "load" and reply["swapped"]["version"] == 1, reply
         _run_to_end(llm, results)
-    for i, prompt in enumerate(PROMPTS):
-        ids, lps = results[f"{tag}{i}"]
-        cut = _cut(refit, f"{tag}{i}", len(ids), added=0, finished=1)
-        _assert_tokens_of(old, prompt, ids, lps, 0, cut, same=True)
-        _assert_tokens_of(new, prompt, ids, lps, cut, len(ids), same=True)
+    _assert_old_then_new(refit, tag, results, old, new)

@@ -96,21 +96,10 @@ def test_stop_descendants_ends_children_and_grandchildren_even_orphan_to_be():
         print(*tree)
         """
     )
-    run = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        env=child_env(ROOT),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    run = _run_script(script, timeout_s=60)
     tree = [int(pid) for pid in run.stdout.split()]
     assert len(tree) == 2, run.stdout + run.stderr
-    deadline = time.monotonic() + 5
-    while any(_running(pid) for pid in tree) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_running(pid) for pid in tree)
+    assert _gone(tree, within_s=5)
 
 
 def test_stop_descendants_leaves_the_resource_tracker_to_end_by_itself():
@@ -130,22 +119,31 @@ def test_stop_descendants_leaves_the_resource_tracker_to_end_by_itself():
         print(tracker, round(took, 1), child.wait(timeout=10), tracker in descendant_pids())
         """
     )
-    run = subprocess.run(
+    run = _run_script(script, timeout_s=120)
+    tracker, took, child_status, tracker_left = run.stdout.split()
+    assert float(took) < 15.0, run.stdout  # not the 30 s timeout waited out
+    assert child_status == "-15" and tracker_left == "True", run.stdout + run.stderr
+    assert _gone([int(tracker)], within_s=10), "the resource tracker outlived its starter"
+
+
+def _run_script(script: str, *, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, "-c", script],
         cwd=ROOT,
         env=child_env(ROOT),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout_s,
         check=True,
     )
-    tracker, took, child_status, tracker_left = run.stdout.split()
-    assert float(took) < 15.0, run.stdout  # not the 30 s timeout waited out
-    assert child_status == "-15" and tracker_left == "True", run.stdout + run.stderr
-    deadline = time.monotonic() + 10
-    while _running(int(tracker)) and time.monotonic() < deadline:
+
+
+def _gone(pids: list[int], *, within_s: float) -> bool:
+    """Whether every pid has ended (or is a zombie) within `within_s` seconds."""
+    deadline = time.monotonic() + within_s
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _running(int(tracker)), "the resource tracker outlived the process that started it"
+    return not any(_running(pid) for pid in pids)
 
 
 def _running(pid: int) -> bool:
