@@ -26,7 +26,7 @@ import torch
 
 from policyworker.shell.refit.receiver import HFWeightReceiver, RefitReport
 
-__all__ = ["CheckpointEngine", "check_engine_kwargs", "check_topology"]
+__all__ = ["CheckpointEngine", "check_engine_kwargs", "check_topology", "one_pass_option"]
 
 
 def check_topology(
@@ -54,6 +54,18 @@ def check_topology(
             f"ranks then rollout ranks: {train_world_size} + {rollout_world_size}"
         )
         raise ValueError(msg)
+
+
+def one_pass_option(options: Mapping[str, Any]) -> bool | None:
+    """``engine_kwargs``' ``one_pass`` (None when absent); ``ValueError`` unless None or a bool."""
+    one_pass = options.get("one_pass")
+    if one_pass is not None and not isinstance(one_pass, bool):
+        msg = (
+            f"engine_kwargs one_pass {one_pass!r} must be None (one-pass where the rollout "
+            "side registers its memory, else staged), True (one-pass only) or False (staged)"
+        )
+        raise ValueError(msg)
+    return one_pass
 
 
 def check_engine_kwargs(backend: str, kwargs: Mapping[str, Any], accepted: Sequence[str]) -> None:

@@ -31,7 +31,11 @@ import torch
 from policyworker.errors import RefitError
 from policyworker.functional.buckets import IpcBucket, TensorSpec, align_up, plan_ipc_buckets
 from policyworker.functional.wire.codec import max_message_bytes
-from policyworker.shell.refit.checkpoint_engine.base import CheckpointEngine, check_engine_kwargs
+from policyworker.shell.refit.checkpoint_engine.base import (
+    CheckpointEngine,
+    check_engine_kwargs,
+    one_pass_option,
+)
 from policyworker.shell.refit.checkpoint_engine.fan_out import (
     FanOutExchange,
     staged_to_all,
@@ -81,14 +85,7 @@ class IpcCheckpointEngine(CheckpointEngine):
                 "ranks one policy rank feeds: ceil(rollout_world_size / train_world_size))"
             )
             raise ValueError(msg)
-        one_pass = options.get("one_pass")
-        if one_pass is not None and not isinstance(one_pass, bool):
-            msg = (
-                f"engine_kwargs one_pass {one_pass!r} must be None (one-pass where the rollout "
-                "side registers its memory, else staged), True (one-pass only) or False (staged)"
-            )
-            raise ValueError(msg)
-        self.one_pass: bool | None = one_pass
+        self.one_pass: bool | None = one_pass_option(options)
         self.bucket_size = bucket_size
         self.peers_per_rank = peers
         device = options.get("device")

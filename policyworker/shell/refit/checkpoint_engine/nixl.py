@@ -56,7 +56,11 @@ from policyworker.functional.buckets import (
 )
 from policyworker.functional.wire.codec import ManifestCache, encode_manifest
 from policyworker.functional.wire.nixl_frames import NixlFrame
-from policyworker.shell.refit.checkpoint_engine.base import CheckpointEngine, check_engine_kwargs
+from policyworker.shell.refit.checkpoint_engine.base import (
+    CheckpointEngine,
+    check_engine_kwargs,
+    one_pass_option,
+)
 from policyworker.shell.refit.checkpoint_engine.nixl_link import (
     NixlLink,
     Slots,
@@ -100,14 +104,7 @@ class NixlCheckpointEngine(CheckpointEngine):
                 "one bucket's apply with the next one's write)"
             )
             raise ValueError(msg)
-        one_pass = options.get("one_pass")
-        if one_pass is not None and not isinstance(one_pass, bool):
-            msg = (
-                f"engine_kwargs one_pass {one_pass!r} must be None (one-pass where the rollout "
-                "side registers its memory, else staged), True (one-pass only) or False (staged)"
-            )
-            raise ValueError(msg)
-        self.one_pass: bool | None = one_pass
+        self.one_pass: bool | None = one_pass_option(options)
         device = options.get("device")
         if device is None:
             cuda = torch.cuda.is_available()
