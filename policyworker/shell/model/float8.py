@@ -24,8 +24,11 @@ and per reason says why, and the model is left as it was. torchao is an optional
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import types
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,6 +47,7 @@ __all__ = [
     "Float8Report",
     "FrozenWeightFloat8Linear",
     "apply_float8_training",
+    "float8_matmuls_paused",
     "float8_support",
     "linear_specs",
 ]
@@ -175,6 +179,30 @@ def apply_float8_training(
         lora=plan.lora,
         num_skipped=len(plan.skipped),
     )
+
+
+@contextlib.contextmanager
+def float8_matmuls_paused(model: nn.Module, report: Float8Report) -> Iterator[None]:
+    """Inside, the linears ``report`` converted compute in their own precision (``nn.Linear``'s
+    forward; LoRA's base GEMM without ``fp8_linear``). For probes of another kernel: the
+    document-isolation probe tests attention, and a per-tensor float8 scale (one amax over the
+    whole packed row) lets one document's values move another's rounding."""
+    plain = [model.get_submodule(name) for name in report.converted]
+    # Any: LinearLoRA's attribute, which torch's nn.Module types as Tensor | Module
+    lora: list[tuple[Any, Any]] = [
+        (layer, layer.fp8_linear) for layer in map(model.get_submodule, report.lora)
+    ]
+    for layer in plain:  # an instance attribute shadows Float8Linear.forward
+        layer.forward = types.MethodType(nn.Linear.forward, layer)
+    for layer, _ in lora:
+        layer.fp8_linear = None
+    try:
+        yield
+    finally:
+        for layer in plain:
+            del layer.forward
+        for layer, fp8_linear in lora:
+            layer.fp8_linear = fp8_linear
 
 
 def _convert(model: nn.Module, plan: Float8Plan, config: Any) -> None:

@@ -29,7 +29,11 @@ from policyworker.shell.checkpoint.saver import AsyncSaver
 from policyworker.shell.kernels.fused_logprobs import fused_logprob_kernels
 from policyworker.shell.kernels.fusion import FusionReport, fuse_elementwise
 from policyworker.shell.model import hf_model as model_lib
-from policyworker.shell.model.float8 import Float8Report, apply_float8_training
+from policyworker.shell.model.float8 import (
+    Float8Report,
+    apply_float8_training,
+    float8_matmuls_paused,
+)
 from policyworker.shell.model.moe import MoeRouting
 from policyworker.shell.model.optim import build_optimizer, build_scheduler
 from policyworker.shell.parallel import plans as parallel_lib
@@ -119,7 +123,8 @@ class WorkerState:
         )
         model = _parallelize(model, cfg, parallel, dtype)
         if cfg.sequence_packing is not None:
-            model_lib.check_document_isolation(model, autocast_dtype=dtype)
+            with float8_matmuls_paused(model, float8_report):  # the probe tests attention
+                model_lib.check_document_isolation(model, autocast_dtype=dtype)
             if parallel.mesh is not None:  # the probe's no-grad forward left roots unsharded
                 parallel_lib.reshard(model)
         fusion_report = fuse_elementwise(

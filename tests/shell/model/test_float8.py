@@ -12,6 +12,7 @@ from policyworker.config import Float8Config, load_config
 from policyworker.errors import ConfigError
 from policyworker.functional.loss import NLLLoss
 from policyworker.shell.model import float8 as float8_lib
+from policyworker.shell.model.hf_model import check_document_isolation
 from policyworker.shell.model.lora import LinearLoRA, apply_lora
 from policyworker.shell.refit.weight_stream import params_generator
 from policyworker.shell.worker.policy_worker import PolicyWorker
@@ -229,3 +230,34 @@ def test_every_recipe_trains_through_both_kinds_of_layer(tiny_model_paths, torch
     logits.logsumexp(-1).mean().backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_packing_probe_tests_attention_with_the_float8_matmuls_paused(
+    tiny_model_paths, torchao, monkeypatch, lora
+):
+    """A per-tensor float8 scale is one amax over the whole packed row: the probe, which
+    perturbs the row's first document, would see the second's rounding move. It runs with the
+    matmuls in high precision; float8 serves again after it."""
+    monkeypatch.setattr(float8_lib, "float8_support", lambda *a, **k: None)  # convert on CPU
+    cfg = make_config(
+        tiny_model_paths["qwen2"],
+        sequence_packing={"enabled": True, "train_mb_tokens": 32},
+        dtensor_cfg={
+            "fp8": {"recipe": "tensorwise"},
+            **({"lora_cfg": {"enabled": True, "match_all_linear": True, "dim": 4}} if lora else {}),
+        },
+    )
+    worker = PolicyWorker(cfg, init_reference_model=False)
+    report = worker.float8_report
+    assert report.active and (bool(report.lora) if lora else bool(report.converted))
+    model = worker.model
+    for name in report.converted:
+        assert "forward" not in vars(model.get_submodule(name))
+    for name in report.lora:
+        assert model.get_submodule(name).fp8_linear is not None
+    with pytest.raises(ValueError, match="lets packed documents attend"):
+        check_document_isolation(model, autocast_dtype=torch.float32)  # float8 scales couple
+    with float8_lib.float8_matmuls_paused(model, report):
+        check_document_isolation(model, autocast_dtype=torch.float32)
+    assert worker.train(make_batch(seed=1), NLLLoss())["global_loss"].isfinite()
