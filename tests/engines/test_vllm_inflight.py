@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import pytest
 import torch
@@ -59,6 +60,7 @@ def llm(model_dir):
             skip_tokenizer_init=True,
             seed=0,
             max_num_seqs=32,
+            block_size=32,  # the CPU default (128) is longer than any prompt: nothing cached
             **engine_kwargs(),
         )
         try:
@@ -84,14 +86,16 @@ def _inflight(llm, model):
         sender.close()
 
 
-def _add_requests(llm, tag, max_tokens):
+def _add_requests(
+    llm, tag, max_tokens, prompt=lambda ids: {"prompt_token_ids": list(ids)}, prompts=PROMPTS
+):
     from vllm import SamplingParams
 
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True
     )
-    for i, prompt in enumerate(PROMPTS):
-        llm.llm_engine.add_request(f"{tag}{i}", {"prompt_token_ids": list(prompt)}, params)
+    for i, ids in enumerate(prompts):
+        llm.llm_engine.add_request(f"{tag}{i}", prompt(ids), params)
 
 
 def _run_to_end(llm, results):
@@ -339,3 +343,118 @@ def test_without_a_shadow_the_swap_loads_behind_a_snapshot(llm, model_dir, monke
         assert reply["mode"] == "load" and reply["swapped"]["version"] == 1, reply
         _run_to_end(llm, results)
     _assert_old_then_new(refit, tag, results, old, new)
+
+
+def test_a_refit_by_another_path_is_refused_while_an_inflight_connection_owns_the_weights(
+    llm, model_dir
+):
+    from policyworker.errors import RefitError
+    from policyworker.shell.engines.vllm import VllmRefit
+
+    old, other = _model(model_dir, 91), _model(model_dir, 92)
+    other_sender = RefitSender(lambda: other, torch.float32)
+    try:
+        with _inflight(llm, old) as refit:
+            _refit_while_stepping(llm, refit, steps_before=0)
+            refit.swap()
+            direct = VllmRefit(llm, other_sender, timeout_s=30.0)
+            with pytest.raises(RefitError, match="serves in-flight refits"):
+                direct.refit()
+            tag, results = "owned-", {}
+            _add_requests(llm, tag, max_tokens=8, prompt=refit.prompt)
+            _run_to_end(llm, results)  # the in-flight version still serves, untouched
+            for i, prompt in enumerate(PROMPTS):
+                ids, lps = results[f"{tag}{i}"]
+                _assert_tokens_of(old, prompt, ids, lps, 0, len(ids), same=True)
+        direct.refit()  # the in-flight connection closed: the direct refit is taken
+        llm.reset_prefix_cache()  # what a direct refit's caller does before new requests
+        tag, results = "direct-", {}
+        _add_requests(llm, tag, max_tokens=8)
+        _run_to_end(llm, results)
+        for i, prompt in enumerate(PROMPTS):
+            ids, lps = results[f"{tag}{i}"]
+            _assert_tokens_of(other, prompt, ids, lps, 0, len(ids), same=True)
+    finally:
+        other_sender.close()
+
+
+def test_a_versioned_prompt_added_after_a_kept_swap_reuses_no_block_of_the_previous_version(
+    llm, model_dir
+):
+    old, new = _model(model_dir, 101), _model(model_dir, 102)
+    long = [[(7 * i + k) % 120 + 3 for i in range(40)] for k in range(2)]  # a cached block each
+    with _inflight(llm, old) as refit:
+        _refit_while_stepping(llm, refit, steps_before=0)
+        refit.swap(recompute_kv=True)  # clears the cache of earlier tests' weights
+    with _inflight(llm, new) as refit:
+        versioned = refit.prompt
+        _add_requests(llm, "cached-v0-", max_tokens=4, prompt=versioned, prompts=long)
+        _add_requests(llm, "cached-plain-", max_tokens=4, prompts=long)
+        _run_to_end(llm, {})  # the prompts' first blocks are cached under version 0
+        box, _ = _refit_while_stepping(llm, refit, steps_before=0)
+        assert "error" not in box and refit.swap()["swapped"]["version"] == 1
+        results = {}
+        _add_requests(llm, "versioned-", max_tokens=6, prompt=versioned, prompts=long)
+        _add_requests(llm, "plain-", max_tokens=6, prompts=long)
+        _run_to_end(llm, results)
+    for i, prompt in enumerate(long):
+        ids, lps = results[f"versioned-{i}"]
+        assert refit.token_versions(f"versioned-{i}", len(ids), added=1, finished=1) == [1] * 6
+        _assert_tokens_of(new, prompt, ids, lps, 0, len(ids), same=True)
+        # the same prompt without the salt: the new weights over a block version 0 cached
+        ids, lps = results[f"plain-{i}"]
+        _assert_tokens_of(new, prompt, ids, lps, 0, len(ids), same=False)
+
+
+def _serve_with_a_load_at_the_swap(llm, model, monkeypatch):
+    """One version loaded by the snapshot path: vLLM's reload of the live model leaves its
+    loaders wrapped in closures over the live layers' reload state."""
+    from policyworker.shell.engines import vllm_worker
+
+    with monkeypatch.context() as patch:
+        patch.setattr(vllm_worker, "shadow_unavailable", lambda *a, **k: "forced by a test")
+        with _inflight(llm, model) as refit:
+            _refit_while_stepping(llm, refit, steps_before=0)
+            assert refit.swap(recompute_kv=True)["mode"] == "load"
+
+
+def _generate(llm, tag, refit):
+    results = {}
+    _add_requests(llm, tag, max_tokens=6, prompt=refit.prompt)
+    _run_to_end(llm, results)
+    return [results[f"{tag}{i}"] for i in range(len(PROMPTS))]
+
+
+def test_a_shadow_built_after_a_live_reload_loads_into_itself(llm, model_dir, monkeypatch):
+    old, new = _model(model_dir, 111), _model(model_dir, 112)
+    _serve_with_a_load_at_the_swap(llm, old, monkeypatch)
+    with _inflight(llm, new) as refit:
+        box, _ = _refit_while_stepping(llm, refit, steps_before=0)
+        assert "error" not in box, box
+        assert refit.swap(recompute_kv=True)["mode"] == "shadow"
+        outputs = _generate(llm, "after-reload-", refit)
+    for prompt, (ids, lps) in zip(PROMPTS, outputs, strict=True):
+        _assert_tokens_of(new, prompt, ids, lps, 0, len(ids), same=True)
+
+
+def test_a_load_whose_layers_got_nothing_fails_instead_of_serving_their_old_tensors(
+    llm, model_dir, monkeypatch
+):
+    from policyworker.shell.engines import vllm_shadow
+
+    old, new = _model(model_dir, 121), _model(model_dir, 122)
+    _serve_with_a_load_at_the_swap(llm, old, monkeypatch)
+    # the clone keeps the live layers' loader wrappers: its loads go to them and are dropped
+    monkeypatch.setattr(vllm_shadow, "RELOAD_WRAPPER", "a name no loader has")
+    with _inflight(llm, new) as refit:
+        box, _ = _refit_while_stepping(llm, refit, steps_before=0)
+        assert "no element of their parameters" in str(box.get("error")), box
+        for _ in range(200):  # the worker's thread counts the failure after it replied
+            reply = refit.swap()
+            if reply["failures"]:
+                break
+            time.sleep(0.01)
+        assert reply["failures"] == 1 and reply["swapped"] is None, reply
+        outputs = _generate(llm, "given-nothing-", refit)
+    for prompt, (ids, lps) in zip(PROMPTS, outputs, strict=True):
+        _assert_tokens_of(old, prompt, ids, lps, 0, len(ids), same=True)

@@ -7,7 +7,7 @@ makes NeMo-RL's generation-side calls through ``checkpoint_engine_rpc(method, ar
 ``init_checkpoint_engine``, ``prepare_checkpoint_engine``,
 ``init_checkpoint_engine_process_group``, ``update_weights_from_checkpoint_engine``,
 ``finalize_checkpoint_engine``. Each refit is staged whole (atomic) and loaded through vLLM's
-layerwise reload in one call (``vllm_worker.layerwise_loader``: a version vLLM cannot load
+layerwise reload in one call (``vllm_reload.layerwise_loader``: a version vLLM cannot load
 leaves the previous one serving). Every tensor-parallel rank receives whole HF tensors, which
 vLLM's ``load_weights`` shards, so the collective backend serves any engine size; the ipc
 backend serves one rollout rank per policy socket (``peers_per_rank``).

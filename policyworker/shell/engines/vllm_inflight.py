@@ -9,6 +9,12 @@ elsewhere by loading it then through vLLM's layerwise reload. Running requests k
 cache (computed by the previous version) by default; ``swap(recompute_kv=True)`` preempts them
 so their cache is recomputed under the new version.
 
+vLLM's prefix cache outlives a swap that keeps the KV cache: a request added later whose prompt
+shares blocks cached under an earlier version (a system prompt, a GRPO group's prompt) would
+reuse that version's KV. ``prompt(token_ids)`` salts the request's cache by connection and
+serving version, so it computes its prompt under the weights that serve it;
+``swap(recompute_kv=True)`` clears the prefix cache instead.
+
 Per-token versions: each swap reports how many output tokens every running request had sampled
 before it; ``token_versions(request_id, n)`` turns those counts into the version of each of the
 request's ``n`` output tokens (``functional.staleness.token_versions``). Versions count the
@@ -21,6 +27,8 @@ keeps stepping in its own process and runs the swap between two steps.
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from policyworker.functional.staleness import token_versions
@@ -42,6 +50,7 @@ class VllmInflightRefit:
         require_vllm()
         self.llm, self.sender, self.timeout_s = llm, sender, timeout_s
         self.version = 0
+        self._salt = uuid.uuid4().hex  # cached blocks of another connection's versions differ
         self._swaps: list[tuple[dict[str, int], int]] = []  # (output tokens per request, version)
         self._init = {
             "address": sender.get_zmq_address(),
@@ -54,6 +63,15 @@ class VllmInflightRefit:
     async def aconnect(self) -> None:
         """``AsyncLLM``: connect the worker (the constructor did not, with connect=False)."""
         await self.llm.collective_rpc("policyworker_connect_inflight", args=(self._init,))
+
+    def prompt(self, token_ids: Sequence[int]) -> dict[str, Any]:
+        """A vLLM token prompt whose prefix-cache blocks belong to the serving version
+        (``cache_salt``): after a swap that kept the KV cache it does not reuse prompt blocks an
+        earlier version computed."""
+        return {
+            "prompt_token_ids": list(token_ids),
+            "cache_salt": f"policyworker-{self._salt}-v{self.version}",
+        }
 
     def stage(self, **stream_kwargs: Any) -> dict[str, Any]:
         """Stream the sender's current weights into the engine's staging (the engine keeps

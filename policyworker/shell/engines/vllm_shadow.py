@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable
 from types import MethodType
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -34,6 +34,8 @@ __all__ = ["ShadowWeights", "shadow_unavailable"]
 # vLLM's CPU linear processing packs each weight into the closure `cpu_linear`; it is the
 # serving state beside the registered tensors (the snapshot path restores the same set).
 KERNEL_ATTRS = ("cpu_linear",)
+# the name of the function vLLM's layerwise reload wraps each weight loader in
+RELOAD_WRAPPER = "online_process_loader"
 _TREE = ("_parameters", "_buffers", "_modules")
 
 
@@ -54,24 +56,30 @@ def shadow_unavailable(model: torch.nn.Module, *, cpu_moe: bool, drafter: bool) 
 
 def _rebind(tensor: torch.Tensor, old: torch.nn.Module, new: torch.nn.Module) -> torch.Tensor:
     """A meta copy of ``tensor`` (vLLM's reload metadata) whose weight loaders bound to ``old``
-    (or to vLLM's sanitized placeholder) are bound to ``new``."""
+    (or to vLLM's sanitized placeholder) are bound to ``new``.
+
+    A reload of ``old`` registers these very metadata tensors and wraps their loaders in
+    ``online_process_loader`` closures over ``old``'s reload state, which stay after it: the
+    copy gets the loader under the wrappers, or the clone's loads would go to ``old``, which
+    drops them as excess and leaves the clone on its previous weights."""
     from vllm.model_executor.model_loader.reload.sanitize import (  # pyright: ignore[reportMissingImports]
         layer_ref_sentinel,
     )
+
+    def rebound(value: Any) -> Any:
+        while callable(value) and getattr(value, "__name__", None) == RELOAD_WRAPPER:
+            value = cast(Any, value).__wrapped__  # functools.wraps set it
+        if isinstance(value, MethodType) and (
+            value.__self__ is old or value.__self__ is layer_ref_sentinel
+        ):
+            return value.__func__.__get__(new)
+        return value
 
     meta = torch.empty_strided(
         tuple(tensor.size()), tuple(tensor.stride()), dtype=tensor.dtype, device="meta"
     )
     meta.__class__ = tensor.__class__
-    vars(meta).update(
-        {
-            key: value.__func__.__get__(new)
-            if isinstance(value, MethodType)
-            and (value.__self__ is old or value.__self__ is layer_ref_sentinel)
-            else value
-            for key, value in tensor.__dict__.items()
-        }
-    )
+    vars(meta).update({key: rebound(value) for key, value in tensor.__dict__.items()})
     return meta
 
 

@@ -8,13 +8,14 @@ backend, so either setting alone is enough). See ``vllm.py`` for the trainer sid
 vLLM's ``model.load_weights`` cannot write into a running engine's processed parameters (they
 lose their ``weight_loader``); vLLM's layerwise reload restores loadable parameters, routes every
 checkpoint tensor through the model's own name mapping (stacked qkv / gate_up, experts), runs the
-post-load processing and copies the results back into the tensors the kernels hold.
+post-load processing and copies the results back into the tensors the kernels hold
+(``vllm_reload.layerwise_loader``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,17 +29,18 @@ from vllm.distributed.weight_transfer.base import (  # pyright: ignore[reportMis
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from vllm.model_executor.model_loader.reload import (  # pyright: ignore[reportMissingImports]
-    finalize_layerwise_reload,
-    initialize_layerwise_reload,
-)
 
-from policyworker.errors import RefitError
 from policyworker.shell.engines.vllm import check_vllm_version, decode_refit_info, register_backend
 from policyworker.shell.engines.vllm_checkpoint_engine import CheckpointEngineVllmMixin
 from policyworker.shell.engines.vllm_logs import silence_expected_vllm_noise
 from policyworker.shell.engines.vllm_lora_worker import LoraRefitExtension
-from policyworker.shell.engines.vllm_shadow import KERNEL_ATTRS, ShadowWeights, shadow_unavailable
+from policyworker.shell.engines.vllm_reload import (
+    claim_for_inflight,
+    cpu_moe_experts,
+    layerwise_loader,
+    with_drafter,
+)
+from policyworker.shell.engines.vllm_shadow import ShadowWeights, shadow_unavailable
 from policyworker.shell.refit.inflight import InflightWeights
 from policyworker.shell.refit.receiver import HFWeightReceiver
 from policyworker.shell.refit.weight_stream import DRAFT_PREFIX
@@ -51,146 +53,9 @@ __all__ = [
     "PolicyWorkerZmqEngine",
     "ZmqInitInfo",
     "ZmqUpdateInfo",
-    "layerwise_loader",
     "inflight_for",
     "receiver_for",
-    "with_drafter",
 ]
-
-
-def _cpu_moe_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
-    """(layer, experts) of every MoE layer run by vLLM's unquantized CPU experts kernel."""
-    # vLLM is an optional extra, absent from the lint environment.
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (  # pyright: ignore[reportMissingImports]
-        CPUUnquantizedExperts,
-    )
-
-    found = []
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts):
-            found.append((module, experts))
-    return found
-
-
-def _check_cpu_moe_repack(found: list[tuple[torch.nn.Module, Any]]) -> None:
-    for _, experts in found:
-        size = experts.moe_config.intermediate_size_per_partition
-        padded = experts._padded_intermediate_size(experts.moe_config)
-        if padded != size:
-            # pyright reads `vllm` as our sibling engines/vllm.py, which has no __version__.
-            version = vllm.__version__  # pyright: ignore[reportAttributeAccessIssue]
-            msg = (
-                f"vLLM {version}'s CPU MoE kernel pads moe intermediate size {size} "
-                f"to {padded}; its weight updates cannot be repacked in place. Use a moe "
-                f"intermediate size that is a multiple of {experts._intermediate_alignment()}"
-            )
-            raise ValueError(msg)
-
-
-def layerwise_loader(model: torch.nn.Module, model_config: Any, *, snapshot: bool = True):
-    """A ``load_weights(pairs)`` that loads one complete version through vLLM's layerwise reload
-    and checks that it covered every parameter of the model.
-
-    vLLM 0.32.0's unquantized MoE method skips its experts' ``process_weights_after_loading`` on
-    a weight update (it assumes GPU kernels that read the plain layout); the CPU experts kernel
-    reads weights prepacked by that step, so an update left raw weights under a packed-layout
-    kernel (garbage output, found by tests/engines/test_vllm_moe.py). The loader runs that prepack
-    itself after the reload (same shape, new storage: there are no captured graphs on CPU).
-
-    vLLM processes each layer as soon as its tensors have arrived, so a ``load_weights`` that
-    fails midway (a name this model does not map) would leave the earlier layers on the new
-    version: the loader snapshots what serves first (tensors, and the packed CPU GEMM closures
-    of ``_KERNEL_ATTRS``) and puts it back on any failure. ``snapshot=False`` for a model that
-    does not serve (a shadow, see ``vllm_shadow.py``): a failure there needs no rollback.
-    """
-    expected = {name for name, _ in model.named_parameters()}
-    cpu_moe = _cpu_moe_experts(model)
-    _check_cpu_moe_repack(cpu_moe)
-
-    def load(pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
-        serving = _snapshot(model) if snapshot else None
-        try:
-            initialize_layerwise_reload(model)
-            try:
-                # vLLM models define load_weights; torch types unknown attributes as Tensor.
-                loaded = model.load_weights(iter(pairs))  # pyright: ignore[reportCallIssue]
-            finally:
-                finalize_layerwise_reload(model, model_config)
-                for layer, experts in cpu_moe:
-                    experts.process_weights_after_loading(layer)
-            missing = sorted(expected - set(loaded or ()))
-            if loaded is not None and missing:
-                msg = (
-                    f"the refit left {len(missing)} vLLM parameter(s) without a value: "
-                    f"{missing[:10]}; the trainer's names do not match this vLLM model's "
-                    f"checkpoint names"
-                )
-                raise RefitError(msg)
-        except BaseException:
-            if serving is not None:
-                _restore(model, serving)
-            raise
-
-    return load
-
-
-def _snapshot(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[Any]]:
-    """What `model` serves: copies of its tensors and its packed CPU kernels."""
-    with torch.no_grad():
-        tensors = {name: t.detach().clone() for name, t in _serving_tensors(model)}
-    kernels = [
-        (module, attr, module.__dict__[attr])
-        for module in model.modules()
-        for attr in _KERNEL_ATTRS
-        if attr in module.__dict__
-    ]
-    return tensors, kernels
-
-
-def _restore(model: torch.nn.Module, serving: tuple[dict[str, torch.Tensor], list[Any]]) -> None:
-    tensors, kernels = serving
-    with torch.no_grad():
-        for name, tensor in _serving_tensors(model):
-            tensor.copy_(tensors[name])
-    for module, attr, kernel in kernels:
-        setattr(module, attr, kernel)
-
-
-def with_drafter(load_policy: Any, drafter: torch.nn.Module, drafter_config: Any) -> Any:
-    """A ``load_weights(pairs)`` for a stream that ends with the co-trained draft: the
-    ``draft.<name>`` tensors go (prefix removed) to vLLM's speculative drafter, the others to
-    the target model. Atomic over both: a target load that fails puts the drafter back."""
-    load_draft = layerwise_loader(drafter, drafter_config)
-
-    def load(pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
-        policy, draft = [], []
-        for name, tensor in pairs:
-            if name.startswith(DRAFT_PREFIX):
-                draft.append((name[len(DRAFT_PREFIX) :], tensor))
-            else:
-                policy.append((name, tensor))
-        serving = _snapshot(drafter)
-        load_draft(draft)  # rolls the drafter back itself when it fails
-        try:
-            load_policy(policy)
-        except BaseException:
-            _restore(drafter, serving)
-            raise
-
-    return load
-
-
-# vLLM 0.32.0 on CPU: each linear layer's processing packs its weight into the closure
-# `cpu_linear` (oneDNN handle or packed matrix) and leaves `weight` empty; a reload installs a
-# new closure, so a rollback must put the old one back.
-_KERNEL_ATTRS = KERNEL_ATTRS
-
-
-def _serving_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    named = [*model.named_parameters(), *model.named_buffers()]
-    return [(name, t.data if isinstance(t, torch.nn.Parameter) else t) for name, t in named]
 
 
 def receiver_for(
@@ -230,9 +95,9 @@ def inflight_for(
     (between two engine steps) exchanges it with the live weights; elsewhere ``swap()`` loads
     the staged version through vLLM's layerwise reload, behind a rollback snapshot. Started;
     ``close()`` stops it."""
-    load, info = _loader_for(model, model_config, init, drafter)
+    load, info = _loader_for(model, model_config, init, drafter, inflight=True)
     reason = shadow_unavailable(
-        model, cpu_moe=bool(_cpu_moe_experts(model)), drafter=drafter is not None
+        model, cpu_moe=bool(cpu_moe_experts(model)), drafter=drafter is not None
     )
     shadow = None
     if reason is None:
@@ -254,6 +119,7 @@ def inflight_for(
         timeout_s=float(init.get("timeout_s", 120.0)),
         shadow=shadow,
     )
+    claim_for_inflight((model,) if drafter is None else (model, drafter[0]), weights)
     weights.start()
     return weights
 
@@ -263,6 +129,8 @@ def _loader_for(
     model_config: Any,
     init: Mapping[str, Any],
     drafter: tuple[torch.nn.Module, Any] | None,
+    *,
+    inflight: bool = False,
 ) -> tuple[Any, dict[str, tuple[torch.Size, torch.dtype]]]:
     for key in ("address", "refit_info"):
         if key not in init:
@@ -273,7 +141,7 @@ def _loader_for(
             raise ValueError(msg)
     info = decode_refit_info(init["refit_info"])
     draft_names = [name for name in info if name.startswith(DRAFT_PREFIX)]
-    load = layerwise_loader(model, model_config)
+    load = layerwise_loader(model, model_config, inflight=inflight)
     if draft_names and drafter is None:
         msg = (
             f"the trainer streams {len(draft_names)} {DRAFT_PREFIX}* tensor(s) of its "
@@ -284,7 +152,7 @@ def _loader_for(
         )
         raise ValueError(msg)
     if draft_names and drafter is not None:
-        load = with_drafter(load, *drafter)
+        load = with_drafter(load, *drafter, inflight=inflight)
     return load, info
 
 

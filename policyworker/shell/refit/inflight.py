@@ -151,6 +151,11 @@ class InflightWeights:
         return "load" if self._shadow is None else "shadow"
 
     @property
+    def closed(self) -> bool:
+        """``close()`` was called: this receiver serves no more refits."""
+        return self._closed
+
+    @property
     def received(self) -> int:
         """Refits received complete so far (the newest staged or serving version)."""
         with self._cond:
