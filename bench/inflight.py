@@ -136,7 +136,12 @@ class _Decoder:
         weights = receiver = None
         address = self.spec["address"]
         if mode == "inflight":
-            weights = InflightWeights(self.model, address=address, refit_info=self.info)
+            weights = InflightWeights(
+                self.model,
+                address=address,
+                refit_info=self.info,
+                one_pass=self.spec["one_pass"],
+            )
             weights.start()
         elif mode == "pause":
             receiver = HFWeightReceiver(self.model, address=address, refit_info=self.info)
@@ -182,6 +187,7 @@ class _Decoder:
             "tokens_per_s": self.prompts.shape[0] * steps / (end - begin),
             "windows": [(a, s) for a, s in zip(asked, served, strict=True) if s < steps],
             "swaps_s": [swap.seconds for swap in sampled.swaps],
+            "swap_mode": None if weights is None else weights.mode,
         }
         if weights is not None and base is not None:
             result["check"] = self._check(sampled, base, len(asked))
@@ -360,6 +366,13 @@ def main() -> None:
     )
     parser.add_argument("--rows", type=int, default=0, help="sequences decoded together")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
+    parser.add_argument(
+        "--one-pass",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="how ours stages: auto (one-pass into a spare arena on a GPU, staged on a CPU), "
+        "on, off (InflightWeights' one_pass None / True / False)",
+    )
     parser.add_argument("--json", default=None, help="result path (bench/results/inflight.json)")
     args = parser.parse_args()
     dev = torch.device("cpu") if args.small else device()
@@ -388,6 +401,7 @@ def main() -> None:
         "steps": steps,
         "every": args.every,
         "threads": args.threads,
+        "one_pass": {"auto": None, "on": True, "off": False}[args.one_pass],
     }
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
@@ -410,6 +424,7 @@ def main() -> None:
         "refits_counted": len(results["inflight"]["windows"]) - 1,
         "stream_ms_median": statistics.median(results["stream_ms"]),
         "version_check": results["inflight"]["check"],
+        "inflight_swap_mode": results["inflight"]["swap_mode"],
     }
     write_results("inflight", {"rows": rows, "settings": settings, "device": where}, args.json)
 

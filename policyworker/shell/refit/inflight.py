@@ -10,6 +10,14 @@ new storage: anything that captured the old pointers, such as a CUDA graph, must
 with this module.) A transfer failing midway never reaches the staging slot,
 so the previous version keeps serving and the thread waits for the next refit.
 
+An HF module on a GPU (or any HF module with ``one_pass=True``) is served one-pass instead:
+the receiver registers an atomic arena (its weights moved once into one allocation, and a
+spare of it), the trainer casts each version straight into the spare from its own process, and
+the swap copies spare -> live in one copy on the decoding stream (about 1 ms per 4 GB on an
+H200; the live weights keep their addresses). The receiving thread then only answers BEGIN and
+COMPLETE: with a host-bound decode loop, staging every bucket in this interpreter would take
+the transfer's host time from the decode steps.
+
 With a ``shadow`` (an object with ``load(pairs)`` and ``exchange()``, such as the vLLM worker's
 ``ShadowWeights``) the receiving thread loads each complete version into the shadow as soon as
 it arrives, and ``swap()`` only exchanges shadow and live: the load (kernel repacking included)
@@ -32,6 +40,7 @@ the decoding stream is done with them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -43,12 +52,14 @@ from torch import nn
 
 from policyworker.errors import RefitError, RefitTimeoutError
 from policyworker.functional.buckets import TensorSpec
-from policyworker.shell.refit.receiver import HFWeightReceiver
+from policyworker.shell.refit.receiver import HFWeightReceiver, casts_on_receive
 from policyworker.shell.refit.watchdog import check_timeout_s
 from policyworker.shell.refit.weight_applier import LoadWeights, WeightApplier
 from policyworker.shell.refit.zmq.receiver import ReceiverClosedError
 
 __all__ = ["InflightWeights", "Shadow", "Swap"]
+
+log = logging.getLogger("policyworker")
 
 
 class Shadow(Protocol):
@@ -107,6 +118,9 @@ class InflightWeights:
     ``module`` is a HF module (the swap copies into its tensors) or a ``load_weights(pairs)``
     callable (the swap hands it the staged version; vLLM's layerwise loader, for example).
 
+    ``one_pass``: None serves an HF module on a GPU one-pass (module doc) and everything else
+    staged; True insists (``ValueError`` where the module cannot register); False stages.
+
     ``start()`` begins serving refits on a daemon thread (every wait bounded by ``timeout_s``;
     an idle wait simply waits again); ``close()`` stops it. ``failures`` counts refits that
     failed midway (``last_error`` says why); none of them changed the serving weights.
@@ -120,6 +134,7 @@ class InflightWeights:
         refit_info: Mapping[str, Any],
         timeout_s: float = 120.0,
         shadow: Shadow | None = None,
+        one_pass: bool | None = None,
     ) -> None:
         check_timeout_s("timeout_s", timeout_s)
         self._shadow = shadow
@@ -131,11 +146,17 @@ class InflightWeights:
         self._device = _cuda_device(module)
         self._copy_stream = torch.cuda.Stream(self._device) if self._device is not None else None
         self._specs: tuple[TensorSpec, ...] = tuple(self._live.manifest_specs())
+        one_pass_receiver = None
+        if shadow is None:
+            one_pass_receiver = _one_pass_receiver(
+                module, address, refit_info, timeout_s=timeout_s, one_pass=one_pass
+            )
         # atomic + a callable target: every tensor is copied into staging as it arrives, and the
         # callable is given those staged copies (owned from then on) only once all arrived
-        self._receiver = HFWeightReceiver(
+        self._receiver = one_pass_receiver or HFWeightReceiver(
             self._stage, address=address, refit_info=refit_info, atomic=True, timeout_s=timeout_s
         )
+        self._arena = None if one_pass_receiver is None else one_pass_receiver.arena
         self._cond = threading.Condition()
         self._pending: _Staged | None = None
         self._received = 0
@@ -147,7 +168,10 @@ class InflightWeights:
 
     @property
     def mode(self) -> str:
-        """How a swap makes a version live: ``shadow`` (exchange) or ``load`` (load it then)."""
+        """How a swap makes a version live: ``one_pass`` (copy the held spare live), ``shadow``
+        (exchange) or ``load`` (load the staged version then)."""
+        if self._arena is not None:
+            return "one_pass"
         return "load" if self._shadow is None else "shadow"
 
     @property
@@ -178,6 +202,8 @@ class InflightWeights:
         while not self._closed:
             try:
                 self._receiver.receive()
+                if self._arena is not None:  # the version is held in the spare arena
+                    self._publish([], None)
             except ReceiverClosedError:
                 return
             except RefitTimeoutError as exc:
@@ -241,6 +267,8 @@ class InflightWeights:
         that decodes); None when nothing new is staged."""
         if self._shadow is not None:
             return self._exchange()
+        if self._arena is not None:
+            return self._commit_held()
         with self._cond:
             staged, self._pending = self._pending, None
         if staged is None:
@@ -267,6 +295,18 @@ class InflightWeights:
         self.version = staged.version
         return Swap(staged.version, time.perf_counter() - start)
 
+    def _commit_held(self) -> Swap | None:
+        assert self._arena is not None
+        with self._cond:
+            staged, self._pending = self._pending, None
+        if staged is None:
+            return None
+        start = time.perf_counter()
+        if not self._arena.commit_held():
+            return None  # a newer version is being written over it: a later swap serves that
+        self.version = staged.version
+        return Swap(staged.version, time.perf_counter() - start)
+
     def _exchange(self) -> Swap | None:
         assert self._shadow is not None
         if not self._shadow_lock.acquire(blocking=False):
@@ -289,3 +329,43 @@ class InflightWeights:
         self._receiver.close()
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+
+def _one_pass_receiver(
+    module: nn.Module | LoadWeights,
+    address: str,
+    refit_info: Mapping[str, Any],
+    *,
+    timeout_s: float,
+    one_pass: bool | None,
+) -> HFWeightReceiver | None:
+    """An atomic one-pass receiver of ``module`` holding each version in its spare arena until
+    the swap; None where ``one_pass`` (None: GPU modules only) or the module rules it out."""
+    if one_pass is False or not isinstance(module, nn.Module):
+        if one_pass:
+            raise ValueError("one_pass=True needs an nn.Module (a callable cannot register)")
+        return None
+    if one_pass is None:
+        if _cuda_device(module) is None:
+            return None
+        casts = casts_on_receive(WeightApplier(module, refit_info, atomic=False))
+        if casts:
+            log.info("in-flight refits staged: %d tensor(s) are cast on receive", len(casts))
+            return None
+    try:
+        receiver = HFWeightReceiver(
+            module,
+            address=address,
+            refit_info=refit_info,
+            atomic=True,
+            timeout_s=timeout_s,
+            one_pass=True,
+        )
+    except ValueError as exc:
+        if one_pass:
+            raise
+        log.warning("in-flight refits staged: %s", exc)
+        return None
+    assert receiver.arena is not None
+    receiver.arena.hold_versions()
+    return receiver

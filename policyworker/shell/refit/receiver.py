@@ -282,7 +282,7 @@ def _register(
         return None
     if one_pass:
         return WeightArena(target, applier, atomic=atomic)
-    casts = _casts(applier)
+    casts = casts_on_receive(applier)
     if casts:  # the sender writes the manifest's dtype; only this side's copy can cast
         log.info(
             "refit receiver at %s: staged refits only (%d tensor(s) are cast on receive, e.g. %s)",
@@ -300,7 +300,7 @@ def _register(
         return None
 
 
-def _casts(applier: WeightApplier) -> list[str]:
+def casts_on_receive(applier: WeightApplier) -> list[str]:
     """The refit names whose live tensor differs from the announced dtype or shape (e.g. an
     fp32 router bias into a bf16 model): a one-pass sender could not write them."""
     dests = applier.destinations() or {}

@@ -29,8 +29,9 @@ def _load(path):
     return model.eval()
 
 
-@pytest.fixture
-def setup(tiny_model_paths):
+@pytest.fixture(params=[None, True], ids=["staged", "one_pass"])
+def setup(tiny_model_paths, request):
+    """``one_pass`` None serves a CPU module staged; True registers its spare arena."""
     trainer, serving = _load(tiny_model_paths["llama"]), _load(tiny_model_paths["llama"])
     sender = RefitSender(lambda: trainer, torch.float32)
     weights = InflightWeights(
@@ -38,7 +39,9 @@ def setup(tiny_model_paths):
         address=sender.get_zmq_address(),
         refit_info=sender.prepare_refit_info(),
         timeout_s=30,
+        one_pass=request.param,
     )
+    assert weights.mode == ("one_pass" if request.param else "load")
     weights.start()
     versions = {0: copy.deepcopy(trainer)}
     yield trainer, serving, sender, weights, versions
@@ -110,7 +113,8 @@ def test_refit_during_generation_swaps_between_decode_steps(setup):
     assert 3 <= switch <= 9  # sampling went on while the transfer ran
     assert [s.version for s in sampled.swaps] == [1]
     assert sampled.swaps[0].seconds < 5
-    assert serving.model.embed_tokens.weight.data_ptr() != embed_ptr  # re-pointed, not copied
+    moved = serving.model.embed_tokens.weight.data_ptr() != embed_ptr
+    assert moved == (weights.mode == "load")  # staged: re-pointed; one-pass: copied in place
     _check_token_versions(sampled, versions)
     assert all(
         torch.equal(a, b)
@@ -127,7 +131,20 @@ def _switch_step(tags):
     return switch
 
 
-def _fail_after(sender, count):
+def _fail_after(sender, count, weights):
+    """The sender's next refits die after ``count`` tensors; undo with the returned callable."""
+    if weights.mode == "one_pass":
+        writer = sender._one_pass_writer
+        write = writer.write
+
+        def write_some_then_fail(specs, views, sources, plain=None, **kwargs):
+            with torch.no_grad():
+                for view in views[:count]:
+                    view.fill_(7.0)  # what a dying trainer left in the spare
+            raise OSError("trainer killed mid-refit")
+
+        writer.write = write_some_then_fail
+        return lambda: setattr(writer, "write", write)
     original = sender._zmq().stream
 
     def failing_stream(specs, plan, sources, **kwargs):
@@ -140,13 +157,13 @@ def _fail_after(sender, count):
         return original(specs, plan, sources_then_fail(), **kwargs)
 
     sender._zmq().stream = failing_stream
-    return original
+    return lambda: setattr(sender._zmq(), "stream", original)
 
 
 def test_a_refit_killed_midway_leaves_the_previous_version_serving_and_the_next_works(setup):
     trainer, serving, sender, weights, versions = setup
     _next_version(trainer, versions, seed=2)
-    original = _fail_after(sender, 3)
+    restore = _fail_after(sender, 3, weights)
     box, second, threads = {}, {}, {}
 
     def between(t):
@@ -157,7 +174,7 @@ def test_a_refit_killed_midway_leaves_the_previous_version_serving_and_the_next_
             assert isinstance(box.get("error"), OSError)
             assert weights.wait(failures=1, timeout_s=10)  # the receiver saw the abort
             assert weights.failures == 1 and not weights.pending and weights.version == 0
-            sender._zmq().stream = original
+            restore()
             threads["good"] = _send_in_thread(sender, second)
         if t == 12:
             threads["good"].join(30)
@@ -243,3 +260,33 @@ def test_a_version_in_another_dtype_is_swapped_by_a_casting_copy(tiny_model_path
     finally:
         weights.close()
         sender.close()
+
+
+def test_a_refit_dying_after_a_complete_one_keeps_serving_only_whole_versions(setup):
+    """Version 1 arrives complete and waits for a swap; refit 2 dies midway. Staged, version 1
+    has its own copies and still serves; one-pass, refit 2 was writing the spare version 1 was
+    held in, so version 1 is dropped and the swap serves nothing until a complete refit."""
+    trainer, serving, sender, weights, versions = setup
+    _next_version(trainer, versions, seed=7)
+    box = {}
+    _send_in_thread(sender, box).join(30)
+    assert "error" not in box and weights.wait(received=1, timeout_s=10)
+    _next_version(trainer, versions, seed=8)
+    restore = _fail_after(sender, 3, weights)
+    _send_in_thread(sender, box).join(30)
+    assert isinstance(box.get("error"), OSError)
+    assert weights.wait(failures=1, timeout_s=10)
+    swap = weights.swap()
+    if weights.mode == "one_pass":
+        assert swap is None and weights.version == 0
+        sampled = generate_tagged(serving, PROMPTS, 3, seed=3, weights=weights)
+        assert bool((sampled.versions == 0).all())
+    else:
+        assert swap.version == 1
+    restore()
+    box = {}
+    _send_in_thread(sender, box).join(30)
+    assert "error" not in box, box
+    sampled = generate_tagged(serving, PROMPTS, 4, seed=4, weights=weights)
+    assert bool((sampled.versions == 2).all())
+    _check_token_versions(sampled, versions)

@@ -16,12 +16,18 @@ so the sender never writes through a stale layout.
 ``atomic=True`` adds a spare arena of the same layout (a copy of the live one): the sender writes
 the spare, and COMPLETE copies spare → live in one copy, so a failed refit never touches the
 live weights and no parameter is re-pointed per refit (CUDA graphs keep their addresses).
+
+``hold_versions()`` (an atomic arena serving refits in flight) defers that copy: COMPLETE leaves
+the version in the spare, and the owner's ``commit_held()`` copies it live between two decode
+steps, on the decoding thread's stream. The next BEGIN drops a version still held (the sender is
+about to overwrite the spare); a refit failing midway leaves nothing held.
 """
 
 from __future__ import annotations
 
 import bisect
 import secrets
+import threading
 
 import torch
 from torch import nn
@@ -93,6 +99,9 @@ class WeightArena:
     def __init__(self, module: nn.Module, applier: WeightApplier, *, atomic: bool) -> None:
         self.module, self.applier, self.atomic = module, applier, atomic
         self._events: dict[bytes, torch.cuda.Event] = {}
+        self._hold = False
+        self._lock = threading.Lock()
+        self._held = False  # the spare holds a complete version not yet copied live
         self._build()
 
     def _build(self) -> None:
@@ -139,6 +148,7 @@ class WeightArena:
             for n, t in moved.items()
         )
         self._live, self._spare, self._bases = live, spare, bases
+        self._held = False  # a new spare holds the live version
         self._addresses = [b.data_ptr() for b in bases]
         self._registration = Registration(
             secrets.token_hex(8),
@@ -181,8 +191,28 @@ class WeightArena:
             self._build()
         return self._registration
 
+    def hold_versions(self) -> None:
+        """From now on COMPLETE keeps each version in the spare until ``commit_held()``."""
+        if not self.atomic:
+            raise ValueError("hold_versions() needs an atomic arena (the sender writes a spare)")
+        self._hold = True
+
+    def commit_held(self) -> bool:
+        """Copy the version the spare holds live, on the caller's current stream; False (nothing
+        copied) when none is held: none arrived, or a newer one is being written over it."""
+        with self._lock:
+            if not self._held:
+                return False
+            assert self._spare is not None and self._spare.tensor is not None
+            self.tensor.copy_(self._spare.tensor)  # ordered before the caller's next kernels
+            self._held = False
+            return True
+
     def before_write(self) -> None:
-        """Let the sender write: the GPU's reads of the weights queued so far are finished."""
+        """Let the sender write: the GPU's reads of the weights queued so far are finished
+        (a held version's copy to live among them, which no later commit repeats)."""
+        with self._lock:
+            self._held = False
         if self.tensor.device.type == "cuda":
             torch.cuda.synchronize(self.tensor.device)
 
@@ -200,11 +230,13 @@ class WeightArena:
                     self._events.clear()
                 event = self._events[written_event] = open_event(device, written_event)
             torch.cuda.current_stream(device).wait_event(event)
-        if self._spare is not None:
+        if self._spare is not None and not self._hold:
             assert self._spare.tensor is not None
             self.tensor.copy_(self._spare.tensor)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the new version is in place before anyone is told
+        with self._lock:
+            self._held = self._hold
 
     def spare_view(self, name: str) -> torch.Tensor:
         """What the sender wrote for ``name`` in the spare arena (tests; atomic receivers only)."""
