@@ -210,6 +210,13 @@ def one_of_two_rollout_ranks_killed_then_a_send_works(
     finally:
         _close([dying])
     rpc(worker, "finalize_checkpoint_engine")
+    next_send_reaches(worker, live, tmp_path, engine)
+    rpc(worker, "finalize_checkpoint_engine")
+
+
+def next_send_reaches(worker, live, tmp_path, engine):
+    """After a kill: the rollout rank that lived starts over with ``worker``, and the next send
+    gives it the policy's tensors bit for bit."""
     live.send(op="rpc", method="finalize_checkpoint_engine", args=[])
     assert live.reply()["ok"]
     _connect(worker, [live], engine)
@@ -219,7 +226,6 @@ def one_of_two_rollout_ranks_killed_then_a_send_works(
     got = load_file(tmp_path / "out0.safetensors")
     for name, tensor in worker._checkpoint_engine_params():
         assert torch.equal(got[name], tensor), name
-    rpc(worker, "finalize_checkpoint_engine")
 
 
 def test_collective_lifecycle_one_policy_two_rollout_ranks_bitwise_fp32(

@@ -15,6 +15,7 @@ from tests.shell.refit.test_checkpoint_engine import (
     _connect,
     _receive,
     _trainer_logprobs,
+    next_send_reaches,
     one_of_two_rollout_ranks_killed_then_a_send_works,
     rpc,
     run_two_policy_ranks,
@@ -160,15 +161,7 @@ def test_ipc_rollout_rank_killed_under_two_policy_ranks_every_rank_raises_then_a
     assert float(rank0.split()[0]) < 15 and "may be dead or unresponsive" in rank0, rank0
     assert float(rank1.split()[0]) < 15 and "failed on another policy rank" in rank1, rank1
     # the next refit, from this process's worker into a live rollout rank, works
-    live.send(op="rpc", method="finalize_checkpoint_engine", args=[])
-    assert live.reply()["ok"]
-    _connect(worker, [live], ENGINE)
-    _receive([live], tmp_path)
-    rpc(worker, "send_weights_via_checkpoint_engine")
-    assert live.reply()["ok"]
-    got = load_file(tmp_path / "out0.safetensors")
-    for name, tensor in worker._checkpoint_engine_params():
-        assert torch.equal(got[name], tensor), name
+    next_send_reaches(worker, live, tmp_path, ENGINE)
 
 
 def test_ipc_one_of_two_rollout_ranks_killed_aborts_the_other_then_a_send_works(
