@@ -34,3 +34,4 @@ def test_inflight_bench_small_writes_its_rows(tmp_path):
     assert len(check["versions"]) >= 3  # the check compared tokens of several versions
     assert check["distinguishable"] > 0.5  # and the versions' logprobs tell them apart
     assert result["settings"]["refits_counted"] >= 2
+    assert result["settings"]["inflight_swap_mode"] == "load"  # a CPU module stays staged
