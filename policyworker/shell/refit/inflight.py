@@ -13,10 +13,10 @@ so the previous version keeps serving and the thread waits for the next refit.
 An HF module on a GPU (or any HF module with ``one_pass=True``) is served one-pass instead:
 the receiver registers an atomic arena (its weights moved once into one allocation, and a
 spare of it), the trainer casts each version straight into the spare from its own process, and
-the swap copies spare -> live in one copy on the decoding stream (about 1 ms per 4 GB on an
-H200; the live weights keep their addresses). The receiving thread then only answers BEGIN and
-COMPLETE: with a host-bound decode loop, staging every bucket in this interpreter would take
-the transfer's host time from the decode steps.
+the swap copies spare -> live in one copy on the decoding stream (a read and a write of the
+weights at the GPU's copy rate; the live weights keep their addresses). The
+receiving thread then only answers BEGIN and COMPLETE: with a host-bound decode loop, staging
+every bucket in this interpreter would take the transfer's host time from the decode steps.
 
 With a ``shadow`` (an object with ``load(pairs)`` and ``exchange()``, such as the vLLM worker's
 ``ShadowWeights``) the receiving thread loads each complete version into the shadow as soon as
@@ -55,6 +55,7 @@ from policyworker.functional.buckets import TensorSpec
 from policyworker.shell.refit.receiver import HFWeightReceiver, casts_on_receive
 from policyworker.shell.refit.watchdog import check_timeout_s
 from policyworker.shell.refit.weight_applier import LoadWeights, WeightApplier
+from policyworker.shell.refit.zmq.ipc_files import StagingSpaceError
 from policyworker.shell.refit.zmq.receiver import ReceiverClosedError
 
 __all__ = ["InflightWeights", "Shadow", "Swap"]
@@ -361,7 +362,8 @@ def _one_pass_receiver(
             timeout_s=timeout_s,
             one_pass=True,
         )
-    except ValueError as exc:
+    # no room for the arena, or a module that cannot register: the staged path still serves
+    except (ValueError, StagingSpaceError, torch.OutOfMemoryError) as exc:
         if one_pass:
             raise
         log.warning("in-flight refits staged: %s", exc)
